@@ -1,0 +1,1 @@
+"""raytrec: elastic 2D sparse-parallel training of TorchRec models on Ray."""

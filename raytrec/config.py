@@ -1,0 +1,323 @@
+"""Typed, validated configuration for a raytrec job.
+
+One small frozen dataclass per component. Each validates itself on
+construction with pure arithmetic and raises :class:`ConfigError` naming the
+field, the value and what is allowed, so a bad job fails on the driver before
+any rank actor starts. Checks that need two components together (a feature
+that no table serves, fused Adam on CPU) live in :func:`validate_job`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal, get_args
+
+from raytrec.topology import Layout, Topology, TopologyError
+
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ScalingConfig",
+    "ShardingConfig",
+    "SyncConfig",
+    "TableConfig",
+    "TrainConfig",
+]
+
+ModelArch = Literal["dlrm", "dlrm_dcn"]
+EmbeddingOptimizer = Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
+DenseOptimizer = Literal["sgd", "adagrad", "adam"]
+ShardingType = Literal["table_wise", "column_wise", "row_wise", "table_row_wise"]
+Backend = Literal["auto", "gloo", "nccl"]
+
+# What TorchRec 1.8's planner offers a CPU compute device (checked on gloo).
+CPU_SHARDING_TYPES: tuple[str, ...] = ("table_wise", "column_wise")
+CPU_EMBEDDING_OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "rowwise_adagrad")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+def _positive_int(field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{field} must be a positive integer, got {value!r}")
+
+
+def _positive_float(field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(f"{field} must be a positive number, got {value!r}")
+
+
+def _one_of(field: str, value: object, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{field}={value!r} is not one of {', '.join(map(repr, allowed))}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TableConfig:
+    """One embedding table and the sparse features that look it up."""
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    features: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ConfigError(f"table name must be a non-empty string, got {self.name!r}")
+        _positive_int(f"tables[{self.name}].num_embeddings", self.num_embeddings)
+        _positive_int(f"tables[{self.name}].embedding_dim", self.embedding_dim)
+        object.__setattr__(self, "features", tuple(self.features))
+        if not self.features:
+            raise ConfigError(f"tables[{self.name}].features must name at least one feature")
+
+
+def criteo_tables(
+    num_features: int = 26,
+    num_embeddings: int | Sequence[int] = 10_000,
+    embedding_dim: int = 16,
+    feature_prefix: str = "cat_",
+) -> tuple[TableConfig, ...]:
+    """One table per Criteo-style sparse feature (``cat_0`` ... ``cat_25``)."""
+    sizes = (
+        [num_embeddings] * num_features if isinstance(num_embeddings, int) else list(num_embeddings)
+    )
+    if len(sizes) != num_features:
+        raise ConfigError(f"num_embeddings has {len(sizes)} entries, expected {num_features}")
+    return tuple(
+        TableConfig(
+            name=f"t_{feature_prefix}{i}",
+            num_embeddings=sizes[i],
+            embedding_dim=embedding_dim,
+            features=(f"{feature_prefix}{i}",),
+        )
+        for i in range(num_features)
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """TorchRec's DLRM or DLRM-DCN over the given tables."""
+
+    arch: ModelArch = "dlrm"
+    tables: tuple[TableConfig, ...] = dataclasses.field(default_factory=criteo_tables)
+    dense_arch_layers: tuple[int, ...] = (64, 16)
+    over_arch_layers: tuple[int, ...] = (64, 1)
+    dcn_num_layers: int = 2
+    dcn_low_rank_dim: int = 16
+
+    def __post_init__(self) -> None:
+        _one_of("model.arch", self.arch, get_args(ModelArch))
+        object.__setattr__(self, "tables", tuple(self.tables))
+        object.__setattr__(self, "dense_arch_layers", tuple(self.dense_arch_layers))
+        object.__setattr__(self, "over_arch_layers", tuple(self.over_arch_layers))
+        if not self.tables:
+            raise ConfigError("model.tables must hold at least one table")
+        names = [t.name for t in self.tables]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ConfigError(f"model.tables has duplicate table names {dupes}")
+        features = [f for t in self.tables for f in t.features]
+        dupes = sorted({f for f in features if features.count(f) > 1})
+        if dupes:
+            raise ConfigError(f"model.tables: features {dupes} are served by more than one table")
+        dims = {t.embedding_dim for t in self.tables}
+        if len(dims) != 1:
+            raise ConfigError(
+                f"model.tables: DLRM needs one embedding_dim for all tables, got {sorted(dims)}"
+            )
+        for field in ("dense_arch_layers", "over_arch_layers"):
+            layers = getattr(self, field)
+            if not layers:
+                raise ConfigError(f"model.{field} must not be empty")
+            for i, size in enumerate(layers):
+                _positive_int(f"model.{field}[{i}]", size)
+        if self.dense_arch_layers[-1] != self.embedding_dim:
+            raise ConfigError(
+                f"model.dense_arch_layers[-1]={self.dense_arch_layers[-1]} must equal the tables' "
+                f"embedding_dim={self.embedding_dim}"
+            )
+        if self.over_arch_layers[-1] != 1:
+            raise ConfigError(
+                f"model.over_arch_layers[-1]={self.over_arch_layers[-1]} must be 1 (one logit)"
+            )
+        _positive_int("model.dcn_num_layers", self.dcn_num_layers)
+        _positive_int("model.dcn_low_rank_dim", self.dcn_low_rank_dim)
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.tables[0].embedding_dim
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        return tuple(f for t in self.tables for f in t.features)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Fused (in-backward) embedding optimizer and the dense optimizer."""
+
+    embedding: EmbeddingOptimizer = "adagrad"
+    embedding_lr: float = 0.05
+    dense: DenseOptimizer = "adagrad"
+    dense_lr: float = 0.05
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        _one_of("optimizer.embedding", self.embedding, get_args(EmbeddingOptimizer))
+        _one_of("optimizer.dense", self.dense, get_args(DenseOptimizer))
+        _positive_float("optimizer.embedding_lr", self.embedding_lr)
+        _positive_float("optimizer.dense_lr", self.dense_lr)
+        _positive_float("optimizer.eps", self.eps)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardingConfig:
+    """How TorchRec shards each table inside a gang."""
+
+    sharding_type: ShardingType = "table_wise"
+
+    def __post_init__(self) -> None:
+        _one_of("sharding.sharding_type", self.sharding_type, get_args(ShardingType))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScalingConfig:
+    """How many gangs of how many ranks, where they run, and on what device."""
+
+    num_gangs: int = 2
+    gang_size: int = 2
+    ranks_per_host: int | None = None  # None: one gang per host
+    layout: Layout | str = Layout.REPLICAS_ACROSS_HOSTS
+    use_gpu: bool = False
+    cpus_per_rank: float = 1.0
+    backend: Backend = "auto"
+
+    def __post_init__(self) -> None:
+        _positive_int("scaling.num_gangs", self.num_gangs)
+        _positive_int("scaling.gang_size", self.gang_size)
+        if self.ranks_per_host is not None:
+            _positive_int("scaling.ranks_per_host", self.ranks_per_host)
+        _positive_float("scaling.cpus_per_rank", self.cpus_per_rank)
+        _one_of("scaling.backend", self.backend, get_args(Backend))
+        if self.backend == "nccl" and not self.use_gpu:
+            raise ConfigError("scaling.backend='nccl' needs scaling.use_gpu=True")
+        try:
+            object.__setattr__(self, "layout", Layout(self.layout))
+        except ValueError:
+            allowed = ", ".join(repr(x.value) for x in Layout)
+            raise ConfigError(f"scaling.layout={self.layout!r} is not one of {allowed}") from None
+        try:
+            self.topology()
+        except TopologyError as e:
+            raise ConfigError(f"scaling: {e}") from None
+
+    @property
+    def world_size(self) -> int:
+        return self.num_gangs * self.gang_size
+
+    @property
+    def resolved_backend(self) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if self.use_gpu else "gloo"
+
+    def topology(self) -> Topology:
+        return Topology(
+            world_size=self.world_size,
+            gang_size=self.gang_size,
+            ranks_per_host=self.ranks_per_host or self.gang_size,
+            layout=Layout(self.layout),
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    """How often replica groups average embedding shards and optimizer state."""
+
+    sync_every: int = 4
+    sync_optimizer_state: bool = True
+
+    def __post_init__(self) -> None:
+        _positive_int("sync.sync_every", self.sync_every)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Per-rank batch size; the source itself is passed to :func:`raytrec.fit`."""
+
+    batch_size: int = 256
+
+    def __post_init__(self) -> None:
+        _positive_int("data.batch_size", self.batch_size)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything one training job needs, apart from the data source."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    sharding: ShardingConfig = dataclasses.field(default_factory=ShardingConfig)
+    scaling: ScalingConfig = dataclasses.field(default_factory=ScalingConfig)
+    sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    num_steps: int = 200
+    log_every: int = 20
+    seed: int = 0
+    storage_path: str = "runs"
+    name: str = "raytrec"
+
+    def __post_init__(self) -> None:
+        _positive_int("num_steps", self.num_steps)
+        _positive_int("log_every", self.log_every)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
+        for field, cls in (
+            ("model", ModelConfig),
+            ("optimizer", OptimizerConfig),
+            ("sharding", ShardingConfig),
+            ("scaling", ScalingConfig),
+            ("sync", SyncConfig),
+            ("data", DataConfig),
+        ):
+            if not isinstance(getattr(self, field), cls):
+                raise ConfigError(f"{field} must be a {cls.__name__}, got {getattr(self, field)!r}")
+        if not self.scaling.use_gpu:
+            if self.optimizer.embedding not in CPU_EMBEDDING_OPTIMIZERS:
+                raise ConfigError(
+                    f"optimizer.embedding={self.optimizer.embedding!r} cannot run on CPU ranks: "
+                    "FBGEMM's CPU kernels refuse it ('Optimizer adam is not supported in CPU "
+                    f"mode'); on CPU use one of {', '.join(map(repr, CPU_EMBEDDING_OPTIMIZERS))}, "
+                    "or set scaling.use_gpu=True"
+                )
+            if self.sharding.sharding_type not in CPU_SHARDING_TYPES:
+                raise ConfigError(
+                    f"sharding.sharding_type={self.sharding.sharding_type!r} has no CPU kernel "
+                    "in TorchRec 1.8's planner; on CPU use one of "
+                    f"{', '.join(map(repr, CPU_SHARDING_TYPES))}, or set scaling.use_gpu=True"
+                )
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def validate_features(model: ModelConfig, source_features: Sequence[str]) -> None:
+    """Every sparse feature of the data is served by a table, and the other way round."""
+    served = set(model.features)
+    unserved = [f for f in source_features if f not in served]
+    if unserved:
+        raise ConfigError(
+            f"sparse features {unserved} from the data source are served by no table "
+            f"(model.tables[*].features serves {sorted(served)})"
+        )
+    missing = [f for f in model.features if f not in set(source_features)]
+    if missing:
+        raise ConfigError(
+            f"model.tables[*].features names {missing}, which the data source does not provide "
+            f"(it provides {list(source_features)})"
+        )

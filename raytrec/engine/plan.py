@@ -1,0 +1,86 @@
+"""One sharding plan per job, made by TorchRec's planner for one gang.
+
+The plan is computed once, on the driver, for a world of ``gang_size`` ranks
+and shipped to every rank, so shard ``k`` of gang ``a`` is laid out exactly
+like shard ``k`` of gang ``b``: that correspondence is what lets replica
+groups average their shards element-wise. Planning on the driver also turns
+a sharding type with no kernel on the device into an error before any actor
+starts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
+from torchrec import optim as trec_optim
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.planner.types import ParameterConstraints, PlannerError
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from raytrec.config import ConfigError, OptimizerConfig, ShardingConfig
+
+__all__ = ["apply_embedding_optimizer", "make_plan", "sharders"]
+
+_EMBEDDING_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": trec_optim.SGD,
+    "adagrad": trec_optim.Adagrad,
+    "rowwise_adagrad": trec_optim.RowWiseAdagrad,
+    "adam": trec_optim.Adam,
+}
+
+
+def sharders() -> list[ModuleSharder[nn.Module]]:
+    return [EmbeddingBagCollectionSharder()]
+
+
+def apply_embedding_optimizer(model: nn.Module, cfg: OptimizerConfig) -> None:
+    """Marks every embedding table for FBGEMM's fused, in-backward optimizer."""
+    kwargs: dict[str, float] = {"lr": cfg.embedding_lr}
+    if cfg.embedding != "sgd":
+        kwargs["eps"] = cfg.eps
+    params = [
+        p for m in model.modules() if isinstance(m, EmbeddingBagCollection) for p in m.parameters()
+    ]
+    if not params:
+        raise ConfigError("the model has no EmbeddingBagCollection to shard")
+    apply_optimizer_in_backward(_EMBEDDING_OPTIMIZERS[cfg.embedding], params, kwargs)
+
+
+def make_plan(
+    model: nn.Module,
+    *,
+    gang_size: int,
+    device_type: str,
+    sharding: ShardingConfig,
+    table_names: list[str],
+    batch_size: int,
+) -> ShardingPlan:
+    """Plans ``model`` for ``gang_size`` ranks with every table sharded ``sharding_type``."""
+    constraints = {
+        name: ParameterConstraints(
+            sharding_types=[sharding.sharding_type],
+            compute_kernels=[EmbeddingComputeKernel.FUSED.value],
+        )
+        for name in table_names
+    }
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(
+            world_size=gang_size,
+            compute_device=device_type,
+            local_world_size=gang_size,
+        ),
+        batch_size=batch_size,
+        constraints=constraints,
+    )
+    try:
+        return planner.plan(model, sharders())
+    except PlannerError as e:
+        first_line = str(e).strip().splitlines()[0]
+        raise ConfigError(
+            f"sharding.sharding_type={sharding.sharding_type!r}: TorchRec's planner found no "
+            f"plan for {gang_size} {device_type} rank(s): {first_line}"
+        ) from e

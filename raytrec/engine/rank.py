@@ -1,0 +1,241 @@
+"""The in-rank 2D engine: a gang world running DMP, plus a replica plane.
+
+Inside a rank process the default ``torch.distributed`` group is the rank's
+gang (world size L), and TorchRec's ``DistributedModelParallel`` shards the
+model over it with the job's single plan. Across gangs, rank k of every gang
+joins replica group k on the :class:`~raytrec.engine.replica_plane.ReplicaPlane`.
+
+Per step: forward, backward (FBGEMM applies the embedding update inside
+backward; DDP averages dense gradients over the gang), then the dense
+gradients are averaged over the replica group too, so every rank of the job
+applies the same dense update and dense weights stay identical everywhere.
+Every ``sync_every`` steps the embedding shards and their optimizer state are
+averaged over the replica group (local-SGD semantics for embeddings, as
+DMPCollection does on GPU; DMPCollection itself requires CUDA).
+
+This module knows nothing of Ray; the rank actor is a thin shell over it and
+tests drive it with plain processes on gloo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+from torch import nn
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.optim.keyed import KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from raytrec.config import TrainConfig
+from raytrec.data.source import Batch
+from raytrec.engine.plan import apply_embedding_optimizer, sharders
+from raytrec.engine.replica_plane import ReplicaPlane
+from raytrec.model import ModelFactory, build_dlrm
+
+__all__ = ["RankEngine", "RankSpec", "StoreAddress"]
+
+_DENSE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adagrad": torch.optim.Adagrad,
+    "adam": torch.optim.Adam,
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StoreAddress:
+    """Where the job's rendezvous store (hosted by the coordinator) listens."""
+
+    host: str
+    port: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankSpec:
+    """Everything a rank needs to build itself; picklable, sent to the rank actor."""
+
+    rank: int  # position in the job
+    gang: int
+    gang_rank: int
+    gang_size: int
+    config: TrainConfig
+    plan: ShardingPlan
+    num_dense: int
+    store: StoreAddress
+    model_factory: ModelFactory = build_dlrm
+    timeout_s: float = 120.0
+
+
+class RankEngine:
+    """One rank's model, optimizers and process groups."""
+
+    def __init__(self, spec: RankSpec) -> None:
+        self.spec = spec
+        self.cfg = spec.config
+        self.device = torch.device("cpu")
+        self.step = 0  # optimizer steps taken
+        self.replica: ReplicaPlane | None = None
+        self._store: dist.Store | None = None
+
+    # -- construction -------------------------------------------------------
+
+    def build(self) -> None:
+        """Joins the gang world, shards the model and builds the optimizers."""
+        spec, cfg = self.spec, self.cfg
+        if cfg.scaling.use_gpu:
+            # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU.
+            self.device = torch.device("cuda", 0)
+            torch.cuda.set_device(self.device)
+        else:
+            torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_rank)))
+        timeout = timedelta(seconds=spec.timeout_s)
+        self._store = dist.TCPStore(
+            spec.store.host, spec.store.port, is_master=False, timeout=timeout
+        )
+        dist.init_process_group(
+            backend=cfg.scaling.resolved_backend,
+            store=dist.PrefixStore(f"gang{spec.gang}", self._store),
+            rank=spec.gang_rank,
+            world_size=spec.gang_size,
+            timeout=timeout,
+        )
+        model = spec.model_factory(cfg.model, spec.num_dense, self.device, cfg.seed)
+        apply_embedding_optimizer(model, cfg.optimizer)
+        self.model = DistributedModelParallel(
+            module=model,
+            env=ShardingEnv.from_process_group(dist.group.WORLD),
+            device=self.device,
+            plan=spec.plan,
+            sharders=sharders(),
+        )
+        dense_cls = _DENSE_OPTIMIZERS[cfg.optimizer.dense]
+        dense_kwargs: dict[str, Any] = {"lr": cfg.optimizer.dense_lr}
+        if cfg.optimizer.dense != "sgd":
+            dense_kwargs["eps"] = cfg.optimizer.eps
+        self.dense_params = dict(in_backward_optimizer_filter(self.model.named_parameters()))
+        self.dense_optimizer = KeyedOptimizerWrapper(
+            self.dense_params, lambda ps: dense_cls(ps, **dense_kwargs)
+        )
+        self._tbes = _fused_tables(self.model)
+
+    def join_replica_plane(self, *, generation: int, member_rank: int, size: int) -> None:
+        """(Re)builds this rank's replica group for ``generation``."""
+        assert self._store is not None, "build() first"
+        self.replica = ReplicaPlane.build(
+            self._store,
+            generation=generation,
+            replica_group=self.spec.gang_rank,
+            rank=member_rank,
+            size=size,
+            backend=self.cfg.scaling.resolved_backend,
+            timeout=timedelta(seconds=self.spec.timeout_s),
+        )
+
+    # -- state views ----------------------------------------------------------
+
+    def embedding_weights(self) -> list[torch.Tensor]:
+        """Views of this rank's embedding shards (one per local table shard)."""
+        return [w for tbe in self._tbes for w in tbe.split_embedding_weights()]
+
+    def embedding_optimizer_states(self) -> list[torch.Tensor]:
+        """Views of the fused optimizer state (Adagrad sums, Adam moments, ...)."""
+        return [s for tbe in self._tbes for states in tbe.split_optimizer_states() for s in states]
+
+    def dense_state(self) -> list[torch.Tensor]:
+        """Dense parameters and the dense optimizer's tensor state."""
+        tensors = [p.data for p in self.dense_params.values()]
+        for state in self.dense_optimizer.state.values():
+            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+        return tensors
+
+    # -- training -------------------------------------------------------------
+
+    def train_step(self, batch: Batch) -> float:
+        """One forward/backward/update on this rank's local batch; returns the loss."""
+        batch = batch.to(self.device)
+        loss, _ = self.model(batch)
+        loss.backward()
+        self._average_dense_grads()
+        self.dense_optimizer.step()
+        self.dense_optimizer.zero_grad(set_to_none=False)
+        self.step += 1
+        return float(loss.detach())
+
+    def _average_dense_grads(self) -> None:
+        assert self.replica is not None, "join_replica_plane() first"
+        grads = [p.grad for p in self.dense_params.values() if p.grad is not None]
+        self.replica.average_(grads)
+
+    def sync(self, *, optimizer_state: bool | None = None) -> None:
+        """Averages embedding shards (and optimizer state) across the replica group."""
+        assert self.replica is not None, "join_replica_plane() first"
+        if optimizer_state is None:
+            optimizer_state = self.cfg.sync.sync_optimizer_state
+        tensors = self.embedding_weights()
+        if optimizer_state:
+            tensors += self.embedding_optimizer_states()
+        self.replica.average_(tensors)
+
+    def broadcast_state(self, *, src: int) -> None:
+        """Copies a live member's full state to the rest of the replica group."""
+        assert self.replica is not None, "join_replica_plane() first"
+        self.replica.broadcast_(
+            self.embedding_weights() + self.embedding_optimizer_states() + self.dense_state(),
+            src=src,
+        )
+
+    def run(self, batches: Iterator[Batch], num_steps: int) -> list[float]:
+        """Trains ``num_steps`` steps, syncing on every ``sync_every`` boundary."""
+        losses = []
+        every = self.cfg.sync.sync_every
+        for _ in range(num_steps):
+            losses.append(self.train_step(next(batches)))
+            if self.step % every == 0:
+                self.sync()
+        return losses
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.replica = None
+        self._store = None
+
+
+def _fused_tables(model: nn.Module) -> list[SplitTableBatchedEmbeddingBagsCodegen]:
+    """The FBGEMM table-batched kernels that hold this rank's shards, in a fixed order.
+
+    Sharded modules keep their lookups in a plain list (``_lookups``), not as
+    registered children, so ``model.modules()`` does not reach the kernels;
+    this walks both, as DMPCollection does. The order depends only on the
+    model and the plan, both the same in every gang, so list position k names
+    the same shard in every replica.
+    """
+    found: list[SplitTableBatchedEmbeddingBagsCodegen] = []
+    seen: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        if isinstance(module, SplitTableBatchedEmbeddingBagsCodegen):
+            found.append(module)
+        for lookup in getattr(module, "_lookups", None) or ():
+            visit(lookup)
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return found
+
+
+def default_timeout_s() -> float:
+    return float(os.environ.get("RAYTREC_COLLECTIVE_TIMEOUT_S", "120"))
