@@ -1,0 +1,45 @@
+"""Connecting to Ray: an embedded local cluster on 127.0.0.1, or ``RAY_ADDRESS``.
+
+With no address, the job starts its own single-node cluster bound to the
+loopback interface (``address="local"`` also ignores a stale
+``ray_current_cluster`` file from an earlier run). The cluster's logical CPU
+count is raised to fit the job, because Ray's CPU resource is a scheduling
+token here: ranks on a small machine share its cores.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+
+__all__ = ["connect", "total_resources"]
+
+LOOPBACK = "127.0.0.1"
+
+
+def connect(address: str | None = None, *, num_cpus: float = 0, **kwargs: Any) -> bool:
+    """Connects to Ray; returns True when this call started an embedded cluster."""
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    runtime_env = kwargs.pop("runtime_env", None)
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, **kwargs)
+        return False
+    # Ray reads this to decide which interface to bind; 0 keeps it on loopback.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(
+        address="local",
+        _node_ip_address=LOOPBACK,
+        num_cpus=max(int(num_cpus + 0.999), os.cpu_count() or 1),
+        include_dashboard=False,
+        runtime_env=runtime_env,
+        **kwargs,
+    )
+    return True
+
+
+def total_resources() -> dict[str, float]:
+    return {k: float(v) for k, v in ray.cluster_resources().items()}

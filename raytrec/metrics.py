@@ -1,0 +1,62 @@
+"""Per-interval training metrics, aggregated from the ranks' reports.
+
+Pure code: the coordinator collects one report per rank per interval and
+turns them into one :class:`IntervalMetrics` row of the job's history.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["IntervalMetrics", "aggregate_interval"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IntervalMetrics:
+    """One row of the metrics history: the steps ``(step - steps, step]``."""
+
+    step: int
+    steps: int
+    loss: float  # mean training loss over every rank and step of the interval
+    samples_per_s: float  # rows trained by the whole job per wall-clock second
+    seconds: float  # wall-clock time of the interval
+    data_wait_fraction: float  # share of rank time spent waiting for batches
+    sync_fraction: float  # share of rank time spent in replica-group syncs
+    generation: int
+    gangs: int
+    elapsed_s: float  # since training started
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def aggregate_interval(
+    reports: Sequence[dict[str, Any]],
+    *,
+    wall_s: float,
+    generation: int,
+    gangs: int,
+    elapsed_s: float,
+) -> IntervalMetrics:
+    """Folds the ranks' ``train`` reports for one interval into one history row."""
+    if not reports:
+        raise ValueError("aggregate_interval needs at least one rank report")
+    steps = {len(r["losses"]) for r in reports}
+    if len(steps) != 1:
+        raise ValueError(f"ranks trained different numbers of steps in one interval: {steps}")
+    losses = [loss for r in reports for loss in r["losses"]]
+    rank_s = sum(r["seconds"] for r in reports) or 1e-12
+    return IntervalMetrics(
+        step=max(r["step"] for r in reports),
+        steps=steps.pop(),
+        loss=sum(losses) / len(losses),
+        samples_per_s=sum(r["rows"] for r in reports) / max(wall_s, 1e-12),
+        seconds=wall_s,
+        data_wait_fraction=sum(r["data_wait_s"] for r in reports) / rank_s,
+        sync_fraction=sum(r["sync_s"] for r in reports) / rank_s,
+        generation=generation,
+        gangs=gangs,
+        elapsed_s=elapsed_s,
+    )
