@@ -15,7 +15,7 @@ py="${RAYTREC_PYTHON:-python3.11}"
 
 setup() {
   local stamp="$venv/.raytrec-stamp" want
-  want="$(cat requirements/*.lock pyproject.toml | sha256sum | cut -d' ' -f1)"
+  want="$(cat requirements/*.lock | sha256sum | cut -d' ' -f1)"
   if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then return; fi
   command -v "$py" >/dev/null || { echo "dev.sh: $py not found (set RAYTREC_PYTHON to a Python 3.11 interpreter)" >&2; exit 2; }
   echo "dev.sh: building $venv (first run only)..." >&2

@@ -41,6 +41,7 @@ class RunSummary:
     steps: int
     wall_s: float
     ranks: list[dict[str, Any]]
+    digests: dict[int, dict[str, str]]  # job rank -> content hashes of its final state
 
 
 def intervals(num_steps: int, every: int) -> list[int]:
@@ -168,6 +169,7 @@ class Coordinator:
                 self._history.append(row)
         if step % self.cfg.sync.sync_every:
             self._call_all("sync")  # end on a sync so every replica holds the same model
+        digests = self._final_digests()
         final = os.path.join(self.run_dir, "final_model")
         self._call_gang(0, "save", final)
         return RunSummary(
@@ -176,7 +178,22 @@ class Coordinator:
             steps=step,
             wall_s=time.perf_counter() - started,
             ranks=ranks,
+            digests=digests,
         )
+
+    def _final_digests(self) -> dict[int, dict[str, str]]:
+        """Checks that the final sync left every replica of every shard identical."""
+        ranks = sorted(self._workers)
+        digests = dict(zip(ranks, self._call_all("state_digest"), strict=True))
+        for group, members in enumerate(self.topology.replica_groups):
+            shard_digests = {digests[r]["shards"] for r in members}
+            if len(shard_digests) != 1:
+                raise RuntimeError(
+                    f"replica group {group} (ranks {list(members)}) disagrees after the final sync"
+                )
+        if len({d["dense"] for d in digests.values()}) != 1:
+            raise RuntimeError("dense parameters differ between ranks after the final step")
+        return digests
 
     def state_arrays(self) -> dict[int, dict[str, Any]]:
         """Every rank's shard, optimizer and dense state (for tests and diagnostics)."""

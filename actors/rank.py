@@ -6,6 +6,7 @@ calls. All training logic lives in the engine, which tests drive without Ray.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections.abc import Iterator
@@ -92,9 +93,24 @@ class RankWorker:
             "dense_state": _arrays(engine.dense_state()),
         }
 
+    def state_digest(self) -> dict[str, str]:
+        """Content hashes of this rank's shard state and dense state, to compare replicas."""
+        engine = self.engine
+        return {
+            "shards": _digest(engine.embedding_weights() + engine.embedding_optimizer_states()),
+            "dense": _digest(engine.dense_state()),
+        }
+
     def close(self) -> None:
         self.engine.close()
 
 
 def _arrays(tensors: list[torch.Tensor]) -> list[np.ndarray]:
     return [t.detach().cpu().numpy().copy() for t in tensors]
+
+
+def _digest(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()

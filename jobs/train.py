@@ -27,8 +27,8 @@ from raytrec.config import (
 
 def build_config(argv: list[str] | None = None) -> TrainConfig:
     p = argparse.ArgumentParser(prog="python -m jobs.train", description=__doc__)
-    p.add_argument("--num-gangs", type=int, default=2)
-    p.add_argument("--gang-size", type=int, default=2)
+    p.add_argument("--num-workers", type=int, default=4, help="ranks in the job")
+    p.add_argument("--gang-size", type=int, default=2, help="ranks per model copy")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--batch-size", type=int, default=256, help="rows per rank per step")
@@ -52,7 +52,7 @@ def build_config(argv: list[str] | None = None) -> TrainConfig:
         optimizer=OptimizerConfig(embedding=a.embedding_optimizer),
         sharding=ShardingConfig(sharding_type=a.sharding_type),
         scaling=ScalingConfig(
-            num_gangs=a.num_gangs, gang_size=a.gang_size, layout=a.layout, use_gpu=a.gpu
+            num_workers=a.num_workers, gang_size=a.gang_size, layout=a.layout, use_gpu=a.gpu
         ),
         sync=SyncConfig(sync_every=a.sync_every),
         data=DataConfig(batch_size=a.batch_size),

@@ -19,6 +19,7 @@ from typing import Any
 import ray
 import torch
 
+from raytrec._quiet import quiet_known_warnings
 from raytrec.cluster import connect, total_resources
 from raytrec.config import ConfigError, TrainConfig, validate_features
 from raytrec.data.source import BatchSource
@@ -41,6 +42,8 @@ class Result:
     run_dir: str
     steps: int
     wall_s: float
+    # job rank -> content hashes of its final shard and dense state (equal within a replica group)
+    state_digests: dict[int, dict[str, str]]
 
     @property
     def final_loss(self) -> float:
@@ -75,9 +78,9 @@ def check_capacity(config: TrainConfig, resources: dict[str, float]) -> None:
         need, have = amount * world, resources.get(name, 0.0)
         if need > have:
             raise ConfigError(
-                f"scaling: {config.scaling.num_gangs} gangs x {config.scaling.gang_size} ranks "
-                f"need {need:g} {name} but the cluster has {have:g}; lower scaling.num_gangs "
-                f"or scaling.gang_size, or scaling.cpus_per_rank"
+                f"scaling: {world} workers ({config.scaling.num_gangs} gangs x "
+                f"{config.scaling.gang_size} ranks) need {need:g} {name} in all but the cluster "
+                f"has {have:g}; allowed: scaling.num_workers x per-rank {name} <= {have:g}"
             )
 
 
@@ -131,6 +134,7 @@ def fit(
         run_dir=run_dir,
         steps=summary.steps,
         wall_s=summary.wall_s,
+        state_digests=summary.digests,
     )
     with open(os.path.join(run_dir, "metrics.json"), "w") as f:
         json.dump([m.to_dict() for m in result.history], f, indent=1)
@@ -138,6 +142,7 @@ def fit(
 
 
 def _plan(config: TrainConfig, num_dense: int, model_factory: ModelFactory) -> Any:
+    quiet_known_warnings()
     model = model_factory(config.model, num_dense, torch.device("cpu"), config.seed)
     apply_embedding_optimizer(model, config.optimizer)
     return make_plan(

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 import ray
+from ray._private import ray_constants
 
 __all__ = ["connect", "total_resources"]
 
@@ -28,8 +29,12 @@ def connect(address: str | None = None, *, num_cpus: float = 0, **kwargs: Any) -
     if address:
         ray.init(address=address, runtime_env=runtime_env, **kwargs)
         return False
-    # Ray reads this to decide which interface to bind; 0 keeps it on loopback.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Ray resolves "127.0.0.1" to the machine's outward address unless
+    # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER is 0. Ray reads that variable when it is
+    # imported: the environment carries it to the processes ray.init starts, and
+    # the already-imported constant is set for this one.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
     ray.init(
         address="local",
         _node_ip_address=LOOPBACK,

@@ -189,8 +189,8 @@ class ShardingConfig:
 class ScalingConfig:
     """How many gangs of how many ranks, where they run, and on what device."""
 
-    num_gangs: int = 2
-    gang_size: int = 2
+    num_workers: int = 4  # ranks in the job (T); as in Ray Train's ScalingConfig
+    gang_size: int = 2  # ranks holding one copy of the model (L); num_gangs = T / L
     ranks_per_host: int | None = None  # None: one gang per host
     layout: Layout | str = Layout.REPLICAS_ACROSS_HOSTS
     use_gpu: bool = False
@@ -198,8 +198,19 @@ class ScalingConfig:
     backend: Backend = "auto"
 
     def __post_init__(self) -> None:
-        _positive_int("scaling.num_gangs", self.num_gangs)
+        _positive_int("scaling.num_workers", self.num_workers)
         _positive_int("scaling.gang_size", self.gang_size)
+        if self.gang_size > self.num_workers:
+            raise ConfigError(
+                f"scaling.gang_size={self.gang_size} is larger than "
+                f"scaling.num_workers={self.num_workers}; allowed: a divisor of num_workers"
+            )
+        if self.num_workers % self.gang_size:
+            divisors = [d for d in range(1, self.num_workers + 1) if self.num_workers % d == 0]
+            raise ConfigError(
+                f"scaling.gang_size={self.gang_size} does not divide "
+                f"scaling.num_workers={self.num_workers}; allowed gang sizes: {divisors}"
+            )
         if self.ranks_per_host is not None:
             _positive_int("scaling.ranks_per_host", self.ranks_per_host)
         _positive_float("scaling.cpus_per_rank", self.cpus_per_rank)
@@ -218,7 +229,11 @@ class ScalingConfig:
 
     @property
     def world_size(self) -> int:
-        return self.num_gangs * self.gang_size
+        return self.num_workers
+
+    @property
+    def num_gangs(self) -> int:
+        return self.num_workers // self.gang_size
 
     @property
     def resolved_backend(self) -> str:

@@ -36,6 +36,7 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from raytrec._quiet import quiet_known_warnings
 from raytrec.config import TrainConfig
 from raytrec.data.source import Batch
 from raytrec.engine.plan import apply_embedding_optimizer, sharders
@@ -90,6 +91,7 @@ class RankEngine:
 
     def build(self) -> None:
         """Joins the gang world, shards the model and builds the optimizers."""
+        quiet_known_warnings()
         spec, cfg = self.spec, self.cfg
         if cfg.scaling.use_gpu:
             # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU.

@@ -1,0 +1,228 @@
+"""Baseline worker: plain TorchRec ``DistributedModelParallel`` under ``torchrun``.
+
+Launched by ``benchmarks/throughput_vs_torchrun.py`` as::
+
+    torchrun --standalone --nproc-per-node T benchmarks/_torchrun_dmp.py --out RESULT.json ...
+
+Every rank builds the same DLRM as a raytrec rank (:func:`raytrec.model.build_dlrm`, the
+fused embedding optimizer of :func:`raytrec.engine.plan.apply_embedding_optimizer`, a plan
+from :func:`raytrec.engine.plan.make_plan` for all T ranks), wraps it in DMP over the whole
+world (so DDP averages dense gradients over all T ranks; there is no replica plane) and
+trains on shard ``RANK`` of the same :class:`~raytrec.data.synthetic.SyntheticCriteo`
+source. The step is the one :class:`raytrec.engine.rank.RankEngine` runs: next batch from
+the shard iterator, forward, backward, dense optimizer step, zero_grad, read the loss.
+
+Timing: ``--warmup-steps`` steps, a barrier, the clock starts, ``--steps - --warmup-steps``
+steps, a barrier, the clock stops. Rank 0 writes rows/s (rows trained by all ranks per
+wall-clock second of that loop) to ``--out``.
+
+The job's configuration is built by :func:`build_config` here, which the benchmark driver
+imports too, so both sides train exactly the same :class:`~raytrec.config.TrainConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from raytrec.config import (
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ScalingConfig,
+    ShardingConfig,
+    SyncConfig,
+    TrainConfig,
+    criteo_tables,
+)
+
+__all__ = ["add_model_args", "build_config", "main", "model_argv"]
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The flags that define the model, data and optimizers (shared with the driver)."""
+    p.add_argument("--batch-size", type=int, default=256, help="rows per rank per step")
+    p.add_argument("--num-embeddings", type=int, default=10_000, help="rows per table")
+    p.add_argument("--embedding-dim", type=int, default=16)
+    p.add_argument("--num-tables", type=int, default=26, help="sparse features, one table each")
+    p.add_argument("--embedding-optimizer", default="rowwise_adagrad")
+    p.add_argument("--dense-optimizer", default="adagrad")
+    p.add_argument("--sharding-type", default="table_wise")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def model_argv(a: argparse.Namespace) -> list[str]:
+    """``add_model_args`` values back as command-line flags (for the torchrun workers)."""
+    return [
+        f"--batch-size={a.batch_size}",
+        f"--num-embeddings={a.num_embeddings}",
+        f"--embedding-dim={a.embedding_dim}",
+        f"--num-tables={a.num_tables}",
+        f"--embedding-optimizer={a.embedding_optimizer}",
+        f"--dense-optimizer={a.dense_optimizer}",
+        f"--sharding-type={a.sharding_type}",
+        f"--seed={a.seed}",
+    ]
+
+
+def build_config(
+    a: argparse.Namespace,
+    *,
+    num_workers: int,
+    gang_size: int,
+    steps: int,
+    log_every: int,
+    sync_every: int = 4,
+    storage_path: str = "runs",
+    name: str = "raytrec",
+) -> TrainConfig:
+    """The job both sides train (the same shape as ``python -m jobs.train``'s)."""
+    return TrainConfig(
+        model=ModelConfig(
+            tables=criteo_tables(
+                num_features=a.num_tables,
+                num_embeddings=a.num_embeddings,
+                embedding_dim=a.embedding_dim,
+            ),
+            dense_arch_layers=(64, a.embedding_dim),
+        ),
+        optimizer=OptimizerConfig(embedding=a.embedding_optimizer, dense=a.dense_optimizer),
+        sharding=ShardingConfig(sharding_type=a.sharding_type),
+        scaling=ScalingConfig(num_workers=num_workers, gang_size=gang_size),
+        sync=SyncConfig(sync_every=sync_every),
+        data=DataConfig(batch_size=a.batch_size),
+        num_steps=steps,
+        log_every=log_every,
+        seed=a.seed,
+        storage_path=storage_path,
+        name=name,
+    )
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(p)
+    p.add_argument("--steps", type=int, required=True, help="all steps, warmup included")
+    p.add_argument("--warmup-steps", type=int, required=True)
+    p.add_argument("--log-every", type=int, default=25, help="per-interval timing granularity")
+    p.add_argument("--out", required=True, help="rank 0 writes its JSON result here")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = _parse(argv)
+    # Imported here so that the driver can import build_config without torchrec/ray.
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from raytrec._quiet import quiet_known_warnings
+    from raytrec.api import default_source
+    from raytrec.engine.plan import apply_embedding_optimizer, make_plan, sharders
+    from raytrec.engine.rank import _DENSE_OPTIMIZERS
+    from raytrec.model import build_dlrm
+
+    quiet_known_warnings()
+    torch.set_num_threads(1)  # what a CPU raytrec rank does (cpus_per_rank=1)
+    dist.init_process_group(backend="gloo")  # env:// from torchrun
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = build_config(a, num_workers=world, gang_size=world, steps=a.steps, log_every=a.log_every)
+    device = torch.device("cpu")
+    source = default_source(cfg)
+
+    model = build_dlrm(cfg.model, source.dense_features, device, cfg.seed)
+    apply_embedding_optimizer(model, cfg.optimizer)
+    # The same planner call raytrec makes on its driver, here for all T ranks. Rank 0's
+    # plan is broadcast so every rank shards identically (what collective_plan does).
+    plan_box: list[ShardingPlan | None] = [None]
+    if rank == 0:
+        plan_box[0] = make_plan(
+            model,
+            gang_size=world,
+            device_type="cpu",
+            sharding=cfg.sharding,
+            table_names=[t.name for t in cfg.model.tables],
+            batch_size=cfg.data.batch_size,
+        )
+    dist.broadcast_object_list(plan_box, src=0)
+    plan = plan_box[0]
+    assert plan is not None
+    dmp = DistributedModelParallel(
+        module=model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=device,
+        plan=plan,
+        sharders=sharders(),
+    )
+    dense_cls = _DENSE_OPTIMIZERS[cfg.optimizer.dense]
+    dense_kwargs: dict[str, Any] = {"lr": cfg.optimizer.dense_lr}
+    if cfg.optimizer.dense != "sgd":
+        dense_kwargs["eps"] = cfg.optimizer.eps
+    dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    dense_optimizer = KeyedOptimizerWrapper(dense_params, lambda ps: dense_cls(ps, **dense_kwargs))
+    batches = source.split(world)[rank].batches(cfg.data.batch_size)
+
+    def step() -> float:
+        batch = next(batches).to(device)
+        loss, _ = dmp(batch)
+        loss.backward()
+        dense_optimizer.step()
+        dense_optimizer.zero_grad(set_to_none=False)
+        return float(loss.detach())
+
+    losses: list[float] = []
+    for _ in range(a.warmup_steps):
+        losses.append(step())
+    dist.barrier()
+    start = time.perf_counter()
+    marks = [start]
+    measured = a.steps - a.warmup_steps
+    for i in range(measured):
+        losses.append(step())
+        if (i + 1) % a.log_every == 0 or i + 1 == measured:
+            marks.append(time.perf_counter())
+    dist.barrier()
+    seconds = time.perf_counter() - start
+
+    per_rank: list[Any] = [None] * world
+    dist.all_gather_object(per_rank, {"rank": rank, "seconds": seconds, "pid": os.getpid()})
+    if rank == 0:
+        rows = measured * cfg.data.batch_size * world
+        result = {
+            "system": "torchrun+DMP",
+            "world_size": world,
+            "batch_size": cfg.data.batch_size,
+            "steps": a.steps,
+            "warmup_steps": a.warmup_steps,
+            "measured_steps": measured,
+            "rows": rows,
+            "seconds": seconds,
+            "rows_per_s": rows / seconds,
+            # Rank 0's own time per log_every steps (no barriers), for comparison with
+            # raytrec's per-interval rows.
+            "interval_seconds": [b - a_ for a_, b in itertools.pairwise(marks)],
+            "first_loss": losses[0],
+            "final_loss": losses[-1],
+            "per_rank": per_rank,
+            "threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        }
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""End to end on a local Ray cluster (127.0.0.1): the main job trains and its replicas agree."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+
+import pytest
+import ray
+import torch
+from ray import cloudpickle
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torchrec.models.dlrm import DLRMTrain
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from jobs.train import build_config
+from raytrec.api import Result, fit
+from raytrec.cluster import connect
+from raytrec.config import ConfigError, ModelConfig, TrainConfig
+from raytrec.data.synthetic import SyntheticCriteo
+from raytrec.model import embedding_bag_configs
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    connect(num_cpus=4)
+    yield
+    ray.shutdown()
+
+
+def assert_replicas_agree(result: Result) -> None:
+    topo = result.config.scaling.topology()
+    digests = result.state_digests
+    assert sorted(digests) == list(range(topo.world_size))
+    for members in topo.replica_groups:
+        assert len({digests[r]["shards"] for r in members}) == 1
+    # Different shards really differ, so the check above can fail.
+    if topo.gang_size > 1:
+        assert len({digests[g[0]]["shards"] for g in topo.replica_groups}) == topo.gang_size
+    assert len({d["dense"] for d in digests.values()}) == 1
+
+
+def checkpoint_keys(path: str) -> set[str]:
+    return set(FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+def test_main_job_loss_goes_down(cluster: None, tmp_path: str) -> None:
+    # The main job's own configuration, shortened; 30 steps is not a multiple
+    # of sync_every=4, so the job has to end on an extra sync.
+    config = build_config(["--steps", "30", "--log-every", "10", "--storage-path", str(tmp_path)])
+    assert config.scaling.num_gangs == 2 and config.scaling.gang_size == 2
+    result = fit(config, shutdown_ray=False)
+    losses = [m.loss for m in result.history]
+    assert [m.step for m in result.history] == [10, 20, 30]
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert all(m.samples_per_s > 0 and m.gangs == 2 for m in result.history)
+    assert_replicas_agree(result)
+    assert result.final_state_path is not None
+    keys = checkpoint_keys(result.final_state_path)
+    assert "model.sparse_arch.embedding_bag_collection.embedding_bags.t_cat_0.weight" in keys
+    assert os.path.exists(os.path.join(result.run_dir, "metrics.json"))
+
+
+def small_model() -> ModelConfig:
+    from raytrec.config import criteo_tables
+
+    return ModelConfig(
+        arch="dlrm_dcn", tables=criteo_tables(num_features=4, num_embeddings=500), dcn_num_layers=1
+    )
+
+
+def test_dlrm_dcn_trains_with_column_wise_sharding(cluster: None, tmp_path: str) -> None:
+    from raytrec.config import ScalingConfig, ShardingConfig
+
+    config = TrainConfig(
+        model=small_model(),
+        sharding=ShardingConfig(sharding_type="column_wise"),
+        scaling=ScalingConfig(num_workers=4, gang_size=2),
+        num_steps=12,
+        log_every=6,
+        storage_path=str(tmp_path),
+    )
+    result = fit(config, shutdown_ray=False)
+    assert len(result.history) == 2
+    assert_replicas_agree(result)
+    assert result.final_state_path is not None
+    assert any("inter_arch.crossnet" in k for k in checkpoint_keys(result.final_state_path))
+
+
+class TinyRecModel(nn.Module):
+    """A user model: sum-pooled embeddings and dense features into one linear layer."""
+
+    def __init__(self, cfg: ModelConfig, num_dense: int, device: torch.device, seed: int) -> None:
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(
+            tables=embedding_bag_configs(cfg), device=torch.device("meta")
+        )
+        torch.manual_seed(seed)
+        width = num_dense + cfg.embedding_dim * len(cfg.tables)
+        self.tiny_head = nn.Linear(width, 1, device=device)
+
+    def forward(self, batch):  # type: ignore[no-untyped-def]
+        pooled = self.ebc(batch.sparse_features).values()
+        logits = self.tiny_head(torch.cat([batch.dense_features, pooled], dim=1)).squeeze(-1)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        return loss, (loss.detach(), logits.detach(), batch.labels)
+
+
+def test_a_user_model_factory(cluster: None, tmp_path: str) -> None:
+    from raytrec.config import ScalingConfig
+
+    # Rank actors cannot import this test module; ship the factory by value,
+    # as a notebook's classes are.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+    config = TrainConfig(
+        model=small_model(),
+        scaling=ScalingConfig(num_workers=2, gang_size=1),
+        num_steps=8,
+        log_every=4,
+        storage_path=str(tmp_path),
+    )
+    result = fit(config, model_factory=TinyRecModel, shutdown_ray=False)
+    assert_replicas_agree(result)
+    assert result.final_state_path is not None
+    keys = checkpoint_keys(result.final_state_path)
+    assert {"tiny_head.weight", "tiny_head.bias", "ebc.embedding_bags.t_cat_0.weight"} <= keys
+    assert not isinstance(TinyRecModel, DLRMTrain)
+
+
+def test_bad_configuration_fails_before_any_rank_starts(tmp_path: str) -> None:
+    # A feature that no table serves: fails on the driver before Ray is touched.
+    config = TrainConfig(model=small_model(), storage_path=str(tmp_path))
+    source = SyntheticCriteo(num_sparse=5, num_embeddings=500)
+    was_running = ray.is_initialized()
+    with pytest.raises(ConfigError, match=r"sparse features \['cat_4'\] from the data source"):
+        fit(config, source=source)
+    assert ray.is_initialized() == was_running
+
+
+def test_more_ranks_than_the_cluster_has(tmp_path: str) -> None:
+    from raytrec.config import ScalingConfig
+
+    if ray.is_initialized():
+        ray.shutdown()
+    connect(num_cpus=2)
+    try:
+        config = TrainConfig(
+            model=small_model(),
+            scaling=ScalingConfig(num_workers=4, gang_size=2, cpus_per_rank=1.0),
+            storage_path=str(tmp_path),
+        )
+        with pytest.raises(ConfigError, match=r"need 4 CPU in all but the cluster has 2"):
+            fit(config, shutdown_ray=False)
+        # Nothing was placed: all of the cluster's CPUs are still free.
+        assert ray.available_resources().get("CPU") == 2.0
+    finally:
+        ray.shutdown()
