@@ -29,7 +29,7 @@ def build_config(argv: list[str] | None = None) -> TrainConfig:
     p = argparse.ArgumentParser(prog="python -m jobs.train", description=__doc__)
     p.add_argument("--num-workers", type=int, default=4, help="ranks in the job")
     p.add_argument("--gang-size", type=int, default=2, help="ranks per model copy")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=600)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--batch-size", type=int, default=256, help="rows per rank per step")
     p.add_argument("--sync-every", type=int, default=4)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.types import ShardingPlan
 
+from raytrec._quiet import quiet_known_warnings
 from raytrec.config import TrainConfig
 from raytrec.engine.plan import apply_embedding_optimizer, make_plan
 from raytrec.engine.rank import RankEngine, RankSpec, StoreAddress
@@ -39,6 +40,7 @@ __all__ = ["GangJobError", "engine_for", "make_plan_for", "run_gang_job"]
 _HOST = "127.0.0.1"
 _POLL_S = 0.2
 _GRACE_S = 5.0
+_FOLLOWUP_S = 1.0
 
 
 class GangJobError(RuntimeError):
@@ -47,6 +49,7 @@ class GangJobError(RuntimeError):
 
 def make_plan_for(config: TrainConfig, num_dense: int) -> ShardingPlan:
     """The job's single sharding plan, made for ``config.scaling.gang_size`` CPU ranks."""
+    quiet_known_warnings()
     model = build_dlrm(config.model, num_dense, torch.device("cpu"), config.seed)
     apply_embedding_optimizer(model, config.optimizer)
     return make_plan(
@@ -89,8 +92,30 @@ def _child(
     results.put((spec.rank, ok, payload))
     results.close()
     results.join_thread()  # flush before exiting, so the parent always gets the report
-    if not ok:
-        os._exit(1)
+    # Skip interpreter teardown (seconds with torchrec loaded): the report is out and the
+    # worker has closed its engine.
+    os._exit(0 if ok else 1)
+
+
+def _failure_report(rank: int, payload: bytes, results: Any, procs: list[BaseProcess]) -> str:
+    """The first failure's traceback, then any other rank's that arrives within a moment.
+
+    The first report is usually the cause; the others (peers whose collectives broke)
+    help when it is not.
+    """
+    report = [f"rank {rank} failed:\n{payload.decode()}"]
+    deadline = time.monotonic() + _FOLLOWUP_S
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            other, ok, data = results.get(timeout=left)
+        except queue.Empty:
+            break
+        if not ok:
+            report.append(f"rank {other} also failed:\n{data.decode()}")
+    exited = [f"{p.name} (code {p.exitcode})" for p in procs if p.exitcode not in (None, 1)]
+    if exited:  # e.g. a peer that died without a report and broke the collectives
+        report.append(f"processes that exited otherwise: {', '.join(exited)}")
+    return "\n".join(report)
 
 
 def _stop(procs: list[BaseProcess]) -> None:
@@ -189,7 +214,7 @@ def run_gang_job(
                     ) from None
                 continue
             if not ok:
-                raise GangJobError(f"rank {rank} failed:\n{payload.decode()}")
+                raise GangJobError(_failure_report(rank, payload, results, procs))
             out[rank] = pickle.loads(payload)
         for p in procs:
             p.join(_GRACE_S)
