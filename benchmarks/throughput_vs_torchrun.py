@@ -195,6 +195,7 @@ class CpuMonitor:
         self._first: dict[int, int] = {}  # pid -> ticks when first seen (0: started later)
         self._last: dict[int, int] = {}
         self._mine: set[int] = set()
+        self._names: dict[int, str] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._started = False
@@ -220,6 +221,15 @@ class CpuMonitor:
             "steal_cpu": (self._steal1 - self._steal0) / capacity,
         }
 
+    def cpu_s_by_process(self) -> dict[str, float]:
+        """CPU seconds of this benchmark's own processes meanwhile, by process name."""
+        hz = os.sysconf("SC_CLK_TCK")
+        out: dict[str, float] = {}
+        for p in self._mine:
+            name = self._names.get(p, "?")
+            out[name] = out.get(name, 0.0) + (self._last[p] - self._first[p]) / hz
+        return dict(sorted(((k, round(v, 2)) for k, v in out.items() if v), key=lambda x: -x[1]))
+
     def _loop(self) -> None:
         while not self._stop.wait(self.period_s):
             self._sample()
@@ -232,6 +242,7 @@ class CpuMonitor:
                     stat = (d / "stat").read_text()
                     rest = stat[stat.rfind(")") + 2 :].split()
                     table[int(d.name)] = (int(rest[1]), int(rest[11]) + int(rest[12]))
+                    self._names[int(d.name)] = stat[stat.find("(") + 1 : stat.rfind(")")]
         children: dict[int, list[int]] = {}
         for pid, (ppid, _) in table.items():
             children.setdefault(ppid, []).append(pid)
@@ -306,6 +317,7 @@ def run_torchrun(a: argparse.Namespace, repeat: int, tmp: Path) -> Measurement:
             "interval_seconds": res["interval_seconds"],
             "final_loss": res["final_loss"],
             "omp_num_threads": res["omp_num_threads"],
+            "cpu_s_by_process": monitor.cpu_s_by_process(),
             **contention,
         },
     )
@@ -367,6 +379,7 @@ def run_raytrec(a: argparse.Namespace, lay: Layout, repeat: int, tmp: Path) -> M
             "sync_fraction": statistics.fmean(m.sync_fraction for m in timed),
             "data_wait_fraction": statistics.fmean(m.data_wait_fraction for m in timed),
             "final_loss": history[-1].loss,
+            "cpu_s_by_process": monitor.cpu_s_by_process(),
             **contention,
         },
     )
