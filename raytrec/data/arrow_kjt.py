@@ -12,6 +12,7 @@ naming file, column and row, or with ``on_bad_rows="skip"`` drops the row and co
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Literal, TypeAlias
 
@@ -37,7 +38,10 @@ _ALLOWED: dict[ColumnKind, str] = {
 class BadInputError(ValueError):
     """Input data that cannot be converted. ``row`` is the index within the batch and
     ``absolute_row`` adds the caller's ``row_offset``; ``reason`` is a short key such as
-    ``"negative_id"`` (the keys of :attr:`ConversionReport.skipped`)."""
+    ``"negative_id"`` (the keys of :attr:`ConversionReport.skipped`). ``row_id``, when known, is
+    the row's value in the spec's row-id column, and the message names the row by it.
+
+    Picklable with all its fields, so it survives the hop out of a Ray task or actor."""
 
     def __init__(
         self,
@@ -49,29 +53,48 @@ class BadInputError(ValueError):
         row: int | None = None,
         row_offset: int = 0,
         row_group: int | None = None,
+        row_id: int | None = None,
     ) -> None:
         self.reason, self.file, self.column, self.row = reason, file, column, row
         self.row_group = row_group
         self.absolute_row = None if row is None else row + row_offset
+        self.detail, self.row_offset, self.row_id = detail, row_offset, row_id
         where = [f"file {file!r}" if file is not None else "unknown file"]
         where += [f"column {column!r}"] if column is not None else []
         where += [f"row group {row_group}"] if row_group is not None else []
-        if row is not None:
+        if row_id is not None:  # the row's own id says more than its place in some batch
+            where.append(f"row_id {row_id}")
+        elif row is not None:
             where.append(
                 f"row {row}" + (f" (absolute row {self.absolute_row})" if row_offset else "")
             )
         super().__init__(f"bad input ({reason}) in {', '.join(where)}: {detail}")
 
+    def __reduce__(self) -> tuple[functools.partial[BadInputError], tuple[str, str]]:
+        # The default pickles only the message, and __init__ needs the fields back.
+        rebuild = functools.partial(
+            type(self),
+            file=self.file,
+            column=self.column,
+            row=self.row,
+            row_offset=self.row_offset,
+            row_group=self.row_group,
+            row_id=self.row_id,
+        )
+        return rebuild, (self.reason, self.detail)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ConversionReport:
     """What :func:`to_batch` did: rows in and out, skipped rows per reason (each skipped row
-    counted once, under the first reason found), and the row ids of the rows kept."""
+    counted once, under the first reason found), and the row ids of the rows kept.
+    ``skipped_rows`` holds, per reason, the input row indices counted in ``skipped``."""
 
     rows_in: int
     rows_out: int
     skipped: dict[str, int]
     row_ids: np.ndarray | None
+    skipped_rows: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 def _type_ok(kind: ColumnKind, t: pa.DataType) -> bool:
@@ -126,6 +149,7 @@ class _Rows:
         self.num_rows, self.file, self.row_offset, self.skip = num_rows, file, row_offset, skip
         self.bad = np.zeros(num_rows if skip else 0, dtype=bool)
         self.skipped: dict[str, int] = {}
+        self.first_reason: dict[str, np.ndarray] = {}  # reason -> mask of rows counted under it
 
     def flag(self, reason: str, column: str, rows: np.ndarray, what: str) -> None:
         """``rows``: bool mask over the batch; ``what`` says what is wrong in the first of them."""
@@ -134,9 +158,14 @@ class _Rows:
             raise BadInputError(
                 reason, what, file=self.file, column=column, row=row, row_offset=self.row_offset
             )
-        new = int(np.count_nonzero(rows & ~self.bad))
+        fresh = rows & ~self.bad
+        new = int(np.count_nonzero(fresh))
         if new:
             self.skipped[reason] = self.skipped.get(reason, 0) + new
+            if reason in self.first_reason:
+                self.first_reason[reason] |= fresh
+            else:
+                self.first_reason[reason] = fresh
             self.bad |= rows
 
     def flag_values(
@@ -349,7 +378,10 @@ def to_batch(
 
     if rows.skip and rows.skipped:  # rare: convert the good rows again, which cannot fail
         batch, kept = to_batch(data.filter(pa.array(~rows.bad)), spec, file=file)
-        report = dataclasses.replace(kept, rows_in=num_rows, skipped=dict(rows.skipped))
+        where = {reason: np.flatnonzero(mask) for reason, mask in rows.first_reason.items()}
+        report = dataclasses.replace(
+            kept, rows_in=num_rows, skipped=dict(rows.skipped), skipped_rows=where
+        )
         return batch, report
     kjt = KeyedJaggedTensor(
         keys=list(spec.sparse_names),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 import numpy as np
@@ -35,7 +36,7 @@ _CHUNK_ROWS = 1 << 16
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GeneratedData:
     """What :func:`write_synthetic_parquet` wrote: the files (in ``row_id`` order), the total row
-    count and the oracle AUC (``AUC(click_prob, label)``)."""
+    count and the oracle AUC (``AUC(click_prob, label)``; NaN when every label is the same)."""
 
     paths: tuple[str, ...]
     rows: int
@@ -163,15 +164,16 @@ def write_synthetic_parquet(
                 writer.close()
         paths.append(path)
     all_probs, all_labels = np.concatenate(probs), np.concatenate(labels)
-    oracle = auc(all_probs, all_labels)
+    both_classes = 0 < all_labels.sum() < len(all_labels)
+    oracle = auc(all_probs, all_labels) if both_classes else math.nan  # tiny data: undefined
     meta = {
         "rows": rows,
         "files": files,
         "row_groups_per_file": row_groups_per_file,
         "seed": seed,
         "num_embeddings": num_embeddings,
-        "oracle_auc": oracle,
-        "positive_rate": float(all_labels.mean()),
+        "oracle_auc": oracle if both_classes else None,
+        "positive_rate": float(all_labels.mean(dtype=np.float64)),
         "paths": [os.path.basename(p) for p in paths],
     }
     with open(os.path.join(os.fspath(out_dir), META_FILE), "w") as f:
