@@ -57,7 +57,13 @@ class RankWorker:
         start = time.perf_counter()
         for _ in range(num_steps):
             t0 = time.perf_counter()
-            batch = next(self._batches)
+            try:
+                batch = next(self._batches)
+            except StopIteration:
+                raise RuntimeError(
+                    f"rank {self.spec.rank}: the data source ran out after {engine.step} steps; "
+                    "lower num_steps or raise the source's epochs"
+                ) from None
             t1 = time.perf_counter()
             losses.append(engine.train_step(batch))
             data_s += t1 - t0

@@ -26,9 +26,9 @@ from jobs.make_data import main as make_data
 from raytrec.cluster import connect
 from raytrec.data.arrow_kjt import BadInputError
 from raytrec.data.generate import auc, write_synthetic_parquet
-from raytrec.data.parquet import EpochConsumption, ParquetShard, ParquetSource
+from raytrec.data.parquet import EpochConsumption, ParquetShard, ParquetSource, _preprocess
 from raytrec.data.source import Batch
-from raytrec.data.spec import FeatureSpec, SparseFeature, criteo_spec
+from raytrec.data.spec import SparseFeature, criteo_spec
 
 pytestmark = pytest.mark.cluster
 
@@ -54,7 +54,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return out
 
 
-def consume(shards: list[ParquetShard], batch_size: int) -> list[tuple[list[Any], Any]]:
+def consume(shards: list[ParquetShard], batch_size: int) -> list[Any]:
     """Drains all shards at once (streaming_split needs every split read concurrently), one
     thread each; returns per shard its (epoch, row ids, batch) list, or the exception it hit."""
     results: list[Any] = [None] * len(shards)
@@ -140,66 +140,35 @@ def test_generator_cli_and_argument_checks(tmp_path: pathlib.Path) -> None:
 # -- exactly once --------------------------------------------------------------------------------
 
 
-@ray.remote(num_cpus=0)  # consumers hold no CPU, so the pipeline's tasks can run
-def drain(shard: ParquetShard, batch_size: int) -> tuple[list[tuple[int, int]], list[Any]]:
-    order = []
-    for _ in shard.batches(batch_size):
-        assert shard.last_row_ids is not None
-        order.append((shard.current_epoch, int(shard.last_row_ids[0])))
-    return order, list(shard.consumed())
-
-
-def test_every_row_exactly_once_per_epoch_across_ranks(cluster: None, data_dir: str) -> None:
+def test_every_row_exactly_once_per_epoch_across_ranks(
+    cluster: None, data_dir: pathlib.Path
+) -> None:
     source = ParquetSource(paths=str(data_dir), spec=SPEC, epochs=2, shuffle_seed=11)
     shards = source.split(4)
     assert [s.rows_per_epoch for s in shards] == [1501] * 4  # (6003 + 1 padding row) / 4
-    # Each shard goes to its own process (as to a rank actor), all drained at once.
-    results = ray.get([drain.remote(s, 256) for s in shards], timeout=TIMEOUT_S)
+    # Shards travel pickled, as to the rank actors; all are drained at once.
+    shards = [cloudpickle.loads(cloudpickle.dumps(s)) for s in shards]
+    seen = consume(shards, 256)
+    assert not any(isinstance(r, BaseException) for r in seen), seen
     for epoch in range(2):
-        logs: list[EpochConsumption] = [consumed[epoch] for _, consumed in results]
+        # The row ids of the batches yielded, over all ranks: each row once.
+        ids = np.concatenate([ids for rank in seen for e, ids, _ in rank if e == epoch])
+        assert (np.sort(ids) == np.arange(ROWS)).all()
+        # The shards' own logs say the same.
+        logs: list[EpochConsumption] = [s.consumed()[epoch] for s in shards]
         assert all(c.epoch == epoch and c.complete for c in logs)
-        ids = np.concatenate([expand(c.row_ids) for c in logs])
-        assert len(ids) == ROWS and (np.sort(ids) == np.arange(ROWS)).all()
+        logged = np.concatenate([expand(c.row_ids) for c in logs])
+        assert (np.sort(logged) == np.arange(ROWS)).all()
         assert sum(c.rows for c in logs) == ROWS and sum(c.padding for c in logs) == 1
         assert all(c.rows + c.padding == 1501 and c.skipped == {} for c in logs)
         # Same number of batches on every rank (the padding row does not empty a batch here).
         assert {c.batches for c in logs} == {math.ceil(1501 / 256)}
-    # The seeded file shuffle is reseeded per epoch: ranks see different rows in another order.
-    for order, _ in results:
-        by_epoch = [[r for e, r in order if e == epoch] for epoch in range(2)]
-        assert len(by_epoch[0]) == len(by_epoch[1]) == 6
-    assert any(
-        [r for e, r in order if e == 0] != [r for e, r in order if e == 1] for order, _ in results
-    )
-
-
-def test_batches_are_well_formed_and_end_after_the_last_epoch(
-    cluster: None, data_dir: pathlib.Path
-) -> None:
-    files = [str(p) for p in sorted(data_dir.glob("*.parquet"))[:2]]
-    shard = ParquetSource(paths=files, spec=SPEC).split(1)[0]
-    shard = cloudpickle.loads(cloudpickle.dumps(shard))
-    with pytest.raises(ValueError, match="batch_size"):
-        shard.batches(0)
-    stream = shard.batches(300)
-    batches = list(stream)
-    with pytest.raises(StopIteration):
-        next(stream)
-    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
-    assert [b.labels.shape[0] for b in batches] == [300] * (rows // 300) + [rows % 300]
-    b = batches[0]
-    assert b.dense_features.shape == (300, 13) and b.dense_features.dtype == torch.float32
-    assert b.sparse_features.keys() == list(SPEC.sparse_names)
-    assert int(b.sparse_features.values().max()) < VOCAB
-    # The values match the file's, row for row (no shuffle, one file read in order).
-    first = pq.read_table(files[0]).slice(0, 300)
-    assert np.array_equal(b.dense_features[:, 4].numpy(), first.column("dense_4").to_numpy())
-    assert np.array_equal(b.labels.numpy(), first.column("label").to_numpy())
-    cat = b.sparse_features["cat_2"]
-    assert cat.lengths().tolist() == pa.compute.list_value_length(first["cat_2"]).to_pylist()
-    assert cat.values().tolist() == pa.compute.list_flatten(first["cat_2"]).to_pylist()
-    (log,) = shard.consumed()
-    assert log.complete and log.rows == rows and log.row_ids == ((0, rows),)
+    # The seeded file shuffle is reseeded per epoch: ranks see other rows, in another order.
+    orders = [
+        [[int(ids[0]) for e, ids, _ in rank if e == epoch] for epoch in (0, 1)] for rank in seen
+    ]
+    assert all(len(first) == len(second) == 6 for first, second in orders)
+    assert any(first != second for first, second in orders)
 
 
 # -- bad inputs ----------------------------------------------------------------------------------
@@ -235,9 +204,11 @@ def non_empty_row(table: pa.Table, column: str, start: int) -> int:
 
 
 def bad_dir(root: pathlib.Path, data_dir: pathlib.Path, write_bad: Callable[[str], None]) -> str:
-    """A directory with one good file and ``bad.parquet``, written by ``write_bad``."""
+    """A directory with one good file (rows of another file) and ``bad.parquet``, written by
+    ``write_bad``."""
     root.mkdir()
-    pq.write_table(small_table(data_dir).slice(100), root / "a_good.parquet")
+    good = pq.read_table(sorted(data_dir.glob("*.parquet"))[1]).slice(0, 100)
+    pq.write_table(good, root / "a_good.parquet")
     write_bad(str(root / "bad.parquet"))
     return str(root)
 
@@ -252,38 +223,70 @@ STRICT = dataclasses.replace(
 )
 
 
-@pytest.mark.parametrize(
-    ("reason", "column", "value", "spec"),
-    [
-        ("nan", "dense_4", math.nan, SPEC),
-        ("inf", "dense_7", -math.inf, SPEC),
-        ("negative_id", "cat_3", -5, SPEC),
-        ("id_out_of_range", "cat_9", VOCAB, STRICT),
-    ],
-)
-def test_bad_value_names_file_column_and_row_id(
+BAD_VALUES = {  # reason -> (column, value, spec)
+    "nan": ("dense_4", math.nan, SPEC),
+    "inf": ("dense_7", -math.inf, SPEC),
+    "negative_id": ("cat_3", -5, SPEC),
+    "id_out_of_range": ("cat_9", VOCAB, STRICT),
+}
+
+
+def with_bad_value(table: pa.Table, reason: str) -> tuple[pa.Table, int]:
+    """``table`` with the bad value of ``reason`` in one row; returns it and that row's row_id."""
+    column, value, _ = BAD_VALUES[reason]
+    row = non_empty_row(table, column, 37) if column.startswith("cat") else 37
+    return set_value(table, column, row, value), int(table.column("row_id")[row].as_py())
+
+
+def error_pattern(reason: str, row_id: int) -> str:
+    column = BAD_VALUES[reason][0]
+    return rf"\({reason}\) in file '.*bad\.parquet', column '{column}', row_id {row_id}: "
+
+
+@pytest.mark.parametrize("reason", list(BAD_VALUES))
+def test_pipeline_stage_names_file_column_and_row_id(data_dir: pathlib.Path, reason: str) -> None:
+    # The map_batches stage on its own: a block of rows from two files, as Ray Data reads it.
+    table, row_id = with_bad_value(small_table(data_dir), reason)
+    files = ["/d/a_good.parquet"] * 30 + ["/d/bad.parquet"] * (table.num_rows - 30)
+    block = table.append_column("path", pa.array(files))
+    spec = BAD_VALUES[reason][2]
+    with pytest.raises(BadInputError, match=error_pattern(reason, row_id)) as info:
+        _preprocess(block, spec=spec, on_bad_rows="error")
+    err = info.value
+    assert (err.reason, err.file, err.column, err.row_id) == (
+        reason,
+        "/d/bad.parquet",
+        BAD_VALUES[reason][0],
+        row_id,
+    )
+    out = _preprocess(block, spec=spec, on_bad_rows="skip")  # a marked row, not a missing one
+    assert out.num_rows == block.num_rows
+    assert out.column("__rt_drop").drop_null().to_pylist() == [reason]
+    assert _preprocess(block.slice(0, 0), spec=spec, on_bad_rows="error").num_rows == 0
+    # Without a row-id column the row is named by its index in the block.
+    row = int(np.flatnonzero(table.column("row_id").to_numpy() == row_id)[0])
+    column = BAD_VALUES[reason][0]
+    pattern = rf"\({reason}\) in file '/d/bad\.parquet', column '{column}', row {row}: "
+    with pytest.raises(BadInputError, match=pattern):
+        _preprocess(block, spec=dataclasses.replace(spec, row_id=None), on_bad_rows="error")
+
+
+@pytest.mark.parametrize("reason", ["nan", "id_out_of_range"])
+def test_bad_value_reaches_the_rank_named_by_file_column_and_row_id(
     cluster: None,
     data_dir: pathlib.Path,
     tmp_path: pathlib.Path,
     reason: str,
-    column: str,
-    value: float,
-    spec: FeatureSpec,
 ) -> None:
-    table = small_table(data_dir)
-    row = non_empty_row(table, column, 37) if column.startswith("cat") else 37
-    row_id = int(table.column("row_id")[row].as_py())
-    root = bad_dir(
-        tmp_path / "d", data_dir, lambda p: pq.write_table(set_value(table, column, row, value), p)
-    )
-    shards = ParquetSource(paths=root, spec=spec).split(2)
+    table, row_id = with_bad_value(small_table(data_dir), reason)
+    root = bad_dir(tmp_path / "d", data_dir, lambda p: pq.write_table(table, p))
+    shards = ParquetSource(paths=root, spec=BAD_VALUES[reason][2]).split(2)
     err = first_error(consume(shards, 64))
-    # The rank sees the pipeline's BadInputError itself, not Ray's wrapper of it.
+    # The rank gets the pipeline's BadInputError itself, not the Ray wrappers around it.
     assert type(err) is BadInputError, repr(err)
-    pattern = rf"\({reason}\) in file '.*bad\.parquet', column '{column}', row_id {row_id}: "
-    assert err.reason == reason and err.row_id == row_id and err.column == column
+    assert (err.reason, err.row_id, err.column) == (reason, row_id, BAD_VALUES[reason][0])
     assert err.file is not None and err.file.endswith("bad.parquet")
-    with pytest.raises(BadInputError, match=pattern):
+    with pytest.raises(BadInputError, match=error_pattern(reason, row_id)):
         raise err
 
 
@@ -390,7 +393,7 @@ def test_skip_mode_counts_by_reason_and_trains_on_the_rest(
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert all(math.isfinite(v) for v in losses)
     assert np.mean(losses[-5:]) < np.mean(losses[:5])
 
@@ -398,16 +401,35 @@ def test_skip_mode_counts_by_reason_and_trains_on_the_rest(
 # -- filesystems ---------------------------------------------------------------------------------
 
 
-def test_explicit_pyarrow_filesystem(cluster: None, data_dir: pathlib.Path) -> None:
+def test_explicit_filesystem_and_well_formed_batches(cluster: None, data_dir: pathlib.Path) -> None:
     fs = pafs.SubTreeFileSystem(str(data_dir), pafs.LocalFileSystem())
-    names = [p.name for p in sorted(data_dir.glob("*.parquet"))[2:5]]
-    source = ParquetSource(paths=[*names[:2], f"/{names[2]}"], spec=SPEC, filesystem=fs)
-    infos = source.inspect()
-    assert [i.row_groups for i in infos] == [GROUPS] * 3
-    shards = source.split(2)
-    results = consume(shards, 500)
-    ids = np.concatenate([ids for seen in results for _, ids, _ in seen])
-    expected = np.concatenate([pq.read_table(data_dir / n).column("row_id") for n in names])
-    assert sorted(ids.tolist()) == sorted(expected.tolist())
-    # And the whole directory through the filesystem's root.
-    assert len(ParquetSource(paths="", spec=SPEC, filesystem=fs).list_files()[1]) == FILES
+    names = [p.name for p in sorted(data_dir.glob("*.parquet"))[2:4]]
+    source = ParquetSource(paths=[names[0], f"/{names[1]}"], spec=SPEC, filesystem=fs)
+    assert [i.row_groups for i in source.inspect()] == [GROUPS] * 2
+    assert len(ParquetSource(paths="/", spec=SPEC, filesystem=fs).list_files()[1]) == FILES
+    (shard,) = source.split(1)
+    # The pipeline's own settings stay with it.
+    assert not ray.data.DataContext.get_current().raise_original_map_exception
+    with pytest.raises(ValueError, match="batch_size"):
+        shard.batches(0)
+    stream = shard.batches(300)
+    batches = list(stream)
+    with pytest.raises(StopIteration):  # one epoch, then the stream ends
+        next(stream)
+    tables = [pq.read_table(data_dir / n) for n in names]
+    rows = sum(t.num_rows for t in tables)
+    assert [b.labels.shape[0] for b in batches] == [300] * (rows // 300) + [rows % 300]
+    b = batches[0]
+    assert b.dense_features.shape == (300, 13) and b.dense_features.dtype == torch.float32
+    assert b.sparse_features.keys() == list(SPEC.sparse_names)
+    assert int(b.sparse_features.values().max()) < VOCAB
+    # Row for row the values of the file (no shuffle: one file after the other, in order).
+    first = tables[0].slice(0, 300)
+    assert np.array_equal(b.dense_features[:, 4].numpy(), first.column("dense_4").to_numpy())
+    assert np.array_equal(b.labels.numpy(), first.column("label").to_numpy())
+    cat = b.sparse_features["cat_2"]
+    assert cat.lengths().tolist() == pa.compute.list_value_length(first["cat_2"]).to_pylist()
+    assert cat.values().tolist() == pa.compute.list_flatten(first["cat_2"]).to_pylist()
+    (log,) = shard.consumed()
+    expected = sorted(np.concatenate([t.column("row_id").to_numpy() for t in tables]).tolist())
+    assert log.complete and log.rows == rows and expand(log.row_ids).tolist() == expected

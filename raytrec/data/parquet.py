@@ -94,7 +94,8 @@ class EpochConsumption:
     """What one shard consumed in one epoch.
 
     ``row_ids`` are the row ids yielded in batches and ``skipped_row_ids`` those dropped as bad
-    (``on_bad_rows="skip"``), both as sorted, merged half-open ranges ``(start, stop)``, or None
+    (``on_bad_rows="skip"``), both as sorted, merged half-open ranges ``(start, stop)`` (so a row
+    yielded twice shows only as ``rows`` exceeding the ranges' total length), or None
     when the spec has no row-id column (a bad row whose row id is itself null is counted in
     ``skipped`` but has no id to log). ``skipped`` counts dropped rows per reason, ``padding`` the
     padding rows received, ``discarded_rows`` the rows passed over for ``start_step``.
@@ -153,6 +154,11 @@ class ParquetSource(BatchSource):
             raise ValueError(
                 f"ParquetSource.prefetch_batches must be >= 0, got {self.prefetch_batches!r}"
             )
+        if _PATH in self.spec.expected_types():
+            raise ValueError(
+                f"ParquetSource cannot read a column named {_PATH!r}: the reader adds one "
+                "(the file of each row) for error messages"
+            )
         if self.shuffle_seed is not None and self.shuffle_seed < 0:
             raise ValueError(
                 f"ParquetSource.shuffle_seed must be None or >= 0, got {self.shuffle_seed!r}"
@@ -191,10 +197,7 @@ class ParquetSource(BatchSource):
         """Reads every file's footer and checks it: a readable Parquet file, with rows, and every
         column the spec needs, of the right type. Raises :class:`BadInputError` naming the first
         bad file (in listing order) and, for schema problems, the column."""
-        fs, files = self.list_files()
-        check = functools.partial(_inspect_file, fs, spec=self.spec)
-        with ThreadPoolExecutor(max_workers=min(_FOOTER_THREADS, len(files))) as pool:
-            return list(pool.map(check, files))  # re-raises the first failure in file order
+        return _check_files(*self.list_files(), self.spec)
 
     def split(self, num_shards: int) -> list[BatchShard]:
         """Checks the files, builds the pipeline and returns one :class:`ParquetShard` per rank.
@@ -203,14 +206,22 @@ class ParquetSource(BatchSource):
         """
         if num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {num_shards!r}")
-        infos = self.inspect()
-        fs = self.list_files()[0]
-        total = sum(i.rows for i in infos)
+        fs, files = self.list_files()
+        total = sum(i.rows for i in _check_files(fs, files, self.spec))
         padding = -total % num_shards
-        layout = _Layout.of(self.spec)
-        ds = self._read(fs, [i.path for i in infos])
-        ds = ds.map_batches(
-            functools.partial(_preprocess, layout=layout, on_bad_rows=self.on_bad_rows),
+        layout = _layout(self.spec)
+        spec, on_bad_rows = self.spec, self.on_bad_rows
+
+        def preprocess(table: pa.Table) -> pa.Table:
+            # A nested function, so cloudpickle sends it by value, and the import runs only where
+            # it is called: the SplitCoordinator unpickles the pipeline too, and importing this
+            # module there (torch, torchrec) would add seconds to every split.
+            from raytrec.data.parquet import _preprocess
+
+            return _preprocess(table, spec=spec, on_bad_rows=on_bad_rows)
+
+        ds = self._read(fs, files).map_batches(
+            preprocess,
             batch_format="pyarrow",
             batch_size=None,  # whole blocks: the conversion is vectorized, bigger is cheaper
             zero_copy_batch=True,
@@ -371,6 +382,8 @@ class ParquetShard(BatchShard):
         if table.num_rows == 0:
             return None
         batch, report = to_batch(table, self.spec, on_bad_rows=self.on_bad_rows)
+        for reason, count in report.skipped.items():  # never, as the pipeline checked: but count
+            log.skipped[reason] = log.skipped.get(reason, 0) + count
         log.batches += 1
         log.rows += report.rows_out
         self.last_row_ids = report.row_ids
@@ -380,7 +393,10 @@ class ParquetShard(BatchShard):
 
 
 class _Ranges:
-    """Row ids as runs of consecutive values: O(runs) memory, not O(rows)."""
+    """Row ids as runs of consecutive values: O(runs) memory, not O(rows). A file's row ids are
+    usually contiguous, so an epoch costs a few runs per batch, merged every ``_COMPACT`` adds."""
+
+    _COMPACT = 256
 
     def __init__(self) -> None:
         self.starts: list[np.ndarray] = []
@@ -393,20 +409,25 @@ class _Ranges:
         breaks = np.flatnonzero(np.diff(ids) != 1)
         self.starts.append(ids[np.r_[0, breaks + 1]])
         self.stops.append(ids[np.r_[breaks, len(ids) - 1]] + 1)
+        if len(self.starts) >= self._COMPACT:
+            starts, stops = self._merge()
+            self.starts, self.stops = [starts], [stops]
 
     def merged(self) -> tuple[tuple[int, int], ...]:
         """Sorted half-open ranges; overlapping or touching runs merged."""
+        starts, stops = self._merge()
+        return tuple(zip(starts.tolist(), stops.tolist(), strict=True))
+
+    def _merge(self) -> tuple[np.ndarray, np.ndarray]:
         if not self.starts:
-            return ()
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
         starts, stops = np.concatenate(self.starts), np.concatenate(self.stops)
         order = np.argsort(starts, kind="stable")
         starts, stops = starts[order], stops[order]
         reach = np.maximum.accumulate(stops)
         # A run opens a new range unless it starts at or before the reach of those before it.
-        new = np.r_[True, starts[1:] > reach[:-1]]
-        first = np.flatnonzero(new)
-        ends = reach[np.r_[first[1:] - 1, len(starts) - 1]]
-        return tuple(zip(starts[first].tolist(), ends.tolist(), strict=True))
+        first = np.flatnonzero(np.r_[True, starts[1:] > reach[:-1]])
+        return starts[first], reach[np.r_[first[1:] - 1, len(starts) - 1]]
 
 
 class _EpochLog:
@@ -442,6 +463,7 @@ class _Layout:
 
     @staticmethod
     def of(spec: FeatureSpec) -> _Layout:
+        """Prefer :func:`_layout`, which caches."""
         rank_spec = FeatureSpec(
             dense=tuple(f"__rt_dense_{j}" for j in range(spec.num_dense)),
             sparse=tuple(
@@ -462,7 +484,8 @@ class _Layout:
         """A converted batch in the internal layout, no row marked."""
         spec = self.rank_spec
         rows = batch.dense_features.shape[0]
-        dense = np.ascontiguousarray(batch.dense_features.numpy().T)  # one column per row
+        # Transposed once, so each column is one contiguous row: pa.array without a copy.
+        dense = np.ascontiguousarray(batch.dense_features.numpy().T)
         columns: dict[str, pa.Array] = {
             name: pa.array(dense[j], pa.float32()) for j, name in enumerate(spec.dense)
         }
@@ -476,7 +499,7 @@ class _Layout:
             columns[f.source_column] = pa.ListArray.from_arrays(
                 pa.array(offsets, pa.int32()), pa.array(child, pa.int64())
             )
-        labels = batch.labels.numpy().reshape(rows, -1).T
+        labels = batch.labels.numpy().reshape(rows, len(spec.labels)).T
         for j, name in enumerate(spec.labels):
             columns[name] = pa.array(np.ascontiguousarray(labels[j]), pa.float32())
         if spec.row_id is not None:
@@ -500,10 +523,15 @@ class _Layout:
         return pa.table(columns)
 
 
-def _preprocess(table: pa.Table, *, layout: _Layout, on_bad_rows: OnBadRows) -> pa.Table:
+@functools.lru_cache(maxsize=16)
+def _layout(spec: FeatureSpec) -> _Layout:
+    return _Layout.of(spec)
+
+
+def _preprocess(table: pa.Table, *, spec: FeatureSpec, on_bad_rows: OnBadRows) -> pa.Table:
     """The pipeline's CPU stage: checks and id policies of the user's spec, the internal layout
     out. In skip mode, bad rows come out as marked rows (see the module doc)."""
-    spec = layout.source
+    layout = _layout(spec)
     try:
         batch, report = to_batch(table, spec, on_bad_rows=on_bad_rows)
     except BadInputError as e:
@@ -552,6 +580,12 @@ def _find_bad_input(e: BaseException) -> BadInputError | None:
         cause = getattr(current, "cause", None)
         current = cause if isinstance(cause, BaseException) else current.__cause__
     return None
+
+
+def _check_files(fs: pafs.FileSystem, files: list[str], spec: FeatureSpec) -> list[ParquetFileInfo]:
+    check = functools.partial(_inspect_file, fs, spec=spec)
+    with ThreadPoolExecutor(max_workers=min(_FOOTER_THREADS, len(files))) as pool:
+        return list(pool.map(check, files))  # re-raises the first failure in file order
 
 
 def _inspect_file(fs: pafs.FileSystem, path: str, *, spec: FeatureSpec) -> ParquetFileInfo:
