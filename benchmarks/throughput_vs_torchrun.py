@@ -101,8 +101,9 @@ class Measurement:
     def line(self) -> str:
         return (
             f"  {self.label:<16} {self.rows_per_s:>8,.0f} rows/s (median interval "
-            f"{self.interval_rows_per_s:>6,.0f}; other processes used "
-            f"{self.extra['foreign_cpu']:.0%} of the CPU, steal {self.extra['steal_cpu']:.0%})"
+            f"{self.interval_rows_per_s:>6,.0f}; other processes took "
+            f"{self.extra['foreign_cpu']:.0%} of the CPU, hypervisor steal "
+            f"{self.extra['steal_cpu']:.0%})"
         )
 
 
@@ -147,7 +148,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--max-foreign-cpu",
         type=float,
         default=0.05,
-        help="run again when other processes used more than this share of the machine's CPU",
+        help="run again when other processes (or the hypervisor: steal) took more than this "
+        "share of the machine's CPU",
     )
     p.add_argument("--retries", type=int, default=2, help="reruns per run on a busy machine")
     p.add_argument(
@@ -402,6 +404,11 @@ def run_raytrec_all(a: argparse.Namespace, repeat: int, tmp: Path) -> list[Measu
         ray.shutdown()
 
 
+def busy(contention: dict[str, Any]) -> float:
+    """Share of the machine's CPU that others took: other processes, and the hypervisor."""
+    return float(contention["foreign_cpu"] + contention["steal_cpu"])
+
+
 def wait_for_quiet(a: argparse.Namespace) -> None:
     """Waits (up to ``--max-wait-s``) until other processes leave the CPU to this benchmark."""
     deadline = time.monotonic() + a.max_wait_s
@@ -409,14 +416,14 @@ def wait_for_quiet(a: argparse.Namespace) -> None:
     while True:
         with CpuMonitor(period_s=0.5) as monitor:
             time.sleep(2.0)
-        foreign = monitor.result()["foreign_cpu"]
+        foreign = busy(monitor.result())
         if foreign <= a.max_foreign_cpu:
             return
         if time.monotonic() > deadline:
-            print(f"  (other processes still use {foreign:.0%} of the CPU; going ahead)")
+            print(f"  (others still take {foreign:.0%} of the CPU; going ahead)")
             return
         if not told:
-            print(f"  (other processes use {foreign:.0%} of the CPU; waiting for a quiet machine)")
+            print(f"  (others take {foreign:.0%} of the CPU; waiting for a quiet machine)")
             told = True
 
 
@@ -426,12 +433,10 @@ def measure(a: argparse.Namespace, run: Callable[[], Measurement]) -> Measuremen
         wait_for_quiet(a)
         m = run()
         print(m.line(), flush=True)
-        if m.extra["foreign_cpu"] <= a.max_foreign_cpu or attempt == a.retries:
+        if busy(m.extra) <= a.max_foreign_cpu or attempt == a.retries:
             return dataclasses.replace(m, extra={**m.extra, "attempts": attempt + 1})
         print(
-            f"  (other processes used more than {a.max_foreign_cpu:.0%} of the CPU: "
-            "running it again)",
-            flush=True,
+            f"  (others took over {a.max_foreign_cpu:.0%} of the CPU: running it again)", flush=True
         )
     raise AssertionError("unreachable")
 
@@ -485,15 +490,17 @@ def summarize(a: argparse.Namespace, runs: list[Measurement]) -> list[dict[str, 
     for label in labels:
         mine = [m for m in runs if m.label == label]
         rates = [m.rows_per_s for m in mine]
-        paired = [m.rows_per_s / base[m.repeat] for m in mine]
         rows.append(
             {
                 "config": label,
                 "rows_per_s": statistics.median(rates),
                 "min": min(rates),
                 "max": max(rates),
+                "interval_rows_per_s": statistics.median(m.interval_rows_per_s for m in mine),
                 "ratio": statistics.median(rates) / statistics.median(base.values()),
-                "paired_ratios": paired,
+                "paired_ratios": [m.rows_per_s / base[m.repeat] for m in mine],
+                "max_busy": max(busy(m.extra) for m in mine),
+                "attempts": sum(m.extra["attempts"] for m in mine),
             }
         )
     return rows
@@ -511,15 +518,19 @@ def describe(label: str, a: argparse.Namespace) -> str:
 
 def table(a: argparse.Namespace, summary: list[dict[str, Any]]) -> str:
     lines = [
-        "| config | shape | rows/s (median) | min - max | raytrec / torchrun | per-repeat ratios |",
-        "|---|---|---:|---:|---:|---|",
+        "| config | shape | rows/s (median) | min - max | median interval rows/s "
+        "| raytrec / torchrun | per-repeat ratios | others' CPU (max) |",
+        "|---|---|---:|---:|---:|---:|---|---:|",
     ]
     for r in summary:
-        ratio = "1.00 (baseline)" if r["config"] == BASELINE else f"{r['ratio']:.3f}"
+        ratio = "1 (baseline)" if r["config"] == BASELINE else f"**{r['ratio']:.3f}**"
         paired = ", ".join(f"{x:.3f}" for x in r["paired_ratios"])
+        if r["config"] == BASELINE:
+            paired = "-"
         lines.append(
             f"| {r['config']} | {describe(r['config'], a)} | {r['rows_per_s']:,.0f} | "
-            f"{r['min']:,.0f} - {r['max']:,.0f} | {ratio} | {paired} |"
+            f"{r['min']:,.0f} - {r['max']:,.0f} | {r['interval_rows_per_s']:,.0f} | {ratio} | "
+            f"{paired} | {r['max_busy']:.0%} |"
         )
     return "\n".join(lines)
 
@@ -527,7 +538,7 @@ def table(a: argparse.Namespace, summary: list[dict[str, Any]]) -> str:
 def section(
     a: argparse.Namespace,
     argv: Sequence[str],
-    summary: list[dict[str, Any]],
+    runs: list[Measurement],
     info: dict[str, Any],
     size: dict[str, int],
     wall_s: float,
@@ -535,45 +546,74 @@ def section(
     cmd = shlex.join(["./dev.sh", "bench", "throughput_vs_torchrun", *argv])
     measured = a.steps - a.warmup_steps
     emb_mb = size["embedding_params"] * 4 / 2**20
+    niceness = (
+        "Ray's default nice value for worker processes (15)"
+        if a.ray_worker_niceness is None
+        else f"Ray worker processes at nice {a.ray_worker_niceness} (`--ray-worker-niceness`)"
+    )
+    run_lines = "\n".join(
+        f"  - repeat {m.repeat + 1}, {m.label}: {m.rows_per_s:,.0f} rows/s, median interval "
+        f"{m.interval_rows_per_s:,.0f}; others took {m.extra['foreign_cpu']:.0%} of the CPU, "
+        f"steal {m.extra['steal_cpu']:.0%} (attempt {m.extra['attempts']})"
+        for m in sorted(runs, key=lambda m: (m.repeat, m.label != BASELINE, m.label))
+    )
     return f"""{SECTION}
 
-Generated by `benchmarks/throughput_vs_torchrun.py` on {info["date"]}.
+Generated by `benchmarks/throughput_vs_torchrun.py` on {info["date"]}
+(whole benchmark: {wall_s / 60:.1f} min):
 
-Command: `{cmd}` (whole benchmark: {wall_s / 60:.1f} min)
+    {cmd}
 
 - Machine: {info["nproc"]} CPU cores (`nproc`), {info["cpu"]}, {info["mem_gib"]} GiB RAM, no GPU;
   Python {info["python"]}, torch {info["torch"]}, torchrec {info["torchrec"]}, ray {info["ray"]}.
-- T = {a.world_size} ranks on both sides, one torch thread each, gloo.
+- T = {a.world_size} ranks on both sides, one torch thread each (`OMP_NUM_THREADS=1`), gloo;
+  {niceness}.
 - Per-rank batch size {a.batch_size} ({a.batch_size * a.world_size} rows per step over all
   ranks); {a.steps} steps per run, the first {a.warmup_steps} excluded as warmup, so
   {measured} timed steps ({measured * a.batch_size * a.world_size:,} rows); {a.repeats} repeat(s)
-  of every configuration.
+  of every configuration; raytrec `log_every={a.log_every}`.
 - Model: DLRM, {a.num_tables} tables x {a.num_embeddings:,} rows x dim {a.embedding_dim}
   ({size["embedding_params"]:,} embedding parameters, {emb_mb:.1f} MiB fp32, sharded
-  `{a.sharding_type}`), dense + over arch {size["dense_params"]:,} parameters; fused
+  `{a.sharding_type}`), dense and over arch {size["dense_params"]:,} parameters; fused
   `{a.embedding_optimizer}` for embeddings, `{a.dense_optimizer}` for dense; SyntheticCriteo
   data (rank r reads shard r of `source.split(T)`).
 
-{table(a, summary)}
+{table(a, summarize(a, runs))}
 
-How each side is timed (rows trained per wall-clock second of the step loop, setup and warmup
-excluded):
+What the columns mean:
 
-- torchrun + DMP: inside the workers, `dist.barrier()`, clock, {measured} steps (next batch,
+- rows/s: rows trained by all ranks per wall-clock second of the step loop, setup and warmup
+  excluded; median over the repeats (min - max beside it). The median interval column is the
+  median over every `log_every`-step interval of the timed steps, which shrugs off short bursts
+  of load from other processes.
+- raytrec / torchrun: median over median; the per-repeat ratios pair each raytrec run with the
+  torchrun run of the same repeat (run just before it).
+- others' CPU: the largest share of the machine's CPU that processes outside the benchmark, or
+  the hypervisor (steal), took during a kept run. Before every run the benchmark waits (up to
+  {a.max_wait_s:.0f} s) for the machine to be quiet, and it runs a configuration again (up to
+  {a.retries} times) when others took more than {a.max_foreign_cpu:.0%}; the last attempt is
+  kept either way.
+
+How each side is timed:
+
+- torchrun + DMP: inside the workers: `dist.barrier()`, clock, {measured} steps (next batch,
   forward, backward with the fused embedding update, dense optimizer step, read the loss),
-  `dist.barrier()`, clock. The process group, model and plan are built before the clock.
-- raytrec: from `Result.history` (one row per `log_every` = {a.log_every} steps): the
-  coordinator's wall time from the end of the last warmup interval to the end of the last
-  interval (`elapsed_s` difference; equal to the sum of `IntervalMetrics.seconds` up to the
-  microseconds between intervals). It includes one Ray round trip (dispatch `train` to every
-  rank, wait for all results) per interval, and the Ray driver, raylet, GCS and coordinator
-  actor all share the cores with the ranks, as they would in a real job.
-- Ratio: median raytrec rows/s over median torchrun rows/s; the per-repeat ratios pair each
-  raytrec run with the torchrun run of the same repeat (run just before it).
+  `dist.barrier()`, clock. The process group, model and plan are built before the clock, and
+  no Ray cluster is up meanwhile.
+- raytrec: from `Result.history` (one row per `log_every` steps): the coordinator's wall time
+  from the end of the last warmup interval to the end of the last interval (the `elapsed_s`
+  difference, which equals the sum of `IntervalMetrics.seconds` up to the microseconds between
+  intervals). It includes one Ray round trip per interval (dispatch `train` to every rank,
+  wait for all results), and the Ray driver, raylet, GCS and coordinator actor share the
+  cores with the ranks, as they do in a real job.
 - The 2D rows are not the same computation as the baseline: every step also all-reduces the
   dense gradients over the replica group, and every {a.sync_every} steps each rank all-reduces
-  its embedding shards and their optimizer state with its replicas (local SGD), while each
-  gang holds a whole model copy (fewer ranks to shard over).
+  its embedding shards and their optimizer state with its replicas (local SGD); in exchange
+  each gang holds a whole model copy on fewer ranks, so it needs fewer all-to-alls.
+
+Every run:
+
+{run_lines}
 """
 
 
@@ -626,7 +666,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dumps({"machine": info, "model": size, "summary": summary, "runs": raw}, indent=1)
         )
     if not a.no_doc:
-        update_doc(a.doc, section(a, argv, summary, info, size, wall_s))
+        update_doc(a.doc, section(a, argv, runs, info, size, wall_s))
         print(f"\nwrote {a.doc}")
     return 0
 

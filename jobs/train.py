@@ -23,9 +23,12 @@ from raytrec.config import (
     TrainConfig,
     criteo_tables,
 )
+from raytrec.data.arrow_kjt import BadInputError
+from raytrec.data.parquet import ParquetSource
+from raytrec.data.spec import SpecError, criteo_spec
 
 
-def build_config(argv: list[str] | None = None) -> TrainConfig:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jobs.train", description=__doc__)
     p.add_argument("--num-workers", type=int, default=4, help="ranks in the job")
     p.add_argument("--gang-size", type=int, default=2, help="ranks per model copy")
@@ -42,7 +45,21 @@ def build_config(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--gpu", action="store_true", help="one GPU per rank, NCCL")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--storage-path", default="runs")
-    a = p.parse_args(argv)
+    p.add_argument(
+        "--data",
+        default=None,
+        help="Criteo-layout Parquet (a file, directory or URI, e.g. from python -m jobs.make_data) "
+        "streamed with Ray Data; default: the synthetic source",
+    )
+    p.add_argument("--epochs", type=int, default=1, help="passes over --data")
+    return p
+
+
+def build_config(argv: list[str] | None = None) -> TrainConfig:
+    return config_from_args(parser().parse_args(argv))
+
+
+def config_from_args(a: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         model=ModelConfig(
             arch=a.arch,
@@ -65,11 +82,23 @@ def build_config(argv: list[str] | None = None) -> TrainConfig:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        config = build_config(argv)
-        result = fit(config)
-    except ConfigError as e:
+        args = parser().parse_args(argv)
+        config = config_from_args(args)
+        source = None
+        if args.data:
+            source = ParquetSource(
+                paths=args.data,
+                spec=criteo_spec(args.num_embeddings),
+                epochs=args.epochs,
+                shuffle_seed=args.seed,
+            )
+        result = fit(config, source=source)
+    except (ConfigError, SpecError) as e:
         print(f"raytrec: configuration error: {e}", file=sys.stderr)
         return 2
+    except BadInputError as e:
+        print(f"raytrec: bad input: {e}", file=sys.stderr)
+        return 3
     first, last = result.history[0], result.history[-1]
     print(
         f"[raytrec] done: {result.steps} steps in {result.wall_s:.1f}s; loss {first.loss:.4f} "

@@ -102,7 +102,10 @@ def fit(
         os.path.join(config.storage_path, f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     )
     os.makedirs(run_dir, exist_ok=True)
-    need_cpus = config.scaling.world_size * config.scaling.cpus_per_rank
+    # Ranks hold their CPUs for the whole job; Ray Data's read and preprocessing
+    # tasks need CPUs of their own, or the embedded cluster deadlocks.
+    data_cpus = os.cpu_count() or 2
+    need_cpus = config.scaling.world_size * config.scaling.cpus_per_rank + data_cpus
     started = connect(ray_address, num_cpus=need_cpus)
     try:
         check_capacity(config, total_resources())

@@ -160,3 +160,35 @@ def test_more_ranks_than_the_cluster_has(tmp_path: str) -> None:
         assert ray.available_resources().get("CPU") == 2.0
     finally:
         ray.shutdown()
+
+
+def test_main_job_streams_parquet_through_ray_data(cluster: None, tmp_path: str) -> None:
+    import json
+
+    from jobs.train import main
+    from raytrec.data.generate import write_synthetic_parquet
+
+    data = write_synthetic_parquet(
+        os.path.join(tmp_path, "data"),
+        rows=4096,
+        files=2,
+        row_groups_per_file=2,
+        seed=1,
+        num_embeddings=1000,
+    )
+    runs = os.path.join(tmp_path, "runs")
+    # 2 ranks x 128 rows x 16 steps = one epoch of 4096 rows; the fixture's
+    # 4 CPUs leave 2 for Ray Data's read and preprocessing tasks.
+    argv = ["--data", os.path.dirname(data.paths[0]), "--num-workers", "2", "--gang-size", "1"]
+    argv += ["--batch-size", "128", "--steps", "16", "--log-every", "8"]
+    argv += ["--num-embeddings", "1000", "--storage-path", runs]
+    assert main(argv) == 0
+    (run_dir,) = os.listdir(runs)
+    with open(os.path.join(runs, run_dir, "metrics.json")) as f:
+        history = json.load(f)
+    assert [m["step"] for m in history] == [8, 16]
+    assert history[-1]["loss"] < history[0]["loss"]
+    # One more step than the epoch holds: the rank says its data ran out.
+    argv[argv.index("--steps") + 1] = "17"
+    with pytest.raises(ray.exceptions.RayTaskError, match="data source ran out after 16 steps"):
+        main(argv)

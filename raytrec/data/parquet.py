@@ -232,6 +232,10 @@ class ParquetSource(BatchSource):
         # Let a BadInputError leave the map task as itself: the default wrapper
         # (UserCodeException) keeps only its text once it has crossed the SplitCoordinator.
         ds.context.raise_original_map_exception = True
+        # The job prints its own progress; Ray Data's per-operator bars would
+        # interleave with it on the driver's console.
+        ds.context.enable_progress_bars = False
+        ds.context.enable_operator_progress_bars = False
         iterators = ds.streaming_split(num_shards, equal=True)
         return [
             ParquetShard(
