@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 import ray
+import ray.exceptions
 import torch.distributed as dist
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -30,6 +31,8 @@ from raytrec.engine.rank import RankSpec, StoreAddress
 from raytrec.metrics import IntervalMetrics, aggregate_interval
 from raytrec.model import ModelFactory, build_dlrm
 from raytrec.placement import placement_specs, rank_resources
+from raytrec.rec_metrics import merge_metric_states
+from raytrec.sync.schedule import SyncPlan, gang_locality, plan_sync
 
 __all__ = ["Coordinator", "RunSummary"]
 
@@ -42,6 +45,10 @@ class RunSummary:
     wall_s: float
     ranks: list[dict[str, Any]]
     digests: dict[int, dict[str, str]]  # job rank -> content hashes of its final state
+    # Why training stopped before num_steps (bad input, data ran out), else None. The state
+    # trained up to ``steps`` is still synced, checked and saved.
+    stopped_by: BaseException | None = None
+    first_batch_s: float = 0.0  # until every rank held its first interval's batches
 
 
 def intervals(num_steps: int, every: int) -> list[int]:
@@ -79,6 +86,7 @@ class Coordinator:
         self._pgs: list[PlacementGroup] = []
         self._workers: dict[int, Any] = {}  # job rank -> actor handle
         self._store: dist.TCPStore | None = None
+        self.first_batch_s = 0.0
 
     # -- queries (answered while run() is in progress) ----------------------
 
@@ -144,29 +152,53 @@ class Coordinator:
             "join_replica_plane",
             lambda r: (self.generation, self.topology.position(r).gang, self.topology.num_gangs),
         )
+        self._call_all("join_sync_plan", self._sync_plan())
         # Start every replica from gang 0's initial state.
         self._call_all("broadcast_state", 0)
         return sorted(ranks_info, key=lambda x: x["rank"])
 
     def run(self) -> RunSummary:
-        """Trains ``num_steps`` steps and writes the final model; returns the summary."""
+        """Trains ``num_steps`` steps and writes the final model; returns the summary.
+
+        A rank trains an interval only with all of its batches in memory, and it prepares the
+        next interval's batches before it reports the current one; so bad input or the end of
+        a rank's data surfaces between steps, before any rank enters the next interval's
+        collectives. Training stops there, and the model trained so far is synced, checked and
+        saved like a finished one (``RunSummary.stopped_by`` says why).
+        """
         started = time.perf_counter()
         ranks = self.start()
         step = 0
+        stopped_by: BaseException | None = None
+        plan = intervals(self.cfg.num_steps, self.cfg.log_every)
+        t0 = time.perf_counter()
+        try:
+            self._call_all("prepare", plan[0], first=True)
+        except ray.exceptions.RayTaskError as e:
+            stopped_by, plan = _cause(e), []
+        self.first_batch_s = time.perf_counter() - t0
         train_start = time.perf_counter()
-        for n in intervals(self.cfg.num_steps, self.cfg.log_every):
+        for i, n in enumerate(plan):
             t0 = time.perf_counter()
-            reports = self._call_all("train", n)
+            following = plan[i + 1] if i + 1 < len(plan) else 0
+            reports = self._call_all("train", n, following)
             step += n
+            metrics = merge_metric_states([r["metrics"] for r in reports])
             row = aggregate_interval(
                 reports,
                 wall_s=time.perf_counter() - t0,
                 generation=self.generation,
                 gangs=self.topology.num_gangs,
                 elapsed_s=time.perf_counter() - train_start,
+                auc=metrics.auc,
+                ne=metrics.ne,
             )
             with self._lock:
                 self._history.append(row)
+            stops = [r["stop"] for r in reports if r["stop"] is not None]
+            if stops:
+                stopped_by = stops[0]
+                break
         if step % self.cfg.sync.sync_every:
             self._call_all("sync")  # end on a sync so every replica holds the same model
         digests = self._final_digests()
@@ -179,6 +211,17 @@ class Coordinator:
             wall_s=time.perf_counter() - started,
             ranks=ranks,
             digests=digests,
+            stopped_by=stopped_by,
+            first_batch_s=self.first_batch_s,
+        )
+
+    def _sync_plan(self) -> SyncPlan:
+        """The generation's sync schedule over the live gangs, lower levels host-local first."""
+        return plan_sync(
+            self.cfg.sync,
+            generation=self.generation,
+            live_gangs=range(self.topology.num_gangs),
+            locality=gang_locality(self.topology),
         )
 
     def _final_digests(self) -> dict[int, dict[str, str]]:
@@ -211,13 +254,25 @@ class Coordinator:
 
     # -- helpers ----------------------------------------------------------------
 
-    def _call_all(self, method: str, *args: Any) -> list[Any]:
-        return self._call_all_by_rank(method, lambda _r: args)
+    def _call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self._call_all_by_rank(method, lambda _r: args, **kwargs)
 
-    def _call_all_by_rank(self, method: str, args_of: Any) -> list[Any]:
-        refs = [getattr(w, method).remote(*args_of(r)) for r, w in sorted(self._workers.items())]
+    def _call_all_by_rank(self, method: str, args_of: Any, **kwargs: Any) -> list[Any]:
+        workers = sorted(self._workers.items())
+        refs = [getattr(w, method).remote(*args_of(r), **kwargs) for r, w in workers]
         return ray.get(refs, timeout=self.step_timeout_s)
 
     def _call_gang(self, gang: int, method: str, *args: Any) -> list[Any]:
         refs = [getattr(self._workers[r], method).remote(*args) for r in self.topology.gangs[gang]]
         return ray.get(refs, timeout=self.step_timeout_s)
+
+
+def _cause(e: ray.exceptions.RayTaskError) -> BaseException:
+    """The rank's own exception inside Ray's wrapper (a BadInputError keeps its fields)."""
+    from raytrec.data.parquet import _find_bad_input
+
+    bad = _find_bad_input(e)
+    if bad is not None:
+        return bad
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, BaseException) else e

@@ -16,8 +16,12 @@ import numpy as np
 import ray
 import torch
 
+from raytrec.data.feed import BatchFeed, DataExhausted
 from raytrec.data.source import Batch, BatchShard
+from raytrec.elastic.faults import FaultKind
 from raytrec.engine.rank import RankEngine, RankSpec
+from raytrec.rec_metrics import RankMetrics
+from raytrec.sync.schedule import SyncPlan
 
 __all__ = ["RankWorker"]
 
@@ -29,12 +33,15 @@ class RankWorker:
         self.spec = spec
         self.shard = shard
         self.engine = RankEngine(spec)
-        self._batches: Iterator[Batch] | None = None
+        self.metrics = RankMetrics()
+        self._feed: BatchFeed[Batch] | None = None
 
     def build(self) -> dict[str, Any]:
         """Joins the gang world and shards the model; returns where this rank runs."""
         self.engine.build()
-        self._batches = self.shard.batches(self.spec.config.data.batch_size)
+        data = self.spec.config.data
+        batches: Iterator[Batch] = self.shard.batches(data.batch_size)
+        self._feed = BatchFeed(batches, prefetch=data.prefetch_batches)
         return {
             "rank": self.spec.rank,
             "gang": self.spec.gang,
@@ -48,38 +55,96 @@ class RankWorker:
     def broadcast_state(self, src: int) -> None:
         self.engine.broadcast_state(src=src)
 
-    def train(self, num_steps: int) -> dict[str, Any]:
-        """Trains ``num_steps`` steps; returns losses and where the time went."""
-        assert self._batches is not None, "build() first"
-        engine, every = self.engine, self.spec.config.sync.sync_every
+    def prepare(self, num_steps: int, *, first: bool = False) -> float:
+        """Waits until the next ``num_steps`` batches are in memory; returns the seconds waited.
+
+        Called on every rank before :meth:`train`, so bad input or the end of the data stops
+        the job between steps rather than inside a collective (see :mod:`raytrec.data.feed`).
+        ``first``: the wait for the very first batches (the data pipeline starting up) is
+        reported by the caller on its own, not counted as a training interval's data wait.
+        """
+        assert self._feed is not None, "build() first"
+        try:
+            waited = self._feed.prepare(num_steps)
+            if first:
+                self._feed.wait_s = 0.0
+            return waited
+        except DataExhausted:
+            raise RuntimeError(
+                f"rank {self.spec.rank}: the data source ran out after {self._feed.taken} "
+                "steps; lower num_steps or raise the source's epochs"
+            ) from None
+
+    def train(self, num_steps: int, next_steps: int = 0) -> dict[str, Any]:
+        """Trains ``num_steps`` prepared batches, then prepares the next ``next_steps``.
+
+        Returns losses, metric states and timings. Preparing the next interval here saves the
+        coordinator a round trip per interval; a data problem found while preparing is returned
+        in ``"stop"`` (not raised), so the coordinator ends the job at this step boundary.
+        """
+        assert self._feed is not None, "build() first"
+        engine = self.engine
         losses: list[float] = []
-        data_s = sync_s = 0.0
+        sync_s = 0.0
+        data_s = self._feed.wait_s
+        self._feed.wait_s = 0.0
+        self.metrics.reset()
         start = time.perf_counter()
+        rows = 0
+        stall_s = 0.0
         for _ in range(num_steps):
-            t0 = time.perf_counter()
-            try:
-                batch = next(self._batches)
-            except StopIteration:
-                raise RuntimeError(
-                    f"rank {self.spec.rank}: the data source ran out after {engine.step} steps; "
-                    "lower num_steps or raise the source's epochs"
-                ) from None
-            t1 = time.perf_counter()
+            stall_s += self._inject(engine.step + 1)
+            batch = self._feed.take()
+            rows += int(batch.labels.shape[0])
             losses.append(engine.train_step(batch))
-            data_s += t1 - t0
-            if engine.step % every == 0:
+            assert engine.last_output is not None
+            self.metrics.update(*engine.last_output)
+            decision = engine.decide(engine.step)
+            if decision.due:
                 t2 = time.perf_counter()
-                engine.sync()
+                engine.sync(decision)
                 sync_s += time.perf_counter() - t2
+        stop: BaseException | None = None
+        if next_steps:
+            try:
+                data_s += self.prepare(next_steps)
+            except Exception as e:  # bad input or the end of the data: the caller decides
+                stop = e
+            self._feed.wait_s = 0.0
         return {
             "rank": self.spec.rank,
             "step": engine.step,
             "losses": losses,
-            "rows": num_steps * self.spec.config.data.batch_size,
+            "rows": rows,
             "seconds": time.perf_counter() - start,
             "data_wait_s": data_s,
             "sync_s": sync_s,
+            "stall_s": stall_s,
+            "metrics": self.metrics.state(),
+            "stop": stop,
         }
+
+    def _inject(self, step: int) -> float:
+        """Carries out the injected faults and stalls due before ``step``; returns seconds slept."""
+        cfg, spec = self.spec.config, self.spec
+        slept = 0.0
+        if cfg.stragglers is not None:
+            slept += cfg.stragglers.stall_seconds(step, spec.rank)
+        for fault in cfg.faults.for_rank(step, rank=spec.rank, gang=spec.gang, node=-1):
+            if fault.kind is FaultKind.KILL_RANK:
+                os._exit(1)  # a crash: no cleanup, no goodbye
+            if fault.kind is FaultKind.HANG_RANK:
+                # Hung until the coordinator gives up on this rank and kills it; bounded so a
+                # test never leaves a sleeper behind.
+                slept += 10 * cfg.elastic.step_timeout_s
+            elif fault.stall_s is not None:
+                slept += fault.stall_s
+        if slept:
+            time.sleep(slept)
+        return slept
+
+    def join_sync_plan(self, plan: SyncPlan) -> None:
+        self.engine.join_sync_plan(plan)
 
     def sync(self) -> None:
         self.engine.sync()
@@ -108,6 +173,8 @@ class RankWorker:
         }
 
     def close(self) -> None:
+        if self._feed is not None:
+            self._feed.close()
         self.engine.close()
 
 

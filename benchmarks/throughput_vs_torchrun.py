@@ -20,8 +20,11 @@ coordinator's wall-clock time from the start of the first interval after warmup 
 the last one (rows = steps x T x batch size), so per-interval RPC round trips count against it.
 
 Each repeat runs the baseline first (no Ray cluster up), then starts a local Ray cluster on
-127.0.0.1 for the raytrec runs and stops it again. The summary table (medians over repeats and
-the raytrec / torchrun ratio) is printed and written to ``docs/benchmarks.md``.
+127.0.0.1 for the raytrec runs and stops it again. The machine may be shared, so a
+:class:`CpuMonitor` follows how much CPU processes outside the benchmark (and the hypervisor,
+as steal) take: every run waits for a quiet machine first and is run again when others took
+more than ``--max-foreign-cpu`` meanwhile. The summary table (medians over repeats and the
+raytrec / torchrun ratio) is printed and written to ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -392,6 +395,8 @@ def run_raytrec_all(a: argparse.Namespace, repeat: int, tmp: Path) -> list[Measu
 
     from raytrec.cluster import connect
 
+    # Always an embedded cluster on 127.0.0.1 beside the baseline, never a RAY_ADDRESS cluster.
+    os.environ.pop("RAY_ADDRESS", None)
     if a.ray_worker_niceness is not None:
         # Read by the raylet when it starts worker processes (Ray's default is 15).
         os.environ[RAY_WORKER_NICENESS] = str(a.ray_worker_niceness)
@@ -474,10 +479,12 @@ def machine() -> dict[str, Any]:
 def model_size(a: argparse.Namespace) -> dict[str, int]:
     import torch
 
+    from raytrec.api import default_source
     from raytrec.model import build_dlrm
 
     cfg = build_config(a, num_workers=1, gang_size=1, steps=1, log_every=1)
-    model = build_dlrm(cfg.model, 13, torch.device("cpu"), cfg.seed)
+    num_dense = default_source(cfg).dense_features
+    model = build_dlrm(cfg.model, num_dense, torch.device("cpu"), cfg.seed)
     dense = sum(p.numel() for p in model.parameters() if not p.is_meta)
     emb = sum(t.num_embeddings * t.embedding_dim for t in cfg.model.tables)
     return {"embedding_params": emb, "dense_params": dense}

@@ -22,14 +22,14 @@ import torch
 from raytrec._quiet import quiet_known_warnings
 from raytrec.cluster import connect, total_resources
 from raytrec.config import ConfigError, TrainConfig, validate_features
+from raytrec.data.from_config import DataInfo, source_from_config, synthetic_source
 from raytrec.data.source import BatchSource
-from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.plan import apply_embedding_optimizer, make_plan
 from raytrec.metrics import IntervalMetrics
 from raytrec.model import ModelFactory, build_dlrm
 from raytrec.placement import rank_resources
 
-__all__ = ["Result", "default_source", "fit"]
+__all__ = ["Result", "TrainingStopped", "default_source", "fit"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,10 +44,22 @@ class Result:
     wall_s: float
     # job rank -> content hashes of its final shard and dense state (equal within a replica group)
     state_digests: dict[int, dict[str, str]]
+    data: DataInfo = dataclasses.field(default_factory=lambda: DataInfo(kind="custom"))
+    first_batch_s: float = 0.0  # from the start of training until every rank held its batches
 
     @property
     def final_loss(self) -> float:
         return self.history[-1].loss
+
+    @property
+    def final_auc(self) -> float | None:
+        """The last interval's AUC (progressive validation: on rows before training on them)."""
+        return self.history[-1].auc if self.history else None
+
+    @property
+    def oracle_auc(self) -> float | None:
+        """The AUC of the data's own click probabilities (generated data only): the ceiling."""
+        return self.data.oracle_auc
 
     def metrics_dataframe(self) -> Any:
         import pandas as pd
@@ -55,17 +67,26 @@ class Result:
         return pd.DataFrame([m.to_dict() for m in self.history])
 
 
-def default_source(config: TrainConfig) -> SyntheticCriteo:
-    """The synthetic Criteo-like source that matches ``config.model.tables``."""
-    features = config.model.features
-    sizes = {f: t.num_embeddings for t in config.model.tables for f in t.features}
-    return SyntheticCriteo(
-        num_sparse=len(features),
-        num_embeddings=tuple(sizes[f"cat_{i}"] for i in range(len(features)))
-        if all(f"cat_{i}" in sizes for i in range(len(features)))
-        else min(sizes.values()),
-        seed=config.seed,
-    )
+class TrainingStopped(RuntimeError):
+    """Training stopped before ``num_steps`` (bad input, or a rank's data ran out).
+
+    The job stopped between two steps: the model trained up to :attr:`result`'s ``steps`` was
+    synced, checked and saved (``result.final_state_path``), and its metrics were written.
+    ``cause`` is the rank's own exception (a :class:`~raytrec.data.arrow_kjt.BadInputError`
+    names the file, column and row).
+    """
+
+    def __init__(self, cause: BaseException, result: Result) -> None:
+        super().__init__(
+            f"{cause}\ntraining stopped after step {result.steps} of "
+            f"{result.config.num_steps}; the model trained so far is saved at "
+            f"{result.final_state_path}"
+        )
+        self.cause = cause
+        self.result = result
+
+
+default_source = synthetic_source  # the source of data.source="synthetic"
 
 
 def check_capacity(config: TrainConfig, resources: dict[str, float]) -> None:
@@ -93,8 +114,14 @@ def fit(
     on_progress: Callable[[IntervalMetrics], None] | None = None,
     shutdown_ray: bool | None = None,
 ) -> Result:
-    """Trains ``config`` on Ray and returns the metrics history and the final state."""
-    source = source if source is not None else default_source(config)
+    """Trains ``config`` on Ray and returns the metrics history and the final state.
+
+    ``source`` overrides ``config.data.source``. Raises :class:`TrainingStopped` when bad input
+    or the end of the data stops training early (what was trained is saved first).
+    """
+    info = DataInfo(kind="custom")
+    if source is None:
+        source, info = source_from_config(config)
     validate_features(config.model, source.sparse_features)
     plan = _plan(config, source.dense_features, model_factory)
 
@@ -138,9 +165,13 @@ def fit(
         steps=summary.steps,
         wall_s=summary.wall_s,
         state_digests=summary.digests,
+        data=info,
+        first_batch_s=summary.first_batch_s,
     )
     with open(os.path.join(run_dir, "metrics.json"), "w") as f:
         json.dump([m.to_dict() for m in result.history], f, indent=1)
+    if summary.stopped_by is not None:
+        raise TrainingStopped(summary.stopped_by, result) from summary.stopped_by
     return result
 
 
@@ -173,8 +204,9 @@ def _drive(coordinator: Any, on_progress: Callable[[IntervalMetrics], None]) -> 
 
 def _print_progress(config: TrainConfig) -> Callable[[IntervalMetrics], None]:
     def show(m: IntervalMetrics) -> None:
+        auc = "  n/a " if m.auc is None else f"{m.auc:.4f}"
         print(
-            f"[raytrec] step {m.step:>6}/{config.num_steps} | loss {m.loss:.4f} | "
+            f"[raytrec] step {m.step:>6}/{config.num_steps} | loss {m.loss:.4f} | auc {auc} | "
             f"{m.samples_per_s:>9,.0f} samples/s | gen {m.generation} | gangs {m.gangs} | "
             f"data wait {100 * m.data_wait_fraction:.1f}% | {m.elapsed_s:.1f}s",
             file=sys.stdout,

@@ -13,6 +13,10 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
+from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.faults import FaultConfig
+from raytrec.errors import ConfigError
+from raytrec.sync.stragglers import StragglerSpec
 from raytrec.topology import Layout, Topology, TopologyError
 
 __all__ = [
@@ -32,19 +36,23 @@ EmbeddingOptimizer = Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
 DenseOptimizer = Literal["sgd", "adagrad", "adam"]
 ShardingType = Literal["table_wise", "column_wise", "row_wise", "table_row_wise"]
 Backend = Literal["auto", "gloo", "nccl"]
+DataSourceKind = Literal["synthetic", "parquet", "generated"]
+OnBadRows = Literal["error", "skip"]
+IdPolicyName = Literal["modulo", "hash", "strict"]
 
 # What TorchRec 1.8's planner offers a CPU compute device (checked on gloo).
 CPU_SHARDING_TYPES: tuple[str, ...] = ("table_wise", "column_wise")
 CPU_EMBEDDING_OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "rowwise_adagrad")
 
 
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field."""
-
-
 def _positive_int(field: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{field} must be a positive integer, got {value!r}")
+
+
+def _non_negative_int(field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{field} must be a non-negative integer, got {value!r}")
 
 
 def _positive_float(field: str, value: object) -> None:
@@ -250,25 +258,165 @@ class ScalingConfig:
         )
 
 
+DenseSync = Literal["every_step", "with_schedule"]
+
+
+def _multiples(base: int, first: int) -> str:
+    return ", ".join(str(base * k) for k in range(first, first + 3)) + ", ..."
+
+
+def _check_sync_levels(levels: tuple[tuple[int, int], ...], sync_every: int) -> None:
+    """The lower levels of a hierarchy nest: periods and group sizes each divide the next."""
+    for i, level in enumerate(levels):
+        if not isinstance(level, tuple) or len(level) != 2:
+            raise ConfigError(
+                f"sync.levels[{i}]={level!r} must be a (period, gangs per group) pair"
+            )
+        _positive_int(f"sync.levels[{i}].period", level[0])
+        _positive_int(f"sync.levels[{i}].group_size", level[1])
+        if level[1] < 2:
+            raise ConfigError(
+                f"sync.levels[{i}].group_size={level[1]} must be at least 2 gangs; "
+                "a single gang is already averaged every step inside itself"
+            )
+    for i in range(1, len(levels)):
+        (p0, s0), (p1, s1) = levels[i - 1], levels[i]
+        if p1 <= p0 or p1 % p0:
+            raise ConfigError(
+                f"sync.levels[{i}].period={p1} must be a multiple of, and larger than, "
+                f"sync.levels[{i - 1}].period={p0}; allowed: {_multiples(p0, 2)}"
+            )
+        if s1 <= s0 or s1 % s0:
+            raise ConfigError(
+                f"sync.levels[{i}].group_size={s1} must be a multiple of, and larger than, "
+                f"sync.levels[{i - 1}].group_size={s0}, so each group is a union of whole "
+                f"lower-level groups; allowed: {_multiples(s0, 2)}"
+            )
+    if levels:
+        top = levels[-1][0]
+        if sync_every <= top or sync_every % top:
+            raise ConfigError(
+                f"sync.sync_every={sync_every} (the job-wide level) must be a multiple of, and "
+                f"larger than, the last level's period sync.levels[{len(levels) - 1}].period="
+                f"{top}; allowed: {_multiples(top, 2)}"
+            )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SyncConfig:
-    """How often replica groups average embedding shards and optimizer state."""
+    """When, and among which gangs, replicas average their state.
+
+    The top level of the schedule is the job-wide sync every ``sync_every``
+    steps (all live gangs). ``levels`` adds lower levels beneath it for
+    hierarchical SGD: ``(period, group_size)`` pairs, the group size counted in
+    gangs, e.g. ``levels=((2, 8), (4, 32)), sync_every=8`` is seed 002's
+    ``{2: 8, 4: 32, 8: all}``. At a step only the highest level that is due
+    syncs. Periods and group sizes each divide the next, so levels nest.
+    With no levels this is local SGD every ``sync_every`` steps (1: synchronous).
+
+    ``warmup_steps``: steps 1..warmup_steps sync job-wide every step first.
+    ``optimizer_state_every``: None averages the fused optimizer state with every
+    sync (when ``sync_optimizer_state``); k averages it only at syncs on
+    multiples of k (a delayed optimizer-state schedule).
+    ``dense``: ``"every_step"`` averages dense gradients over all live gangs
+    every step, so dense parameters are identical everywhere; ``"with_schedule"``
+    averages dense gradients only inside the gang (DDP) and averages dense
+    parameters and dense optimizer state at the schedule's syncs, in the same
+    groups as the embeddings, so a slow gang stalls only its group.
+    """
 
     sync_every: int = 4
     sync_optimizer_state: bool = True
+    levels: tuple[tuple[int, int], ...] = ()
+    warmup_steps: int = 0
+    optimizer_state_every: int | None = None
+    dense: DenseSync = "every_step"
 
     def __post_init__(self) -> None:
         _positive_int("sync.sync_every", self.sync_every)
+        try:
+            levels = tuple(tuple(level) for level in self.levels)
+        except TypeError:
+            raise ConfigError(
+                f"sync.levels={self.levels!r} must be a sequence of (period, gangs per group) pairs"
+            ) from None
+        object.__setattr__(self, "levels", levels)
+        _check_sync_levels(self.levels, self.sync_every)
+        if (
+            isinstance(self.warmup_steps, bool)
+            or not isinstance(self.warmup_steps, int)
+            or self.warmup_steps < 0
+        ):
+            raise ConfigError(
+                f"sync.warmup_steps must be a non-negative integer, got {self.warmup_steps!r}"
+            )
+        _one_of("sync.dense", self.dense, get_args(DenseSync))
+        every = self.optimizer_state_every
+        if every is not None:
+            _positive_int("sync.optimizer_state_every", every)
+            if not self.sync_optimizer_state:
+                raise ConfigError(
+                    f"sync.optimizer_state_every={every} needs sync.sync_optimizer_state=True"
+                )
+            first = self.periods[0]
+            if every % first:
+                raise ConfigError(
+                    f"sync.optimizer_state_every={every} must be a multiple of the shortest "
+                    f"sync period {first}, so optimizer state travels with a sync; allowed: "
+                    f"{_multiples(first, 1)}"
+                )
+
+    @property
+    def periods(self) -> tuple[int, ...]:
+        """Every level's period, lowest level first, ending with ``sync_every``."""
+        return (*(p for p, _ in self.levels), self.sync_every)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """Per-rank batch size; the source itself is passed to :func:`raytrec.fit`."""
+    """Where training rows come from and how each rank batches them.
 
-    batch_size: int = 256
+    ``source`` picks the stream when :func:`raytrec.fit` is given no source object:
+
+    - ``"synthetic"``: rows generated in each rank
+      (:class:`~raytrec.data.synthetic.SyntheticCriteo`), no I/O; endless, so ``epochs`` does
+      not apply.
+    - ``"parquet"``: the Parquet files at ``path`` (a file, a directory or a pyarrow URI such as
+      ``s3://bucket/prefix``), streamed to the ranks with Ray Data. Columns: ``dense_0`` ..
+      ``dense_{num_dense-1}`` (floats), one id-list column per sparse feature named like the
+      feature, ``label`` and ``row_id``.
+    - ``"generated"``: Parquet written once from the synthetic teacher model (with its oracle
+      AUC known) into ``path`` (default: ``<storage_path>/data/<a name from the sizes>``, reused
+      when already there), then streamed like ``"parquet"``; sized so the job trains
+      ``epochs`` passes over it in ``num_steps`` steps.
+    """
+
+    batch_size: int = 256  # rows per rank per step
+    source: DataSourceKind = "synthetic"
+    path: str | None = None
+    epochs: int = 1  # passes over Parquet data
+    shuffle_seed: int | None = None  # None: files in sorted order; else a seeded order per epoch
+    on_bad_rows: OnBadRows = "error"  # "skip" drops rows holding a bad value and counts them
+    id_policy: IdPolicyName = "modulo"  # how raw ids map into a table's rows
+    num_dense: int = 13  # dense columns of a Parquet source
+    generated_files: int = 4
+    prefetch_batches: int = 4  # batches each rank fetches ahead of training
 
     def __post_init__(self) -> None:
         _positive_int("data.batch_size", self.batch_size)
+        _one_of("data.source", self.source, get_args(DataSourceKind))
+        _positive_int("data.epochs", self.epochs)
+        _one_of("data.on_bad_rows", self.on_bad_rows, get_args(OnBadRows))
+        _one_of("data.id_policy", self.id_policy, get_args(IdPolicyName))
+        _positive_int("data.num_dense", self.num_dense)
+        _positive_int("data.generated_files", self.generated_files)
+        _non_negative_int("data.prefetch_batches", self.prefetch_batches)
+        if self.shuffle_seed is not None:
+            _non_negative_int("data.shuffle_seed", self.shuffle_seed)
+        if self.source == "parquet" and not self.path:
+            raise ConfigError("data.path must name Parquet files when data.source='parquet'")
+        if self.path is not None and (not isinstance(self.path, str) or not self.path):
+            raise ConfigError(f"data.path must be null or a non-empty string, got {self.path!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -281,6 +429,9 @@ class TrainConfig:
     scaling: ScalingConfig = dataclasses.field(default_factory=ScalingConfig)
     sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    elastic: ElasticConfig = dataclasses.field(default_factory=ElasticConfig)
+    faults: FaultConfig = dataclasses.field(default_factory=FaultConfig)  # injected, for tests
+    stragglers: StragglerSpec | None = None  # injected stalls, for straggler experiments
     num_steps: int = 200
     log_every: int = 20
     seed: int = 0
@@ -299,9 +450,21 @@ class TrainConfig:
             ("scaling", ScalingConfig),
             ("sync", SyncConfig),
             ("data", DataConfig),
+            ("elastic", ElasticConfig),
+            ("faults", FaultConfig),
         ):
             if not isinstance(getattr(self, field), cls):
                 raise ConfigError(f"{field} must be a {cls.__name__}, got {getattr(self, field)!r}")
+        if self.stragglers is not None and not isinstance(self.stragglers, StragglerSpec):
+            raise ConfigError(
+                f"stragglers must be a StragglerSpec or None, got {self.stragglers!r}"
+            )
+        self.elastic.resolved_max_gangs(self.scaling.num_gangs)  # min <= initial <= max
+        self.faults.check_targets(
+            num_ranks=self.scaling.world_size,
+            num_gangs=self.scaling.num_gangs,
+            num_nodes=self.scaling.topology().num_hosts,
+        )
         if not self.scaling.use_gpu:
             if self.optimizer.embedding not in CPU_EMBEDDING_OPTIMIZERS:
                 raise ConfigError(

@@ -27,6 +27,8 @@ class IntervalMetrics:
     generation: int
     gangs: int
     elapsed_s: float  # since training started
+    auc: float | None = None  # progressive-validation AUC over the interval's rows (all ranks)
+    ne: float | None = None  # normalized entropy over the same rows
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -39,6 +41,8 @@ def aggregate_interval(
     generation: int,
     gangs: int,
     elapsed_s: float,
+    auc: float | None = None,
+    ne: float | None = None,
 ) -> IntervalMetrics:
     """Folds the ranks' ``train`` reports for one interval into one history row."""
     if not reports:
@@ -59,4 +63,6 @@ def aggregate_interval(
         generation=generation,
         gangs=gangs,
         elapsed_s=elapsed_s,
+        auc=auc,
+        ne=ne,
     )

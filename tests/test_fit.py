@@ -16,7 +16,7 @@ from torchrec.models.dlrm import DLRMTrain
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from jobs.train import build_config
-from raytrec.api import Result, fit
+from raytrec.api import Result, TrainingStopped, fit
 from raytrec.cluster import connect
 from raytrec.config import ConfigError, ModelConfig, TrainConfig
 from raytrec.data.synthetic import SyntheticCriteo
@@ -188,7 +188,70 @@ def test_main_job_streams_parquet_through_ray_data(cluster: None, tmp_path: str)
         history = json.load(f)
     assert [m["step"] for m in history] == [8, 16]
     assert history[-1]["loss"] < history[0]["loss"]
-    # One more step than the epoch holds: the rank says its data ran out.
-    argv[argv.index("--steps") + 1] = "17"
-    with pytest.raises(ray.exceptions.RayTaskError, match="data source ran out after 16 steps"):
-        main(argv)
+    # One more interval than the epoch holds: the ranks say their data ran out before it.
+    from raytrec.config import DataConfig, ScalingConfig, criteo_tables
+
+    config = TrainConfig(
+        model=ModelConfig(tables=criteo_tables(num_embeddings=1000)),
+        scaling=ScalingConfig(num_workers=2, gang_size=1),
+        data=DataConfig(source="parquet", path=os.path.dirname(data.paths[0]), batch_size=128),
+        num_steps=24,
+        log_every=8,
+        storage_path=runs,
+    )
+    with pytest.raises(TrainingStopped, match="data source ran out after 16 steps") as stop:
+        fit(config, shutdown_ray=False)
+    assert stop.value.result.steps == 16
+
+
+def test_bad_input_stops_between_steps_and_keeps_what_was_trained(
+    cluster: None, tmp_path: str
+) -> None:
+    import json
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raytrec.config import DataConfig, ScalingConfig
+    from raytrec.data.arrow_kjt import BadInputError
+    from raytrec.data.generate import write_synthetic_parquet
+
+    data_dir = os.path.join(tmp_path, "data")
+    write_synthetic_parquet(
+        data_dir, rows=8 * 512, files=8, row_groups_per_file=1, seed=3, num_embeddings=500
+    )
+    # A NaN in a dense column of the last file, row_id 4000.
+    last = os.path.join(data_dir, "part-00007.parquet")
+    table = pq.read_table(last)
+    dense = table.column("dense_4").to_numpy().copy()
+    row = 4000 - 7 * 512
+    dense[row] = np.nan
+    pq.write_table(
+        table.set_column(table.schema.get_field_index("dense_4"), "dense_4", pa.array(dense)), last
+    )
+
+    config = TrainConfig(
+        model=small_model(),
+        scaling=ScalingConfig(num_workers=2, gang_size=1),
+        data=DataConfig(source="parquet", path=data_dir, batch_size=64, prefetch_batches=0),
+        num_steps=32,
+        log_every=4,
+        storage_path=os.path.join(tmp_path, "runs"),
+    )
+    with pytest.raises(TrainingStopped) as stop:
+        fit(config, shutdown_ray=False)
+    cause, result = stop.value.cause, stop.value.result
+    assert isinstance(cause, BadInputError)
+    assert (cause.reason, cause.column, cause.row_id) == ("nan", "dense_4", 4000)
+    assert cause.file is not None and cause.file.endswith("part-00007.parquet")
+    assert "part-00007.parquet" in str(stop.value) and "row_id 4000" in str(stop.value)
+    # Stopped between intervals, with what was trained before synced, checked and saved.
+    assert result.steps < 32 and result.steps % 4 == 0
+    assert [m.step for m in result.history] == list(range(4, result.steps + 1, 4))
+    assert_replicas_agree(result)
+    assert result.final_state_path is not None
+    assert "tiny" not in checkpoint_keys(result.final_state_path)
+    assert any(k.endswith("t_cat_0.weight") for k in checkpoint_keys(result.final_state_path))
+    with open(os.path.join(result.run_dir, "metrics.json")) as f:
+        assert len(json.load(f)) == len(result.history)

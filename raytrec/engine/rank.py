@@ -6,12 +6,18 @@ model over it with the job's single plan. Across gangs, rank k of every gang
 joins replica group k on the :class:`~raytrec.engine.replica_plane.ReplicaPlane`.
 
 Per step: forward, backward (FBGEMM applies the embedding update inside
-backward; DDP averages dense gradients over the gang), then the dense
-gradients are averaged over the replica group too, so every rank of the job
-applies the same dense update and dense weights stay identical everywhere.
-Every ``sync_every`` steps the embedding shards and their optimizer state are
-averaged over the replica group (local-SGD semantics for embeddings, as
-DMPCollection does on GPU; DMPCollection itself requires CUDA).
+backward; DDP averages dense gradients over the gang). With
+``sync.dense="every_step"`` the dense gradients are then averaged over the
+replica group too, so every rank of the job applies the same dense update and
+dense weights stay identical everywhere. At the sync schedule's steps the
+embedding shards and their optimizer state are averaged over the replica
+group (local-SGD semantics for embeddings, as DMPCollection does on GPU;
+DMPCollection itself requires CUDA), or, under a hierarchical schedule, over
+the rank's group at the level that is due (:meth:`RankEngine.sync` with a
+:class:`~raytrec.sync.schedule.SyncDecision`). With
+``sync.dense="with_schedule"`` dense parameters and dense optimizer state are
+averaged with them instead of every step, so a slow gang holds back only the
+gangs it syncs with.
 
 This module knows nothing of Ray; the rank actor is a thin shell over it and
 tests drive it with plain processes on gloo.
@@ -40,8 +46,9 @@ from raytrec._quiet import quiet_known_warnings
 from raytrec.config import TrainConfig
 from raytrec.data.source import Batch
 from raytrec.engine.plan import apply_embedding_optimizer, sharders
-from raytrec.engine.replica_plane import ReplicaPlane
+from raytrec.engine.replica_plane import LevelPlanes, ReplicaPlane
 from raytrec.model import ModelFactory, build_dlrm
+from raytrec.sync.schedule import SyncDecision, SyncPlan, plan_sync
 
 __all__ = ["RankEngine", "RankSpec", "StoreAddress"]
 
@@ -84,8 +91,13 @@ class RankEngine:
         self.cfg = spec.config
         self.device = torch.device("cpu")
         self.step = 0  # optimizer steps taken
-        self.replica: ReplicaPlane | None = None
+        self.replica: ReplicaPlane | None = None  # all live gangs of this generation
+        self.sync_plan: SyncPlan | None = None
+        self.levels: LevelPlanes | None = None  # this rank's group at each schedule level
+        self._job_wide_plan: SyncPlan | None = None  # decide()'s plan when none was joined
         self._store: dist.Store | None = None
+        # (logits, labels) of the last step, detached, for the rank's metrics.
+        self.last_output: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- construction -------------------------------------------------------
 
@@ -130,7 +142,12 @@ class RankEngine:
         self._tbes = _fused_tables(self.model)
 
     def join_replica_plane(self, *, generation: int, member_rank: int, size: int) -> None:
-        """(Re)builds this rank's replica group for ``generation``."""
+        """(Re)builds this rank's replica group for ``generation``.
+
+        A sync plan joined for an earlier generation is dropped: its groups
+        name gangs that may be gone. Join the new generation's with
+        :meth:`join_sync_plan`.
+        """
         assert self._store is not None, "build() first"
         self.replica = ReplicaPlane.build(
             self._store,
@@ -141,6 +158,28 @@ class RankEngine:
             backend=self.cfg.scaling.resolved_backend,
             timeout=timedelta(seconds=self.spec.timeout_s),
         )
+        if self.sync_plan is not None and self.sync_plan.generation != generation:
+            self.sync_plan = None
+            self.levels = None
+
+    def join_sync_plan(self, plan: SyncPlan) -> None:
+        """Builds this rank's replica group at every lower level of ``plan``.
+
+        ``plan`` is the same value on every rank (``plan_sync`` over the
+        generation's live gangs); call after :meth:`join_replica_plane` for
+        the same generation. Collective: every rank of every live gang calls it.
+        """
+        assert self._store is not None, "build() first"
+        assert self.replica is not None, "join_replica_plane() first"
+        self.levels = LevelPlanes.build(
+            self._store,
+            plan=plan,
+            gang=self.spec.gang,
+            job_wide=self.replica,
+            backend=self.cfg.scaling.resolved_backend,
+            timeout=timedelta(seconds=self.spec.timeout_s),
+        )
+        self.sync_plan = plan
 
     # -- state views ----------------------------------------------------------
 
@@ -154,7 +193,11 @@ class RankEngine:
 
     def dense_state(self) -> list[torch.Tensor]:
         """Dense parameters and the dense optimizer's tensor state."""
-        tensors = [p.data for p in self.dense_params.values()]
+        return [p.data for p in self.dense_params.values()] + self.dense_optimizer_state()
+
+    def dense_optimizer_state(self) -> list[torch.Tensor]:
+        """The dense optimizer's tensor state (Adagrad sums and step counts, Adam moments)."""
+        tensors: list[torch.Tensor] = []
         for state in self.dense_optimizer.state.values():
             tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
         return tensors
@@ -164,8 +207,9 @@ class RankEngine:
     def train_step(self, batch: Batch) -> float:
         """One forward/backward/update on this rank's local batch; returns the loss."""
         batch = batch.to(self.device)
-        loss, _ = self.model(batch)
+        loss, (_, logits, labels) = self.model(batch)
         loss.backward()
+        self.last_output = (logits.detach(), labels.detach())
         self._average_dense_grads()
         self.dense_optimizer.step()
         self.dense_optimizer.zero_grad(set_to_none=False)
@@ -174,18 +218,88 @@ class RankEngine:
 
     def _average_dense_grads(self) -> None:
         assert self.replica is not None, "join_replica_plane() first"
+        if self.cfg.sync.dense != "every_step":
+            return  # DDP averaged them over the gang; the schedule averages dense parameters
         grads = [p.grad for p in self.dense_params.values() if p.grad is not None]
         self.replica.average_(grads)
 
-    def sync(self, *, optimizer_state: bool | None = None) -> None:
-        """Averages embedding shards (and optimizer state) across the replica group."""
+    def sync(
+        self, decision: SyncDecision | None = None, *, optimizer_state: bool | None = None
+    ) -> None:
+        """Averages this rank's shards with its replicas: job-wide, or as ``decision`` says.
+
+        With no decision: over all live gangs, optimizer state per
+        ``optimizer_state`` (default ``sync.sync_optimizer_state``). With a
+        decision from the sync plan: over this gang's group at the decided
+        level, optimizer state when the decision includes it; nothing when no
+        level is due. Embedding shards always; with ``sync.dense="with_schedule"``
+        also dense parameters (and dense optimizer state with the optimizer state).
+        """
         assert self.replica is not None, "join_replica_plane() first"
-        if optimizer_state is None:
-            optimizer_state = self.cfg.sync.sync_optimizer_state
+        if decision is None:
+            plane = self.replica
+            if optimizer_state is None:
+                optimizer_state = self.cfg.sync.sync_optimizer_state
+        else:
+            if optimizer_state is not None:
+                raise ValueError("optimizer_state comes from the decision; pass one or the other")
+            if decision.level is None:
+                return
+            plane = self._plane_for(decision)
+            optimizer_state = decision.optimizer_state
         tensors = self.embedding_weights()
         if optimizer_state:
             tensors += self.embedding_optimizer_states()
-        self.replica.average_(tensors)
+        if self.cfg.sync.dense == "with_schedule":
+            tensors += [p.data for p in self.dense_params.values()]
+            if optimizer_state:
+                tensors += self.dense_optimizer_state()
+        plane.average_(tensors)
+
+    def _plane_for(self, decision: SyncDecision) -> ReplicaPlane:
+        """This rank's group at the decision's level, checked against the decision's groups."""
+        assert decision.level is not None and self.replica is not None
+        if self.levels is None:
+            # No plan joined: only a job-wide decision can be carried out, on the replica plane.
+            sizes = [len(g) for g in decision.groups]
+            if sizes != [self.replica.size]:
+                raise RuntimeError(
+                    f"step {decision.step} syncs level {decision.level} in groups of "
+                    f"{sizes} gangs; join_sync_plan() first"
+                )
+            return self.replica
+        group = decision.group_of(self.spec.gang)
+        if decision.level >= len(self.levels.planes):
+            raise RuntimeError(
+                f"decision level {decision.level} is not in the joined sync plan "
+                f"({len(self.levels.planes)} levels)"
+            )
+        if set(self.levels.groups[decision.level]) != set(group):
+            raise RuntimeError(
+                f"step {decision.step}: the decision's group {group} at level {decision.level} "
+                f"is not this rank's group {self.levels.groups[decision.level]} of generation "
+                f"{self.levels.generation}"
+            )
+        return self.levels.planes[decision.level]
+
+    def decide(self, step: int) -> SyncDecision:
+        """The joined plan's decision for ``step``; without one, the job-wide schedule.
+
+        Without a joined plan only a schedule with no lower levels can be
+        followed (all groups are the whole replica plane).
+        """
+        replica = self.replica
+        assert replica is not None, "join_replica_plane() first"
+        plan = self.sync_plan
+        if plan is None:
+            if self.cfg.sync.levels:
+                raise RuntimeError("a hierarchical schedule needs join_sync_plan() first")
+            plan = self._job_wide_plan
+            if plan is None or plan.generation != replica.generation:
+                gangs = range(replica.size)
+                plan = plan_sync(self.cfg.sync, generation=replica.generation, live_gangs=gangs)
+                self._job_wide_plan = plan
+        return plan.decide(step)
 
     def broadcast_state(self, *, src: int) -> None:
         """Copies a live member's full state to the rest of the replica group."""
@@ -196,19 +310,21 @@ class RankEngine:
         )
 
     def run(self, batches: Iterator[Batch], num_steps: int) -> list[float]:
-        """Trains ``num_steps`` steps, syncing on every ``sync_every`` boundary."""
+        """Trains ``num_steps`` steps, syncing after each as the schedule decides."""
         losses = []
-        every = self.cfg.sync.sync_every
         for _ in range(num_steps):
             losses.append(self.train_step(next(batches)))
-            if self.step % every == 0:
-                self.sync()
+            decision = self.decide(self.step)
+            if decision.due:
+                self.sync(decision)
         return losses
 
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         self.replica = None
+        self.sync_plan = None
+        self.levels = None
         self._store = None
 
 

@@ -6,6 +6,11 @@ under a generation-specific prefix and is never registered with
 ``torch.distributed``: the gang's own world (the default group that
 ``DistributedModelParallel`` shards over) is untouched when membership
 changes, and a new generation simply builds a new plane under a new prefix.
+
+A hierarchical sync schedule (:mod:`raytrec.sync.schedule`) adds, for each
+lower level, one such group per (level group, shard position): rank k of
+the gangs in group j of level l, under ``gen{n}/level{l}/group{j}/replica{k}``.
+:class:`LevelPlanes` holds this rank's group at each of those levels.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["ReplicaPlane"]
+from raytrec.sync.schedule import SyncPlan
+
+__all__ = ["LevelPlanes", "ReplicaPlane"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,6 +40,8 @@ class ReplicaPlane:
     # A c10d Backend (gloo or nccl), or None for a group of one. Typed Any
     # because torch's stubs omit the collectives of Backend subclasses.
     pg: Any
+    # For a lower level of a hierarchical schedule: (level, group index); None: all live gangs.
+    level_group: tuple[int, int] | None = None
 
     @classmethod
     def build(
@@ -45,18 +54,31 @@ class ReplicaPlane:
         size: int,
         backend: str,
         timeout: timedelta,
+        level_group: tuple[int, int] | None = None,
     ) -> ReplicaPlane:
+        """Joins the group; a collective with the other ``size - 1`` members over ``store``."""
+        if level_group is None:
+            name = f"gen{generation}/replica{replica_group}"
+        else:
+            level, group = level_group
+            name = f"gen{generation}/level{level}/group{group}/replica{replica_group}"
+        pg: Any = None
         if size == 1:
-            return cls(generation=generation, replica_group=replica_group, rank=0, size=1, pg=None)
-        prefix = dist.PrefixStore(f"gen{generation}/replica{replica_group}", store)
-        pg: Any
-        if backend == "nccl":
+            rank = 0
+        elif backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
-            pg = dist.ProcessGroupNCCL(prefix, rank, size, opts)
+            pg = dist.ProcessGroupNCCL(dist.PrefixStore(name, store), rank, size, opts)
         else:
-            pg = dist.ProcessGroupGloo(prefix, rank, size, timeout)
-        return cls(generation=generation, replica_group=replica_group, rank=rank, size=size, pg=pg)
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size, timeout)
+        return cls(
+            generation=generation,
+            replica_group=replica_group,
+            rank=rank,
+            size=size,
+            pg=pg,
+            level_group=level_group,
+        )
 
     def average_(self, tensors: Sequence[torch.Tensor]) -> None:
         """Replaces every tensor with its mean over the group, in place.
@@ -91,3 +113,57 @@ class ReplicaPlane:
             self.pg.broadcast([flat], opts).wait()
             for dst, s in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
                 dst.copy_(s)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LevelPlanes:
+    """This rank's replica group at every level of one generation's sync plan.
+
+    ``planes[l]`` averages among rank k of the gangs in this gang's group at
+    level l. The top (job-wide) level is the generation's own
+    :class:`ReplicaPlane`, shared rather than built twice.
+    """
+
+    generation: int
+    planes: tuple[ReplicaPlane, ...]  # by level index, the last one job-wide
+    groups: tuple[tuple[int, ...], ...]  # this gang's group (gang ids) at each level
+
+    @classmethod
+    def build(
+        cls,
+        store: dist.Store,
+        *,
+        plan: SyncPlan,
+        gang: int,
+        job_wide: ReplicaPlane,
+        backend: str,
+        timeout: timedelta,
+    ) -> LevelPlanes:
+        """Joins this rank's group at every lower level, lowest first (collectives per group)."""
+        if job_wide.generation != plan.generation or job_wide.size != len(plan.live_gangs):
+            raise ValueError(
+                f"the job-wide replica plane (generation {job_wide.generation}, "
+                f"{job_wide.size} gangs) does not match the sync plan (generation "
+                f"{plan.generation}, {len(plan.live_gangs)} live gangs); join the "
+                "generation's replica plane first"
+            )
+        planes, groups = [], []
+        for level in plan.levels[:-1]:
+            j = plan.group_index(gang, level.index)
+            group = level.groups[j]
+            planes.append(
+                ReplicaPlane.build(
+                    store,
+                    generation=plan.generation,
+                    replica_group=job_wide.replica_group,
+                    rank=group.index(gang),
+                    size=len(group),
+                    backend=backend,
+                    timeout=timeout,
+                    level_group=(level.index, j),
+                )
+            )
+            groups.append(group)
+        planes.append(job_wide)
+        groups.append(plan.levels[-1].groups[0])
+        return cls(generation=plan.generation, planes=tuple(planes), groups=tuple(groups))

@@ -1,0 +1,164 @@
+"""The data source a :class:`~raytrec.config.TrainConfig` describes (``config.data.source``).
+
+:func:`source_from_config` turns ``config.data`` into a :class:`~raytrec.data.source.BatchSource`
+on the driver: the in-rank synthetic generator, Parquet streamed with Ray Data, or Parquet
+generated once from the synthetic teacher (so the oracle AUC of the data is known and reported
+next to the model's). Generated data is written into a temporary directory and renamed into
+place when complete, so an interrupted generation is never mistaken for data, and a later job
+with the same sizes reuses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import tempfile
+
+from raytrec.config import ConfigError, TrainConfig
+from raytrec.data.source import BatchSource
+from raytrec.data.spec import FeatureSpec, SparseFeature
+from raytrec.data.synthetic import SyntheticCriteo
+
+__all__ = ["DataInfo", "generated_rows", "parquet_spec", "source_from_config", "synthetic_source"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataInfo:
+    """What the driver knows about the data before training."""
+
+    kind: str
+    path: str | None = None
+    rows_per_epoch: int | None = None
+    oracle_auc: float | None = None  # AUC of the teacher's own click probabilities
+
+
+def synthetic_source(config: TrainConfig) -> SyntheticCriteo:
+    """The in-rank synthetic source that matches ``config.model.tables``."""
+    features = config.model.features
+    sizes = {f: t.num_embeddings for t in config.model.tables for f in t.features}
+    named = all(f"cat_{i}" in sizes for i in range(len(features)))
+    return SyntheticCriteo(
+        num_sparse=len(features),
+        num_embeddings=tuple(sizes[f"cat_{i}"] for i in range(len(features)))
+        if named
+        else min(sizes.values()),
+        seed=config.seed,
+    )
+
+
+def parquet_spec(config: TrainConfig) -> FeatureSpec:
+    """Criteo's column layout for the model's features: ``dense_0..``, one id-list column per
+    sparse feature (named like it), ``label`` and ``row_id``."""
+    data = config.data
+    return FeatureSpec(
+        dense=tuple(f"dense_{j}" for j in range(data.num_dense)),
+        sparse=tuple(
+            SparseFeature(name=f, num_embeddings=t.num_embeddings, id_policy=data.id_policy)
+            for t in config.model.tables
+            for f in t.features
+        ),
+        labels=("label",),
+        row_id="row_id",
+    )
+
+
+def generated_rows(config: TrainConfig) -> int:
+    """Rows per epoch so that ``epochs`` passes take ``num_steps`` steps (at least)."""
+    steps_per_epoch = math.ceil(config.num_steps / config.data.epochs)
+    return steps_per_epoch * config.scaling.world_size * config.data.batch_size
+
+
+def source_from_config(config: TrainConfig) -> tuple[BatchSource, DataInfo]:
+    """The source ``config.data`` names; writes generated data first when needed."""
+    from raytrec.data.parquet import ParquetSource  # Ray Data: only when it is used
+
+    data = config.data
+    if data.source == "synthetic":
+        return synthetic_source(config), DataInfo(kind="synthetic")
+    if data.source == "parquet":
+        assert data.path is not None  # DataConfig checks it
+        path, oracle = data.path, _oracle_auc(data.path)
+    else:
+        path, oracle = generate(config)
+    source = ParquetSource(
+        paths=path,
+        spec=parquet_spec(config),
+        epochs=data.epochs,
+        shuffle_seed=data.shuffle_seed,
+        on_bad_rows=data.on_bad_rows,
+        prefetch_batches=data.prefetch_batches,
+    )
+    rows = generated_rows(config) if data.source == "generated" else None
+    return source, DataInfo(kind=data.source, path=path, rows_per_epoch=rows, oracle_auc=oracle)
+
+
+def generate(config: TrainConfig) -> tuple[str, float | None]:
+    """Writes (or finds) the generated Parquet for ``config``; returns its path and oracle AUC."""
+    from raytrec.data.generate import META_FILE, write_synthetic_parquet
+
+    data, features = config.data, config.model.features
+    if data.num_dense != 13 or any(f != f"cat_{i}" for i, f in enumerate(features)):
+        raise ConfigError(
+            "data.source='generated' writes Criteo's layout (13 dense columns, sparse features "
+            f"cat_0 .. cat_25); the model asks for data.num_dense={data.num_dense} and features "
+            f"{list(features)[:4]}...; use data.source='synthetic' or 'parquet'"
+        )
+    if len(features) > 26:
+        raise ConfigError(f"data.source='generated' has 26 sparse features, the model {features}")
+    rows = generated_rows(config)
+    num_embeddings = max(t.num_embeddings for t in config.model.tables)
+    files = min(data.generated_files, rows)
+    name = f"synthetic-{rows}rows-{files}files-{num_embeddings}ids-seed{config.seed}"
+    path = data.path or os.path.join(config.storage_path, "data", name)
+    meta_path = os.path.join(path, META_FILE)
+    if os.path.exists(meta_path):
+        with open(meta_path) as f:
+            meta = json.load(f)
+        want = {"rows": rows, "seed": config.seed, "num_embeddings": num_embeddings}
+        have = {k: meta.get(k) for k in want}
+        if have != want:
+            raise ConfigError(
+                f"data.path={path!r} holds generated data for {have}, this job needs {want}; "
+                "choose another data.path or remove it"
+            )
+        return path, meta.get("oracle_auc")
+    if os.path.exists(path) and os.listdir(path):
+        raise ConfigError(
+            f"data.path={path!r} exists and is not generated data (no {META_FILE}); "
+            "choose an empty or new directory"
+        )
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".generating-", dir=parent)
+    try:
+        written = write_synthetic_parquet(
+            tmp,
+            rows=rows,
+            files=files,
+            row_groups_per_file=max(1, min(8, rows // files // 8192)),
+            seed=config.seed,
+            num_embeddings=num_embeddings,
+        )
+        if os.path.isdir(path):
+            os.rmdir(path)  # empty, checked above
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    oracle = written.oracle_auc
+    return path, None if math.isnan(oracle) else oracle
+
+
+def _oracle_auc(path: str) -> float | None:
+    """The oracle AUC recorded next to generated Parquet, if ``path`` is such a local directory."""
+    from raytrec.data.generate import META_FILE
+
+    meta = os.path.join(path, META_FILE)
+    if not os.path.isfile(meta):
+        return None
+    with open(meta) as f:
+        value = json.load(f).get("oracle_auc")
+    return float(value) if value is not None else None

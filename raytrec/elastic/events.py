@@ -1,0 +1,171 @@
+"""What happened to the job's membership, as values with a time and a step.
+
+Every failure noticed, gang dropped or added, generation started, wait for resources and final
+failure is one :class:`Event`. They go into an append-only :class:`EventLog`, which the
+coordinator returns with the run's result (``to_dicts()`` gives JSON-ready rows). ``at`` is the
+injected clock's time in seconds, ``step`` the job's completed steps when it happened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any, ClassVar, TypeVar
+
+__all__ = [
+    "Event",
+    "EventLog",
+    "GangDropped",
+    "GangHealed",
+    "GangJoined",
+    "GangPlaced",
+    "GangRequested",
+    "GenerationStarted",
+    "HangDetected",
+    "JobFailed",
+    "NodeDied",
+    "RankDied",
+    "ResourcesWaited",
+]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, tuple | list):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Event:
+    kind: ClassVar[str] = "event"
+    at: float
+    step: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"kind": ..., "at": ..., "step": ..., <fields>}`` with tuples as lists."""
+        fields = {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return {"kind": self.kind, **fields}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankDied(Event):
+    kind: ClassVar[str] = "rank_died"
+    job_rank: int
+    gang_id: int | None
+    cause: str = ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodeDied(Event):
+    kind: ClassVar[str] = "node_died"
+    node: int
+    gang_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HangDetected(Event):
+    kind: ClassVar[str] = "hang_detected"
+    job_ranks: tuple[int, ...]
+    gang_ids: tuple[int, ...]
+    #: The step the hung ranks last finished, and for how long they had been silent.
+    last_step: int
+    silent_s: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GangDropped(Event):
+    kind: ClassVar[str] = "gang_dropped"
+    gang_id: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerationStarted(Event):
+    kind: ClassVar[str] = "generation_started"
+    generation: int
+    gang_ids: tuple[int, ...]
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GangRequested(Event):
+    kind: ClassVar[str] = "gang_requested"
+    #: Placement groups requested now, and how many are outstanding after this request.
+    count: int
+    outstanding: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GangPlaced(Event):
+    kind: ClassVar[str] = "gang_placed"
+    #: Node of each gang rank of the placement group that became ready.
+    nodes: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GangHealed(Event):
+    kind: ClassVar[str] = "gang_healed"
+    gang_id: int
+    peer_gang_id: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GangJoined(Event):
+    kind: ClassVar[str] = "gang_joined"
+    gang_id: int
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ResourcesWaited(Event):
+    kind: ClassVar[str] = "resources_waited"
+    live_gangs: int
+    min_gangs: int
+    deadline: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobFailed(Event):
+    kind: ClassVar[str] = "job_failed"
+    reason: str
+    #: True when no live copy of some shard is left, so only a checkpoint can recover the job.
+    needs_checkpoint: bool = False
+
+
+E = TypeVar("E", bound=Event)
+
+
+class EventLog:
+    """Append-only, time-ordered list of events."""
+
+    def __init__(self) -> None:
+        self._events: list[Event] = []
+
+    def append(self, *events: Event) -> None:
+        for e in events:
+            if self._events and e.at < self._events[-1].at:
+                raise ValueError(
+                    f"event {e.kind} at t={e.at} is earlier than the last one "
+                    f"({self._events[-1].kind} at t={self._events[-1].at}); the log is time-ordered"
+                )
+            self._events.append(e)
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def __iter__(self) -> Iterator[Event]:
+        return iter(tuple(self._events))
+
+    @property
+    def events(self) -> tuple[Event, ...]:
+        return tuple(self._events)
+
+    def of(self, kind: type[E]) -> tuple[E, ...]:
+        """The events of one type, in order."""
+        return tuple(e for e in self._events if isinstance(e, kind))
+
+    def kinds(self) -> list[str]:
+        return [e.kind for e in self._events]
+
+    def to_dicts(self) -> list[dict[str, Any]]:
+        return [e.to_dict() for e in self._events]

@@ -1,0 +1,225 @@
+"""Fault injection: which rank or node fails how, at which step.
+
+A :class:`FaultSpec` is one fault: ``kill_rank`` (the rank's process exits), ``remove_node``
+(the node and every rank on it go away), ``hang_rank`` (the rank stops making progress and never
+returns) or ``slow_rank`` (the rank stalls ``stall_s`` seconds in each of ``steps`` steps). A
+fault fires when the job has completed ``step`` steps, before the next step starts. Rank faults
+target one job rank (``rank``), every rank of a gang (``gang``, a gang id) or every rank on a node
+(``node``); ``remove_node`` targets a node.
+
+A :class:`FaultConfig` is a plan of several faults, built from the API, from config dicts
+(``from_dicts``) or from short strings (``"kill_rank@12:rank=3"``,
+``"slow_rank@5:gang=1:stall_s=2.5:steps=3"``). Which faults fire at a step is a pure function:
+ranks ask :meth:`FaultConfig.for_rank`, the coordinator asks :meth:`FaultConfig.nodes_removed_at`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from raytrec.errors import ConfigError
+
+__all__ = ["FaultConfig", "FaultKind", "FaultSpec"]
+
+
+class FaultKind(enum.StrEnum):
+    KILL_RANK = "kill_rank"
+    REMOVE_NODE = "remove_node"
+    HANG_RANK = "hang_rank"
+    SLOW_RANK = "slow_rank"
+
+
+#: Faults a rank carries out on itself; ``remove_node`` is carried out by the coordinator.
+RANK_FAULTS = (FaultKind.KILL_RANK, FaultKind.HANG_RANK, FaultKind.SLOW_RANK)
+_TARGETS = ("rank", "gang", "node")
+_FIELDS = ("kind", "step", "rank", "gang", "node", "stall_s", "steps")
+
+
+def _index(field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{field} must be a non-negative integer, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FaultSpec:
+    """One injected fault; see the module doc for the kinds and targets."""
+
+    kind: FaultKind
+    step: int
+    rank: int | None = None
+    gang: int | None = None
+    node: int | None = None
+    #: slow_rank only: seconds of stall per affected step.
+    stall_s: float | None = None
+    #: slow_rank only: how many consecutive steps, from ``step`` on, are slowed.
+    steps: int = 1
+
+    def __post_init__(self) -> None:
+        allowed = ", ".join(repr(k.value) for k in FaultKind)
+        try:
+            object.__setattr__(self, "kind", FaultKind(self.kind))
+        except ValueError:
+            raise ConfigError(f"fault.kind={self.kind!r} is not one of {allowed}") from None
+        _index(f"{self.kind}.step", self.step)
+        set_targets = [t for t in _TARGETS if getattr(self, t) is not None]
+        if self.kind is FaultKind.REMOVE_NODE:
+            if set_targets != ["node"]:
+                raise ConfigError(
+                    f"remove_node targets a node: set node and neither rank nor gang, got "
+                    f"{', '.join(f'{t}={getattr(self, t)!r}' for t in set_targets) or 'no target'}"
+                )
+        elif len(set_targets) != 1:
+            raise ConfigError(
+                f"{self.kind} needs exactly one target of rank, gang, node; got "
+                f"{', '.join(f'{t}={getattr(self, t)!r}' for t in set_targets) or 'none'}"
+            )
+        for t in set_targets:
+            _index(f"{self.kind}.{t}", getattr(self, t))
+        if self.kind is FaultKind.SLOW_RANK:
+            s = self.stall_s
+            if isinstance(s, bool) or not isinstance(s, int | float) or not s > 0:
+                raise ConfigError(
+                    f"slow_rank.stall_s must be a positive number of seconds, got {s!r}"
+                )
+            if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+                raise ConfigError(f"slow_rank.steps must be an integer >= 1, got {self.steps!r}")
+        else:
+            if self.stall_s is not None:
+                raise ConfigError(
+                    f"{self.kind}.stall_s={self.stall_s!r} is only allowed for slow_rank"
+                )
+            if self.steps != 1:
+                raise ConfigError(f"{self.kind}.steps={self.steps!r} is only allowed for slow_rank")
+
+    @property
+    def target(self) -> tuple[str, int]:
+        """``("rank" | "gang" | "node", index)``."""
+        for t in _TARGETS:
+            value = getattr(self, t)
+            if value is not None:
+                return t, value
+        raise AssertionError("validated on construction")
+
+    def fires_at(self, step: int) -> bool:
+        return self.step <= step < self.step + self.steps
+
+    def hits_rank(self, *, rank: int, gang: int, node: int) -> bool:
+        """Whether this fault targets the rank with job rank ``rank`` in ``gang`` on ``node``."""
+        name, value = self.target
+        return {"rank": rank, "gang": gang, "node": node}[name] == value
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> FaultSpec:
+        unknown = sorted(set(raw) - set(_FIELDS))
+        if unknown:
+            raise ConfigError(f"fault has unknown keys {unknown}; allowed: {list(_FIELDS)}")
+        if "kind" not in raw or "step" not in raw:
+            raise ConfigError(f"fault needs 'kind' and 'step', got {dict(raw)!r}")
+        return cls(**dict(raw))
+
+    @classmethod
+    def parse(cls, text: str) -> FaultSpec:
+        """``"<kind>@<step>[:key=value]..."``, e.g. ``"remove_node@40:node=2"``."""
+        head, *pairs = text.strip().split(":")
+        kind, sep, step = head.partition("@")
+        if not sep:
+            raise ConfigError(f"fault {text!r} must look like '<kind>@<step>:<target>=<index>'")
+        raw: dict[str, Any] = {"kind": kind.strip(), "step": _number(text, "step", step)}
+        for pair in pairs:
+            key, eq, value = pair.partition("=")
+            key = key.strip()
+            if not eq or key not in _FIELDS[2:]:
+                raise ConfigError(
+                    f"fault {text!r}: {pair!r} is not key=value with key one of {list(_FIELDS[2:])}"
+                )
+            raw[key] = _number(text, key, value)
+        return cls.from_dict(raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind.value, "step": self.step}
+        name, value = self.target
+        out[name] = value
+        if self.kind is FaultKind.SLOW_RANK:
+            out.update(stall_s=self.stall_s, steps=self.steps)
+        return out
+
+
+def _number(text: str, key: str, value: str) -> int | float:
+    try:
+        return float(value) if key == "stall_s" else int(value)
+    except ValueError:
+        raise ConfigError(f"fault {text!r}: {key}={value.strip()!r} is not a number") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FaultConfig:
+    """A plan of faults, in the order given."""
+
+    faults: tuple[FaultSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "faults", tuple(self.faults))
+        for i, f in enumerate(self.faults):
+            if not isinstance(f, FaultSpec):
+                raise ConfigError(f"faults[{i}] must be a FaultSpec, got {f!r}")
+
+    @classmethod
+    def from_dicts(cls, raw: Iterable[Mapping[str, Any]]) -> FaultConfig:
+        return cls(faults=tuple(_at(i, FaultSpec.from_dict, r) for i, r in enumerate(raw)))
+
+    @classmethod
+    def parse(cls, texts: str | Sequence[str]) -> FaultConfig:
+        """Faults as strings; one string may hold several separated by ``;`` or ``,``."""
+        items = [texts] if isinstance(texts, str) else list(texts)
+        parts = [p for t in items for p in t.replace(";", ",").split(",") if p.strip()]
+        return cls(faults=tuple(_at(i, FaultSpec.parse, p) for i, p in enumerate(parts)))
+
+    def to_dicts(self) -> list[dict[str, Any]]:
+        return [f.to_dict() for f in self.faults]
+
+    def at_step(self, step: int) -> tuple[FaultSpec, ...]:
+        """Every fault that fires when the job has completed ``step`` steps."""
+        return tuple(f for f in self.faults if f.fires_at(step))
+
+    def for_rank(self, step: int, *, rank: int, gang: int, node: int) -> tuple[FaultSpec, ...]:
+        """The rank faults (kill, hang, slow) that job rank ``rank`` of ``gang`` on ``node``
+        carries out on itself at ``step``."""
+        return tuple(
+            f
+            for f in self.at_step(step)
+            if f.kind in RANK_FAULTS and f.hits_rank(rank=rank, gang=gang, node=node)
+        )
+
+    def nodes_removed_at(self, step: int) -> tuple[int, ...]:
+        """Nodes the coordinator removes at ``step``; sorted."""
+        return tuple(
+            sorted(
+                {
+                    f.node
+                    for f in self.at_step(step)
+                    if f.kind is FaultKind.REMOVE_NODE and f.node is not None
+                }
+            )
+        )
+
+    def check_targets(self, *, num_ranks: int, num_gangs: int, num_nodes: int) -> None:
+        """Every target exists in a job of the given size (initial ranks, gangs, nodes)."""
+        bounds = {"rank": num_ranks, "gang": num_gangs, "node": num_nodes}
+        for i, f in enumerate(self.faults):
+            name, value = f.target
+            if value >= bounds[name]:
+                raise ConfigError(
+                    f"faults[{i}].{name}={value} is out of range for this job; allowed: "
+                    f"0..{bounds[name] - 1}"
+                )
+
+
+def _at(i: int, build: Any, raw: Any) -> FaultSpec:
+    try:
+        spec: FaultSpec = build(raw)
+    except ConfigError as e:
+        raise ConfigError(f"faults[{i}]: {e}") from None
+    return spec

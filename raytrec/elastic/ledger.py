@@ -1,0 +1,216 @@
+"""Exactly-once accounting of training rows across failures.
+
+Each gang reads rows named by ids (``0 .. N-1`` within an epoch). Rows a gang consumed since
+its last completed replica sync are *pending*: their effect lives only in that gang's copy of
+the embedding shards. When the gang completes a sync, its copy is averaged into every replica,
+so its pending rows become *committed*. When a gang is dropped, its pending rows (and any replay
+rows it had been given but not yet read) go to a replay pool that is split among the surviving
+gangs (:func:`raytrec.elastic.rows.split_balanced`: balanced by row count, whole ranges where
+possible, deterministic). A survivor reads its replay share before fresh rows.
+
+:meth:`DataLedger.check_exactly_once` proves, per epoch, that every id was committed exactly
+once, returning the missing and the duplicated ids. Rows that went through replay are listed by
+:meth:`DataLedger.replayed`: when the dense parameters are averaged across gangs every step
+(rather than on the sync schedule), the lost gang had already put these rows' dense gradients
+into every survivor, so their dense contribution is counted twice (docs/fault_tolerance.md).
+
+Pending rows are kept as an unmerged list, so a row consumed twice by one gang shows up as a
+duplicate at commit rather than being silently merged away.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+
+from raytrec.elastic.rows import Range, RowRanges, coverage, split_balanced
+
+__all__ = ["DataLedger", "ExactlyOnce", "LedgerError", "ReplayPlan"]
+
+
+class LedgerError(ValueError):
+    """A ledger call that names an unknown gang, epoch or row."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExactlyOnce:
+    """The result of an exactly-once check over one epoch."""
+
+    epoch: int
+    rows: int
+    committed: int  # with multiplicity
+    missing: RowRanges
+    duplicated: RowRanges
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing and not self.duplicated and self.committed == self.rows
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayPlan:
+    """Where the rows of dropped gangs go: survivor gang id -> epoch -> rows to replay."""
+
+    dropped: tuple[int, ...]
+    shares: Mapping[int, Mapping[int, RowRanges]]
+
+    def rows_of(self, gang_id: int) -> int:
+        return sum(r.count for r in self.shares.get(gang_id, {}).values())
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.rows_of(g) for g in self.shares)
+
+
+def _by_epoch(items: Iterable[tuple[int, Range]]) -> dict[int, RowRanges]:
+    grouped: dict[int, list[Range]] = {}
+    for epoch, r in items:
+        grouped.setdefault(epoch, []).append(r)
+    return {e: RowRanges(tuple(rs)) for e, rs in sorted(grouped.items())}
+
+
+class DataLedger:
+    """Pending, committed and replay rows per gang; see the module doc."""
+
+    def __init__(self, rows_per_epoch: int, gang_ids: Iterable[int]) -> None:
+        if isinstance(rows_per_epoch, bool) or not isinstance(rows_per_epoch, int):
+            raise LedgerError(f"rows_per_epoch must be an int, got {rows_per_epoch!r}")
+        if rows_per_epoch < 1:
+            raise LedgerError(f"rows_per_epoch must be >= 1, got {rows_per_epoch}")
+        self.rows_per_epoch = rows_per_epoch
+        self._pending: dict[int, list[tuple[int, Range]]] = {}
+        self._replay: dict[int, dict[int, RowRanges]] = {}
+        self._committed: dict[int, list[Range]] = {}
+        self._replayed: dict[int, list[Range]] = {}
+        self.add_gangs(gang_ids)
+
+    # -- changes ------------------------------------------------------------------------------
+
+    def add_gangs(self, gang_ids: Iterable[int]) -> None:
+        """New gangs start with nothing pending and nothing to replay."""
+        for g in gang_ids:
+            if g in self._pending:
+                raise LedgerError(f"gang {g} is already in the ledger")
+            self._pending[g] = []
+            self._replay[g] = {}
+
+    def consume(self, gang_id: int, epoch: int, rows: RowRanges) -> None:
+        """Gang ``gang_id`` trained on ``rows`` of ``epoch`` (not yet synced)."""
+        self._gang(gang_id)
+        if epoch < 0:
+            raise LedgerError(f"epoch must be >= 0, got {epoch}")
+        if rows.ranges and rows.ranges[-1][1] > self.rows_per_epoch:
+            raise LedgerError(
+                f"gang {gang_id} consumed rows up to {rows.ranges[-1][1] - 1}, but an epoch has "
+                f"ids 0..{self.rows_per_epoch - 1}"
+            )
+        self._pending[gang_id].extend((epoch, r) for r in rows.ranges)
+        due = self._replay[gang_id].get(epoch)
+        if due is not None:
+            left = due.difference(rows)
+            if left:
+                self._replay[gang_id][epoch] = left
+            else:
+                del self._replay[gang_id][epoch]
+
+    def commit(self, gang_ids: Iterable[int]) -> int:
+        """The gangs completed a replica sync: their pending rows are committed. Returns the
+        number of rows committed."""
+        n = 0
+        for g in gang_ids:
+            for epoch, r in self._pending_of(g):
+                self._committed.setdefault(epoch, []).append(r)
+                n += r[1] - r[0]
+            self._pending[g] = []
+        return n
+
+    def drop(self, gang_ids: Iterable[int], survivors: Sequence[int]) -> ReplayPlan:
+        """Drops gangs; their pending and unread replay rows are split among ``survivors``
+        (taken in the given order; the first ones get the extra row when the split is uneven)."""
+        dropped = tuple(sorted(set(gang_ids)))
+        for g in dropped:
+            self._gang(g)
+        for g in survivors:
+            self._gang(g)
+            if g in dropped:
+                raise LedgerError(f"gang {g} cannot both be dropped and survive")
+        pool: dict[int, list[Range]] = {}
+        for g in dropped:
+            for epoch, r in self._pending[g]:
+                pool.setdefault(epoch, []).append(r)
+            for epoch, rows in self._replay[g].items():
+                pool.setdefault(epoch, []).extend(rows.ranges)
+        # A row a dropped gang read twice is replayed once: the pool is a set.
+        items = [(epoch, r) for epoch in sorted(pool) for r in RowRanges(tuple(pool[epoch])).ranges]
+        if items and not survivors:
+            raise LedgerError(
+                f"dropping gangs {list(dropped)} leaves no survivor to replay their "
+                f"{sum(b - a for _, (a, b) in items)} pending rows"
+            )
+        for g in dropped:
+            del self._pending[g], self._replay[g]
+        for epoch, r in items:
+            self._replayed.setdefault(epoch, []).append(r)
+        shares: dict[int, Mapping[int, RowRanges]] = {}
+        if survivors:
+            for g, share in zip(survivors, split_balanced(items, len(survivors)), strict=True):
+                got = _by_epoch(share)
+                shares[g] = got
+                for epoch, rows in got.items():
+                    self._replay[g][epoch] = self._replay[g].get(epoch, RowRanges()).union(rows)
+        return ReplayPlan(dropped=dropped, shares=shares)
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def gang_ids(self) -> tuple[int, ...]:
+        return tuple(sorted(self._pending))
+
+    def pending(self, gang_id: int) -> dict[int, RowRanges]:
+        """Epoch -> rows the gang consumed since its last completed sync."""
+        return _by_epoch(self._pending_of(gang_id))
+
+    def pending_rows(self, gang_id: int) -> int:
+        """Pending rows of the gang, counted with multiplicity."""
+        return sum(b - a for _, (a, b) in self._pending_of(gang_id))
+
+    def replay_due(self, gang_id: int) -> dict[int, RowRanges]:
+        """Epoch -> replay rows assigned to the gang and not read yet."""
+        self._gang(gang_id)
+        return dict(sorted(self._replay[gang_id].items()))
+
+    def committed(self, epoch: int) -> RowRanges:
+        """Rows of ``epoch`` committed at least once."""
+        return RowRanges(tuple(self._committed.get(epoch, ())))
+
+    def committed_rows(self, epoch: int) -> int:
+        """Rows of ``epoch`` committed, counted with multiplicity."""
+        return sum(b - a for a, b in self._committed.get(epoch, ()))
+
+    def replayed(self, epoch: int) -> RowRanges:
+        """Rows of ``epoch`` that were handed back for replay after their gang was dropped."""
+        return RowRanges(tuple(self._replayed.get(epoch, ())))
+
+    def check_exactly_once(self, epoch: int) -> ExactlyOnce:
+        """Whether every id of ``epoch`` was committed exactly once."""
+        committed = self._committed.get(epoch, [])
+        missing, duplicated = coverage(committed, total=self.rows_per_epoch)
+        return ExactlyOnce(
+            epoch=epoch,
+            rows=self.rows_per_epoch,
+            committed=sum(b - a for a, b in committed),
+            missing=missing,
+            duplicated=duplicated,
+        )
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _gang(self, gang_id: int) -> None:
+        if gang_id not in self._pending:
+            raise LedgerError(
+                f"gang {gang_id} is not in the ledger; known gangs: {list(self.gang_ids)}"
+            )
+
+    def _pending_of(self, gang_id: int) -> list[tuple[int, Range]]:
+        self._gang(gang_id)
+        return self._pending[gang_id]

@@ -1,0 +1,178 @@
+"""ElasticConfig and the fault plan: validation names field, value and what is allowed; the
+plan answers which faults fire at which step for which rank."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from raytrec.config import ConfigError
+from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
+
+
+def test_elastic_defaults_and_max_resolution() -> None:
+    cfg = ElasticConfig()
+    assert cfg.min_gangs == 1 and cfg.max_gangs is None and cfg.grow
+    assert cfg.resolved_max_gangs(4) == 4
+    assert ElasticConfig(min_gangs=2, max_gangs=6).resolved_max_gangs(4) == 6
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"min_gangs": 0}, r"elastic.min_gangs must be an integer >= 1, got 0"),
+        ({"min_gangs": True}, r"elastic.min_gangs must be an integer >= 1, got True"),
+        (
+            {"min_gangs": 3, "max_gangs": 2},
+            r"elastic.max_gangs=2 is below elastic.min_gangs=3; allowed: None or an integer >= 3",
+        ),
+        ({"step_timeout_s": 0}, r"elastic.step_timeout_s must be a positive number"),
+        ({"resource_wait_s": -1.0}, r"elastic.resource_wait_s must be a positive number"),
+        (
+            {"step_timeout_s": 60, "collective_timeout_s": 60},
+            r"elastic.collective_timeout_s=60 must be below elastic.step_timeout_s=60",
+        ),
+        (
+            {"step_timeout_s": 30, "collective_timeout_s": 10, "poll_s": 30},
+            r"elastic.poll_s=30 must be below elastic.step_timeout_s=30",
+        ),
+        ({"grow": "yes"}, r"elastic.grow must be True or False, got 'yes'"),
+    ],
+)
+def test_elastic_config_errors(kwargs: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        ElasticConfig(**kwargs)
+
+
+def test_resolved_max_checks_the_initial_size() -> None:
+    with pytest.raises(ConfigError, match=r"starts with 2 gangs, fewer than elastic.min_gangs=3"):
+        ElasticConfig(min_gangs=3).resolved_max_gangs(2)
+    with pytest.raises(ConfigError, match=r"elastic.max_gangs=3 is below the initial 4 gangs"):
+        ElasticConfig(max_gangs=3).resolved_max_gangs(4)
+
+
+PLAN = (
+    "kill_rank@5:rank=3; remove_node@8:node=1, hang_rank@8:gang=2, "
+    "slow_rank@10:node=0:stall_s=2.5:steps=3"
+)
+
+
+def test_parse_builds_the_same_plan_as_dicts_and_the_api() -> None:
+    parsed = FaultConfig.parse(PLAN)
+    dicts = [
+        {"kind": "kill_rank", "step": 5, "rank": 3},
+        {"kind": "remove_node", "step": 8, "node": 1},
+        {"kind": "hang_rank", "step": 8, "gang": 2},
+        {"kind": "slow_rank", "step": 10, "node": 0, "stall_s": 2.5, "steps": 3},
+    ]
+    api = FaultConfig(
+        faults=(
+            FaultSpec(kind=FaultKind.KILL_RANK, step=5, rank=3),
+            FaultSpec(kind=FaultKind.REMOVE_NODE, step=8, node=1),
+            FaultSpec(kind=FaultKind.HANG_RANK, step=8, gang=2),
+            FaultSpec(kind=FaultKind.SLOW_RANK, step=10, node=0, stall_s=2.5, steps=3),
+        )
+    )
+    assert parsed == FaultConfig.from_dicts(dicts) == api
+    assert parsed.to_dicts() == dicts
+    assert json.loads(json.dumps(parsed.to_dicts())) == dicts
+    assert FaultConfig.from_dicts(parsed.to_dicts()) == parsed
+
+
+def test_which_faults_fire_when_and_where() -> None:
+    plan = FaultConfig.parse(PLAN)
+    assert [f.kind for f in plan.at_step(8)] == ["remove_node", "hang_rank"]
+    assert plan.at_step(7) == ()
+    assert plan.nodes_removed_at(8) == (1,) and plan.nodes_removed_at(5) == ()
+    # kill_rank@5 hits job rank 3 only, whatever its gang and node.
+    assert [f.kind for f in plan.for_rank(5, rank=3, gang=1, node=1)] == ["kill_rank"]
+    assert plan.for_rank(5, rank=4, gang=1, node=1) == ()
+    # hang_rank@8 on gang 2 hits every rank of gang 2; remove_node is not a rank fault.
+    assert [f.kind for f in plan.for_rank(8, rank=9, gang=2, node=4)] == ["hang_rank"]
+    assert plan.for_rank(8, rank=2, gang=1, node=1) == ()
+    # slow_rank@10 for 3 steps on node 0: steps 10, 11, 12 and no other.
+    slow = [s for s in range(20) if plan.for_rank(s, rank=0, gang=0, node=0)]
+    assert slow == [10, 11, 12]
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        (
+            {"kind": "explode", "step": 1, "rank": 0},
+            r"fault.kind='explode' is not one of "
+            r"'kill_rank', 'remove_node', 'hang_rank', 'slow_rank'",
+        ),
+        (
+            {"kind": "kill_rank", "step": 1},
+            r"kill_rank needs exactly one target of rank, gang, "
+            r"node; got none",
+        ),
+        (
+            {"kind": "kill_rank", "step": 1, "rank": 0, "gang": 1},
+            r"kill_rank needs exactly one target .*got rank=0, gang=1",
+        ),
+        (
+            {"kind": "remove_node", "step": 1, "rank": 2},
+            r"remove_node targets a node: set node and neither rank nor gang, got rank=2",
+        ),
+        (
+            {"kind": "kill_rank", "step": -1, "rank": 0},
+            r"kill_rank.step must be a non-negative integer, got -1",
+        ),
+        (
+            {"kind": "hang_rank", "step": 1, "gang": -2},
+            r"hang_rank.gang must be a non-negative integer, got -2",
+        ),
+        (
+            {"kind": "slow_rank", "step": 1, "rank": 0},
+            r"slow_rank.stall_s must be a positive number of seconds, got None",
+        ),
+        (
+            {"kind": "slow_rank", "step": 1, "rank": 0, "stall_s": 1.0, "steps": 0},
+            r"slow_rank.steps must be an integer >= 1, got 0",
+        ),
+        (
+            {"kind": "kill_rank", "step": 1, "rank": 0, "stall_s": 1.0},
+            r"kill_rank.stall_s=1.0 is only allowed for slow_rank",
+        ),
+        (
+            {"kind": "hang_rank", "step": 1, "rank": 0, "steps": 2},
+            r"hang_rank.steps=2 is only allowed for slow_rank",
+        ),
+        (
+            {"kind": "kill_rank", "step": 1, "rank": 0, "when": 3},
+            r"fault has unknown keys \['when'\]; allowed: \['kind', 'step'",
+        ),
+        ({"kind": "kill_rank", "rank": 0}, r"fault needs 'kind' and 'step'"),
+    ],
+)
+def test_fault_dict_errors_name_the_fault_and_field(raw: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=r"faults\[1\]: " + match):
+        FaultConfig.from_dicts([{"kind": "kill_rank", "step": 0, "rank": 0}, raw])
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("kill_rank:rank=1", r"must look like '<kind>@<step>:<target>=<index>'"),
+        ("kill_rank@x:rank=1", r"step='x' is not a number"),
+        ("kill_rank@3:rank", r"'rank' is not key=value with key one of \['rank', 'gang'"),
+        ("kill_rank@3:host=1", r"'host=1' is not key=value"),
+        ("slow_rank@3:rank=1:stall_s=fast", r"stall_s='fast' is not a number"),
+    ],
+)
+def test_fault_string_errors(text: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=r"faults\[0\]: .*" + match):
+        FaultConfig.parse(text)
+
+
+def test_targets_are_checked_against_the_job() -> None:
+    plan = FaultConfig.parse("kill_rank@1:rank=7, remove_node@2:node=4")
+    plan.check_targets(num_ranks=8, num_gangs=2, num_nodes=5)
+    with pytest.raises(ConfigError, match=r"faults\[1\].node=4 is out of range .*allowed: 0..3"):
+        plan.check_targets(num_ranks=8, num_gangs=2, num_nodes=4)
+    with pytest.raises(ConfigError, match=r"faults\[0\].rank=7 is out of range .*allowed: 0..6"):
+        plan.check_targets(num_ranks=7, num_gangs=2, num_nodes=5)
