@@ -1,15 +1,36 @@
-"""The coordinator: places gangs, hosts the rendezvous store and drives training.
+"""The coordinator: places gangs, hosts the rendezvous store and drives training elastically.
 
-A plain class, made a Ray actor only at the launch site
-(:func:`raytrec.api.fit`). It hosts the job's ``TCPStore`` (every gang world
-and replica plane rendezvous under their own prefix in it), creates one
-placement group per gang (:mod:`raytrec.placement`), starts one
-:class:`~actors.rank.RankWorker` per rank and runs training in intervals of
-``log_every`` steps, recording one metrics row per interval.
+A plain class, made a Ray actor only at the launch site (:func:`raytrec.api.fit`). It hosts the
+job's ``TCPStore`` (every gang world and replica plane rendezvous under their own prefix in it),
+creates one placement group per gang (:mod:`raytrec.placement`), starts one
+:class:`~actors.rank.RankWorker` per rank and runs training in intervals of ``log_every`` steps,
+recording one metrics row per interval.
+
+Elasticity, at interval granularity:
+
+- **Loss.** A rank actor that dies (its process, or its node) fails its interval call at once; a
+  hung rank is the one still running after its peers' collectives gave up. The coordinator kills
+  what is left of every gang that lost a rank, aborts the survivors' replica planes (so their
+  blocked collectives fail now, not after the timeout), collects from each survivor what it
+  trained (``recover``), and starts a new generation: a replica plane among the survivors, the
+  sync schedule recomputed for them, and a job-wide sync that makes every replica identical. The
+  batches the lost gang trained since its last sync go back to the survivors
+  (:class:`~raytrec.elastic.ledger.DataLedger`, :class:`~raytrec.elastic.streams.RankStreams`).
+- **Growth.** With ``elastic.grow``, the coordinator keeps one pending placement group per gang
+  it could still add (up to ``elastic.max_gangs``): on an autoscaling cluster that pending demand
+  is what adds nodes. A gang whose group becomes ready is started, and joins at the next interval
+  boundary: a job-wide sync among the live gangs, a new generation including it, and a broadcast
+  of the full state (shards, optimizer state, dense state, step) from a live peer gang.
+- **Too few gangs.** Below ``elastic.min_gangs`` training pauses until placements come back, for
+  at most ``elastic.resource_wait_s``, then the job fails with a message saying so.
+
+Every failure, generation, heal and resize is an event (:mod:`raytrec.elastic.events`) with its
+time and step, returned in the run summary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -27,14 +48,41 @@ from torchrec.distributed.types import ShardingPlan
 from actors.rank import RankWorker
 from raytrec.config import TrainConfig
 from raytrec.data.source import BatchShard
-from raytrec.engine.rank import RankSpec, StoreAddress
+from raytrec.data.synthetic import batch_id
+from raytrec.elastic.events import (
+    EventLog,
+    GangDropped,
+    GangHealed,
+    GangJoined,
+    GangPlaced,
+    GangRequested,
+    GenerationStarted,
+    HangDetected,
+    JobFailed,
+    NodeDied,
+    RankDied,
+    ResourcesWaited,
+)
+from raytrec.elastic.ledger import DataLedger
+from raytrec.elastic.membership import Membership, RankSlot
+from raytrec.elastic.rows import RowRanges
+from raytrec.elastic.streams import RankStreams
+from raytrec.engine.rank import RENDEZVOUS_TIMEOUT_S, RankSpec, StoreAddress
 from raytrec.metrics import IntervalMetrics, aggregate_interval
 from raytrec.model import ModelFactory, build_dlrm
 from raytrec.placement import placement_specs, rank_resources
 from raytrec.rec_metrics import merge_metric_states
-from raytrec.sync.schedule import SyncPlan, gang_locality, plan_sync
+from raytrec.sync.schedule import SyncPlan, plan_sync
+from raytrec.topology import Layout
 
-__all__ = ["Coordinator", "RunSummary"]
+__all__ = ["Coordinator", "JobFailedError", "RunSummary"]
+
+# Ids of the ledger's "rows": batch ids (see raytrec.data.synthetic.batch_id), all in epoch 0.
+_LEDGER_IDS = 1 << 62
+
+
+class JobFailedError(RuntimeError):
+    """The job cannot go on (too few gangs for too long, or a shard lost every copy)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,12 +97,34 @@ class RunSummary:
     # trained up to ``steps`` is still synced, checked and saved.
     stopped_by: BaseException | None = None
     first_batch_s: float = 0.0  # until every rank held its first interval's batches
+    events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    generation: int = 0
+    # Exactly-once accounting of batches (replayable sources): ids trained into the final model
+    # (committed), counted with multiplicity, and those handed to survivors for replay.
+    committed_batches: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    committed_count: int = 0
+    replayed_batches: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    lost_batches: int = 0  # uncommitted batches of lost gangs that could not be replayed
 
 
 def intervals(num_steps: int, every: int) -> list[int]:
     """Splits ``num_steps`` into reporting intervals of ``every`` steps (the last may be short)."""
     full, rest = divmod(num_steps, every)
     return [every] * full + ([rest] if rest else [])
+
+
+@dataclasses.dataclass
+class _Interval:
+    """The outcome of one interval call on every live rank."""
+
+    reports: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    dead: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> cause
+    errored: dict[int, str] = dataclasses.field(default_factory=dict)
+    hung: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.dead or self.errored or self.hung)
 
 
 class Coordinator:
@@ -69,7 +139,7 @@ class Coordinator:
         run_dir: str,
         model_factory: ModelFactory = build_dlrm,
         placement_timeout_s: float = 300.0,
-        step_timeout_s: float = 600.0,
+        new_shard: Any = None,
     ) -> None:
         self.cfg = config
         self.plan = plan
@@ -78,15 +148,30 @@ class Coordinator:
         self.run_dir = run_dir
         self.model_factory = model_factory
         self.placement_timeout_s = placement_timeout_s
-        self.step_timeout_s = step_timeout_s
+        self.new_shard = new_shard  # job rank -> BatchShard, for gangs that join later
+        self.elastic = config.elastic
         self.topology = config.scaling.topology()
-        self.generation = 0
+        self.membership = Membership.initial(self.topology)
+        self.max_gangs = self.elastic.resolved_max_gangs(self.topology.num_gangs)
+        self.step = 0
+        self.first_batch_s = 0.0
+        self.events = EventLog()
+        self._t0 = time.monotonic()
         self._history: list[IntervalMetrics] = []
         self._lock = threading.Lock()
-        self._pgs: list[PlacementGroup] = []
+        self._pgs: dict[int, PlacementGroup] = {}  # gang id -> its placement group
+        self._pending: list[PlacementGroup] = []  # requested for gangs not started yet
         self._workers: dict[int, Any] = {}  # job rank -> actor handle
+        self._rank_nodes: dict[int, str] = {}  # job rank -> Ray node id
+        self._node_index: dict[str, int] = {}
         self._store: dist.TCPStore | None = None
-        self.first_batch_s = 0.0
+        self._store_address: StoreAddress | None = None
+        replayable = all(s.replayable for s in shards)
+        self.streams = RankStreams(batch_id) if replayable else None
+        self.ledger = DataLedger(_LEDGER_IDS, self.membership.gang_ids)
+        self.lost_batches = 0
+        self._reported_step: dict[int, int] = {}  # job rank -> step of its last report
+        self._joining: set[int] = set()  # gangs added to the membership but not healed yet
 
     # -- queries (answered while run() is in progress) ----------------------
 
@@ -94,8 +179,15 @@ class Coordinator:
         with self._lock:
             return list(self._history[since:])
 
+    def event_dicts(self) -> list[dict[str, Any]]:
+        return [e.to_dict() for e in self.events]
+
     def workers(self) -> dict[int, Any]:
         return dict(self._workers)
+
+    def rank_nodes(self) -> dict[int, str]:
+        """Job rank -> the Ray node id it runs on (live ranks)."""
+        return dict(self._rank_nodes)
 
     # -- the job --------------------------------------------------------------
 
@@ -105,57 +197,38 @@ class Coordinator:
         self._store = dist.TCPStore(
             host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300)
         )
-        store = StoreAddress(host=host, port=self._store.port)
+        self._store_address = StoreAddress(host=host, port=self._store.port)
         scaling = self.cfg.scaling
         per_rank = rank_resources(cpus_per_rank=scaling.cpus_per_rank, use_gpu=scaling.use_gpu)
         specs = placement_specs(self.topology, per_rank=per_rank)
-        self._pgs = [
+        pgs = [
             placement_group(list(s.bundles), strategy=s.strategy, name=f"{self.cfg.name}-{s.name}")
             for s in specs
         ]
-        ready = [pg.ready() for pg in self._pgs]
+        ready = [pg.ready() for pg in pgs]
         done, _ = ray.wait(ready, num_returns=len(ready), timeout=self.placement_timeout_s)
         if len(done) < len(ready):
+            for pg in pgs:
+                remove_placement_group(pg)
             raise TimeoutError(
                 f"placed {len(done)} of {len(ready)} gang placement groups within "
                 f"{self.placement_timeout_s:.0f}s; the cluster lacks {per_rank} x "
                 f"{self.topology.world_size} ranks"
             )
-        worker_cls = ray.remote(RankWorker)
-        for spec, pg in zip(specs, self._pgs, strict=True):
+        for spec, pg in zip(specs, pgs, strict=True):
+            if self.topology.layout is Layout.REPLICAS_ACROSS_HOSTS:
+                self._pgs[int(spec.name.removeprefix("gang"))] = pg
+            else:
+                self._pgs[-1] = pg  # one group for the whole job
             for bundle, ranks in enumerate(spec.ranks):
                 for r in ranks:
                     pos = self.topology.position(r)
-                    rank_spec = RankSpec(
-                        rank=r,
-                        gang=pos.gang,
-                        gang_rank=pos.gang_rank,
-                        gang_size=self.topology.gang_size,
-                        config=self.cfg,
-                        plan=self.plan,
-                        num_dense=self.num_dense,
-                        store=store,
-                        model_factory=self.model_factory,
-                        timeout_s=self.step_timeout_s,
-                    )
-                    self._workers[r] = worker_cls.options(
-                        name=None,
-                        num_cpus=scaling.cpus_per_rank,
-                        num_gpus=1 if scaling.use_gpu else 0,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(
-                            placement_group=pg, placement_group_bundle_index=bundle
-                        ),
-                    ).remote(rank_spec, self.shards[r])
-        ranks_info = self._call_all("build")
-        # Generation 0: every gang is live; replica member index = gang index.
-        self._call_all_by_rank(
-            "join_replica_plane",
-            lambda r: (self.generation, self.topology.position(r).gang, self.topology.num_gangs),
-        )
-        self._call_all("join_sync_plan", self._sync_plan())
-        # Start every replica from gang 0's initial state.
-        self._call_all("broadcast_state", 0)
-        return sorted(ranks_info, key=lambda x: x["rank"])
+                    self._start_rank(r, pos.gang, pos.gang_rank, pg, bundle, self.shards[r])
+        infos = self._build(sorted(self._workers))
+        self._new_generation(reason="job started")
+        self._call(self._live_ranks(), "broadcast_state", 0)  # every replica from gang 0's state
+        self._request_growth()
+        return infos
 
     def run(self) -> RunSummary:
         """Trains ``num_steps`` steps and writes the final model; returns the summary.
@@ -168,27 +241,45 @@ class Coordinator:
         """
         started = time.perf_counter()
         ranks = self.start()
-        step = 0
         stopped_by: BaseException | None = None
-        plan = intervals(self.cfg.num_steps, self.cfg.log_every)
+        every, total = self.cfg.log_every, self.cfg.num_steps
         t0 = time.perf_counter()
         try:
-            self._call_all("prepare", plan[0], first=True)
+            self._call(self._live_ranks(), "prepare", min(every, total), first=True)
         except ray.exceptions.RayTaskError as e:
-            stopped_by, plan = _cause(e), []
+            stopped_by = _cause(e)
         self.first_batch_s = time.perf_counter() - t0
         train_start = time.perf_counter()
-        for i, n in enumerate(plan):
+        prepared = stopped_by is None
+        while stopped_by is None and self.step < total:
+            n = min(every, total - self.step)
+            following = min(every, total - self.step - n)
             t0 = time.perf_counter()
-            following = plan[i + 1] if i + 1 < len(plan) else 0
-            reports = self._call_all("train", n, following)
-            step += n
+            try:
+                self._admit_new_gangs()
+                self._wait_for_min_gangs()
+                if not prepared:
+                    try:
+                        self._call(self._live_ranks(), "prepare", n)
+                    except ray.exceptions.RayTaskError as e:
+                        stopped_by = _cause(e)  # bad input, or the end of the data
+                        break
+                result = self._train_interval(n, following)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                result = self._probe(e)  # a rank or node died during a control call
+            if result.failed:
+                self._recover_until_stable(result)
+                prepared = False
+                continue
+            prepared = True
+            reports = [result.reports[r] for r in sorted(result.reports)]
+            self._account(reports)
             metrics = merge_metric_states([r["metrics"] for r in reports])
             row = aggregate_interval(
                 reports,
                 wall_s=time.perf_counter() - t0,
-                generation=self.generation,
-                gangs=self.topology.num_gangs,
+                generation=self.membership.generation,
+                gangs=self.membership.num_gangs,
                 elapsed_s=time.perf_counter() - train_start,
                 auc=metrics.auc,
                 ne=metrics.ne,
@@ -198,73 +289,580 @@ class Coordinator:
             stops = [r["stop"] for r in reports if r["stop"] is not None]
             if stops:
                 stopped_by = stops[0]
-                break
-        if step % self.cfg.sync.sync_every:
-            self._call_all("sync")  # end on a sync so every replica holds the same model
+        if self.step % self.cfg.sync.sync_every or self.membership.last_sync_step != self.step:
+            self._call(self._live_ranks(), "sync")  # end on a sync: every replica the same
+        self._commit_all()
         digests = self._final_digests()
         final = os.path.join(self.run_dir, "final_model")
-        self._call_gang(0, "save", final)
+        first_gang = self.membership.gangs[0]
+        self._call(list(first_gang.job_ranks), "save", final)
+        committed = self.ledger.committed(0)
         return RunSummary(
             history=self.progress(),
             final_state_path=final,
-            steps=step,
+            steps=self.step,
             wall_s=time.perf_counter() - started,
             ranks=ranks,
             digests=digests,
             stopped_by=stopped_by,
             first_batch_s=self.first_batch_s,
+            events=self.event_dicts(),
+            generation=self.membership.generation,
+            committed_batches=list(committed.ranges),
+            committed_count=self.ledger.committed_rows(0),
+            replayed_batches=list(self.ledger.replayed(0).ranges),
+            lost_batches=self.lost_batches,
+        )
+
+    # -- one interval -------------------------------------------------------------------------
+
+    def _train_interval(self, n: int, following: int) -> _Interval:
+        """Runs ``train(n, following)`` on every live rank and sorts out what happened."""
+        refs = {r: self._workers[r].train.remote(n, following) for r in self._live_ranks()}
+        out = _Interval()
+        pending = dict(refs)
+        deadline: float | None = None
+        started = time.monotonic()
+        while pending:
+            ready, _ = ray.wait(list(pending.values()), num_returns=1, timeout=self.elastic.poll_s)
+            for ref in ready:
+                rank = next(r for r, x in pending.items() if x == ref)
+                del pending[rank]
+                try:
+                    out.reports[rank] = ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    out.dead[rank] = _death_cause(e)
+                except ray.exceptions.RayTaskError as e:
+                    out.errored[rank] = _first_line(_cause(e))
+            now = time.monotonic()
+            if (out.dead or out.errored) and deadline is None:
+                # Fail the survivors' blocked collectives now, and give everyone the
+                # collective timeout to report; whoever is still running then is hung.
+                deadline = now + self.elastic.collective_timeout_s + self.elastic.poll_s
+                self._abort_planes(set(pending) - set(out.dead))
+            if deadline is not None and now > deadline:
+                out.hung = sorted(pending)
+                break
+            if deadline is None and now - started > self.elastic.step_timeout_s * max(1, n):
+                out.hung = sorted(pending)  # nothing failed and nothing finished: all stuck
+                break
+        return out
+
+    def _abort_planes(self, ranks: set[int]) -> None:
+        for r in ranks:
+            with contextlib.suppress(Exception):
+                self._workers[r].abort_replica_planes.remote()
+
+    # -- failures ---------------------------------------------------------------------------
+
+    def _probe(self, error: BaseException) -> _Interval:
+        """Which live ranks are dead, after ``error`` broke a control call."""
+        out = _Interval()
+        refs = {r: self._workers[r].step.remote() for r in self._live_ranks()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=10)
+        for r, ref in refs.items():
+            if ref not in ready:
+                out.hung.append(r)
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                out.dead[r] = _death_cause(e)
+        if not out.failed:
+            raise error  # nobody died: a real error of its own
+        return out
+
+    def _recover_until_stable(self, result: _Interval) -> None:
+        """Recovers; a further loss during recovery starts it over with the new losses."""
+        for _ in range(self.max_gangs + self.membership.num_gangs + 1):
+            try:
+                self._recover(result)
+                return
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                result = self._probe(e)
+        raise JobFailedError("the job kept losing ranks while it re-formed")
+
+    def _recover(self, result: _Interval) -> None:
+        """Drops every gang that lost a rank and re-forms the job among the survivors."""
+        now = self._now()
+        lost = set(result.dead) | set(result.hung)
+        if not lost:
+            # Only errors, no death: a rank failed on its own (a bug, bad state). Its gang goes.
+            lost = set(result.errored)
+        # A gang that was joining has no state of its own yet: if anything fails meanwhile,
+        # it goes too and is requested again.
+        failed_gangs = sorted({self._gang_of(r) for r in lost} | self._joining)
+        self._joining = set()
+        # Ray says when an actor died with its node; the node table may lag behind that.
+        dead_nodes = sorted(
+            set(self._dead_nodes())
+            | {
+                self._rank_nodes[r]
+                for r, cause in result.dead.items()
+                if "node" in cause and r in self._rank_nodes
+            }
+        )
+        for node_id in dead_nodes:
+            gangs = sorted({self._gang_of(r) for r, n in self._rank_nodes.items() if n == node_id})
+            self.events.append(
+                NodeDied(at=now, step=self.step, node=self._node(node_id), gang_ids=tuple(gangs))
+            )
+        for r, cause in sorted(result.dead.items()):
+            self.events.append(
+                RankDied(at=now, step=self.step, job_rank=r, gang_id=self._gang_of(r), cause=cause)
+            )
+        if result.hung:
+            self.events.append(
+                HangDetected(
+                    at=now,
+                    step=self.step,
+                    job_ranks=tuple(result.hung),
+                    gang_ids=tuple(sorted({self._gang_of(r) for r in result.hung})),
+                    last_step=self.step,
+                    silent_s=self.elastic.collective_timeout_s,
+                )
+            )
+        survivors = [g.gang_id for g in self.membership.gangs if g.gang_id not in failed_gangs]
+        if self.topology.layout is Layout.REPLICAS_WITHIN_HOST or not survivors:
+            self._fail_unrecoverable(lost, failed_gangs)
+        survivor_ranks = [r for g in survivors for r in self.membership.gang(g).job_ranks]
+        self._abort_planes(set(survivor_ranks))
+        recovered = self._call(survivor_ranks, "recover")
+        steps = sorted({rep["step"] for rep in recovered})
+        if steps[-1] - steps[0] > self.cfg.sync.sync_every:
+            raise JobFailedError(
+                f"survivors stopped at steps {steps[0]}..{steps[-1]} after losing gangs "
+                f"{failed_gangs}; re-forming needs them within one sync period (a hierarchical "
+                "schedule lets groups run apart between job-wide syncs)"
+            )
+        # A failure reaches the members of a collective at slightly different moments: one may
+        # have finished a step its peers did not. The job goes on from the furthest step; a
+        # rank that is behind simply trained one batch less (its log says which).
+        fail_step = steps[-1]
+        # What everyone trained in the failed interval: the survivors' own logs (a survivor
+        # may even have finished it), and for the lost ranks, whose logs died with them, the
+        # next batches in their stream order, one per step up to the failure.
+        reports = [result.reports[r] for r in survivor_ranks if r in result.reports] + recovered
+        lost_ranks = [r for g in failed_gangs for r in self.membership.gang(g).job_ranks]
+        for r in lost_ranks:
+            since = self._reported_step.get(r, 0)
+            count = max(0, fail_step - since)
+            ids: list[int | None]
+            if self.streams is not None:
+                ids = list(self.streams.take(r, count))
+                self.streams.remove_rank(r)
+            else:
+                ids = [None] * count
+                self.lost_batches += count
+            trained = list(zip(range(since + 1, fail_step + 1), ids, strict=True))
+            reports.append({"rank": r, "step": fail_step, "trained": trained, "lost": True})
+        # Syncs before the failed step completed on every gang; the one at it did not.
+        self._account(reports, completed_through=fail_step - 1)
+        replay = self._drop(failed_gangs, survivors)
+        for gid in failed_gangs:
+            self.events.append(
+                GangDropped(
+                    at=self._now(), step=self.step, gang_id=gid, reason=_why(result, gid, self)
+                )
+            )
+            self._kill_gang(gid)
+        self.membership = self.membership.without(failed_gangs)
+        self._new_generation(reason=f"lost gangs {failed_gangs}")
+        # The re-formed job's first sync: every replica (and dense state) identical again, and
+        # the survivors' batches so far are in the model: committed.
+        self._call(self._live_ranks(), "set_step", fail_step)
+        self._call(self._live_ranks(), "sync")
+        self._call(self._live_ranks(), "broadcast_dense", 0)
+        self._commit_all()
+        if replay:
+            self._call_by_rank(sorted(replay), "replay", lambda r: (replay[r],))
+        self._request_growth()
+
+    def _drop(self, gangs: list[int], survivors: list[int]) -> dict[int, list[int]]:
+        """The dropped gangs' uncommitted batches, split over the survivors' ranks.
+
+        Returns survivor rank -> batch ids to replay (empty for sources that cannot replay;
+        their uncommitted batches are counted in ``lost_batches`` instead)."""
+        if self.streams is None:
+            self.ledger.drop(gangs, survivors)
+            return {}
+        plan = self.ledger.drop(gangs, survivors)
+        assignments: dict[int, list[int]] = {}
+        for gid, share in plan.shares.items():
+            ids = [i for rows in share.values() for i in rows]
+            ranks = self.membership.gang(gid).job_ranks
+            for k, batch in enumerate(ids):
+                assignments.setdefault(ranks[k % len(ranks)], []).append(batch)
+        for rank, ids in assignments.items():
+            self.streams.queue_replay(rank, ids)
+        return assignments
+
+    def _fail_unrecoverable(self, lost: set[int], failed_gangs: list[int]) -> None:
+        if self.topology.layout is Layout.REPLICAS_WITHIN_HOST:
+            positions = sorted({self._slot(r).gang_rank for r in lost})
+            reason = (
+                f"lost ranks {sorted(lost)} with layout 'replicas_within_host': every gang lost "
+                f"a rank, and replica groups {positions} may have lost every copy of their "
+                "shards; the job cannot go on without a checkpoint (use layout "
+                "'replicas_across_hosts' for elastic training)"
+            )
+        else:
+            reason = (
+                f"lost ranks {sorted(lost)}: gangs {failed_gangs} failed and no gang is left, "
+                "so some shards have no live copy; the job cannot go on without a checkpoint"
+            )
+        self.events.append(
+            JobFailed(at=self._now(), step=self.step, reason=reason, needs_checkpoint=True)
+        )
+        raise JobFailedError(reason)
+
+    # -- growth -------------------------------------------------------------------------------
+
+    def _request_growth(self) -> None:
+        """Keeps one pending placement group per gang the job could still add."""
+        if not self.elastic.grow and self.membership.num_gangs >= self.elastic.min_gangs:
+            return
+        if self.topology.layout is not Layout.REPLICAS_ACROSS_HOSTS or self.new_shard is None:
+            return
+        cap = self.max_gangs if self.elastic.grow else self.elastic.min_gangs
+        want = cap - self.membership.num_gangs - len(self._pending)
+        if want <= 0:
+            return
+        per_rank = rank_resources(
+            cpus_per_rank=self.cfg.scaling.cpus_per_rank, use_gpu=self.cfg.scaling.use_gpu
+        )
+        spec = placement_specs(self.topology, per_rank=per_rank, gangs=(0,))[0]
+        for _ in range(want):
+            self._pending.append(placement_group(list(spec.bundles), strategy=spec.strategy))
+        self.events.append(
+            GangRequested(
+                at=self._now(), step=self.step, count=want, outstanding=len(self._pending)
+            )
+        )
+
+    def _admit_new_gangs(self) -> None:
+        """Starts the gangs whose placement became ready and joins them at this boundary."""
+        if not self._pending:
+            return
+        ready_refs = [pg.ready() for pg in self._pending]
+        done, _ = ray.wait(ready_refs, num_returns=len(ready_refs), timeout=0)
+        ready = [pg for pg, ref in zip(self._pending, ready_refs, strict=True) if ref in done]
+        if not ready:
+            return
+        self._pending = [pg for pg in self._pending if pg not in ready]
+        gangs, self.membership = self.membership.reserve(
+            [[0] * self.topology.gang_size for _ in ready]  # nodes filled in once built
+        )
+        new_ranks: list[int] = []
+        try:
+            for gang, pg in zip(gangs, ready, strict=True):
+                self._pgs[gang.gang_id] = pg
+                for slot in gang.ranks:
+                    shard = self.new_shard(slot.job_rank)
+                    self._start_rank(slot.job_rank, gang.gang_id, slot.gang_rank, pg, 0, shard)
+                    new_ranks.append(slot.job_rank)
+            self._build(new_ranks)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+            # Lost while starting (e.g. its node went away): forget it, ask again.
+            for gang in gangs:
+                for r in gang.job_ranks:
+                    with contextlib.suppress(Exception):
+                        ray.kill(self._workers.pop(r))
+                    self._rank_nodes.pop(r, None)
+                    if self.streams is not None and r in new_ranks:
+                        self.streams.remove_rank(r)
+                with contextlib.suppress(Exception):
+                    remove_placement_group(self._pgs.pop(gang.gang_id))
+            self._request_growth()
+            return
+        for gang in gangs:
+            nodes = tuple(self._node(self._rank_nodes[r]) for r in gang.job_ranks)
+            self.events.append(GangPlaced(at=self._now(), step=self.step, nodes=nodes))
+        # Join at a sync boundary: the live gangs agree first, so the peer's state is the job's.
+        old = self._live_ranks()
+        self._call(old, "sync")
+        self._commit_all()
+        peer = self.membership.gangs[0].gang_id
+        gangs = tuple(
+            dataclasses.replace(
+                g,
+                ranks=tuple(
+                    RankSlot(job_rank=s.job_rank, gang_rank=s.gang_rank, node=self._node_of(s))
+                    for s in g.ranks
+                ),
+            )
+            for g in gangs
+        )
+        self.membership = self.membership.with_gangs(gangs, step=self.step)
+        self._joining = {g.gang_id for g in gangs}
+        self.ledger.add_gangs(g.gang_id for g in gangs)
+        self._new_generation(reason=f"gangs {[g.gang_id for g in gangs]} joined")
+        self._call(new_ranks, "set_step", self.step)
+        self._call(self._live_ranks(), "broadcast_state", self.membership.member_index(peer))
+        self._joining = set()
+        for g in gangs:
+            self.events.append(
+                GangHealed(at=self._now(), step=self.step, gang_id=g.gang_id, peer_gang_id=peer)
+            )
+            self.events.append(
+                GangJoined(
+                    at=self._now(),
+                    step=self.step,
+                    gang_id=g.gang_id,
+                    generation=self.membership.generation,
+                )
+            )
+        self._call(new_ranks, "prepare", min(self.cfg.log_every, self.cfg.num_steps - self.step))
+
+    def _wait_for_min_gangs(self) -> None:
+        if self.membership.num_gangs >= self.elastic.min_gangs:
+            return
+        deadline = self._now() + self.elastic.resource_wait_s
+        self.events.append(
+            ResourcesWaited(
+                at=self._now(),
+                step=self.step,
+                live_gangs=self.membership.num_gangs,
+                min_gangs=self.elastic.min_gangs,
+                deadline=deadline,
+            )
+        )
+        self._request_growth()
+        while self.membership.num_gangs < self.elastic.min_gangs:
+            if self._now() > deadline:
+                reason = (
+                    f"{self.membership.num_gangs} live gangs, fewer than elastic.min_gangs="
+                    f"{self.elastic.min_gangs}, and no placement for more came within "
+                    f"elastic.resource_wait_s={self.elastic.resource_wait_s:g}s"
+                )
+                self.events.append(JobFailed(at=self._now(), step=self.step, reason=reason))
+                raise JobFailedError(reason)
+            time.sleep(self.elastic.poll_s)
+            self._admit_new_gangs()
+
+    # -- membership plumbing -----------------------------------------------------------------
+
+    def _start_rank(
+        self, rank: int, gang: int, gang_rank: int, pg: PlacementGroup, bundle: int, shard: Any
+    ) -> None:
+        assert self._store_address is not None
+        scaling = self.cfg.scaling
+        spec = RankSpec(
+            rank=rank,
+            gang=gang,
+            gang_rank=gang_rank,
+            gang_size=self.topology.gang_size,
+            config=self.cfg,
+            plan=self.plan,
+            num_dense=self.num_dense,
+            store=self._store_address,
+            model_factory=self.model_factory,
+            timeout_s=self.elastic.collective_timeout_s,
+        )
+        worker_cls = ray.remote(RankWorker)
+        self._workers[rank] = worker_cls.options(
+            num_cpus=scaling.cpus_per_rank,
+            num_gpus=1 if scaling.use_gpu else 0,
+            max_concurrency=2,  # abort_replica_planes runs beside a blocked train
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=bundle
+            ),
+        ).remote(spec, shard)
+        if self.streams is not None:
+            self.streams.add_rank(rank, shard=getattr(shard, "index", rank))
+        self._reported_step[rank] = self.step
+
+    def _build(self, ranks: list[int]) -> list[dict[str, Any]]:
+        infos = self._call(ranks, "build")
+        for info in infos:
+            self._rank_nodes[info["rank"]] = info["node_id"]
+            self._node(info["node_id"])
+        return sorted(infos, key=lambda x: x["rank"])
+
+    def _new_generation(self, *, reason: str) -> None:
+        """Replica plane and sync plan of the current membership, on every live rank."""
+        m = self.membership
+        ranks = self._live_ranks()
+        self._call_by_rank(
+            ranks,
+            "join_replica_plane",
+            lambda r: (m.generation, m.member_index(self._gang_of(r)), m.num_gangs),
+        )
+        self._call(ranks, "join_sync_plan", self._sync_plan())
+        self.events.append(
+            GenerationStarted(
+                at=self._now(),
+                step=self.step,
+                generation=m.generation,
+                gang_ids=m.gang_ids,
+                reason=reason,
+            )
         )
 
     def _sync_plan(self) -> SyncPlan:
-        """The generation's sync schedule over the live gangs, lower levels host-local first."""
+        """The generation's sync schedule over the live gangs, gangs on one host together."""
+        locality = {
+            g.gang_id: tuple(sorted({self._node_of(s) for s in g.ranks}))
+            for g in self.membership.gangs
+        }
         return plan_sync(
             self.cfg.sync,
-            generation=self.generation,
-            live_gangs=range(self.topology.num_gangs),
-            locality=gang_locality(self.topology),
+            generation=self.membership.generation,
+            live_gangs=self.membership.gang_ids,
+            locality=locality,
         )
+
+    def _kill_gang(self, gang_id: int) -> None:
+        for r in self.membership.gang(gang_id).job_ranks:
+            with contextlib.suppress(Exception):
+                ray.kill(self._workers.pop(r))
+            self._rank_nodes.pop(r, None)
+        pg = self._pgs.pop(gang_id, None)
+        if pg is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+
+    def _live_ranks(self) -> list[int]:
+        return sorted(r for g in self.membership.gangs for r in g.job_ranks)
+
+    def _gang_of(self, rank: int) -> int:
+        gang = self.membership.gang_of_rank(rank)
+        assert gang is not None, f"rank {rank} is in no live gang"
+        return gang
+
+    def _slot(self, rank: int) -> RankSlot:
+        gang = self.membership.gang(self._gang_of(rank))
+        return next(s for s in gang.ranks if s.job_rank == rank)
+
+    def _node(self, node_id: str) -> int:
+        """A small index for a Ray node id (in order of first sight)."""
+        return self._node_index.setdefault(node_id, len(self._node_index))
+
+    def _node_of(self, slot: RankSlot) -> int:
+        node_id = self._rank_nodes.get(slot.job_rank)
+        return slot.node if node_id is None else self._node(node_id)
+
+    def _dead_nodes(self) -> list[str]:
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        return sorted({n for n in self._rank_nodes.values() if n not in alive})
+
+    def _now(self) -> float:
+        return round(time.monotonic() - self._t0, 3)
+
+    # -- accounting -----------------------------------------------------------------------------
+
+    def _account(
+        self, reports: list[dict[str, Any]], *, completed_through: int | None = None
+    ) -> None:
+        """Feeds the ranks' trained-batch logs into the ledger, committing at job-wide syncs.
+
+        A batch trained at a step up to the last job-wide sync of the reports' steps (at most
+        ``completed_through``) is in every replica: committed; later ones are pending.
+        """
+        new_step = max((r["step"] for r in reports), default=self.step)
+        through = new_step if completed_through is None else completed_through
+        sync_steps = [
+            s
+            for s in range(self.membership.last_sync_step + 1, through + 1)
+            if s % self.cfg.sync.sync_every == 0 or s <= self.cfg.sync.warmup_steps
+        ]
+        last_sync = sync_steps[-1] if sync_steps else None
+        before: dict[int, list[int]] = {}
+        after: dict[int, list[int]] = {}
+        for rep in reports:
+            rank = rep["rank"]
+            if self.streams is not None and not rep.get("lost"):
+                self.streams.trained(rank, [i for _, i in rep["trained"]])
+            gang = self._gang_of(rank)
+            for step, i in rep["trained"]:
+                if i is None:
+                    continue
+                bucket = before if last_sync is not None and step <= last_sync else after
+                bucket.setdefault(gang, []).append(i)
+            self._reported_step[rank] = rep["step"]
+        for gang, ids in before.items():
+            self.ledger.consume(gang, 0, RowRanges.from_ids(ids))
+        if last_sync is not None:
+            self.ledger.commit(self.membership.gang_ids)
+            self.membership = self.membership.synced(last_sync)
+        for gang, ids in after.items():
+            self.ledger.consume(gang, 0, RowRanges.from_ids(ids))
+        self.step = new_step
+
+    def _commit_all(self) -> None:
+        """A job-wide sync just completed: everything trained so far is in every replica."""
+        self.ledger.commit(self.membership.gang_ids)
+        self.membership = self.membership.synced(self.step)
+
+    # -- end of job ---------------------------------------------------------------------------
 
     def _final_digests(self) -> dict[int, dict[str, str]]:
         """Checks that the final sync left every replica of every shard identical."""
-        ranks = sorted(self._workers)
-        digests = dict(zip(ranks, self._call_all("state_digest"), strict=True))
-        for group, members in enumerate(self.topology.replica_groups):
+        ranks = self._live_ranks()
+        digests = dict(zip(ranks, self._call(ranks, "state_digest"), strict=True))
+        for group in self.membership.replica_groups:
+            members = [m.job_rank for m in group]
             shard_digests = {digests[r]["shards"] for r in members}
             if len(shard_digests) != 1:
-                raise RuntimeError(
-                    f"replica group {group} (ranks {list(members)}) disagrees after the final sync"
-                )
+                raise RuntimeError(f"replica group of ranks {members} disagrees after final sync")
         if len({d["dense"] for d in digests.values()}) != 1:
             raise RuntimeError("dense parameters differ between ranks after the final step")
         return digests
 
     def state_arrays(self) -> dict[int, dict[str, Any]]:
         """Every rank's shard, optimizer and dense state (for tests and diagnostics)."""
-        ranks = sorted(self._workers)
+        ranks = self._live_ranks()
         got = ray.get([self._workers[r].state_arrays.remote() for r in ranks])
         return dict(zip(ranks, got, strict=True))
 
     def shutdown(self) -> None:
         for w in self._workers.values():
-            ray.kill(w)
+            with contextlib.suppress(Exception):
+                ray.kill(w)
         self._workers.clear()
-        for pg in self._pgs:
-            remove_placement_group(pg)
+        for pg in [*self._pgs.values(), *self._pending]:
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
         self._pgs.clear()
+        self._pending.clear()
 
     # -- helpers ----------------------------------------------------------------
 
-    def _call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return self._call_all_by_rank(method, lambda _r: args, **kwargs)
+    def _call(self, ranks: list[int], method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self._call_by_rank(ranks, method, lambda _r: args, **kwargs)
 
-    def _call_all_by_rank(self, method: str, args_of: Any, **kwargs: Any) -> list[Any]:
-        workers = sorted(self._workers.items())
-        refs = [getattr(w, method).remote(*args_of(r), **kwargs) for r, w in workers]
-        return ray.get(refs, timeout=self.step_timeout_s)
+    def _call_by_rank(
+        self, ranks: list[int], method: str, args_of: Any, **kwargs: Any
+    ) -> list[Any]:
+        refs = [getattr(self._workers[r], method).remote(*args_of(r), **kwargs) for r in ranks]
+        # Control calls (build, join, sync, prepare, recover) are not what hang detection
+        # watches (that is _train_interval's job); building a gang's ranks on a loaded machine,
+        # or the data pipeline's first batches, can take minutes.
+        return ray.get(refs, timeout=max(self.elastic.step_timeout_s, RENDEZVOUS_TIMEOUT_S))
 
-    def _call_gang(self, gang: int, method: str, *args: Any) -> list[Any]:
-        refs = [getattr(self._workers[r], method).remote(*args) for r in self.topology.gangs[gang]]
-        return ray.get(refs, timeout=self.step_timeout_s)
+
+def _why(result: _Interval, gang: int, coordinator: Coordinator) -> str:
+    ranks = coordinator.membership.gang(gang).job_ranks
+    dead = [r for r in ranks if r in result.dead]
+    hung = [r for r in ranks if r in result.hung]
+    if dead:
+        return f"rank(s) {dead} died"
+    if hung:
+        return f"rank(s) {hung} hung"
+    return f"rank(s) {[r for r in ranks if r in result.errored]} failed"
+
+
+def _death_cause(e: BaseException) -> str:
+    """Why an actor died, in one line ("... its node has died" when the node went)."""
+    text = str(e)
+    if "node has died" in text or "node was terminated" in text:
+        return "its node died"
+    return _first_line(e)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
 def _cause(e: ray.exceptions.RayTaskError) -> BaseException:

@@ -1,15 +1,22 @@
 """The rank actor: a thin Ray shell over :class:`raytrec.engine.rank.RankEngine`.
 
-It owns one rank's engine and its data shard, and answers the coordinator's
+It owns one rank's engine and its data feed, and answers the coordinator's
 calls. All training logic lives in the engine, which tests drive without Ray.
+
+The actor runs with two threads (``max_concurrency=2``): while ``train`` is
+blocked in a collective whose peer died, the coordinator can still call
+``abort_replica_planes`` to fail it at once, and ``recover`` afterwards.
+Every batch the rank trains is logged with its id and step until the
+coordinator collects the log (``train``'s report, or ``recover`` after a
+failed interval), which is what the coordinator's exactly-once ledger is built from.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -25,6 +32,8 @@ from raytrec.sync.schedule import SyncPlan
 
 __all__ = ["RankWorker"]
 
+Item = tuple[int | None, Batch]  # (batch id, batch)
+
 
 class RankWorker:
     """One rank of the job. Made a Ray actor by the coordinator (``ray.remote(RankWorker)``)."""
@@ -34,14 +43,18 @@ class RankWorker:
         self.shard = shard
         self.engine = RankEngine(spec)
         self.metrics = RankMetrics()
-        self._feed: BatchFeed[Batch] | None = None
+        self._feed: BatchFeed[Item] | None = None
+        self._lock = threading.Lock()
+        self._trained: list[tuple[int, int | None]] = []  # (step, batch id) not yet reported
+        self._losses: list[float] = []
 
     def build(self) -> dict[str, Any]:
         """Joins the gang world and shards the model; returns where this rank runs."""
         self.engine.build()
         data = self.spec.config.data
-        batches: Iterator[Batch] = self.shard.batches(data.batch_size)
-        self._feed = BatchFeed(batches, prefetch=data.prefetch_batches)
+        self._feed = BatchFeed(
+            self.shard.identified_batches(data.batch_size), prefetch=data.prefetch_batches
+        )
         return {
             "rank": self.spec.rank,
             "gang": self.spec.gang,
@@ -52,8 +65,21 @@ class RankWorker:
     def join_replica_plane(self, generation: int, member_rank: int, size: int) -> None:
         self.engine.join_replica_plane(generation=generation, member_rank=member_rank, size=size)
 
+    def join_sync_plan(self, plan: SyncPlan) -> None:
+        self.engine.join_sync_plan(plan)
+
     def broadcast_state(self, src: int) -> None:
         self.engine.broadcast_state(src=src)
+
+    def broadcast_dense(self, src: int) -> None:
+        self.engine.broadcast_dense(src=src)
+
+    def set_step(self, step: int) -> None:
+        """A rank that joins a running job takes the job's step count (after healing)."""
+        self.engine.step = step
+
+    def step(self) -> int:
+        return self.engine.step
 
     def prepare(self, num_steps: int, *, first: bool = False) -> float:
         """Waits until the next ``num_steps`` batches are in memory; returns the seconds waited.
@@ -75,28 +101,39 @@ class RankWorker:
                 "steps; lower num_steps or raise the source's epochs"
             ) from None
 
+    def replay(self, batch_ids: list[int]) -> int:
+        """Queues the batches ``batch_ids`` (a lost gang's uncommitted ones) ahead of this
+        rank's own stream; returns how many are queued."""
+        assert self._feed is not None, "build() first"
+        size = self.spec.config.data.batch_size
+        self._feed.push_front([(i, self.shard.replay(i, size)) for i in batch_ids])
+        return len(batch_ids)
+
     def train(self, num_steps: int, next_steps: int = 0) -> dict[str, Any]:
         """Trains ``num_steps`` prepared batches, then prepares the next ``next_steps``.
 
-        Returns losses, metric states and timings. Preparing the next interval here saves the
-        coordinator a round trip per interval; a data problem found while preparing is returned
-        in ``"stop"`` (not raised), so the coordinator ends the job at this step boundary.
+        Returns losses, metric states, the batches trained and timings. Preparing the next
+        interval here saves the coordinator a round trip per interval; a data problem found
+        while preparing is returned in ``"stop"`` (not raised), so the coordinator ends the job
+        at this step boundary.
         """
         assert self._feed is not None, "build() first"
         engine = self.engine
-        losses: list[float] = []
-        sync_s = 0.0
+        sync_s = stall_s = 0.0
         data_s = self._feed.wait_s
         self._feed.wait_s = 0.0
         self.metrics.reset()
         start = time.perf_counter()
         rows = 0
-        stall_s = 0.0
         for _ in range(num_steps):
             stall_s += self._inject(engine.step + 1)
-            batch = self._feed.take()
+            batch_id, batch = self._feed.take()
+            with self._lock:
+                self._trained.append((engine.step + 1, batch_id))
             rows += int(batch.labels.shape[0])
-            losses.append(engine.train_step(batch))
+            loss = engine.train_step(batch)
+            with self._lock:
+                self._losses.append(loss)
             assert engine.last_output is not None
             self.metrics.update(*engine.last_output)
             decision = engine.decide(engine.step)
@@ -111,10 +148,12 @@ class RankWorker:
             except Exception as e:  # bad input or the end of the data: the caller decides
                 stop = e
             self._feed.wait_s = 0.0
+        trained, losses = self._take_log()
         return {
             "rank": self.spec.rank,
             "step": engine.step,
             "losses": losses,
+            "trained": trained,
             "rows": rows,
             "seconds": time.perf_counter() - start,
             "data_wait_s": data_s,
@@ -122,6 +161,29 @@ class RankWorker:
             "stall_s": stall_s,
             "metrics": self.metrics.state(),
             "stop": stop,
+        }
+
+    def _take_log(self) -> tuple[list[tuple[int, int | None]], list[float]]:
+        with self._lock:
+            trained, self._trained = self._trained, []
+            losses, self._losses = self._losses, []
+        return trained, losses
+
+    def abort_replica_planes(self) -> None:
+        """Fails this rank's pending replica-plane collectives now (runs beside ``train``)."""
+        self.engine.abort_replica_planes()
+
+    def recover(self) -> dict[str, Any]:
+        """After a failed ``train``: settles the step that failed and returns the batches
+        trained since the last report, and the step count."""
+        abandoned = self.engine.abandon_failed_step()
+        trained, losses = self._take_log()
+        return {
+            "rank": self.spec.rank,
+            "step": self.engine.step,
+            "trained": trained,
+            "losses": losses,
+            "abandoned_dense_update": abandoned,
         }
 
     def _inject(self, step: int) -> float:
@@ -142,9 +204,6 @@ class RankWorker:
         if slept:
             time.sleep(slept)
         return slept
-
-    def join_sync_plan(self, plan: SyncPlan) -> None:
-        self.engine.join_sync_plan(plan)
 
     def sync(self) -> None:
         self.engine.sync()

@@ -1,111 +1,198 @@
-"""Train a DLRM with 2D sparse parallelism: ``python -m jobs.train [options]``.
+"""Train a DLRM with 2D sparse parallelism: ``python -m jobs.train [--config FILE] [options]``.
 
-Runs on an embedded local Ray cluster (127.0.0.1) unless ``RAY_ADDRESS`` is
-set, in which case it runs on that cluster (this is also the entry point for
-``ray job submit --working-dir . -- python -m jobs.train``). Exits non-zero
-when training fails.
+Runs on an embedded local Ray cluster (127.0.0.1) unless ``RAY_ADDRESS`` is set, in which case
+it runs on that cluster; this is also the entry point for
+``ray job submit --working-dir . -- python -m jobs.train ...`` (Ray sets ``RAY_ADDRESS`` for a
+job's driver). See docs/job_submission.md.
+
+The configuration is resolved in this order, later wins: the config classes' defaults, this
+job's defaults (600 steps, a line every 25, row-wise Adagrad), ``--config FILE`` (YAML, keys as
+in docs/configuration.md), the shortcut flags below, then ``--set KEY=VALUE`` (repeatable).
+``--print-config`` prints the result as YAML and exits.
+
+Exit codes: 0 success, 2 configuration error, 3 bad input data, 1 any other failure.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
+from typing import Any
 
-from raytrec.api import fit
-from raytrec.config import (
-    ConfigError,
-    DataConfig,
-    ModelConfig,
-    OptimizerConfig,
-    ScalingConfig,
-    ShardingConfig,
-    SyncConfig,
-    TrainConfig,
-    criteo_tables,
+from raytrec.config import ConfigError, TrainConfig
+from raytrec.config_file import Override, dump, load_config
+
+# This job's defaults where they differ from the config classes' defaults.
+JOB_DEFAULTS: tuple[Override, ...] = (
+    ("num_steps", 600),
+    ("log_every", 25),
+    ("optimizer.embedding", "rowwise_adagrad"),
 )
-from raytrec.data.arrow_kjt import BadInputError
-from raytrec.data.parquet import ParquetSource
-from raytrec.data.spec import SpecError, criteo_spec
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_BAD_INPUT = 0, 1, 2, 3
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jobs.train", description=__doc__)
-    p.add_argument("--num-workers", type=int, default=4, help="ranks in the job")
-    p.add_argument("--gang-size", type=int, default=2, help="ranks per model copy")
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--log-every", type=int, default=25)
-    p.add_argument("--batch-size", type=int, default=256, help="rows per rank per step")
-    p.add_argument("--sync-every", type=int, default=4)
-    p.add_argument("--arch", default="dlrm", help="dlrm or dlrm_dcn")
-    p.add_argument("--sharding-type", default="table_wise")
-    p.add_argument("--embedding-optimizer", default="rowwise_adagrad")
-    p.add_argument("--num-embeddings", type=int, default=10_000, help="rows per table")
-    p.add_argument("--embedding-dim", type=int, default=16)
-    p.add_argument("--layout", default="replicas_across_hosts")
-    p.add_argument("--gpu", action="store_true", help="one GPU per rank, NCCL")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--storage-path", default="runs")
-    p.add_argument(
-        "--data",
-        default=None,
-        help="Criteo-layout Parquet (a file, directory or URI, e.g. from python -m jobs.make_data) "
-        "streamed with Ray Data; default: the synthetic source",
+    p = argparse.ArgumentParser(
+        prog="python -m jobs.train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--epochs", type=int, default=1, help="passes over --data")
+    p.add_argument("--config", metavar="FILE", help="YAML config file (docs/configuration.md)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one key, value read as YAML, e.g. --set sync.sync_every=2 (repeatable)",
+    )
+    p.add_argument("--print-config", action="store_true", help="print the config and exit")
+    shortcuts = p.add_argument_group("shortcuts (each sets config keys; --set wins)")
+    flag = shortcuts.add_argument
+    flag("--num-workers", type=int, help="scaling.num_workers: ranks in the job")
+    flag("--gang-size", type=int, help="scaling.gang_size: ranks per model copy")
+    flag("--steps", type=int, help="num_steps")
+    flag("--log-every", type=int, help="log_every")
+    flag("--batch-size", type=int, help="data.batch_size: rows per rank per step")
+    flag("--sync-every", type=int, help="sync.sync_every")
+    flag("--arch", help="model.arch: dlrm or dlrm_dcn")
+    flag("--sharding-type", help="sharding.sharding_type")
+    flag("--embedding-optimizer", help="optimizer.embedding")
+    flag("--num-embeddings", type=int, help="model.tables[*].num_embeddings: rows per table")
+    flag(
+        "--embedding-dim",
+        type=int,
+        help="model.tables[*].embedding_dim and model.dense_arch_layers[-1]",
+    )
+    flag("--layout", help="scaling.layout")
+    flag("--gpu", action="store_true", default=None, help="scaling.use_gpu: one GPU per rank")
+    flag("--seed", type=int, help="seed")
+    flag("--storage-path", help="storage_path: where run directories go")
+    flag(
+        "--data",
+        metavar="PATH",
+        help="data.source=parquet and data.path=PATH: Criteo-layout Parquet (a file, directory "
+        "or URI, e.g. from python -m jobs.make_data) streamed with Ray Data",
+    )
+    flag("--epochs", type=int, help="data.epochs: passes over the Parquet data")
     return p
 
 
-def build_config(argv: list[str] | None = None) -> TrainConfig:
+# flag attribute -> the config keys it sets
+_SHORTCUTS: dict[str, tuple[str, ...]] = {
+    "num_workers": ("scaling.num_workers",),
+    "gang_size": ("scaling.gang_size",),
+    "steps": ("num_steps",),
+    "log_every": ("log_every",),
+    "batch_size": ("data.batch_size",),
+    "sync_every": ("sync.sync_every",),
+    "arch": ("model.arch",),
+    "sharding_type": ("sharding.sharding_type",),
+    "embedding_optimizer": ("optimizer.embedding",),
+    "num_embeddings": ("model.tables[*].num_embeddings",),
+    "embedding_dim": ("model.tables[*].embedding_dim", "model.dense_arch_layers[-1]"),
+    "layout": ("scaling.layout",),
+    "gpu": ("scaling.use_gpu",),
+    "seed": ("seed",),
+    "storage_path": ("storage_path",),
+    "epochs": ("data.epochs",),
+}
+
+
+def shortcut_overrides(args: argparse.Namespace) -> list[Override]:
+    """The (key, value) overrides that the shortcut flags given on the command line stand for."""
+    out: list[Override] = []
+    for attr, keys in _SHORTCUTS.items():
+        value = getattr(args, attr)
+        if value is not None:
+            out += [(key, value) for key in keys]
+    if args.data is not None:
+        out += [("data.source", "parquet"), ("data.path", args.data)]
+    return out
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return load_config(
+        args.config,
+        [*shortcut_overrides(args), *args.overrides],
+        defaults=JOB_DEFAULTS,
+    )
+
+
+def build_config(argv: Sequence[str] | None = None) -> TrainConfig:
+    """The config a command line resolves to (what the job would train)."""
     return config_from_args(parser().parse_args(argv))
 
 
-def config_from_args(a: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(
-        model=ModelConfig(
-            arch=a.arch,
-            tables=criteo_tables(num_embeddings=a.num_embeddings, embedding_dim=a.embedding_dim),
-            dense_arch_layers=(64, a.embedding_dim),
-        ),
-        optimizer=OptimizerConfig(embedding=a.embedding_optimizer),
-        sharding=ShardingConfig(sharding_type=a.sharding_type),
-        scaling=ScalingConfig(
-            num_workers=a.num_workers, gang_size=a.gang_size, layout=a.layout, use_gpu=a.gpu
-        ),
-        sync=SyncConfig(sync_every=a.sync_every),
-        data=DataConfig(batch_size=a.batch_size),
-        num_steps=a.steps,
-        log_every=a.log_every,
-        seed=a.seed,
-        storage_path=a.storage_path,
-    )
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     try:
-        args = parser().parse_args(argv)
         config = config_from_args(args)
-        source = None
-        if args.data:
-            source = ParquetSource(
-                paths=args.data,
-                spec=criteo_spec(args.num_embeddings),
-                epochs=args.epochs,
-                shuffle_seed=args.seed,
-            )
-        result = fit(config, source=source)
+    except ConfigError as e:
+        print(f"raytrec: configuration error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.print_config:
+        sys.stdout.write(dump(config))
+        return EXIT_OK
+    return train(config)
+
+
+def train(config: TrainConfig) -> int:
+    """Trains ``config`` with progress on the console and in the run directory."""
+    from raytrec.api import TrainingStopped, fit
+    from raytrec.data.arrow_kjt import BadInputError
+    from raytrec.data.spec import SpecError
+    from raytrec.progress import METRICS_FILE, ProgressReporter
+
+    reporter = ProgressReporter(config.num_steps, title=config.name)
+    result: Any = None
+    try:
+        result = fit(config, on_progress=reporter)
     except (ConfigError, SpecError) as e:
-        print(f"raytrec: configuration error: {e}", file=sys.stderr)
-        return 2
+        print(f"raytrec: configuration error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_CONFIG
     except BadInputError as e:
-        print(f"raytrec: bad input: {e}", file=sys.stderr)
-        return 3
+        print(f"raytrec: bad input: {_one_line(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except TrainingStopped as e:
+        result = e.result
+        bad = isinstance(e.cause, BadInputError)
+        print(f"raytrec: {'bad input' if bad else 'error'}: {_one_line(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT if bad else EXIT_FAILED
+    except KeyboardInterrupt:
+        print("raytrec: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        import traceback
+
+        traceback.print_exc()
+        print(f"raytrec: error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        # Metrics and the plot are written for whatever trained, including a stopped run.
+        if result is not None:
+            if reporter.run_dir is None:
+                reporter.start(result.run_dir)
+            reporter.close(events=getattr(result, "events", ()))
+        else:
+            reporter.close()
     first, last = result.history[0], result.history[-1]
+    auc = "n/a" if last.auc is None else f"{last.auc:.4f}"
+    if result.oracle_auc is not None and last.auc is not None:
+        ratio = last.auc / result.oracle_auc
+        auc += f" ({ratio:.3f} of the data's oracle AUC {result.oracle_auc:.4f})"
     print(
         f"[raytrec] done: {result.steps} steps in {result.wall_s:.1f}s; loss {first.loss:.4f} "
-        f"-> {last.loss:.4f}; final model: {result.final_state_path}; "
-        f"metrics: {result.run_dir}/metrics.json"
+        f"-> {last.loss:.4f}; AUC {auc}; final model: {result.final_state_path}; "
+        f"metrics: {result.run_dir}/{METRICS_FILE}; plot: {reporter.plot_path}"
     )
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -11,25 +11,29 @@ import contextlib
 import dataclasses
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import ray
+import ray.exceptions
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrec._quiet import quiet_known_warnings
 from raytrec.cluster import connect, total_resources
 from raytrec.config import ConfigError, TrainConfig, validate_features
 from raytrec.data.from_config import DataInfo, source_from_config, synthetic_source
 from raytrec.data.source import BatchSource
+from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.plan import apply_embedding_optimizer, make_plan
 from raytrec.metrics import IntervalMetrics
 from raytrec.model import ModelFactory, build_dlrm
 from raytrec.placement import rank_resources
+from raytrec.progress import ProgressReporter
+from raytrec.testing import COORDINATOR_PREFIX
 
-__all__ = ["Result", "TrainingStopped", "default_source", "fit"]
+__all__ = ["CoordinatorDied", "Result", "TrainingStopped", "default_source", "fit"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,6 +50,15 @@ class Result:
     state_digests: dict[int, dict[str, str]]
     data: DataInfo = dataclasses.field(default_factory=lambda: DataInfo(kind="custom"))
     first_batch_s: float = 0.0  # from the start of training until every rank held its batches
+    # Failures, generations, heals and resizes, in order, each with its time and step.
+    events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    generation: int = 0  # the last generation
+    # Exactly-once accounting (replayable sources): batch ids trained into the final model as
+    # merged [start, stop) ranges, their count with multiplicity, and those replayed.
+    committed_batches: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    committed_count: int = 0
+    replayed_batches: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    lost_batches: int = 0
 
     @property
     def final_loss(self) -> float:
@@ -129,6 +142,9 @@ def fit(
         os.path.join(config.storage_path, f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     )
     os.makedirs(run_dir, exist_ok=True)
+    reporter = on_progress or ProgressReporter(config.num_steps, title=config.name)
+    if isinstance(reporter, ProgressReporter) and reporter.run_dir is None:
+        reporter.start(run_dir)
     # Ranks hold their CPUs for the whole job; Ray Data's read and preprocessing
     # tasks need CPUs of their own, or the embedded cluster deadlocks.
     data_cpus = os.cpu_count() or 2
@@ -138,17 +154,21 @@ def fit(
         check_capacity(config, total_resources())
         from actors.coordinator import Coordinator
 
+        # On the driver's node: a lost worker node must not take the coordinator with it.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         coordinator_cls = ray.remote(num_cpus=0, max_concurrency=4)(Coordinator)
-        coordinator = coordinator_cls.remote(
+        name = f"{COORDINATOR_PREFIX}{os.path.basename(run_dir)}-{os.getpid()}"
+        coordinator = coordinator_cls.options(scheduling_strategy=here, name=name).remote(
             config,
             plan,
             source.split(config.scaling.world_size),
             source.dense_features,
             run_dir,
             model_factory,
+            new_shard=source.shard if isinstance(source, SyntheticCriteo) else None,
         )
         try:
-            summary = _drive(coordinator, on_progress or _print_progress(config))
+            summary = _drive(coordinator, reporter)
         finally:
             # The coordinator may already be gone; it is killed below regardless.
             with contextlib.suppress(Exception):
@@ -167,9 +187,17 @@ def fit(
         state_digests=summary.digests,
         data=info,
         first_batch_s=summary.first_batch_s,
+        events=summary.events,
+        generation=summary.generation,
+        committed_batches=summary.committed_batches,
+        committed_count=summary.committed_count,
+        replayed_batches=summary.replayed_batches,
+        lost_batches=summary.lost_batches,
     )
     with open(os.path.join(run_dir, "metrics.json"), "w") as f:
         json.dump([m.to_dict() for m in result.history], f, indent=1)
+    if on_progress is None and isinstance(reporter, ProgressReporter):
+        reporter.close(events=result.events)  # metrics file, TensorBoard and the plot
     if summary.stopped_by is not None:
         raise TrainingStopped(summary.stopped_by, result) from summary.stopped_by
     return result
@@ -192,25 +220,21 @@ def _plan(config: TrainConfig, num_dense: int, model_factory: ModelFactory) -> A
 def _drive(coordinator: Any, on_progress: Callable[[IntervalMetrics], None]) -> Any:
     run_ref = coordinator.run.remote()
     seen = 0
-    while True:
-        done, _ = ray.wait([run_ref], timeout=1.0)
-        rows = ray.get(coordinator.progress.remote(seen))
-        for row in rows:
-            on_progress(row)
-        seen += len(rows)
-        if done:
-            return ray.get(run_ref)
+    try:
+        while True:
+            done, _ = ray.wait([run_ref], timeout=1.0)
+            rows = ray.get(coordinator.progress.remote(seen))
+            for row in rows:
+                on_progress(row)
+            seen += len(rows)
+            if done:
+                return ray.get(run_ref)
+    except ray.exceptions.RayActorError as e:
+        raise CoordinatorDied(
+            "the coordinator actor died, and the job with it: raytrec does not survive the "
+            f"loss of its coordinator (its node, or the driver's Ray session, went away): {e}"
+        ) from e
 
 
-def _print_progress(config: TrainConfig) -> Callable[[IntervalMetrics], None]:
-    def show(m: IntervalMetrics) -> None:
-        auc = "  n/a " if m.auc is None else f"{m.auc:.4f}"
-        print(
-            f"[raytrec] step {m.step:>6}/{config.num_steps} | loss {m.loss:.4f} | auc {auc} | "
-            f"{m.samples_per_s:>9,.0f} samples/s | gen {m.generation} | gangs {m.gangs} | "
-            f"data wait {100 * m.data_wait_fraction:.1f}% | {m.elapsed_s:.1f}s",
-            file=sys.stdout,
-            flush=True,
-        )
-
-    return show
+class CoordinatorDied(RuntimeError):
+    """The coordinator actor is gone; the job cannot continue (see docs/fault_tolerance.md)."""

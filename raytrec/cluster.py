@@ -15,7 +15,7 @@ from typing import Any
 import ray
 from ray._private import ray_constants
 
-__all__ = ["connect", "total_resources"]
+__all__ = ["bind_to_loopback", "connect", "total_resources"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -29,12 +29,7 @@ def connect(address: str | None = None, *, num_cpus: float = 0, **kwargs: Any) -
     if address:
         ray.init(address=address, runtime_env=runtime_env, **kwargs)
         return False
-    # Ray resolves "127.0.0.1" to the machine's outward address unless
-    # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER is 0. Ray reads that variable when it is
-    # imported: the environment carries it to the processes ray.init starts, and
-    # the already-imported constant is set for this one.
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
+    bind_to_loopback()
     ray.init(
         address="local",
         _node_ip_address=LOOPBACK,
@@ -44,6 +39,19 @@ def connect(address: str | None = None, *, num_cpus: float = 0, **kwargs: Any) -
         **kwargs,
     )
     return True
+
+
+def bind_to_loopback() -> None:
+    """Makes the Ray nodes this process starts (``ray.init``, ``ray.cluster_utils.Cluster``)
+    bind to 127.0.0.1.
+
+    Ray resolves "127.0.0.1" to the machine's outward address unless
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER is 0. Ray reads that variable when it is imported: the
+    environment carries it to the processes Ray starts, and the already-imported constant is set
+    for this one.
+    """
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def total_resources() -> dict[str, float]:

@@ -107,6 +107,12 @@ class BatchFeed(Generic[T]):
             self._cond.notify_all()
             return item
 
+    def push_front(self, items: list[T]) -> None:
+        """Puts ``items`` ahead of everything buffered (batches handed over for replay)."""
+        with self._cond:
+            self._buffer.extendleft(reversed(items))
+            self._cond.notify_all()
+
     def buffered(self) -> int:
         with self._cond:
             return len(self._buffer)

@@ -25,9 +25,24 @@ __all__ = ["Batch", "BatchShard", "BatchSource"]
 class BatchShard(abc.ABC):
     """One rank's share of the data stream."""
 
+    #: Whether :meth:`replay` can rebuild any batch by its id (elastic training hands a lost
+    #: gang's uncommitted batches to the survivors this way).
+    replayable: bool = False
+
     @abc.abstractmethod
     def batches(self, batch_size: int, *, start_step: int = 0) -> Iterator[Batch]:
         """Yields this shard's batches of ``batch_size`` rows, from batch ``start_step`` on."""
+
+    def identified_batches(
+        self, batch_size: int, *, start_step: int = 0
+    ) -> Iterator[tuple[int | None, Batch]]:
+        """:meth:`batches` with each batch's id (a non-negative int, unique in the job), or
+        None where the source cannot name its batches."""
+        return ((None, b) for b in self.batches(batch_size, start_step=start_step))
+
+    def replay(self, batch_id: int, batch_size: int) -> Batch:
+        """The batch with id ``batch_id`` again (any shard's, for replayable sources)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot replay batches")
 
 
 class BatchSource(abc.ABC):

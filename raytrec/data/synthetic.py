@@ -24,7 +24,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from raytrec.data.source import Batch, BatchShard, BatchSource
 
-__all__ = ["SyntheticCriteo", "SyntheticShard"]
+__all__ = ["SyntheticCriteo", "SyntheticShard", "batch_id", "split_batch_id"]
 
 _TARGET_CLICK_RATE = 0.25  # Criteo's click rate is ~25.6%.
 _DENSE_LOGIT_STD = 0.8  # spread of the dense part of the teacher logit
@@ -113,6 +113,10 @@ class SyntheticCriteo(BatchSource):
         """The id range ``n_f`` of each sparse feature, in key order."""
         n = self.num_embeddings
         return tuple(int(v) for v in n) if isinstance(n, tuple) else (int(n),) * self.num_sparse
+
+    def shard(self, index: int) -> SyntheticShard:
+        """The stream of shard ``index`` alone (a rank that joins later gets a fresh index)."""
+        return SyntheticShard(source=self, index=index, num_shards=index + 1)
 
     def split(self, num_shards: int) -> list[BatchShard]:
         if num_shards < 1:
@@ -248,3 +252,30 @@ class SyntheticShard(BatchShard):
         return (
             self.source.make_batch(self.index, s, batch_size) for s in itertools.count(start_step)
         )
+
+    replayable = True
+
+    def identified_batches(
+        self, batch_size: int, *, start_step: int = 0
+    ) -> Iterator[tuple[int | None, Batch]]:
+        for s, batch in enumerate(self.batches(batch_size, start_step=start_step), start_step):
+            yield batch_id(self.index, s), batch
+
+    def replay(self, batch_id: int, batch_size: int) -> Batch:
+        shard, step = split_batch_id(batch_id)
+        return self.source.make_batch(shard, step, batch_size)
+
+
+#: Batch ids of the synthetic stream: ``shard << 32 | step`` (steps below 2**32 per shard).
+_STEP_BITS = 32
+
+
+def batch_id(shard: int, step: int) -> int:
+    if not 0 <= step < 1 << _STEP_BITS or shard < 0:
+        raise ValueError(f"batch_id: shard {shard} / step {step} out of range")
+    return shard << _STEP_BITS | step
+
+
+def split_batch_id(value: int) -> tuple[int, int]:
+    """``(shard, step)`` of a :func:`batch_id`."""
+    return value >> _STEP_BITS, value & ((1 << _STEP_BITS) - 1)

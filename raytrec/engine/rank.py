@@ -50,7 +50,10 @@ from raytrec.engine.replica_plane import LevelPlanes, ReplicaPlane
 from raytrec.model import ModelFactory, build_dlrm
 from raytrec.sync.schedule import SyncDecision, SyncPlan, plan_sync
 
-__all__ = ["RankEngine", "RankSpec", "StoreAddress"]
+__all__ = ["RENDEZVOUS_TIMEOUT_S", "RankEngine", "RankSpec", "StoreAddress"]
+
+#: How long joining a gang world or a replica plane may wait for the other members.
+RENDEZVOUS_TIMEOUT_S = 300.0
 
 _DENSE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -80,7 +83,7 @@ class RankSpec:
     num_dense: int
     store: StoreAddress
     model_factory: ModelFactory = build_dlrm
-    timeout_s: float = 120.0
+    timeout_s: float = 120.0  # collectives (failure detection); rendezvous waits longer
 
 
 class RankEngine:
@@ -98,6 +101,7 @@ class RankEngine:
         self._store: dist.Store | None = None
         # (logits, labels) of the last step, detached, for the rank's metrics.
         self.last_output: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._step_in_flight = False
 
     # -- construction -------------------------------------------------------
 
@@ -111,17 +115,21 @@ class RankEngine:
             torch.cuda.set_device(self.device)
         else:
             torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_rank)))
-        timeout = timedelta(seconds=spec.timeout_s)
+        # Rendezvous waits for the slowest rank to start (imports take seconds, more on a
+        # loaded machine); collectives afterwards get the short timeout that failure detection
+        # relies on.
+        rendezvous = timedelta(seconds=max(spec.timeout_s, RENDEZVOUS_TIMEOUT_S))
         self._store = dist.TCPStore(
-            spec.store.host, spec.store.port, is_master=False, timeout=timeout
+            spec.store.host, spec.store.port, is_master=False, timeout=rendezvous
         )
         dist.init_process_group(
             backend=cfg.scaling.resolved_backend,
             store=dist.PrefixStore(f"gang{spec.gang}", self._store),
             rank=spec.gang_rank,
             world_size=spec.gang_size,
-            timeout=timeout,
+            timeout=rendezvous,
         )
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=spec.timeout_s))
         model = spec.model_factory(cfg.model, spec.num_dense, self.device, cfg.seed)
         apply_embedding_optimizer(model, cfg.optimizer)
         self.model = DistributedModelParallel(
@@ -210,11 +218,39 @@ class RankEngine:
         loss, (_, logits, labels) = self.model(batch)
         loss.backward()
         self.last_output = (logits.detach(), labels.detach())
+        # FBGEMM updated the embeddings inside backward: from here on the step has happened,
+        # whatever becomes of the dense update (see abandon_failed_step).
+        self._step_in_flight = True
         self._average_dense_grads()
         self.dense_optimizer.step()
         self.dense_optimizer.zero_grad(set_to_none=False)
         self.step += 1
+        self._step_in_flight = False
         return float(loss.detach())
+
+    def abandon_failed_step(self) -> bool:
+        """Cleans up after a replica-plane failure inside :meth:`train_step`.
+
+        The embedding update of that step already happened (fused into backward) and cannot
+        be undone, so the step counts; its dense update is skipped (the gradients are
+        dropped). Every surviving rank fails in the same collective, so all of them skip the
+        same dense update, and the re-formed job's first sync makes dense state identical
+        again. Returns whether a step was in flight.
+        """
+        in_flight = self._step_in_flight
+        self.dense_optimizer.zero_grad(set_to_none=False)
+        if in_flight:
+            self.step += 1
+            self._step_in_flight = False
+        return in_flight
+
+    def abort_replica_planes(self) -> None:
+        """Aborts this rank's replica-plane groups (all levels), failing pending collectives."""
+        planes = list(self.levels.planes) if self.levels is not None else []
+        if self.replica is not None and all(p is not self.replica for p in planes):
+            planes.append(self.replica)
+        for plane in planes:
+            plane.abort()
 
     def _average_dense_grads(self) -> None:
         assert self.replica is not None, "join_replica_plane() first"
@@ -300,6 +336,15 @@ class RankEngine:
                 plan = plan_sync(self.cfg.sync, generation=replica.generation, live_gangs=gangs)
                 self._job_wide_plan = plan
         return plan.decide(step)
+
+    def broadcast_dense(self, *, src: int) -> None:
+        """Copies member ``src``'s dense parameters and dense optimizer state to the group.
+
+        After a failure the survivors may disagree on the step that failed (some finished its
+        dense all-reduce before the failure reached them, some did not); one survivor's dense
+        state becomes everyone's, so dense state is identical again."""
+        assert self.replica is not None, "join_replica_plane() first"
+        self.replica.broadcast_(self.dense_state(), src=src)
 
     def broadcast_state(self, *, src: int) -> None:
         """Copies a live member's full state to the rest of the replica group."""

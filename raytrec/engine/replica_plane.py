@@ -26,7 +26,14 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from raytrec.sync.schedule import SyncPlan
 
-__all__ = ["LevelPlanes", "ReplicaPlane"]
+__all__ = ["LevelPlanes", "ReplicaPlane", "ReplicaPlaneError"]
+
+
+_RENDEZVOUS_S = 300.0
+
+
+class ReplicaPlaneError(RuntimeError):
+    """A replica-plane collective failed: a member died, hung past the timeout, or aborted."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,7 +77,11 @@ class ReplicaPlane:
             opts._timeout = timeout
             pg = dist.ProcessGroupNCCL(dist.PrefixStore(name, store), rank, size, opts)
         else:
-            pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size, timeout)
+            # Gloo connects its full mesh within the given timeout: give the rendezvous as long
+            # as the store allows, then the collectives the short, failure-detecting one.
+            rendezvous = max(timeout, timedelta(seconds=_RENDEZVOUS_S))
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size, rendezvous)
+            pg._set_default_timeout(timeout)
         return cls(
             generation=generation,
             replica_group=replica_group,
@@ -94,10 +105,29 @@ class ReplicaPlane:
         for group in by_dtype.values():
             flat = _flatten_dense_tensors(group)
             # Gloo has no AVG reduction: sum, then divide.
-            self.pg.allreduce([flat]).wait()
+            self._wait(self.pg.allreduce([flat]))
             flat.div_(self.size)
             for dst, src in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
                 dst.copy_(src)
+
+    def _wait(self, work: Any) -> None:
+        """Waits for a collective. When it fails (a member died, or the group was aborted),
+        this member aborts the group too: gloo's ring collectives only fail fast at the dead
+        member's neighbours, and aborting closes this member's connections, so the failure
+        reaches every member at once instead of after the collective timeout."""
+        try:
+            work.wait()
+        except Exception as e:
+            self.abort()
+            raise ReplicaPlaneError(
+                f"replica plane of generation {self.generation}, replica group "
+                f"{self.replica_group}: a collective failed ({str(e).splitlines()[0][:200]})"
+            ) from e
+
+    def abort(self) -> None:
+        """Closes this member's connections; pending and later collectives fail at once."""
+        if self.pg is not None and hasattr(self.pg, "abort"):
+            self.pg.abort()
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], *, src: int) -> None:
         """Copies the tensors of member ``src`` to every member, in place."""
@@ -110,7 +140,7 @@ class ReplicaPlane:
             flat = _flatten_dense_tensors(group)
             opts = dist.BroadcastOptions()
             opts.rootRank = src
-            self.pg.broadcast([flat], opts).wait()
+            self._wait(self.pg.broadcast([flat], opts))
             for dst, s in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
                 dst.copy_(s)
 

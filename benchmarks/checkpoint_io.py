@@ -1,0 +1,314 @@
+"""Checkpoint save and load throughput next to the raw write and read speed of the same bytes.
+
+    .venv/bin/python benchmarks/checkpoint_io.py [--tables 8] [--rows 600000] [--dim 16]
+        [--repeats 5] [--dir DIR] [--no-doc]
+
+One rank process (a gang of one, gloo) builds a DLRM whose embedding tables and
+row-wise Adagrad state make a few hundred MB, trains one step, and then, in
+each of ``--repeats`` rounds, the methods taking turns:
+
+* **save**: :func:`raytrec.checkpoint.state.save_checkpoint` into ``--dir``,
+  the whole path: DCP's writer (``sync_files=True``), manifest, commit
+  marker, rename, keep-last-1;
+* **raw write**: the same number of bytes into files of the same sizes with
+  ``write`` + ``fsync`` (and the directory fsynced), from memory;
+* **load** / **raw read**, each twice: *cold* after the files were evicted
+  from the page cache with ``posix_fadvise(DONTNEED)`` (after an fsync, so
+  nothing dirty stays behind), and *warm* straight after. The load is
+  :func:`~raytrec.checkpoint.state.load_checkpoint` with all its checks and
+  its two copies (into fresh tensors, then into the live ones); the raw read
+  is ``readinto`` preallocated buffers.
+
+Each figure is bytes of the checkpoint's files (data files and DCP metadata)
+over wall time; the best round (least disturbed by other jobs) and the median are reported. The
+table is printed and written to the "Save and load throughput" section of
+``docs/checkpoints.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from raytrec._quiet import quiet_known_warnings
+from raytrec.checkpoint.layout import read_manifest
+from raytrec.checkpoint.state import load_checkpoint, save_checkpoint
+from raytrec.config import (
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ScalingConfig,
+    TrainConfig,
+    criteo_tables,
+)
+from raytrec.data.synthetic import SyntheticCriteo
+from raytrec.engine.plan import apply_embedding_optimizer, make_plan
+from raytrec.engine.rank import RankEngine, RankSpec, StoreAddress
+from raytrec.model import build_dlrm
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "checkpoints.md"
+SECTION = "## Save and load throughput"
+NUM_DENSE = 13
+MB = 1e6
+
+
+def build_engine(tables: int, rows: int, dim: int) -> RankEngine:
+    config = TrainConfig(
+        model=ModelConfig(
+            tables=criteo_tables(num_features=tables, num_embeddings=rows, embedding_dim=dim),
+            dense_arch_layers=(64, dim),
+            over_arch_layers=(64, 1),
+        ),
+        optimizer=OptimizerConfig(embedding="rowwise_adagrad", dense="adagrad"),
+        scaling=ScalingConfig(num_workers=1, gang_size=1),
+        data=DataConfig(batch_size=256),
+    )
+    model = build_dlrm(config.model, NUM_DENSE, torch.device("cpu"), config.seed)
+    apply_embedding_optimizer(model, config.optimizer)
+    plan = make_plan(
+        model,
+        gang_size=1,
+        device_type="cpu",
+        sharding=config.sharding,
+        table_names=[t.name for t in config.model.tables],
+        batch_size=config.data.batch_size,
+    )
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+    spec = RankSpec(
+        rank=0,
+        gang=0,
+        gang_rank=0,
+        gang_size=1,
+        config=config,
+        plan=plan,
+        num_dense=NUM_DENSE,
+        store=StoreAddress(host="127.0.0.1", port=store.port),
+    )
+    engine = RankEngine(spec)
+    engine.build()
+    engine._bench_store = store  # type: ignore[attr-defined]  # keep the master alive
+    engine.join_replica_plane(generation=0, member_rank=0, size=1)
+    source = SyntheticCriteo(num_sparse=tables, num_embeddings=rows, seed=1)
+    engine.train_step(source.make_batch(0, 0, config.data.batch_size))
+    return engine
+
+
+def evict(paths: Sequence[Path]) -> None:
+    """Drops the files' pages from the page cache (only these files: the machine is shared)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def raw_write(directory: Path, sizes: dict[str, int], payload: memoryview) -> list[Path]:
+    if directory.exists():
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    paths = []
+    for name, size in sizes.items():
+        path = directory / name
+        with open(path, "wb") as f:
+            done = 0
+            while done < size:
+                n = min(size - done, len(payload))
+                f.write(payload[:n])
+                done += n
+            f.flush()
+            os.fsync(f.fileno())
+        paths.append(path)
+    fsync_dir(directory)
+    return paths
+
+
+def raw_read(paths: Sequence[Path], buffers: dict[Path, bytearray]) -> None:
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            view = memoryview(buffers[path])
+            got = 0
+            while got < len(view):
+                n = f.readinto(view[got:])
+                if not n:
+                    raise RuntimeError(f"{path}: short read")
+                got += n
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def one_round(
+    engine: RankEngine,
+    root: Path,
+    raw_dir: Path,
+    payload: memoryview,
+    expected: list[torch.Tensor],
+    times: dict[str, list[float]],
+) -> dict[str, int]:
+    """Save, raw write, then cold and warm load and raw read; returns the file sizes."""
+    t0 = time.perf_counter()
+    ref = save_checkpoint(engine, str(root), generation=0, num_to_keep=1)
+    times["save"].append(time.perf_counter() - t0)
+    sizes = dict(read_manifest(ref.uri).files)
+    ckpt_files = [Path(ref.uri) / n for n in sizes]
+    times["raw write"].append(timed(lambda: raw_write(raw_dir, sizes, payload)))
+    raw_files = [raw_dir / n for n in sizes]
+    buffers = {path: bytearray(path.stat().st_size) for path in raw_files}
+    weights = engine.embedding_weights()
+    for temp in ("cold", "warm"):
+        if temp == "cold":
+            evict(ckpt_files + raw_files)
+        with torch.no_grad():
+            for w in weights:
+                w.zero_()  # the load must bring every table back
+        times[f"load {temp}"].append(timed(lambda: load_checkpoint(engine, ref)))
+        for w, e in zip(weights, expected, strict=True):
+            assert torch.equal(w, e), "the load did not restore the tables"
+        times[f"raw read {temp}"].append(timed(lambda: raw_read(raw_files, buffers)))
+    return sizes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--rows", type=int, default=600_000, help="rows per table")
+    p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dir", default=None, help="where to write (default: a new temp directory)")
+    p.add_argument("--no-doc", action="store_true", help="do not touch docs/checkpoints.md")
+    a = p.parse_args(argv)
+    quiet_known_warnings()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    base = Path(a.dir or tempfile.mkdtemp(prefix="raytrec-ckpt-bench-"))
+    base.mkdir(parents=True, exist_ok=True)
+    root, raw_dir = base / "checkpoints", base / "raw"
+
+    engine = build_engine(a.tables, a.rows, a.dim)
+    weights = engine.embedding_weights()
+    expected = [w.clone() for w in weights]
+    payload = memoryview(weights[0].detach().numpy().view(np.uint8).reshape(-1))
+    times: dict[str, list[float]] = {
+        k: []
+        for k in ("save", "raw write", "load cold", "raw read cold", "load warm", "raw read warm")
+    }
+    sizes: dict[str, int] = {}
+    for _ in range(a.repeats):
+        sizes = one_round(engine, root, raw_dir, payload, expected, times)
+    total = sum(sizes.values())
+    state_mb = sum(w.numel() * 4 for w in weights) / MB
+    state_mb += sum(s.numel() * 4 for s in engine.embedding_optimizer_states()) / MB
+    engine.close()
+    if not a.dir:
+        shutil.rmtree(base, ignore_errors=True)
+
+    def rates(name: str) -> tuple[float, float]:
+        """Best (the least disturbed round) and median MB/s."""
+        r = [total / MB / t for t in times[name]]
+        return max(r), statistics.median(r)
+
+    pairs = [
+        ("save (save_checkpoint)", "raw write (write + fsync)", "save", "raw write"),
+        (
+            "load, cold cache (load_checkpoint)",
+            "raw read, cold cache",
+            "load cold",
+            "raw read cold",
+        ),
+        ("load, warm cache", "raw read, warm cache", "load warm", "raw read warm"),
+    ]
+    lines = [
+        "| operation | best MB/s | median MB/s | raw operation | best MB/s | median MB/s "
+        "| best / raw best |",
+        "|---|---:|---:|---|---:|---:|---:|",
+    ]
+    for label, raw_label, key, raw_key in pairs:
+        (best, median), (raw_best, raw_median) = rates(key), rates(raw_key)
+        lines.append(
+            f"| {label} | {best:,.0f} | {median:,.0f} | {raw_label} | {raw_best:,.0f} | "
+            f"{raw_median:,.0f} | {best / raw_best:.2f} |"
+        )
+    table = "\n".join(lines)
+    print(f"checkpoint: {total / MB:.1f} MB in {len(sizes)} files; state {state_mb:.1f} MB")
+    print(table)
+    if a.no_doc:
+        return 0
+
+    cmd = shlex.join([".venv/bin/python", "benchmarks/checkpoint_io.py", *argv])
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    cpu = platform.processor() or platform.machine()
+    took = time.perf_counter() - started
+    text = f"""{SECTION}
+
+Generated by `benchmarks/checkpoint_io.py` on {date} (whole run {took:.0f} s).
+
+Command: `{cmd}`
+
+- Machine: {os.cpu_count()} CPU cores ({cpu}), shared with other jobs while it ran (load
+  average {load}); torch {torch.__version__}, one thread; files on the machine's local disk
+  (a virtio block device; its host may cache, so "cold" reads can beat the raw disk).
+- State: {a.tables} tables x {a.rows:,} rows x dim {a.dim} (float32) with row-wise Adagrad
+  state, plus a small dense part: {state_mb:.1f} MB of embedding state, written as
+  {total / MB:.1f} MB in {len(sizes)} files (a data file per rank of the writing gang, here
+  one rank, and DCP's `.metadata`).
+- {a.repeats} rounds, the methods taking turns; each figure is the checkpoint's bytes over
+  wall time, the best round (the least disturbed by the other jobs) and the median. Cold:
+  the files were evicted from the page cache (`posix_fadvise(DONTNEED)`) first.
+
+{table}
+"""
+    update_doc(DOC, text)
+    return 0
+
+
+def update_doc(path: Path, text: str) -> None:
+    """Replaces only this section of ``path``; the rest of the page is kept."""
+    old = path.read_text() if path.exists() else "# Checkpoints\n"
+    lines = old.splitlines(keepends=True)
+    start = next((i for i, x in enumerate(lines) if x.rstrip() == SECTION), None)
+    if start is None:
+        new = old.rstrip("\n") + "\n\n" + text
+    else:
+        end = next(
+            (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)
+        )
+        rest = "".join(lines[end:])
+        new = "".join(lines[:start]) + text + ("\n" + rest if rest else "")
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text(new)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

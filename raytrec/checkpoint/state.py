@@ -1,0 +1,500 @@
+"""Saving and loading one gang's training state with torch.distributed.checkpoint (DCP).
+
+**Save** is a collective over one gang's world (the default process group in
+a rank process): every rank of that gang calls :func:`save_checkpoint`, the
+other gangs do not. Each rank writes its own embedding shards and their fused
+optimizer state once; the dense parameters and dense optimizer state, the
+same on every rank, are written once by DCP's de-duplication; each rank adds
+its random state. Rank 0 of the gang then lists the files, writes the
+manifest and commits (:class:`~raytrec.checkpoint.layout.CheckpointStore`).
+
+**Load** (:func:`load_checkpoint`) is a collective over a gang too, and every
+gang of a job may load the same checkpoint. The gang may have another size
+and another sharding plan than the one that saved: DCP reads, for each local
+shard of the new plan, the overlapping pieces of the saved shards. Row-wise
+optimizer state whose size depends on the number of column blocks is
+converted (:mod:`raytrec.checkpoint.reshard`).
+
+Nothing live is overwritten until everything has been read and checked: the
+manifest is verified and compared with this model first, then DCP reads into
+freshly allocated tensors shaped like the live ones, and only when every rank
+of the gang has succeeded (they agree through an all-gather) are the fresh
+tensors copied into the model, the fused optimizer's state, the dense
+optimizer's state and the random generators. The price is one extra copy of
+this rank's state in memory while loading.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+
+from raytrec.checkpoint.collective import agree, describe, on_rank0
+from raytrec.checkpoint.errors import CheckpointError
+from raytrec.checkpoint.layout import (
+    CheckpointRef,
+    CheckpointStore,
+    PendingCheckpoint,
+    data_files,
+    read_manifest,
+)
+from raytrec.checkpoint.manifest import (
+    Manifest,
+    ModelSignature,
+    TableShard,
+    check_compatible,
+    signature_for,
+)
+from raytrec.checkpoint.reshard import convert_rowwise_state
+from raytrec.checkpoint.storage import storage_reader, storage_writer
+
+if TYPE_CHECKING:
+    from raytrec.engine.rank import RankEngine
+
+__all__ = [
+    "LoadedCheckpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+WriterFactory = Callable[[str], StorageWriter]
+ReaderFactory = Callable[[str], StorageReader]
+
+
+@contextmanager
+def _quiet_sharded_tensor() -> Iterator[None]:
+    # TorchRec's state dicts are ShardedTensors; torch marks the type as deprecated on use.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Please use DTensor instead", category=Warning)
+        yield
+
+
+# -- what is saved --------------------------------------------------------------------
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's random generators as tensors (no pickles in the checkpoint)."""
+
+    def as_bytes(obj: Any) -> torch.Tensor:
+        return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).clone()
+
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    out = {
+        "torch": torch.get_rng_state(),
+        "python": as_bytes([version, list(internal), gauss]),
+        "numpy": as_bytes([name, np.asarray(keys).tolist(), pos, has_gauss, cached]),
+    }
+    if device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def _set_rng_state(state: Mapping[str, torch.Tensor], device: torch.device) -> None:
+    def from_bytes(t: torch.Tensor) -> Any:
+        return json.loads(bytes(t.numpy().tobytes()).decode())
+
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = from_bytes(state["python"])
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = from_bytes(state["numpy"])
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _training_state(engine: RankEngine) -> dict[str, Any]:
+    """The DCP state dict of one rank; every tensor in it is a view of live state."""
+    return {
+        "model": engine.model.state_dict(),
+        "embedding_optimizer": engine.model.fused_optimizer.state_dict(),
+        "dense_optimizer": engine.dense_optimizer.state_dict(),
+        "rng": {f"rank{engine.spec.gang_rank}": _rng_state(engine.device)},
+    }
+
+
+def _table_of(key: str) -> str:
+    """``...embedding_bags.<table>.weight`` -> ``<table>``."""
+    return key.split(".")[-2]
+
+
+def _table_shards(model_state: Mapping[str, Any]) -> dict[str, list[TableShard]]:
+    """Every table's global shard layout, read from its ShardedTensor's metadata."""
+    out = {}
+    for key, value in model_state.items():
+        if isinstance(value, ShardedTensor):
+            out[_table_of(key)] = [
+                TableShard(
+                    row_offset=m.shard_offsets[0],
+                    col_offset=m.shard_offsets[1],
+                    rows=m.shard_sizes[0],
+                    cols=m.shard_sizes[1],
+                )
+                for m in sorted(
+                    value.metadata().shards_metadata,
+                    key=lambda m: (m.shard_offsets[1], m.shard_offsets[0]),
+                )
+            ]
+    return out
+
+
+def _signature(engine: RankEngine, model_state: Mapping[str, Any] | None = None) -> ModelSignature:
+    shapes = {name: tuple(p.shape) for name, p in engine.dense_params.items()}
+    shards = _table_shards(model_state) if model_state is not None else None
+    return signature_for(engine.cfg, shapes, shards)
+
+
+# -- save --------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    engine: RankEngine,
+    store: CheckpointStore | str,
+    *,
+    generation: int,
+    extra: Mapping[str, Any] | None = None,
+    num_to_keep: int | None = None,
+    num_gangs: int | None = None,
+    writer_factory: WriterFactory = storage_writer,
+) -> CheckpointRef:
+    """Writes ``engine``'s training state as the checkpoint of step ``engine.step``.
+
+    A collective over the gang: every rank of ONE gang calls it (the other
+    gangs do not). ``extra`` is any JSON-able dict (data position,
+    accounting), returned as is by :func:`load_checkpoint`. After the commit,
+    all but the newest ``num_to_keep`` checkpoints are removed (None keeps
+    all). Returns the committed checkpoint on every rank of the gang; raises
+    :class:`CheckpointError` on every rank if any part failed, in which case
+    nothing new is visible.
+    """
+    store = store if isinstance(store, CheckpointStore) else CheckpointStore(store)
+    extra = dict(extra or {})
+    try:
+        json.dumps(extra, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"extra must be JSON-serialisable: {e}") from None
+    step = engine.step
+    pending: PendingCheckpoint = on_rank0(lambda: store.begin(step))
+    with _quiet_sharded_tensor():
+        state = _training_state(engine)
+        try:
+            dcp.save(state, storage_writer=writer_factory(pending.write_uri))
+        except (Exception, CheckpointException) as e:
+            raise CheckpointError(
+                f"writing checkpoint {pending.final_uri} failed: {describe(e)}"
+            ) from None
+        signature = _signature(engine, state["model"])
+
+    def commit() -> CheckpointRef:
+        manifest = Manifest(
+            step=step,
+            generation=generation,
+            gang_size=engine.spec.gang_size,
+            num_gangs=num_gangs if num_gangs is not None else engine.cfg.scaling.num_gangs,
+            sharding_type=engine.cfg.sharding.sharding_type,
+            signature=signature,
+            files=data_files(pending.write_uri),
+            extra=extra,
+            created_unix=time.time(),
+        )
+        ref = store.commit(pending, manifest)
+        store.prune(num_to_keep)
+        return ref
+
+    return on_rank0(commit)
+
+
+# -- load ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoadedCheckpoint:
+    """What a load restored, and the caller's data from the save."""
+
+    uri: str
+    step: int
+    generation: int
+    extra: Mapping[str, Any]
+    manifest: Manifest
+
+
+@dataclasses.dataclass(kw_only=True)
+class _RowwiseFix:
+    live: ShardedTensor
+    saved_full: torch.Tensor  # read from the checkpoint in its saved layout
+    table: str
+    live_blocks: list[tuple[int, int]]  # this model's (column offset, width) blocks
+    converted: torch.Tensor | None = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Targets:
+    """Fresh tensors DCP reads into, and where each goes once all reads succeeded."""
+
+    state: dict[str, Any]
+    copies: list[tuple[torch.Tensor, torch.Tensor]]  # (live, fresh)
+    rowwise: list[_RowwiseFix]
+    dense_optimizer: dict[str, dict[str, torch.Tensor]]
+    rng: dict[str, torch.Tensor]
+
+
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _fresh_like(value: torch.Tensor) -> tuple[torch.Tensor, Pairs]:
+    """An empty tensor laid out like ``value`` (a ShardedTensor keeps its shards), with
+    the (live, fresh) pairs to copy."""
+    if isinstance(value, ShardedTensor):
+        shards = [
+            Shard(tensor=torch.empty_like(s.tensor), metadata=s.metadata)
+            for s in value.local_shards()
+        ]
+        fresh = ShardedTensor._init_from_local_shards_and_global_metadata(
+            local_shards=shards,
+            sharded_tensor_metadata=value.metadata(),
+            process_group=value._process_group,
+        )
+        pairs = [
+            (s.tensor, f.tensor)
+            for s, f in zip(value.local_shards(), fresh.local_shards(), strict=True)
+        ]
+        return fresh, pairs
+    fresh_t = torch.empty_like(value)
+    return fresh_t, [(value, fresh_t)]
+
+
+def _saved_tensor(md: Metadata, key: str, where: str) -> TensorStorageMetadata:
+    entry = md.state_dict_metadata.get(key)
+    if entry is None:
+        raise CheckpointError(f"checkpoint {where} does not hold {key!r}, which this model has")
+    if not isinstance(entry, TensorStorageMetadata):
+        raise CheckpointError(f"checkpoint {where}: {key!r} is not a tensor")
+    return entry
+
+
+def _global_size(value: torch.Tensor) -> list[int]:
+    return list(value.size())
+
+
+def _build_targets(engine: RankEngine, md: Metadata, manifest: Manifest, uri: str) -> _Targets:
+    targets = _Targets(state={}, copies=[], rowwise=[], dense_optimizer={}, rng={})
+
+    def size_mismatch(key: str, saved: list[int], expected: list[int]) -> CheckpointError:
+        return CheckpointError(
+            f"checkpoint {uri}: {key!r} has shape {saved} saved, {expected} expected"
+        )
+
+    # Model: sharded embedding tables and dense parameters.
+    model_state: dict[str, Any] = {}
+    live_model = engine.model.state_dict()
+    for key, value in live_model.items():
+        entry = _saved_tensor(md, f"model.{key}", uri)
+        if list(entry.size) != _global_size(value):
+            raise size_mismatch(f"model.{key}", list(entry.size), _global_size(value))
+        model_state[key], pairs = _fresh_like(value)
+        targets.copies += pairs
+    unknown = sorted(
+        k[len("model.") :]
+        for k in md.state_dict_metadata
+        if k.startswith("model.") and k[len("model.") :] not in live_model
+    )
+    if unknown:
+        raise CheckpointError(f"checkpoint {uri} holds {unknown}, which this model does not have")
+    targets.state["model"] = model_state
+
+    # Fused embedding optimizer state (only this rank's tables appear in its state dict).
+    saved_tables = {t.name: t for t in manifest.signature.tables}
+    fused_state: dict[str, dict[str, Any]] = {}
+    for param_key, states in engine.model.fused_optimizer.state_dict()["state"].items():
+        fused_state[param_key] = {}
+        for state_key, value in states.items():
+            key = f"embedding_optimizer.state.{param_key}.{state_key}"
+            entry = _saved_tensor(md, key, uri)
+            saved_size, live_size = list(entry.size), _global_size(value)
+            if saved_size == live_size:
+                fused_state[param_key][state_key], pairs = _fresh_like(value)
+                targets.copies += pairs
+            elif isinstance(value, ShardedTensor) and len(live_size) == 1:
+                # Row-wise state laid out for another number of column blocks.
+                full = torch.empty(saved_size, dtype=entry.properties.dtype)
+                fused_state[param_key][state_key] = full
+                table = _table_of(param_key)
+                if table not in saved_tables or not saved_tables[table].shards:
+                    raise CheckpointError(
+                        f"checkpoint {uri}: no saved layout for table {table!r} to convert "
+                        f"its row-wise state {state_key!r}"
+                    )
+                weight = live_model[param_key]  # the fused state's key is the weight's key
+                blocks = {
+                    (m.shard_offsets[1], m.shard_sizes[1])
+                    for m in weight.metadata().shards_metadata
+                }
+                targets.rowwise.append(
+                    _RowwiseFix(
+                        live=value, saved_full=full, table=table, live_blocks=sorted(blocks)
+                    )
+                )
+            else:
+                raise size_mismatch(key, saved_size, live_size)
+    targets.state["embedding_optimizer"] = {"state": fused_state}
+
+    # Dense optimizer state: allocated from what was saved, as it may not exist here yet
+    # (optimizers such as Adam create it on their first step).
+    live_dense = engine.dense_optimizer.state_dict()["state"]
+    dense_state: dict[str, dict[str, torch.Tensor]] = {}
+    for param_key in engine.dense_optimizer.params:
+        prefix = f"dense_optimizer.state.{param_key}."
+        saved_names = {
+            k[len(prefix) :]: entry
+            for k, entry in md.state_dict_metadata.items()
+            if k.startswith(prefix) and "." not in k[len(prefix) :]
+        }
+        live_names = set(live_dense.get(param_key, {}))
+        if live_names and live_names != set(saved_names):
+            raise CheckpointError(
+                f"checkpoint {uri}: dense optimizer state of {param_key!r} holds "
+                f"{sorted(saved_names)} saved, {sorted(live_names)} expected"
+            )
+        if not saved_names:
+            continue
+        dense_state[param_key] = {}
+        for name, saved in saved_names.items():
+            if not isinstance(saved, TensorStorageMetadata):
+                raise CheckpointError(f"checkpoint {uri}: {prefix + name!r} is not a tensor")
+            entry = saved
+            live_value = live_dense.get(param_key, {}).get(name)
+            if isinstance(live_value, torch.Tensor) and list(live_value.shape) != list(entry.size):
+                raise size_mismatch(prefix + name, list(entry.size), list(live_value.shape))
+            # Where the optimizer keeps it: beside the live value, or (when the optimizer has
+            # not created it yet) on the parameter's device, scalars such as Adam's step on CPU.
+            device = (
+                live_value.device
+                if isinstance(live_value, torch.Tensor)
+                else engine.dense_optimizer.params[param_key].device
+                if entry.size
+                else torch.device("cpu")
+            )
+            dense_state[param_key][name] = torch.empty(
+                list(entry.size), dtype=entry.properties.dtype, device=device
+            )
+    targets.state["dense_optimizer"] = {"state": dense_state}
+    targets.dense_optimizer = dense_state
+
+    # Random state of the saved rank this rank takes the place of.
+    source = f"rank{engine.spec.gang_rank % manifest.gang_size}"
+    prefix = f"rng.{source}."
+    for key, item in md.state_dict_metadata.items():
+        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata):
+            targets.rng[key[len(prefix) :]] = torch.empty(
+                list(item.size), dtype=item.properties.dtype
+            )
+    if "torch" not in targets.rng:
+        raise CheckpointError(
+            f"checkpoint {uri} holds no random state of the saved gang's {source}"
+        )
+    targets.state["rng"] = {source: targets.rng}
+    return targets
+
+
+def _convert_rowwise(fix: _RowwiseFix, manifest: Manifest) -> torch.Tensor:
+    saved = manifest.signature.table(fix.table)
+    return convert_rowwise_state(
+        fix.saved_full,
+        rows=saved.num_embeddings,
+        dim=saved.embedding_dim,
+        saved_blocks=saved.column_shards(),
+        target_blocks=fix.live_blocks,
+    )
+
+
+def load_checkpoint(
+    engine: RankEngine,
+    checkpoint: CheckpointRef | str,
+    *,
+    reader_factory: ReaderFactory = storage_reader,
+) -> LoadedCheckpoint:
+    """Loads a checkpoint into ``engine`` (its gang may differ in size, plan and count).
+
+    A collective over the gang: every rank of the gang calls it. Sets
+    ``engine.step`` to the saved step and returns the saved generation and
+    ``extra``. Raises :class:`CheckpointError` on every rank of the gang, with
+    nothing in the engine changed, if the checkpoint is missing, uncommitted,
+    corrupt, or made for another model.
+    """
+    uri = checkpoint.uri if isinstance(checkpoint, CheckpointRef) else checkpoint
+
+    def verify() -> Manifest:
+        manifest = read_manifest(uri)
+        with _quiet_sharded_tensor():
+            check_compatible(manifest.signature, _signature(engine), where=uri)
+        return manifest
+
+    manifest = agree(verify)
+
+    def plan() -> _Targets:
+        try:
+            md = reader_factory(uri).read_metadata()
+        except (Exception, CheckpointException) as e:
+            raise CheckpointError(
+                f"checkpoint {uri} is corrupt: its DCP metadata (.metadata) cannot be read "
+                f"({describe(e)})"
+            ) from None
+        with _quiet_sharded_tensor():
+            return _build_targets(engine, md, manifest, uri)
+
+    targets = agree(plan)
+
+    def read() -> None:
+        with _quiet_sharded_tensor():
+            try:
+                dcp.load(targets.state, storage_reader=reader_factory(uri))
+            except (Exception, CheckpointException) as e:
+                raise CheckpointError(
+                    f"checkpoint {uri} is corrupt: reading its tensors failed ({describe(e)})"
+                ) from None
+            for fix in targets.rowwise:
+                fix.converted = _convert_rowwise(fix, manifest)
+
+    agree(read)
+
+    # Everything is read and checked on every rank of the gang: now overwrite.
+    with torch.no_grad(), _quiet_sharded_tensor():
+        for live, fresh in targets.copies:
+            live.copy_(fresh)
+        for fix in targets.rowwise:
+            assert fix.converted is not None
+            for shard in fix.live.local_shards():
+                start, length = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
+                shard.tensor.copy_(fix.converted[start : start + length])
+        params = engine.dense_optimizer.params
+        for param_key, states in targets.dense_optimizer.items():
+            live_state = engine.dense_optimizer.state[params[param_key]]
+            for name, fresh in states.items():
+                current = live_state.get(name)
+                if isinstance(current, torch.Tensor) and current.shape == fresh.shape:
+                    current.copy_(fresh)
+                else:
+                    live_state[name] = fresh
+        _set_rng_state(targets.rng, engine.device)
+    engine.step = manifest.step
+    return LoadedCheckpoint(
+        uri=uri,
+        step=manifest.step,
+        generation=manifest.generation,
+        extra=manifest.extra,
+        manifest=manifest,
+    )

@@ -1,0 +1,77 @@
+"""Which batches each rank trains next, as the coordinator sees it.
+
+A rank takes batches from its feed in a fixed order: batches handed to it for replay first (in
+the order they were queued), then its own stream (batch ``k`` of its shard is ``stream_id(shard,
+k)``). The coordinator mirrors that order here, fed by the ranks' reports of what they trained.
+When a rank dies in the middle of an interval its report is lost with it, but the batches it
+took are still known: the next ones in this order, one per step it was given. Those are what
+its gang consumed since its last sync, and what the survivors replay.
+
+Pure code: no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable, Sequence
+
+__all__ = ["RankStreams", "StreamError"]
+
+
+class StreamError(RuntimeError):
+    """A rank reported a batch other than the one its stream order says comes next."""
+
+
+class RankStreams:
+    """Per rank: queued replay ids, then its own stream (see the module doc)."""
+
+    def __init__(self, stream_id: Callable[[int, int], int]) -> None:
+        self._stream_id = stream_id
+        self._shard: dict[int, int] = {}
+        self._next: dict[int, int] = {}  # own-stream batches taken so far
+        self._replay: dict[int, collections.deque[int]] = {}
+
+    def add_rank(self, rank: int, *, shard: int) -> None:
+        if rank in self._shard:
+            raise StreamError(f"rank {rank} is already tracked")
+        self._shard[rank] = shard
+        self._next[rank] = 0
+        self._replay[rank] = collections.deque()
+
+    def remove_rank(self, rank: int) -> None:
+        del self._shard[rank], self._next[rank], self._replay[rank]
+
+    def queue_replay(self, rank: int, ids: Iterable[int]) -> None:
+        self._replay[rank].extend(ids)
+
+    def replay_queued(self, rank: int) -> int:
+        return len(self._replay[rank])
+
+    def trained(self, rank: int, ids: Sequence[int | None]) -> None:
+        """The rank reports the batches it trained, in order."""
+        for batch_id in ids:
+            expected = self.peek(rank, 1)[0]
+            if batch_id is not None and batch_id != expected:
+                raise StreamError(
+                    f"rank {rank} trained batch {batch_id}, its stream order says {expected}"
+                )
+            self._advance(rank)
+
+    def take(self, rank: int, count: int) -> list[int]:
+        """The next ``count`` batches of a rank that can no longer report them (it died)."""
+        ids = self.peek(rank, count)
+        for _ in range(count):
+            self._advance(rank)
+        return ids
+
+    def peek(self, rank: int, count: int) -> list[int]:
+        queued = list(self._replay[rank])[:count]
+        start = self._next[rank]
+        own = [self._stream_id(self._shard[rank], start + k) for k in range(count - len(queued))]
+        return queued + own
+
+    def _advance(self, rank: int) -> None:
+        if self._replay[rank]:
+            self._replay[rank].popleft()
+        else:
+            self._next[rank] += 1

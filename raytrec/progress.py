@@ -1,0 +1,237 @@
+"""What the driver shows and records while a job trains, from the stream of metrics rows.
+
+:class:`ProgressReporter` is the ``on_progress`` callback of :func:`raytrec.fit`. Each
+:class:`~raytrec.metrics.IntervalMetrics` row (one per ``log_every`` steps) goes to:
+
+- the console: a tqdm progress bar (steps, samples/s, loss, time left) when the stream is a
+  terminal, or one plain line per interval when it is not (``ray job submit`` logs, notebooks,
+  files), so logs never fill with carriage returns;
+- ``metrics.jsonl`` in the run directory: one JSON object per interval with every field of the
+  row, appended as it arrives;
+- TensorBoard scalars under ``tensorboard/`` in the run directory (tensorboardX), one tag per
+  numeric field;
+- and, at :meth:`ProgressReporter.close`, ``metrics.png`` (:func:`raytrec.report.plot_run`).
+
+Rows are handled generically (``dataclasses.fields`` or a mapping), so fields added to the
+metrics later are recorded without changes here. The run directory may be given after the first
+rows: rows are kept and written when :meth:`ProgressReporter.start` names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TextIO
+
+__all__ = [
+    "METRICS_FILE",
+    "PLOT_FILE",
+    "TENSORBOARD_DIR",
+    "ProgressReporter",
+    "format_line",
+    "row_dict",
+    "scalars",
+    "time_left",
+]
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+PLOT_FILE = "metrics.png"
+TAG_PREFIX = "train/"
+
+
+def row_dict(row: Any) -> dict[str, Any]:
+    """A metrics row (a dataclass such as IntervalMetrics, or a mapping) as a plain dict."""
+    if dataclasses.is_dataclass(row) and not isinstance(row, type):
+        return {f.name: getattr(row, f.name) for f in dataclasses.fields(row)}
+    if isinstance(row, Mapping):
+        return dict(row)
+    raise TypeError(f"a metrics row must be a dataclass or a mapping, got {type(row).__name__}")
+
+
+def scalars(row: Mapping[str, Any]) -> dict[str, float]:
+    """The row's numeric fields (bools and None left out), as TensorBoard records them."""
+    return {
+        k: float(v)
+        for k, v in row.items()
+        if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)
+    }
+
+
+def time_left(step: int, total: int, elapsed_s: float) -> float | None:
+    """Seconds to go at the average pace so far; None before the first step."""
+    if step <= 0 or elapsed_s <= 0:
+        return None
+    return elapsed_s / step * max(total - step, 0)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    s = round(seconds)
+    return (
+        f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+    )
+
+
+def _json_value(value: Any) -> Any:
+    """numpy and torch scalars as Python numbers; anything else JSON cannot hold as text."""
+    item = getattr(value, "item", None)
+    return item() if callable(item) else str(value)
+
+
+# How the console line shows the fields it knows; other fields are in the file and TensorBoard.
+_LINE_FIELDS: tuple[tuple[str, Callable[[Any], str]], ...] = (
+    ("loss", lambda v: f"loss {v:.4f}"),
+    ("auc", lambda v: f"auc {v:.4f}"),
+    ("ne", lambda v: f"ne {v:.4f}"),
+    ("samples_per_s", lambda v: f"{v:>9,.0f} samples/s"),
+    ("generation", lambda v: f"gen {v}"),
+    ("gangs", lambda v: f"gangs {v}"),
+    ("data_wait_fraction", lambda v: f"data wait {100 * v:.1f}%"),
+    ("sync_fraction", lambda v: f"sync {100 * v:.1f}%"),
+)
+
+
+def format_line(row: Mapping[str, Any], total_steps: int, *, prefix: str = "[raytrec]") -> str:
+    """One console line for an interval: step, known metrics, elapsed time and time left."""
+    step = int(row["step"])
+    parts = [f"{prefix} step {step:>6}/{total_steps} ({100 * step / max(total_steps, 1):3.0f}%)"]
+    parts += [fmt(row[k]) for k, fmt in _LINE_FIELDS if row.get(k) is not None]
+    elapsed = row.get("elapsed_s")
+    if isinstance(elapsed, int | float):
+        left = time_left(step, total_steps, float(elapsed))
+        parts.append(f"{_duration(float(elapsed))} elapsed, {_duration(left)} left")
+    return " | ".join(parts)
+
+
+class ProgressReporter:
+    """Console progress, ``metrics.jsonl``, TensorBoard scalars and a closing PNG plot.
+
+    Call it with each metrics row; call :meth:`start` with the run directory (before or after
+    the first rows) and :meth:`close` at the end, with the run's events to mark on the plot.
+    """
+
+    def __init__(
+        self,
+        total_steps: int,
+        *,
+        run_dir: str | None = None,
+        stream: TextIO | None = None,
+        tty: bool | None = None,
+        tensorboard: bool = True,
+        plot: bool = True,
+        title: str = "",
+    ) -> None:
+        self.total_steps = total_steps
+        self.stream = stream if stream is not None else sys.stdout
+        isatty = getattr(self.stream, "isatty", None)
+        self.tty = tty if tty is not None else bool(isatty and isatty())
+        self.tensorboard = tensorboard
+        self.plot = plot
+        self.title = title
+        self.rows: list[dict[str, Any]] = []
+        self.run_dir: str | None = None
+        self.plot_path: str | None = None
+        self._bar: Any = None
+        self._file: TextIO | None = None
+        self._writer: Any = None
+        self._closed = False
+        if run_dir is not None:
+            self.start(run_dir)
+
+    # -- the run directory -------------------------------------------------------------------
+
+    def start(self, run_dir: str) -> None:
+        """Opens the metrics file and TensorBoard writer in ``run_dir``; writes earlier rows."""
+        if self.run_dir is not None:
+            raise RuntimeError(f"this reporter already writes to {self.run_dir}")
+        os.makedirs(run_dir, exist_ok=True)
+        self.run_dir = run_dir
+        self._file = open(os.path.join(run_dir, METRICS_FILE), "a")  # noqa: SIM115 (closed in close)
+        if self.tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._writer = SummaryWriter(logdir=os.path.join(run_dir, TENSORBOARD_DIR))
+        for row in self.rows:
+            self._record(row)
+
+    # -- rows --------------------------------------------------------------------------------
+
+    def __call__(self, row: Any) -> None:
+        data = row_dict(row)
+        self.rows.append(data)
+        self._show(data)
+        if self.run_dir is not None:
+            self._record(data)
+
+    def _show(self, row: dict[str, Any]) -> None:
+        line = format_line(row, self.total_steps)
+        if not self.tty:
+            print(line, file=self.stream, flush=True)
+            return
+        from tqdm import tqdm
+
+        if self._bar is None:
+            # Time left comes from the rows' training time, not from tqdm's own clock, which
+            # would count the cluster's start-up.
+            self._bar = tqdm(
+                total=self.total_steps,
+                file=self.stream,
+                dynamic_ncols=True,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} steps [{elapsed}{postfix}]",
+            )
+        self._bar.update(int(row["step"]) - self._bar.n)
+        postfix = {"loss": f"{row['loss']:.4f}"} if row.get("loss") is not None else {}
+        if row.get("samples_per_s") is not None:
+            postfix["samples/s"] = f"{row['samples_per_s']:,.0f}"
+        if isinstance(row.get("elapsed_s"), int | float):
+            left = time_left(int(row["step"]), self.total_steps, float(row["elapsed_s"]))
+            postfix["left"] = _duration(left)
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.write(line, file=self.stream)
+
+    def _record(self, row: dict[str, Any]) -> None:
+        assert self._file is not None
+        self._file.write(json.dumps(row, default=_json_value) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            for key, value in scalars(row).items():
+                self._writer.add_scalar(TAG_PREFIX + key, value, global_step=int(row["step"]))
+            self._writer.flush()
+
+    # -- the end -----------------------------------------------------------------------------
+
+    def close(self, events: Sequence[Any] = ()) -> str | None:
+        """Closes the outputs and writes the PNG plot with ``events`` (and generation changes)
+        marked; returns the plot's path (None without a run directory, rows or ``plot``)."""
+        if self._closed:
+            return self.plot_path
+        self._closed = True
+        if self._bar is not None:
+            self._bar.close()
+        if self._file is not None:
+            self._file.close()
+        if self._writer is not None:
+            self._writer.close()
+        if self.plot and self.run_dir is not None and self.rows:
+            from raytrec.report import GENERATION_KINDS, generation_events, plot_run
+
+            # Mappings, or event values with to_dict() (raytrec.elastic.events).
+            marked = [e.to_dict() if hasattr(e, "to_dict") else dict(e) for e in events]
+            if not any(e.get("kind") in GENERATION_KINDS for e in marked):
+                marked += generation_events(self.rows)
+            self.plot_path = plot_run(
+                self.rows, marked, os.path.join(self.run_dir, PLOT_FILE), title=self.title
+            )
+        return self.plot_path
+
+    def __enter__(self) -> ProgressReporter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,69 @@
+"""Fault-injection doubles for tests and demos on a simulated multi-node Ray cluster.
+
+Rank faults (kill, hang, slow) are carried out by the rank itself, from ``TrainConfig.faults``.
+Removing a node needs the cluster object, which only the test or demo holds:
+:class:`NodeRemover` is an ``on_progress`` callback for :func:`raytrec.fit` that removes, once
+the job has trained a given number of steps, the node of ``ray.cluster_utils.Cluster`` that runs
+a chosen job rank (asked of the running coordinator), and can add a fresh node later so the job
+grows back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from raytrec.metrics import IntervalMetrics
+
+__all__ = ["COORDINATOR_PREFIX", "NodeRemover", "running_coordinator"]
+
+#: The coordinator actor's name starts with this (see raytrec.api.fit).
+COORDINATOR_PREFIX = "raytrec-coordinator-"
+
+
+def running_coordinator() -> Any:
+    """The handle of the one running raytrec coordinator in this Ray session."""
+    names = [
+        a["name"] if isinstance(a, dict) else a
+        for a in ray.util.list_named_actors(all_namespaces=False)
+    ]
+    mine = [n for n in names if n.startswith(COORDINATOR_PREFIX)]
+    if len(mine) != 1:
+        raise RuntimeError(f"expected one running raytrec coordinator, found {mine}")
+    return ray.get_actor(mine[0])
+
+
+@dataclasses.dataclass
+class NodeRemover:
+    """``on_progress`` callback: at ``at_step`` removes the node running ``job_rank``; at
+    ``add_at_step`` (optional) adds a node made by ``add_node``."""
+
+    cluster: Any  # ray.cluster_utils.Cluster
+    at_step: int
+    job_rank: int
+    add_at_step: int | None = None
+    add_node: Callable[[Any], Any] | None = None
+    then: Callable[[IntervalMetrics], None] | None = None  # the progress printer to chain
+    removed: str | None = None  # the Ray node id removed
+    added: Any = None
+
+    def __call__(self, row: IntervalMetrics) -> None:
+        if self.then is not None:
+            self.then(row)
+        if self.removed is None and row.step >= self.at_step:
+            nodes = ray.get(running_coordinator().rank_nodes.remote())
+            node_id = nodes[self.job_rank]
+            node = next(n for n in self.cluster.list_all_nodes() if n.node_id == node_id)
+            self.cluster.remove_node(node)
+            self.removed = node_id
+        if (
+            self.add_at_step is not None
+            and self.added is None
+            and self.removed is not None
+            and row.step >= self.add_at_step
+        ):
+            assert self.add_node is not None
+            self.added = self.add_node(self.cluster)

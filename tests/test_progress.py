@@ -1,0 +1,209 @@
+"""Driver progress: console lines or a bar, metrics.jsonl, TensorBoard scalars and the plot."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import pathlib
+import struct
+
+import pytest
+
+from raytrec.metrics import IntervalMetrics
+from raytrec.progress import (
+    METRICS_FILE,
+    PLOT_FILE,
+    TAG_PREFIX,
+    TENSORBOARD_DIR,
+    ProgressReporter,
+    format_line,
+    row_dict,
+    scalars,
+    time_left,
+)
+
+TOTAL = 40
+
+
+def metrics_rows(n: int = 4, every: int = 10) -> list[IntervalMetrics]:
+    fields = {f.name for f in dataclasses.fields(IntervalMetrics)}
+    out = []
+    for i in range(1, n + 1):
+        values = dict(
+            step=every * i,
+            steps=every,
+            loss=0.7 - 0.01 * i,
+            samples_per_s=1000.0 * i,
+            seconds=1.5,
+            data_wait_fraction=0.125,
+            sync_fraction=0.0625,
+            generation=0 if i < 3 else 1,
+            gangs=2,
+            elapsed_s=1.5 * i,
+            auc=0.6 + 0.01 * i,
+        )
+        out.append(IntervalMetrics(**{k: v for k, v in values.items() if k in fields}))
+    return out
+
+
+def read_tensorboard(directory: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
+    """Scalars from tensorboardX event files, read as TFRecords (length, crc, data, crc)."""
+    from tensorboardX.proto import event_pb2
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
+            pos += 12 + length + 4
+            for value in event.summary.value:
+                out.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return out
+
+
+def test_time_left_is_the_average_pace_so_far() -> None:
+    assert time_left(10, 40, 15.0) == pytest.approx(45.0)
+    assert time_left(40, 40, 60.0) == 0.0
+    assert time_left(0, 40, 1.0) is None
+    assert time_left(50, 40, 10.0) == 0.0
+
+
+def test_format_line_shows_progress_metrics_and_time() -> None:
+    row = row_dict(metrics_rows()[0])
+    line = format_line(row, TOTAL)
+    assert line.startswith("[raytrec] step     10/40 ( 25%) | loss 0.6900 | ")
+    assert "|     1,000 samples/s |" in line
+    assert "| gen 0 | gangs 2 | data wait 12.5% | sync 6.2% |" in line
+    assert line.endswith("| 0:02 elapsed, 0:04 left")  # 1.5 s for 10 of 40 steps: 4.5 s left
+    if "auc" in row:
+        assert "| auc 0.6100 |" in line
+    long = format_line({"step": 1, "elapsed_s": 3700.0}, 3)
+    assert long.endswith("| 1:01:40 elapsed, 2:03:20 left")
+    assert format_line({"step": 5, "loss": None}, 10) == "[raytrec] step      5/10 ( 50%)"
+
+
+def test_scalars_are_the_numeric_fields_but_the_step() -> None:
+    row = {"step": 3, "loss": 0.5, "gangs": 2, "auc": None, "flag": True, "name": "x"}
+    assert scalars(row) == {"loss": 0.5, "gangs": 2.0}
+
+
+def test_plain_lines_file_tensorboard_and_plot(tmp_path: pathlib.Path) -> None:
+    rows = metrics_rows()
+    stream = io.StringIO()
+    reporter = ProgressReporter(TOTAL, run_dir=str(tmp_path), stream=stream, tty=False)
+    for row in rows:
+        reporter(row)
+    plot = reporter.close(events=[{"step": 25, "kind": "rank_lost", "rank": 1}])
+
+    # The console: one plain line per interval, no carriage returns (job logs stay readable).
+    lines = stream.getvalue().splitlines()
+    assert lines == [format_line(dataclasses.asdict(r), TOTAL) for r in rows]
+    assert "\r" not in stream.getvalue()
+
+    # metrics.jsonl: every field of every row.
+    written = [json.loads(line) for line in (tmp_path / METRICS_FILE).read_text().splitlines()]
+    assert written == [dataclasses.asdict(r) for r in rows]
+
+    # TensorBoard: one scalar per numeric field per interval, at the row's step.
+    board = read_tensorboard(tmp_path / TENSORBOARD_DIR)
+    expected_tags = {TAG_PREFIX + k for k in scalars(dataclasses.asdict(rows[0]))}
+    assert set(board) == expected_tags
+    assert board[TAG_PREFIX + "loss"] == [(r.step, pytest.approx(r.loss, rel=1e-6)) for r in rows]
+    assert board[TAG_PREFIX + "generation"] == [(r.step, float(r.generation)) for r in rows]
+
+    assert plot == str(tmp_path / PLOT_FILE)
+    raw = pathlib.Path(plot).read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n" and len(raw) > 20_000
+    assert reporter.close() == plot  # closing twice is harmless
+
+
+def test_rows_before_the_run_directory_are_written_when_it_is_known(
+    tmp_path: pathlib.Path,
+) -> None:
+    rows = metrics_rows(3)
+    reporter = ProgressReporter(TOTAL, stream=io.StringIO(), tty=False, tensorboard=False)
+    reporter(rows[0])
+    reporter(rows[1])
+    reporter.start(str(tmp_path))
+    reporter(rows[2])
+    reporter.close()
+    written = [json.loads(line) for line in (tmp_path / METRICS_FILE).read_text().splitlines()]
+    assert [w["step"] for w in written] == [10, 20, 30]
+    assert not (tmp_path / TENSORBOARD_DIR).exists()
+    with pytest.raises(RuntimeError, match="already writes to"):
+        reporter.start(str(tmp_path))
+
+
+def test_fields_added_to_the_metrics_later_are_recorded(tmp_path: pathlib.Path) -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Row:
+        step: int
+        loss: float
+        elapsed_s: float
+        recall_at_10: float
+
+    reporter = ProgressReporter(20, run_dir=str(tmp_path), stream=io.StringIO(), plot=False)
+    reporter(Row(step=10, loss=0.5, elapsed_s=2.0, recall_at_10=0.25))
+    reporter({"step": 20, "loss": 0.4, "elapsed_s": 4.0, "recall_at_10": 0.5})
+    assert reporter.close() is None
+    written = [json.loads(line) for line in (tmp_path / METRICS_FILE).read_text().splitlines()]
+    assert [w["recall_at_10"] for w in written] == [0.25, 0.5]
+    board = read_tensorboard(tmp_path / TENSORBOARD_DIR)
+    assert board[TAG_PREFIX + "recall_at_10"] == [(10, 0.25), (20, 0.5)]
+    with pytest.raises(TypeError, match="must be a dataclass or a mapping"):
+        reporter(3)
+
+
+def test_terminal_gets_a_progress_bar(tmp_path: pathlib.Path) -> None:
+    stream = io.StringIO()
+    reporter = ProgressReporter(TOTAL, stream=stream, tty=True, tensorboard=False, plot=False)
+    for row in metrics_rows():
+        reporter(row)
+    reporter.close()
+    out = stream.getvalue()
+    assert "\r" in out  # redrawn in place
+    assert "10/40 steps" in out and "40/40 steps" in out
+    assert "loss=0.6600" in out and "samples/s=4,000" in out and "left=0:00" in out
+    assert "left=0:04" in out  # after the first interval: 1.5 s per 10 steps, 30 to go
+    assert out.count("[raytrec] step") == 4  # the per-interval lines are printed above it
+
+
+def test_close_marks_given_events_and_derives_generation_changes(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import raytrec.report
+
+    drawn: list[list[dict]] = []
+    monkeypatch.setattr(
+        raytrec.report, "plot_run", lambda rows, events, path, title="": drawn.append(events)
+    )
+
+    @dataclasses.dataclass(frozen=True)
+    class RankDied:  # an event value, as the elastic event log holds them
+        step: int
+        job_rank: int
+
+        def to_dict(self) -> dict:
+            return {"kind": "rank_died", "step": self.step, "job_rank": self.job_rank}
+
+    rows = metrics_rows()  # generation 0 until step 20, then 1
+    reporter = ProgressReporter(TOTAL, run_dir=str(tmp_path), stream=io.StringIO(), tty=False)
+    for row in rows:
+        reporter(row)
+    reporter.close(events=[RankDied(step=25, job_rank=1)])
+    assert drawn == [
+        [
+            {"kind": "rank_died", "step": 25, "job_rank": 1},
+            {"step": 20, "kind": "generation", "generation": 1},  # from the rows
+        ]
+    ]
+
+    # Given generation events, none are derived from the rows.
+    drawn.clear()
+    other = ProgressReporter(TOTAL, run_dir=str(tmp_path / "b"), stream=io.StringIO(), tty=False)
+    for row in rows:
+        other(row)
+    other.close(events=[{"step": 22, "kind": "generation_started", "generation": 1}])
+    assert drawn == [[{"step": 22, "kind": "generation_started", "generation": 1}]]
