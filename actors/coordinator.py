@@ -46,10 +46,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from torchrec.distributed.types import ShardingPlan
 
 from actors.rank import RankWorker
+from raytrec.checkpoint.config import checkpoint_root, save_decision
 from raytrec.config import TrainConfig
 from raytrec.data.source import BatchShard
 from raytrec.data.synthetic import batch_id
 from raytrec.elastic.events import (
+    CheckpointRestored,
+    CheckpointSaved,
     EventLog,
     GangDropped,
     GangHealed,
@@ -76,6 +79,9 @@ from raytrec.sync.schedule import SyncPlan, plan_sync
 from raytrec.topology import Layout
 
 __all__ = ["Coordinator", "JobFailedError", "RunSummary"]
+
+# Re-forms in a row after collective timeouts with every rank alive, before the job gives up.
+_MAX_TRANSIENT = 3
 
 # Ids of the ledger's "rows": batch ids (see raytrec.data.synthetic.batch_id), all in epoch 0.
 _LEDGER_IDS = 1 << 62
@@ -105,6 +111,7 @@ class RunSummary:
     committed_count: int = 0
     replayed_batches: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     lost_batches: int = 0  # uncommitted batches of lost gangs that could not be replayed
+    checkpoint: str | None = None  # the last checkpoint this run saved
 
 
 def intervals(num_steps: int, every: int) -> list[int]:
@@ -140,6 +147,7 @@ class Coordinator:
         model_factory: ModelFactory = build_dlrm,
         placement_timeout_s: float = 300.0,
         new_shard: Any = None,
+        resume_from: str | None = None,
     ) -> None:
         self.cfg = config
         self.plan = plan
@@ -149,6 +157,10 @@ class Coordinator:
         self.model_factory = model_factory
         self.placement_timeout_s = placement_timeout_s
         self.new_shard = new_shard  # job rank -> BatchShard, for gangs that join later
+        self.resume_from = resume_from  # a checkpoint to start from
+        self.checkpoint_root = checkpoint_root(run_dir)
+        self.last_checkpoint: str | None = None
+        self._last_save = (0, time.monotonic())  # (step, clock) of the last save (or start)
         self.elastic = config.elastic
         self.topology = config.scaling.topology()
         self.membership = Membership.initial(self.topology)
@@ -172,6 +184,7 @@ class Coordinator:
         self.lost_batches = 0
         self._reported_step: dict[int, int] = {}  # job rank -> step of its last report
         self._joining: set[int] = set()  # gangs added to the membership but not healed yet
+        self._transient = 0  # re-forms in a row with no rank lost
 
     # -- queries (answered while run() is in progress) ----------------------
 
@@ -226,9 +239,64 @@ class Coordinator:
                     self._start_rank(r, pos.gang, pos.gang_rank, pg, bundle, self.shards[r])
         infos = self._build(sorted(self._workers))
         self._new_generation(reason="job started")
-        self._call(self._live_ranks(), "broadcast_state", 0)  # every replica from gang 0's state
+        if self.resume_from is not None:
+            self._restore(self.resume_from)
+        else:
+            self._call(self._live_ranks(), "broadcast_state", 0)  # all from gang 0's state
         self._request_growth()
         return infos
+
+    def _restore(self, uri: str) -> None:
+        """Every gang loads the checkpoint (resharded to this job's shape); data streams and
+        step counters start at its step."""
+        loaded = self._call(self._live_ranks(), "load_checkpoint", uri)
+        step, generation = loaded[0]["step"], loaded[0]["generation"]
+        self.step = step
+        self._last_save = (step, time.monotonic())
+        for r in self._live_ranks():
+            self._reported_step[r] = step
+            if self.streams is not None:
+                self.streams.restart(r, at=step)
+        self.membership = self.membership.synced(step)
+        self.events.append(
+            CheckpointRestored(
+                at=self._now(), step=step, uri=uri, saved_step=step, saved_generation=generation
+            )
+        )
+
+    def _maybe_checkpoint(self, *, final: bool = False) -> None:
+        """Saves a checkpoint when the policy says so: one gang writes, after a job-wide sync
+        (so its copy is the job's state)."""
+        cfg = self.cfg.checkpoint
+        last_step, last_clock = self._last_save
+        decision = save_decision(
+            cfg,
+            step=self.step,
+            now_s=time.monotonic(),
+            last_save_step=last_step,
+            last_save_s=last_clock,
+            sync_every=1,  # a sync is done right here when one is due
+            final_step=self.cfg.num_steps if final else None,
+        )
+        if not decision.save or self.step == 0 or last_step == self.step:
+            return
+        if self.membership.last_sync_step != self.step:
+            self._call(self._live_ranks(), "sync")
+            self._commit_all()
+        writer = list(self.membership.gangs[0].job_ranks)
+        extra = {"step": self.step, "gangs": self.membership.num_gangs}
+        refs = self._call(
+            writer,
+            "save_checkpoint",
+            self.checkpoint_root,
+            self.membership.generation,
+            extra,
+            cfg.num_to_keep,
+            self.membership.num_gangs,
+        )
+        self.last_checkpoint = refs[0][1]
+        self._last_save = (self.step, time.monotonic())
+        self.events.append(CheckpointSaved(at=self._now(), step=self.step, uri=refs[0][1]))
 
     def run(self) -> RunSummary:
         """Trains ``num_steps`` steps and writes the final model; returns the summary.
@@ -283,15 +351,20 @@ class Coordinator:
                 elapsed_s=time.perf_counter() - train_start,
                 auc=metrics.auc,
                 ne=metrics.ne,
+                at=self._now(),
             )
             with self._lock:
                 self._history.append(row)
             stops = [r["stop"] for r in reports if r["stop"] is not None]
             if stops:
                 stopped_by = stops[0]
+            elif self.step < total:
+                self._maybe_checkpoint()
         if self.step % self.cfg.sync.sync_every or self.membership.last_sync_step != self.step:
             self._call(self._live_ranks(), "sync")  # end on a sync: every replica the same
         self._commit_all()
+        if stopped_by is None:
+            self._maybe_checkpoint(final=True)
         digests = self._final_digests()
         final = os.path.join(self.run_dir, "final_model")
         first_gang = self.membership.gangs[0]
@@ -312,6 +385,7 @@ class Coordinator:
             committed_count=self.ledger.committed_rows(0),
             replayed_batches=list(self.ledger.replayed(0).ranges),
             lost_batches=self.lost_batches,
+            checkpoint=self.last_checkpoint,
         )
 
     # -- one interval -------------------------------------------------------------------------
@@ -338,7 +412,7 @@ class Coordinator:
             if (out.dead or out.errored) and deadline is None:
                 # Fail the survivors' blocked collectives now, and give everyone the
                 # collective timeout to report; whoever is still running then is hung.
-                deadline = now + self.elastic.collective_timeout_s + self.elastic.poll_s
+                deadline = now + 2 * self.elastic.collective_timeout_s + self.elastic.poll_s
                 self._abort_planes(set(pending) - set(out.dead))
             if deadline is not None and now > deadline:
                 out.hung = sorted(pending)
@@ -387,8 +461,17 @@ class Coordinator:
         now = self._now()
         lost = set(result.dead) | set(result.hung)
         if not lost:
-            # Only errors, no death: a rank failed on its own (a bug, bad state). Its gang goes.
-            lost = set(result.errored)
+            # Collectives gave up but every rank is alive and answered: a stall longer than the
+            # collective timeout (an overloaded host, a long pause). Nobody is dropped; the job
+            # re-forms as it was, unless that keeps happening.
+            self._transient += 1
+            if self._transient > _MAX_TRANSIENT:
+                raise JobFailedError(
+                    f"collectives failed {self._transient} times in a row with every rank "
+                    f"alive; last errors: {sorted(result.errored.items())[:2]}"
+                )
+        else:
+            self._transient = 0
         # A gang that was joining has no state of its own yet: if anything fails meanwhile,
         # it goes too and is requested again.
         failed_gangs = sorted({self._gang_of(r) for r in lost} | self._joining)
@@ -423,7 +506,7 @@ class Coordinator:
                 )
             )
         survivors = [g.gang_id for g in self.membership.gangs if g.gang_id not in failed_gangs]
-        if self.topology.layout is Layout.REPLICAS_WITHIN_HOST or not survivors:
+        if failed_gangs and (self.topology.layout is Layout.REPLICAS_WITHIN_HOST or not survivors):
             self._fail_unrecoverable(lost, failed_gangs)
         survivor_ranks = [r for g in survivors for r in self.membership.gang(g).job_ranks]
         self._abort_planes(set(survivor_ranks))
@@ -466,8 +549,15 @@ class Coordinator:
                 )
             )
             self._kill_gang(gid)
-        self.membership = self.membership.without(failed_gangs)
-        self._new_generation(reason=f"lost gangs {failed_gangs}")
+        if failed_gangs:
+            self.membership = self.membership.without(failed_gangs)
+            reason = f"lost gangs {failed_gangs}"
+        else:
+            self.membership = dataclasses.replace(
+                self.membership, generation=self.membership.generation + 1
+            )
+            reason = "collectives timed out with every rank alive"
+        self._new_generation(reason=reason)
         # The re-formed job's first sync: every replica (and dense state) identical again, and
         # the survivors' batches so far are in the model: committed.
         self._call(self._live_ranks(), "set_step", fail_step)

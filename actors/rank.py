@@ -208,6 +208,43 @@ class RankWorker:
     def sync(self) -> None:
         self.engine.sync()
 
+    def save_checkpoint(
+        self,
+        root: str,
+        generation: int,
+        extra: dict[str, Any],
+        num_to_keep: int | None,
+        num_gangs: int,
+    ) -> tuple[int, str]:
+        """Writes the training state as a checkpoint (a collective in this gang; one gang
+        writes for the job). Returns its step and location."""
+        from raytrec.checkpoint.state import save_checkpoint
+
+        ref = save_checkpoint(
+            self.engine,
+            root,
+            generation=generation,
+            extra=extra,
+            num_to_keep=num_to_keep,
+            num_gangs=num_gangs,
+        )
+        return ref.step, ref.uri
+
+    def load_checkpoint(self, uri: str) -> dict[str, Any]:
+        """Loads a checkpoint (a collective in this gang) and restarts this rank's data stream
+        at the checkpoint's step. Nothing changes when the checkpoint does not fit."""
+        from raytrec.checkpoint.state import load_checkpoint
+
+        loaded = load_checkpoint(self.engine, uri)
+        data = self.spec.config.data
+        if self._feed is not None:
+            self._feed.close()
+        self._feed = BatchFeed(
+            self.shard.identified_batches(data.batch_size, start_step=loaded.step),
+            prefetch=data.prefetch_batches,
+        )
+        return {"step": loaded.step, "generation": loaded.generation, "extra": loaded.extra}
+
     def save(self, path: str) -> None:
         """Writes this gang's model with torch.distributed.checkpoint (a collective in the gang)."""
         import torch.distributed.checkpoint as dcp

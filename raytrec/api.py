@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 import ray.exceptions
+import ray.train
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -59,6 +60,7 @@ class Result:
     committed_count: int = 0
     replayed_batches: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     lost_batches: int = 0
+    checkpoint: ray.train.Checkpoint | None = None  # the last checkpoint saved (Ray Train's type)
 
     @property
     def final_loss(self) -> float:
@@ -126,12 +128,23 @@ def fit(
     ray_address: str | None = None,
     on_progress: Callable[[IntervalMetrics], None] | None = None,
     shutdown_ray: bool | None = None,
+    resume_from_checkpoint: str | ray.train.Checkpoint | None = None,
 ) -> Result:
     """Trains ``config`` on Ray and returns the metrics history and the final state.
 
-    ``source`` overrides ``config.data.source``. Raises :class:`TrainingStopped` when bad input
-    or the end of the data stops training early (what was trained is saved first).
+    ``source`` overrides ``config.data.source``. ``resume_from_checkpoint`` (a checkpoint
+    directory or URI, or a ``ray.train.Checkpoint`` such as ``Result.checkpoint``) starts from a
+    saved job, which may have had another number of gangs, gang size or sharding plan. Raises
+    :class:`TrainingStopped` when bad input or the end of the data stops training early (what
+    was trained is saved first).
     """
+    resume = (
+        resume_from_checkpoint.path
+        if isinstance(resume_from_checkpoint, ray.train.Checkpoint)
+        else resume_from_checkpoint
+    )
+    if resume is not None:
+        _check_checkpoint(resume, config)
     info = DataInfo(kind="custom")
     if source is None:
         source, info = source_from_config(config)
@@ -166,6 +179,7 @@ def fit(
             run_dir,
             model_factory,
             new_shard=source.shard if isinstance(source, SyntheticCriteo) else None,
+            resume_from=resume,
         )
         try:
             summary = _drive(coordinator, reporter)
@@ -193,6 +207,7 @@ def fit(
         committed_count=summary.committed_count,
         replayed_batches=summary.replayed_batches,
         lost_batches=summary.lost_batches,
+        checkpoint=None if summary.checkpoint is None else ray.train.Checkpoint(summary.checkpoint),
     )
     with open(os.path.join(run_dir, "metrics.json"), "w") as f:
         json.dump([m.to_dict() for m in result.history], f, indent=1)
@@ -201,6 +216,17 @@ def fit(
     if summary.stopped_by is not None:
         raise TrainingStopped(summary.stopped_by, result) from summary.stopped_by
     return result
+
+
+def _check_checkpoint(uri: str, config: TrainConfig) -> None:
+    """A missing, partial or incompatible checkpoint fails here, before any actor starts."""
+    from raytrec.checkpoint.layout import read_manifest
+    from raytrec.checkpoint.manifest import check_compatible, signature_for
+
+    manifest = read_manifest(uri)
+    # Tables and optimizers here; each rank checks its dense shapes too before loading.
+    expected = signature_for(config, manifest.signature.dense_params)
+    check_compatible(manifest.signature, expected, where=uri)
 
 
 def _plan(config: TrainConfig, num_dense: int, model_factory: ModelFactory) -> Any:

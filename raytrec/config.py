@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
+from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.faults import FaultConfig
 from raytrec.errors import ConfigError
@@ -430,6 +431,7 @@ class TrainConfig:
     sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     elastic: ElasticConfig = dataclasses.field(default_factory=ElasticConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     faults: FaultConfig = dataclasses.field(default_factory=FaultConfig)  # injected, for tests
     stragglers: StragglerSpec | None = None  # injected stalls, for straggler experiments
     num_steps: int = 200
@@ -451,6 +453,7 @@ class TrainConfig:
             ("sync", SyncConfig),
             ("data", DataConfig),
             ("elastic", ElasticConfig),
+            ("checkpoint", CheckpointConfig),
             ("faults", FaultConfig),
         ):
             if not isinstance(getattr(self, field), cls):

@@ -29,6 +29,7 @@ class IntervalMetrics:
     elapsed_s: float  # since training started
     auc: float | None = None  # progressive-validation AUC over the interval's rows (all ranks)
     ne: float | None = None  # normalized entropy over the same rows
+    at: float = 0.0  # the coordinator's clock at the interval's end (the clock of the events)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -43,6 +44,7 @@ def aggregate_interval(
     elapsed_s: float,
     auc: float | None = None,
     ne: float | None = None,
+    at: float = 0.0,
 ) -> IntervalMetrics:
     """Folds the ranks' ``train`` reports for one interval into one history row."""
     if not reports:
@@ -65,4 +67,5 @@ def aggregate_interval(
         elapsed_s=elapsed_s,
         auc=auc,
         ne=ne,
+        at=at,
     )

@@ -298,7 +298,13 @@ def test_job_defaults_and_shortcut_flags() -> None:
     defaults = dict(JOB_DEFAULTS)  # type: ignore[arg-type]
     assert config.num_steps == defaults["num_steps"] == 600
     assert config.optimizer.embedding == "rowwise_adagrad"
-    assert config.model == ModelConfig()  # the job's model is the classes' default model
+    # The job's model is the classes' default model with the job's table size.
+    assert config.model.arch == ModelConfig().arch
+    assert {t.num_embeddings for t in config.model.tables} == {
+        defaults["model.tables[*].num_embeddings"]
+    }
+    assert [t.name for t in config.model.tables] == [t.name for t in ModelConfig().tables]
+    assert config.data.source == defaults["data.source"] == "generated"
 
     config = build_config(
         [

@@ -9,22 +9,7 @@
   :mod:`~raytrec.checkpoint.collective` (agreement within a gang).
 
 The pure parts are importable without torch.distributed state; ``state``
-imports torch and is what a rank process uses.
+imports torch and is what a rank process uses. Import from the submodules: the
+package imports nothing, so :mod:`raytrec.config` can hold a
+:class:`~raytrec.checkpoint.config.CheckpointConfig`.
 """
-
-from raytrec.checkpoint.config import CheckpointConfig, SaveDecision, checkpoint_root, save_decision
-from raytrec.checkpoint.errors import CheckpointError
-from raytrec.checkpoint.layout import CheckpointRef, CheckpointStore, read_manifest
-from raytrec.checkpoint.manifest import Manifest
-
-__all__ = [
-    "CheckpointConfig",
-    "CheckpointError",
-    "CheckpointRef",
-    "CheckpointStore",
-    "Manifest",
-    "SaveDecision",
-    "checkpoint_root",
-    "read_manifest",
-    "save_decision",
-]

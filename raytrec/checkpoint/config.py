@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from raytrec.config import ConfigError
+from raytrec.errors import ConfigError
 
 __all__ = [
     "CHECKPOINTS_DIRNAME",

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from typing import Any, ClassVar, TypeVar
 
 __all__ = [
+    "CheckpointRestored",
+    "CheckpointSaved",
     "Event",
     "EventLog",
     "GangDropped",
@@ -130,6 +132,21 @@ class JobFailed(Event):
     reason: str
     #: True when no live copy of some shard is left, so only a checkpoint can recover the job.
     needs_checkpoint: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointSaved(Event):
+    kind: ClassVar[str] = "checkpoint_saved"
+    uri: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointRestored(Event):
+    kind: ClassVar[str] = "checkpoint_restored"
+    uri: str
+    #: The saved job's step and generation.
+    saved_step: int
+    saved_generation: int
 
 
 E = TypeVar("E", bound=Event)

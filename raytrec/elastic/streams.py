@@ -41,6 +41,11 @@ class RankStreams:
     def remove_rank(self, rank: int) -> None:
         del self._shard[rank], self._next[rank], self._replay[rank]
 
+    def restart(self, rank: int, *, at: int) -> None:
+        """The rank's own stream restarts at batch ``at`` (a resume from a checkpoint)."""
+        self._next[rank] = at
+        self._replay[rank].clear()
+
     def queue_replay(self, rank: int, ids: Iterable[int]) -> None:
         self._replay[rank].extend(ids)
 

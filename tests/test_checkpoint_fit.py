@@ -1,0 +1,74 @@
+"""Checkpoints through fit() on a local Ray cluster: periodic saves, resume on another shape."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import ray
+
+from raytrec.api import fit
+from raytrec.checkpoint.config import CheckpointConfig, checkpoint_root
+from raytrec.checkpoint.errors import CheckpointError
+from raytrec.checkpoint.layout import CheckpointStore
+from raytrec.cluster import connect
+from raytrec.config import DataConfig, ModelConfig, ScalingConfig, TrainConfig, criteo_tables
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    connect(num_cpus=4)
+    yield
+    ray.shutdown()
+
+
+def config(tmp: str, *, workers: int, gang: int, steps: int, rows: int = 300) -> TrainConfig:
+    return TrainConfig(
+        model=ModelConfig(tables=criteo_tables(num_features=4, num_embeddings=rows)),
+        scaling=ScalingConfig(num_workers=workers, gang_size=gang),
+        data=DataConfig(batch_size=32),
+        checkpoint=CheckpointConfig(every_n_steps=4, num_to_keep=2, checkpoint_at_end=True),
+        num_steps=steps,
+        log_every=2,
+        storage_path=tmp,
+    )
+
+
+def test_save_every_n_steps_then_resume_on_another_shape(cluster: None, tmp_path: str) -> None:
+    first = fit(config(str(tmp_path), workers=2, gang=1, steps=10), shutdown_ray=False)
+    store = CheckpointStore(checkpoint_root(first.run_dir))
+    # Saved at steps 4, 8 and 10 (the end); the last two kept.
+    assert [c.step for c in store.committed()] == [8, 10]
+    assert first.checkpoint is not None and first.checkpoint.path == store.latest().uri
+    saved = [e["step"] for e in first.events if e["kind"] == "checkpoint_saved"]
+    assert saved == [4, 8, 10]
+
+    # One gang of two ranks (another plan) picks up at step 10 and trains to 14.
+    second = fit(
+        config(str(tmp_path), workers=2, gang=2, steps=14),
+        resume_from_checkpoint=first.checkpoint,
+        shutdown_ray=False,
+    )
+    restored = [e for e in second.events if e["kind"] == "checkpoint_restored"]
+    assert [(e["saved_step"], e["step"]) for e in restored] == [(10, 10)]
+    assert [m.step for m in second.history] == [12, 14]
+    # It continues the trained model: its loss is already below the first run's start.
+    assert second.history[0].loss < first.history[0].loss - 0.02
+
+
+def test_an_incompatible_checkpoint_fails_before_any_rank_starts(
+    cluster: None, tmp_path: str
+) -> None:
+    first = fit(config(str(tmp_path), workers=2, gang=1, steps=4), shutdown_ray=False)
+    assert first.checkpoint is not None
+    other = config(str(tmp_path), workers=2, gang=1, steps=8, rows=301)
+    with pytest.raises(
+        CheckpointError, match=r"table 't_cat_0' num_embeddings: saved 300, expected 301"
+    ):
+        fit(other, resume_from_checkpoint=first.checkpoint, shutdown_ray=False)
+    missing = os.path.join(str(tmp_path), "nothing-here")
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        fit(other, resume_from_checkpoint=missing, shutdown_ray=False)
