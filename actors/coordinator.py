@@ -50,6 +50,7 @@ from raytrec.checkpoint.config import checkpoint_root, save_decision
 from raytrec.config import TrainConfig
 from raytrec.data.source import BatchShard
 from raytrec.data.synthetic import batch_id
+from raytrec.elastic.accounting import BatchAccounting
 from raytrec.elastic.events import (
     CheckpointRestored,
     CheckpointSaved,
@@ -66,11 +67,9 @@ from raytrec.elastic.events import (
     RankDied,
     ResourcesWaited,
 )
-from raytrec.elastic.ledger import DataLedger
 from raytrec.elastic.membership import Membership, RankSlot
-from raytrec.elastic.rows import RowRanges
-from raytrec.elastic.streams import RankStreams
 from raytrec.engine.rank import RENDEZVOUS_TIMEOUT_S, RankSpec, StoreAddress
+from raytrec.errors import JobFailedError
 from raytrec.metrics import IntervalMetrics, aggregate_interval
 from raytrec.model import ModelFactory, build_dlrm
 from raytrec.placement import placement_specs, rank_resources
@@ -82,13 +81,6 @@ __all__ = ["Coordinator", "JobFailedError", "RunSummary"]
 
 # Re-forms in a row after collective timeouts with every rank alive, before the job gives up.
 _MAX_TRANSIENT = 3
-
-# Ids of the ledger's "rows": batch ids (see raytrec.data.synthetic.batch_id), all in epoch 0.
-_LEDGER_IDS = 1 << 62
-
-
-class JobFailedError(RuntimeError):
-    """The job cannot go on (too few gangs for too long, or a shard lost every copy)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -179,10 +171,9 @@ class Coordinator:
         self._store: dist.TCPStore | None = None
         self._store_address: StoreAddress | None = None
         replayable = all(s.replayable for s in shards)
-        self.streams = RankStreams(batch_id) if replayable else None
-        self.ledger = DataLedger(_LEDGER_IDS, self.membership.gang_ids)
-        self.lost_batches = 0
-        self._reported_step: dict[int, int] = {}  # job rank -> step of its last report
+        self.accounting = BatchAccounting(
+            self.membership.gang_ids, stream_id=batch_id if replayable else None
+        )
         self._joining: set[int] = set()  # gangs added to the membership but not healed yet
         self._transient = 0  # re-forms in a row with no rank lost
 
@@ -254,9 +245,7 @@ class Coordinator:
         self.step = step
         self._last_save = (step, time.monotonic())
         for r in self._live_ranks():
-            self._reported_step[r] = step
-            if self.streams is not None:
-                self.streams.restart(r, at=step)
+            self.accounting.restart(r, at=step)
         self.membership = self.membership.synced(step)
         self.events.append(
             CheckpointRestored(
@@ -369,7 +358,6 @@ class Coordinator:
         final = os.path.join(self.run_dir, "final_model")
         first_gang = self.membership.gangs[0]
         self._call(list(first_gang.job_ranks), "save", final)
-        committed = self.ledger.committed(0)
         return RunSummary(
             history=self.progress(),
             final_state_path=final,
@@ -381,10 +369,10 @@ class Coordinator:
             first_batch_s=self.first_batch_s,
             events=self.event_dicts(),
             generation=self.membership.generation,
-            committed_batches=list(committed.ranges),
-            committed_count=self.ledger.committed_rows(0),
-            replayed_batches=list(self.ledger.replayed(0).ranges),
-            lost_batches=self.lost_batches,
+            committed_batches=self.accounting.committed(),
+            committed_count=self.accounting.committed_count(),
+            replayed_batches=self.accounting.replayed(),
+            lost_batches=self.accounting.lost_batches + self.accounting.replay_pending(),
             checkpoint=self.last_checkpoint,
         )
 
@@ -527,18 +515,7 @@ class Coordinator:
         # next batches in their stream order, one per step up to the failure.
         reports = [result.reports[r] for r in survivor_ranks if r in result.reports] + recovered
         lost_ranks = [r for g in failed_gangs for r in self.membership.gang(g).job_ranks]
-        for r in lost_ranks:
-            since = self._reported_step.get(r, 0)
-            count = max(0, fail_step - since)
-            ids: list[int | None]
-            if self.streams is not None:
-                ids = list(self.streams.take(r, count))
-                self.streams.remove_rank(r)
-            else:
-                ids = [None] * count
-                self.lost_batches += count
-            trained = list(zip(range(since + 1, fail_step + 1), ids, strict=True))
-            reports.append({"rank": r, "step": fail_step, "trained": trained, "lost": True})
+        reports += self.accounting.lost_rank_reports(lost_ranks, fail_step=fail_step)
         # Syncs before the failed step completed on every gang; the one at it did not.
         self._account(reports, completed_through=fail_step - 1)
         replay = self._drop(failed_gangs, survivors)
@@ -569,23 +546,10 @@ class Coordinator:
         self._request_growth()
 
     def _drop(self, gangs: list[int], survivors: list[int]) -> dict[int, list[int]]:
-        """The dropped gangs' uncommitted batches, split over the survivors' ranks.
-
-        Returns survivor rank -> batch ids to replay (empty for sources that cannot replay;
-        their uncommitted batches are counted in ``lost_batches`` instead)."""
-        if self.streams is None:
-            self.ledger.drop(gangs, survivors)
-            return {}
-        plan = self.ledger.drop(gangs, survivors)
-        assignments: dict[int, list[int]] = {}
-        for gid, share in plan.shares.items():
-            ids = [i for rows in share.values() for i in rows]
-            ranks = self.membership.gang(gid).job_ranks
-            for k, batch in enumerate(ids):
-                assignments.setdefault(ranks[k % len(ranks)], []).append(batch)
-        for rank, ids in assignments.items():
-            self.streams.queue_replay(rank, ids)
-        return assignments
+        """The dropped gangs' uncommitted batches, split over the survivors' ranks."""
+        return self.accounting.drop(
+            gangs, survivors, ranks_of=lambda g: self.membership.gang(g).job_ranks
+        )
 
     def _fail_unrecoverable(self, lost: set[int], failed_gangs: list[int]) -> None:
         if self.topology.layout is Layout.REPLICAS_WITHIN_HOST:
@@ -659,8 +623,8 @@ class Coordinator:
                     with contextlib.suppress(Exception):
                         ray.kill(self._workers.pop(r))
                     self._rank_nodes.pop(r, None)
-                    if self.streams is not None and r in new_ranks:
-                        self.streams.remove_rank(r)
+                    if r in new_ranks:
+                        self.accounting.forget_rank(r)
                 with contextlib.suppress(Exception):
                     remove_placement_group(self._pgs.pop(gang.gang_id))
             self._request_growth()
@@ -685,7 +649,7 @@ class Coordinator:
         )
         self.membership = self.membership.with_gangs(gangs, step=self.step)
         self._joining = {g.gang_id for g in gangs}
-        self.ledger.add_gangs(g.gang_id for g in gangs)
+        self.accounting.add_gangs(g.gang_id for g in gangs)
         self._new_generation(reason=f"gangs {[g.gang_id for g in gangs]} joined")
         self._call(new_ranks, "set_step", self.step)
         self._call(self._live_ranks(), "broadcast_state", self.membership.member_index(peer))
@@ -758,9 +722,7 @@ class Coordinator:
                 placement_group=pg, placement_group_bundle_index=bundle
             ),
         ).remote(spec, shard)
-        if self.streams is not None:
-            self.streams.add_rank(rank, shard=getattr(shard, "index", rank))
-        self._reported_step[rank] = self.step
+        self.accounting.add_rank(rank, shard=getattr(shard, "index", rank), step=self.step)
 
     def _build(self, ranks: list[int]) -> list[dict[str, Any]]:
         infos = self._call(ranks, "build")
@@ -844,44 +806,23 @@ class Coordinator:
     def _account(
         self, reports: list[dict[str, Any]], *, completed_through: int | None = None
     ) -> None:
-        """Feeds the ranks' trained-batch logs into the ledger, committing at job-wide syncs.
-
-        A batch trained at a step up to the last job-wide sync of the reports' steps (at most
-        ``completed_through``) is in every replica: committed; later ones are pending.
-        """
-        new_step = max((r["step"] for r in reports), default=self.step)
-        through = new_step if completed_through is None else completed_through
-        sync_steps = [
-            s
-            for s in range(self.membership.last_sync_step + 1, through + 1)
-            if s % self.cfg.sync.sync_every == 0 or s <= self.cfg.sync.warmup_steps
-        ]
-        last_sync = sync_steps[-1] if sync_steps else None
-        before: dict[int, list[int]] = {}
-        after: dict[int, list[int]] = {}
-        for rep in reports:
-            rank = rep["rank"]
-            if self.streams is not None and not rep.get("lost"):
-                self.streams.trained(rank, [i for _, i in rep["trained"]])
-            gang = self._gang_of(rank)
-            for step, i in rep["trained"]:
-                if i is None:
-                    continue
-                bucket = before if last_sync is not None and step <= last_sync else after
-                bucket.setdefault(gang, []).append(i)
-            self._reported_step[rank] = rep["step"]
-        for gang, ids in before.items():
-            self.ledger.consume(gang, 0, RowRanges.from_ids(ids))
+        """Books the ranks' trained batches; a job-wide sync among them commits."""
+        sync = self.cfg.sync
+        last_sync = self.accounting.record(
+            reports,
+            gang_of=self._gang_of,
+            live_gangs=self.membership.gang_ids,
+            last_sync_step=self.membership.last_sync_step,
+            is_job_wide_sync=lambda s: s % sync.sync_every == 0 or s <= sync.warmup_steps,
+            completed_through=completed_through,
+        )
         if last_sync is not None:
-            self.ledger.commit(self.membership.gang_ids)
             self.membership = self.membership.synced(last_sync)
-        for gang, ids in after.items():
-            self.ledger.consume(gang, 0, RowRanges.from_ids(ids))
-        self.step = new_step
+        self.step = max((r["step"] for r in reports), default=self.step)
 
     def _commit_all(self) -> None:
         """A job-wide sync just completed: everything trained so far is in every replica."""
-        self.ledger.commit(self.membership.gang_ids)
+        self.accounting.commit(self.membership.gang_ids)
         self.membership = self.membership.synced(self.step)
 
     # -- end of job ---------------------------------------------------------------------------

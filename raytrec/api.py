@@ -28,6 +28,7 @@ from raytrec.data.from_config import DataInfo, source_from_config, synthetic_sou
 from raytrec.data.source import BatchSource
 from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.plan import apply_embedding_optimizer, make_plan
+from raytrec.errors import JobFailedError
 from raytrec.metrics import IntervalMetrics
 from raytrec.model import ModelFactory, build_dlrm
 from raytrec.placement import rank_resources
@@ -255,6 +256,11 @@ def _drive(coordinator: Any, on_progress: Callable[[IntervalMetrics], None]) -> 
             seen += len(rows)
             if done:
                 return ray.get(run_ref)
+    except ray.exceptions.RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, JobFailedError):
+            raise cause from None  # the coordinator's own words, not Ray's wrapper
+        raise
     except ray.exceptions.RayActorError as e:
         raise CoordinatorDied(
             "the coordinator actor died, and the job with it: raytrec does not survive the "

@@ -37,6 +37,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim.keyed import KeyedOptimizerWrapper
@@ -344,7 +345,19 @@ class RankEngine:
         dense all-reduce before the failure reached them, some did not); one survivor's dense
         state becomes everyone's, so dense state is identical again."""
         assert self.replica is not None, "join_replica_plane() first"
-        self.replica.broadcast_(self.dense_state(), src=src)
+        tensors = self.dense_state()
+        # Ranks of one gang can disagree too (each sits in another replica group, and one
+        # group's collective may have finished where another's failed): first gang rank 0's
+        # copy within the gang, then member ``src``'s across gangs.
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = _flatten_dense_tensors(group)
+            dist.broadcast(flat, src=0)
+            for dst, value in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+                dst.copy_(value)
+        self.replica.broadcast_(tensors, src=src)
 
     def broadcast_state(self, *, src: int) -> None:
         """Copies a live member's full state to the rest of the replica group."""

@@ -1,0 +1,172 @@
+"""Exactly-once accounting of a running job's batches, across failures (pure).
+
+The coordinator feeds this the ranks' reports of what they trained (``(step, batch id)`` pairs).
+A batch trained at or before a job-wide sync is in every replica: committed. Later ones are
+pending for their gang. When gangs are lost, their pending batches (including those the lost
+ranks took after their last report, known from their stream order: :mod:`~.streams`) go to the
+survivors for replay, spread over the survivors' ranks. Built on :class:`~.ledger.DataLedger`
+(batch ids as row ids, all in "epoch" 0) and :class:`~.streams.RankStreams`.
+
+A source that cannot name and rebuild its batches (``replayable=False``) is tracked by count
+only: a lost gang's uncommitted batches are then counted in :attr:`lost_batches`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from raytrec.elastic.ledger import DataLedger
+from raytrec.elastic.rows import RowRanges
+from raytrec.elastic.streams import RankStreams
+
+__all__ = ["BatchAccounting"]
+
+# Batch ids are non-negative ints below this (the ledger's "rows per epoch").
+_ID_SPACE = 1 << 62
+
+Report = dict[str, Any]  # {"rank", "step", "trained": [(step, batch id or None)], "lost"?}
+
+
+class BatchAccounting:
+    """See the module doc."""
+
+    def __init__(
+        self,
+        gang_ids: Iterable[int],
+        *,
+        stream_id: Callable[[int, int], int] | None,
+    ) -> None:
+        self.ledger = DataLedger(_ID_SPACE, gang_ids)
+        self.streams = RankStreams(stream_id) if stream_id is not None else None
+        self.reported_step: dict[int, int] = {}  # job rank -> step of its last report
+        self.lost_batches = 0
+
+    # -- membership --------------------------------------------------------------------------
+
+    def add_rank(self, rank: int, *, shard: int, step: int) -> None:
+        if self.streams is not None:
+            self.streams.add_rank(rank, shard=shard)
+        self.reported_step[rank] = step
+
+    def forget_rank(self, rank: int) -> None:
+        """A rank that never trained (it failed while starting)."""
+        if self.streams is not None:
+            self.streams.remove_rank(rank)
+        self.reported_step.pop(rank, None)
+
+    def add_gangs(self, gang_ids: Iterable[int]) -> None:
+        self.ledger.add_gangs(gang_ids)
+
+    def restart(self, rank: int, *, at: int) -> None:
+        """The rank's stream restarts at batch ``at`` (a resume from a checkpoint)."""
+        self.reported_step[rank] = at
+        if self.streams is not None:
+            self.streams.restart(rank, at=at)
+
+    # -- reports -----------------------------------------------------------------------------
+
+    def record(
+        self,
+        reports: Sequence[Report],
+        *,
+        gang_of: Callable[[int], int],
+        live_gangs: Sequence[int],
+        last_sync_step: int,
+        is_job_wide_sync: Callable[[int], bool],
+        completed_through: int | None = None,
+    ) -> int | None:
+        """Books the reports; returns the last job-wide sync step they covered, or None.
+
+        Syncs at steps after ``last_sync_step`` up to the reports' step (at most
+        ``completed_through``) completed on every live gang: what was trained up to the last
+        of them is committed, the rest is pending.
+        """
+        new_step = max((r["step"] for r in reports), default=last_sync_step)
+        through = new_step if completed_through is None else completed_through
+        syncs = [s for s in range(last_sync_step + 1, through + 1) if is_job_wide_sync(s)]
+        last_sync = syncs[-1] if syncs else None
+        before: dict[int, list[int]] = {}
+        after: dict[int, list[int]] = {}
+        for rep in reports:
+            rank = rep["rank"]
+            if self.streams is not None and not rep.get("lost"):
+                self.streams.trained(rank, [i for _, i in rep["trained"]])
+            gang = gang_of(rank)
+            for step, batch in rep["trained"]:
+                if batch is None:
+                    continue
+                bucket = before if last_sync is not None and step <= last_sync else after
+                bucket.setdefault(gang, []).append(batch)
+            self.reported_step[rank] = rep["step"]
+        for gang, ids in before.items():
+            self.ledger.consume(gang, 0, RowRanges.from_ids(ids))
+        if last_sync is not None:
+            self.ledger.commit(live_gangs)
+        for gang, ids in after.items():
+            self.ledger.consume(gang, 0, RowRanges.from_ids(ids))
+        return last_sync
+
+    def lost_rank_reports(self, ranks: Iterable[int], *, fail_step: int) -> list[Report]:
+        """Reports for ranks that died: one batch per step since their last report, the next
+        in their stream order. The ranks are forgotten."""
+        out = []
+        for r in ranks:
+            since = self.reported_step.pop(r, 0)
+            count = max(0, fail_step - since)
+            ids: list[int | None]
+            if self.streams is not None:
+                ids = list(self.streams.take(r, count))
+                self.streams.remove_rank(r)
+            else:
+                ids = [None] * count
+                self.lost_batches += count
+            trained = list(zip(range(since + 1, fail_step + 1), ids, strict=True))
+            out.append({"rank": r, "step": fail_step, "trained": trained, "lost": True})
+        return out
+
+    def commit(self, live_gangs: Iterable[int]) -> None:
+        """A job-wide sync just completed: everything trained so far is in every replica."""
+        self.ledger.commit(live_gangs)
+
+    def drop(
+        self,
+        gangs: Sequence[int],
+        survivors: Sequence[int],
+        *,
+        ranks_of: Callable[[int], Sequence[int]],
+    ) -> dict[int, list[int]]:
+        """Drops gangs; returns survivor rank -> batch ids to replay (queued in its stream)."""
+        plan = self.ledger.drop(gangs, survivors)
+        if self.streams is None:
+            return {}
+        assignments: dict[int, list[int]] = {}
+        for gid, share in plan.shares.items():
+            ids = [i for rows in share.values() for i in rows]
+            ranks = ranks_of(gid)
+            for k, batch in enumerate(ids):
+                assignments.setdefault(ranks[k % len(ranks)], []).append(batch)
+        for rank, ids in assignments.items():
+            self.streams.queue_replay(rank, ids)
+        return assignments
+
+    # -- results -----------------------------------------------------------------------------
+
+    def committed(self) -> list[tuple[int, int]]:
+        return list(self.ledger.committed(0).ranges)
+
+    def committed_count(self) -> int:
+        """Committed batches counted with multiplicity (equal to the distinct ones when no
+        batch went into the model twice)."""
+        return self.ledger.committed_rows(0)
+
+    def replayed(self) -> list[tuple[int, int]]:
+        return list(self.ledger.replayed(0).ranges)
+
+    def replay_pending(self) -> int:
+        """Replay batches handed out and not trained yet."""
+        return sum(
+            r.count
+            for due in map(self.ledger.replay_due, self.ledger.gang_ids)
+            for r in due.values()
+        )

@@ -1,0 +1,73 @@
+"""What elastic training cannot survive fails clearly: every copy of a shard gone with
+``replicas_within_host``, and the loss of the coordinator itself."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import ray
+
+from raytrec.api import CoordinatorDied, fit
+from raytrec.cluster import connect
+from raytrec.config import DataConfig, ModelConfig, ScalingConfig, TrainConfig, criteo_tables
+from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
+from raytrec.errors import JobFailedError
+from raytrec.metrics import IntervalMetrics
+from raytrec.testing import running_coordinator
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    connect(num_cpus=4)
+    yield
+    ray.shutdown()
+
+
+def config(tmp: str, **changes: object) -> TrainConfig:
+    base = TrainConfig(
+        model=ModelConfig(tables=criteo_tables(num_features=4, num_embeddings=200)),
+        scaling=ScalingConfig(num_workers=4, gang_size=2, ranks_per_host=2),
+        data=DataConfig(batch_size=32),
+        elastic=ElasticConfig(collective_timeout_s=10, step_timeout_s=60, poll_s=0.2),
+        num_steps=16,
+        log_every=2,
+        storage_path=tmp,
+    )
+    return base.replace(**changes)
+
+
+def test_replicas_within_host_losing_a_rank_is_reported_unrecoverable(
+    cluster: None, tmp_path: str
+) -> None:
+    cfg = config(
+        str(tmp_path),
+        scaling=ScalingConfig(
+            num_workers=4, gang_size=2, ranks_per_host=2, layout="replicas_within_host"
+        ),
+        faults=FaultConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=5, rank=0),)),
+    )
+    with pytest.raises(
+        JobFailedError, match=r"replicas_within_host.*needs? .*checkpoint|checkpoint"
+    ):
+        fit(cfg, shutdown_ray=False)
+
+
+def test_losing_the_coordinator_fails_the_job_instead_of_hanging(
+    cluster: None, tmp_path: str
+) -> None:
+    killed: list[int] = []
+
+    def kill_at_step_4(row: IntervalMetrics) -> None:
+        if row.step >= 4 and not killed:
+            ray.kill(running_coordinator())
+            killed.append(row.step)
+
+    with pytest.raises(CoordinatorDied, match="coordinator actor died"):
+        fit(config(str(tmp_path)), on_progress=kill_at_step_4, shutdown_ray=False)
+    # Its rank actors were killed with it, not left running.
+    alive = [a for a in ray.util.list_named_actors() if "coordinator" in str(a)]
+    assert alive == []
