@@ -349,15 +349,15 @@ class Coordinator:
                 stopped_by = stops[0]
             elif self.step < total:
                 self._maybe_checkpoint()
-        if self.step % self.cfg.sync.sync_every or self.membership.last_sync_step != self.step:
-            self._call(self._live_ranks(), "sync")  # end on a sync: every replica the same
-        self._commit_all()
-        if stopped_by is None:
-            self._maybe_checkpoint(final=True)
-        digests = self._final_digests()
         final = os.path.join(self.run_dir, "final_model")
-        first_gang = self.membership.gangs[0]
-        self._call(list(first_gang.job_ranks), "save", final)
+        for _ in range(_MAX_TRANSIENT + 1):
+            try:
+                digests = self._finish(final, checkpoint=stopped_by is None)
+                break
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                self._recover_until_stable(self._probe(e))  # lost at the very end: re-form
+        else:
+            raise JobFailedError("the job kept losing ranks while it finished")
         return RunSummary(
             history=self.progress(),
             final_state_path=final,
@@ -375,6 +375,18 @@ class Coordinator:
             lost_batches=self.accounting.lost_batches + self.accounting.replay_pending(),
             checkpoint=self.last_checkpoint,
         )
+
+    def _finish(self, final: str, *, checkpoint: bool) -> dict[int, dict[str, str]]:
+        """Ends on a job-wide sync, checks the replicas, saves the final model."""
+        if self.step % self.cfg.sync.sync_every or self.membership.last_sync_step != self.step:
+            self._call(self._live_ranks(), "sync")  # end on a sync: every replica the same
+        self._commit_all()
+        if checkpoint:
+            self._maybe_checkpoint(final=True)
+        digests = self._final_digests()
+        first_gang = self.membership.gangs[0]
+        self._call(list(first_gang.job_ranks), "save", final)
+        return digests
 
     # -- one interval -------------------------------------------------------------------------
 
@@ -431,7 +443,10 @@ class Coordinator:
             except ray.exceptions.RayActorError as e:
                 out.dead[r] = _death_cause(e)
         if not out.failed:
-            raise error  # nobody died: a real error of its own
+            if not isinstance(error, ray.exceptions.RayActorError):
+                raise error  # nobody died: a real error of its own
+            # An actor outside the membership died (a gang that was starting): re-form as is.
+            out.errored[-1] = _first_line(error)
         return out
 
     def _recover_until_stable(self, result: _Interval) -> None:

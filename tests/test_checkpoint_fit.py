@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import ray
 
-from raytrec.api import fit
+from raytrec.api import Result, fit
 from raytrec.checkpoint.config import CheckpointConfig, checkpoint_root
 from raytrec.checkpoint.errors import CheckpointError
 from raytrec.checkpoint.layout import CheckpointStore
@@ -37,8 +37,14 @@ def config(tmp: str, *, workers: int, gang: int, steps: int, rows: int = 300) ->
     )
 
 
-def test_save_every_n_steps_then_resume_on_another_shape(cluster: None, tmp_path: str) -> None:
-    first = fit(config(str(tmp_path), workers=2, gang=1, steps=10), shutdown_ray=False)
+@pytest.fixture(scope="module")
+def first_run(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Result:
+    tmp = str(tmp_path_factory.mktemp("first"))
+    return fit(config(tmp, workers=2, gang=1, steps=10), shutdown_ray=False)
+
+
+def test_save_every_n_steps_then_resume_on_another_shape(first_run: Result, tmp_path: str) -> None:
+    first = first_run
     store = CheckpointStore(checkpoint_root(first.run_dir))
     # Saved at steps 4, 8 and 10 (the end); the last two kept.
     assert [c.step for c in store.committed()] == [8, 10]
@@ -60,9 +66,9 @@ def test_save_every_n_steps_then_resume_on_another_shape(cluster: None, tmp_path
 
 
 def test_an_incompatible_checkpoint_fails_before_any_rank_starts(
-    cluster: None, tmp_path: str
+    first_run: Result, tmp_path: str
 ) -> None:
-    first = fit(config(str(tmp_path), workers=2, gang=1, steps=4), shutdown_ray=False)
+    first = first_run
     assert first.checkpoint is not None
     other = config(str(tmp_path), workers=2, gang=1, steps=8, rows=301)
     with pytest.raises(
