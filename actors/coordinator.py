@@ -79,6 +79,9 @@ from raytrec.topology import Layout
 
 __all__ = ["Coordinator", "JobFailedError", "RunSummary"]
 
+# How long a recovery waits for Ray's node table to show a node death it suspects.
+_NODE_TABLE_GRACE_S = 5.0
+
 # Re-forms in a row after collective timeouts with every rank alive, before the job gives up.
 _MAX_TRANSIENT = 3
 
@@ -479,7 +482,17 @@ class Coordinator:
         # it goes too and is requested again.
         failed_gangs = sorted({self._gang_of(r) for r in lost} | self._joining)
         self._joining = set()
-        # Ray says when an actor died with its node; the node table may lag behind that.
+        # Ray says when an actor died with its node; the node table may lag behind that, and
+        # a rank on a node that just went can look hung for a moment: give the table a few
+        # seconds to catch up, and count such ranks as dead.
+        if result.hung:
+            deadline = time.monotonic() + _NODE_TABLE_GRACE_S
+            while time.monotonic() < deadline and not self._dead_nodes():
+                time.sleep(0.5)
+            gone = set(self._dead_nodes())
+            for r in [r for r in result.hung if self._rank_nodes.get(r) in gone]:
+                result.hung.remove(r)
+                result.dead[r] = "its node died"
         dead_nodes = sorted(
             set(self._dead_nodes())
             | {

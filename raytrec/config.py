@@ -38,6 +38,7 @@ DenseOptimizer = Literal["sgd", "adagrad", "adam"]
 ShardingType = Literal["table_wise", "column_wise", "row_wise", "table_row_wise"]
 Backend = Literal["auto", "gloo", "nccl"]
 DataSourceKind = Literal["synthetic", "parquet", "generated"]
+PoolingName = Literal["sum", "mean"]
 OnBadRows = Literal["error", "skip"]
 IdPolicyName = Literal["modulo", "hash", "strict"]
 
@@ -74,10 +75,12 @@ class TableConfig:
     num_embeddings: int
     embedding_dim: int
     features: tuple[str, ...]
+    pooling: PoolingName = "sum"  # how a list's ids become one vector: their sum or mean
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
             raise ConfigError(f"table name must be a non-empty string, got {self.name!r}")
+        _one_of(f"tables[{self.name}].pooling", self.pooling, get_args(PoolingName))
         _positive_int(f"tables[{self.name}].num_embeddings", self.num_embeddings)
         _positive_int(f"tables[{self.name}].embedding_dim", self.embedding_dim)
         object.__setattr__(self, "features", tuple(self.features))

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from raytrec.config import ModelConfig
@@ -33,6 +33,7 @@ def embedding_bag_configs(cfg: ModelConfig) -> list[EmbeddingBagConfig]:
             num_embeddings=t.num_embeddings,
             embedding_dim=t.embedding_dim,
             feature_names=list(t.features),
+            pooling=PoolingType[t.pooling.upper()],
         )
         for t in cfg.tables
     ]

@@ -72,6 +72,7 @@ def test_dump_and_load_round_trip(tmp_path: pathlib.Path) -> None:
         "num_embeddings": 50,
         "embedding_dim": 8,
         "features": ["i", "j"],
+        "pooling": "sum",
     }
     assert plain["sync"]["levels"] == [[2, 2]]
     loaded = load_config(write(tmp_path, text))
@@ -296,7 +297,7 @@ def test_apply_override_creates_optional_sections() -> None:
 def test_job_defaults_and_shortcut_flags() -> None:
     config = build_config([])
     defaults = dict(JOB_DEFAULTS)  # type: ignore[arg-type]
-    assert config.num_steps == defaults["num_steps"] == 600
+    assert config.num_steps == defaults["num_steps"] == 1000
     assert config.optimizer.embedding == "rowwise_adagrad"
     # The job's model is the classes' default model with the job's table size.
     assert config.model.arch == ModelConfig().arch
