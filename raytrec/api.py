@@ -25,6 +25,7 @@ from raytrec._quiet import quiet_known_warnings
 from raytrec.cluster import connect, total_resources
 from raytrec.config import ConfigError, TrainConfig, validate_features
 from raytrec.data.from_config import DataInfo, source_from_config, synthetic_source
+from raytrec.data.parquet import ParquetSource
 from raytrec.data.source import BatchSource
 from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.plan import apply_embedding_optimizer, make_plan
@@ -105,8 +106,11 @@ class TrainingStopped(RuntimeError):
 default_source = synthetic_source  # the source of data.source="synthetic"
 
 
-def check_capacity(config: TrainConfig, resources: dict[str, float]) -> None:
-    """Fails when the cluster can never hold every rank at once."""
+def check_capacity(
+    config: TrainConfig, resources: dict[str, float], *, ray_data: bool = False
+) -> None:
+    """Fails when the cluster can never hold every rank at once, or, for a Ray Data source,
+    leaves no CPU for its read and preprocessing tasks (the job would wait forever)."""
     per_rank = rank_resources(
         cpus_per_rank=config.scaling.cpus_per_rank, use_gpu=config.scaling.use_gpu
     )
@@ -119,6 +123,14 @@ def check_capacity(config: TrainConfig, resources: dict[str, float]) -> None:
                 f"{config.scaling.gang_size} ranks) need {need:g} {name} in all but the cluster "
                 f"has {have:g}; allowed: scaling.num_workers x per-rank {name} <= {have:g}"
             )
+    cpus_left = resources.get("CPU", 0.0) - per_rank["CPU"] * world
+    if ray_data and cpus_left < 1:
+        raise ConfigError(
+            f"scaling: the ranks take {per_rank['CPU'] * world:g} of the cluster's "
+            f"{resources.get('CPU', 0.0):g} CPUs and data.source={config.data.source!r} reads "
+            "through Ray Data, whose tasks need at least 1 CPU of their own; lower "
+            "scaling.cpus_per_rank or scaling.num_workers, or add CPUs"
+        )
 
 
 def fit(
@@ -165,7 +177,7 @@ def fit(
     need_cpus = config.scaling.world_size * config.scaling.cpus_per_rank + data_cpus
     started = connect(ray_address, num_cpus=need_cpus)
     try:
-        check_capacity(config, total_resources())
+        check_capacity(config, total_resources(), ray_data=isinstance(source, ParquetSource))
         from actors.coordinator import Coordinator
 
         # On the driver's node: a lost worker node must not take the coordinator with it.

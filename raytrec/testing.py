@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+import ray.exceptions
 
 from raytrec.metrics import IntervalMetrics
 
@@ -30,10 +31,18 @@ def running_coordinator() -> Any:
         a["name"] if isinstance(a, dict) else a
         for a in ray.util.list_named_actors(all_namespaces=False)
     ]
-    mine = [n for n in names if n.startswith(COORDINATOR_PREFIX)]
-    if len(mine) != 1:
-        raise RuntimeError(f"expected one running raytrec coordinator, found {mine}")
-    return ray.get_actor(mine[0])
+    live = []
+    for name in (n for n in names if n.startswith(COORDINATOR_PREFIX)):
+        # A coordinator killed a moment ago can still be listed: keep those that answer.
+        try:
+            handle = ray.get_actor(name)
+            ray.get(handle.progress.remote(0), timeout=10)
+        except (ValueError, ray.exceptions.RayError):
+            continue
+        live.append(handle)
+    if len(live) != 1:
+        raise RuntimeError(f"expected one running raytrec coordinator, found {len(live)}")
+    return live[0]
 
 
 @dataclasses.dataclass

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.cluster
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[None]:
-    connect(num_cpus=4)
+    connect(num_cpus=5)  # 4 ranks, and a CPU for Ray Data's tasks
     yield
     ray.shutdown()
 
