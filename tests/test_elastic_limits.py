@@ -66,8 +66,12 @@ def test_losing_the_coordinator_fails_the_job_instead_of_hanging(
             ray.kill(running_coordinator())
             killed.append(row.step)
 
+    # Slowed from step 5 on, so the kill (by the driver, once it sees step 4) lands mid-run.
+    slow = FaultConfig(
+        faults=(FaultSpec(kind=FaultKind.SLOW_RANK, step=5, rank=0, stall_s=1.0, steps=10),)
+    )
     with pytest.raises(CoordinatorDied, match="coordinator actor died"):
-        fit(config(str(tmp_path)), on_progress=kill_at_step_4, shutdown_ray=False)
+        fit(config(str(tmp_path), faults=slow), on_progress=kill_at_step_4, shutdown_ray=False)
     # It is gone, not restarted or left half alive.
     with pytest.raises(RuntimeError, match="expected one running raytrec coordinator, found 0"):
         running_coordinator()

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -279,10 +278,13 @@ class ParquetSource(BatchSource):
             shuffle = ray.data.FileShuffleConfig(
                 seed=self.shuffle_seed, reseed_after_execution=True
             )
+        # Ray Data 2.60's V2 Parquet reader is not used: it maps files back to fragments by a
+        # path key that a SubTreeFileSystem's relative paths do not match (KeyError on
+        # "/part-00003.parquet"), and with fsspec but no aiohttp its concurrent path checks can
+        # fail at random. The V1 reader streams the same files with none of that.
         ctx = ray.data.DataContext.get_current()
         use_v2 = ctx.use_datasource_v2
-        if _v2_listing_is_racy():
-            ctx.use_datasource_v2 = False
+        ctx.use_datasource_v2 = False
         try:
             return ray.data.read_parquet(
                 files,
@@ -611,16 +613,3 @@ def _is_data_file(path: str, root: str) -> bool:
     relative = path[len(root) :] if path.startswith(root) else os.path.basename(path)
     parts = relative.replace("\\", "/").strip("/").split("/")
     return path.endswith(_DATA_SUFFIX) and not any(p.startswith(("_", ".")) for p in parts)
-
-
-@functools.cache
-def _v2_listing_is_racy() -> bool:
-    """True when Ray Data's V2 Parquet reader can fail at random here, so the V1 reader is used.
-
-    The V2 reader resolves paths in several threads, each asking whether the filesystem is an
-    fsspec HTTP one by importing ``fsspec.implementations.http``. With fsspec installed but not
-    its ``aiohttp`` dependency, that import fails, and concurrent failing imports of one module
-    can raise ``ImportError`` rather than the ``ModuleNotFoundError`` Ray catches.
-    """
-    find = importlib.util.find_spec
-    return find("fsspec") is not None and find("aiohttp") is None

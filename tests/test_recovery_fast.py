@@ -1,0 +1,154 @@
+"""The recovery benchmark's reading of events and history rows (pure, milliseconds).
+
+The event and row times below are those of an elastic run on this machine (2 gangs x 2 ranks,
+rank 3 killed as it started step 14), so the expected figures are differences worked out by
+hand from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pathlib
+import sys
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from raytrec.metrics import IntervalMetrics
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("recovery", ROOT / "benchmarks" / "recovery.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["recovery"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+recovery = _load()
+
+
+def row(step: int, at: float, *, gangs: int = 2, seconds: float = 0.04) -> IntervalMetrics:
+    return IntervalMetrics(
+        step=step,
+        steps=1,
+        loss=0.5,
+        samples_per_s=1000.0,
+        seconds=seconds,
+        data_wait_fraction=0.0,
+        sync_fraction=0.0,
+        generation=0,
+        gangs=gangs,
+        elapsed_s=at,
+        at=at,
+    )
+
+
+def event(kind: str, at: float, step: int, **fields: Any) -> dict[str, Any]:
+    return {"kind": kind, "at": at, "step": step, **fields}
+
+
+BEFORE = [row(s, 44.9 + 0.05 * s, seconds=0.03 + 0.01 * (s % 3)) for s in range(1, 14)]
+EVENTS = [
+    event("generation_started", 44.819, 0, generation=0),
+    event("checkpoint_saved", 45.415, 8),
+    event("rank_died", 75.686, 13, job_rank=3),
+    event("gang_dropped", 75.693, 14, gang_id=1),
+    event("generation_started", 75.715, 14, generation=1),
+    event("gang_requested", 75.736, 14, count=1),
+    event("gang_placed", 104.233, 16),
+    event("generation_started", 104.275, 16, generation=2),
+    event("gang_healed", 104.295, 16, gang_id=2),
+    event("gang_joined", 104.295, 16, gang_id=2),
+]
+AFTER = [
+    row(15, 75.788, gangs=1),
+    row(16, 75.823, gangs=1),
+    row(17, 104.36, gangs=2, seconds=28.376),
+    row(18, 104.389, gangs=2),
+]
+
+
+def test_elastic_timings_from_the_failure_and_from_the_request() -> None:
+    t = recovery.elastic_timings(EVENTS, BEFORE + AFTER, last_done=13, full_gangs=2)
+    failed_at = 44.9 + 0.05 * 13  # the row of step 13
+    assert t.detect_s == pytest.approx(75.686 - failed_at)
+    assert t.reform_s == pytest.approx(75.715 - 75.686)
+    assert t.resume_s == pytest.approx(75.788 - failed_at)
+    assert t.resumed_step == 15
+    assert t.heal_start_s == pytest.approx(104.233 - 75.736)
+    assert t.heal_transfer_s == pytest.approx(104.295 - 104.233)
+    assert t.heal_join_s == pytest.approx(104.295 - 75.736)
+    assert t.heal_step_s == pytest.approx(104.36 - 75.736)
+    assert t.survivors_gap_s == pytest.approx(104.36 - 75.823)
+    # Steps 2..13 take 0.03, 0.04 or 0.05 s by step % 3: four of each, median 0.04.
+    assert t.step_s == pytest.approx(0.04)
+
+
+def test_a_heal_that_did_not_happen_is_not_observed() -> None:
+    events = [e for e in EVENTS if e["at"] < 100]
+    t = recovery.elastic_timings(events, BEFORE + AFTER[:2], last_done=13, full_gangs=2)
+    assert t.resume_s == pytest.approx(75.788 - (44.9 + 0.05 * 13))
+    assert (t.heal_start_s, t.heal_join_s, t.heal_step_s, t.survivors_gap_s) == (None,) * 4
+
+
+def test_a_missing_row_or_event_is_an_error_not_a_number() -> None:
+    with pytest.raises(ValueError, match="no history row for step 14"):
+        recovery.elastic_timings(EVENTS, BEFORE + AFTER, last_done=14, full_gangs=2)
+    no_death = [e for e in EVENTS if e["kind"] != "rank_died"]
+    with pytest.raises(ValueError, match="no 'rank_died' event"):
+        recovery.elastic_timings(no_death, BEFORE + AFTER, last_done=13, full_gangs=2)
+
+
+def test_restart_timings_add_up_to_the_driver_clock() -> None:
+    events = [
+        event("generation_started", 30.0, 0, generation=0),
+        event("checkpoint_restored", 31.5, 10, saved_step=10),
+    ]
+    rows = [row(s, 32.0 + 0.5 * (s - 11)) for s in range(11, 17)]
+    # Rows reach the driver in polls a second apart; the clock's zero is 9.0 s after fit().
+    polls = {11: 42.1, 12: 42.1, 13: 43.1, 14: 43.1, 15: 44.1, 16: 44.1}
+    arrivals = [(polls[r.step], r.at) for r in rows]
+    t = recovery.restart_timings(events, rows, arrivals, last_done=15)
+    # Smallest arrival - at: step 12 (42.1 - 32.5) and 14 (43.1 - 33.5): 9.6 s.
+    assert t.setup_s == pytest.approx(9.6)
+    assert (t.start_s, t.load_s) == pytest.approx((30.0, 1.5))
+    assert t.redo_s == pytest.approx(34.0 - 31.5)
+    assert t.step_s == pytest.approx(0.5)
+    assert t.redone_steps == 5
+    assert t.total_s == pytest.approx(9.6 + 34.5)  # the row of step 16 on the driver's clock
+
+
+def test_the_ratios_compare_the_restart_with_the_survivors() -> None:
+    growing = recovery.elastic_timings(EVENTS, BEFORE + AFTER, last_done=13, full_gangs=2)
+    alone = dataclasses.replace(growing, resume_s=2.0)
+    restart = recovery.RestartTimings(
+        setup_s=9.0, start_s=30.0, load_s=1.5, redo_s=2.5, step_s=0.5, redone_steps=5
+    )
+    m = recovery.Measurement(
+        size="s", shape="2 x 2", repeat=0, survivors=alone, restart=restart, growing=growing
+    )
+    assert m.ratio == pytest.approx(43.5 / 2.0)
+    assert m.ratio_growing == pytest.approx(43.5 / (75.788 - (44.9 + 0.05 * 13)))
+
+
+def test_last_checkpoint_before_the_failure() -> None:
+    assert recovery.last_checkpoint_before(15, 10) == 10
+    assert recovery.last_checkpoint_before(20, 10) == 20
+    assert recovery.last_checkpoint_before(9, 10) == 0
+
+
+def test_the_section_is_appended_once_then_replaced(tmp_path: pathlib.Path) -> None:
+    doc = tmp_path / "doc.md"
+    doc.write_text("# Title\n\nBody.\n")
+    recovery.write_into(doc, "first")
+    recovery.write_into(doc, "second")
+    text = doc.read_text()
+    assert text == (
+        f"# Title\n\nBody.\n\n{recovery.HEADING}\n\n{recovery.BEGIN}\nsecond\n{recovery.END}\n"
+    )
