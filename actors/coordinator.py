@@ -403,12 +403,22 @@ class Coordinator:
         while pending:
             ready, _ = ray.wait(list(pending.values()), num_returns=1, timeout=self.elastic.poll_s)
             for ref in ready:
-                rank = next(r for r, x in pending.items() if x == ref)
+                rank = next((r for r, x in pending.items() if x == ref), None)
+                if rank is None:
+                    continue  # a lost gang's peer, already counted
                 del pending[rank]
                 try:
                     out.reports[rank] = ray.get(ref)
                 except ray.exceptions.RayActorError as e:
                     out.dead[rank] = _death_cause(e)
+                    # The rest of its gang is dropped anyway; left alone it would sit in the
+                    # gang's collectives until their timeout. Kill it now.
+                    for peer in self.membership.gang(self._gang_of(rank)).job_ranks:
+                        if peer in pending:
+                            with contextlib.suppress(Exception):
+                                ray.kill(self._workers[peer])
+                            del pending[peer]
+                            out.dead[peer] = "its gang lost a rank"
                 except ray.exceptions.RayTaskError as e:
                     out.errored[rank] = _first_line(_cause(e))
             now = time.monotonic()
