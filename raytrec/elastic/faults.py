@@ -3,7 +3,8 @@
 A :class:`FaultSpec` is one fault: ``kill_rank`` (the rank's process exits), ``remove_node``
 (the node and every rank on it go away), ``hang_rank`` (the rank stops making progress and never
 returns) or ``slow_rank`` (the rank stalls ``stall_s`` seconds in each of ``steps`` steps). A
-fault fires when the job has completed ``step`` steps, before the next step starts. Rank faults
+fault is due at step ``step``: a rank carries it out as it starts that step (after ``step - 1``
+completed steps; ``kill_rank@16`` dies before training step 16). Rank faults
 target one job rank (``rank``), every rank of a gang (``gang``, a gang id) or every rank on a node
 (``node``); ``remove_node`` targets a node.
 
@@ -181,7 +182,7 @@ class FaultConfig:
         return [f.to_dict() for f in self.faults]
 
     def at_step(self, step: int) -> tuple[FaultSpec, ...]:
-        """Every fault that fires when the job has completed ``step`` steps."""
+        """Every fault due at ``step`` (carried out as a rank starts that step)."""
         return tuple(f for f in self.faults if f.fires_at(step))
 
     def for_rank(self, step: int, *, rank: int, gang: int, node: int) -> tuple[FaultSpec, ...]:
