@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import torch
+from _docs import replace_section  # benchmarks/, the script's own folder
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from raytrec.data.arrow_kjt import to_batch
@@ -148,26 +149,6 @@ def render(rows: int, best: dict[str, tuple[float, float]], floor: str) -> str:
     return "\n".join(lines)
 
 
-def update_doc(path: Path, text: str) -> None:
-    """Replaces only this benchmark's section (another script owns the others); re-reads the file
-    right before writing so a concurrent edit of another section survives."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    lines = old.splitlines(keepends=True)
-    start = next((i for i, x in enumerate(lines) if x.rstrip() == SECTION), None)
-    if start is None:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = next(
-            (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)
-        )
-        rest = "".join(lines[end:])
-        new = "".join(lines[:start]) + text + ("\n" + rest if rest else "")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text(new)
-    os.replace(tmp, path)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
@@ -273,7 +254,7 @@ Command: `{cmd}`
 - Per-row collate: `RecordBatch.to_pylist()`, Python lists per row and feature (with the modulo),
   then `torch.tensor`; its output is checked equal to `to_batch`'s before timing.
 """
-    update_doc(DOC, text)
+    replace_section(DOC, text, heading=SECTION)
     print(f"updated {SECTION!r} in {DOC.relative_to(ROOT)}")
     return 0
 

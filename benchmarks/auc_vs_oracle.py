@@ -50,6 +50,8 @@ ROOT = HERE.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere: jobs/ and raytrec/ live here
     sys.path.insert(0, str(ROOT))
 
+from _docs import replace_section  # noqa: E402  (benchmarks/, the script's folder)
+
 from jobs.train import build_config  # noqa: E402
 from raytrec.config import TrainConfig  # noqa: E402
 from raytrec.data.generate import auc  # noqa: E402
@@ -413,25 +415,6 @@ def render(
     )
 
 
-def update_doc(path: Path, text: str) -> None:
-    """Replaces only this benchmark's section (other scripts own the others); appends it the
-    first time. Re-reads the file right before writing so a concurrent edit elsewhere survives."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    lines = old.splitlines(keepends=True)
-    start = next((i for i, x in enumerate(lines) if x.rstrip() == SECTION), None)
-    if start is None:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = next(
-            (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)
-        )
-        rest = "".join(lines[end:])
-        new = "".join(lines[:start]) + text + ("\n" + rest if rest else "")
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text(new)
-    os.replace(tmp, path)
-
-
 def machine() -> str:
     import ray
     import torch
@@ -515,7 +498,7 @@ def run(
     )
     print(text, flush=True)
     if not a.no_doc:
-        update_doc(DOC, text)
+        replace_section(DOC, text, heading=SECTION)
         print(f"updated {SECTION!r} in {DOC.relative_to(ROOT)}")
     return {"summary": summary, "noise": noise, "ceiling": ceiling, "config": config}
 

@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from _docs import replace_section  # benchmarks/, the script's own folder
 
 from raytrec._quiet import quiet_known_warnings
 from raytrec.checkpoint.layout import read_manifest
@@ -288,26 +289,8 @@ Command: `{cmd}`
 
 {table}
 """
-    update_doc(DOC, text)
+    replace_section(DOC, text, heading=SECTION, title="# Checkpoints")
     return 0
-
-
-def update_doc(path: Path, text: str) -> None:
-    """Replaces only this section of ``path``; the rest of the page is kept."""
-    old = path.read_text() if path.exists() else "# Checkpoints\n"
-    lines = old.splitlines(keepends=True)
-    start = next((i for i, x in enumerate(lines) if x.rstrip() == SECTION), None)
-    if start is None:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = next(
-            (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)
-        )
-        rest = "".join(lines[end:])
-        new = "".join(lines[:start]) + text + ("\n" + rest if rest else "")
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text(new)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

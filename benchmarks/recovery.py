@@ -60,6 +60,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from _docs import replace_block  # benchmarks/, the script's own folder
+
 from raytrec import fit
 from raytrec.checkpoint.config import CheckpointConfig, checkpoint_root
 from raytrec.checkpoint.layout import CheckpointStore
@@ -722,13 +724,7 @@ def describe(
 
 def write_into(path: pathlib.Path, block: str) -> None:
     """Replaces the benchmark's block in ``path``, or appends it as a new last section."""
-    text = path.read_text()
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        path.write_text(f"{head}{BEGIN}\n{block}\n{END}{tail}")
-    else:
-        path.write_text(f"{text.rstrip()}\n\n{HEADING}\n\n{BEGIN}\n{block}\n{END}\n")
+    replace_block(path, block, begin=BEGIN, end=END, heading=HEADING)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

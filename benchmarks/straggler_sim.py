@@ -27,6 +27,7 @@ import sys
 import time
 
 import numpy as np
+from _docs import replace_block  # benchmarks/, the script's own folder
 
 from raytrec.config import SyncConfig
 from raytrec.sync.schedule import plan_sync
@@ -141,15 +142,6 @@ def table(*, steps: int, seeds: int, cost: CostModel) -> str:
     return "\n".join(lines)
 
 
-def write_into(path: pathlib.Path, block: str) -> None:
-    text = path.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path} has no {BEGIN} ... {END} block to replace")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{BEGIN}\n{block}\n{END}{tail}")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=1000, help="steps per run (the seed ran 1000)")
@@ -170,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     print(block)
     print(f"\n({time.perf_counter() - started:.1f} s)", file=sys.stderr)
     if a.write is not None:
-        write_into(a.write, block)
+        replace_block(a.write, block, begin=BEGIN, end=END)
     return 0
 
 

@@ -59,6 +59,8 @@ import statistics
 import sys
 import time
 
+from _docs import replace_block  # benchmarks/, the script's own folder
+
 from raytrec import fit
 from raytrec.cluster import connect
 from raytrec.config import (
@@ -344,15 +346,6 @@ def table(runs: list[Run], no_stalls: list[Run], labels: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write_into(path: pathlib.Path, block: str) -> None:
-    text = path.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path} has no {BEGIN} ... {END} block to replace")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{BEGIN}\n{block}\n{END}{tail}")
-
-
 def base_command(argv: list[str]) -> str:
     """This invocation's command line without the options that vary between invocations."""
     drop = {"--straggler-seed", "--repeats", "--write", "--rate"}
@@ -476,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(block)
     if a.write is not None:
-        write_into(a.write, block)
+        replace_block(a.write, block, begin=BEGIN, end=END)
     return 0
 
 

@@ -50,6 +50,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from _docs import replace_section
 from _torchrun_dmp import add_model_args, build_config, model_argv
 
 HERE = Path(__file__).resolve().parent
@@ -624,25 +625,6 @@ Every run:
 """
 
 
-def update_doc(path: Path, text: str) -> None:
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    lines = old.splitlines(keepends=True)
-    start = next((i for i, x in enumerate(lines) if x.rstrip() == SECTION), None)
-    if start is None:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = next(
-            (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)
-        )
-        rest = "".join(lines[end:])
-        new = "".join(lines[:start]) + text + ("\n" + rest if rest else "")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(new)
-
-
-# -- main ----------------------------------------------------------------------------------
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parse_args(argv)
@@ -673,7 +655,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dumps({"machine": info, "model": size, "summary": summary, "runs": raw}, indent=1)
         )
     if not a.no_doc:
-        update_doc(a.doc, section(a, argv, runs, info, size, wall_s))
+        replace_section(a.doc, section(a, argv, runs, info, size, wall_s), heading=SECTION)
         print(f"\nwrote {a.doc}")
     return 0
 
