@@ -26,7 +26,6 @@ tests drive it with plain processes on gloo.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -37,7 +36,6 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim.keyed import KeyedOptimizerWrapper
@@ -47,14 +45,16 @@ from raytrec._quiet import quiet_known_warnings
 from raytrec.config import TrainConfig
 from raytrec.data.source import Batch
 from raytrec.engine.plan import apply_embedding_optimizer, sharders
-from raytrec.engine.replica_plane import LevelPlanes, ReplicaPlane
+from raytrec.engine.replica_plane import (
+    RENDEZVOUS_TIMEOUT_S,
+    LevelPlanes,
+    ReplicaPlane,
+    in_place_flat,
+)
 from raytrec.model import ModelFactory, build_dlrm
 from raytrec.sync.schedule import SyncDecision, SyncPlan, plan_sync
 
 __all__ = ["RENDEZVOUS_TIMEOUT_S", "RankEngine", "RankSpec", "StoreAddress"]
-
-#: How long joining a gang world or a replica plane may wait for the other members.
-RENDEZVOUS_TIMEOUT_S = 300.0
 
 _DENSE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -349,14 +349,7 @@ class RankEngine:
         # Ranks of one gang can disagree too (each sits in another replica group, and one
         # group's collective may have finished where another's failed): first gang rank 0's
         # copy within the gang, then member ``src``'s across gangs.
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for group in by_dtype.values():
-            flat = _flatten_dense_tensors(group)
-            dist.broadcast(flat, src=0)
-            for dst, value in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
-                dst.copy_(value)
+        in_place_flat(tensors, lambda flat: dist.broadcast(flat, src=0))
         self.replica.broadcast_(tensors, src=src)
 
     def broadcast_state(self, *, src: int) -> None:
@@ -411,7 +404,3 @@ def _fused_tables(model: nn.Module) -> list[SplitTableBatchedEmbeddingBagsCodege
 
     visit(model)
     return found
-
-
-def default_timeout_s() -> float:
-    return float(os.environ.get("RAYTREC_COLLECTIVE_TIMEOUT_S", "120"))

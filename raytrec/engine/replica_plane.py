@@ -16,7 +16,7 @@ the gangs in group j of level l, under ``gen{n}/level{l}/group{j}/replica{k}``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -26,10 +26,31 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from raytrec.sync.schedule import SyncPlan
 
-__all__ = ["LevelPlanes", "ReplicaPlane", "ReplicaPlaneError"]
+__all__ = [
+    "RENDEZVOUS_TIMEOUT_S",
+    "LevelPlanes",
+    "ReplicaPlane",
+    "ReplicaPlaneError",
+    "in_place_flat",
+]
+
+#: How long joining a gang world or a replica plane may wait for the other members.
+RENDEZVOUS_TIMEOUT_S = 300.0
 
 
-_RENDEZVOUS_S = 300.0
+def in_place_flat(
+    tensors: Sequence[torch.Tensor], collective: Callable[[torch.Tensor], None]
+) -> None:
+    """Runs ``collective`` on one flat buffer per dtype and writes the result back in place, so a
+    sync costs one collective per dtype whatever the number of tables."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        flat = _flatten_dense_tensors(group)
+        collective(flat)
+        for dst, value in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+            dst.copy_(value)
 
 
 class ReplicaPlaneError(RuntimeError):
@@ -79,7 +100,7 @@ class ReplicaPlane:
         else:
             # Gloo connects its full mesh within the given timeout: give the rendezvous as long
             # as the store allows, then the collectives the short, failure-detecting one.
-            rendezvous = max(timeout, timedelta(seconds=_RENDEZVOUS_S))
+            rendezvous = max(timeout, timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
             pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size, rendezvous)
             pg._set_default_timeout(timeout)
         return cls(
@@ -92,23 +113,16 @@ class ReplicaPlane:
         )
 
     def average_(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Replaces every tensor with its mean over the group, in place.
-
-        Tensors are flattened per dtype into one buffer so each sync is one
-        collective per dtype, whatever the number of tables.
-        """
+        """Replaces every tensor with its mean over the group, in place."""
         if self.pg is None or not tensors:
             return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for group in by_dtype.values():
-            flat = _flatten_dense_tensors(group)
+
+        def mean(flat: torch.Tensor) -> None:
             # Gloo has no AVG reduction: sum, then divide.
             self._wait(self.pg.allreduce([flat]))
             flat.div_(self.size)
-            for dst, src in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
-                dst.copy_(src)
+
+        in_place_flat(tensors, mean)
 
     def _wait(self, work: Any) -> None:
         """Waits for a collective. When it fails (a member died, or the group was aborted),
@@ -133,16 +147,9 @@ class ReplicaPlane:
         """Copies the tensors of member ``src`` to every member, in place."""
         if self.pg is None or not tensors:
             return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for group in by_dtype.values():
-            flat = _flatten_dense_tensors(group)
-            opts = dist.BroadcastOptions()
-            opts.rootRank = src
-            self._wait(self.pg.broadcast([flat], opts))
-            for dst, s in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
-                dst.copy_(s)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        in_place_flat(tensors, lambda flat: self._wait(self.pg.broadcast([flat], opts)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
