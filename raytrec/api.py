@@ -22,7 +22,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrec._quiet import quiet_known_warnings
-from raytrec.cluster import connect, total_resources
+from raytrec.cluster import COORDINATOR_PREFIX, connect, total_resources
 from raytrec.config import ConfigError, TrainConfig, validate_features
 from raytrec.data.from_config import DataInfo, source_from_config, synthetic_source
 from raytrec.data.parquet import ParquetSource
@@ -34,7 +34,6 @@ from raytrec.metrics import IntervalMetrics
 from raytrec.model import ModelFactory, build_dlrm
 from raytrec.placement import rank_resources
 from raytrec.progress import ProgressReporter
-from raytrec.testing import COORDINATOR_PREFIX
 
 __all__ = ["CoordinatorDied", "Result", "TrainingStopped", "default_source", "fit"]
 

@@ -15,9 +15,11 @@ from typing import Any
 import ray
 from ray._private import ray_constants
 
-__all__ = ["bind_to_loopback", "connect", "total_resources"]
+__all__ = ["COORDINATOR_PREFIX", "bind_to_loopback", "connect", "total_resources"]
 
 LOOPBACK = "127.0.0.1"
+#: A job's coordinator actor is named this plus the run's name (tools find it by the prefix).
+COORDINATOR_PREFIX = "raytrec-coordinator-"
 
 
 def connect(address: str | None = None, *, num_cpus: float = 0, **kwargs: Any) -> bool:

@@ -17,12 +17,10 @@ from typing import Any
 import ray
 import ray.exceptions
 
+from raytrec.cluster import COORDINATOR_PREFIX
 from raytrec.metrics import IntervalMetrics
 
-__all__ = ["COORDINATOR_PREFIX", "NodeRemover", "running_coordinator"]
-
-#: The coordinator actor's name starts with this (see raytrec.api.fit).
-COORDINATOR_PREFIX = "raytrec-coordinator-"
+__all__ = ["NodeRemover", "running_coordinator"]
 
 
 def running_coordinator() -> Any:
