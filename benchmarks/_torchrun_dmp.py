@@ -58,6 +58,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-optimizer", default="adagrad")
     p.add_argument("--sharding-type", default="table_wise")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gpu", action="store_true", help="CUDA ranks on NCCL, one GPU per rank")
 
 
 def model_argv(a: argparse.Namespace) -> list[str]:
@@ -71,6 +72,7 @@ def model_argv(a: argparse.Namespace) -> list[str]:
         f"--dense-optimizer={a.dense_optimizer}",
         f"--sharding-type={a.sharding_type}",
         f"--seed={a.seed}",
+        *(["--gpu"] if a.gpu else []),
     ]
 
 
@@ -97,7 +99,7 @@ def build_config(
         ),
         optimizer=OptimizerConfig(embedding=a.embedding_optimizer, dense=a.dense_optimizer),
         sharding=ShardingConfig(sharding_type=a.sharding_type),
-        scaling=ScalingConfig(num_workers=num_workers, gang_size=gang_size),
+        scaling=ScalingConfig(num_workers=num_workers, gang_size=gang_size, use_gpu=a.gpu),
         sync=SyncConfig(sync_every=sync_every),
         data=DataConfig(batch_size=a.batch_size),
         num_steps=steps,
@@ -134,10 +136,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     quiet_known_warnings()
     torch.set_num_threads(1)  # what a CPU raytrec rank does (cpus_per_rank=1)
-    dist.init_process_group(backend="gloo")  # env:// from torchrun
+    if a.gpu:  # what a GPU raytrec rank does: its own device, NCCL
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend="nccl" if a.gpu else "gloo")  # env:// from torchrun
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = build_config(a, num_workers=world, gang_size=world, steps=a.steps, log_every=a.log_every)
-    device = torch.device("cpu")
     source = default_source(cfg)
 
     model = build_dlrm(cfg.model, source.dense_features, device, cfg.seed)
@@ -149,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan_box[0] = make_plan(
             model,
             gang_size=world,
-            device_type="cpu",
+            device_type=device.type,
             sharding=cfg.sharding,
             table_names=[t.name for t in cfg.model.tables],
             batch_size=cfg.data.batch_size,

@@ -75,6 +75,7 @@ def job_config(
     sync_every: int = 1,
     embedding_lr: float = 0.05,
     dense_lr: float = 0.05,
+    scaling: ScalingConfig | None = None,
 ) -> TrainConfig:
     tables = tuple(
         TableConfig(name=f"t{i}", num_embeddings=n, embedding_dim=dim, features=(feature,))
@@ -91,7 +92,7 @@ def job_config(
             dense_lr=dense_lr,
         ),
         sharding=ShardingConfig(sharding_type=sharding),  # type: ignore[arg-type]
-        scaling=ScalingConfig(num_workers=T, gang_size=L),
+        scaling=scaling or ScalingConfig(num_workers=T, gang_size=L),
         sync=SyncConfig(sync_every=sync_every),
         data=DataConfig(batch_size=BATCH),
         seed=3,
