@@ -23,6 +23,10 @@ Elasticity, at interval granularity:
   of the full state (shards, optimizer state, dense state, step) from a live peer gang.
 - **Too few gangs.** Below ``elastic.min_gangs`` training pauses until placements come back, for
   at most ``elastic.resource_wait_s``, then the job fails with a message saying so.
+- **Total loss.** When some shard has no live copy left, the job is rebuilt at its initial shape
+  from its last checkpoint (:mod:`raytrec.elastic.rollback` decides, and plans where each rebuilt
+  rank reads), with its step, data streams and batch accounting rewound to it; without a
+  checkpoint it fails.
 
 Every failure, generation, heal and resize is an event (:mod:`raytrec.elastic.events`) with its
 time and step, returned in the run summary.
@@ -35,6 +39,7 @@ import dataclasses
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -46,6 +51,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from torchrec.distributed.types import ShardingPlan
 
 from actors.rank import RankWorker
+from actors.total_loss import TotalLossRecovery
 from raytrec.checkpoint.config import checkpoint_root, save_decision
 from raytrec.config import TrainConfig
 from raytrec.data.source import BatchShard
@@ -67,7 +73,8 @@ from raytrec.elastic.events import (
     RankDied,
     ResourcesWaited,
 )
-from raytrec.elastic.membership import Membership, RankSlot
+from raytrec.elastic.membership import Gang, Membership, RankSlot
+from raytrec.elastic.rollback import RollbackPoint
 from raytrec.engine.rank import RENDEZVOUS_TIMEOUT_S, RankSpec, StoreAddress
 from raytrec.errors import JobFailedError
 from raytrec.metrics import IntervalMetrics, aggregate_interval
@@ -84,6 +91,9 @@ _NODE_TABLE_GRACE_S = 5.0
 
 # Re-forms in a row after collective timeouts with every rank alive, before the job gives up.
 _MAX_TRANSIENT = 3
+
+# Why a rank the coordinator killed itself is gone: its gang lost another rank.
+_PEER_KILLED = "its gang lost a rank"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -129,7 +139,7 @@ class _Interval:
         return bool(self.dead or self.errored or self.hung)
 
 
-class Coordinator:
+class Coordinator(TotalLossRecovery):
     """Owns the job's membership, store and training loop."""
 
     def __init__(
@@ -155,6 +165,7 @@ class Coordinator:
         self.resume_from = resume_from  # a checkpoint to start from
         self.checkpoint_root = checkpoint_root(run_dir)
         self.last_checkpoint: str | None = None
+        self._rollback: RollbackPoint | None = None  # where a total loss goes back to
         self._last_save = (0, time.monotonic())  # (step, clock) of the last save (or start)
         self.elastic = config.elastic
         self.topology = config.scaling.topology()
@@ -174,9 +185,8 @@ class Coordinator:
         self._store: dist.TCPStore | None = None
         self._store_address: StoreAddress | None = None
         replayable = all(s.replayable for s in shards)
-        self.accounting = BatchAccounting(
-            self.membership.gang_ids, stream_id=batch_id if replayable else None
-        )
+        self._stream_id = batch_id if replayable else None
+        self.accounting = BatchAccounting(self.membership.gang_ids, stream_id=self._stream_id)
         self._joining: set[int] = set()  # gangs added to the membership but not healed yet
         self._transient = 0  # re-forms in a row with no rank lost
 
@@ -205,32 +215,15 @@ class Coordinator:
             host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300)
         )
         self._store_address = StoreAddress(host=host, port=self._store.port)
-        scaling = self.cfg.scaling
-        per_rank = rank_resources(cpus_per_rank=scaling.cpus_per_rank, use_gpu=scaling.use_gpu)
-        specs = placement_specs(self.topology, per_rank=per_rank)
-        pgs = [
-            placement_group(list(s.bundles), strategy=s.strategy, name=f"{self.cfg.name}-{s.name}")
-            for s in specs
-        ]
-        ready = [pg.ready() for pg in pgs]
-        done, _ = ray.wait(ready, num_returns=len(ready), timeout=self.placement_timeout_s)
-        if len(done) < len(ready):
-            for pg in pgs:
-                remove_placement_group(pg)
+        placed = self._place_job(
+            self.membership.gangs, lambda r: self.shards[r], timeout_s=self.placement_timeout_s
+        )
+        if not placed:
             raise TimeoutError(
-                f"placed {len(done)} of {len(ready)} gang placement groups within "
-                f"{self.placement_timeout_s:.0f}s; the cluster lacks {per_rank} x "
+                f"the job's placement groups were not ready within "
+                f"{self.placement_timeout_s:.0f}s; the cluster lacks {self._per_rank()} x "
                 f"{self.topology.world_size} ranks"
             )
-        for spec, pg in zip(specs, pgs, strict=True):
-            if self.topology.layout is Layout.REPLICAS_ACROSS_HOSTS:
-                self._pgs[int(spec.name.removeprefix("gang"))] = pg
-            else:
-                self._pgs[-1] = pg  # one group for the whole job
-            for bundle, ranks in enumerate(spec.ranks):
-                for r in ranks:
-                    pos = self.topology.position(r)
-                    self._start_rank(r, pos.gang, pos.gang_rank, pg, bundle, self.shards[r])
         infos = self._build(sorted(self._workers))
         self._new_generation(reason="job started")
         if self.resume_from is not None:
@@ -250,11 +243,51 @@ class Coordinator:
         for r in self._live_ranks():
             self.accounting.restart(r, at=step)
         self.membership = self.membership.synced(step)
+        self._rollback = RollbackPoint(
+            uri=uri, step=step, accounting=self.accounting.snapshot(self._ranks_in_gang_order())
+        )
         self.events.append(
             CheckpointRestored(
                 at=self._now(), step=step, uri=uri, saved_step=step, saved_generation=generation
             )
         )
+
+    def _place_job(
+        self, gangs: Sequence[Gang], shard_of: Callable[[int], Any], *, timeout_s: float
+    ) -> bool:
+        """Places a whole job of the topology's shape, topology gang ``i`` as ``gangs[i]``, and
+        starts its rank actors, job rank ``r`` reading ``shard_of(r)``. False, with nothing left
+        behind, when the placement groups are not all ready within ``timeout_s`` (until then
+        they are pending: the demand an autoscaler sees)."""
+        specs = placement_specs(self.topology, per_rank=self._per_rank())
+        # Names stay unique when a rebuilt job is placed again in a later generation.
+        suffix = f"-gen{self.membership.generation}" if self.membership.generation else ""
+        pgs = [
+            placement_group(
+                list(s.bundles), strategy=s.strategy, name=f"{self.cfg.name}-{s.name}{suffix}"
+            )
+            for s in specs
+        ]
+        ready = [pg.ready() for pg in pgs]
+        done, _ = ray.wait(ready, num_returns=len(ready), timeout=timeout_s)
+        if len(done) < len(ready):
+            for pg in pgs:
+                remove_placement_group(pg)
+            return False
+        across = self.topology.layout is Layout.REPLICAS_ACROSS_HOSTS
+        for spec, pg in zip(specs, pgs, strict=True):
+            for bundle, ranks in enumerate(spec.ranks):
+                for t in ranks:
+                    pos = self.topology.position(t)
+                    gang = gangs[pos.gang]
+                    self._pgs[gang.gang_id if across else -1] = pg  # within: one for the job
+                    r = gang.ranks[pos.gang_rank].job_rank
+                    self._start_rank(r, gang.gang_id, pos.gang_rank, pg, bundle, shard_of(r))
+        return True
+
+    def _per_rank(self) -> dict[str, float]:
+        scaling = self.cfg.scaling
+        return rank_resources(cpus_per_rank=scaling.cpus_per_rank, use_gpu=scaling.use_gpu)
 
     def _maybe_checkpoint(self, *, final: bool = False) -> None:
         """Saves a checkpoint when the policy says so: one gang writes, after a job-wide sync
@@ -276,7 +309,9 @@ class Coordinator:
             self._call(self._live_ranks(), "sync")
             self._commit_all()
         writer = list(self.membership.gangs[0].job_ranks)
-        extra = {"step": self.step, "gangs": self.membership.num_gangs}
+        # The accounting goes into the checkpoint: a rebuild from it rewinds to this state.
+        accounting = self.accounting.snapshot(self._ranks_in_gang_order())
+        extra = {"step": self.step, "gangs": self.membership.num_gangs, "accounting": accounting}
         refs = self._call(
             writer,
             "save_checkpoint",
@@ -287,6 +322,7 @@ class Coordinator:
             self.membership.num_gangs,
         )
         self.last_checkpoint = refs[0][1]
+        self._rollback = RollbackPoint(uri=refs[0][1], step=self.step, accounting=accounting)
         self._last_save = (self.step, time.monotonic())
         self.events.append(CheckpointSaved(at=self._now(), step=self.step, uri=refs[0][1]))
 
@@ -310,7 +346,43 @@ class Coordinator:
             stopped_by = _cause(e)
         self.first_batch_s = time.perf_counter() - t0
         train_start = time.perf_counter()
-        prepared = stopped_by is None
+        if stopped_by is None:
+            stopped_by = self._train(prepared=True, train_start=train_start)
+        final = os.path.join(self.run_dir, "final_model")
+        for _ in range(_MAX_TRANSIENT + 1):
+            try:
+                digests = self._finish(final, checkpoint=stopped_by is None)
+                break
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                self._recover_until_stable(self._probe(e))  # lost at the very end: re-form
+                if stopped_by is None and self.step < total:  # rebuilt from a checkpoint
+                    stopped_by = self._train(prepared=False, train_start=train_start)
+        else:
+            raise JobFailedError("the job kept losing ranks while it finished")
+        return RunSummary(
+            history=self.progress(),
+            final_state_path=final,
+            steps=self.step,
+            wall_s=time.perf_counter() - started,
+            ranks=ranks,
+            digests=digests,
+            stopped_by=stopped_by,
+            first_batch_s=self.first_batch_s,
+            events=self.event_dicts(),
+            generation=self.membership.generation,
+            committed_batches=self.accounting.committed(),
+            committed_count=self.accounting.committed_count(),
+            replayed_batches=self.accounting.replayed(),
+            lost_batches=self.accounting.lost_batches + self.accounting.replay_pending(),
+            checkpoint=self.last_checkpoint,
+        )
+
+    def _train(self, *, prepared: bool, train_start: float) -> BaseException | None:
+        """Trains interval by interval up to ``num_steps``, recovering from failures; returns
+        what stopped training early (bad input, the end of the data), else None. ``prepared``:
+        the live ranks hold the next interval's batches already."""
+        every, total = self.cfg.log_every, self.cfg.num_steps
+        stopped_by: BaseException | None = None
         while stopped_by is None and self.step < total:
             n = min(every, total - self.step)
             following = min(every, total - self.step - n)
@@ -352,32 +424,7 @@ class Coordinator:
                 stopped_by = stops[0]
             elif self.step < total:
                 self._maybe_checkpoint()
-        final = os.path.join(self.run_dir, "final_model")
-        for _ in range(_MAX_TRANSIENT + 1):
-            try:
-                digests = self._finish(final, checkpoint=stopped_by is None)
-                break
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-                self._recover_until_stable(self._probe(e))  # lost at the very end: re-form
-        else:
-            raise JobFailedError("the job kept losing ranks while it finished")
-        return RunSummary(
-            history=self.progress(),
-            final_state_path=final,
-            steps=self.step,
-            wall_s=time.perf_counter() - started,
-            ranks=ranks,
-            digests=digests,
-            stopped_by=stopped_by,
-            first_batch_s=self.first_batch_s,
-            events=self.event_dicts(),
-            generation=self.membership.generation,
-            committed_batches=self.accounting.committed(),
-            committed_count=self.accounting.committed_count(),
-            replayed_batches=self.accounting.replayed(),
-            lost_batches=self.accounting.lost_batches + self.accounting.replay_pending(),
-            checkpoint=self.last_checkpoint,
-        )
+        return stopped_by
 
     def _finish(self, final: str, *, checkpoint: bool) -> dict[int, dict[str, str]]:
         """Ends on a job-wide sync, checks the replicas, saves the final model."""
@@ -418,7 +465,7 @@ class Coordinator:
                             with contextlib.suppress(Exception):
                                 ray.kill(self._workers[peer])
                             del pending[peer]
-                            out.dead[peer] = "its gang lost a rank"
+                            out.dead[peer] = _PEER_KILLED
                 except ray.exceptions.RayTaskError as e:
                     out.errored[rank] = _first_line(_cause(e))
             now = time.monotonic()
@@ -533,7 +580,9 @@ class Coordinator:
             )
         survivors = [g.gang_id for g in self.membership.gangs if g.gang_id not in failed_gangs]
         if failed_gangs and (self.topology.layout is Layout.REPLICAS_WITHIN_HOST or not survivors):
-            self._fail_unrecoverable(lost, failed_gangs)
+            own = sorted(r for r in lost if result.dead.get(r) != _PEER_KILLED)
+            self._total_loss(own, failed_gangs, why=lambda g: _why(result, g, self))
+            return
         survivor_ranks = [r for g in survivors for r in self.membership.gang(g).job_ranks]
         self._abort_planes(set(survivor_ranks))
         recovered = self._call(survivor_ranks, "recover")
@@ -588,25 +637,6 @@ class Coordinator:
         return self.accounting.drop(
             gangs, survivors, ranks_of=lambda g: self.membership.gang(g).job_ranks
         )
-
-    def _fail_unrecoverable(self, lost: set[int], failed_gangs: list[int]) -> None:
-        if self.topology.layout is Layout.REPLICAS_WITHIN_HOST:
-            positions = sorted({self._slot(r).gang_rank for r in lost})
-            reason = (
-                f"lost ranks {sorted(lost)} with layout 'replicas_within_host': every gang lost "
-                f"a rank, and replica groups {positions} may have lost every copy of their "
-                "shards; the job cannot go on without a checkpoint (use layout "
-                "'replicas_across_hosts' for elastic training)"
-            )
-        else:
-            reason = (
-                f"lost ranks {sorted(lost)}: gangs {failed_gangs} failed and no gang is left, "
-                "so some shards have no live copy; the job cannot go on without a checkpoint"
-            )
-        self.events.append(
-            JobFailed(at=self._now(), step=self.step, reason=reason, needs_checkpoint=True)
-        )
-        raise JobFailedError(reason)
 
     # -- growth -------------------------------------------------------------------------------
 
@@ -675,16 +705,7 @@ class Coordinator:
         self._call(old, "sync")
         self._commit_all()
         peer = self.membership.gangs[0].gang_id
-        gangs = tuple(
-            dataclasses.replace(
-                g,
-                ranks=tuple(
-                    RankSlot(job_rank=s.job_rank, gang_rank=s.gang_rank, node=self._node_of(s))
-                    for s in g.ranks
-                ),
-            )
-            for g in gangs
-        )
+        gangs = self._with_nodes(gangs)
         self.membership = self.membership.with_gangs(gangs, step=self.step)
         self._joining = {g.gang_id for g in gangs}
         self.accounting.add_gangs(g.gang_id for g in gangs)
@@ -815,14 +836,26 @@ class Coordinator:
     def _live_ranks(self) -> list[int]:
         return sorted(r for g in self.membership.gangs for r in g.job_ranks)
 
+    def _ranks_in_gang_order(self) -> list[int]:
+        return [r for g in self.membership.gangs for r in g.job_ranks]
+
+    def _with_nodes(self, gangs: Sequence[Gang]) -> tuple[Gang, ...]:
+        """The gangs with the nodes their built ranks run on."""
+        return tuple(
+            dataclasses.replace(
+                g,
+                ranks=tuple(
+                    RankSlot(job_rank=s.job_rank, gang_rank=s.gang_rank, node=self._node_of(s))
+                    for s in g.ranks
+                ),
+            )
+            for g in gangs
+        )
+
     def _gang_of(self, rank: int) -> int:
         gang = self.membership.gang_of_rank(rank)
         assert gang is not None, f"rank {rank} is in no live gang"
         return gang
-
-    def _slot(self, rank: int) -> RankSlot:
-        gang = self.membership.gang(self._gang_of(rank))
-        return next(s for s in gang.ranks if s.job_rank == rank)
 
     def _node(self, node_id: str) -> int:
         """A small index for a Ray node id (in order of first sight)."""

@@ -230,17 +230,19 @@ class RankWorker:
         )
         return ref.step, ref.uri
 
-    def load_checkpoint(self, uri: str) -> dict[str, Any]:
+    def load_checkpoint(self, uri: str, stream_start: int | None = None) -> dict[str, Any]:
         """Loads a checkpoint (a collective in this gang) and restarts this rank's data stream
-        at the checkpoint's step. Nothing changes when the checkpoint does not fit."""
+        at batch ``stream_start`` of its shard (default: the checkpoint's step). Nothing changes
+        when the checkpoint does not fit."""
         from raytrec.checkpoint.state import load_checkpoint
 
         loaded = load_checkpoint(self.engine, uri)
         data = self.spec.config.data
+        start = loaded.step if stream_start is None else stream_start
         if self._feed is not None:
             self._feed.close()
         self._feed = BatchFeed(
-            self.shard.identified_batches(data.batch_size, start_step=loaded.step),
+            self.shard.identified_batches(data.batch_size, start_step=start),
             prefetch=data.prefetch_batches,
         )
         return {"step": loaded.step, "generation": loaded.generation, "extra": loaded.extra}

@@ -28,7 +28,17 @@ __all__ = [
 
 # Event kinds that mean something broke (drawn red); generation changes are drawn blue. Other
 # kinds (placement requests and the like) are bookkeeping and are not drawn unless labelled.
-FAILURE_WORDS = ("lost", "fail", "died", "dead", "dropped", "timeout", "hang", "error")
+FAILURE_WORDS = (
+    "lost",
+    "total_loss",
+    "fail",
+    "died",
+    "dead",
+    "dropped",
+    "timeout",
+    "hang",
+    "error",
+)
 GENERATION_KINDS = ("generation", "generation_started")
 FAILURE_COLOR = "tab:red"
 GENERATION_COLOR = "tab:blue"
@@ -40,6 +50,7 @@ _DETAIL_KEYS: tuple[tuple[str, str], ...] = (
     ("gang", "gang"),
     ("gang_id", "gang"),
     ("node", "node"),
+    ("checkpoint_step", "back to step"),
 )
 
 

@@ -1,10 +1,15 @@
-"""Exactly-once batch accounting through a failure, a replay and the final commit (pure)."""
+"""Exactly-once batch accounting through a failure, a replay, a rewind to a checkpoint and the
+final commit (pure)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from raytrec.elastic.accounting import BatchAccounting
+from raytrec.elastic.ledger import LedgerError
+from raytrec.elastic.rollback import plan_streams
 from raytrec.elastic.streams import StreamError
 
 GANGS = {0: (0, 1), 1: (2, 3)}  # gang id -> job ranks
@@ -129,3 +134,147 @@ def test_a_source_without_batch_ids_counts_what_it_loses() -> None:
     acc.lost_rank_reports([2, 3], fail_step=3)
     assert acc.lost_batches == 6
     assert acc.drop([1], [0], ranks_of=lambda g: GANGS[g]) == {}
+
+
+# -- back to a checkpoint after a total loss ---------------------------------------------------
+
+
+def train(
+    acc: BatchAccounting,
+    ranks: dict[int, int],
+    ids: dict[int, list[int]],
+    *,
+    first: int,
+    last_sync: int,
+    gangs: dict[int, tuple[int, ...]],
+) -> int | None:
+    """Every rank in ``ranks`` (job rank -> gang) trains ``ids[rank]`` from step ``first`` on."""
+    reports = [report(r, range(first, first + len(ids[r])), ids[r]) for r in ranks]
+    return acc.record(
+        reports,
+        gang_of=ranks.__getitem__,
+        live_gangs=sorted(gangs),
+        last_sync_step=last_sync,
+        is_job_wide_sync=every_second_step,
+    )
+
+
+def test_a_rewind_to_a_checkpoint_retrains_later_batches_once() -> None:
+    acc = BatchAccounting(GANGS, stream_id=stream_id)
+    for r in range(4):
+        acc.add_rank(r, shard=r, step=0)
+    ranks = {r: gang_of(r) for r in range(4)}
+    own = {r: [stream_id(r, k) for k in range(4)] for r in range(4)}
+    assert train(acc, ranks, own, first=1, last_sync=0, gangs=GANGS) == 4
+    # The checkpoint of step 4, written to JSON as it is into the manifest.
+    saved = json.loads(json.dumps(acc.snapshot([0, 1, 2, 3])))
+    assert saved["streams"]["live"] == [[r, 4, []] for r in range(4)]
+    # Steps 5 and 6 are trained and committed, then every gang is lost.
+    later = {r: [stream_id(r, k) for k in (4, 5)] for r in range(4)}
+    train(acc, ranks, later, first=5, last_sync=4, gangs=GANGS)
+    assert expand(acc.committed()) >= {stream_id(0, 5)}
+
+    # Rebuilt as gangs 2 and 3 (job ranks 4..7), each rank continuing a saved stream.
+    new_gangs = {2: (4, 5), 3: (6, 7)}
+    rebuilt = BatchAccounting.rewound(saved, gang_ids=new_gangs, stream_id=stream_id)
+    assert expand(rebuilt.committed()) == {stream_id(r, k) for r in range(4) for k in range(4)}
+    starts = plan_streams(saved["streams"], num_ranks=4, spare_shards=range(4), step=4)
+    new_ranks = {4: 2, 5: 2, 6: 3, 7: 3}
+    for rank, start in zip(new_ranks, starts, strict=True):
+        rebuilt.add_rank(rank, shard=start.shard, step=4)
+        rebuilt.resume_rank(rank, gang=new_ranks[rank], step=4, stream_at=start.at)
+    # Steps 5..8 again: the stream order says the same batches as before the loss come next.
+    again = {4 + r: [stream_id(r, k) for k in range(4, 8)] for r in range(4)}
+    assert train(rebuilt, new_ranks, again, first=5, last_sync=4, gangs=new_gangs) == 8
+    committed = expand(rebuilt.committed())
+    assert rebuilt.committed_count() == len(committed)  # steps 5 and 6 are in once, not twice
+    assert committed == {stream_id(r, k) for r in range(4) for k in range(8)}
+
+
+def test_a_rewind_restores_unread_replays_and_continues_stopped_shards() -> None:
+    acc = BatchAccounting(GANGS, stream_id=stream_id)
+    for r in range(4):
+        acc.add_rank(r, shard=r, step=0)
+    ranks = {r: gang_of(r) for r in range(4)}
+    first3 = {r: [stream_id(r, k) for k in range(3)] for r in range(4)}
+    train(acc, ranks, first3, first=1, last_sync=0, gangs=GANGS)
+    # Gang 1 dies in step 3: its step-3 batches go to gang 0 for replay; gang 0 syncs alone.
+    lost = acc.lost_rank_reports([2, 3], fail_step=3)
+    acc.record(
+        lost,
+        gang_of=gang_of,
+        live_gangs=[0, 1],
+        last_sync_step=2,
+        is_job_wide_sync=every_second_step,
+        completed_through=2,
+    )
+    replay = acc.drop([1], [0], ranks_of=lambda g: GANGS[g])
+    acc.commit([0])
+    assert replay == {0: [stream_id(2, 2)], 1: [stream_id(3, 2)]}
+    # The checkpoint is written before the survivors train their replays.
+    saved = json.loads(json.dumps(acc.snapshot([0, 1])))
+    assert saved["streams"] == {
+        "live": [[0, 3, [stream_id(2, 2)]], [1, 3, [stream_id(3, 2)]]],
+        "retired": [[2, 3], [3, 3]],
+    }
+
+    # Rebuilt at the initial shape (2 gangs): ranks 4, 5 continue the live streams with their
+    # replays first; ranks 6, 7 take the stopped shards 2 and 3 where they stopped.
+    starts = plan_streams(saved["streams"], num_ranks=4, spare_shards=range(4), step=3)
+    assert [(s.shard, s.at, s.replay) for s in starts] == [
+        (0, 3, (stream_id(2, 2),)),
+        (1, 3, (stream_id(3, 2),)),
+        (2, 3, ()),
+        (3, 3, ()),
+    ]
+    new_gangs = {2: (4, 5), 3: (6, 7)}
+    new_ranks = {4: 2, 5: 2, 6: 3, 7: 3}
+    rebuilt = BatchAccounting.rewound(saved, gang_ids=new_gangs, stream_id=stream_id)
+    for rank, start in zip(new_ranks, starts, strict=True):
+        rebuilt.add_rank(rank, shard=start.shard, step=3)
+        rebuilt.resume_rank(
+            rank, gang=new_ranks[rank], step=3, stream_at=start.at, replay=start.replay
+        )
+    assert rebuilt.replay_pending() == 2
+    # Steps 4..5: replays first where there are any, then own streams; a sync at 4.
+    trained = {
+        4: [stream_id(2, 2), stream_id(0, 3)],
+        5: [stream_id(3, 2), stream_id(1, 3)],
+        6: [stream_id(2, 3), stream_id(2, 4)],
+        7: [stream_id(3, 3), stream_id(3, 4)],
+    }
+    train(rebuilt, new_ranks, trained, first=4, last_sync=3, gangs=new_gangs)
+    rebuilt.commit(new_gangs)
+    committed = expand(rebuilt.committed())
+    assert rebuilt.committed_count() == len(committed)
+    assert committed == {stream_id(r, k) for r in range(4) for k in range(5 if r > 1 else 4)}
+    assert rebuilt.replay_pending() == 0
+    assert expand(rebuilt.replayed()) == {stream_id(2, 2), stream_id(3, 2)}
+
+
+def test_a_snapshot_keeps_a_batch_committed_twice() -> None:
+    acc = BatchAccounting({0: (0,)}, stream_id=None)
+    acc.add_rank(0, shard=0, step=0)
+    twice = [report(0, range(1, 3), [7, 8]), report(0, range(3, 5), [8, 9])]
+    for rep in twice:
+        acc.record(
+            [rep],
+            gang_of=lambda r: 0,
+            live_gangs=[0],
+            last_sync_step=0,
+            is_job_wide_sync=lambda s: True,
+        )
+    saved = json.loads(json.dumps(acc.snapshot([0])))
+    back = BatchAccounting.rewound(saved, gang_ids=[1], stream_id=None)
+    assert back.committed() == [(7, 10)] and back.committed_count() == 4  # 8 still twice
+    assert saved["streams"] is None
+
+
+def test_a_snapshot_is_refused_between_syncs() -> None:
+    acc = BatchAccounting(GANGS, stream_id=stream_id)
+    for r in range(4):
+        acc.add_rank(r, shard=r, step=0)
+    ranks = {r: gang_of(r) for r in range(4)}
+    train(acc, ranks, {r: [stream_id(r, 0)] for r in range(4)}, first=1, last_sync=0, gangs=GANGS)
+    with pytest.raises(LedgerError, match=r"sync boundary, but gangs \[0, 1\] have pending"):
+        acc.snapshot([0, 1, 2, 3])

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from raytrec.elastic.ledger import DataLedger, LedgerError
-from raytrec.elastic.rows import RowRanges, coverage, split_balanced
+from raytrec.elastic.rows import RowRanges, coverage, layered, split_balanced
 
 
 def random_ranges(rng: random.Random, n: int, hi: int) -> list[tuple[int, int]]:
@@ -47,6 +47,36 @@ def test_coverage_finds_missing_and_duplicated_ids() -> None:
         missing, doubled = coverage(ranges, total=200)
         assert set(missing) == {i for i in range(200) if counts[i] == 0}
         assert set(doubled) == {i for i, c in counts.items() if c >= 2}
+
+
+def test_layered_keeps_every_multiplicity_in_few_ranges() -> None:
+    rng = random.Random(2)
+    for _ in range(200):
+        ranges = random_ranges(rng, 12, 250)
+        counts = Counter(i for a, b in ranges for i in range(a, b))
+        out = layered(ranges)
+        assert Counter(i for a, b in out for i in range(a, b)) == counts
+    # Once everywhere: one merged set, as RowRanges would give.
+    assert layered([(5, 7), (0, 2), (2, 5)]) == ((0, 7),)
+    assert layered([(0, 4), (2, 6)]) == ((0, 6), (2, 4))
+
+
+def test_a_snapshot_rewinds_the_ledger_to_its_sync_boundary() -> None:
+    ledger = DataLedger(100, [0, 1])
+    ledger.consume(0, 0, RowRanges.of((0, 10)))
+    ledger.consume(1, 0, RowRanges.of((10, 20)))
+    ledger.commit([0, 1])
+    saved = ledger.snapshot()
+    ledger.consume(0, 0, RowRanges.of((20, 30)))
+    ledger.commit([0, 1])
+    assert ledger.committed(0) == RowRanges.of((0, 30))
+    ledger.rewind(saved, [5])
+    assert ledger.committed(0) == RowRanges.of((0, 20)) and ledger.gang_ids == (5,)
+    ledger.assign_replay(5, 0, RowRanges.of((40, 42)))
+    assert ledger.replay_due(5) == {0: RowRanges.of((40, 42))}
+    ledger.consume(5, 0, RowRanges.of((40, 42)))
+    with pytest.raises(LedgerError, match=r"gangs \[5\] have pending rows"):
+        ledger.snapshot()
 
 
 @pytest.mark.parametrize("parts", [1, 2, 3, 7, 511])

@@ -1,5 +1,5 @@
-"""What elastic training cannot survive fails clearly: every copy of a shard gone with
-``replicas_within_host``, and the loss of the coordinator itself."""
+"""What elastic training cannot survive fails clearly: a loss under ``replicas_within_host``
+with no checkpoint to rebuild from, and the loss of the coordinator itself."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def config(tmp: str, **changes: object) -> TrainConfig:
     return base.replace(**changes)
 
 
-def test_replicas_within_host_losing_a_rank_is_reported_unrecoverable(
+def test_replicas_within_host_losing_a_rank_without_a_checkpoint_fails_clearly(
     cluster: None, tmp_path: str
 ) -> None:
     cfg = config(
@@ -50,8 +50,12 @@ def test_replicas_within_host_losing_a_rank_is_reported_unrecoverable(
         ),
         faults=FaultConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=5, rank=0),)),
     )
+    # No checkpoint configured: the message says one would have allowed a rebuild.
     with pytest.raises(
-        JobFailedError, match=r"replicas_within_host.*needs? .*checkpoint|checkpoint"
+        JobFailedError,
+        match=r"replicas_within_host.*cannot go on without a checkpoint, and none is configured: "
+        r"with checkpoint.every_n_steps or checkpoint.every_minutes set, the job would have been "
+        r"rebuilt from its last checkpoint automatically",
     ):
         fit(cfg, shutdown_ray=False)
 

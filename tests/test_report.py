@@ -54,6 +54,11 @@ def rows(n: int = 12, every: int = 10) -> list[dict]:
             GENERATION_COLOR,
         ),
         ({"step": 5, "kind": "hang_detected"}, "hang detected", FAILURE_COLOR),
+        (
+            {"step": 10, "kind": "total_loss", "lost_gangs": [0, 1], "checkpoint_step": 8},
+            "total loss (back to step 8)",
+            FAILURE_COLOR,
+        ),
         ({"step": 5, "kind": "gang_requested", "count": 1}, "gang requested", OTHER_COLOR),
         ({"step": 5, "kind": "checkpoint", "label": "saved"}, "saved", OTHER_COLOR),
     ],

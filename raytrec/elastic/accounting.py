@@ -9,11 +9,16 @@ survivors for replay, spread over the survivors' ranks. Built on :class:`~.ledge
 
 A source that cannot name and rebuild its batches (``replayable=False``) is tracked by count
 only: a lost gang's uncommitted batches are then counted in :attr:`lost_batches`.
+
+At a checkpoint, :meth:`BatchAccounting.snapshot` records the accounting as JSON (committed and
+replayed batches, and where every stream stands); :meth:`BatchAccounting.rewound` goes back to
+it when the job is rebuilt from that checkpoint, so the batches committed after it, which the
+rebuilt model does not hold, are trained and committed again instead of counted twice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from raytrec.elastic.ledger import DataLedger
@@ -63,6 +68,57 @@ class BatchAccounting:
         self.reported_step[rank] = at
         if self.streams is not None:
             self.streams.restart(rank, at=at)
+
+    def resume_rank(
+        self, rank: int, *, gang: int, step: int, stream_at: int, replay: Sequence[int] = ()
+    ) -> None:
+        """A rank added with :meth:`add_rank` starts at job step ``step``, reading the batches
+        ``replay`` first and then its own stream from batch ``stream_at`` (a rewind)."""
+        self.reported_step[rank] = step
+        if self.streams is not None:
+            self.streams.restart(rank, at=stream_at, replay=replay)
+            self.ledger.assign_replay(gang, 0, RowRanges.from_ids(replay))
+
+    # -- back to a checkpoint ----------------------------------------------------------------
+
+    def snapshot(self, ranks: Sequence[int]) -> dict[str, Any]:
+        """The accounting at a sync boundary (a checkpoint) as JSON: committed and replayed
+        batches (with multiplicity), the count of lost ones, and, for a replayable source,
+        where each of ``ranks`` (the live ranks, in gang order) stands in its stream and where
+        the shards no rank reads stopped."""
+        streams = None
+        if self.streams is not None:
+            live = [self.streams.position(r) for r in ranks]
+            streams = {
+                "live": [[shard, at, list(replay)] for shard, at, replay in live],
+                "retired": sorted([s, at] for s, at in self.streams.retired().items()),
+            }
+        return {
+            **self.ledger.snapshot(),
+            "lost_batches": self.lost_batches,
+            "streams": streams,
+        }
+
+    @classmethod
+    def rewound(
+        cls,
+        snapshot: Mapping[str, Any],
+        *,
+        gang_ids: Iterable[int],
+        stream_id: Callable[[int, int], int] | None,
+    ) -> BatchAccounting:
+        """The accounting of ``snapshot`` for a rebuilt job of gangs ``gang_ids`` that has no
+        ranks yet: add them with :meth:`add_rank`, then place them with :meth:`resume_rank`.
+        Every stream of the snapshot counts as stopped where it was until a rank continues it."""
+        acc = cls((), stream_id=stream_id)
+        acc.ledger.rewind(snapshot, gang_ids)
+        acc.lost_batches = int(snapshot["lost_batches"])
+        streams = snapshot["streams"]
+        if acc.streams is not None and streams is not None:
+            stopped = {int(s): int(at) for s, at, _ in streams["live"]}
+            stopped.update({int(s): int(at) for s, at in streams["retired"]})
+            acc.streams.retire(stopped)
+        return acc
 
     # -- reports -----------------------------------------------------------------------------
 

@@ -40,8 +40,14 @@ class ElasticConfig:
       its waiting peers have already reported.
     - ``poll_s``: the coordinator's heartbeat/poll period; a failure is acted on at most
       ``poll_s`` after it is observable (a hang: ``step_timeout_s + poll_s``).
+    - ``resource_wait_s``: how long the job waits for placement of the gangs it needs (below
+      ``min_gangs``, or a whole job after a total loss) before it fails.
     - ``grow``: request placement for new gangs up to ``max_gangs`` whenever the job is smaller;
       when False the job only replaces gangs to get back to ``min_gangs``.
+    - ``restore_on_total_loss``: when a failure leaves some shard with no live copy (every gang
+      lost a rank, or a host under ``replicas_within_host``), rebuild the whole job from its
+      last checkpoint (or the one it resumed from) and train on; when False, or with no
+      checkpoint, the job fails.
     """
 
     min_gangs: int = 1
@@ -51,6 +57,7 @@ class ElasticConfig:
     resource_wait_s: float = 600.0
     poll_s: float = 1.0
     grow: bool = True
+    restore_on_total_loss: bool = True
 
     def __post_init__(self) -> None:
         _check_int("elastic.min_gangs", self.min_gangs, minimum=1)
@@ -74,8 +81,11 @@ class ElasticConfig:
                 f"elastic.poll_s={self.poll_s} must be below elastic.step_timeout_s="
                 f"{self.step_timeout_s}"
             )
-        if not isinstance(self.grow, bool):
-            raise ConfigError(f"elastic.grow must be True or False, got {self.grow!r}")
+        for field in ("grow", "restore_on_total_loss"):
+            if not isinstance(getattr(self, field), bool):
+                raise ConfigError(
+                    f"elastic.{field} must be True or False, got {getattr(self, field)!r}"
+                )
 
     def resolved_max_gangs(self, initial_gangs: int) -> int:
         """``max_gangs``, or the initial number of gangs when unset; checked against min."""

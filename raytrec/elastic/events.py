@@ -28,6 +28,7 @@ __all__ = [
     "NodeDied",
     "RankDied",
     "ResourcesWaited",
+    "TotalLoss",
 ]
 
 
@@ -132,6 +133,22 @@ class JobFailed(Event):
     reason: str
     #: True when no live copy of some shard is left, so only a checkpoint can recover the job.
     needs_checkpoint: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TotalLoss(Event):
+    """Some shard lost every live copy; the job is rebuilt from the checkpoint ``uri``."""
+
+    kind: ClassVar[str] = "total_loss"
+    lost_gangs: tuple[int, ...]
+    #: Replica groups (shard positions) whose every copy was on a lost rank.
+    dead_shards: tuple[int, ...]
+    uri: str
+    checkpoint_step: int
+    #: Completed steps after the checkpoint, trained again (the interval that was running when
+    #: the loss hit is trained again too).
+    steps_to_redo: int
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -16,14 +16,19 @@ into every survivor, so their dense contribution is counted twice (docs/fault_to
 
 Pending rows are kept as an unmerged list, so a row consumed twice by one gang shows up as a
 duplicate at commit rather than being silently merged away.
+
+:meth:`DataLedger.snapshot` and :meth:`DataLedger.rewind` take the ledger back to a sync
+boundary (a checkpoint): what was committed after it is forgotten, because the model it was
+committed into is gone and those rows will be trained again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
-from raytrec.elastic.rows import Range, RowRanges, coverage, split_balanced
+from raytrec.elastic.rows import Range, RowRanges, coverage, layered, split_balanced
 
 __all__ = ["DataLedger", "ExactlyOnce", "LedgerError", "ReplayPlan"]
 
@@ -159,6 +164,41 @@ class DataLedger:
                 for epoch, rows in got.items():
                     self._replay[g][epoch] = self._replay[g].get(epoch, RowRanges()).union(rows)
         return ReplayPlan(dropped=dropped, shares=shares)
+
+    def assign_replay(self, gang_id: int, epoch: int, rows: RowRanges) -> None:
+        """Rows ``gang_id`` is to read before fresh ones (a replay share restored with it)."""
+        self._gang(gang_id)
+        if rows:
+            self._replay[gang_id][epoch] = self._replay[gang_id].get(epoch, RowRanges()).union(rows)
+
+    # -- back to a sync boundary ------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Committed and replayed rows per epoch as JSON (each multiset kept: a row committed
+        twice stays twice). Taken at a sync boundary, where no gang has pending rows."""
+        pending = {g: self.pending_rows(g) for g in self.gang_ids if self._pending[g]}
+        if pending:
+            raise LedgerError(
+                f"a snapshot is taken at a sync boundary, but gangs {sorted(pending)} have "
+                f"pending rows ({pending})"
+            )
+
+        def by_epoch(rows: dict[int, list[Range]]) -> dict[str, list[list[int]]]:
+            return {str(e): [list(r) for r in layered(rs)] for e, rs in sorted(rows.items())}
+
+        return {"committed": by_epoch(self._committed), "replayed": by_epoch(self._replayed)}
+
+    def rewind(self, snapshot: Mapping[str, Any], gang_ids: Iterable[int]) -> None:
+        """Back to ``snapshot``: its committed and replayed rows; ``gang_ids`` are the gangs
+        now, each with nothing pending and nothing to replay (:meth:`assign_replay` adds that)."""
+
+        def ranges(key: str) -> dict[int, list[Range]]:
+            return {int(e): [(int(a), int(b)) for a, b in rs] for e, rs in snapshot[key].items()}
+
+        self._committed = ranges("committed")
+        self._replayed = ranges("replayed")
+        self._pending, self._replay = {}, {}
+        self.add_gangs(gang_ids)
 
     # -- queries ------------------------------------------------------------------------------
 

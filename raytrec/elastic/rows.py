@@ -3,7 +3,8 @@
 An epoch's rows are the ids ``0 .. N-1``; what a gang read is usually a few long runs, so sets
 of ids are kept as runs, O(runs) in memory and time, never O(rows). :func:`split_balanced`
 divides a set among k receivers with row counts that differ by at most one, cutting at most
-k - 1 runs (every other run goes whole to one receiver).
+k - 1 runs (every other run goes whole to one receiver). :func:`layered` writes a multiset of
+ranges compactly without losing how often an id occurs.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 
-__all__ = ["RowRanges", "coverage", "split_balanced"]
+__all__ = ["RowRanges", "coverage", "layered", "split_balanced"]
 
 Range = tuple[int, int]
 
@@ -143,3 +144,30 @@ def split_balanced(
             quotas[i] -= take
             a += take
     return tuple(tuple(s) for s in shares)
+
+
+def layered(ranges: Iterable[Range]) -> tuple[Range, ...]:
+    """The same multiset of ids as ``ranges``, as few ranges as the multiplicities allow.
+
+    Layer ``j`` holds the ids covered at least ``j`` times, merged: ids covered once everywhere
+    (the exactly-once case) come out as one merged set, and an id covered twice is in two layers,
+    so a duplicate survives a round trip (a plain merge would hide it).
+    """
+    deltas: dict[int, int] = {}
+    for a, b in ranges:
+        if b > a:
+            deltas[a] = deltas.get(a, 0) + 1
+            deltas[b] = deltas.get(b, 0) - 1
+    layers: list[list[Range]] = []
+    depth = 0
+    for here, nxt in itertools.pairwise(sorted(deltas)):
+        depth += deltas[here]
+        while len(layers) < depth:
+            layers.append([])
+        for j in range(depth):
+            layer = layers[j]
+            if layer and layer[-1][1] == here:
+                layer[-1] = (layer[-1][0], nxt)
+            else:
+                layer.append((here, nxt))
+    return tuple(r for layer in layers for r in layer)

@@ -7,13 +7,16 @@ When a rank dies in the middle of an interval its report is lost with it, but th
 took are still known: the next ones in this order, one per step it was given. Those are what
 its gang consumed since its last sync, and what the survivors replay.
 
+A removed rank's shard is remembered with its position (:meth:`RankStreams.retired`): batches
+before it were all taken, so a rank that continues that shard later starts there.
+
 Pure code: no Ray, no torch.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 __all__ = ["RankStreams", "StreamError"]
 
@@ -30,6 +33,7 @@ class RankStreams:
         self._shard: dict[int, int] = {}
         self._next: dict[int, int] = {}  # own-stream batches taken so far
         self._replay: dict[int, collections.deque[int]] = {}
+        self._retired: dict[int, int] = {}  # shard of a removed rank -> its next own batch
 
     def add_rank(self, rank: int, *, shard: int) -> None:
         if rank in self._shard:
@@ -37,14 +41,30 @@ class RankStreams:
         self._shard[rank] = shard
         self._next[rank] = 0
         self._replay[rank] = collections.deque()
+        self._retired.pop(shard, None)  # live again
 
     def remove_rank(self, rank: int) -> None:
+        self._retired[self._shard[rank]] = self._next[rank]
         del self._shard[rank], self._next[rank], self._replay[rank]
 
-    def restart(self, rank: int, *, at: int) -> None:
-        """The rank's own stream restarts at batch ``at`` (a resume from a checkpoint)."""
+    def restart(self, rank: int, *, at: int, replay: Iterable[int] = ()) -> None:
+        """The rank's own stream restarts at batch ``at``, after ``replay`` (a resume or a
+        rollback to a checkpoint)."""
         self._next[rank] = at
         self._replay[rank].clear()
+        self._replay[rank].extend(replay)
+
+    def position(self, rank: int) -> tuple[int, int, tuple[int, ...]]:
+        """``(shard, next own batch, queued replay ids)`` of a tracked rank."""
+        return self._shard[rank], self._next[rank], tuple(self._replay[rank])
+
+    def retired(self) -> dict[int, int]:
+        """Shard -> next own batch, for the shards of removed ranks."""
+        return dict(self._retired)
+
+    def retire(self, positions: Mapping[int, int]) -> None:
+        """Remembers shards no rank continues (restored from a snapshot)."""
+        self._retired.update(positions)
 
     def queue_replay(self, rank: int, ids: Iterable[int]) -> None:
         self._replay[rank].extend(ids)

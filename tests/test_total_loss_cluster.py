@@ -1,0 +1,121 @@
+"""Automatic recovery from a total loss on a simulated 2-node cluster (``ray.cluster_utils``).
+
+Layout ``replicas_within_host``, 2 gangs x 2 ranks: each node holds one replica group, so losing
+a node takes every copy of a shard with it. The job checkpoints every 4 steps; the node is
+removed after step 10 and a fresh node added, as an autoscaler would. The coordinator must
+rebuild the whole job from the checkpoint of step 8, train steps 9..16 again and on, and end with
+every replica identical and every batch trained into the final model exactly once.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from raytrec.api import fit
+from raytrec.checkpoint.config import CheckpointConfig
+from raytrec.cluster import bind_to_loopback
+from raytrec.config import (
+    DataConfig,
+    ModelConfig,
+    ScalingConfig,
+    SyncConfig,
+    TrainConfig,
+    criteo_tables,
+)
+from raytrec.data.synthetic import batch_id
+from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
+from raytrec.testing import NodeRemover
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    bind_to_loopback()
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False},
+    )
+    for _ in range(2):  # one replica group (2 ranks) per node
+        c.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+    ray.init(address=c.address)
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def test_a_lost_host_with_every_copy_of_a_shard_is_rebuilt_from_the_checkpoint(
+    cluster: Cluster, tmp_path: str
+) -> None:
+    config = TrainConfig(
+        model=ModelConfig(tables=criteo_tables(num_features=4, num_embeddings=200)),
+        scaling=ScalingConfig(
+            num_workers=4, gang_size=2, ranks_per_host=2, layout="replicas_within_host"
+        ),
+        sync=SyncConfig(sync_every=2),
+        data=DataConfig(batch_size=32),
+        elastic=ElasticConfig(
+            step_timeout_s=30, collective_timeout_s=10, resource_wait_s=60, poll_s=0.2
+        ),
+        checkpoint=CheckpointConfig(every_n_steps=4, num_to_keep=2),
+        # Slows the job down from step 11 on, so the node removal below (done by the driver
+        # once it sees step 10) lands while the job trains. The rebuilt ranks have new job
+        # ranks, so the slowdown ends with the loss.
+        faults=FaultConfig(
+            faults=(FaultSpec(kind=FaultKind.SLOW_RANK, step=11, rank=0, stall_s=1.0, steps=6),)
+        ),
+        num_steps=16,
+        log_every=2,
+        storage_path=str(tmp_path),
+    )
+    # Job rank 2 holds shard 1 of gang 0 on the second node, beside rank 3 (shard 1 of gang 1).
+    remover = NodeRemover(
+        cluster=cluster,
+        at_step=10,
+        job_rank=2,
+        add_at_step=10,
+        add_node=lambda c: c.add_node(num_cpus=2, node_ip_address="127.0.0.1"),
+    )
+    result = fit(config, on_progress=remover, shutdown_ray=False)
+    events = result.events
+    kinds = [e["kind"] for e in events]
+
+    assert result.steps == 16, kinds
+    assert "node_died" in kinds and "job_failed" not in kinds, kinds
+    [total] = [e for e in events if e["kind"] == "total_loss"]
+    assert total["lost_gangs"] == [0, 1] and total["dead_shards"] == [1], total
+    assert total["checkpoint_step"] == 8 and total["uri"].endswith("checkpoint_0000000008")
+    assert total["steps_to_redo"] == total["step"] - 8 >= 2, total
+    [restored] = [e for e in events if e["kind"] == "checkpoint_restored"]
+    assert kinds.index("total_loss") < kinds.index("checkpoint_restored")
+    assert (restored["saved_step"], restored["step"], restored["uri"]) == (8, 8, total["uri"])
+    # Saves at 4 and 8; after the rewind to 8 the next ones are due at 12 and 16.
+    assert [e["step"] for e in events if e["kind"] == "checkpoint_saved"] == [4, 8, 12, 16]
+    # The rebuilt job trains from step 9 on with the initial shape, under new gang ids.
+    after = result.history[[m.step for m in result.history].index(10) + 1 :]
+    assert [m.step for m in after][-4:] == [10, 12, 14, 16], [m.step for m in result.history]
+    assert all(m.gangs == 2 for m in after)
+    # Steps 9 and 10 again, from the checkpoint's state on the same batches: the same loss.
+    before = next(m for m in result.history if m.step == 10)
+    assert after[0].step == 10 and after[0].generation > before.generation
+    assert after[0].loss == pytest.approx(before.loss, rel=1e-5)
+    assert sorted(result.state_digests) == [4, 5, 6, 7]
+
+    # Every replica identical: 2 distinct shards, each held by both gangs; one dense state.
+    digests = result.state_digests
+    assert len({d["dense"] for d in digests.values()}) == 1
+    assert sorted(collections.Counter(d["shards"] for d in digests.values()).values()) == [2, 2]
+    # Every batch in the final model exactly once: each shard's batches 0..15, the ones
+    # trained after the checkpoint and before the loss (committed at steps 10) not twice.
+    distinct = {i for a, b in result.committed_batches for i in range(a, b)}
+    assert result.committed_count == len(distinct)
+    assert distinct == {batch_id(shard, k) for shard in range(4) for k in range(16)}
+    assert result.lost_batches == 0
