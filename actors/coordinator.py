@@ -18,9 +18,10 @@ Elasticity, at interval granularity:
   (:class:`~raytrec.elastic.ledger.DataLedger`, :class:`~raytrec.elastic.streams.RankStreams`).
 - **Growth.** With ``elastic.grow``, the coordinator keeps one pending placement group per gang
   it could still add (up to ``elastic.max_gangs``): on an autoscaling cluster that pending demand
-  is what adds nodes. A gang whose group becomes ready is started, and joins at the next interval
-  boundary: a job-wide sync among the live gangs, a new generation including it, and a broadcast
-  of the full state (shards, optimizer state, dense state, step) from a live peer gang.
+  is what adds nodes. A gang whose group becomes ready is built in the background while the live
+  gangs train, and joins at the first interval boundary after it is built: a job-wide sync among
+  the live gangs, a new generation including it, and a broadcast of the full state (shards,
+  optimizer state, dense state, step) from a live peer gang (:mod:`actors.growth`).
 - **Too few gangs.** Below ``elastic.min_gangs`` training pauses until placements come back, for
   at most ``elastic.resource_wait_s``, then the job fails with a message saying so.
 - **Total loss.** When some shard has no live copy left, the job is rebuilt at its initial shape
@@ -50,6 +51,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from torchrec.distributed.types import ShardingPlan
 
+from actors.growth import Building, GangGrowth
 from actors.rank import RankWorker
 from actors.total_loss import TotalLossRecovery
 from raytrec.checkpoint.config import checkpoint_root, save_decision
@@ -62,16 +64,10 @@ from raytrec.elastic.events import (
     CheckpointSaved,
     EventLog,
     GangDropped,
-    GangHealed,
-    GangJoined,
-    GangPlaced,
-    GangRequested,
     GenerationStarted,
     HangDetected,
-    JobFailed,
     NodeDied,
     RankDied,
-    ResourcesWaited,
 )
 from raytrec.elastic.membership import Gang, Membership, RankSlot
 from raytrec.elastic.rollback import RollbackPoint
@@ -139,7 +135,7 @@ class _Interval:
         return bool(self.dead or self.errored or self.hung)
 
 
-class Coordinator(TotalLossRecovery):
+class Coordinator(GangGrowth, TotalLossRecovery):
     """Owns the job's membership, store and training loop."""
 
     def __init__(
@@ -188,6 +184,8 @@ class Coordinator(TotalLossRecovery):
         self._stream_id = batch_id if replayable else None
         self.accounting = BatchAccounting(self.membership.gang_ids, stream_id=self._stream_id)
         self._joining: set[int] = set()  # gangs added to the membership but not healed yet
+        self._building: dict[int, Building] = {}  # gang id -> a new gang being built
+        self._shards_of_new: dict[int, Any] = {}  # job rank -> data shard, until it joins
         self._transient = 0  # re-forms in a row with no rank lost
 
     # -- queries (answered while run() is in progress) ----------------------
@@ -638,126 +636,21 @@ class Coordinator(TotalLossRecovery):
             gangs, survivors, ranks_of=lambda g: self.membership.gang(g).job_ranks
         )
 
-    # -- growth -------------------------------------------------------------------------------
-
-    def _request_growth(self) -> None:
-        """Keeps one pending placement group per gang the job could still add."""
-        if not self.elastic.grow and self.membership.num_gangs >= self.elastic.min_gangs:
-            return
-        if self.topology.layout is not Layout.REPLICAS_ACROSS_HOSTS or self.new_shard is None:
-            return
-        cap = self.max_gangs if self.elastic.grow else self.elastic.min_gangs
-        want = cap - self.membership.num_gangs - len(self._pending)
-        if want <= 0:
-            return
-        per_rank = rank_resources(
-            cpus_per_rank=self.cfg.scaling.cpus_per_rank, use_gpu=self.cfg.scaling.use_gpu
-        )
-        spec = placement_specs(self.topology, per_rank=per_rank, gangs=(0,))[0]
-        for _ in range(want):
-            self._pending.append(placement_group(list(spec.bundles), strategy=spec.strategy))
-        self.events.append(
-            GangRequested(
-                at=self._now(), step=self.step, count=want, outstanding=len(self._pending)
-            )
-        )
-
-    def _admit_new_gangs(self) -> None:
-        """Starts the gangs whose placement became ready and joins them at this boundary."""
-        if not self._pending:
-            return
-        ready_refs = [pg.ready() for pg in self._pending]
-        done, _ = ray.wait(ready_refs, num_returns=len(ready_refs), timeout=0)
-        ready = [pg for pg, ref in zip(self._pending, ready_refs, strict=True) if ref in done]
-        if not ready:
-            return
-        self._pending = [pg for pg in self._pending if pg not in ready]
-        gangs, self.membership = self.membership.reserve(
-            [[0] * self.topology.gang_size for _ in ready]  # nodes filled in once built
-        )
-        new_ranks: list[int] = []
-        try:
-            for gang, pg in zip(gangs, ready, strict=True):
-                self._pgs[gang.gang_id] = pg
-                for slot in gang.ranks:
-                    shard = self.new_shard(slot.job_rank)
-                    self._start_rank(slot.job_rank, gang.gang_id, slot.gang_rank, pg, 0, shard)
-                    new_ranks.append(slot.job_rank)
-            self._build(new_ranks)
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
-            # Lost while starting (e.g. its node went away): forget it, ask again.
-            for gang in gangs:
-                for r in gang.job_ranks:
-                    with contextlib.suppress(Exception):
-                        ray.kill(self._workers.pop(r))
-                    self._rank_nodes.pop(r, None)
-                    if r in new_ranks:
-                        self.accounting.forget_rank(r)
-                with contextlib.suppress(Exception):
-                    remove_placement_group(self._pgs.pop(gang.gang_id))
-            self._request_growth()
-            return
-        for gang in gangs:
-            nodes = tuple(self._node(self._rank_nodes[r]) for r in gang.job_ranks)
-            self.events.append(GangPlaced(at=self._now(), step=self.step, nodes=nodes))
-        # Join at a sync boundary: the live gangs agree first, so the peer's state is the job's.
-        old = self._live_ranks()
-        self._call(old, "sync")
-        self._commit_all()
-        peer = self.membership.gangs[0].gang_id
-        gangs = self._with_nodes(gangs)
-        self.membership = self.membership.with_gangs(gangs, step=self.step)
-        self._joining = {g.gang_id for g in gangs}
-        self.accounting.add_gangs(g.gang_id for g in gangs)
-        self._new_generation(reason=f"gangs {[g.gang_id for g in gangs]} joined")
-        self._call(new_ranks, "set_step", self.step)
-        self._call(self._live_ranks(), "broadcast_state", self.membership.member_index(peer))
-        self._joining = set()
-        for g in gangs:
-            self.events.append(
-                GangHealed(at=self._now(), step=self.step, gang_id=g.gang_id, peer_gang_id=peer)
-            )
-            self.events.append(
-                GangJoined(
-                    at=self._now(),
-                    step=self.step,
-                    gang_id=g.gang_id,
-                    generation=self.membership.generation,
-                )
-            )
-        self._call(new_ranks, "prepare", min(self.cfg.log_every, self.cfg.num_steps - self.step))
-
-    def _wait_for_min_gangs(self) -> None:
-        if self.membership.num_gangs >= self.elastic.min_gangs:
-            return
-        deadline = self._now() + self.elastic.resource_wait_s
-        self.events.append(
-            ResourcesWaited(
-                at=self._now(),
-                step=self.step,
-                live_gangs=self.membership.num_gangs,
-                min_gangs=self.elastic.min_gangs,
-                deadline=deadline,
-            )
-        )
-        self._request_growth()
-        while self.membership.num_gangs < self.elastic.min_gangs:
-            if self._now() > deadline:
-                reason = (
-                    f"{self.membership.num_gangs} live gangs, fewer than elastic.min_gangs="
-                    f"{self.elastic.min_gangs}, and no placement for more came within "
-                    f"elastic.resource_wait_s={self.elastic.resource_wait_s:g}s"
-                )
-                self.events.append(JobFailed(at=self._now(), step=self.step, reason=reason))
-                raise JobFailedError(reason)
-            time.sleep(self.elastic.poll_s)
-            self._admit_new_gangs()
-
     # -- membership plumbing -----------------------------------------------------------------
 
     def _start_rank(
-        self, rank: int, gang: int, gang_rank: int, pg: PlacementGroup, bundle: int, shard: Any
+        self,
+        rank: int,
+        gang: int,
+        gang_rank: int,
+        pg: PlacementGroup,
+        bundle: int,
+        shard: Any,
+        *,
+        account: bool = True,
     ) -> None:
+        """Starts rank ``rank``'s actor; ``account``: it trains from this step on (a gang built
+        in the background is booked when it joins)."""
         assert self._store_address is not None
         scaling = self.cfg.scaling
         spec = RankSpec(
@@ -781,7 +674,10 @@ class Coordinator(TotalLossRecovery):
                 placement_group=pg, placement_group_bundle_index=bundle
             ),
         ).remote(spec, shard)
-        self.accounting.add_rank(rank, shard=getattr(shard, "index", rank), step=self.step)
+        if account:
+            self.accounting.add_rank(rank, shard=getattr(shard, "index", rank), step=self.step)
+        else:
+            self._shards_of_new[rank] = shard
 
     def _build(self, ranks: list[int]) -> list[dict[str, Any]]:
         infos = self._call(ranks, "build")
@@ -927,6 +823,8 @@ class Coordinator(TotalLossRecovery):
                 remove_placement_group(pg)
         self._pgs.clear()
         self._pending.clear()
+        self._building.clear()
+        self._shards_of_new.clear()
 
     # -- helpers ----------------------------------------------------------------
 

@@ -53,13 +53,16 @@ class RankWorker:
         self.engine.build()
         data = self.spec.config.data
         self._feed = BatchFeed(
-            self.shard.identified_batches(data.batch_size), prefetch=data.prefetch_batches
+            self.shard.identified_batches(data.batch_size),
+            prefetch=data.prefetch_batches,
+            background=self.spec.config.feed_in_background,
         )
         return {
             "rank": self.spec.rank,
             "gang": self.spec.gang,
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
+            "device": str(self.engine.device),
         }
 
     def join_replica_plane(self, generation: int, member_rank: int, size: int) -> None:
@@ -244,6 +247,7 @@ class RankWorker:
         self._feed = BatchFeed(
             self.shard.identified_batches(data.batch_size, start_step=start),
             prefetch=data.prefetch_batches,
+            background=self.spec.config.feed_in_background,
         )
         return {"step": loaded.step, "generation": loaded.generation, "extra": loaded.extra}
 

@@ -101,7 +101,7 @@ def build_config(
         sharding=ShardingConfig(sharding_type=a.sharding_type),
         scaling=ScalingConfig(num_workers=num_workers, gang_size=gang_size, use_gpu=a.gpu),
         sync=SyncConfig(sync_every=sync_every),
-        data=DataConfig(batch_size=a.batch_size),
+        data=DataConfig(batch_size=a.batch_size, read_ahead=getattr(a, "read_ahead", "auto")),
         num_steps=steps,
         log_every=log_every,
         seed=a.seed,

@@ -144,6 +144,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="nice value of Ray's worker processes, the ranks (default: Ray's own, 15)",
     )
+    p.add_argument(
+        "--read-ahead",
+        choices=["auto", "background", "inline"],
+        default="auto",
+        help="raytrec's data.read_ahead (where a rank makes its batches)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="runs of every configuration")
     add_model_args(p)
     p.add_argument("--doc", type=Path, default=DOC, help="markdown file to update")

@@ -37,6 +37,7 @@ EmbeddingOptimizer = Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
 DenseOptimizer = Literal["sgd", "adagrad", "adam"]
 ShardingType = Literal["table_wise", "column_wise", "row_wise", "table_row_wise"]
 Backend = Literal["auto", "gloo", "nccl"]
+ReadAhead = Literal["auto", "background", "inline"]
 DataSourceKind = Literal["synthetic", "parquet", "generated"]
 PoolingName = Literal["sum", "mean"]
 OnBadRows = Literal["error", "skip"]
@@ -405,6 +406,10 @@ class DataConfig:
     num_dense: int = 13  # dense columns of a Parquet source
     generated_files: int = 4
     prefetch_batches: int = 4  # batches each rank fetches ahead of training
+    # Where a rank makes its batches: "background" (a read-ahead thread, overlapping training),
+    # "inline" (between intervals, on the training thread), "auto" (background on GPU ranks,
+    # inline on CPU ranks, where a thread competes with training for the cores).
+    read_ahead: ReadAhead = "auto"  # "background" thread or "inline"; "auto": thread on GPU only
 
     def __post_init__(self) -> None:
         _positive_int("data.batch_size", self.batch_size)
@@ -415,6 +420,7 @@ class DataConfig:
         _positive_int("data.num_dense", self.num_dense)
         _positive_int("data.generated_files", self.generated_files)
         _non_negative_int("data.prefetch_batches", self.prefetch_batches)
+        _one_of("data.read_ahead", self.read_ahead, get_args(ReadAhead))
         if self.shuffle_seed is not None:
             _non_negative_int("data.shuffle_seed", self.shuffle_seed)
         if self.source == "parquet" and not self.path:
@@ -488,6 +494,13 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def feed_in_background(self) -> bool:
+        """``data.read_ahead`` resolved: whether ranks make batches on a read-ahead thread."""
+        if self.data.read_ahead == "auto":
+            return self.scaling.use_gpu
+        return self.data.read_ahead == "background"
 
 
 def validate_features(model: ModelConfig, source_features: Sequence[str]) -> None:

@@ -158,3 +158,14 @@ def test_more_ranks_than_the_cluster_can_ever_place() -> None:
     gpu = TrainConfig(scaling=ScalingConfig(num_workers=2, gang_size=2, use_gpu=True))
     with pytest.raises(ConfigError, match=r"need 2 GPU in all but the cluster has 0"):
         check_capacity(gpu, {"CPU": 16.0})
+
+
+def test_read_ahead_auto_uses_a_thread_on_gpu_ranks_only() -> None:
+    assert not TrainConfig().feed_in_background
+    gpu = TrainConfig(scaling=ScalingConfig(use_gpu=True))
+    assert gpu.feed_in_background
+    for mode, background in (("background", True), ("inline", False)):
+        cfg = TrainConfig(data=DataConfig(read_ahead=mode))  # type: ignore[arg-type]
+        assert cfg.feed_in_background is background
+    with pytest.raises(ConfigError, match=r"data\.read_ahead"):
+        DataConfig(read_ahead="sometimes")  # type: ignore[arg-type]

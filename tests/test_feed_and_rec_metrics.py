@@ -21,8 +21,9 @@ def counting(n: int, *, fail_at: int | None = None) -> Iterator[int]:
         yield i
 
 
-def test_feed_yields_every_batch_in_order() -> None:
-    feed = BatchFeed(counting(10), prefetch=2)
+@pytest.mark.parametrize("background", [True, False])
+def test_feed_yields_every_batch_in_order(background: bool) -> None:
+    feed = BatchFeed(counting(10), prefetch=2, background=background)
     got = []
     for chunk in (3, 3, 4):
         feed.prepare(chunk, timeout_s=10)
@@ -32,12 +33,35 @@ def test_feed_yields_every_batch_in_order() -> None:
         feed.prepare(1, timeout_s=10)
 
 
-def test_feed_raises_the_sources_error_before_the_chunk_that_holds_it() -> None:
-    feed = BatchFeed(counting(10, fail_at=5), prefetch=0)
+@pytest.mark.parametrize("background", [True, False])
+def test_feed_raises_the_sources_error_before_the_chunk_that_holds_it(background: bool) -> None:
+    feed = BatchFeed(counting(10, fail_at=5), prefetch=0, background=background)
     feed.prepare(5, timeout_s=10)
     assert [feed.take() for _ in range(5)] == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="bad row in batch 5"):
         feed.prepare(2, timeout_s=10)
+    with pytest.raises(ValueError, match="bad row in batch 5"):  # and again: the source is done
+        feed.prepare(1, timeout_s=10)
+
+
+def test_inline_feed_pulls_only_when_prepared_and_replays_first() -> None:
+    pulled: list[int] = []
+
+    def source() -> Iterator[int]:
+        for i in range(100):
+            pulled.append(i)
+            yield i
+
+    feed = BatchFeed(source(), prefetch=3, background=False)
+    assert not feed.background and pulled == []  # no thread: nothing read until asked
+    feed.prepare(2)
+    assert pulled == [0, 1]  # exactly the chunk: reading ahead would only delay training
+    feed.push_front([-2, -1])  # batches handed over for replay go first
+    feed.prepare(3)
+    assert [feed.take() for _ in range(3)] == [-2, -1, 0]
+    assert pulled == [0, 1]
+    feed.prepare(2)
+    assert [feed.take() for _ in range(2)] == [1, 2] and pulled == [0, 1, 2]
 
 
 def test_feed_reads_ahead_one_chunk_while_training() -> None:

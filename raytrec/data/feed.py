@@ -9,6 +9,13 @@ timeout; this way the whole job stops at a step boundary with its state intact.
 
 Meanwhile the thread keeps the buffer filled up to the last ``prepare``'s ``n`` plus ``prefetch``
 batches, so loading the next chunk overlaps training on this one.
+
+With ``background=False`` there is no thread: :meth:`~BatchFeed.prepare` pulls the batches itself.
+Same guarantees, no overlap. That is the better choice on CPU ranks: there the thread only
+competes with training for the rank's cores, and it runs at moments of its own, so it delays
+one rank now, another later, and every delay stalls the whole gang in its next collective
+(measured in docs/benchmarks.md). On a GPU rank the CPU is idle while the GPU computes, and the
+thread fills that time.
 """
 
 from __future__ import annotations
@@ -31,7 +38,14 @@ class DataExhausted(RuntimeError):
 class BatchFeed(Generic[T]):
     """Pulls ``source`` on a daemon thread into a bounded buffer; see the module doc."""
 
-    def __init__(self, source: Iterator[T], *, prefetch: int, name: str = "raytrec-feed") -> None:
+    def __init__(
+        self,
+        source: Iterator[T],
+        *,
+        prefetch: int,
+        background: bool = True,
+        name: str = "raytrec-feed",
+    ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch!r}")
         self._source = source
@@ -43,9 +57,15 @@ class BatchFeed(Generic[T]):
         self._closed = False
         self._cond = threading.Condition()
         self.taken = 0  # batches handed to training so far
-        self.wait_s = 0.0  # time prepare() spent waiting for the thread
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self.wait_s = 0.0  # time prepare() spent waiting for (or, inline, pulling) batches
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._thread.start()
+
+    @property
+    def background(self) -> bool:
+        return self._thread is not None
 
     def _run(self) -> None:
         while True:
@@ -77,6 +97,11 @@ class BatchFeed(Generic[T]):
         :class:`DataExhausted` if it ended before it.
         """
         start = time.perf_counter()
+        if self._thread is None:
+            self._pull(n)
+            waited = time.perf_counter() - start
+            self.wait_s += waited
+            return waited
         deadline = None if timeout_s is None else start + timeout_s
         with self._cond:
             # Read ahead by one chunk of this size (plus prefetch) from now on.
@@ -96,6 +121,25 @@ class BatchFeed(Generic[T]):
         waited = time.perf_counter() - start
         self.wait_s += waited
         return waited
+
+    def _pull(self, n: int) -> None:
+        """Inline: pulls the source until ``n`` batches are buffered (no read-ahead beyond)."""
+        if self._error is not None:
+            raise self._error
+        while len(self._buffer) < n:
+            if self._ended:
+                raise DataExhausted(
+                    f"the data source ended after {self.taken + len(self._buffer)} batches"
+                )
+            try:
+                item = next(self._source)
+            except StopIteration:
+                self._ended = True
+                continue
+            except BaseException as e:
+                self._error = e  # raised again by every later prepare(), as the thread's is
+                raise
+            self._buffer.append(item)
 
     def take(self) -> T:
         """The next buffered batch (call :meth:`prepare` first)."""

@@ -1,0 +1,251 @@
+"""The coordinator's growth: pending placement demand, gangs built in the background, joins.
+
+The coordinator keeps one pending placement group per gang the job could still add (up to
+``elastic.max_gangs`` with ``elastic.grow``, else back to ``elastic.min_gangs``): on an autoscaling
+cluster that pending demand is what adds nodes, a whole gang at a time. A gang whose placement
+becomes ready is started and built (its actors import, join their gang world and shard the model:
+seconds) while the live gangs keep training. Once every rank of it is built it joins at the next
+interval boundary: a job-wide sync among the live gangs, a new generation including it, and a
+broadcast of the full state from a live peer gang. The survivors pause only for that join.
+Below ``elastic.min_gangs`` training waits for placements, up to ``elastic.resource_wait_s``.
+
+A mixin of :class:`~actors.coordinator.Coordinator`, which provides the state and the methods
+declared in the class body; it lives here to keep the coordinator's module to its control loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import ray
+import ray.exceptions
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from raytrec.config import TrainConfig
+from raytrec.elastic.accounting import BatchAccounting
+from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.events import (
+    EventLog,
+    GangHealed,
+    GangJoined,
+    GangPlaced,
+    GangRequested,
+    JobFailed,
+    ResourcesWaited,
+)
+from raytrec.elastic.membership import Gang, Membership
+from raytrec.errors import JobFailedError
+from raytrec.placement import placement_specs, rank_resources
+from raytrec.topology import Layout, Topology
+
+__all__ = ["Building", "GangGrowth"]
+
+
+@dataclasses.dataclass
+class Building:
+    """A gang started in the background: its reserved slots and each rank's ``build`` call."""
+
+    gang: Gang
+    builds: dict[int, Any]  # job rank -> ObjectRef of its build()
+
+
+class GangGrowth:
+    """Grows the coordinator's job by whole gangs (module doc)."""
+
+    # Provided by the coordinator.
+    cfg: TrainConfig
+    topology: Topology
+    elastic: ElasticConfig
+    membership: Membership
+    accounting: BatchAccounting
+    events: EventLog
+    step: int
+    max_gangs: int
+    new_shard: Any  # job rank -> BatchShard, or None
+    _pending: list[PlacementGroup]
+    _building: dict[int, Building]
+    _shards_of_new: dict[int, Any]
+    _pgs: dict[int, PlacementGroup]
+    _workers: dict[int, Any]
+    _rank_nodes: dict[int, str]
+    _joining: set[int]
+
+    if TYPE_CHECKING:
+
+        def _now(self) -> float: ...
+        def _node(self, node_id: str) -> int: ...
+        def _live_ranks(self) -> list[int]: ...
+        def _commit_all(self) -> None: ...
+        def _with_nodes(self, gangs: Sequence[Gang]) -> tuple[Gang, ...]: ...
+        def _new_generation(self, *, reason: str) -> None: ...
+        def _call(self, ranks: list[int], method: str, *args: Any, **kwargs: Any) -> list[Any]: ...
+        def _start_rank(
+            self,
+            rank: int,
+            gang: int,
+            gang_rank: int,
+            pg: PlacementGroup,
+            bundle: int,
+            shard: Any,
+            *,
+            account: bool = True,
+        ) -> None: ...
+
+    def _request_growth(self) -> None:
+        """Keeps one pending placement group per gang the job could still add."""
+        if not self.elastic.grow and self.membership.num_gangs >= self.elastic.min_gangs:
+            return
+        if self.topology.layout is not Layout.REPLICAS_ACROSS_HOSTS or self.new_shard is None:
+            return
+        cap = self.max_gangs if self.elastic.grow else self.elastic.min_gangs
+        want = cap - self.membership.num_gangs - len(self._pending) - len(self._building)
+        if want <= 0:
+            return
+        per_rank = rank_resources(
+            cpus_per_rank=self.cfg.scaling.cpus_per_rank, use_gpu=self.cfg.scaling.use_gpu
+        )
+        spec = placement_specs(self.topology, per_rank=per_rank, gangs=(0,))[0]
+        for _ in range(want):
+            self._pending.append(placement_group(list(spec.bundles), strategy=spec.strategy))
+        self.events.append(
+            GangRequested(
+                at=self._now(), step=self.step, count=want, outstanding=len(self._pending)
+            )
+        )
+
+    def _admit_new_gangs(self) -> None:
+        """Starts building the gangs whose placement became ready, and joins the built ones.
+
+        Building a gang (its ranks' imports, gang world and sharded model: seconds) runs in the
+        background while the live gangs train; they pause only for the join itself, at an
+        interval boundary, once every rank of the new gang is built.
+        """
+        self._start_ready_gangs()
+        self._join_built_gangs()
+
+    def _start_ready_gangs(self) -> None:
+        if not self._pending:
+            return
+        ready_refs = [pg.ready() for pg in self._pending]
+        done, _ = ray.wait(ready_refs, num_returns=len(ready_refs), timeout=0)
+        ready = [pg for pg, ref in zip(self._pending, ready_refs, strict=True) if ref in done]
+        if not ready:
+            return
+        self._pending = [pg for pg in self._pending if pg not in ready]
+        gangs, self.membership = self.membership.reserve(
+            [[0] * self.topology.gang_size for _ in ready]  # nodes filled in once built
+        )
+        for gang, pg in zip(gangs, ready, strict=True):
+            self._pgs[gang.gang_id] = pg
+            for slot in gang.ranks:
+                shard = self.new_shard(slot.job_rank)
+                self._start_rank(
+                    slot.job_rank, gang.gang_id, slot.gang_rank, pg, 0, shard, account=False
+                )
+            refs = {r: self._workers[r].build.remote() for r in gang.job_ranks}
+            self._building[gang.gang_id] = Building(gang=gang, builds=refs)
+
+    def _join_built_gangs(self) -> None:
+        """Joins every gang whose ranks are all built; drops (and asks again for) a gang that
+        lost a rank while building."""
+        built: list[Building] = []
+        for gid, b in list(self._building.items()):
+            refs = list(b.builds.values())
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            failed = False
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+                    failed = True  # e.g. its node went away; a peer's build would wait it out
+            if failed:
+                del self._building[gid]
+                self._abandon_building(b.gang)
+                self._request_growth()
+            elif len(done) == len(refs):
+                del self._building[gid]
+                built.append(b)
+        if not built:
+            return
+        new_ranks: list[int] = []
+        for b in built:
+            for info in ray.get(list(b.builds.values())):
+                self._rank_nodes[info["rank"]] = info["node_id"]
+                self._node(info["node_id"])
+            new_ranks += b.gang.job_ranks
+            nodes = tuple(self._node(self._rank_nodes[r]) for r in b.gang.job_ranks)
+            self.events.append(GangPlaced(at=self._now(), step=self.step, nodes=nodes))
+        # Join at a sync boundary: the live gangs agree first, so the peer's state is the job's.
+        try:
+            self._call(self._live_ranks(), "sync")
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+            # A survivor failed: recovery takes over; the new gangs, not members yet, are let
+            # go (their placement is requested again once the job has re-formed).
+            for b in built:
+                self._abandon_building(b.gang)
+            raise
+        self._commit_all()
+        peer = self.membership.gangs[0].gang_id
+        gangs = self._with_nodes([b.gang for b in built])
+        for r in new_ranks:  # they train from this step on
+            shard = self._shards_of_new.pop(r)
+            self.accounting.add_rank(r, shard=getattr(shard, "index", r), step=self.step)
+        self.membership = self.membership.with_gangs(gangs, step=self.step)
+        self._joining = {g.gang_id for g in gangs}
+        self.accounting.add_gangs(g.gang_id for g in gangs)
+        self._new_generation(reason=f"gangs {[g.gang_id for g in gangs]} joined")
+        self._call(new_ranks, "set_step", self.step)
+        self._call(self._live_ranks(), "broadcast_state", self.membership.member_index(peer))
+        self._joining = set()
+        for g in gangs:
+            self.events.append(
+                GangHealed(at=self._now(), step=self.step, gang_id=g.gang_id, peer_gang_id=peer)
+            )
+            self.events.append(
+                GangJoined(
+                    at=self._now(),
+                    step=self.step,
+                    gang_id=g.gang_id,
+                    generation=self.membership.generation,
+                )
+            )
+        self._call(new_ranks, "prepare", min(self.cfg.log_every, self.cfg.num_steps - self.step))
+
+    def _abandon_building(self, gang: Gang) -> None:
+        for r in gang.job_ranks:
+            with contextlib.suppress(Exception):
+                ray.kill(self._workers.pop(r))
+            self._rank_nodes.pop(r, None)
+            self._shards_of_new.pop(r, None)
+        with contextlib.suppress(Exception):
+            remove_placement_group(self._pgs.pop(gang.gang_id))
+
+    def _wait_for_min_gangs(self) -> None:
+        if self.membership.num_gangs >= self.elastic.min_gangs:
+            return
+        deadline = self._now() + self.elastic.resource_wait_s
+        self.events.append(
+            ResourcesWaited(
+                at=self._now(),
+                step=self.step,
+                live_gangs=self.membership.num_gangs,
+                min_gangs=self.elastic.min_gangs,
+                deadline=deadline,
+            )
+        )
+        self._request_growth()
+        while self.membership.num_gangs < self.elastic.min_gangs:
+            if self._now() > deadline:
+                reason = (
+                    f"{self.membership.num_gangs} live gangs, fewer than elastic.min_gangs="
+                    f"{self.elastic.min_gangs}, and no placement for more came within "
+                    f"elastic.resource_wait_s={self.elastic.resource_wait_s:g}s"
+                )
+                self.events.append(JobFailed(at=self._now(), step=self.step, reason=reason))
+                raise JobFailedError(reason)
+            time.sleep(self.elastic.poll_s)
+            self._admit_new_gangs()
