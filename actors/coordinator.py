@@ -70,7 +70,7 @@ from raytrec.elastic.events import (
     RankDied,
 )
 from raytrec.elastic.membership import Gang, Membership, RankSlot
-from raytrec.elastic.rollback import RollbackPoint
+from raytrec.elastic.rollback import RollbackPoint, StreamStart, plan_streams
 from raytrec.engine.rank import RENDEZVOUS_TIMEOUT_S, RankSpec, StoreAddress
 from raytrec.errors import JobFailedError
 from raytrec.metrics import IntervalMetrics, aggregate_interval
@@ -213,9 +213,13 @@ class Coordinator(GangGrowth, TotalLossRecovery):
             host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300)
         )
         self._store_address = StoreAddress(host=host, port=self._store.port)
-        placed = self._place_job(
-            self.membership.gangs, lambda r: self.shards[r], timeout_s=self.placement_timeout_s
-        )
+        starts = self._resume_streams(self.resume_from) if self.resume_from is not None else None
+
+        def shard_of(rank: int) -> Any:
+            return self.shards[rank] if starts is None else self._shard_of(starts[rank].shard)
+
+        timeout_s = self.placement_timeout_s
+        placed = self._place_job(self.membership.gangs, shard_of, timeout_s=timeout_s)
         if not placed:
             raise TimeoutError(
                 f"the job's placement groups were not ready within "
@@ -225,21 +229,61 @@ class Coordinator(GangGrowth, TotalLossRecovery):
         infos = self._build(sorted(self._workers))
         self._new_generation(reason="job started")
         if self.resume_from is not None:
-            self._restore(self.resume_from)
+            self._restore(self.resume_from, starts)
         else:
             self._call(self._live_ranks(), "broadcast_state", 0)  # all from gang 0's state
         self._request_growth()
         return infos
 
-    def _restore(self, uri: str) -> None:
-        """Every gang loads the checkpoint (resharded to this job's shape); data streams and
-        step counters start at its step."""
-        loaded = self._call(self._live_ranks(), "load_checkpoint", uri)
+    def _resume_streams(self, uri: str) -> dict[int, StreamStart] | None:
+        """Where each rank of this job reads after resuming from ``uri``: the checkpoint's own
+        streams continued (:func:`~raytrec.elastic.rollback.plan_streams`, on any number of
+        ranks), with its batch accounting restored, so the job goes on with the batches the
+        saved one had not trained and counts each batch once across both runs. None, when the
+        checkpoint holds no accounting or the source cannot name its batches: the ranks then
+        read their own shards from the checkpoint's step."""
+        from raytrec.checkpoint.layout import read_manifest
+
+        extra = read_manifest(uri).extra
+        snapshot = extra.get("accounting")
+        if self._stream_id is None or not snapshot or snapshot.get("streams") is None:
+            return None
+        order = self._ranks_in_gang_order()
+        plan = plan_streams(
+            snapshot["streams"],
+            num_ranks=len(order),
+            spare_shards=[getattr(shard, "index", t) for t, shard in enumerate(self.shards)],
+            step=int(extra["step"]),
+        )
+        self.accounting = BatchAccounting.rewound(
+            snapshot, gang_ids=self.membership.gang_ids, stream_id=self._stream_id
+        )
+        return dict(zip(order, plan, strict=True))
+
+    def _restore(self, uri: str, starts: dict[int, StreamStart] | None) -> None:
+        """Every gang loads the checkpoint (resharded to this job's shape); step counters go to
+        its step, and each rank's stream to ``starts`` (else its own shard at that step)."""
+        ranks = self._live_ranks()
+        if starts is None:
+            loaded = self._call(ranks, "load_checkpoint", uri)
+        else:
+            loaded = self._call_by_rank(ranks, "load_checkpoint", lambda r: (uri, starts[r].at))
         step, generation = loaded[0]["step"], loaded[0]["generation"]
         self.step = step
         self._last_save = (step, time.monotonic())
-        for r in self._live_ranks():
-            self.accounting.restart(r, at=step)
+        for r in ranks:
+            if starts is None:
+                self.accounting.restart(r, at=step)
+            else:
+                s = starts[r]
+                gang = self._gang_of(r)
+                self.accounting.resume_rank(
+                    r, gang=gang, step=step, stream_at=s.at, replay=s.replay
+                )
+        if starts is not None:
+            replay = {r: list(s.replay) for r, s in starts.items() if s.replay}
+            if replay:
+                self._call_by_rank(sorted(replay), "replay", lambda r: (replay[r],))
         self.membership = self.membership.synced(step)
         self._rollback = RollbackPoint(
             uri=uri, step=step, accounting=self.accounting.snapshot(self._ranks_in_gang_order())

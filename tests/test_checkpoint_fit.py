@@ -14,6 +14,7 @@ from raytrec.checkpoint.errors import CheckpointError
 from raytrec.checkpoint.layout import CheckpointStore
 from raytrec.cluster import connect
 from raytrec.config import DataConfig, ModelConfig, ScalingConfig, TrainConfig, criteo_tables
+from raytrec.data.synthetic import batch_id
 
 pytestmark = pytest.mark.cluster
 
@@ -63,6 +64,11 @@ def test_save_every_n_steps_then_resume_on_another_shape(first_run: Result, tmp_
     assert [m.step for m in second.history] == [12, 14]
     # It continues the trained model: its loss is already below the first run's start.
     assert second.history[0].loss < first.history[0].loss - 0.02
+    # And the data where the checkpoint left it: each saved rank's stream goes on, and the
+    # accounting carried in the checkpoint counts every batch of both runs exactly once.
+    distinct = {i for a, b in second.committed_batches for i in range(a, b)}
+    assert second.committed_count == len(distinct)
+    assert distinct == {batch_id(shard, k) for shard in range(2) for k in range(14)}
 
 
 def test_an_incompatible_checkpoint_fails_before_any_rank_starts(
