@@ -161,6 +161,8 @@ def fit(
     if source is None:
         source, info = source_from_config(config)
     validate_features(config.model, source.sparse_features)
+    if resume is not None:
+        _check_indexed_resume(resume, config, source)
     plan = _plan(config, source.dense_features, model_factory)
 
     run_dir = os.path.abspath(
@@ -239,6 +241,28 @@ def _check_checkpoint(uri: str, config: TrainConfig) -> None:
     # Tables and optimizers here; each rank checks its dense shapes too before loading.
     expected = signature_for(config, manifest.signature.dense_params)
     check_compatible(manifest.signature, expected, where=uri)
+
+
+def _check_indexed_resume(uri: str, config: TrainConfig, source: BatchSource) -> None:
+    """Parquet read by index resumes only on the number of ranks it was split for: its shards'
+    batches are fixed by that number, and the checkpoint's streams and replay ids name them.
+    (On another number, the saved positions would point at other rows.)"""
+    if not isinstance(source, ParquetSource) or source.read_mode != "indexed":
+        return
+    from raytrec.checkpoint.layout import read_manifest
+
+    streams = (read_manifest(uri).extra.get("accounting") or {}).get("streams")
+    if not streams:
+        return
+    saved = 1 + max(int(s[0]) for s in [*streams["live"], *streams["retired"]])
+    ranks = config.scaling.world_size
+    if ranks != saved:
+        raise ConfigError(
+            f"{uri} was trained on Parquet read by index in {saved} shards, whose batches are "
+            f"fixed by that number; resume it with scaling.num_workers={saved} (not {ranks}) "
+            "to continue on the same rows, or read with data.parquet_read='streaming', which "
+            "restarts the data at the checkpoint's step on any number of ranks"
+        )
 
 
 def _plan(config: TrainConfig, num_dense: int, model_factory: ModelFactory) -> Any:

@@ -41,6 +41,7 @@ ReadAhead = Literal["auto", "background", "inline"]
 DataSourceKind = Literal["synthetic", "parquet", "generated"]
 PoolingName = Literal["sum", "mean"]
 OnBadRows = Literal["error", "skip"]
+ParquetRead = Literal["indexed", "streaming"]
 IdPolicyName = Literal["modulo", "hash", "strict"]
 
 # What TorchRec 1.8's planner offers a CPU compute device (checked on gloo).
@@ -387,13 +388,19 @@ class DataConfig:
       (:class:`~raytrec.data.synthetic.SyntheticCriteo`), no I/O; endless, so ``epochs`` does
       not apply.
     - ``"parquet"``: the Parquet files at ``path`` (a file, a directory or a pyarrow URI such as
-      ``s3://bucket/prefix``), streamed to the ranks with Ray Data. Columns: ``dense_0`` ..
+      ``s3://bucket/prefix``), read by Ray Data (``parquet_read``). Columns: ``dense_0`` ..
       ``dense_{num_dense-1}`` (floats), one id-list column per sparse feature named like the
       feature, ``label`` and ``row_id``.
     - ``"generated"``: Parquet written once from the synthetic teacher model (with its oracle
       AUC known) into ``path`` (default: ``<storage_path>/data/<a name from the sizes>``, reused
-      when already there), then streamed like ``"parquet"``; sized so the job trains
+      when already there), then read like ``"parquet"``; sized so the job trains
       ``epochs`` passes over it in ``num_steps`` steps.
+
+    ``parquet_read`` says how ranks read Parquet: ``"indexed"``, each rank its own batches, each
+    batch at a fixed place in the data, so a lost gang's uncommitted batches are read again by
+    the survivors and a resume from a checkpoint continues on the same rows; or
+    ``"streaming"``, one pipeline cut among the ranks by ``streaming_split`` (batches have no
+    ids: a loss leaves them untrained, counted in ``Result.lost_batches``).
     """
 
     batch_size: int = 256  # rows per rank per step
@@ -402,6 +409,7 @@ class DataConfig:
     epochs: int = 1  # passes over Parquet data
     shuffle_seed: int | None = None  # None: files in sorted order; else a seeded order per epoch
     on_bad_rows: OnBadRows = "error"  # "skip" drops rows holding a bad value and counts them
+    parquet_read: ParquetRead = "indexed"  # "indexed": replayable batches; or "streaming"
     id_policy: IdPolicyName = "modulo"  # how raw ids map into a table's rows
     num_dense: int = 13  # dense columns of a Parquet source
     generated_files: int = 4
@@ -416,6 +424,7 @@ class DataConfig:
         _one_of("data.source", self.source, get_args(DataSourceKind))
         _positive_int("data.epochs", self.epochs)
         _one_of("data.on_bad_rows", self.on_bad_rows, get_args(OnBadRows))
+        _one_of("data.parquet_read", self.parquet_read, get_args(ParquetRead))
         _one_of("data.id_policy", self.id_policy, get_args(IdPolicyName))
         _positive_int("data.num_dense", self.num_dense)
         _positive_int("data.generated_files", self.generated_files)

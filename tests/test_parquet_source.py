@@ -1,5 +1,6 @@
-"""Synthetic Parquet generation and ParquetSource on a local Ray cluster (127.0.0.1): every row
-exactly once per epoch across ranks, bad inputs named by file, column and row, skip mode."""
+"""Synthetic Parquet generation and ParquetSource on a local Ray cluster (127.0.0.1), read with
+``read_mode="streaming"`` (the indexed mode: tests/test_parquet_indexed.py): every row exactly
+once per epoch across ranks, bad inputs named by file, column and row, skip mode."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from jobs.make_data import main as make_data
 from raytrec.cluster import connect
 from raytrec.data.arrow_kjt import BadInputError
 from raytrec.data.generate import auc, write_synthetic_parquet
-from raytrec.data.parquet import EpochConsumption, ParquetShard, ParquetSource, _preprocess
+from raytrec.data.parquet import EpochConsumption, ParquetShard, ParquetSource
+from raytrec.data.preprocess import preprocess
 from raytrec.data.source import Batch
 from raytrec.data.spec import SparseFeature, criteo_spec
 
@@ -35,6 +37,7 @@ pytestmark = pytest.mark.cluster
 ROWS, FILES, GROUPS, VOCAB = 6003, 8, 2, 1000  # 6003 = 4 * 1500 + 3: needs one padding row
 SPEC = criteo_spec(VOCAB)
 TIMEOUT_S = 120
+STREAM = "streaming"
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +146,9 @@ def test_generator_cli_and_argument_checks(tmp_path: pathlib.Path) -> None:
 def test_every_row_exactly_once_per_epoch_across_ranks(
     cluster: None, data_dir: pathlib.Path
 ) -> None:
-    source = ParquetSource(paths=str(data_dir), spec=SPEC, epochs=2, shuffle_seed=11)
+    source = ParquetSource(
+        paths=str(data_dir), spec=SPEC, epochs=2, shuffle_seed=11, read_mode=STREAM
+    )
     shards = source.split(4)
     assert [s.rows_per_epoch for s in shards] == [1501] * 4  # (6003 + 1 padding row) / 4
     # Shards travel pickled, as to the rank actors; all are drained at once.
@@ -251,7 +256,7 @@ def test_pipeline_stage_names_file_column_and_row_id(data_dir: pathlib.Path, rea
     block = table.append_column("path", pa.array(files))
     spec = BAD_VALUES[reason][2]
     with pytest.raises(BadInputError, match=error_pattern(reason, row_id)) as info:
-        _preprocess(block, spec=spec, on_bad_rows="error")
+        preprocess(block, spec=spec, on_bad_rows="error")
     err = info.value
     assert (err.reason, err.file, err.column, err.row_id) == (
         reason,
@@ -259,16 +264,16 @@ def test_pipeline_stage_names_file_column_and_row_id(data_dir: pathlib.Path, rea
         BAD_VALUES[reason][0],
         row_id,
     )
-    out = _preprocess(block, spec=spec, on_bad_rows="skip")  # a marked row, not a missing one
+    out = preprocess(block, spec=spec, on_bad_rows="skip")  # a marked row, not a missing one
     assert out.num_rows == block.num_rows
     assert out.column("__rt_drop").drop_null().to_pylist() == [reason]
-    assert _preprocess(block.slice(0, 0), spec=spec, on_bad_rows="error").num_rows == 0
+    assert preprocess(block.slice(0, 0), spec=spec, on_bad_rows="error").num_rows == 0
     # Without a row-id column the row is named by its index in the block.
     row = int(np.flatnonzero(table.column("row_id").to_numpy() == row_id)[0])
     column = BAD_VALUES[reason][0]
     pattern = rf"\({reason}\) in file '/d/bad\.parquet', column '{column}', row {row}: "
     with pytest.raises(BadInputError, match=pattern):
-        _preprocess(block, spec=dataclasses.replace(spec, row_id=None), on_bad_rows="error")
+        preprocess(block, spec=dataclasses.replace(spec, row_id=None), on_bad_rows="error")
 
 
 @pytest.mark.parametrize("reason", ["nan", "id_out_of_range"])
@@ -280,7 +285,7 @@ def test_bad_value_reaches_the_rank_named_by_file_column_and_row_id(
 ) -> None:
     table, row_id = with_bad_value(small_table(data_dir), reason)
     root = bad_dir(tmp_path / "d", data_dir, lambda p: pq.write_table(table, p))
-    shards = ParquetSource(paths=root, spec=BAD_VALUES[reason][2]).split(2)
+    shards = ParquetSource(paths=root, spec=BAD_VALUES[reason][2], read_mode=STREAM).split(2)
     err = first_error(consume(shards, 64))
     # The rank gets the pipeline's BadInputError itself, not the Ray wrappers around it.
     assert type(err) is BadInputError, repr(err)
@@ -355,7 +360,9 @@ def test_skip_mode_counts_by_reason_and_trains_on_the_rest(
         pq.write_table(t, tmp_path / "skip" / f.name)
     rows = sum(t.num_rows for t in tables)
 
-    source = ParquetSource(paths=str(tmp_path / "skip"), spec=STRICT, on_bad_rows="skip")
+    source = ParquetSource(
+        paths=str(tmp_path / "skip"), spec=STRICT, on_bad_rows="skip", read_mode=STREAM
+    )
     shards = source.split(2)
     results = consume(shards, 128)
     assert not any(isinstance(r, BaseException) for r in results), results
@@ -404,7 +411,9 @@ def test_skip_mode_counts_by_reason_and_trains_on_the_rest(
 def test_explicit_filesystem_and_well_formed_batches(cluster: None, data_dir: pathlib.Path) -> None:
     fs = pafs.SubTreeFileSystem(str(data_dir), pafs.LocalFileSystem())
     names = [p.name for p in sorted(data_dir.glob("*.parquet"))[2:4]]
-    source = ParquetSource(paths=[names[0], f"/{names[1]}"], spec=SPEC, filesystem=fs)
+    source = ParquetSource(
+        paths=[names[0], f"/{names[1]}"], spec=SPEC, filesystem=fs, read_mode=STREAM
+    )
     assert [i.row_groups for i in source.inspect()] == [GROUPS] * 2
     assert len(ParquetSource(paths="/", spec=SPEC, filesystem=fs).list_files()[1]) == FILES
     (shard,) = source.split(1)

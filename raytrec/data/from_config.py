@@ -90,6 +90,7 @@ def source_from_config(config: TrainConfig) -> tuple[BatchSource, DataInfo]:
         shuffle_seed=data.shuffle_seed,
         on_bad_rows=data.on_bad_rows,
         prefetch_batches=data.prefetch_batches,
+        read_mode=data.parquet_read,
     )
     rows = generated_rows(config) if data.source == "generated" else None
     return source, DataInfo(kind=data.source, path=path, rows_per_epoch=rows, oracle_auc=oracle)

@@ -1,0 +1,401 @@
+"""Parquet read by index: every batch of every rank has a fixed place in the data, so it has an
+id, it can be read again, and a stream can start at any step.
+
+:class:`~raytrec.data.parquet_plan.BatchPlan` (pure) says which rows make step ``s`` of rank
+``r``; that batch's id is :func:`~raytrec.data.synthetic.batch_id` ``(r, s)``, the ids the
+coordinator's exactly-once accounting already uses for the synthetic source. Each rank reads its
+own steps with a Ray Data pipeline of its own, started in the rank::
+
+    read_datasource(one read task per piece of a row group, in step order)
+      -> map_batches(preprocess)       # fused with the read: the streaming mode's CPU stage
+      -> iter_batches(whole blocks)    # preserve_order: blocks come in task order
+
+A read task opens one file, decodes one row group up to the piece's last row (in record batches
+of at most 16,384 rows, so memory stays bounded whatever the row group size) and adds each
+row's step, and for error messages its file, row group and index in the file.
+``read_concurrency`` bounds the tasks in flight per rank (the read-ahead); Ray Data schedules
+them on the CPUs left beside the ranks. The rank regroups the blocks by step (a batch can span
+two row groups, so two blocks), drops and counts rows marked as bad, and converts.
+
+:meth:`IndexedParquetShard.replay` runs the same read function and preprocessing on one batch's
+rows in the rank's own process (a pipeline's start-up would cost more than one batch), so a
+replayed batch is bitwise the batch first read, and bad input in it is named the same way.
+
+A batch all of whose rows were skipped as bad (``on_bad_rows="skip"``) stops the stream with a
+:class:`~raytrec.data.arrow_kjt.BadInputError`: its step cannot train on no rows (the mean loss
+would be NaN), and leaving the step out would shift every later batch's id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import ray
+import ray.data
+import ray.exceptions
+from ray.data import ReadTask
+from ray.data.block import BlockMetadata
+
+from raytrec.data.arrow_kjt import BadInputError, OnBadRows, to_batch
+from raytrec.data.parquet_plan import BatchPlan, Piece
+from raytrec.data.preprocess import (
+    DROP,
+    FILE_ROW,
+    PATH,
+    ROW_GROUP,
+    EpochConsumption,
+    EpochLog,
+    find_bad_input,
+    layout_of,
+    preprocess_rows,
+    take_marked,
+)
+from raytrec.data.source import Batch, BatchShard
+from raytrec.data.spec import FeatureSpec
+from raytrec.data.synthetic import batch_id, split_batch_id
+
+__all__ = ["IndexedParquetShard", "read_piece"]
+
+# The column of each row's step, from the read task to the rank.
+STEP = "__rt_step"
+# Rows per decoded record batch, so per block: bounds a read task's memory (~16 MB of Criteo rows).
+_READ_ROWS = 16_384
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class IndexedParquetShard(BatchShard):
+    """Rank ``index`` of ``num_shards`` reading ``paths`` by index (see the module doc); built by
+    :meth:`raytrec.data.parquet.ParquetSource.split` with ``read_mode="indexed"``. Picklable, and
+    any copy reads the same batches (the plan is a pure function of its fields).
+
+    ``row_groups``: the row count of each row group of each file, from the footers.
+    ``source_spec``: the user's spec, applied by the preprocessing on Ray Data's workers.
+    ``in_process``: read and preprocess in this process, one piece after the other, instead of
+    in a Ray Data pipeline: the same functions on the same rows, so the same batches (for tests
+    and debugging without a cluster).
+    """
+
+    index: int
+    num_shards: int
+    filesystem: pafs.FileSystem
+    paths: tuple[str, ...]
+    row_groups: tuple[tuple[int, ...], ...]
+    source_spec: FeatureSpec
+    epochs: int
+    shuffle_seed: int | None
+    on_bad_rows: OnBadRows
+    read_concurrency: int
+    in_process: bool = False
+    last_row_ids: np.ndarray | None = dataclasses.field(default=None, init=False)
+    current_epoch: int = dataclasses.field(default=-1, init=False)
+    _log: list[EpochLog] = dataclasses.field(default_factory=list, init=False, repr=False)
+    _plans: dict[int, BatchPlan] = dataclasses.field(default_factory=dict, init=False, repr=False)
+
+    replayable = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.num_shards:
+            raise ValueError(f"index must be in [0, {self.num_shards}), got {self.index!r}")
+
+    @property
+    def spec(self) -> FeatureSpec:
+        """The internal layout's spec, which the rank converts with."""
+        return layout_of(self.source_spec).rank_spec
+
+    def plan(self, batch_size: int) -> BatchPlan:
+        """The job's assignment of rows for batches of ``batch_size`` rows (at most)."""
+        plan = self._plans.get(batch_size)
+        if plan is None:
+            plan = BatchPlan(
+                paths=self.paths,
+                row_groups=self.row_groups,
+                num_shards=self.num_shards,
+                batch_size=batch_size,
+                epochs=self.epochs,
+                shuffle_seed=self.shuffle_seed,
+            )
+            self._plans[batch_size] = plan
+        return plan
+
+    def batches(self, batch_size: int, *, start_step: int = 0) -> Iterator[Batch]:
+        """Yields this rank's batches from step ``start_step`` on, over every epoch, then ends.
+
+        Every rank has ``plan(batch_size).steps_per_epoch`` batches per epoch, each of at most
+        ``batch_size`` rows (fewer where rows were skipped as bad). Each rank's stream is
+        independent of the others'.
+        """
+        return (b for _, b in self.identified_batches(batch_size, start_step=start_step))
+
+    def identified_batches(
+        self, batch_size: int, *, start_step: int = 0
+    ) -> Iterator[tuple[int | None, Batch]]:
+        # Validate eagerly (a generator body would only run on the first next()).
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step!r}")
+        return self._stream(self.plan(batch_size), start_step)
+
+    def replay(self, batch_id: int, batch_size: int) -> Batch:
+        """Batch ``batch_id`` (of any rank of this job) read again: bitwise the batch that
+        :meth:`identified_batches` yielded under this id."""
+        rank, step = split_batch_id(batch_id)
+        plan = self.plan(batch_size)
+        if not (0 <= rank < self.num_shards and 0 <= step < plan.num_steps):
+            raise ValueError(
+                f"batch id {batch_id} (rank {rank}, step {step}) is not one of this job's: "
+                f"{self.num_shards} ranks of {plan.num_steps} steps each"
+            )
+        cutter = _StepCutter(step, functools.partial(plan.batch_size_of, rank))
+        done: list[tuple[int, pa.Table]] = []
+        for piece in plan.pieces(rank, step, step + 1):
+            for table in read_piece(self.filesystem, piece, self.source_spec.required_columns()):
+                done += cutter.feed(self._preprocess(table))
+        cutter.finish(step + 1)
+        ((_, rows),) = done
+        log = EpochLog(step // plan.steps_per_epoch, has_ids=False)  # a replay is not a read
+        return self._convert(plan, rank, step, rows, log)[0]
+
+    def consumed(self) -> tuple[EpochConsumption, ...]:
+        """Per epoch started so far, what this shard yielded (no ``padding`` in this mode, and
+        nothing ``discarded``: a stream that starts at a later step does not read the earlier
+        ones)."""
+        return tuple(log.freeze() for log in self._log)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def _stream(self, plan: BatchPlan, start_step: int) -> Iterator[tuple[int | None, Batch]]:
+        cutter = _StepCutter(start_step, functools.partial(plan.batch_size_of, self.index))
+        m = plan.steps_per_epoch
+        try:
+            for block in self._pipeline(plan, start_step):
+                for step, rows in cutter.feed(block):
+                    epoch = step // m
+                    if epoch != self.current_epoch:
+                        self._log.append(EpochLog(epoch, has_ids=self.spec.row_id is not None))
+                        self.current_epoch = epoch
+                    log = self._log[-1]
+                    batch, self.last_row_ids = self._convert(plan, self.index, step, rows, log)
+                    log.complete = step == (epoch + 1) * m - 1
+                    yield batch_id(self.index, step), batch
+        except ray.exceptions.RayError as e:
+            bad = find_bad_input(e)
+            if bad is None:
+                raise
+            raise bad from e
+        cutter.finish(max(start_step, plan.num_steps))
+
+    def _pipeline(self, plan: BatchPlan, start_step: int) -> Iterator[pa.Table]:
+        """The preprocessed blocks of this rank's steps from ``start_step`` on, in order."""
+        if start_step >= plan.num_steps:
+            return iter(())
+        pieces = plan.pieces(self.index, start_step, plan.num_steps)
+        if self.in_process:
+            columns = self.source_spec.required_columns()
+            return (
+                self._preprocess(table)
+                for piece in pieces
+                for table in read_piece(self.filesystem, piece, columns)
+            )
+        source = _PieceSource(pieces, self.filesystem, self.source_spec.required_columns())
+        # The same task pool for both stages: Ray Data then fuses them into one task per piece,
+        # so no block crosses the object store in between.
+        tasks = ray.data.TaskPoolStrategy(size=self.read_concurrency)
+        ds = ray.data.read_datasource(
+            source,
+            compute=tasks,
+            override_num_blocks=len(pieces),  # one task per piece: no splitting of its output
+        ).map_batches(
+            functools.partial(
+                _preprocess_piece, spec=self.source_spec, on_bad_rows=self.on_bad_rows
+            ),
+            batch_format="pyarrow",
+            batch_size=None,  # whole blocks: the conversion is vectorized, bigger is cheaper
+            zero_copy_batch=True,
+            compute=tasks,
+        )
+        ctx = ds.context  # this dataset's own copy
+        ctx.execution_options.preserve_order = True
+        # A BadInputError leaves the map task as itself, not as Ray's UserCodeException.
+        ctx.raise_original_map_exception = True
+        ctx.enable_progress_bars = False  # the job prints its own progress
+        ctx.enable_operator_progress_bars = False
+        # Read-ahead is the tasks in flight; one block more here keeps the rank's thread fed. (The
+        # streaming mode's prefetch_batches counts batches; a block holds up to _READ_ROWS rows.)
+        blocks: Iterator[pa.Table] = ds.iter_batches(
+            batch_size=None, batch_format="pyarrow", prefetch_batches=1
+        )
+        return blocks
+
+    def _preprocess(self, table: pa.Table) -> pa.Table:
+        return _preprocess_piece(table, spec=self.source_spec, on_bad_rows=self.on_bad_rows)
+
+    def _convert(
+        self, plan: BatchPlan, rank: int, step: int, rows: pa.Table, log: EpochLog
+    ) -> tuple[Batch, np.ndarray | None]:
+        """One step's rows (internal layout, marked rows included) as a batch, logged in
+        ``log``; and the batch's row ids."""
+        kept = take_marked(rows, log, row_id=self.spec.row_id)
+        if kept.num_rows == 0:
+            raise _no_rows_left(plan, rank, step, rows)
+        batch, report = to_batch(kept, self.spec)  # checked on the worker: cannot fail here
+        log.batches += 1
+        log.rows += report.rows_out
+        if report.row_ids is not None:
+            log.ids.add(report.row_ids)
+        return batch, report.row_ids
+
+
+def read_piece(fs: pafs.FileSystem, piece: Piece, columns: Sequence[str]) -> Iterator[pa.Table]:
+    """The rows of ``piece`` with the columns ``columns``, and for each row its step, file, row
+    group and index in the file; in tables of at most ``_READ_ROWS`` rows."""
+    steps = np.repeat(np.arange(piece.step, piece.step + len(piece.counts)), piece.counts)
+    try:
+        with fs.open_input_file(piece.path) as f:
+            reader = pq.ParquetFile(f)
+            at = 0  # the row group's row where the next record batch starts
+            for rb in reader.iter_batches(
+                batch_size=_READ_ROWS,
+                row_groups=[piece.row_group],
+                columns=list(columns),
+                use_threads=False,  # one task per CPU: Ray Data already runs them in parallel
+            ):
+                lo, hi = max(piece.start - at, 0), min(piece.stop - at, rb.num_rows)
+                if hi > lo:
+                    first = at + lo - piece.start  # the piece's row at the table's start
+                    yield _annotate(rb.slice(lo, hi - lo), piece, first, steps)
+                at += rb.num_rows
+                if at >= piece.stop:
+                    return
+    except (pa.ArrowException, OSError) as e:
+        detail = f"reading rows {piece.start}..{piece.stop} failed ({type(e).__name__}: {e})"
+        raise BadInputError(
+            "corrupt_file", detail, file=piece.path, row_group=piece.row_group
+        ) from e
+    raise BadInputError(  # the footer promised more rows than the row group holds
+        "corrupt_file",
+        f"row group {piece.row_group} ended before row {piece.stop}",
+        file=piece.path,
+        row_group=piece.row_group,
+    )
+
+
+def _annotate(rb: pa.RecordBatch, piece: Piece, first: int, steps: np.ndarray) -> pa.Table:
+    """``rb`` (the piece's rows from its row ``first`` on) with each row's step and place."""
+    n = rb.num_rows
+    # The path is one value for the whole piece: a dictionary column costs one index per row.
+    path = pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array([piece.path]))
+    start = piece.file_row + first
+    extra = {
+        PATH: path,
+        FILE_ROW: pa.array(np.arange(start, start + n, dtype=np.int64)),
+        ROW_GROUP: pa.array(np.full(n, piece.row_group, np.int32)),
+        STEP: pa.array(steps[first : first + n]),
+    }
+    return pa.Table.from_arrays(
+        [*rb.columns, *extra.values()], names=[*rb.schema.names, *extra.keys()]
+    )
+
+
+def _preprocess_piece(table: pa.Table, *, spec: FeatureSpec, on_bad_rows: OnBadRows) -> pa.Table:
+    """The workers' stage: :func:`~raytrec.data.preprocess.preprocess`, each row keeping its
+    step (bad rows, moved after the good ones, too)."""
+    out, source_rows = preprocess_rows(table, spec=spec, on_bad_rows=on_bad_rows)
+    steps = table.column(STEP)
+    if source_rows is not None:
+        steps = steps.take(pa.array(source_rows))
+    return out.append_column(STEP, steps)
+
+
+class _StepCutter:
+    """Regroups a rank's preprocessed blocks, in order, into its steps' rows. A step is
+    complete when it holds as many rows (kept and marked) as the plan gives it."""
+
+    def __init__(self, first_step: int, size_of: Callable[[int], int]) -> None:
+        self.step, self.size_of = first_step, size_of
+        self.parts: list[pa.Table] = []
+        self.have = 0
+
+    def feed(self, table: pa.Table) -> list[tuple[int, pa.Table]]:
+        if table.num_rows == 0:
+            return []
+        steps = table.column(STEP).to_numpy()
+        if table.column(DROP).null_count < table.num_rows:
+            # Marked rows follow their block's good rows: put each back with its step's rows.
+            order = np.argsort(steps, kind="stable")
+            table, steps = table.take(pa.array(order)), steps[order]
+        starts = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]])
+        done: list[tuple[int, pa.Table]] = []
+        for a, b in zip(starts.tolist(), [*starts[1:].tolist(), len(steps)], strict=True):
+            step = int(steps[a])
+            if step != self.step:
+                raise RuntimeError(f"rows of step {step} came while step {self.step} was due")
+            self.parts.append(table.slice(a, b - a))
+            self.have += b - a
+            size = self.size_of(step)
+            if self.have > size:
+                raise RuntimeError(f"step {step} got {self.have} rows, its batch has {size}")
+            if self.have == size:
+                parts, self.parts, self.have = self.parts, [], 0
+                done.append((step, parts[0] if len(parts) == 1 else pa.concat_tables(parts)))
+                self.step += 1
+        return done
+
+    def finish(self, end_step: int) -> None:
+        """The input ended: every step up to ``end_step`` must have been complete."""
+        if self.parts or self.step != end_step:
+            raise RuntimeError(
+                f"the read ended at step {self.step} ({self.have} rows into it), "
+                f"expected the end of step {end_step - 1}"
+            )
+
+
+class _PieceSource(ray.data.Datasource):
+    """A Ray Data datasource of one read task per piece, in the order given."""
+
+    def __init__(self, pieces: list[Piece], fs: pafs.FileSystem, columns: Sequence[str]) -> None:
+        super().__init__()
+        self.pieces, self.fs, self.columns = pieces, fs, tuple(columns)
+
+    def get_name(self) -> str:
+        return "ParquetPieces"
+
+    def estimate_inmemory_data_size(self) -> int | None:
+        return None
+
+    def get_read_tasks(
+        self, parallelism: int, per_task_row_limit: int | None = None, data_context: object = None
+    ) -> list[ReadTask]:
+        # One task per piece whatever ``parallelism`` asks: the pieces are the plan's.
+        return [
+            ReadTask(
+                functools.partial(read_piece, self.fs, p, self.columns),
+                BlockMetadata(
+                    num_rows=p.rows, size_bytes=None, exec_stats=None, input_files=(p.path,)
+                ),
+            )
+            for p in self.pieces
+        ]
+
+
+def _no_rows_left(plan: BatchPlan, rank: int, step: int, rows: pa.Table) -> BadInputError:
+    pieces = plan.pieces(rank, step, step + 1)
+    where = ", ".join(
+        f"{p.path} rows {p.file_row}..{p.file_row + p.rows - 1} (row group {p.row_group})"
+        for p in pieces
+    )
+    detail = (
+        f"batch {step} of rank {rank} has no rows left: all {rows.num_rows} were skipped as bad "
+        f"({where}); a batch read by index keeps its step, and no step trains on no rows "
+        "(clean the data, or read it with data.parquet_read='streaming')"
+    )
+    first = pieces[0]
+    return BadInputError(
+        "no_rows_left", detail, file=first.path, row_group=first.row_group, row=first.file_row
+    )

@@ -1,0 +1,196 @@
+"""The indexed Parquet assignment (pure, milliseconds to a second): every row of every epoch in
+exactly one batch of one rank, batch ids unique and mapped back to their rows, resumes exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from raytrec.data.parquet_plan import BatchPlan, Piece
+from raytrec.data.synthetic import batch_id, split_batch_id
+
+
+def random_plan(
+    rng: np.random.Generator,
+    *,
+    files: int,
+    max_groups: int,
+    max_rows: int,
+    num_shards: int,
+    batch_size: int,
+    epochs: int = 2,
+    shuffle_seed: int | None = 5,
+) -> BatchPlan:
+    """Files of 1..max_groups row groups of 0..max_rows rows (empty row groups included)."""
+    groups = [
+        tuple(int(n) for n in rng.integers(0, max_rows + 1, rng.integers(1, max_groups + 1)))
+        for _ in range(files)
+    ]
+    return BatchPlan(
+        paths=tuple(f"/data/part-{i:05d}.parquet" for i in range(files)),
+        row_groups=tuple(groups),
+        num_shards=num_shards,
+        batch_size=batch_size,
+        epochs=epochs,
+        shuffle_seed=shuffle_seed,
+    )
+
+
+def global_rows(plan: BatchPlan, piece: Piece) -> tuple[int, int]:
+    """The piece's rows as [start, stop) in the concatenation of all files (listing order)."""
+    f = plan.paths.index(piece.path)
+    before = sum(sum(g) for g in plan.row_groups[:f])
+    assert piece.file_row == sum(plan.row_groups[f][: piece.row_group]) + piece.start
+    return before + piece.file_row, before + piece.file_row + piece.rows
+
+
+def check_cover(plan: BatchPlan) -> dict[int, list[tuple[int, int]]]:
+    """Every row in exactly one batch of one rank per epoch, and every batch as the plan sizes
+    it; returns batch id -> its rows (global ranges)."""
+    n, m = plan.rows_per_epoch, plan.steps_per_epoch
+    rows_of: dict[int, list[tuple[int, int]]] = {}
+    for epoch in range(plan.epochs):
+        hits = np.zeros(n + 1, dtype=np.int64)  # a difference array: +1 at start, -1 at stop
+        for rank in range(plan.num_shards):
+            pieces = plan.pieces(rank, epoch * m, (epoch + 1) * m)
+            steps: list[int] = []
+            for p in pieces:
+                group_rows = plan.row_groups[plan.paths.index(p.path)][p.row_group]
+                assert 0 <= p.start < p.stop <= group_rows
+                assert sum(p.counts) == p.rows and all(c > 0 for c in p.counts)
+                a, b = global_rows(plan, p)
+                hits[a] += 1
+                hits[b] -= 1
+                at = a
+                for k, count in enumerate(p.counts):
+                    step = p.step + k
+                    if not steps or steps[-1] != step:
+                        steps.append(step)
+                    rows_of.setdefault(batch_id(rank, step), []).append((at, at + count))
+                    at += count
+            # Every step of the epoch, in order, each sized as batch_rows says.
+            assert steps == list(range(epoch * m, (epoch + 1) * m))
+            for step in steps:
+                size = sum(b - a for a, b in rows_of[batch_id(rank, step)])
+                assert size == plan.batch_size_of(rank, step)
+                assert 1 <= size <= plan.batch_size
+        assert (np.cumsum(hits)[:n] == 1).all(), f"epoch {epoch}: a row in 0 or 2 batches"
+    return rows_of
+
+
+@pytest.mark.parametrize(
+    ("num_shards", "batch_size", "shuffle_seed"),
+    [(1, 64, None), (3, 50, None), (7, 33, 1), (16, 8, 2), (5, 2, None), (64, 100, 3)],
+)
+def test_every_row_of_every_epoch_in_exactly_one_batch_of_one_rank(
+    num_shards: int, batch_size: int, shuffle_seed: int | None
+) -> None:
+    rng = np.random.default_rng(num_shards * 1000 + batch_size)
+    plan = random_plan(
+        rng,
+        files=23,
+        max_groups=6,
+        max_rows=400,
+        num_shards=num_shards,
+        batch_size=batch_size,
+        epochs=2,
+        shuffle_seed=shuffle_seed,
+    )
+    rows_of = check_cover(plan)
+    # Ids: one per (rank, step), all distinct, each mapping back to its rank and step.
+    assert len(rows_of) == num_shards * plan.num_steps
+    for i in rows_of:
+        rank, step = split_batch_id(i)
+        assert 0 <= rank < num_shards and 0 <= step < plan.num_steps
+        # The id alone gives back the batch's rows.
+        assert rows_of[i] == [global_rows(plan, p) for p in plan.pieces(rank, step, step + 1)]
+
+
+def test_batches_hold_exactly_batch_size_when_it_divides_the_share() -> None:
+    plan = BatchPlan(
+        paths=("a", "b"),
+        row_groups=((1000, 600), (448,)),
+        num_shards=4,
+        batch_size=64,
+        epochs=1,
+    )  # 2048 rows: 512 per rank, 8 batches of 64
+    assert plan.steps_per_epoch == 8
+    assert {plan.batch_size_of(r, s) for r in range(4) for s in range(8)} == {64}
+    # Shares that differ by a row: the same number of batches, none above batch_size.
+    odd = BatchPlan(paths=("a",), row_groups=((2051,),), num_shards=4, batch_size=64, epochs=1)
+    sizes = [[odd.batch_size_of(r, s) for s in range(odd.steps_per_epoch)] for r in range(4)]
+    assert [sum(s) for s in sizes] == [512, 513, 513, 513]
+    assert all(len(s) == 9 and max(s) <= 64 and min(s) >= 56 for s in sizes)
+
+
+def test_at_production_size_4096_ranks() -> None:
+    rng = np.random.default_rng(0)
+    plan = BatchPlan(
+        paths=tuple(f"f{i}" for i in range(2000)),
+        row_groups=tuple(tuple(int(n) for n in rng.integers(200, 600, 10)) for _ in range(2000)),
+        num_shards=4096,
+        batch_size=256,
+        epochs=1,
+        shuffle_seed=7,
+    )
+    n, m = plan.rows_per_epoch, plan.steps_per_epoch
+    assert m == 8  # ~8M rows: shares of ~1950 rows
+    hits = np.zeros(n + 1, dtype=np.int32)
+    firsts = np.r_[0, np.cumsum([sum(g) for g in plan.row_groups])]
+    index = {p: i for i, p in enumerate(plan.paths)}
+    for rank in range(plan.num_shards):
+        for p in plan.pieces(rank, 0, m):
+            a = firsts[index[p.path]] + p.file_row
+            hits[a] += 1
+            hits[a + p.rows] -= 1
+    assert (np.cumsum(hits)[:n] == 1).all()
+
+
+def test_shuffled_orders_are_seeded_per_epoch() -> None:
+    rng = np.random.default_rng(1)
+    kw = {"files": 40, "max_groups": 4, "max_rows": 50, "num_shards": 4, "batch_size": 16}
+    plan = random_plan(rng, **kw, epochs=3, shuffle_seed=9)
+    again = random_plan(np.random.default_rng(1), **kw, epochs=3, shuffle_seed=9)
+    orders = [plan.epoch_order(e).tolist() for e in range(3)]
+    assert orders == [again.epoch_order(e).tolist() for e in range(3)]  # reproducible
+    assert orders[0] != orders[1] != orders[2]  # and drawn afresh every epoch
+    assert all(sorted(o) == list(range(len(o))) for o in orders)
+    plain = random_plan(np.random.default_rng(1), **kw, epochs=3, shuffle_seed=None)
+    assert all(plain.epoch_order(e).tolist() == sorted(orders[0]) for e in range(3))
+    # Rank 0 reads other rows in each epoch.
+    m = plan.steps_per_epoch
+    firsts = [plan.pieces(0, e * m, e * m + 1)[0] for e in range(3)]
+    assert len({(p.path, p.row_group, p.start) for p in firsts}) > 1
+
+
+def test_a_range_of_steps_is_the_steps_one_by_one() -> None:
+    plan = random_plan(
+        np.random.default_rng(2), files=9, max_groups=3, max_rows=300, num_shards=3, batch_size=40
+    )
+
+    def rows(pieces: list[Piece]) -> list[tuple[str, int, int]]:
+        return [(p.path, p.row_group, r) for p in pieces for r in range(p.start, p.stop)]
+
+    for rank in range(3):
+        for start in (0, 1, plan.steps_per_epoch - 1, plan.steps_per_epoch + 2):
+            whole = rows(plan.pieces(rank, start, plan.num_steps))
+            one_by_one = [
+                r for s in range(start, plan.num_steps) for r in rows(plan.pieces(rank, s, s + 1))
+            ]
+            assert whole == one_by_one
+    assert plan.pieces(0, 3, 3) == []
+
+
+def test_plans_that_would_leave_a_batch_empty_are_refused() -> None:
+    with pytest.raises(ValueError, match="the data has 3 rows, fewer than the 4 ranks"):
+        BatchPlan(paths=("a",), row_groups=((3,),), num_shards=4, batch_size=8, epochs=1)
+    # 9 rows over 2 ranks in batches of 1: 5 batches each, and the share of 4 rows cannot fill 5.
+    with pytest.raises(ValueError, match="a batch would be empty"):
+        BatchPlan(paths=("a",), row_groups=((9,),), num_shards=2, batch_size=1, epochs=1)
+    with pytest.raises(ValueError, match=r"BatchPlan.row_groups must be one tuple per path"):
+        BatchPlan(paths=("a", "b"), row_groups=((9,),), num_shards=1, batch_size=1, epochs=1)
+    plan = BatchPlan(paths=("a",), row_groups=((9,),), num_shards=1, batch_size=4, epochs=2)
+    with pytest.raises(ValueError, match=r"step must be in \[0, 6\)"):
+        plan.batch_rows(0, 6)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 1\)"):
+        plan.share(1)

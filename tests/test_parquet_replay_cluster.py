@@ -1,0 +1,144 @@
+"""Parquet read by index through fit() on a local Ray cluster (127.0.0.1): a gang lost
+mid-training, whose uncommitted batches the survivors read again and train, so every batch is
+in the final model exactly once and none is lost; and a resume from a checkpoint that goes on
+with the batches after it."""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+from collections.abc import Iterator
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import ray
+
+from raytrec.api import fit
+from raytrec.checkpoint.config import CheckpointConfig
+from raytrec.cluster import connect
+from raytrec.config import (
+    DataConfig,
+    ModelConfig,
+    ScalingConfig,
+    SyncConfig,
+    TrainConfig,
+    criteo_tables,
+)
+from raytrec.data.from_config import parquet_spec
+from raytrec.data.generate import write_synthetic_parquet
+from raytrec.data.parquet import IndexedParquetShard, ParquetSource
+from raytrec.data.synthetic import batch_id, split_batch_id
+from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
+from raytrec.errors import ConfigError
+
+pytestmark = pytest.mark.cluster
+
+ROWS, VOCAB, B, STEPS = 1200, 200, 32, 16
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    connect(num_cpus=4)  # 2 ranks, and 2 CPUs for the ranks' Ray Data read tasks
+    yield
+    ray.shutdown()
+
+
+def test_a_lost_gang_s_uncommitted_parquet_batches_are_replayed(
+    cluster: None, tmp_path: pathlib.Path
+) -> None:
+    data = write_synthetic_parquet(
+        tmp_path / "data", rows=ROWS, files=4, row_groups_per_file=2, seed=2, num_embeddings=VOCAB
+    )
+    config = TrainConfig(
+        model=ModelConfig(tables=criteo_tables(num_features=4, num_embeddings=VOCAB)),
+        scaling=ScalingConfig(num_workers=2, gang_size=1),  # 2 gangs x 1 rank
+        sync=SyncConfig(sync_every=4),
+        data=DataConfig(
+            source="parquet",
+            path=str(tmp_path / "data"),
+            parquet_read="indexed",
+            batch_size=B,
+            shuffle_seed=1,
+        ),
+        elastic=ElasticConfig(
+            min_gangs=1, grow=False, step_timeout_s=60, collective_timeout_s=10, poll_s=0.2
+        ),
+        # Rank 1 dies as it starts step 7: it trained 5 and 6 after the job-wide sync of step 4.
+        faults=FaultConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=7, rank=1),)),
+        num_steps=STEPS,
+        log_every=2,
+        storage_path=str(tmp_path),
+    )
+    result = fit(config, shutdown_ray=False)
+
+    assert result.steps == STEPS, result.events
+    kinds = [e["kind"] for e in result.events]
+    assert "rank_died" in kinds and "gang_dropped" in kinds, kinds
+    assert result.history[-1].gangs == 1
+    # Every batch committed once: each shard's committed steps a gap-free prefix, and nothing
+    # lost. Rank 1's batches after the sync of step 4 were replayed by rank 0, which trained one
+    # batch per step: its own and those.
+    distinct = sum(b - a for a, b in result.committed_batches)
+    assert result.committed_count == distinct, "a batch was trained into the model twice"
+    committed = [i for a, b in result.committed_batches for i in range(a, b)]
+    by_shard: dict[int, list[int]] = collections.defaultdict(list)
+    for i in committed:
+        shard, step = split_batch_id(i)
+        by_shard[shard].append(step)
+    assert sorted(by_shard) == [0, 1]
+    for steps in by_shard.values():
+        assert sorted(steps) == list(range(len(steps)))
+    replayed = [split_batch_id(i) for a, b in result.replayed_batches for i in range(a, b)]
+    assert {(1, 5), (1, 6)} <= set(replayed) <= {(1, s) for s in by_shard[1]}
+    assert len(by_shard[0]) + len(replayed) == STEPS
+    assert result.lost_batches == 0
+    assert len({d["dense"] for d in result.state_digests.values()}) == 1
+
+    # In rows: the committed batches hold distinct rows of the data (by row_id), as many as
+    # the plan gives them.
+    source = ParquetSource(paths=data.paths, spec=parquet_spec(config), read_mode="indexed")
+    shard = source.split(2)[0]
+    assert isinstance(shard, IndexedParquetShard)
+    plan = shard.plan(B)
+    row_ids = {p: pq.read_table(p, columns=["row_id"])["row_id"].to_numpy() for p in data.paths}
+    trained = [
+        row_ids[p.path][p.file_row : p.file_row + p.rows]
+        for i in committed
+        for p in plan.pieces(*split_batch_id(i), split_batch_id(i)[1] + 1)
+    ]
+    flat = np.concatenate(trained)
+    assert len(np.unique(flat)) == len(flat)
+    assert len(flat) == sum(plan.batch_size_of(*split_batch_id(i)) for i in committed)
+
+
+def test_a_resume_continues_on_the_batches_after_the_checkpoint(
+    cluster: None, tmp_path: pathlib.Path
+) -> None:
+    write_synthetic_parquet(
+        tmp_path / "data", rows=ROWS, files=4, row_groups_per_file=2, seed=3, num_embeddings=VOCAB
+    )
+    config = TrainConfig(
+        model=ModelConfig(tables=criteo_tables(num_features=4, num_embeddings=VOCAB)),
+        scaling=ScalingConfig(num_workers=2, gang_size=1),
+        data=DataConfig(source="parquet", path=str(tmp_path / "data"), batch_size=B),
+        checkpoint=CheckpointConfig(every_n_steps=4, checkpoint_at_end=True),
+        num_steps=6,
+        log_every=2,
+        storage_path=str(tmp_path),
+    )
+    first = fit(config, shutdown_ray=False)
+    assert first.checkpoint is not None
+    second = fit(
+        config.replace(num_steps=10), resume_from_checkpoint=first.checkpoint, shutdown_ray=False
+    )
+    # Each rank went on from batch 6 of its own stream: over both runs every batch 0..9 of
+    # both shards is in the model once (the accounting travels in the checkpoint).
+    committed = {i for a, b in second.committed_batches for i in range(a, b)}
+    assert second.committed_count == len(committed)
+    assert committed == {batch_id(shard, k) for shard in range(2) for k in range(10)}
+    # On another number of ranks the saved positions would name other rows: refused up front.
+    other = config.replace(num_steps=10, scaling=ScalingConfig(num_workers=1, gang_size=1))
+    with pytest.raises(ConfigError, match=r"in 2 shards.*scaling.num_workers=2 \(not 1\)"):
+        fit(other, resume_from_checkpoint=first.checkpoint, shutdown_ray=False)
