@@ -734,8 +734,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument(
         "--steps-after",
         type=int,
-        default=23,
-        help="run 3: steps from the failure on (room for the new gang to join)",
+        default=400,
+        help="run 3: steps from the failure on (room for the new gang, built in the background "
+        "while the survivors train, to join)",
     )
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
