@@ -70,7 +70,7 @@ from raytrec.elastic.events import (
     RankDied,
 )
 from raytrec.elastic.membership import Gang, Membership, RankSlot
-from raytrec.elastic.rollback import RollbackPoint, StreamStart, plan_streams
+from raytrec.elastic.rollback import RollbackPoint, StreamStart
 from raytrec.engine.rank import RENDEZVOUS_TIMEOUT_S, RankSpec, StoreAddress
 from raytrec.errors import JobFailedError
 from raytrec.metrics import IntervalMetrics, aggregate_interval
@@ -248,17 +248,12 @@ class Coordinator(GangGrowth, TotalLossRecovery):
         snapshot = extra.get("accounting")
         if self._stream_id is None or not snapshot or snapshot.get("streams") is None:
             return None
-        order = self._ranks_in_gang_order()
-        plan = plan_streams(
-            snapshot["streams"],
-            num_ranks=len(order),
-            spare_shards=[getattr(shard, "index", t) for t, shard in enumerate(self.shards)],
+        return self._rewind_to(
+            snapshot,
+            order=self._ranks_in_gang_order(),
+            gang_ids=self.membership.gang_ids,
             step=int(extra["step"]),
         )
-        self.accounting = BatchAccounting.rewound(
-            snapshot, gang_ids=self.membership.gang_ids, stream_id=self._stream_id
-        )
-        return dict(zip(order, plan, strict=True))
 
     def _restore(self, uri: str, starts: dict[int, StreamStart] | None) -> None:
         """Every gang loads the checkpoint (resharded to this job's shape); step counters go to
@@ -271,19 +266,12 @@ class Coordinator(GangGrowth, TotalLossRecovery):
         step, generation = loaded[0]["step"], loaded[0]["generation"]
         self.step = step
         self._last_save = (step, time.monotonic())
-        for r in ranks:
-            if starts is None:
+        if starts is None:
+            for r in ranks:
                 self.accounting.restart(r, at=step)
-            else:
-                s = starts[r]
-                gang = self._gang_of(r)
-                self.accounting.resume_rank(
-                    r, gang=gang, step=step, stream_at=s.at, replay=s.replay
-                )
-        if starts is not None:
-            replay = {r: list(s.replay) for r, s in starts.items() if s.replay}
-            if replay:
-                self._call_by_rank(sorted(replay), "replay", lambda r: (replay[r],))
+        else:
+            self._continue_streams(starts, gang_of=self._gang_of, step=step)
+            self._queue_replays(starts)
         self.membership = self.membership.synced(step)
         self._rollback = RollbackPoint(
             uri=uri, step=step, accounting=self.accounting.snapshot(self._ranks_in_gang_order())
@@ -764,7 +752,11 @@ class Coordinator(GangGrowth, TotalLossRecovery):
         )
 
     def _kill_gang(self, gang_id: int) -> None:
-        for r in self.membership.gang(gang_id).job_ranks:
+        self._release(gang_id, self.membership.gang(gang_id).job_ranks)
+
+    def _release(self, gang_id: int, ranks: Sequence[int]) -> None:
+        """Kills the gang's rank actors and removes its placement group."""
+        for r in ranks:
             with contextlib.suppress(Exception):
                 ray.kill(self._workers.pop(r))
             self._rank_nodes.pop(r, None)

@@ -15,7 +15,6 @@ declared in the class body; it lives here to keep the coordinator's module to it
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 import ray.exceptions
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group
 
 from raytrec.config import TrainConfig
 from raytrec.elastic.accounting import BatchAccounting
@@ -82,6 +81,7 @@ class GangGrowth:
         def _commit_all(self) -> None: ...
         def _with_nodes(self, gangs: Sequence[Gang]) -> tuple[Gang, ...]: ...
         def _new_generation(self, *, reason: str) -> None: ...
+        def _release(self, gang_id: int, ranks: Sequence[int]) -> None: ...
         def _call(self, ranks: list[int], method: str, *args: Any, **kwargs: Any) -> list[Any]: ...
         def _start_rank(
             self,
@@ -216,13 +216,9 @@ class GangGrowth:
         self._call(new_ranks, "prepare", min(self.cfg.log_every, self.cfg.num_steps - self.step))
 
     def _abandon_building(self, gang: Gang) -> None:
+        self._release(gang.gang_id, gang.job_ranks)
         for r in gang.job_ranks:
-            with contextlib.suppress(Exception):
-                ray.kill(self._workers.pop(r))
-            self._rank_nodes.pop(r, None)
             self._shards_of_new.pop(r, None)
-        with contextlib.suppress(Exception):
-            remove_placement_group(self._pgs.pop(gang.gang_id))
 
     def _wait_for_min_gangs(self) -> None:
         if self.membership.num_gangs >= self.elastic.min_gangs:

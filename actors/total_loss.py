@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -43,6 +43,7 @@ from raytrec.elastic.rollback import (
     GiveUp,
     Rebuild,
     RollbackPoint,
+    StreamStart,
     decide_total_loss,
     describe_total_loss,
     plan_streams,
@@ -172,18 +173,11 @@ class TotalLossRecovery:
         )
         gangs, self.membership = self.membership.reserve([[0] * gang_size] * num_gangs)
         order = [r for g in gangs for r in g.job_ranks]
-        plan = plan_streams(
-            point.accounting["streams"],
-            num_ranks=len(order),
-            spare_shards=[getattr(shard, "index", t) for t, shard in enumerate(self.shards)],
-            step=point.step,
-        )
-        starts = dict(zip(order, plan, strict=True))
         # The checkpoint's model holds exactly the batches committed up to its step: what was
         # committed after it is trained again, so the accounting goes back to that point too.
         self.step = point.step
-        self.accounting = BatchAccounting.rewound(
-            point.accounting, gang_ids=[g.gang_id for g in gangs], stream_id=self._stream_id
+        starts = self._rewind_to(
+            point.accounting, order=order, gang_ids=[g.gang_id for g in gangs], step=point.step
         )
 
         def shard_of(rank: int) -> Any:
@@ -200,12 +194,8 @@ class TotalLossRecovery:
                 JobFailed(at=self._now(), step=self.step, reason=reason, needs_checkpoint=True)
             )
             raise JobFailedError(reason)
-        for g in gangs:
-            for r in g.job_ranks:
-                s = starts[r]
-                self.accounting.resume_rank(
-                    r, gang=g.gang_id, step=point.step, stream_at=s.at, replay=s.replay
-                )
+        gang_of = {r: g.gang_id for g in gangs for r in g.job_ranks}
+        self._continue_streams(starts, gang_of=gang_of.__getitem__, step=point.step)
         self._build(order)
         placed = self._with_nodes(gangs)
         for g in placed:
@@ -214,9 +204,7 @@ class TotalLossRecovery:
         self.membership = self.membership.with_gangs(placed, step=point.step)
         self._new_generation(reason=f"rebuilt from the checkpoint of step {point.step}")
         loaded = self._call_by_rank(order, "load_checkpoint", lambda r: (point.uri, starts[r].at))
-        replay = {r: list(s.replay) for r, s in starts.items() if s.replay}
-        if replay:
-            self._call_by_rank(sorted(replay), "replay", lambda r: (replay[r],))
+        self._queue_replays(starts)
         self._last_save = (point.step, time.monotonic())
         self.events.append(
             CheckpointRestored(
@@ -228,6 +216,43 @@ class TotalLossRecovery:
             )
         )
         self._request_growth()
+
+    def _rewind_to(
+        self,
+        snapshot: Mapping[str, Any],
+        *,
+        order: Sequence[int],
+        gang_ids: Sequence[int],
+        step: int,
+    ) -> dict[int, StreamStart]:
+        """The batch accounting back to ``snapshot`` (a checkpoint's) for gangs ``gang_ids``, and
+        where each rank of ``order`` (gang order) reads from there on; add the ranks with
+        ``add_rank`` (placing them does), then :meth:`_continue_streams`."""
+        plan = plan_streams(
+            snapshot["streams"],
+            num_ranks=len(order),
+            spare_shards=[getattr(shard, "index", t) for t, shard in enumerate(self.shards)],
+            step=step,
+        )
+        self.accounting = BatchAccounting.rewound(
+            snapshot, gang_ids=gang_ids, stream_id=self._stream_id
+        )
+        return dict(zip(order, plan, strict=True))
+
+    def _continue_streams(
+        self, starts: Mapping[int, StreamStart], *, gang_of: Callable[[int], int], step: int
+    ) -> None:
+        """Books each rank as reading from ``starts`` at job step ``step``."""
+        for r, s in starts.items():
+            self.accounting.resume_rank(
+                r, gang=gang_of(r), step=step, stream_at=s.at, replay=s.replay
+            )
+
+    def _queue_replays(self, starts: Mapping[int, StreamStart]) -> None:
+        """Hands each rank the unread replay batches of the stream it continues."""
+        replay = {r: list(s.replay) for r, s in starts.items() if s.replay}
+        if replay:
+            self._call_by_rank(sorted(replay), "replay", lambda r: (replay[r],))
 
     def _shard_of(self, index: int) -> BatchShard:
         """The data shard with this index: one of the job's initial shards, or a new one."""
