@@ -5,22 +5,44 @@ Removing a node needs the cluster object, which only the test or demo holds:
 :class:`NodeRemover` is an ``on_progress`` callback for :func:`raytrec.fit` that removes, once
 the job has trained a given number of steps, the node of ``ray.cluster_utils.Cluster`` that runs
 a chosen job rank (asked of the running coordinator), and can add a fresh node later so the job
-grows back.
+grows back. :func:`simulated_cluster` starts such a cluster on 127.0.0.1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ray
 import ray.exceptions
+from ray.cluster_utils import Cluster
 
-from raytrec.cluster import COORDINATOR_PREFIX
+from raytrec.cluster import COORDINATOR_PREFIX, bind_to_loopback
 from raytrec.metrics import IntervalMetrics
 
-__all__ = ["NodeRemover", "running_coordinator"]
+__all__ = ["NodeRemover", "running_coordinator", "simulated_cluster"]
+
+
+@contextlib.contextmanager
+def simulated_cluster(nodes: int, *, cpus_per_node: float) -> Iterator[Cluster]:
+    """A multi-node Ray cluster in this machine, every node on 127.0.0.1, with this process
+    connected to it. The head node has no CPUs, so no rank lands on it and removing any worker
+    node never takes the driver's node (where the coordinator is pinned) with it."""
+    bind_to_loopback()
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False},
+    )
+    try:
+        for _ in range(nodes):
+            cluster.add_node(num_cpus=cpus_per_node, node_ip_address="127.0.0.1")
+        ray.init(address=cluster.address)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 def running_coordinator() -> Any:

@@ -13,11 +13,9 @@ import collections
 from collections.abc import Iterator
 
 import pytest
-import ray
 from ray.cluster_utils import Cluster
 
 from raytrec.api import Result, fit
-from raytrec.cluster import bind_to_loopback
 from raytrec.config import (
     DataConfig,
     ModelConfig,
@@ -29,26 +27,15 @@ from raytrec.config import (
 from raytrec.data.synthetic import split_batch_id
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
-from raytrec.testing import NodeRemover
+from raytrec.testing import NodeRemover, simulated_cluster
 
 pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture
 def cluster() -> Iterator[Cluster]:
-    bind_to_loopback()  # every node on 127.0.0.1
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False},
-    )
-    for _ in range(3):  # one gang of 2 ranks per node
-        c.add_node(num_cpus=2, node_ip_address="127.0.0.1")
-    ray.init(address=c.address)
-    try:
+    with simulated_cluster(3, cpus_per_node=2) as c:  # one gang of 2 ranks per node
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 def assert_every_batch_once(result: Result) -> None:

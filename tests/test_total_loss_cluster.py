@@ -13,12 +13,10 @@ import collections
 from collections.abc import Iterator
 
 import pytest
-import ray
 from ray.cluster_utils import Cluster
 
 from raytrec.api import fit
 from raytrec.checkpoint.config import CheckpointConfig
-from raytrec.cluster import bind_to_loopback
 from raytrec.config import (
     DataConfig,
     ModelConfig,
@@ -30,26 +28,15 @@ from raytrec.config import (
 from raytrec.data.synthetic import batch_id
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
-from raytrec.testing import NodeRemover
+from raytrec.testing import NodeRemover, simulated_cluster
 
 pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture
 def cluster() -> Iterator[Cluster]:
-    bind_to_loopback()
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False},
-    )
-    for _ in range(2):  # one replica group (2 ranks) per node
-        c.add_node(num_cpus=2, node_ip_address="127.0.0.1")
-    ray.init(address=c.address)
-    try:
+    with simulated_cluster(2, cpus_per_node=2) as c:  # one replica group (2 ranks) per node
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 def test_a_lost_host_with_every_copy_of_a_shard_is_rebuilt_from_the_checkpoint(
