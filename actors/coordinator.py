@@ -53,9 +53,11 @@ from torchrec.distributed.types import ShardingPlan
 
 from actors.growth import Building, GangGrowth
 from actors.rank import RankWorker
+from actors.reshare import DataResharing, StreamTable
 from actors.total_loss import TotalLossRecovery
 from raytrec.checkpoint.config import checkpoint_root, save_decision
 from raytrec.config import TrainConfig
+from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.source import BatchShard
 from raytrec.data.synthetic import batch_id
 from raytrec.elastic.accounting import BatchAccounting
@@ -113,6 +115,7 @@ class RunSummary:
     replayed_batches: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     lost_batches: int = 0  # uncommitted batches of lost gangs that could not be replayed
     checkpoint: str | None = None  # the last checkpoint this run saved
+    reshared_streams: dict[str, Any] | None = None  # StreamTable.to_json() of a re-shared source
 
 
 def intervals(num_steps: int, every: int) -> list[int]:
@@ -135,7 +138,7 @@ class _Interval:
         return bool(self.dead or self.errored or self.hung)
 
 
-class Coordinator(GangGrowth, TotalLossRecovery):
+class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
     """Owns the job's membership, store and training loop."""
 
     def __init__(
@@ -152,6 +155,15 @@ class Coordinator(GangGrowth, TotalLossRecovery):
     ) -> None:
         self.cfg = config
         self.plan = plan
+        # Parquet read by index: the job's rows are every rank's first num_steps batches, shared
+        # again among the live ranks whenever the membership changes (actors/reshare.py).
+        self.streams_table: StreamTable | None = None
+        indexed = [s for s in shards if isinstance(s, IndexedParquetShard)]
+        if shards and len(indexed) == len(shards):
+            limited = [dataclasses.replace(s, limit=config.num_steps) for s in indexed]
+            self.streams_table = StreamTable(limited[0], batch_size=config.data.batch_size)
+            shards = list(limited)
+            new_shard = self.streams_table.placeholder
         self.shards = shards
         self.num_dense = num_dense
         self.run_dir = run_dir
@@ -168,6 +180,11 @@ class Coordinator(GangGrowth, TotalLossRecovery):
         self.membership = Membership.initial(self.topology)
         self.max_gangs = self.elastic.resolved_max_gangs(self.topology.num_gangs)
         self.step = 0
+        # The step the job's data ends at: num_steps, or for a re-shared source the end of its
+        # rows (earlier when the data holds fewer batches, later after a gang is lost).
+        self.end_step = config.num_steps
+        if self.streams_table is not None:
+            self.end_step = min(config.num_steps, self.streams_table.length(0))
         self.first_batch_s = 0.0
         self.events = EventLog()
         self._t0 = time.monotonic()
@@ -271,11 +288,10 @@ class Coordinator(GangGrowth, TotalLossRecovery):
                 self.accounting.restart(r, at=step)
         else:
             self._continue_streams(starts, gang_of=self._gang_of, step=step)
-            self._queue_replays(starts)
+            if not self._reshare_rows(self._ranks_in_gang_order()):  # rows left uneven
+                self._queue_replays(starts)
         self.membership = self.membership.synced(step)
-        self._rollback = RollbackPoint(
-            uri=uri, step=step, accounting=self.accounting.snapshot(self._ranks_in_gang_order())
-        )
+        self._rollback = RollbackPoint(uri=uri, step=step, accounting=self._accounting_snapshot())
         self.events.append(
             CheckpointRestored(
                 at=self._now(), step=step, uri=uri, saved_step=step, saved_generation=generation
@@ -331,7 +347,7 @@ class Coordinator(GangGrowth, TotalLossRecovery):
             last_save_step=last_step,
             last_save_s=last_clock,
             sync_every=1,  # a sync is done right here when one is due
-            final_step=self.cfg.num_steps if final else None,
+            final_step=self.end_step if final else None,
         )
         if not decision.save or self.step == 0 or last_step == self.step:
             return
@@ -340,7 +356,7 @@ class Coordinator(GangGrowth, TotalLossRecovery):
             self._commit_all()
         writer = list(self.membership.gangs[0].job_ranks)
         # The accounting goes into the checkpoint: a rebuild from it rewinds to this state.
-        accounting = self.accounting.snapshot(self._ranks_in_gang_order())
+        accounting = self._accounting_snapshot()
         extra = {"step": self.step, "gangs": self.membership.num_gangs, "accounting": accounting}
         refs = self._call(
             writer,
@@ -356,6 +372,14 @@ class Coordinator(GangGrowth, TotalLossRecovery):
         self._last_save = (self.step, time.monotonic())
         self.events.append(CheckpointSaved(at=self._now(), step=self.step, uri=refs[0][1]))
 
+    def _accounting_snapshot(self) -> dict[str, Any]:
+        """The batch accounting (and the table of re-shared streams its positions name) as
+        JSON, for a checkpoint and for a rewind to it."""
+        snapshot = self.accounting.snapshot(self._ranks_in_gang_order())
+        if self.streams_table is not None:
+            snapshot["streams_table"] = self.streams_table.to_json()
+        return snapshot
+
     def run(self) -> RunSummary:
         """Trains ``num_steps`` steps and writes the final model; returns the summary.
 
@@ -368,10 +392,10 @@ class Coordinator(GangGrowth, TotalLossRecovery):
         started = time.perf_counter()
         ranks = self.start()
         stopped_by: BaseException | None = None
-        every, total = self.cfg.log_every, self.cfg.num_steps
+        every = self.cfg.log_every
         t0 = time.perf_counter()
         try:
-            self._call(self._live_ranks(), "prepare", min(every, total), first=True)
+            self._call(self._live_ranks(), "prepare", min(every, self.end_step), first=True)
         except ray.exceptions.RayTaskError as e:
             stopped_by = _cause(e)
         self.first_batch_s = time.perf_counter() - t0
@@ -385,10 +409,16 @@ class Coordinator(GangGrowth, TotalLossRecovery):
                 break
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
                 self._recover_until_stable(self._probe(e))  # lost at the very end: re-form
-                if stopped_by is None and self.step < total:  # rebuilt from a checkpoint
+                if stopped_by is None and self.step < self.end_step:  # rebuilt from a checkpoint
                     stopped_by = self._train(prepared=False, train_start=train_start)
         else:
             raise JobFailedError("the job kept losing ranks while it finished")
+        if stopped_by is None and self.streams_table is not None and self.step < self.cfg.num_steps:
+            stopped_by = RuntimeError(
+                f"the data source ran out after {self.step} steps (every row of its "
+                f"{self.cfg.data.epochs} epoch(s) trained once); lower num_steps or raise "
+                "data.epochs"
+            )
         return RunSummary(
             history=self.progress(),
             final_state_path=final,
@@ -405,21 +435,25 @@ class Coordinator(GangGrowth, TotalLossRecovery):
             replayed_batches=self.accounting.replayed(),
             lost_batches=self.accounting.lost_batches + self.accounting.replay_pending(),
             checkpoint=self.last_checkpoint,
+            reshared_streams=None if self.streams_table is None else self.streams_table.to_json(),
         )
 
     def _train(self, *, prepared: bool, train_start: float) -> BaseException | None:
         """Trains interval by interval up to ``num_steps``, recovering from failures; returns
         what stopped training early (bad input, the end of the data), else None. ``prepared``:
         the live ranks hold the next interval's batches already."""
-        every, total = self.cfg.log_every, self.cfg.num_steps
+        every = self.cfg.log_every
         stopped_by: BaseException | None = None
-        while stopped_by is None and self.step < total:
-            n = min(every, total - self.step)
-            following = min(every, total - self.step - n)
+        while stopped_by is None and self.step < self.end_step:
             t0 = time.perf_counter()
             try:
                 self._admit_new_gangs()
                 self._wait_for_min_gangs()
+                # A join may have shared the rows left among more ranks: the end is sooner.
+                n = min(every, self.end_step - self.step)
+                following = min(every, self.end_step - self.step - n)
+                if n <= 0:
+                    break
                 if not prepared:
                     try:
                         self._call(self._live_ranks(), "prepare", n)
@@ -447,12 +481,13 @@ class Coordinator(GangGrowth, TotalLossRecovery):
                 ne=metrics.ne,
                 at=self._now(),
             )
+            row = dataclasses.replace(row, end_step=self.end_step)
             with self._lock:
                 self._history.append(row)
             stops = [r["stop"] for r in reports if r["stop"] is not None]
             if stops:
                 stopped_by = stops[0]
-            elif self.step < total:
+            elif self.step < self.end_step:
                 self._maybe_checkpoint()
         return stopped_by
 
@@ -658,7 +693,8 @@ class Coordinator(GangGrowth, TotalLossRecovery):
         self._call(self._live_ranks(), "sync")
         self._call(self._live_ranks(), "broadcast_dense", 0)
         self._commit_all()
-        if replay:
+        # Re-sharing (after the replays are booked) hands each rank its replays too.
+        if replay and not self._reshare_rows(self._ranks_in_gang_order()):
             self._call_by_rank(sorted(replay), "replay", lambda r: (replay[r],))
         self._request_growth()
 

@@ -63,6 +63,8 @@ class GangGrowth:
     accounting: BatchAccounting
     events: EventLog
     step: int
+    end_step: int
+    streams_table: Any  # StreamTable of a re-shared source, or None
     max_gangs: int
     new_shard: Any  # job rank -> BatchShard, or None
     _pending: list[PlacementGroup]
@@ -78,10 +80,12 @@ class GangGrowth:
         def _now(self) -> float: ...
         def _node(self, node_id: str) -> int: ...
         def _live_ranks(self) -> list[int]: ...
+        def _ranks_in_gang_order(self) -> list[int]: ...
         def _commit_all(self) -> None: ...
         def _with_nodes(self, gangs: Sequence[Gang]) -> tuple[Gang, ...]: ...
         def _new_generation(self, *, reason: str) -> None: ...
         def _release(self, gang_id: int, ranks: Sequence[int]) -> None: ...
+        def _reshare_rows(self, ranks: Sequence[int], *, joining: Sequence[int] = ()) -> bool: ...
         def _call(self, ranks: list[int], method: str, *args: Any, **kwargs: Any) -> list[Any]: ...
         def _start_rank(
             self,
@@ -191,15 +195,18 @@ class GangGrowth:
         self._commit_all()
         peer = self.membership.gangs[0].gang_id
         gangs = self._with_nodes([b.gang for b in built])
+        reshare = self.streams_table is not None
         for r in new_ranks:  # they train from this step on
             shard = self._shards_of_new.pop(r)
-            self.accounting.add_rank(r, shard=getattr(shard, "index", r), step=self.step)
+            if not reshare:  # else booked with the share they are given below
+                self.accounting.add_rank(r, shard=getattr(shard, "index", r), step=self.step)
         self.membership = self.membership.with_gangs(gangs, step=self.step)
         self._joining = {g.gang_id for g in gangs}
         self.accounting.add_gangs(g.gang_id for g in gangs)
         self._new_generation(reason=f"gangs {[g.gang_id for g in gangs]} joined")
         self._call(new_ranks, "set_step", self.step)
         self._call(self._live_ranks(), "broadcast_state", self.membership.member_index(peer))
+        self._reshare_rows(self._ranks_in_gang_order(), joining=new_ranks)
         self._joining = set()
         for g in gangs:
             self.events.append(
@@ -213,7 +220,9 @@ class GangGrowth:
                     generation=self.membership.generation,
                 )
             )
-        self._call(new_ranks, "prepare", min(self.cfg.log_every, self.cfg.num_steps - self.step))
+        # Ranks given a new share have nothing read yet (the others read ahead already).
+        ready = self._live_ranks() if reshare else new_ranks
+        self._call(ready, "prepare", min(self.cfg.log_every, self.end_step - self.step))
 
     def _abandon_building(self, gang: Gang) -> None:
         self._release(gang.gang_id, gang.job_ranks)

@@ -104,6 +104,22 @@ class RankWorker:
                 "steps; lower num_steps or raise the source's epochs"
             ) from None
 
+    def set_shard(self, shard: BatchShard, replay: list[int]) -> None:
+        """Reads the batches ``replay`` and then ``shard`` from its first batch on (the rows
+        left, shared again after the job's ranks changed); batches read ahead before are
+        dropped untrained."""
+        data = self.spec.config.data
+        if self._feed is not None:
+            self._feed.close()
+        self.shard = shard
+        self._feed = BatchFeed(
+            shard.identified_batches(data.batch_size),
+            prefetch=data.prefetch_batches,
+            background=self.spec.config.feed_in_background,
+        )
+        if replay:
+            self.replay(replay)
+
     def replay(self, batch_ids: list[int]) -> int:
         """Queues the batches ``batch_ids`` (a lost gang's uncommitted ones) ahead of this
         rank's own stream; returns how many are queued."""

@@ -70,6 +70,7 @@ class TotalLossRecovery:
     step: int
     shards: list[BatchShard]
     new_shard: Any  # shard index -> BatchShard, or None
+    streams_table: Any  # StreamTable of a re-shared source, or None
     _rollback: RollbackPoint | None
     _stream_id: Callable[[int, int], int] | None
     _last_save: tuple[int, float]
@@ -89,6 +90,7 @@ class TotalLossRecovery:
             self, ranks: list[int], method: str, args_of: Any, **kwargs: Any
         ) -> list[Any]: ...
         def _request_growth(self) -> None: ...
+        def _reshare_rows(self, ranks: Sequence[int], *, joining: Sequence[int] = ()) -> bool: ...
         def shutdown(self) -> None: ...
 
     def _total_loss(
@@ -204,7 +206,8 @@ class TotalLossRecovery:
         self.membership = self.membership.with_gangs(placed, step=point.step)
         self._new_generation(reason=f"rebuilt from the checkpoint of step {point.step}")
         loaded = self._call_by_rank(order, "load_checkpoint", lambda r: (point.uri, starts[r].at))
-        self._queue_replays(starts)
+        if not self._reshare_rows(order):  # the saved streams may not be one per rebuilt rank
+            self._queue_replays(starts)
         self._last_save = (point.step, time.monotonic())
         self.events.append(
             CheckpointRestored(
@@ -228,6 +231,8 @@ class TotalLossRecovery:
         """The batch accounting back to ``snapshot`` (a checkpoint's) for gangs ``gang_ids``, and
         where each rank of ``order`` (gang order) reads from there on; add the ranks with
         ``add_rank`` (placing them does), then :meth:`_continue_streams`."""
+        if self.streams_table is not None and "streams_table" in snapshot:
+            self.streams_table.load(snapshot["streams_table"])
         plan = plan_streams(
             snapshot["streams"],
             num_ranks=len(order),
@@ -256,6 +261,8 @@ class TotalLossRecovery:
 
     def _shard_of(self, index: int) -> BatchShard:
         """The data shard with this index: one of the job's initial shards, or a new one."""
+        if self.streams_table is not None:
+            return self.streams_table.shard(index)
         for t, shard in enumerate(self.shards):
             if getattr(shard, "index", t) == index:
                 return shard

@@ -62,6 +62,10 @@ class Result:
     replayed_batches: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     lost_batches: int = 0
     checkpoint: ray.train.Checkpoint | None = None  # the last checkpoint saved (Ray Train's type)
+    # Parquet read by index: the streams made when the rows left were shared again among the
+    # ranks after a membership change (the ids of committed batches name them), as JSON; None
+    # for other sources. IndexedParquetShard.with_table(...) reads or locates any of them.
+    reshared_streams: dict[str, Any] | None = None
 
     @property
     def final_loss(self) -> float:
@@ -221,6 +225,7 @@ def fit(
         committed_count=summary.committed_count,
         replayed_batches=summary.replayed_batches,
         lost_batches=summary.lost_batches,
+        reshared_streams=summary.reshared_streams,
         checkpoint=None if summary.checkpoint is None else ray.train.Checkpoint(summary.checkpoint),
     )
     with open(os.path.join(run_dir, "metrics.json"), "w") as f:
@@ -251,10 +256,15 @@ def _check_indexed_resume(uri: str, config: TrainConfig, source: BatchSource) ->
         return
     from raytrec.checkpoint.layout import read_manifest
 
-    streams = (read_manifest(uri).extra.get("accounting") or {}).get("streams")
+    accounting = read_manifest(uri).extra.get("accounting") or {}
+    streams = accounting.get("streams")
     if not streams:
         return
-    saved = 1 + max(int(s[0]) for s in [*streams["live"], *streams["retired"]])
+    table = accounting.get("streams_table")
+    if table is not None:
+        saved = int(table["num_shards"])
+    else:
+        saved = 1 + max(int(s[0]) for s in [*streams["live"], *streams["retired"]])
     ranks = config.scaling.world_size
     if ranks != saved:
         raise ConfigError(

@@ -30,6 +30,9 @@ class IntervalMetrics:
     auc: float | None = None  # progressive-validation AUC over the interval's rows (all ranks)
     ne: float | None = None  # normalized entropy over the same rows
     at: float = 0.0  # the coordinator's clock at the interval's end (the clock of the events)
+    # The step the job ends at, as known now: num_steps, or where a re-shared source's rows end
+    # (later after a gang was lost, sooner after one joined).
+    end_step: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

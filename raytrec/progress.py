@@ -58,7 +58,7 @@ def scalars(row: Mapping[str, Any]) -> dict[str, float]:
     return {
         k: float(v)
         for k, v in row.items()
-        if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)
+        if k not in ("step", "end_step") and isinstance(v, int | float) and not isinstance(v, bool)
     }
 
 
@@ -170,6 +170,11 @@ class ProgressReporter:
             self._record(data)
 
     def _show(self, row: dict[str, Any]) -> None:
+        end = row.get("end_step")
+        if isinstance(end, int) and end != self.total_steps:  # the rows were shared again
+            self.total_steps = end
+            if self._bar is not None:
+                self._bar.total = end
         line = format_line(row, self.total_steps)
         if not self.tty:
             print(line, file=self.stream, flush=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import ray
 import ray.exceptions
@@ -22,7 +22,12 @@ from ray.cluster_utils import Cluster
 from raytrec.cluster import COORDINATOR_PREFIX, bind_to_loopback
 from raytrec.metrics import IntervalMetrics
 
-__all__ = ["NodeRemover", "running_coordinator", "simulated_cluster"]
+if TYPE_CHECKING:
+    import numpy as np
+
+    from raytrec.api import Result
+
+__all__ = ["NodeRemover", "committed_row_ids", "running_coordinator", "simulated_cluster"]
 
 
 @contextlib.contextmanager
@@ -96,3 +101,31 @@ class NodeRemover:
         ):
             assert self.add_node is not None
             self.added = self.add_node(self.cluster)
+
+
+def committed_row_ids(result: Result, paths: Sequence[str]) -> np.ndarray:
+    """The ``row_id`` of every row in the batches ``result`` committed into its model (one entry
+    per time a row was trained), for a job that read the Parquet files ``paths`` by index: what
+    an exactly-once check over the data compares with the files' own row ids. Re-shared
+    streams are located with ``result.reshared_streams``."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from raytrec.data.from_config import parquet_spec
+    from raytrec.data.parquet import IndexedParquetShard, ParquetSource
+
+    config = result.config
+    source = ParquetSource(paths=list(paths), spec=parquet_spec(config), read_mode="indexed")
+    shard = source.split(config.scaling.world_size)[0]
+    if not isinstance(shard, IndexedParquetShard):
+        raise TypeError("committed_row_ids needs Parquet read by index")
+    shard = shard.with_table(result.reshared_streams or {"made": {}}, limit=config.num_steps)
+    ids = {p: pq.read_table(p, columns=["row_id"])["row_id"].to_numpy() for p in paths}
+    batch = config.data.batch_size
+    found = [
+        ids[p.path][p.file_row : p.file_row + p.rows]
+        for a, b in result.committed_batches
+        for i in range(a, b)
+        for p in shard.batch_pieces(i, batch)
+    ]
+    return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)

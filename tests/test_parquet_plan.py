@@ -6,7 +6,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from raytrec.data.parquet_plan import BatchPlan, Piece
+from raytrec.data.parquet_plan import (
+    BatchPlan,
+    Part,
+    Piece,
+    Stream,
+    recut,
+    remaining_rows,
+    stream_batch_size,
+    stream_epoch,
+    stream_length,
+)
 from raytrec.data.synthetic import batch_id, split_batch_id
 
 
@@ -194,3 +204,83 @@ def test_plans_that_would_leave_a_batch_empty_are_refused() -> None:
         plan.batch_rows(0, 6)
     with pytest.raises(ValueError, match=r"rank must be in \[0, 1\)"):
         plan.share(1)
+
+
+# -- re-sharing the rows left after a membership change -------------------------------------
+
+
+def stream_rows(plan: BatchPlan, stream: Stream, k0: int, k1: int) -> list[tuple[int, int]]:
+    """Global row ranges of batches [k0, k1) of ``stream``, checking the pieces on the way."""
+    out = []
+    for p in plan.stream_pieces(stream, k0, k1):
+        assert sum(p.counts) == p.rows and all(c > 0 for c in p.counts)
+        out.append(global_rows(plan, p))
+    return out
+
+
+def test_recut_of_whole_epochs_is_the_plan_s_own_cut() -> None:
+    plan = random_plan(
+        np.random.default_rng(3), files=7, max_groups=3, max_rows=200, num_shards=5, batch_size=24
+    )
+    whole = {e: [(0, plan.rows_per_epoch)] for e in range(plan.epochs)}
+    shared = recut(whole, queued=[0] * 5, batch_size=24)
+    assert shared.left_over == 0
+    for rank, stream in enumerate(shared.streams):
+        assert stream == plan.stream(rank)
+        assert plan.stream_pieces(stream, 0, plan.num_steps) == plan.pieces(rank, 0, plan.num_steps)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rows_left_are_shared_once_and_every_rank_ends_at_the_same_step(seed: int) -> None:
+    """Ranks stop at random places of their streams (some lost, some queueing replays); the
+    rows none trained are cut again among the survivors, and again after a second change: over
+    the epochs every row is in exactly one trained batch, batches hold 1..B rows, and all
+    survivors have as many batches left (replays counted)."""
+    rng = np.random.default_rng(seed)
+    batch = int(rng.integers(3, 40))
+    plan = random_plan(
+        rng, files=8, max_groups=3, max_rows=300, num_shards=6, batch_size=batch, epochs=2
+    )
+    streams = [plan.stream(r) for r in range(6)]
+    hits = [np.zeros(plan.rows_per_epoch + 1, dtype=np.int64) for _ in range(plan.epochs)]
+
+    def train(stream: Stream, k0: int, k1: int) -> None:
+        for k in range(k0, k1):
+            size = stream_batch_size(stream, k)
+            assert 1 <= size <= batch
+            epoch = stream_epoch(stream, k)
+            for a, b in stream_rows(plan, stream, k, k + 1):
+                hits[epoch][a] += 1
+                hits[epoch][b] -= 1
+
+    for _ in range(2):  # two membership changes
+        taken = [int(rng.integers(0, stream_length(s) + 1)) for s in streams]
+        for s, k in zip(streams, taken, strict=True):
+            train(s, 0, k)
+        remaining: dict[int, list[tuple[int, int]]] = {}
+        for s, k in zip(streams, taken, strict=True):
+            for epoch, runs in remaining_rows(s, k).items():
+                remaining.setdefault(epoch, []).extend(runs)
+        survivors = int(rng.integers(1, 8))
+        queued = [int(q) for q in rng.integers(0, 3, survivors)]
+        shared = recut(remaining, queued=queued, batch_size=batch)
+        assert shared.left_over == 0
+        lengths = {q + stream_length(s) for q, s in zip(queued, shared.streams, strict=True)}
+        assert len(lengths) == 1, lengths
+        streams = list(shared.streams)
+        plan_rows = sum(b - a for runs in remaining.values() for a, b in runs)
+        assert sum(sum(p.total for p in s) for s in streams) == plan_rows
+    for s in streams:
+        train(s, 0, stream_length(s))
+    for epoch, h in enumerate(hits):
+        assert (np.cumsum(h)[: plan.rows_per_epoch] == 1).all(), f"epoch {epoch}"
+
+
+def test_recut_cannot_fill_a_batch_per_rank_from_too_few_rows() -> None:
+    shared = recut({0: [(10, 12)], 1: [(0, 9)]}, queued=[0, 0, 0], batch_size=4)
+    assert shared.left_over == 2  # 2 rows of epoch 0 for 3 ranks
+    assert [stream_length(s) for s in shared.streams] == [1, 1, 1]  # epoch 1: 3 rows each
+    with pytest.raises(ValueError, match=r"rows 3..6 given out twice"):
+        recut({0: [(0, 5), (3, 6)]}, queued=[0], batch_size=4)
+    part = shared.streams[0][0]
+    assert Part.from_json(part.to_json()) == part

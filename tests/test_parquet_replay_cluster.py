@@ -1,16 +1,13 @@
 """Parquet read by index through fit() on a local Ray cluster (127.0.0.1): a gang lost
-mid-training, whose uncommitted batches the survivors read again and train, so every batch is
-in the final model exactly once and none is lost; and a resume from a checkpoint that goes on
-with the batches after it."""
+mid-epoch, whose uncommitted batches the survivor reads again and whose untaken rows it trains
+too, so every row of the epoch is in the final model exactly once; and a resume from a
+checkpoint that goes on with the batches after it."""
 
 from __future__ import annotations
 
-import collections
 import pathlib
 from collections.abc import Iterator
 
-import numpy as np
-import pyarrow.parquet as pq
 import pytest
 import ray
 
@@ -32,10 +29,11 @@ from raytrec.data.synthetic import batch_id, split_batch_id
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
 from raytrec.errors import ConfigError
+from raytrec.testing import committed_row_ids
 
 pytestmark = pytest.mark.cluster
 
-ROWS, VOCAB, B, STEPS = 1200, 200, 32, 16
+ROWS, VOCAB, B, EPOCH_STEPS = 1200, 200, 32, 19
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +43,7 @@ def cluster() -> Iterator[None]:
     ray.shutdown()
 
 
-def test_a_lost_gang_s_uncommitted_parquet_batches_are_replayed(
+def test_a_lost_gang_s_rows_are_trained_by_the_survivors_exactly_once_over_the_epoch(
     cluster: None, tmp_path: pathlib.Path
 ) -> None:
     data = write_synthetic_parquet(
@@ -67,50 +65,38 @@ def test_a_lost_gang_s_uncommitted_parquet_batches_are_replayed(
         ),
         # Rank 1 dies as it starts step 7: it trained 5 and 6 after the job-wide sync of step 4.
         faults=FaultConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=7, rank=1),)),
-        num_steps=STEPS,
+        num_steps=EPOCH_STEPS,  # one whole epoch: 2 ranks x 19 batches of at most 32 rows
         log_every=2,
         storage_path=str(tmp_path),
     )
     result = fit(config, shutdown_ray=False)
 
-    assert result.steps == STEPS, result.events
     kinds = [e["kind"] for e in result.events]
     assert "rank_died" in kinds and "gang_dropped" in kinds, kinds
     assert result.history[-1].gangs == 1
-    # Every batch committed once: each shard's committed steps a gap-free prefix, and nothing
-    # lost. Rank 1's batches after the sync of step 4 were replayed by rank 0, which trained one
-    # batch per step: its own and those.
+    # Rank 0 replays rank 1's uncommitted batches (it trained its batches 4 and 5 at steps 5
+    # and 6 after the sync of step 4; at the failure's step the coordinator counts one more as
+    # taken), then trains every row neither rank had taken, cut again into batches of at most
+    # 32 rows: both streams from the failure's step on (rank 0 may have stopped at step 6 or 7).
+    replayed = [split_batch_id(i) for a, b in result.replayed_batches for i in range(a, b)]
+    (reshared,) = [e for e in result.events if e["kind"] == "data_reshared"]
+    step = reshared["step"]
+    assert {(1, 4), (1, 5)} <= set(replayed) == {(1, k) for k in range(4, step)}
+    assert reshared["ranks"] == 1 and reshared["left_over"] == 0
+    assert reshared["rows"] == 2 * (600 - step * 600 // 19)
+    assert result.steps == reshared["end_step"] == step + len(replayed) + -(-reshared["rows"] // B)
     distinct = sum(b - a for a, b in result.committed_batches)
     assert result.committed_count == distinct, "a batch was trained into the model twice"
-    committed = [i for a, b in result.committed_batches for i in range(a, b)]
-    by_shard: dict[int, list[int]] = collections.defaultdict(list)
-    for i in committed:
-        shard, step = split_batch_id(i)
-        by_shard[shard].append(step)
-    assert sorted(by_shard) == [0, 1]
-    for steps in by_shard.values():
-        assert sorted(steps) == list(range(len(steps)))
-    replayed = [split_batch_id(i) for a, b in result.replayed_batches for i in range(a, b)]
-    assert {(1, 5), (1, 6)} <= set(replayed) <= {(1, s) for s in by_shard[1]}
-    assert len(by_shard[0]) + len(replayed) == STEPS
     assert result.lost_batches == 0
     assert len({d["dense"] for d in result.state_digests.values()}) == 1
 
-    # In rows: the committed batches hold distinct rows of the data (by row_id), as many as
-    # the plan gives them.
+    # In rows: the committed batches hold every row of the epoch (by row_id) exactly once.
     source = ParquetSource(paths=data.paths, spec=parquet_spec(config), read_mode="indexed")
     shard = source.split(2)[0]
-    assert isinstance(shard, IndexedParquetShard)
-    plan = shard.plan(B)
-    row_ids = {p: pq.read_table(p, columns=["row_id"])["row_id"].to_numpy() for p in data.paths}
-    trained = [
-        row_ids[p.path][p.file_row : p.file_row + p.rows]
-        for i in committed
-        for p in plan.pieces(*split_batch_id(i), split_batch_id(i)[1] + 1)
-    ]
-    flat = np.concatenate(trained)
-    assert len(np.unique(flat)) == len(flat)
-    assert len(flat) == sum(plan.batch_size_of(*split_batch_id(i)) for i in committed)
+    assert isinstance(shard, IndexedParquetShard) and result.reshared_streams is not None
+    assert shard.plan(B).steps_per_epoch == EPOCH_STEPS
+    trained = committed_row_ids(result, data.paths)
+    assert sorted(trained.tolist()) == list(range(ROWS))
 
 
 def test_a_resume_continues_on_the_batches_after_the_checkpoint(

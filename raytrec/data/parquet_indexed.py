@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -43,7 +44,15 @@ from ray.data import ReadTask
 from ray.data.block import BlockMetadata
 
 from raytrec.data.arrow_kjt import BadInputError, OnBadRows, to_batch
-from raytrec.data.parquet_plan import BatchPlan, Piece
+from raytrec.data.parquet_plan import (
+    BatchPlan,
+    Piece,
+    Stream,
+    stream_batch_size,
+    stream_epoch,
+    stream_length,
+    streams_from_json,
+)
 from raytrec.data.preprocess import (
     DROP,
     FILE_ROW,
@@ -79,6 +88,13 @@ class IndexedParquetShard(BatchShard):
     ``in_process``: read and preprocess in this process, one piece after the other, instead of
     in a Ray Data pipeline: the same functions on the same rows, so the same batches (for tests
     and debugging without a cluster).
+
+    Streams: stream ``r < num_shards`` is rank ``r``'s own batches of the plan (only its first
+    ``limit`` when given: the job's share of the data); ``streams`` holds the streams made when
+    the job's ranks changed and the rows left were shared among them again
+    (:func:`~raytrec.data.parquet_plan.recut`). ``index`` names the stream this shard reads.
+    Batch ``k`` of stream ``s`` has id :func:`~raytrec.data.synthetic.batch_id` ``(s, k)``;
+    :meth:`replay` reads any batch of any of these streams.
     """
 
     index: int
@@ -92,6 +108,8 @@ class IndexedParquetShard(BatchShard):
     on_bad_rows: OnBadRows
     read_concurrency: int
     in_process: bool = False
+    limit: int | None = None
+    streams: dict[int, Stream] = dataclasses.field(default_factory=dict)
     last_row_ids: np.ndarray | None = dataclasses.field(default=None, init=False)
     current_epoch: int = dataclasses.field(default=-1, init=False)
     _log: list[EpochLog] = dataclasses.field(default_factory=list, init=False, repr=False)
@@ -100,8 +118,11 @@ class IndexedParquetShard(BatchShard):
     replayable = True
 
     def __post_init__(self) -> None:
-        if not 0 <= self.index < self.num_shards:
-            raise ValueError(f"index must be in [0, {self.num_shards}), got {self.index!r}")
+        if not 0 <= self.index < self.num_shards and self.index not in self.streams:
+            raise ValueError(
+                f"index must be in [0, {self.num_shards}) or a stream of streams "
+                f"{sorted(self.streams)}, got {self.index!r}"
+            )
 
     @property
     def spec(self) -> FeatureSpec:
@@ -123,6 +144,32 @@ class IndexedParquetShard(BatchShard):
             self._plans[batch_size] = plan
         return plan
 
+    def stream(self, batch_size: int, stream_id: int | None = None) -> Stream:
+        """The batches of stream ``stream_id`` (default: this shard's own, ``index``)."""
+        sid = self.index if stream_id is None else stream_id
+        if sid in self.streams:
+            return self.streams[sid]
+        if not 0 <= sid < self.num_shards:
+            raise ValueError(
+                f"stream {sid} is not one of this job's: ranks 0..{self.num_shards - 1} and "
+                f"re-shared streams {sorted(self.streams)}"
+            )
+        return self.plan(batch_size).stream(sid, limit=self.limit)
+
+    def with_stream(self, index: int, streams: dict[int, Stream]) -> IndexedParquetShard:
+        """This job's data read as stream ``index`` of ``streams`` (after a re-share)."""
+        return dataclasses.replace(self, index=index, streams=dict(streams))
+
+    def with_table(self, table: Mapping[str, Any], *, limit: int) -> IndexedParquetShard:
+        """This shard with a job's re-shared streams (``Result.reshared_streams``) and its share
+        of the plan (``limit``: the job's ``num_steps``), to locate any batch it trained."""
+        return dataclasses.replace(self, limit=limit, streams=streams_from_json(table["made"]))
+
+    def batch_pieces(self, batch_id: int, batch_size: int) -> list[Piece]:
+        """Where the rows of batch ``batch_id`` (of any stream of this job) are in the files."""
+        sid, step = split_batch_id(batch_id)
+        return self.plan(batch_size).stream_pieces(self.stream(batch_size, sid), step, step + 1)
+
     def batches(self, batch_size: int, *, start_step: int = 0) -> Iterator[Batch]:
         """Yields this rank's batches from step ``start_step`` on, over every epoch, then ends.
 
@@ -140,27 +187,28 @@ class IndexedParquetShard(BatchShard):
             raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step!r}")
-        return self._stream(self.plan(batch_size), start_step)
+        return self._stream(self.plan(batch_size), self.stream(batch_size), start_step)
 
     def replay(self, batch_id: int, batch_size: int) -> Batch:
-        """Batch ``batch_id`` (of any rank of this job) read again: bitwise the batch that
+        """Batch ``batch_id`` (of any stream of this job) read again: bitwise the batch that
         :meth:`identified_batches` yielded under this id."""
-        rank, step = split_batch_id(batch_id)
+        sid, step = split_batch_id(batch_id)
         plan = self.plan(batch_size)
-        if not (0 <= rank < self.num_shards and 0 <= step < plan.num_steps):
+        stream = self.stream(batch_size, sid)
+        if not 0 <= step < stream_length(stream):
             raise ValueError(
-                f"batch id {batch_id} (rank {rank}, step {step}) is not one of this job's: "
-                f"{self.num_shards} ranks of {plan.num_steps} steps each"
+                f"batch id {batch_id} (stream {sid}, batch {step}) is not one of this job's: "
+                f"stream {sid} has {stream_length(stream)} batches"
             )
-        cutter = _StepCutter(step, functools.partial(plan.batch_size_of, rank))
+        cutter = _StepCutter(step, functools.partial(stream_batch_size, stream))
         done: list[tuple[int, pa.Table]] = []
-        for piece in plan.pieces(rank, step, step + 1):
+        for piece in plan.stream_pieces(stream, step, step + 1):
             for table in read_piece(self.filesystem, piece, self.source_spec.required_columns()):
                 done += cutter.feed(self._preprocess(table))
         cutter.finish(step + 1)
         ((_, rows),) = done
-        log = EpochLog(step // plan.steps_per_epoch, has_ids=False)  # a replay is not a read
-        return self._convert(plan, rank, step, rows, log)[0]
+        log = EpochLog(stream_epoch(stream, step), has_ids=False)  # a replay is not a read
+        return self._convert(plan, stream, sid, step, rows, log)[0]
 
     def consumed(self) -> tuple[EpochConsumption, ...]:
         """Per epoch started so far, what this shard yielded (no ``padding`` in this mode, and
@@ -170,32 +218,42 @@ class IndexedParquetShard(BatchShard):
 
     # -- reading -----------------------------------------------------------------------------
 
-    def _stream(self, plan: BatchPlan, start_step: int) -> Iterator[tuple[int | None, Batch]]:
-        cutter = _StepCutter(start_step, functools.partial(plan.batch_size_of, self.index))
-        m = plan.steps_per_epoch
+    def _stream(
+        self, plan: BatchPlan, stream: Stream, start_step: int
+    ) -> Iterator[tuple[int | None, Batch]]:
+        cutter = _StepCutter(start_step, functools.partial(stream_batch_size, stream))
+        # The stream's last batch of each epoch: where the epoch's log is complete.
+        last_of: dict[int, int] = {}
+        at = 0
+        for part in stream:
+            at += part.count
+            last_of[part.epoch] = at - 1
         try:
-            for block in self._pipeline(plan, start_step):
+            for block in self._pipeline(plan, stream, start_step):
                 for step, rows in cutter.feed(block):
-                    epoch = step // m
+                    epoch = stream_epoch(stream, step)
                     if epoch != self.current_epoch:
                         self._log.append(EpochLog(epoch, has_ids=self.spec.row_id is not None))
                         self.current_epoch = epoch
                     log = self._log[-1]
-                    batch, self.last_row_ids = self._convert(plan, self.index, step, rows, log)
-                    log.complete = step == (epoch + 1) * m - 1
+                    batch, self.last_row_ids = self._convert(
+                        plan, stream, self.index, step, rows, log
+                    )
+                    log.complete = step == last_of[epoch]
                     yield batch_id(self.index, step), batch
         except ray.exceptions.RayError as e:
             bad = find_bad_input(e)
             if bad is None:
                 raise
             raise bad from e
-        cutter.finish(max(start_step, plan.num_steps))
+        cutter.finish(max(start_step, stream_length(stream)))
 
-    def _pipeline(self, plan: BatchPlan, start_step: int) -> Iterator[pa.Table]:
-        """The preprocessed blocks of this rank's steps from ``start_step`` on, in order."""
-        if start_step >= plan.num_steps:
+    def _pipeline(self, plan: BatchPlan, stream: Stream, start_step: int) -> Iterator[pa.Table]:
+        """The preprocessed blocks of the stream's batches from ``start_step`` on, in order."""
+        length = stream_length(stream)
+        if start_step >= length:
             return iter(())
-        pieces = plan.pieces(self.index, start_step, plan.num_steps)
+        pieces = plan.stream_pieces(stream, start_step, length)
         if self.in_process:
             columns = self.source_spec.required_columns()
             return (
@@ -237,13 +295,19 @@ class IndexedParquetShard(BatchShard):
         return _preprocess_piece(table, spec=self.source_spec, on_bad_rows=self.on_bad_rows)
 
     def _convert(
-        self, plan: BatchPlan, rank: int, step: int, rows: pa.Table, log: EpochLog
+        self,
+        plan: BatchPlan,
+        stream: Stream,
+        sid: int,
+        step: int,
+        rows: pa.Table,
+        log: EpochLog,
     ) -> tuple[Batch, np.ndarray | None]:
-        """One step's rows (internal layout, marked rows included) as a batch, logged in
-        ``log``; and the batch's row ids."""
+        """Batch ``step`` of stream ``sid``'s rows (internal layout, marked rows included) as a
+        batch, logged in ``log``; and the batch's row ids."""
         kept = take_marked(rows, log, row_id=self.spec.row_id)
         if kept.num_rows == 0:
-            raise _no_rows_left(plan, rank, step, rows)
+            raise _no_rows_left(plan.stream_pieces(stream, step, step + 1), sid, step, rows)
         batch, report = to_batch(kept, self.spec)  # checked on the worker: cannot fail here
         log.batches += 1
         log.rows += report.rows_out
@@ -384,8 +448,7 @@ class _PieceSource(ray.data.Datasource):
         ]
 
 
-def _no_rows_left(plan: BatchPlan, rank: int, step: int, rows: pa.Table) -> BadInputError:
-    pieces = plan.pieces(rank, step, step + 1)
+def _no_rows_left(pieces: list[Piece], rank: int, step: int, rows: pa.Table) -> BadInputError:
     where = ", ".join(
         f"{p.path} rows {p.file_row}..{p.file_row + p.rows - 1} (row group {p.row_group})"
         for p in pieces

@@ -20,10 +20,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-__all__ = ["BatchPlan", "Piece"]
+__all__ = [
+    "BatchPlan",
+    "Part",
+    "Piece",
+    "Recut",
+    "Stream",
+    "recut",
+    "remaining_rows",
+    "stream_batch_size",
+    "stream_epoch",
+    "stream_length",
+    "streams_from_json",
+    "streams_to_json",
+]
 
 _CACHED_EPOCHS = 4  # epoch orders kept: a rank reads one epoch at a time, replays are recent
 
@@ -45,6 +60,206 @@ class Piece:
     @property
     def rows(self) -> int:
         return self.stop - self.start
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Part:
+    """The first ``count`` batches of ``runs`` (ranges of epoch ``epoch``'s row space, ``total``
+    rows laid end to end) cut into ``cut`` nearly equal batches: batch ``j`` is rows
+    ``[j*total//cut, (j+1)*total//cut)`` of the runs. A rank's share of an epoch is one part of
+    one run; rows re-shared among the ranks after a membership change may span several runs."""
+
+    epoch: int
+    runs: tuple[tuple[int, int], ...]
+    total: int
+    cut: int
+    count: int
+
+    def local_cuts(self, k0: int, k1: int) -> np.ndarray:
+        """Where the part's batches ``k0 .. k1 - 1`` start in ``runs`` laid end to end, and
+        where the last one ends."""
+        j = np.arange(k0, k1 + 1, dtype=np.int64)
+        return j * self.total // self.cut
+
+    def size_of(self, k: int) -> int:
+        """Rows of the part's batch ``k``."""
+        a, b = self.local_cuts(k, k + 1)
+        return int(b - a)
+
+    def runs_from(self, k: int) -> list[tuple[int, int]]:
+        """The rows of the part's batches from ``k`` on, as ranges of the epoch's row space."""
+        if k >= self.count:
+            return []
+        start, stop = (int(c) for c in self.local_cuts(k, self.count)[[0, -1]])
+        out: list[tuple[int, int]] = []
+        at = 0
+        for lo, hi in self.runs:
+            end = at + hi - lo
+            a, b = max(start, at), min(stop, end)
+            if a < b:
+                out.append((lo + a - at, lo + b - at))
+            at = end
+        return out
+
+    def to_json(self) -> list[Any]:
+        runs = [list(r) for r in self.runs]
+        return [self.epoch, runs, self.total, self.cut, self.count]
+
+    @classmethod
+    def from_json(cls, value: Sequence[Any]) -> Part:
+        epoch, runs, total, cut, count = value
+        return cls(
+            epoch=int(epoch),
+            runs=tuple((int(a), int(b)) for a, b in runs),
+            total=int(total),
+            cut=int(cut),
+            count=int(count),
+        )
+
+
+# What one rank reads, in order: parts of epochs, never two parts of one epoch out of order.
+Stream = tuple[Part, ...]
+
+
+def streams_to_json(streams: Mapping[int, Stream]) -> dict[str, list[list[Any]]]:
+    return {str(sid): [p.to_json() for p in s] for sid, s in streams.items()}
+
+
+def streams_from_json(value: Mapping[str, Sequence[Any]]) -> dict[int, Stream]:
+    return {int(sid): tuple(Part.from_json(p) for p in parts) for sid, parts in value.items()}
+
+
+def stream_length(stream: Stream) -> int:
+    return sum(p.count for p in stream)
+
+
+def stream_batch_size(stream: Stream, k: int) -> int:
+    """Rows of batch ``k`` of ``stream``."""
+    part, j = _locate(stream, k)
+    return part.size_of(j)
+
+
+def stream_epoch(stream: Stream, k: int) -> int:
+    return _locate(stream, k)[0].epoch
+
+
+def remaining_rows(stream: Stream, k: int) -> dict[int, list[tuple[int, int]]]:
+    """Epoch -> the rows (ranges of its row space) of ``stream``'s batches from ``k`` on."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    at = 0
+    for part in stream:
+        if at + part.count > k:
+            runs = part.runs_from(max(k - at, 0))
+            if runs:
+                out.setdefault(part.epoch, []).extend(runs)
+        at += part.count
+    return out
+
+
+def _locate(stream: Stream, k: int) -> tuple[Part, int]:
+    at = 0
+    for part in stream:
+        if k < at + part.count:
+            return part, k - at
+        at += part.count
+    raise ValueError(f"the stream has {at} batches, batch {k} is not one of them")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recut:
+    """:func:`recut`'s answer: one stream per rank (each as many batches long, counting the
+    batches queued ahead of it), and the rows it could not give out (``left_over``: an epoch
+    whose remaining rows are fewer than the ranks need to fill a batch each)."""
+
+    streams: tuple[Stream, ...]
+    left_over: int
+
+
+def recut(
+    remaining: Mapping[int, Sequence[tuple[int, int]]],
+    *,
+    queued: Sequence[int],
+    batch_size: int,
+) -> Recut:
+    """Splits the rows left to train among ``len(queued)`` ranks (a membership change).
+
+    ``remaining``: epoch -> rows of its row space no rank has trained (and none will, unless
+    given out here). ``queued[i]``: batches rank ``i`` must train before its new stream (replays
+    of a lost gang's uncommitted batches). Epoch by epoch, in order, the rows (sorted by their
+    place in the epoch, so a rank's reads stay local) are cut into nearly equal batches of at
+    most ``batch_size`` rows: ``C`` batches in all, ``c_i`` of them rank ``i``'s. Rank ``i``
+    takes the consecutive rows ``[P_i*n//C, P_{i+1}*n//C)`` (``P_i``: the batches of the ranks
+    before it) and cuts them into its ``c_i`` batches. In the first epoch with rows,
+    ``c_i = K - queued[i]``, so that every rank has the same ``K`` batches to train before the
+    next epoch; later epochs give every rank the same count. So ranks that train in lockstep
+    all finish the data at the same step; and a whole epoch among ranks that queue nothing is
+    cut exactly as :class:`BatchPlan` cuts it.
+    """
+    ranks = len(queued)
+    if ranks < 1:
+        raise ValueError("recut needs at least one rank")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+    streams: list[list[Part]] = [[] for _ in range(ranks)]
+    extra = list(queued)
+    left_over = 0
+    for epoch in sorted(remaining):
+        runs = _merged(remaining[epoch])
+        n = sum(b - a for a, b in runs)
+        if n == 0:
+            continue
+        need = -(-n // batch_size)  # batches of at most batch_size rows
+        k = max(max(extra), -(-(need + sum(extra)) // ranks))
+        counts = [k - q for q in extra]
+        cut = sum(counts)
+        if cut > n:  # fewer rows than batches: some batch would be empty
+            left_over += n
+            continue
+        extra = [0] * ranks
+        ends = np.cumsum([b - a for a, b in runs])
+        first = 0
+        for i, count in enumerate(counts):
+            if count:
+                lo, hi = first * n // cut, (first + count) * n // cut
+                streams[i].append(
+                    Part(
+                        epoch=epoch,
+                        runs=_slice_runs(runs, ends, lo, hi),
+                        total=hi - lo,
+                        cut=count,
+                        count=count,
+                    )
+                )
+            first += count
+    return Recut(streams=tuple(tuple(s) for s in streams), left_over=left_over)
+
+
+def _merged(runs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted((int(a), int(b)) for a, b in runs if b > a):
+        if out and a < out[-1][1]:
+            raise ValueError(f"rows {a}..{b} given out twice (they overlap {out[-1]})")
+        if out and a == out[-1][1]:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _slice_runs(
+    runs: Sequence[tuple[int, int]], ends: np.ndarray, lo: int, hi: int
+) -> tuple[tuple[int, int], ...]:
+    """Rows ``[lo, hi)`` of ``runs`` laid end to end, as ranges of the row space."""
+    out: list[tuple[int, int]] = []
+    i = int(np.searchsorted(ends, lo, side="right"))
+    while lo < hi:
+        run_lo, run_hi = runs[i]
+        start = int(ends[i]) - (run_hi - run_lo)
+        a, b = run_lo + lo - start, run_lo + min(hi, int(ends[i])) - start
+        out.append((a, b))
+        lo = min(hi, int(ends[i]))
+        i += 1
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -145,6 +360,23 @@ class BatchPlan:
         """The row groups (indices in listing order) laid end to end in ``epoch``."""
         return self._order(epoch)[0]
 
+    def stream(self, rank: int, *, limit: int | None = None) -> Stream:
+        """Rank ``rank``'s batches as a :class:`Stream`: per epoch, its share cut into
+        ``steps_per_epoch`` batches; only the first ``limit`` batches when given."""
+        start, size = self.share(rank)
+        m = self.steps_per_epoch
+        total = self.num_steps if limit is None else max(0, min(limit, self.num_steps))
+        return tuple(
+            Part(
+                epoch=e,
+                runs=((start, start + size),),
+                total=size,
+                cut=m,
+                count=min(m, total - e * m),
+            )
+            for e in range(math.ceil(total / m))
+        )
+
     def pieces(self, rank: int, first_step: int, stop_step: int) -> list[Piece]:
         """The rows of ``rank``'s steps ``[first_step, stop_step)``, in step order, as pieces of
         row groups (a piece never spans two row groups or two epochs)."""
@@ -152,48 +384,80 @@ class BatchPlan:
             return []
         self._check_step(first_step)
         self._check_step(stop_step - 1)
-        m = self.steps_per_epoch
-        share_start, size = self.share(rank)
-        files, groups, file_starts = self._unit_where
+        return self.stream_pieces(self.stream(rank), first_step, stop_step)
+
+    def stream_pieces(self, stream: Stream, first: int, stop: int) -> list[Piece]:
+        """The rows of batches ``[first, stop)`` of ``stream`` (a piece's ``step`` counts the
+        stream's batches), in batch order, as pieces of row groups."""
         out: list[Piece] = []
-        for epoch in range(first_step // m, (stop_step - 1) // m + 1):
-            j0 = max(first_step - epoch * m, 0)
-            j1 = min(stop_step - epoch * m, m)
-            # Where the steps j0 .. j1 start in the share; the last entry is where j1 - 1 ends.
-            cuts = np.arange(j0, j1 + 1, dtype=np.int64) * size // m
-            order, ends = self._order(epoch)
-            lo, hi = share_start + int(cuts[0]), share_start + int(cuts[-1])
-            k = int(np.searchsorted(ends, lo, side="right"))
-            while lo < hi:
-                unit = int(order[k])
-                stop = min(hi, int(ends[k]))
-                k += 1
-                if stop == lo:  # a row group with no rows
-                    continue
-                unit_start = int(ends[k - 1]) - int(self._unit_rows[unit])
-                # Rows [lo, stop) of the epoch as share offsets [a, b), then their steps.
-                a, b = lo - share_start, stop - share_start
-                first = int(np.searchsorted(cuts, a, side="right")) - 1
-                last = int(np.searchsorted(cuts, b - 1, side="right")) - 1
-                bounds = np.clip(cuts[first : last + 2], a, b)
-                out.append(
-                    Piece(
-                        path=self.paths[int(files[unit])],
-                        row_group=int(groups[unit]),
-                        start=lo - unit_start,
-                        stop=stop - unit_start,
-                        file_row=int(file_starts[unit]) + lo - unit_start,
-                        step=epoch * m + j0 + first,
-                        counts=tuple(int(c) for c in np.diff(bounds)),
-                    )
+        at = 0  # the stream's batch where the part starts
+        for part in stream:
+            lo, hi = max(first, at), min(stop, at + part.count)
+            if lo < hi:
+                self._check_epoch(part.epoch)
+                out += self._part_pieces(part, lo - at, hi - at, step0=at)
+            at += part.count
+        if stop > at:
+            raise ValueError(f"the stream has {at} batches, asked for batches up to {stop}")
+        return out
+
+    def _part_pieces(self, part: Part, k0: int, k1: int, *, step0: int) -> list[Piece]:
+        """Pieces of the part's batches ``[k0, k1)`` (``step0``: the stream's batch of the part's
+        first)."""
+        # Where each batch starts in the part's runs laid end to end; the last: where k1 - 1 ends.
+        cuts = part.local_cuts(k0, k1)
+        out: list[Piece] = []
+        run_at = 0  # where the run starts in the runs laid end to end
+        for run_lo, run_hi in part.runs:
+            run_end = run_at + (run_hi - run_lo)
+            a, b = max(run_at, int(cuts[0])), min(run_end, int(cuts[-1]))
+            if a < b:
+                # The batches with rows in [a, b), and their starts moved to the epoch's rows.
+                i = int(np.searchsorted(cuts, a, side="right")) - 1
+                j = int(np.searchsorted(cuts, b - 1, side="right")) - 1
+                shift = run_lo - run_at
+                out += self._interval_pieces(
+                    part.epoch, a + shift, b + shift, cuts[i : j + 2] + shift, step0 + k0 + i
                 )
-                lo = stop
+            run_at = run_end
+        return out
+
+    def _interval_pieces(
+        self, epoch: int, lo: int, hi: int, cuts: np.ndarray, step: int
+    ) -> list[Piece]:
+        """Rows ``[lo, hi)`` of ``epoch``'s row space as pieces of row groups; ``cuts``: where
+        batch ``step``, ``step + 1``, ... start (and the last one ends) in that row space."""
+        files, groups, file_starts = self._unit_where
+        order, ends = self._order(epoch)
+        out: list[Piece] = []
+        k = int(np.searchsorted(ends, lo, side="right"))
+        while lo < hi:
+            unit = int(order[k])
+            stop = min(hi, int(ends[k]))
+            k += 1
+            if stop == lo:  # a row group with no rows
+                continue
+            unit_start = int(ends[k - 1]) - int(self._unit_rows[unit])
+            first = int(np.searchsorted(cuts, lo, side="right")) - 1
+            last = int(np.searchsorted(cuts, stop - 1, side="right")) - 1
+            bounds = np.clip(cuts[first : last + 2], lo, stop)
+            out.append(
+                Piece(
+                    path=self.paths[int(files[unit])],
+                    row_group=int(groups[unit]),
+                    start=lo - unit_start,
+                    stop=stop - unit_start,
+                    file_row=int(file_starts[unit]) + lo - unit_start,
+                    step=step + first,
+                    counts=tuple(int(c) for c in np.diff(bounds)),
+                )
+            )
+            lo = stop
         return out
 
     def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """The epoch's row-group order and the cumulative row count at the end of each."""
-        if not 0 <= epoch < self.epochs:
-            raise ValueError(f"epoch must be in [0, {self.epochs}), got {epoch!r}")
+        self._check_epoch(epoch)
         hit = self._orders.get(epoch)
         if hit is not None:
             return hit
@@ -207,6 +471,10 @@ class BatchPlan:
             self._orders.pop(next(iter(self._orders)))
         self._orders[epoch] = (order, ends)
         return order, ends
+
+    def _check_epoch(self, epoch: int) -> None:
+        if not 0 <= epoch < self.epochs:
+            raise ValueError(f"epoch must be in [0, {self.epochs}), got {epoch!r}")
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.num_shards:

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, TypeVar
 __all__ = [
     "CheckpointRestored",
     "CheckpointSaved",
+    "DataReshared",
     "Event",
     "EventLog",
     "GangDropped",
@@ -117,6 +118,21 @@ class GangJoined(Event):
     kind: ClassVar[str] = "gang_joined"
     gang_id: int
     generation: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataReshared(Event):
+    """The rows no rank had trained yet were cut again among the live ranks (after a gang was
+    lost or joined): every rank now has ``batches`` more to train (``queued`` of them replays of
+    a lost gang's uncommitted batches), so the job's data ends at ``end_step``. ``left_over``:
+    rows of an epoch too few to give every rank a batch (not trained)."""
+
+    kind: ClassVar[str] = "data_reshared"
+    ranks: int
+    rows: int
+    batches: int
+    end_step: int
+    left_over: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

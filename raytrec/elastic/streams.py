@@ -47,6 +47,14 @@ class RankStreams:
         self._retired[self._shard[rank]] = self._next[rank]
         del self._shard[rank], self._next[rank], self._replay[rank]
 
+    def switch(self, rank: int, *, shard: int) -> None:
+        """The rank reads stream ``shard`` from its first batch on, after its queued replays;
+        its old stream is retired where it stands."""
+        self._retired[self._shard[rank]] = self._next[rank]
+        self._retired.pop(shard, None)
+        self._shard[rank] = shard
+        self._next[rank] = 0
+
     def restart(self, rank: int, *, at: int, replay: Iterable[int] = ()) -> None:
         """The rank's own stream restarts at batch ``at``, after ``replay`` (a resume or a
         rollback to a checkpoint)."""

@@ -1,0 +1,171 @@
+"""The coordinator's re-sharing of the rows left to train when the job's ranks change.
+
+Parquet read by index (:class:`~raytrec.data.parquet_indexed.IndexedParquetShard`) gives the job
+a fixed set of rows: per epoch, every initial rank's first ``num_steps`` batches of the plan.
+When a gang is lost, the rows its ranks had not taken yet would otherwise never be read; when a
+gang joins, it would have nothing to read. So at every membership change the coordinator takes
+the rows no live rank has trained, from every stream (live ranks' at their position, lost ranks'
+at the batch after the last one they took, whose uncommitted ones are replayed by id), and cuts
+them again among the ranks of the new membership (:func:`~raytrec.data.parquet_plan.recut`).
+Each rank then reads a new stream, with an id of its own, so every batch keeps a unique id and
+can still be replayed; the table of these streams travels to every rank (any rank may have to
+replay any batch) and into checkpoints. Every rank gets the same number of batches to train
+(replays counted), so the ranks, which train in lockstep, all reach the end of the data at the
+same step: the job's last step (``end_step``), later than ``num_steps`` after a loss and sooner
+after a gain. Over the job, every row is trained into the model exactly once.
+
+Sources that cannot cut their rows again (the synthetic one, endless; Parquet streamed through
+``streaming_split``) are not re-shared: their ranks keep their streams (a joining gang continues
+a lost rank's synthetic stream instead).
+
+A mixin of :class:`~actors.coordinator.Coordinator` (like :mod:`actors.growth`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from raytrec.config import TrainConfig
+from raytrec.data.parquet_indexed import IndexedParquetShard
+from raytrec.data.parquet_plan import (
+    Stream,
+    recut,
+    remaining_rows,
+    stream_length,
+    streams_from_json,
+    streams_to_json,
+)
+from raytrec.elastic.accounting import BatchAccounting
+from raytrec.elastic.events import DataReshared, EventLog
+
+__all__ = ["DataResharing", "StreamTable"]
+
+
+class StreamTable:
+    """The job's streams of a re-shareable source: the initial ranks' own (from the plan, the
+    first ``num_steps`` batches) and those made by re-sharing, by id."""
+
+    def __init__(self, template: IndexedParquetShard, *, batch_size: int) -> None:
+        self.template = template
+        self.batch_size = batch_size
+        self.made: dict[int, Stream] = {}
+        self.next_id = template.num_shards
+
+    def stream(self, sid: int) -> Stream:
+        return self.template.with_stream(self.template.index, self.made).stream(
+            self.batch_size, sid
+        )
+
+    def length(self, sid: int) -> int:
+        return stream_length(self.stream(sid))
+
+    def shard(self, sid: int) -> IndexedParquetShard:
+        """The shard a rank reads stream ``sid`` with (it can replay every stream so far)."""
+        return self.template.with_stream(sid, self.made)
+
+    def placeholder(self, _rank: int) -> IndexedParquetShard:
+        """The shard a rank of a gang being built starts with: nothing to read until it joins
+        and is given its share."""
+        return dataclasses.replace(self.template, index=0, limit=0, streams=dict(self.made))
+
+    def add(self, streams: Sequence[Stream]) -> list[int]:
+        ids = list(range(self.next_id, self.next_id + len(streams)))
+        self.made.update(zip(ids, streams, strict=True))
+        self.next_id += len(streams)
+        return ids
+
+    def to_json(self) -> dict[str, Any]:
+        made = streams_to_json(self.made)
+        return {"num_shards": self.template.num_shards, "next_id": self.next_id, "made": made}
+
+    def load(self, saved: Mapping[str, Any]) -> None:
+        """Back to a checkpoint's table (its streams are the ones its positions name)."""
+        self.made = streams_from_json(saved["made"])
+        self.next_id = int(saved["next_id"])
+
+
+class DataResharing:
+    """Re-shares the rows left among the live ranks (module doc)."""
+
+    # Provided by the coordinator.
+    cfg: TrainConfig
+    accounting: BatchAccounting
+    events: EventLog
+    step: int
+    end_step: int
+    streams_table: StreamTable | None
+
+    if TYPE_CHECKING:
+
+        def _now(self) -> float: ...
+        def _call_by_rank(self, ranks: list[int], method: str, args_of: Any) -> list[Any]: ...
+
+    def _reshare_rows(self, ranks: Sequence[int], *, joining: Sequence[int] = ()) -> bool:
+        """Cuts the rows no rank has trained among ``ranks`` (gang order; ``joining``: those of
+        them that join now and are not booked yet) and hands every one its new stream, after
+        the replays queued for it (read again: a new stream starts a new feed). False when
+        nothing was re-shared (the source cannot be, or every live rank already has as many
+        batches left and no rows are orphaned): queued replays are then still to be sent."""
+        table = self.streams_table
+        streams = self.accounting.streams
+        if table is None or streams is None:
+            return False
+        remaining: dict[int, list[tuple[int, int]]] = {}
+
+        def add(sid: int, at: int) -> None:
+            for epoch, runs in remaining_rows(table.stream(sid), at).items():
+                remaining.setdefault(epoch, []).extend(runs)
+
+        queued, left = [], set()
+        for r in ranks:
+            if r in joining:
+                queued.append(0)
+                continue
+            sid, at, replay = streams.position(r)
+            add(sid, at)
+            queued.append(len(replay))
+            left.add(len(replay) + table.length(sid) - at)
+        retired = streams.retired()
+        orphaned = False
+        for sid, at in retired.items():
+            orphaned |= at < table.length(sid)
+            add(sid, at)
+        if not joining and not orphaned and len(left) == 1:
+            # Every row left is some live rank's, and all have as many batches left: their
+            # streams stay as they are (and so do the ids of the batches still to come).
+            self.end_step = self.step + left.pop()
+            return False
+        shared = recut(remaining, queued=queued, batch_size=table.batch_size)
+        ids = table.add(shared.streams)
+        # Every old stream's rows are given out: none is continued where it stopped.
+        streams.retire({sid: table.length(sid) for sid in retired})
+        replays: dict[int, list[int]] = {}
+        for r, sid in zip(ranks, ids, strict=True):
+            if r in joining:
+                self.accounting.add_rank(r, shard=sid, step=self.step)
+                replays[r] = []
+            else:
+                old, _, queued_ids = streams.position(r)
+                replays[r] = list(queued_ids)
+                streams.switch(r, shard=sid)
+                streams.retire({old: table.length(old)})
+        new_stream = dict(zip(ranks, ids, strict=True))
+        self._call_by_rank(
+            list(ranks), "set_shard", lambda r: (table.shard(new_stream[r]), replays[r])
+        )
+        batches = queued[0] + stream_length(shared.streams[0])
+        self.end_step = self.step + batches
+        self.events.append(
+            DataReshared(
+                at=self._now(),
+                step=self.step,
+                ranks=len(ranks),
+                rows=sum(b - a for runs in remaining.values() for a, b in runs),
+                batches=batches,
+                end_step=self.end_step,
+                left_over=shared.left_over,
+            )
+        )
+        return True

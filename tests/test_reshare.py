@@ -1,0 +1,157 @@
+"""The coordinator's re-sharing of the rows left (actors/reshare.py), driven without Ray: ranks
+that train batch by batch in lockstep, a rank lost after a sync (its uncommitted batches
+replayed), a rank that joins later. Every row of the job's data is trained once, every rank
+reaches the end of the data at the same step, and nothing is re-shared when nothing needs it."""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from actors.reshare import DataResharing, StreamTable
+from raytrec.config import TrainConfig
+from raytrec.data.generate import write_synthetic_parquet
+from raytrec.data.parquet import IndexedParquetShard, ParquetSource
+from raytrec.data.parquet_plan import stream_length
+from raytrec.data.spec import criteo_spec
+from raytrec.data.synthetic import batch_id
+from raytrec.elastic.accounting import BatchAccounting
+from raytrec.elastic.events import DataReshared, EventLog
+
+ROWS, B, STEPS, SYNC = 1000, 16, 20, 4  # 3 ranks x 21 batches per epoch; the job takes 20
+
+
+class Job(DataResharing):
+    """What the mixin needs of the coordinator, with ranks that keep their feed in memory:
+    ``feeds[r]``: the batch ids it trains next, replays first."""
+
+    def __init__(self, shards: Sequence[IndexedParquetShard]) -> None:
+        self.cfg = TrainConfig()
+        self.step = 0
+        self.events = EventLog()
+        self.table = StreamTable(shards[0], batch_size=B)
+        self.streams_table = self.table
+        self.end_step = STEPS
+        self.accounting = BatchAccounting(range(len(shards)), stream_id=batch_id)
+        self.feeds: dict[int, collections.deque[int]] = {}
+        self.gang_of: dict[int, int] = {}
+        for r, shard in enumerate(shards):
+            self.accounting.add_rank(r, shard=r, step=0)
+            self._read(r, shard)
+        self.trained: list[tuple[int, int]] = []  # (rank, batch id)
+        self.last_sync = 0
+
+    def _now(self) -> float:
+        return time.monotonic()
+
+    def _call_by_rank(self, ranks: list[int], method: str, args_of: Any) -> list[Any]:
+        assert method == "set_shard"
+        for r in ranks:
+            shard, replay = args_of(r)
+            self._read(r, shard, replay)
+        return [None] * len(ranks)
+
+    def _read(self, rank: int, shard: IndexedParquetShard, replay: Sequence[int] = ()) -> None:
+        own = [batch_id(shard.index, k) for k in range(stream_length(shard.stream(B)))]
+        self.feeds[rank] = collections.deque([*replay, *own])
+
+    def _run(self, rank: int, steps: int) -> dict[str, Any]:
+        ids = [self.feeds[rank].popleft() for _ in range(steps)]
+        self.trained += [(rank, i) for i in ids]
+        trained = list(zip(range(self.step + 1, self.step + steps + 1), ids, strict=True))
+        return {"rank": rank, "step": self.step + steps, "trained": trained}
+
+    def _record(self, reports: list[dict[str, Any]], **kw: Any) -> None:
+        last = self.accounting.record(
+            reports,
+            gang_of=lambda r: r,
+            live_gangs=sorted(self.feeds),
+            last_sync_step=self.last_sync,
+            is_job_wide_sync=lambda s: s % SYNC == 0,
+            **kw,
+        )
+        self.last_sync = self.last_sync if last is None else last
+
+    def train(self, steps: int) -> None:
+        """Every live rank trains ``steps`` batches (a job-wide sync every SYNC steps)."""
+        self._record([self._run(r, steps) for r in sorted(self.feeds)])
+        self.step += steps
+
+    def lose(self, rank: int, *, steps: int) -> None:
+        """``rank`` dies ``steps`` steps into an interval, as the coordinator sees it: the
+        survivors report what they trained, the lost rank's batches are the next ones of its
+        stream; the sync at the failed step did not complete."""
+        fail = self.step + steps
+        survivors = sorted(r for r in self.feeds if r != rank)
+        reports = [self._run(r, steps) for r in survivors]
+        reports += self.accounting.lost_rank_reports([rank], fail_step=fail)
+        self._record(reports, completed_through=fail - 1)
+        del self.feeds[rank]
+        self.step = fail
+        replay = self.accounting.drop([rank], survivors, ranks_of=lambda g: [g])
+        assert replay  # batches it trained after the last sync
+        self.accounting.commit(survivors)  # the re-formed job's first sync
+        self.last_sync = fail
+        assert self._reshare_rows(survivors)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> list[IndexedParquetShard]:
+    out = tmp_path_factory.mktemp("reshare")
+    write_synthetic_parquet(
+        out, rows=ROWS, files=3, row_groups_per_file=2, seed=1, num_embeddings=50
+    )
+    source = ParquetSource(paths=str(out), spec=criteo_spec(50), read_mode="indexed")
+    split = source.split(3)
+    assert all(isinstance(s, IndexedParquetShard) for s in split)
+    return [
+        s.with_table({"made": {}}, limit=STEPS) for s in split if isinstance(s, IndexedParquetShard)
+    ]
+
+
+def rows_of(job: Job, ids: Sequence[int]) -> np.ndarray:
+    """Global row numbers (file order) of the batches ``ids``."""
+    shard = job.table.shard(0)
+    paths = shard.paths
+    firsts = np.cumsum([0] + [sum(g) for g in shard.row_groups])
+    out = [
+        np.arange(p.file_row, p.file_row + p.rows) + firsts[paths.index(p.path)]
+        for i in ids
+        for p in shard.batch_pieces(i, B)
+    ]
+    return np.concatenate(out)
+
+
+def test_a_loss_and_a_join_leave_every_row_of_the_job_trained_once(
+    shards: list[IndexedParquetShard],
+) -> None:
+    job = Job(shards)
+    expected = rows_of(job, [batch_id(r, k) for r in range(3) for k in range(STEPS)])
+    job.train(6)
+    job.lose(2, steps=3)  # at step 9: it trained 5..8 after the sync of step 4
+    reshares = job.events.of(DataReshared)
+    assert len(reshares) == 1 and reshares[0].ranks == 2 and reshares[0].left_over == 0
+    assert len(job.feeds[0]) == len(job.feeds[1]) == job.end_step - job.step
+    assert job.end_step > STEPS  # the survivors train the lost rank's rows too
+    job.train(3)
+    # Rank 7 joins (not booked yet): all three are given a share of what is left.
+    job.accounting.add_gangs([7])
+    job.feeds[7] = collections.deque()
+    assert job._reshare_rows([0, 1, 7], joining=[7])
+    assert len({len(f) for f in job.feeds.values()}) == 1
+    assert job.end_step - job.step == len(job.feeds[7])
+    job.train(job.end_step - job.step)
+    assert all(not f for f in job.feeds.values())
+    job.accounting.commit(sorted(job.feeds))
+
+    committed = [i for a, b in job.accounting.committed() for i in range(a, b)]
+    assert job.accounting.committed_count() == len(committed)  # none twice
+    assert job.accounting.replay_pending() == 0
+    assert sorted(rows_of(job, committed).tolist()) == sorted(expected.tolist())
+    # Nothing left to share: a change that orphans no rows keeps the streams.
+    assert not job._reshare_rows([0, 1, 7])
