@@ -117,6 +117,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, required=True)
     p.add_argument("--log-every", type=int, default=25, help="per-interval timing granularity")
     p.add_argument("--out", required=True, help="rank 0 writes its JSON result here")
+    p.add_argument(
+        "--train-pipeline",
+        action="store_true",
+        help="step with TorchRec's TrainPipelineSparseDist (the next batch's input all-to-all "
+        "overlapping this one's compute), fed log_every batches at a time, as a raytrec rank "
+        "is; for comparison with the plain loop",
+    )
     return p.parse_args(argv)
 
 
@@ -186,6 +193,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         dense_optimizer.zero_grad(set_to_none=False)
         return float(loss.detach())
 
+    if a.train_pipeline:
+        step = _pipelined_step(dmp, dense_optimizer, device, batches, a.log_every)
+
     losses: list[float] = []
     for _ in range(a.warmup_steps):
         losses.append(step())
@@ -228,6 +238,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _pipelined_step(
+    dmp: Any, dense_optimizer: Any, device: torch.device, batches: Any, chunk: int
+) -> Any:
+    """A step function running TorchRec's TrainPipelineSparseDist. The pipeline is given
+    ``chunk`` batches at a time and drains at the end of each chunk, as it would inside a
+    raytrec interval (whose batches are prepared before it starts)."""
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    class DenseStep:  # the pipeline calls zero_grad() and step(); embeddings update in backward
+        def zero_grad(self, set_to_none: bool = False) -> None:
+            dense_optimizer.zero_grad(set_to_none=False)
+
+        def step(self) -> None:
+            dense_optimizer.step()
+
+    pipeline = TrainPipelineSparseDist(dmp, DenseStep(), device, execute_all_batches=True)
+    current: list[Any] = [iter(())]
+    left = [0]
+
+    def step() -> float:
+        if left[0] == 0:
+            current[0] = iter([next(batches) for _ in range(chunk)])
+            left[0] = chunk
+        output = pipeline.progress(current[0])  # DLRMTrain's (loss, logits, labels)
+        left[0] -= 1
+        return float(output[0])
+
+    return step
 
 
 if __name__ == "__main__":
