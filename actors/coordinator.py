@@ -413,12 +413,16 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
                     stopped_by = self._train(prepared=False, train_start=train_start)
         else:
             raise JobFailedError("the job kept losing ranks while it finished")
-        if stopped_by is None and self.streams_table is not None and self.step < self.cfg.num_steps:
-            stopped_by = RuntimeError(
-                f"the data source ran out after {self.step} steps (every row of its "
-                f"{self.cfg.data.epochs} epoch(s) trained once); lower num_steps or raise "
-                "data.epochs"
-            )
+        table = self.streams_table
+        if stopped_by is None and table is not None:
+            per_rank = table.template.plan(table.batch_size).num_steps
+            if per_rank < self.cfg.num_steps:  # the job's rows were all the data had
+                stopped_by = RuntimeError(
+                    f"the data source ran out after {self.step} steps: its "
+                    f"{self.cfg.data.epochs} epoch(s) hold {per_rank} batches per rank, fewer "
+                    f"than num_steps={self.cfg.num_steps} (every row was trained once); lower "
+                    "num_steps or raise data.epochs"
+                )
         return RunSummary(
             history=self.progress(),
             final_state_path=final,

@@ -231,13 +231,16 @@ class TotalLossRecovery:
         """The batch accounting back to ``snapshot`` (a checkpoint's) for gangs ``gang_ids``, and
         where each rank of ``order`` (gang order) reads from there on; add the ranks with
         ``add_rank`` (placing them does), then :meth:`_continue_streams`."""
+        spare = [getattr(shard, "index", t) for t, shard in enumerate(self.shards)]
         if self.streams_table is not None and "streams_table" in snapshot:
             self.streams_table.load(snapshot["streams_table"])
+            # More ranks than saved streams and spare shards: the others start with nothing to
+            # read, and the re-share that follows gives every rank its part of the rows left.
+            live = {int(s) for s, _, _ in snapshot["streams"]["live"]}
+            have = len(live) + len([s for s in spare if s not in live])
+            spare += self.streams_table.add([()] * max(0, len(order) - have))
         plan = plan_streams(
-            snapshot["streams"],
-            num_ranks=len(order),
-            spare_shards=[getattr(shard, "index", t) for t, shard in enumerate(self.shards)],
-            step=step,
+            snapshot["streams"], num_ranks=len(order), spare_shards=spare, step=step
         )
         self.accounting = BatchAccounting.rewound(
             snapshot, gang_ids=gang_ids, stream_id=self._stream_id

@@ -165,8 +165,9 @@ def fit(
     if source is None:
         source, info = source_from_config(config)
     validate_features(config.model, source.sparse_features)
+    shards_of_plan = config.scaling.world_size
     if resume is not None:
-        _check_indexed_resume(resume, config, source)
+        shards_of_plan = _indexed_resume_shards(resume, config, source) or shards_of_plan
     plan = _plan(config, source.dense_features, model_factory)
 
     run_dir = os.path.abspath(
@@ -192,7 +193,7 @@ def fit(
         coordinator = coordinator_cls.options(scheduling_strategy=here, name=name).remote(
             config,
             plan,
-            source.split(config.scaling.world_size),
+            source.split(shards_of_plan),
             source.dense_features,
             run_dir,
             model_factory,
@@ -248,31 +249,32 @@ def _check_checkpoint(uri: str, config: TrainConfig) -> None:
     check_compatible(manifest.signature, expected, where=uri)
 
 
-def _check_indexed_resume(uri: str, config: TrainConfig, source: BatchSource) -> None:
-    """Parquet read by index resumes only on the number of ranks it was split for: its shards'
-    batches are fixed by that number, and the checkpoint's streams and replay ids name them.
-    (On another number, the saved positions would point at other rows.)"""
+def _indexed_resume_shards(uri: str, config: TrainConfig, source: BatchSource) -> int | None:
+    """For Parquet read by index: the number of ranks the checkpoint's job split the data for,
+    whose plan its saved stream positions name (the resumed job shares the rows left among its
+    own ranks, any number of them); None for other sources. A checkpoint saved without the
+    table of re-shared streams resumes only on that number of ranks."""
     if not isinstance(source, ParquetSource) or source.read_mode != "indexed":
-        return
+        return None
     from raytrec.checkpoint.layout import read_manifest
 
     accounting = read_manifest(uri).extra.get("accounting") or {}
     streams = accounting.get("streams")
     if not streams:
-        return
+        return None
     table = accounting.get("streams_table")
     if table is not None:
-        saved = int(table["num_shards"])
-    else:
-        saved = 1 + max(int(s[0]) for s in [*streams["live"], *streams["retired"]])
+        return int(table["num_shards"])
+    saved = 1 + max(int(s[0]) for s in [*streams["live"], *streams["retired"]])
     ranks = config.scaling.world_size
     if ranks != saved:
         raise ConfigError(
-            f"{uri} was trained on Parquet read by index in {saved} shards, whose batches are "
-            f"fixed by that number; resume it with scaling.num_workers={saved} (not {ranks}) "
-            "to continue on the same rows, or read with data.parquet_read='streaming', which "
-            "restarts the data at the checkpoint's step on any number of ranks"
+            f"{uri} was trained on Parquet read by index in {saved} shards and saved without "
+            f"the table of re-shared streams; resume it with scaling.num_workers={saved} (not "
+            f"{ranks}) to continue on the same rows, or read with "
+            "data.parquet_read='streaming', which restarts the data at the checkpoint's step"
         )
+    return saved
 
 
 def _plan(config: TrainConfig, num_dense: int, model_factory: ModelFactory) -> Any:

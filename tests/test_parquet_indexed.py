@@ -22,7 +22,7 @@ import pytest
 import ray
 from ray import cloudpickle
 
-from raytrec.api import _check_indexed_resume
+from raytrec.api import _indexed_resume_shards
 from raytrec.cluster import connect
 from raytrec.config import ScalingConfig, TrainConfig
 from raytrec.data.arrow_kjt import BadInputError
@@ -202,24 +202,33 @@ def test_values_row_for_row_through_an_explicit_filesystem(data_dir: pathlib.Pat
     assert cat.values().tolist() == pa.compute.list_flatten(first["cat_2"]).to_pylist()
 
 
-def test_a_resume_on_another_number_of_ranks_is_refused_before_it_starts(
+def test_a_resume_is_planned_on_the_saved_job_s_split(
     data_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import raytrec.checkpoint.layout as layout
 
     # A checkpoint of a 3-rank job that lost rank 1: shards 0 and 2 live, 1 retired.
     streams = {"live": [[0, 5, []], [2, 5, [batch_id(1, 4)]]], "retired": [[1, 4]]}
-    manifest = types.SimpleNamespace(extra={"step": 5, "accounting": {"streams": streams}})
+    accounting: dict[str, Any] = {"streams": streams}
+    manifest = types.SimpleNamespace(extra={"step": 5, "accounting": accounting})
     monkeypatch.setattr(layout, "read_manifest", lambda uri: manifest)
     source = ParquetSource(paths=str(data_dir), spec=SPEC)
     three = TrainConfig(scaling=ScalingConfig(num_workers=3, gang_size=1))
     four = TrainConfig(scaling=ScalingConfig(num_workers=4, gang_size=2))
-    _check_indexed_resume("ckpt", three, source)  # 3 shards, 3 ranks
+    # Saved with its table of re-shared streams: any number of ranks, on the saved split.
+    accounting["streams_table"] = {"num_shards": 3, "next_id": 3, "made": {}}
+    assert _indexed_resume_shards("ckpt", four, source) == 3
+    # Saved without one: only on the number of ranks the data was split for.
+    del accounting["streams_table"]
+    assert _indexed_resume_shards("ckpt", three, source) == 3
     pattern = r"ckpt was trained on Parquet read by index in 3 shards.*num_workers=3 \(not 4\)"
     with pytest.raises(ConfigError, match=pattern):
-        _check_indexed_resume("ckpt", four, source)
+        _indexed_resume_shards("ckpt", four, source)
     # Streamed Parquet restarts at the checkpoint's step on any number of ranks.
-    _check_indexed_resume("ckpt", four, dataclasses.replace(source, read_mode="streaming"))
+    assert (
+        _indexed_resume_shards("ckpt", four, dataclasses.replace(source, read_mode="streaming"))
+        is None
+    )
 
 
 # -- bad input -----------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ from raytrec.data.parquet import IndexedParquetShard, ParquetSource
 from raytrec.data.synthetic import batch_id, split_batch_id
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
-from raytrec.errors import ConfigError
 from raytrec.testing import committed_row_ids
 
 pytestmark = pytest.mark.cluster
@@ -102,9 +101,9 @@ def test_a_lost_gang_s_rows_are_trained_by_the_survivors_exactly_once_over_the_e
 def test_a_resume_continues_on_the_batches_after_the_checkpoint(
     cluster: None, tmp_path: pathlib.Path
 ) -> None:
-    write_synthetic_parquet(
+    paths = write_synthetic_parquet(
         tmp_path / "data", rows=ROWS, files=4, row_groups_per_file=2, seed=3, num_embeddings=VOCAB
-    )
+    ).paths
     config = TrainConfig(
         model=ModelConfig(tables=criteo_tables(num_features=4, num_embeddings=VOCAB)),
         scaling=ScalingConfig(num_workers=2, gang_size=1),
@@ -124,7 +123,18 @@ def test_a_resume_continues_on_the_batches_after_the_checkpoint(
     committed = {i for a, b in second.committed_batches for i in range(a, b)}
     assert second.committed_count == len(committed)
     assert committed == {batch_id(shard, k) for shard in range(2) for k in range(10)}
-    # On another number of ranks the saved positions would name other rows: refused up front.
-    other = config.replace(num_steps=10, scaling=ScalingConfig(num_workers=1, gang_size=1))
-    with pytest.raises(ConfigError, match=r"in 2 shards.*scaling.num_workers=2 \(not 1\)"):
-        fit(other, resume_from_checkpoint=first.checkpoint, shutdown_ray=False)
+    expected = committed_row_ids(second, paths)
+    assert len(set(expected.tolist())) == len(expected)
+    # On another number of ranks the rows the checkpoint had not trained are shared among
+    # them: the same rows end up in the model, each once (on 1 rank in 8 more steps, on 3
+    # ranks in 3: 252 rows left, batches 6..9 of both streams, in batches of at most 32).
+    for ranks, steps in ((1, 6 + 8), (3, 6 + 3)):
+        other = config.replace(num_steps=10, scaling=ScalingConfig(num_workers=ranks, gang_size=1))
+        again = fit(other, resume_from_checkpoint=first.checkpoint, shutdown_ray=False)
+        assert again.steps == steps
+        (reshared,) = [e for e in again.events if e["kind"] == "data_reshared"]
+        assert reshared["ranks"] == ranks and reshared["rows"] == 2 * (
+            10 * 600 // 19 - 6 * 600 // 19
+        )
+        assert again.committed_count == sum(b - a for a, b in again.committed_batches)
+        assert sorted(committed_row_ids(again, paths).tolist()) == sorted(expected.tolist())
