@@ -211,8 +211,9 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         with self._lock:
             return list(self._history[since:])
 
-    def event_dicts(self) -> list[dict[str, Any]]:
-        return [e.to_dict() for e in self.events]
+    def event_dicts(self, since: int = 0) -> list[dict[str, Any]]:
+        """The events from the ``since``-th on, as dicts (the driver polls them as they come)."""
+        return [e.to_dict() for e in list(self.events)[since:]]
 
     def workers(self) -> dict[int, Any]:
         return dict(self._workers)

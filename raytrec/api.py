@@ -201,7 +201,8 @@ def fit(
             resume_from=resume,
         )
         try:
-            summary = _drive(coordinator, reporter)
+            on_event = reporter.event if isinstance(reporter, ProgressReporter) else None
+            summary = _drive(coordinator, reporter, on_event)
         finally:
             # The coordinator may already be gone; it is killed below regardless.
             with contextlib.suppress(Exception):
@@ -291,16 +292,27 @@ def _plan(config: TrainConfig, num_dense: int, model_factory: ModelFactory) -> A
     )
 
 
-def _drive(coordinator: Any, on_progress: Callable[[IntervalMetrics], None]) -> Any:
+def _drive(
+    coordinator: Any,
+    on_progress: Callable[[IntervalMetrics], None],
+    on_event: Callable[[dict[str, Any]], None] | None = None,
+) -> Any:
+    """Runs the job, passing on its metrics rows (and, with ``on_event``, its events) as they
+    come; returns the coordinator's summary."""
     run_ref = coordinator.run.remote()
-    seen = 0
+    seen = seen_events = 0
     try:
         while True:
             done, _ = ray.wait([run_ref], timeout=1.0)
             rows = ray.get(coordinator.progress.remote(seen))
+            events = ray.get(coordinator.event_dicts.remote(seen_events)) if on_event else []
             for row in rows:
                 on_progress(row)
             seen += len(rows)
+            for event in events:
+                assert on_event is not None
+                on_event(event)
+            seen_events += len(events)
             if done:
                 return ray.get(run_ref)
     except ray.exceptions.RayTaskError as e:

@@ -28,10 +28,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 __all__ = [
+    "EVENTS_FILE",
     "METRICS_FILE",
     "PLOT_FILE",
     "TENSORBOARD_DIR",
     "ProgressReporter",
+    "format_event",
     "format_line",
     "row_dict",
     "scalars",
@@ -39,6 +41,7 @@ __all__ = [
 ]
 
 METRICS_FILE = "metrics.jsonl"
+EVENTS_FILE = "events.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PLOT_FILE = "metrics.png"
 TAG_PREFIX = "train/"
@@ -107,6 +110,18 @@ def format_line(row: Mapping[str, Any], total_steps: int, *, prefix: str = "[ray
         left = time_left(step, total_steps, float(elapsed))
         parts.append(f"{_duration(float(elapsed))} elapsed, {_duration(left)} left")
     return " | ".join(parts)
+
+
+def format_event(event: Mapping[str, Any], *, prefix: str = "[raytrec]") -> str:
+    """``[raytrec] event at 12.3s, step 120: rank_died job_rank=3 ...`` (long values cut)."""
+    rest = []
+    for key, value in event.items():
+        if key in ("kind", "at", "step"):
+            continue
+        text = str(value)
+        rest.append(f"{key}={text if len(text) <= 120 else text[:117] + '...'}")
+    head = f"{prefix} event at {float(event.get('at', 0.0)):.1f}s, step {event.get('step')}"
+    return f"{head}: {event.get('kind')} " + " ".join(rest)
 
 
 class ProgressReporter:
@@ -208,6 +223,20 @@ class ProgressReporter:
             for key, value in scalars(row).items():
                 self._writer.add_scalar(TAG_PREFIX + key, value, global_step=int(row["step"]))
             self._writer.flush()
+
+    # -- events ------------------------------------------------------------------------------
+
+    def event(self, event: Mapping[str, Any]) -> None:
+        """Shows one of the job's events (a failure, a generation, a heal, a re-share: a dict of
+        :mod:`raytrec.elastic.events`) as a line, and appends it to ``events.jsonl``."""
+        line = format_event(event)
+        if self._bar is not None:
+            self._bar.write(line, file=self.stream)
+        else:
+            print(line, file=self.stream, flush=True)
+        if self.run_dir is not None:
+            with open(os.path.join(self.run_dir, EVENTS_FILE), "a") as f:
+                f.write(json.dumps(dict(event), default=_json_value) + "\n")
 
     # -- the end -----------------------------------------------------------------------------
 

@@ -12,11 +12,13 @@ import pytest
 
 from raytrec.metrics import IntervalMetrics
 from raytrec.progress import (
+    EVENTS_FILE,
     METRICS_FILE,
     PLOT_FILE,
     TAG_PREFIX,
     TENSORBOARD_DIR,
     ProgressReporter,
+    format_event,
     format_line,
     row_dict,
     scalars,
@@ -207,3 +209,22 @@ def test_close_marks_given_events_and_derives_generation_changes(
         other(row)
     other.close(events=[{"step": 22, "kind": "generation_started", "generation": 1}])
     assert drawn == [[{"step": 22, "kind": "generation_started", "generation": 1}]]
+
+
+def test_events_are_shown_as_they_come_and_written_to_events_jsonl(tmp_path: pathlib.Path) -> None:
+    stream = io.StringIO()
+    reporter = ProgressReporter(TOTAL, run_dir=str(tmp_path), stream=stream, tty=False)
+    rows = metrics_rows()
+    died = {"kind": "rank_died", "at": 12.34, "step": 20, "job_rank": 3, "cause": "x" * 200}
+    reshared = {"kind": "data_reshared", "at": 13.0, "step": 20, "ranks": 2, "end_step": 48}
+    reporter(rows[0])
+    reporter.event(died)
+    reporter.event(reshared)
+    lines = stream.getvalue().splitlines()
+    assert lines[1] == format_event(died)
+    assert lines[1].startswith("[raytrec] event at 12.3s, step 20: rank_died job_rank=3 cause=")
+    assert lines[1].endswith("x" * 117 + "...")
+    assert lines[2] == "[raytrec] event at 13.0s, step 20: data_reshared ranks=2 end_step=48"
+    written = [json.loads(x) for x in (tmp_path / EVENTS_FILE).read_text().splitlines()]
+    assert written == [died, reshared]
+    reporter.close()

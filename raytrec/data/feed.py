@@ -162,7 +162,12 @@ class BatchFeed(Generic[T]):
             return len(self._buffer)
 
     def close(self) -> None:
-        """Stops the thread at its next batch boundary (it is a daemon: it never blocks exit)."""
+        """Stops the thread at its next batch boundary (it is a daemon: it never blocks exit).
+        An inline feed closes its source now (a generator's ``close``), so a data pipeline
+        behind it shuts down here rather than whenever, or during, the process's exit."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        close = getattr(self._source, "close", None)
+        if self._thread is None and callable(close):
+            close()
