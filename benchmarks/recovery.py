@@ -82,6 +82,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 BEGIN = "<!-- recovery:begin -->"
 END = "<!-- recovery:end -->"
 HEADING = "## Recovery time: survivors against restart from checkpoint"
+# With ``--source parquet`` the results go into a section of their own.
+PARQUET_BEGIN = "<!-- recovery-parquet:begin -->"
+PARQUET_END = "<!-- recovery-parquet:end -->"
+PARQUET_HEADING = "## Recovery time with Parquet data read by index"
 TARGET_RATIO = 10.0
 
 
@@ -317,7 +321,14 @@ def build_config(
     steps: int,
     grow: bool = False,
 ) -> TrainConfig:
-    """The job every run recovers; ``faults`` adds the killed rank, ``grow`` the new gang."""
+    """The job every run recovers; ``faults`` adds the killed rank, ``grow`` the new gang.
+    With ``--source parquet`` it reads the shape's Parquet data (:func:`parquet_dir`) by
+    index."""
+    data = DataConfig(batch_size=a.batch_size)
+    if a.source == "parquet":
+        data = DataConfig(
+            batch_size=a.batch_size, source="parquet", path=str(parquet_dir(a, shape))
+        )
     tables = tuple(
         TableConfig(
             name=f"t_cat_{i}",
@@ -334,7 +345,7 @@ def build_config(
             num_workers=shape.world, gang_size=shape.gang_size, cpus_per_rank=a.cpus_per_rank
         ),
         sync=SyncConfig(sync_every=a.sync_every),
-        data=DataConfig(batch_size=a.batch_size),
+        data=data,
         elastic=ElasticConfig(
             min_gangs=1,
             max_gangs=shape.gangs,
@@ -365,7 +376,9 @@ def run_elastic(
     steps = a.fail_step + (a.steps_after if grow else 2 * a.sync_every + 1)
     config = build_config(a, size, shape, faults=True, steps=steps, grow=grow)
     result = fit(config, shutdown_ray=False, on_progress=_quiet)
-    if result.steps != config.num_steps or result.lost_batches:
+    # Parquet: the survivors also train the lost gang's rows, in more steps than num_steps.
+    short = result.steps < config.num_steps if a.source == "parquet" else None
+    if (short if short is not None else result.steps != config.num_steps) or result.lost_batches:
         raise RuntimeError(
             f"elastic run ended at step {result.steps} of {config.num_steps} with "
             f"{result.lost_batches} lost batches: {result.events}"
@@ -379,6 +392,24 @@ def run_elastic(
     if ref is None:
         raise RuntimeError(f"no checkpoint of step {wanted} in {store.root}")
     return timings, ref.uri, result.run_dir
+
+
+def parquet_dir(a: argparse.Namespace, shape: Shape) -> pathlib.Path:
+    """Where the Parquet data of ``shape``'s jobs is (``--source parquet``)."""
+    return a.storage_path / f"data-{shape.label}"
+
+
+def write_parquet(a: argparse.Namespace, shape: Shape, vocab: int) -> None:
+    """One epoch for the longest run of ``shape`` (every rank's batches of its steps), ids
+    below ``vocab``; written once per invocation and read by every run of that shape."""
+    from raytrec.data.generate import write_synthetic_parquet
+
+    out = parquet_dir(a, shape)
+    shutil.rmtree(out, ignore_errors=True)
+    rows = (a.fail_step + a.steps_after) * shape.world * a.batch_size
+    write_synthetic_parquet(
+        out, rows=rows, files=8, row_groups_per_file=4, seed=a.seed, num_embeddings=vocab
+    )
 
 
 def run_restart(
@@ -409,6 +440,9 @@ def measure(
     and the others go on."""
     out: list[Measurement] = []
     failures: list[str] = []
+    if a.source == "parquet":
+        for shape in shapes:
+            write_parquet(a, shape, vocab=max(s.rows for s in sizes))
     for repeat in range(a.repeats):
         for size in sizes:
             for shape in shapes:
@@ -701,6 +735,15 @@ def describe(
         f"{a.sync_every} steps, dense gradients averaged every step, a checkpoint every "
         f"{a.checkpoint_every} steps, `collective_timeout_s={a.collective_timeout_s:g}`, one "
         "history row per step.",
+        "- Data: "
+        + (
+            "synthetic batches made in the ranks (`data.source=synthetic`)."
+            if a.source == "synthetic"
+            else "Parquet files read by index (`--source parquet`: one epoch per shape, "
+            f"{a.fail_step + a.steps_after} steps of every rank, written once), each rank "
+            "its own Ray Data pipeline. After the loss the survivors re-share the rows left, "
+            "which restarts their pipelines: the survivors' figures include that."
+        ),
         f"- Failure: the last gang's last rank exits as it starts step {a.fail_step} "
         f"(`kill_rank@{a.fail_step}`). The elastic job goes on with the other gangs and grows "
         f"back; the restarted job resumes from the checkpoint of step {c}, redoes steps "
@@ -718,9 +761,13 @@ def describe(
     return "\n".join(lines)
 
 
-def write_into(path: pathlib.Path, block: str) -> None:
-    """Replaces the benchmark's block in ``path``, or appends it as a new last section."""
-    replace_block(path, block, begin=BEGIN, end=END, heading=HEADING)
+def write_into(path: pathlib.Path, block: str, *, source: str = "synthetic") -> None:
+    """Replaces the benchmark's block (of ``source``'s runs) in ``path``, or appends it as a new
+    last section."""
+    if source == "parquet":
+        replace_block(path, block, begin=PARQUET_BEGIN, end=PARQUET_END, heading=PARQUET_HEADING)
+    else:
+        replace_block(path, block, begin=BEGIN, end=END, heading=HEADING)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -737,6 +784,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=400,
         help="run 3: steps from the failure on (room for the new gang, built in the background "
         "while the survivors train, to join)",
+    )
+    p.add_argument(
+        "--source",
+        choices=("synthetic", "parquet"),
+        default="synthetic",
+        help="the jobs' data: generated in the ranks, or Parquet files read by index (written "
+        "once per shape under --storage-path)",
     )
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -800,7 +854,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(block)
     say(f"raw measurements: {raw}")
     if a.write is not None:
-        write_into(a.write, block)
+        write_into(a.write, block, source=a.source)
     return 0
 
 
