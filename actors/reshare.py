@@ -27,7 +27,6 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from raytrec.config import TrainConfig
 from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.parquet_plan import (
     Stream,
@@ -54,9 +53,9 @@ class StreamTable:
         self.next_id = template.num_shards
 
     def stream(self, sid: int) -> Stream:
-        return self.template.with_stream(self.template.index, self.made).stream(
-            self.batch_size, sid
-        )
+        made = self.made.get(sid)
+        # An initial rank's stream comes from the template's plan (built once, cached there).
+        return made if made is not None else self.template.stream(self.batch_size, sid)
 
     def length(self, sid: int) -> int:
         return stream_length(self.stream(sid))
@@ -90,7 +89,6 @@ class DataResharing:
     """Re-shares the rows left among the live ranks (module doc)."""
 
     # Provided by the coordinator.
-    cfg: TrainConfig
     accounting: BatchAccounting
     events: EventLog
     step: int
@@ -155,7 +153,10 @@ class DataResharing:
         self._call_by_rank(
             list(ranks), "set_shard", lambda r: (table.shard(new_stream[r]), replays[r])
         )
-        batches = queued[0] + stream_length(shared.streams[0])
+        # Equal for every rank, unless the rows left cannot even out the replays queued (a loss
+        # at the very end of the data): the job then ends with the shortest rank, and the
+        # replays beyond it stay untrained, counted in Result.lost_batches.
+        batches = min(q + stream_length(s) for q, s in zip(queued, shared.streams, strict=True))
         self.end_step = self.step + batches
         self.events.append(
             DataReshared(

@@ -305,14 +305,14 @@ def _drive(
         while True:
             done, _ = ray.wait([run_ref], timeout=1.0)
             rows = ray.get(coordinator.progress.remote(seen))
-            events = ray.get(coordinator.event_dicts.remote(seen_events)) if on_event else []
             for row in rows:
                 on_progress(row)
             seen += len(rows)
-            for event in events:
-                assert on_event is not None
-                on_event(event)
-            seen_events += len(events)
+            if on_event is not None:
+                events = ray.get(coordinator.event_dicts.remote(seen_events))
+                for event in events:
+                    on_event(event)
+                seen_events += len(events)
             if done:
                 return ray.get(run_ref)
     except ray.exceptions.RayTaskError as e:

@@ -290,7 +290,7 @@ def test_skipped_rows_replay_alike_and_a_batch_of_only_bad_rows_stops(
     )
     (fresh, _) = split(root, 2, on_bad_rows="skip")
     pattern = (
-        rf"\(no_rows_left\).*batch 1 of rank 0 has no rows left: all {piece.rows} were skipped"
+        rf"\(no_rows_left\).*batch 1 of stream 0 has no rows left: all {piece.rows} were skipped"
     )
     with pytest.raises(BadInputError, match=pattern):
         list(fresh.batches(B))

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from actors.reshare import DataResharing, StreamTable
-from raytrec.config import TrainConfig
 from raytrec.data.generate import write_synthetic_parquet
 from raytrec.data.parquet import IndexedParquetShard, ParquetSource
 from raytrec.data.parquet_plan import stream_length
@@ -23,15 +22,15 @@ from raytrec.data.synthetic import batch_id
 from raytrec.elastic.accounting import BatchAccounting
 from raytrec.elastic.events import DataReshared, EventLog
 
-ROWS, B, STEPS, SYNC = 1000, 16, 20, 4  # 3 ranks x 21 batches per epoch; the job takes 20
+ROWS, B, STEPS = 1000, 16, 20  # 3 ranks x 21 batches per epoch; the job takes 20
 
 
 class Job(DataResharing):
     """What the mixin needs of the coordinator, with ranks that keep their feed in memory:
     ``feeds[r]``: the batch ids it trains next, replays first."""
 
-    def __init__(self, shards: Sequence[IndexedParquetShard]) -> None:
-        self.cfg = TrainConfig()
+    def __init__(self, shards: Sequence[IndexedParquetShard], *, sync: int = 4) -> None:
+        self.sync = sync
         self.step = 0
         self.events = EventLog()
         self.table = StreamTable(shards[0], batch_size=B)
@@ -72,13 +71,13 @@ class Job(DataResharing):
             gang_of=lambda r: r,
             live_gangs=sorted(self.feeds),
             last_sync_step=self.last_sync,
-            is_job_wide_sync=lambda s: s % SYNC == 0,
+            is_job_wide_sync=lambda s: s % self.sync == 0,
             **kw,
         )
         self.last_sync = self.last_sync if last is None else last
 
     def train(self, steps: int) -> None:
-        """Every live rank trains ``steps`` batches (a job-wide sync every SYNC steps)."""
+        """Every live rank trains ``steps`` batches (a job-wide sync every ``sync`` steps)."""
         self._record([self._run(r, steps) for r in sorted(self.feeds)])
         self.step += steps
 
@@ -155,3 +154,21 @@ def test_a_loss_and_a_join_leave_every_row_of_the_job_trained_once(
     assert sorted(rows_of(job, committed).tolist()) == sorted(expected.tolist())
     # Nothing left to share: a change that orphans no rows keeps the streams.
     assert not job._reshare_rows([0, 1, 7])
+
+
+def test_a_loss_at_the_very_end_of_the_data_ends_with_the_shortest_rank(
+    shards: list[IndexedParquetShard],
+) -> None:
+    """Rank 2 dies in the job's last step, after a sync at step 15: its 5 uncommitted batches
+    go 3 and 2 to the survivors and no rows are left to even that out. The job ends when the
+    rank with 2 is done; the one replay beyond it is not trained, and is counted."""
+    job = Job(shards, sync=5)
+    job.train(STEPS - 1)
+    job.lose(2, steps=1)
+    assert [len(job.feeds[0]), len(job.feeds[1])] == [3, 2]
+    (reshared,) = job.events.of(DataReshared)
+    assert reshared.rows == 0 and reshared.batches == 2
+    assert job.end_step == STEPS + 2
+    job.train(2)
+    job.accounting.commit(sorted(job.feeds))
+    assert job.accounting.replay_pending() == 1

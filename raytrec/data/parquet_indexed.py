@@ -448,13 +448,13 @@ class _PieceSource(ray.data.Datasource):
         ]
 
 
-def _no_rows_left(pieces: list[Piece], rank: int, step: int, rows: pa.Table) -> BadInputError:
+def _no_rows_left(pieces: list[Piece], sid: int, step: int, rows: pa.Table) -> BadInputError:
     where = ", ".join(
         f"{p.path} rows {p.file_row}..{p.file_row + p.rows - 1} (row group {p.row_group})"
         for p in pieces
     )
     detail = (
-        f"batch {step} of rank {rank} has no rows left: all {rows.num_rows} were skipped as bad "
+        f"batch {step} of stream {sid} has no rows left: all {rows.num_rows} were skipped as bad "
         f"({where}); a batch read by index keeps its step, and no step trains on no rows "
         "(clean the data, or read it with data.parquet_read='streaming')"
     )
