@@ -628,6 +628,13 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
                 if "node" in cause and r in self._rank_nodes
             }
         )
+        # A rank on a dead node died with it, whatever its call said first: a gang peer killed
+        # because its gang lost a rank may have been there too (the whole job fits on one
+        # host). It counts as lost in its own right; otherwise a shard whose every copy was on
+        # that node would look alive.
+        for r, cause in list(result.dead.items()):
+            if cause != "its node died" and self._rank_nodes.get(r) in dead_nodes:
+                result.dead[r] = "its node died"
         for node_id in dead_nodes:
             gangs = sorted({self._gang_of(r) for r, n in self._rank_nodes.items() if n == node_id})
             self.events.append(

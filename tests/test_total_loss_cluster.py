@@ -1,7 +1,7 @@
 """Automatic recovery from a total loss on a simulated 2-node cluster (``ray.cluster_utils``).
 
-Layout ``replicas_within_host``, 2 gangs x 2 ranks: each node holds one replica group, so losing
-a node takes every copy of a shard with it. The job checkpoints every 4 steps; the node is
+Layout ``replicas_within_host``, 2 gangs x 2 ranks: a node holds one replica group (or, with
+bigger nodes, the whole job), so losing a node takes every copy of a shard with it. The job checkpoints every 4 steps; the node is
 removed after step 10 and a fresh node added, as an autoscaler would. The coordinator must
 rebuild the whole job from the checkpoint of step 8, train steps 9..16 again and on, and end with
 every replica identical and every batch trained into the final model exactly once.
@@ -36,9 +36,18 @@ pytestmark = pytest.mark.cluster
 ROWS = 4 * 16 * 32
 
 
+def _cpus_per_node(source: str) -> int:
+    """Synthetic: a CPU per rank, so a node holds one replica group (2 ranks). Parquet: half a
+    CPU per rank, and nodes big enough for the whole job and Ray Data's read tasks, so Ray
+    packs both replica groups onto one node: losing it kills every rank at once."""
+    return 2 if source == "synthetic" else 4
+
+
 @pytest.fixture
-def cluster() -> Iterator[Cluster]:
-    with simulated_cluster(2, cpus_per_node=2) as c:  # one replica group (2 ranks) per node
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    with simulated_cluster(
+        2, cpus_per_node=_cpus_per_node(request.node.callspec.params["source"])
+    ) as c:
         yield c
 
 
@@ -60,7 +69,6 @@ def test_a_lost_host_with_every_copy_of_a_shard_is_rebuilt_from_the_checkpoint(
             gang_size=2,
             ranks_per_host=2,
             layout="replicas_within_host",
-            # Parquet: a CPU per node left for Ray Data's read tasks.
             cpus_per_rank=0.5 if source == "parquet" else 1.0,
         ),
         sync=SyncConfig(sync_every=2),
@@ -85,7 +93,7 @@ def test_a_lost_host_with_every_copy_of_a_shard_is_rebuilt_from_the_checkpoint(
         at_step=10,
         job_rank=2,
         add_at_step=10,
-        add_node=lambda c: c.add_node(num_cpus=2, node_ip_address="127.0.0.1"),
+        add_node=lambda c: c.add_node(num_cpus=_cpus_per_node(source), node_ip_address="127.0.0.1"),
     )
     result = fit(config, on_progress=remover, shutdown_ray=False)
     events = result.events
@@ -94,9 +102,14 @@ def test_a_lost_host_with_every_copy_of_a_shard_is_rebuilt_from_the_checkpoint(
     assert result.steps == 16, kinds
     assert "node_died" in kinds and "job_failed" not in kinds, kinds
     [total] = [e for e in events if e["kind"] == "total_loss"]
-    # Half a CPU per rank leaves Ray free to pack either replica group onto either node.
     assert total["lost_gangs"] == [0, 1], total
-    assert total["dead_shards"] == [1] or (source == "parquet" and total["dead_shards"] == [0])
+    # The removed node held replica group 1 (job ranks 2 and 3), and with Parquet the whole job:
+    # then every rank died with it, though the coordinator sees one death first and kills
+    # that rank's gang peers itself. A shard is dead when every copy was on the node.
+    died = {e["job_rank"]: e["cause"] for e in events if e["kind"] == "rank_died"}
+    with_node = [r for r, cause in sorted(died.items()) if cause == "its node died"]
+    assert with_node == ([2, 3] if source == "synthetic" else [0, 1, 2, 3]), died
+    assert total["dead_shards"] == ([1] if source == "synthetic" else [0, 1]), total
     assert total["checkpoint_step"] == 8 and total["uri"].endswith("checkpoint_0000000008")
     assert total["steps_to_redo"] == total["step"] - 8 >= 2, total
     [restored] = [e for e in events if e["kind"] == "checkpoint_restored"]
