@@ -19,8 +19,10 @@ with one torch thread per rank. raytrec's throughput comes from its metrics hist
 coordinator's wall-clock time from the start of the first interval after warmup to the end of
 the last one (rows = steps x T x batch size), so per-interval RPC round trips count against it.
 
-Each repeat runs the baseline first (no Ray cluster up), then starts a local Ray cluster on
-127.0.0.1 for the raytrec runs and stops it again. The machine may be shared, so a
+Each repeat runs the baseline (no Ray cluster up) and, on a local Ray cluster on 127.0.0.1
+started for them and stopped after, the raytrec layouts. Even repeats run the baseline first
+and odd ones last, the layouts in mirrored order, so a machine that drifts faster or slower
+over minutes favours neither side. The machine may be shared, so a
 :class:`CpuMonitor` follows how much CPU processes outside the benchmark (and the hypervisor,
 as steal) take: every run waits for a quiet machine first and is run again when others took
 more than ``--max-foreign-cpu`` meanwhile. The summary table (medians over repeats and the
@@ -398,7 +400,9 @@ def run_raytrec(a: argparse.Namespace, lay: Layout, repeat: int, tmp: Path) -> M
     )
 
 
-def run_raytrec_all(a: argparse.Namespace, repeat: int, tmp: Path) -> list[Measurement]:
+def run_raytrec_all(
+    a: argparse.Namespace, repeat: int, tmp: Path, *, reverse: bool = False
+) -> list[Measurement]:
     import ray
 
     from raytrec.cluster import connect
@@ -410,9 +414,8 @@ def run_raytrec_all(a: argparse.Namespace, repeat: int, tmp: Path) -> list[Measu
         os.environ[RAY_WORKER_NICENESS] = str(a.ray_worker_niceness)
     connect(None, num_cpus=a.world_size, log_to_driver=a.verbose)
     try:
-        return [
-            measure(a, functools.partial(run_raytrec, a, lay, repeat, tmp)) for lay in a.layouts
-        ]
+        layouts = list(reversed(a.layouts)) if reverse else list(a.layouts)
+        return [measure(a, functools.partial(run_raytrec, a, lay, repeat, tmp)) for lay in layouts]
     finally:
         ray.shutdown()
 
@@ -515,7 +518,8 @@ def summarize(a: argparse.Namespace, runs: list[Measurement]) -> list[dict[str, 
                 "max": max(rates),
                 "interval_rows_per_s": statistics.median(m.interval_rows_per_s for m in mine),
                 "ratio": statistics.median(rates) / statistics.median(base.values()),
-                "paired_ratios": [m.rows_per_s / base[m.repeat] for m in mine],
+                "paired_ratios": (paired := [m.rows_per_s / base[m.repeat] for m in mine]),
+                "paired_median": statistics.median(paired),
                 "max_busy": max(busy(m.extra) for m in mine),
                 "attempts": sum(m.extra["attempts"] for m in mine),
             }
@@ -536,18 +540,19 @@ def describe(label: str, a: argparse.Namespace) -> str:
 def table(a: argparse.Namespace, summary: list[dict[str, Any]]) -> str:
     lines = [
         "| config | shape | rows/s (median) | min - max | median interval rows/s "
-        "| raytrec / torchrun | per-repeat ratios | others' CPU (max) |",
-        "|---|---|---:|---:|---:|---:|---|---:|",
+        "| raytrec / torchrun | median per-repeat ratio | per-repeat ratios | others' CPU (max) |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in summary:
         ratio = "1 (baseline)" if r["config"] == BASELINE else f"**{r['ratio']:.3f}**"
         paired = ", ".join(f"{x:.3f}" for x in r["paired_ratios"])
+        paired_median = f"**{r['paired_median']:.3f}**"
         if r["config"] == BASELINE:
-            paired = "-"
+            paired = paired_median = "-"
         lines.append(
             f"| {r['config']} | {describe(r['config'], a)} | {r['rows_per_s']:,.0f} | "
             f"{r['min']:,.0f} - {r['max']:,.0f} | {r['interval_rows_per_s']:,.0f} | {ratio} | "
-            f"{paired} | {r['max_busy']:.0%} |"
+            f"{paired_median} | {paired} | {r['max_busy']:.0%} |"
         )
     return "\n".join(lines)
 
@@ -572,7 +577,7 @@ def section(
         f"  - repeat {m.repeat + 1}, {m.label}: {m.rows_per_s:,.0f} rows/s, median interval "
         f"{m.interval_rows_per_s:,.0f}; others took {m.extra['foreign_cpu']:.0%} of the CPU, "
         f"steal {m.extra['steal_cpu']:.0%} (attempt {m.extra['attempts']})"
-        for m in sorted(runs, key=lambda m: (m.repeat, m.label != BASELINE, m.label))
+        for m in runs  # in the order they ran
     )
     heading = GPU_SECTION if a.gpu else SECTION
     hardware = f"GPU: {info['gpu']} (one per rank)" if a.gpu else "no GPU"
@@ -608,8 +613,9 @@ What the columns mean:
   excluded; median over the repeats (min - max beside it). The median interval column is the
   median over every `log_every`-step interval of the timed steps, which shrugs off short bursts
   of load from other processes.
-- raytrec / torchrun: median over median; the per-repeat ratios pair each raytrec run with the
-  torchrun run of the same repeat (run just before it).
+- raytrec / torchrun: median over median. The per-repeat ratios pair each raytrec run with the
+  torchrun run of the same repeat (run just before it in even repeats, just after it in odd
+  ones); their median is less sensitive to the machine's drift between repeats.
 - others' CPU: the largest share of the machine's CPU that processes outside the benchmark, or
   the hypervisor (steal), took during a kept run. Before every run the benchmark waits (up to
   {a.max_wait_s:.0f} s) for the machine to be quiet, and it runs a configuration again (up to
@@ -656,9 +662,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="raytrec-bench-") as tmp_dir:
         tmp = Path(tmp_dir)
         for repeat in range(a.repeats):
-            print(f"repeat {repeat + 1}/{a.repeats}", flush=True)
-            runs.append(measure(a, functools.partial(run_torchrun, a, repeat, tmp)))
-            runs.extend(run_raytrec_all(a, repeat, tmp))
+            baseline_first = repeat % 2 == 0  # mirrored order (module doc)
+            turn = "first" if baseline_first else "last"
+            print(f"repeat {repeat + 1}/{a.repeats} (torchrun {turn})", flush=True)
+            if baseline_first:
+                runs.append(measure(a, functools.partial(run_torchrun, a, repeat, tmp)))
+            runs.extend(run_raytrec_all(a, repeat, tmp, reverse=not baseline_first))
+            if not baseline_first:
+                runs.append(measure(a, functools.partial(run_torchrun, a, repeat, tmp)))
     wall_s = time.perf_counter() - started
     summary = summarize(a, runs)
     print()

@@ -38,7 +38,13 @@ class InterpretedMetrics:
 
 
 class RankMetrics:
-    """One rank's metric states for the current interval."""
+    """One rank's metric states for the current interval.
+
+    :meth:`update` runs every step, so it only keeps references to the step's logits and labels
+    (left on their device: no copy or device sync per step); the sigmoid, the NE sums and the
+    copy to the host happen once per interval, over all its rows at once, in :meth:`state`.
+    Rows that fall out of the AUC window are folded into the NE sums as they leave.
+    """
 
     def __init__(self, *, auc_window: int = 1 << 16) -> None:
         if auc_window < 1:
@@ -48,33 +54,42 @@ class RankMetrics:
 
     def reset(self) -> None:
         self._ne = torch.zeros(len(_NE_KEYS), dtype=torch.float64)
-        self._preds: list[torch.Tensor] = []
+        self._logits: list[torch.Tensor] = []
         self._labels: list[torch.Tensor] = []
         self._kept = 0
         self.rows = 0
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        preds = torch.sigmoid(logits.detach().float().reshape(1, -1)).cpu()
-        labels = labels.detach().float().reshape(1, -1).cpu()
-        states = get_ne_states(labels, preds, torch.ones_like(preds), _ETA)
-        self._ne += torch.stack([states[k].double().sum() for k in _NE_KEYS])
-        self.rows += preds.shape[1]
-        self._preds.append(preds)
+        logits, labels = logits.detach().reshape(-1), labels.detach().reshape(-1)
+        self.rows += logits.numel()
+        self._logits.append(logits)
         self._labels.append(labels)
-        self._kept += preds.shape[1]
-        while self._kept - self._preds[0].shape[1] >= self.auc_window:  # keep the newest rows
-            self._kept -= self._preds.pop(0).shape[1]
-            self._labels.pop(0)
+        self._kept += logits.numel()
+        while self._kept - self._logits[0].numel() >= self.auc_window:  # keep the newest rows
+            self._kept -= self._logits[0].numel()
+            self._ne += _ne_sums(self._logits.pop(0), self._labels.pop(0))[0]
 
     def state(self) -> dict[str, Any]:
         """The interval's states as numpy (picklable, small) for the coordinator."""
-        empty = np.zeros(0, np.float32)
+        if not self._logits:
+            empty = np.zeros(0, np.float32)
+            return {"ne": self._ne.numpy().copy(), "preds": empty, "labels": empty, "rows": 0}
+        logits, labels = torch.cat(self._logits), torch.cat(self._labels)
+        sums, preds = _ne_sums(logits, labels)
         return {
-            "ne": self._ne.numpy().copy(),
-            "preds": torch.cat(self._preds, dim=1)[0].numpy() if self._preds else empty,
-            "labels": torch.cat(self._labels, dim=1)[0].numpy() if self._labels else empty,
+            "ne": (self._ne + sums).numpy(),
+            "preds": preds[0].float().numpy(),
+            "labels": labels.float().cpu().numpy(),
             "rows": self.rows,
         }
+
+
+def _ne_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' NE sums (float64, in ``_NE_KEYS`` order) and their predictions ``[1, N]``."""
+    preds = torch.sigmoid(logits.double().cpu()).reshape(1, -1)
+    labels64 = labels.double().cpu().reshape(1, -1)
+    states = get_ne_states(labels64, preds, torch.ones_like(preds), _ETA)
+    return torch.cat([states[k] for k in _NE_KEYS]), preds
 
 
 def merge_metric_states(states: Sequence[dict[str, Any]]) -> InterpretedMetrics:

@@ -130,3 +130,21 @@ def test_auc_window_keeps_the_newest_rows_and_one_class_gives_none() -> None:
     merged = merge_metric_states([state])
     assert merged.auc is None and merged.ne is None  # labels all 1: undefined
     assert merge_metric_states([RankMetrics().state()]).rows == 0
+
+
+def test_rows_leaving_the_auc_window_still_count_in_ne() -> None:
+    rng = np.random.default_rng(1)
+    m = RankMetrics(auc_window=100)
+    logits = rng.normal(size=(5, 60)).astype(np.float32)
+    labels = (rng.random((5, 60)) < 1 / (1 + np.exp(-logits))).astype(np.float32)
+    for x, y in zip(logits, labels, strict=True):
+        m.update(torch.from_numpy(x), torch.from_numpy(y))
+    state = m.state()
+    assert len(state["preds"]) == 120  # the window: the newest 2 steps (>= 100 rows)
+    np.testing.assert_array_equal(state["labels"], labels[3:].reshape(-1))
+    p = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    merged = merge_metric_states([state])
+    assert merged.ne == pytest.approx(ne_reference(p.reshape(-1), labels.reshape(-1)), rel=1e-6)
+    assert merged.auc == pytest.approx(reference_auc(p[3:].reshape(-1), labels[3:].reshape(-1)))
+    again = m.state()  # reading the state changes nothing
+    assert merge_metric_states([again]).ne == merged.ne and again["rows"] == 300
