@@ -58,6 +58,11 @@ def test_main_job_loss_goes_down(cluster: None, tmp_path: str) -> None:
     assert [m.step for m in result.history] == [10, 20, 30]
     assert losses[-1] < losses[0] - 0.05, losses
     assert all(m.samples_per_s > 0 and m.gangs == 2 for m in result.history)
+    # Progressive-validation AUC and NE of every interval, over all 4 ranks' rows: the model
+    # ranks rows better than chance by the end, and predicts better than the base rate.
+    assert all(m.auc is not None and m.ne is not None for m in result.history)
+    first, last = result.history[0], result.history[-1]
+    assert last.auc > max(0.55, first.auc) and last.ne < min(1.0, first.ne), result.history
     assert_replicas_agree(result)
     assert result.final_state_path is not None
     keys = checkpoint_keys(result.final_state_path)
