@@ -9,6 +9,9 @@ Measures rows trained per wall-clock second of the step loop, warmup excluded, f
   replica plane): the normal TorchRec setup. Timed inside the workers, between barriers.
 * **raytrec 1 x T**: ``raytrec.fit`` with one gang of T ranks, the same shape as the baseline
   (the replica plane has one member, so it adds no collective): the apples-to-apples case.
+* **same worker in Ray actors** (``--dmp-in-ray``): the baseline's worker code, unchanged, in T
+  Ray actors shaped like raytrec's rank actors: what hosting a rank in a Ray worker process
+  costs, with none of raytrec's code in the step.
 * **raytrec G x L**: 2D, G gangs of L ranks (2 x 1 for T=2, 2 x 2 for T=4), dense gradients
   also averaged over the replica group every step, embeddings synced every ``--sync-every``.
 
@@ -62,6 +65,7 @@ DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Throughput: raytrec vs torchrun + DistributedModelParallel"
 GPU_SECTION = "## Throughput on GPU: raytrec vs torchrun + DistributedModelParallel"
 BASELINE = "torchrun + DMP"
+IN_RAY = "same worker in Ray actors"
 RAY_WORKER_NICENESS = "RAY_worker_niceness"  # Ray's config override for worker_niceness
 
 
@@ -147,6 +151,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="nice value of Ray's worker processes, the ranks (default: Ray's own, 15)",
     )
     p.add_argument(
+        "--dmp-in-ray",
+        action="store_true",
+        help="also run the baseline's worker code, unchanged, in T Ray actors (CPU only): "
+        "what hosting a rank in a Ray worker process costs, with no raytrec code in the step",
+    )
+    p.add_argument(
         "--read-ahead",
         choices=["auto", "background", "inline"],
         default="auto",
@@ -190,6 +200,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--steps - --warmup-steps must be a positive multiple of --log-every")
     if a.repeats < 1:
         p.error("--repeats must be >= 1")
+    if a.dmp_in_ray and a.gpu:
+        p.error("--dmp-in-ray runs on CPU only")
     return a
 
 
@@ -400,6 +412,60 @@ def run_raytrec(a: argparse.Namespace, lay: Layout, repeat: int, tmp: Path) -> M
     )
 
 
+def run_dmp_in_ray(a: argparse.Namespace, repeat: int, tmp: Path) -> Measurement:
+    """The baseline worker's ``main`` in ``T`` Ray actors shaped like raytrec's rank actors
+    (one CPU each, two threads), rendezvous by env:// on 127.0.0.1 as under torchrun."""
+    import socket
+
+    import ray
+
+    out = tmp / f"in-ray-{repeat}.json"
+    argv = [
+        f"--steps={a.steps}",
+        f"--warmup-steps={a.warmup_steps}",
+        f"--log-every={a.log_every}",
+        f"--out={out}",
+        *model_argv(a),
+    ]
+
+    @ray.remote(num_cpus=1, max_concurrency=2)
+    class BaselineWorker:
+        def run(self, rank: int, world: int, port: int) -> int:
+            os.environ.update(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(world),
+            )
+            sys.path.insert(0, str(HERE))
+            import _torchrun_dmp
+
+            return int(_torchrun_dmp.main(argv))
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with CpuMonitor() as monitor:
+        workers = [BaselineWorker.remote() for _ in range(a.world_size)]
+        try:
+            codes = ray.get([w.run.remote(r, a.world_size, port) for r, w in enumerate(workers)])
+        finally:
+            for w in workers:
+                ray.kill(w)
+    if any(codes) or not out.exists():
+        raise RuntimeError(f"the baseline worker in Ray actors failed: exit codes {codes}")
+    res = json.loads(out.read_text())
+    return Measurement(
+        label=IN_RAY,
+        repeat=repeat,
+        rows=int(res["rows"]),
+        seconds=float(res["seconds"]),
+        extra={"interval_seconds": res["interval_seconds"], **monitor.result()},
+    )
+
+
 def run_raytrec_all(
     a: argparse.Namespace, repeat: int, tmp: Path, *, reverse: bool = False
 ) -> list[Measurement]:
@@ -414,8 +480,12 @@ def run_raytrec_all(
         os.environ[RAY_WORKER_NICENESS] = str(a.ray_worker_niceness)
     connect(None, num_cpus=a.world_size, log_to_driver=a.verbose)
     try:
-        layouts = list(reversed(a.layouts)) if reverse else list(a.layouts)
-        return [measure(a, functools.partial(run_raytrec, a, lay, repeat, tmp)) for lay in layouts]
+        runs: list[Callable[[], Measurement]] = [
+            functools.partial(run_raytrec, a, lay, repeat, tmp) for lay in a.layouts
+        ]
+        if a.dmp_in_ray:
+            runs.insert(0, functools.partial(run_dmp_in_ray, a, repeat, tmp))
+        return [measure(a, run) for run in (reversed(runs) if reverse else runs)]
     finally:
         ray.shutdown()
 
@@ -504,7 +574,7 @@ def model_size(a: argparse.Namespace) -> dict[str, int]:
 
 
 def summarize(a: argparse.Namespace, runs: list[Measurement]) -> list[dict[str, Any]]:
-    labels = [BASELINE] + [lay.label for lay in a.layouts]
+    labels = [BASELINE] + ([IN_RAY] if a.dmp_in_ray else []) + [lay.label for lay in a.layouts]
     base = {m.repeat: m.rows_per_s for m in runs if m.label == BASELINE}
     rows = []
     for label in labels:
@@ -531,6 +601,8 @@ def describe(label: str, a: argparse.Namespace) -> str:
     t = a.world_size
     if label == BASELINE:
         return f"DMP over {t} ranks, DDP over {t}"
+    if label == IN_RAY:
+        return f"the baseline's code in {t} Ray actors (no raytrec)"
     g, l_ = (int(x) for x in label.split()[-1].split("x"))
     if g == 1:
         return f"1 gang of {l_} (no replica plane)"
@@ -578,6 +650,13 @@ def section(
         f"{m.interval_rows_per_s:,.0f}; others took {m.extra['foreign_cpu']:.0%} of the CPU, "
         f"steal {m.extra['steal_cpu']:.0%} (attempt {m.extra['attempts']})"
         for m in runs  # in the order they ran
+    )
+    in_ray = (
+        f"- {IN_RAY}: `_torchrun_dmp.py`'s `main`, unchanged, called in {a.world_size} Ray actors "
+        "(one CPU, two threads each, as raytrec's rank actors) that rendezvous by env:// on "
+        "127.0.0.1; timed inside the workers as under torchrun.\n"
+        if a.dmp_in_ray
+        else ""
     )
     heading = GPU_SECTION if a.gpu else SECTION
     hardware = f"GPU: {info['gpu']} (one per rank)" if a.gpu else "no GPU"
@@ -628,8 +707,8 @@ How each side is timed:
   forward, backward with the fused embedding update, dense optimizer step, read the loss),
   `dist.barrier()`, clock. The process group, model and plan are built before the clock, and
   no Ray cluster is up meanwhile.
-- raytrec: from `Result.history` (one row per `log_every` steps): the coordinator's wall time
-  from the end of the last warmup interval to the end of the last interval (the `elapsed_s`
+{in_ray}- raytrec: from `Result.history` (one row per `log_every` steps): the coordinator's wall
+  time from the end of the last warmup interval to the end of the last interval (the `elapsed_s`
   difference, which equals the sum of `IntervalMetrics.seconds` up to the microseconds between
   intervals). It includes one Ray round trip per interval (dispatch `train` to every rank,
   wait for all results), and the Ray driver, raylet, GCS and coordinator actor share the
