@@ -330,13 +330,17 @@ def run_torchrun(a: argparse.Namespace, repeat: int, tmp: Path) -> Measurement:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=30)
             raise
-    contention = monitor.result()
     if rc != 0 or not out.exists():
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-40:])
         raise RuntimeError(f"torchrun exited {rc}: {shlex.join(cmd)}\n{tail}")
+    return worker_measurement(BASELINE, repeat, out, monitor)
+
+
+def worker_measurement(label: str, repeat: int, out: Path, monitor: CpuMonitor) -> Measurement:
+    """A run of the baseline worker, from the JSON its rank 0 wrote to ``out``."""
     res = json.loads(out.read_text())
     return Measurement(
-        label=BASELINE,
+        label=label,
         repeat=repeat,
         rows=int(res["rows"]),
         seconds=float(res["seconds"]),
@@ -345,7 +349,7 @@ def run_torchrun(a: argparse.Namespace, repeat: int, tmp: Path) -> Measurement:
             "final_loss": res["final_loss"],
             "omp_num_threads": res["omp_num_threads"],
             "cpu_s_by_process": monitor.cpu_s_by_process(),
-            **contention,
+            **monitor.result(),
         },
     )
 
@@ -456,14 +460,7 @@ def run_dmp_in_ray(a: argparse.Namespace, repeat: int, tmp: Path) -> Measurement
                 ray.kill(w)
     if any(codes) or not out.exists():
         raise RuntimeError(f"the baseline worker in Ray actors failed: exit codes {codes}")
-    res = json.loads(out.read_text())
-    return Measurement(
-        label=IN_RAY,
-        repeat=repeat,
-        rows=int(res["rows"]),
-        seconds=float(res["seconds"]),
-        extra={"interval_seconds": res["interval_seconds"], **monitor.result()},
-    )
+    return worker_measurement(IN_RAY, repeat, out, monitor)
 
 
 def run_raytrec_all(
