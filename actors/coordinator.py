@@ -92,6 +92,7 @@ _MAX_TRANSIENT = 3
 
 # Why a rank the coordinator killed itself is gone: its gang lost another rank.
 _PEER_KILLED = "its gang lost a rank"
+_NODE_DIED = "its node died"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -619,7 +620,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
             gone = set(self._dead_nodes())
             for r in [r for r in result.hung if self._rank_nodes.get(r) in gone]:
                 result.hung.remove(r)
-                result.dead[r] = "its node died"
+                result.dead[r] = _NODE_DIED
         dead_nodes = sorted(
             set(self._dead_nodes())
             | {
@@ -633,8 +634,8 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         # host). It counts as lost in its own right; otherwise a shard whose every copy was on
         # that node would look alive.
         for r, cause in list(result.dead.items()):
-            if cause != "its node died" and self._rank_nodes.get(r) in dead_nodes:
-                result.dead[r] = "its node died"
+            if cause != _NODE_DIED and self._rank_nodes.get(r) in dead_nodes:
+                result.dead[r] = _NODE_DIED
         for node_id in dead_nodes:
             gangs = sorted({self._gang_of(r) for r, n in self._rank_nodes.items() if n == node_id})
             self.events.append(
@@ -940,7 +941,7 @@ def _death_cause(e: BaseException) -> str:
     """Why an actor died, in one line ("... its node has died" when the node went)."""
     text = str(e)
     if "node has died" in text or "node was terminated" in text:
-        return "its node died"
+        return _NODE_DIED
     return _first_line(e)
 
 

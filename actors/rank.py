@@ -51,12 +51,7 @@ class RankWorker:
     def build(self) -> dict[str, Any]:
         """Joins the gang world and shards the model; returns where this rank runs."""
         self.engine.build()
-        data = self.spec.config.data
-        self._feed = BatchFeed(
-            self.shard.identified_batches(data.batch_size),
-            prefetch=data.prefetch_batches,
-            background=self.spec.config.feed_in_background,
-        )
+        self._open_feed()
         return {
             "rank": self.spec.rank,
             "gang": self.spec.gang,
@@ -64,6 +59,18 @@ class RankWorker:
             "pid": os.getpid(),
             "device": str(self.engine.device),
         }
+
+    def _open_feed(self, *, start_step: int = 0) -> None:
+        """Reads this rank's shard from batch ``start_step`` on; a feed open before is closed
+        (what it had read ahead is dropped)."""
+        if self._feed is not None:
+            self._feed.close()
+        data = self.spec.config.data
+        self._feed = BatchFeed(
+            self.shard.identified_batches(data.batch_size, start_step=start_step),
+            prefetch=data.prefetch_batches,
+            background=self.spec.config.feed_in_background,
+        )
 
     def join_replica_plane(self, generation: int, member_rank: int, size: int) -> None:
         self.engine.join_replica_plane(generation=generation, member_rank=member_rank, size=size)
@@ -108,15 +115,8 @@ class RankWorker:
         """Reads the batches ``replay`` and then ``shard`` from its first batch on (the rows
         left, shared again after the job's ranks changed); batches read ahead before are
         dropped untrained."""
-        data = self.spec.config.data
-        if self._feed is not None:
-            self._feed.close()
         self.shard = shard
-        self._feed = BatchFeed(
-            shard.identified_batches(data.batch_size),
-            prefetch=data.prefetch_batches,
-            background=self.spec.config.feed_in_background,
-        )
+        self._open_feed()
         if replay:
             self.replay(replay)
 
@@ -256,15 +256,7 @@ class RankWorker:
         from raytrec.checkpoint.state import load_checkpoint
 
         loaded = load_checkpoint(self.engine, uri)
-        data = self.spec.config.data
-        start = loaded.step if stream_start is None else stream_start
-        if self._feed is not None:
-            self._feed.close()
-        self._feed = BatchFeed(
-            self.shard.identified_batches(data.batch_size, start_step=start),
-            prefetch=data.prefetch_batches,
-            background=self.spec.config.feed_in_background,
-        )
+        self._open_feed(start_step=loaded.step if stream_start is None else stream_start)
         return {"step": loaded.step, "generation": loaded.generation, "extra": loaded.extra}
 
     def save(self, path: str) -> None:

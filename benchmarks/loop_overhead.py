@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # the gloo_job harness
 
 from _docs import replace_section  # noqa: E402  (benchmarks/, the script's own folder)
-from _torchrun_dmp import _parse, build_config  # noqa: E402
+from _torchrun_dmp import add_model_args, build_config  # noqa: E402
 
 SECTION = "## Rank loop overhead, without Ray"
 LOOPS = ("plain DMP loop", "RankEngine.train_step", "RankWorker.train")
@@ -54,7 +54,6 @@ def worker(spec: Any, *, steps: int, cycles: int, log_every: int) -> dict[str, l
 
     from actors.rank import RankWorker
     from raytrec.api import default_source
-    from raytrec.data.feed import BatchFeed
 
     torch.set_num_threads(1)
     cfg = spec.config
@@ -62,11 +61,7 @@ def worker(spec: Any, *, steps: int, cycles: int, log_every: int) -> dict[str, l
     rank = RankWorker(spec, shard)
     # RankWorker.build() without its Ray bits (it reports the Ray node it runs on).
     rank.engine.build()
-    rank._feed = BatchFeed(
-        shard.identified_batches(cfg.data.batch_size),
-        prefetch=cfg.data.prefetch_batches,
-        background=cfg.feed_in_background,
-    )
+    rank._open_feed()
     engine = rank.engine
     engine.join_replica_plane(generation=0, member_rank=0, size=1)
     batches = shard.batches(cfg.data.batch_size)
@@ -121,7 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from raytrec.api import default_source
 
     started = time.perf_counter()
-    model_args = _parse(["--steps=1", "--warmup-steps=0", "--out=-"])  # the benchmark's model
+    defaults = argparse.ArgumentParser()
+    add_model_args(defaults)
+    model_args = defaults.parse_args([])  # the throughput benchmark's model, by default
     cfg = build_config(model_args, num_workers=2, gang_size=2, steps=1 << 20, log_every=25)
     num_dense = default_source(cfg).dense_features
     out = run_gang_job(

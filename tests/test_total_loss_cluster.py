@@ -3,9 +3,9 @@
 Layout ``replicas_within_host``, 2 gangs x 2 ranks: a node holds one replica group (or, with
 bigger nodes, the whole job), so losing a node takes every copy of a shard with it. The job
 checkpoints every 4 steps; the node is removed after step 10 and a fresh node added, as an
-autoscaler would. The coordinator must
-rebuild the whole job from the checkpoint of step 8, train steps 9..16 again and on, and end with
-every replica identical and every batch trained into the final model exactly once.
+autoscaler would. The coordinator must rebuild the whole job from the checkpoint of step 8,
+train steps 9..16 again and on, and end with every replica identical and every batch trained
+into the final model exactly once.
 """
 
 from __future__ import annotations
