@@ -45,7 +45,7 @@ from raytrec.config import (
     criteo_tables,
 )
 
-__all__ = ["add_model_args", "build_config", "main", "model_argv"]
+__all__ = ["BaselineWorker", "add_model_args", "build_config", "main", "model_argv"]
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -127,21 +127,76 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+class BaselineWorker:
+    """One rank of the baseline, built once in a process whose default process group is up:
+    the DLRM sharded by DMP over the whole world, its dense optimizer and the rank's shard of
+    the data. :meth:`step` is one training step. ``benchmarks/ray_hosting.py`` hosts it too."""
+
+    def __init__(self, a: argparse.Namespace, *, device: torch.device) -> None:
+        # Imported here so that the driver can import build_config without torchrec/ray.
+        from torchrec.distributed.model_parallel import DistributedModelParallel
+        from torchrec.distributed.types import ShardingEnv, ShardingPlan
+        from torchrec.optim.keyed import KeyedOptimizerWrapper
+        from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+        from raytrec._quiet import quiet_known_warnings
+        from raytrec.api import default_source
+        from raytrec.engine.plan import apply_embedding_optimizer, make_plan, sharders
+        from raytrec.engine.rank import _DENSE_OPTIMIZERS
+        from raytrec.model import build_dlrm
+
+        quiet_known_warnings()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        cfg = build_config(a, num_workers=world, gang_size=world, steps=1, log_every=1)
+        source = default_source(cfg)
+        self.device = device
+        self.batch_size = cfg.data.batch_size
+
+        model = build_dlrm(cfg.model, source.dense_features, device, cfg.seed)
+        apply_embedding_optimizer(model, cfg.optimizer)
+        # The same planner call raytrec makes on its driver, here for all T ranks. Rank 0's
+        # plan is broadcast so every rank shards identically (what collective_plan does).
+        plan_box: list[ShardingPlan | None] = [None]
+        if rank == 0:
+            plan_box[0] = make_plan(
+                model,
+                gang_size=world,
+                device_type=device.type,
+                sharding=cfg.sharding,
+                table_names=[t.name for t in cfg.model.tables],
+                batch_size=cfg.data.batch_size,
+            )
+        dist.broadcast_object_list(plan_box, src=0)
+        plan = plan_box[0]
+        assert plan is not None
+        self.dmp = DistributedModelParallel(
+            module=model,
+            env=ShardingEnv.from_process_group(dist.group.WORLD),
+            device=device,
+            plan=plan,
+            sharders=sharders(),
+        )
+        dense_cls = _DENSE_OPTIMIZERS[cfg.optimizer.dense]
+        dense_kwargs: dict[str, Any] = {"lr": cfg.optimizer.dense_lr}
+        if cfg.optimizer.dense != "sgd":
+            dense_kwargs["eps"] = cfg.optimizer.eps
+        dense_params = dict(in_backward_optimizer_filter(self.dmp.named_parameters()))
+        self.dense_optimizer = KeyedOptimizerWrapper(
+            dense_params, lambda ps: dense_cls(ps, **dense_kwargs)
+        )
+        self.batches = source.split(world)[rank].batches(cfg.data.batch_size)
+
+    def step(self) -> float:
+        batch = next(self.batches).to(self.device)
+        loss, _ = self.dmp(batch)
+        loss.backward()
+        self.dense_optimizer.step()
+        self.dense_optimizer.zero_grad(set_to_none=False)
+        return float(loss.detach())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = _parse(argv)
-    # Imported here so that the driver can import build_config without torchrec/ray.
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
-    from torchrec.optim.keyed import KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
-
-    from raytrec._quiet import quiet_known_warnings
-    from raytrec.api import default_source
-    from raytrec.engine.plan import apply_embedding_optimizer, make_plan, sharders
-    from raytrec.engine.rank import _DENSE_OPTIMIZERS
-    from raytrec.model import build_dlrm
-
-    quiet_known_warnings()
     torch.set_num_threads(1)  # what a CPU raytrec rank does (cpus_per_rank=1)
     if a.gpu:  # what a GPU raytrec rank does: its own device, NCCL
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -150,51 +205,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = torch.device("cpu")
     dist.init_process_group(backend="nccl" if a.gpu else "gloo")  # env:// from torchrun
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = build_config(a, num_workers=world, gang_size=world, steps=a.steps, log_every=a.log_every)
-    source = default_source(cfg)
-
-    model = build_dlrm(cfg.model, source.dense_features, device, cfg.seed)
-    apply_embedding_optimizer(model, cfg.optimizer)
-    # The same planner call raytrec makes on its driver, here for all T ranks. Rank 0's
-    # plan is broadcast so every rank shards identically (what collective_plan does).
-    plan_box: list[ShardingPlan | None] = [None]
-    if rank == 0:
-        plan_box[0] = make_plan(
-            model,
-            gang_size=world,
-            device_type=device.type,
-            sharding=cfg.sharding,
-            table_names=[t.name for t in cfg.model.tables],
-            batch_size=cfg.data.batch_size,
-        )
-    dist.broadcast_object_list(plan_box, src=0)
-    plan = plan_box[0]
-    assert plan is not None
-    dmp = DistributedModelParallel(
-        module=model,
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=device,
-        plan=plan,
-        sharders=sharders(),
-    )
-    dense_cls = _DENSE_OPTIMIZERS[cfg.optimizer.dense]
-    dense_kwargs: dict[str, Any] = {"lr": cfg.optimizer.dense_lr}
-    if cfg.optimizer.dense != "sgd":
-        dense_kwargs["eps"] = cfg.optimizer.eps
-    dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
-    dense_optimizer = KeyedOptimizerWrapper(dense_params, lambda ps: dense_cls(ps, **dense_kwargs))
-    batches = source.split(world)[rank].batches(cfg.data.batch_size)
-
-    def step() -> float:
-        batch = next(batches).to(device)
-        loss, _ = dmp(batch)
-        loss.backward()
-        dense_optimizer.step()
-        dense_optimizer.zero_grad(set_to_none=False)
-        return float(loss.detach())
+    worker = BaselineWorker(a, device=device)
+    step = worker.step
 
     if a.train_pipeline:
-        step = _pipelined_step(dmp, dense_optimizer, device, batches, a.log_every)
+        step = _pipelined_step(
+            worker.dmp, worker.dense_optimizer, device, worker.batches, a.log_every
+        )
 
     losses: list[float] = []
     for _ in range(a.warmup_steps):
@@ -213,11 +230,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_rank: list[Any] = [None] * world
     dist.all_gather_object(per_rank, {"rank": rank, "seconds": seconds, "pid": os.getpid()})
     if rank == 0:
-        rows = measured * cfg.data.batch_size * world
+        rows = measured * worker.batch_size * world
         result = {
             "system": "torchrun+DMP",
             "world_size": world,
-            "batch_size": cfg.data.batch_size,
+            "batch_size": worker.batch_size,
             "steps": a.steps,
             "warmup_steps": a.warmup_steps,
             "measured_steps": measured,

@@ -42,6 +42,7 @@ import functools
 import json
 import os
 import platform
+import random
 import shlex
 import shutil
 import signal
@@ -110,11 +111,14 @@ class Measurement:
         return statistics.median(per / s for s in self.extra["interval_seconds"])
 
     def line(self) -> str:
+        control = self.extra.get("control_fraction")
         return (
             f"  {self.label:<16} {self.rows_per_s:>8,.0f} rows/s (median interval "
             f"{self.interval_rows_per_s:>6,.0f}; other processes took "
             f"{self.extra['foreign_cpu']:.0%} of the CPU, hypervisor steal "
-            f"{self.extra['steal_cpu']:.0%})"
+            f"{self.extra['steal_cpu']:.0%}"
+            + ("" if control is None else f"; control loop {control:.1%} of the intervals")
+            + ")"
         )
 
 
@@ -408,6 +412,10 @@ def run_raytrec(a: argparse.Namespace, lay: Layout, repeat: int, tmp: Path) -> M
             "sum_interval_seconds": sum(m.seconds for m in timed),
             "rows_from_metrics": sum(m.samples_per_s * m.seconds for m in timed),
             "sync_fraction": statistics.fmean(m.sync_fraction for m in timed),
+            # Interval time outside the slowest rank's training loop: Ray's dispatch and
+            # results, and the coordinator's bookkeeping between intervals.
+            "control_fraction": 1
+            - sum(m.train_s or 0.0 for m in timed) / sum(m.seconds for m in timed),
             "data_wait_fraction": statistics.fmean(m.data_wait_fraction for m in timed),
             "final_loss": history[-1].loss,
             "cpu_s_by_process": monitor.cpu_s_by_process(),
@@ -433,7 +441,7 @@ def run_dmp_in_ray(a: argparse.Namespace, repeat: int, tmp: Path) -> Measurement
     ]
 
     @ray.remote(num_cpus=1, max_concurrency=2)
-    class BaselineWorker:
+    class InRayWorker:
         def run(self, rank: int, world: int, port: int) -> int:
             os.environ.update(
                 MASTER_ADDR="127.0.0.1",
@@ -452,7 +460,7 @@ def run_dmp_in_ray(a: argparse.Namespace, repeat: int, tmp: Path) -> Measurement
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with CpuMonitor() as monitor:
-        workers = [BaselineWorker.remote() for _ in range(a.world_size)]
+        workers = [InRayWorker.remote() for _ in range(a.world_size)]
         try:
             codes = ray.get([w.run.remote(r, a.world_size, port) for r, w in enumerate(workers)])
         finally:
@@ -587,11 +595,25 @@ def summarize(a: argparse.Namespace, runs: list[Measurement]) -> list[dict[str, 
                 "ratio": statistics.median(rates) / statistics.median(base.values()),
                 "paired_ratios": (paired := [m.rows_per_s / base[m.repeat] for m in mine]),
                 "paired_median": statistics.median(paired),
+                "paired_ci": bootstrap_median_ci(paired),
                 "max_busy": max(busy(m.extra) for m in mine),
                 "attempts": sum(m.extra["attempts"] for m in mine),
             }
         )
     return rows
+
+
+def bootstrap_median_ci(
+    values: Sequence[float], *, level: float = 0.95, resamples: int = 5000, seed: int = 0
+) -> tuple[float, float]:
+    """A percentile-bootstrap confidence interval for the median of ``values``: the repeats
+    resampled with replacement, the median of each resample, the middle ``level`` of those."""
+    rng = random.Random(seed)
+    medians = sorted(
+        statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)
+    )
+    tail = (1 - level) / 2
+    return medians[int(tail * resamples)], medians[min(resamples - 1, int((1 - tail) * resamples))]
 
 
 def describe(label: str, a: argparse.Namespace) -> str:
@@ -609,19 +631,22 @@ def describe(label: str, a: argparse.Namespace) -> str:
 def table(a: argparse.Namespace, summary: list[dict[str, Any]]) -> str:
     lines = [
         "| config | shape | rows/s (median) | min - max | median interval rows/s "
-        "| raytrec / torchrun | median per-repeat ratio | per-repeat ratios | others' CPU (max) |",
-        "|---|---|---:|---:|---:|---:|---:|---|---:|",
+        "| raytrec / torchrun | median per-repeat ratio | 95% CI | per-repeat ratios "
+        "| others' CPU (max) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in summary:
         ratio = "1 (baseline)" if r["config"] == BASELINE else f"**{r['ratio']:.3f}**"
         paired = ", ".join(f"{x:.3f}" for x in r["paired_ratios"])
         paired_median = f"**{r['paired_median']:.3f}**"
+        low, high = r["paired_ci"]
+        ci = f"{low:.3f} - {high:.3f}"
         if r["config"] == BASELINE:
-            paired = paired_median = "-"
+            paired = paired_median = ci = "-"
         lines.append(
             f"| {r['config']} | {describe(r['config'], a)} | {r['rows_per_s']:,.0f} | "
             f"{r['min']:,.0f} - {r['max']:,.0f} | {r['interval_rows_per_s']:,.0f} | {ratio} | "
-            f"{paired_median} | {paired} | {r['max_busy']:.0%} |"
+            f"{paired_median} | {ci} | {paired} | {r['max_busy']:.0%} |"
         )
     return "\n".join(lines)
 
@@ -691,7 +716,9 @@ What the columns mean:
   of load from other processes.
 - raytrec / torchrun: median over median. The per-repeat ratios pair each raytrec run with the
   torchrun run of the same repeat (run just before it in even repeats, just after it in odd
-  ones); their median is less sensitive to the machine's drift between repeats.
+  ones); their median is less sensitive to the machine's drift between repeats. 95% CI: a
+  percentile bootstrap of that median over the repeats (5,000 resamples), how far the median
+  could move with other repeats on a machine this noisy.
 - others' CPU: the largest share of the machine's CPU that processes outside the benchmark, or
   the hypervisor (steal), took during a kept run. Before every run the benchmark waits (up to
   {a.max_wait_s:.0f} s) for the machine to be quiet, and it runs a configuration again (up to

@@ -33,6 +33,17 @@ class IntervalMetrics:
     # The step the job ends at, as known now: num_steps, or where a re-shared source's rows end
     # (later after a gang was lost, sooner after one joined).
     end_step: int | None = None
+    # The slowest rank's seconds inside its training loop (the ranks' own clock). The rest of
+    # ``seconds`` is the control loop's: Ray dispatching ``train`` to every rank and returning
+    # the reports, and the coordinator's bookkeeping before the next interval starts.
+    train_s: float | None = None
+
+    @property
+    def control_fraction(self) -> float | None:
+        """The share of the interval's wall-clock time outside the ranks' training loops."""
+        if self.train_s is None or self.seconds <= 0:
+            return None
+        return max(0.0, 1.0 - self.train_s / self.seconds)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -71,4 +82,5 @@ def aggregate_interval(
         auc=auc,
         ne=ne,
         at=at,
+        train_s=max(r["seconds"] for r in reports),
     )

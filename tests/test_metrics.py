@@ -21,7 +21,7 @@ def report(losses: list[float], rows: int, seconds: float, data: float = 0.0) ->
 
 def test_aggregate_interval() -> None:
     row = aggregate_interval(
-        [report([1.0, 0.5], 512, 2.0, 0.2), report([0.7, 0.2], 512, 2.0, 0.0)],
+        [report([1.0, 0.5], 512, 2.0, 0.2), report([0.7, 0.2], 512, 1.5, 0.0)],
         wall_s=2.5,
         generation=3,
         gangs=2,
@@ -29,9 +29,12 @@ def test_aggregate_interval() -> None:
     )
     assert row.loss == pytest.approx(0.6)
     assert row.samples_per_s == pytest.approx(1024 / 2.5)
-    assert row.data_wait_fraction == pytest.approx(0.05)
-    assert row.sync_fraction == pytest.approx(0.05)
+    assert row.data_wait_fraction == pytest.approx(0.2 / 3.5)
+    assert row.sync_fraction == pytest.approx(0.2 / 3.5)
     assert (row.step, row.steps, row.generation, row.gangs) == (2, 2, 3, 2)
+    # The slowest rank trained for 2.0 s of the interval's 2.5: the control loop took 20%.
+    assert row.train_s == pytest.approx(2.0)
+    assert row.control_fraction == pytest.approx(0.2)
 
 
 def test_ranks_that_disagree_on_steps_are_an_error() -> None:
