@@ -125,6 +125,16 @@ def intervals(num_steps: int, every: int) -> list[int]:
     return [every] * full + ([rest] if rest else [])
 
 
+@dataclasses.dataclass(frozen=True)
+class _Dispatched:
+    """One interval's ``train`` calls, sent."""
+
+    n: int  # steps
+    refs: dict[int, Any]  # job rank -> ObjectRef of its report
+    t0: float  # perf_counter() where the interval's wall-clock time starts
+    started: float  # monotonic() when sent: for the hang timeout
+
+
 @dataclasses.dataclass
 class _Interval:
     """The outcome of one interval call on every live rank."""
@@ -337,21 +347,25 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         scaling = self.cfg.scaling
         return rank_resources(cpus_per_rank=scaling.cpus_per_rank, use_gpu=scaling.use_gpu)
 
-    def _maybe_checkpoint(self, *, final: bool = False) -> None:
-        """Saves a checkpoint when the policy says so: one gang writes, after a job-wide sync
-        (so its copy is the job's state)."""
-        cfg = self.cfg.checkpoint
+    def _save_due(self, step: int, *, final: bool = False) -> bool:
+        """Whether the checkpoint policy wants a save at ``step``."""
         last_step, last_clock = self._last_save
         decision = save_decision(
-            cfg,
-            step=self.step,
+            self.cfg.checkpoint,
+            step=step,
             now_s=time.monotonic(),
             last_save_step=last_step,
             last_save_s=last_clock,
             sync_every=1,  # a sync is done right here when one is due
             final_step=self.end_step if final else None,
         )
-        if not decision.save or self.step == 0 or last_step == self.step:
+        return decision.save and step != 0 and last_step != step
+
+    def _maybe_checkpoint(self, *, final: bool = False) -> None:
+        """Saves a checkpoint when the policy says so: one gang writes, after a job-wide sync
+        (so its copy is the job's state)."""
+        cfg = self.cfg.checkpoint
+        if not self._save_due(self.step, final=final):
             return
         if self.membership.last_sync_step != self.step:
             self._call(self._live_ranks(), "sync")
@@ -450,23 +464,27 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         the live ranks hold the next interval's batches already."""
         every = self.cfg.log_every
         stopped_by: BaseException | None = None
+        ahead: _Dispatched | None = None  # the next interval, sent before this one's bookkeeping
         while stopped_by is None and self.step < self.end_step:
-            t0 = time.perf_counter()
             try:
-                self._admit_new_gangs()
-                self._wait_for_min_gangs()
-                # A join may have shared the rows left among more ranks: the end is sooner.
-                n = min(every, self.end_step - self.step)
-                following = min(every, self.end_step - self.step - n)
-                if n <= 0:
-                    break
-                if not prepared:
-                    try:
-                        self._call(self._live_ranks(), "prepare", n)
-                    except ray.exceptions.RayTaskError as e:
-                        stopped_by = _cause(e)  # bad input, or the end of the data
+                if ahead is None:
+                    t0 = time.perf_counter()  # the interval's time includes what precedes it
+                    self._admit_new_gangs()
+                    self._wait_for_min_gangs()
+                    # A join may have shared the rows left among more ranks: the end is sooner.
+                    n = min(every, self.end_step - self.step)
+                    following = min(every, self.end_step - self.step - n)
+                    if n <= 0:
                         break
-                result = self._train_interval(n, following)
+                    if not prepared:
+                        try:
+                            self._call(self._live_ranks(), "prepare", n)
+                        except ray.exceptions.RayTaskError as e:
+                            stopped_by = _cause(e)  # bad input, or the end of the data
+                            break
+                    ahead = self._dispatch(n, following, t0=t0)
+                dispatched, ahead = ahead, None
+                result = self._collect(dispatched)
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
                 result = self._probe(e)  # a rank or node died during a control call
             if result.failed:
@@ -475,14 +493,17 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
                 continue
             prepared = True
             reports = [result.reports[r] for r in sorted(result.reports)]
+            ahead = self._dispatch_ahead(reports)
+            # The interval's share of the timeline ends where the next one was sent, if it was.
+            end = ahead.t0 if ahead is not None else time.perf_counter()
             self._account(reports)
             metrics = merge_metric_states([r["metrics"] for r in reports])
             row = aggregate_interval(
                 reports,
-                wall_s=time.perf_counter() - t0,
+                wall_s=end - dispatched.t0,
                 generation=self.membership.generation,
                 gangs=self.membership.num_gangs,
-                elapsed_s=time.perf_counter() - train_start,
+                elapsed_s=end - train_start,
                 auc=metrics.auc,
                 ne=metrics.ne,
                 at=self._now(),
@@ -493,9 +514,26 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
             stops = [r["stop"] for r in reports if r["stop"] is not None]
             if stops:
                 stopped_by = stops[0]
-            elif self.step < self.end_step:
+            elif ahead is None and self.step < self.end_step:
                 self._maybe_checkpoint()
         return stopped_by
+
+    def _dispatch_ahead(self, reports: list[dict[str, Any]]) -> _Dispatched | None:
+        """Sends the next interval right after an interval succeeded, before the coordinator
+        books it, so the ranks do not wait for the ledger, the AUC merge and the history row.
+        Only when nothing has to happen between the two intervals: no rank stopped, the job
+        is not at its end, no checkpoint is due, no gang is being added and the job has its
+        minimum gangs. Otherwise the next interval starts after the bookkeeping, as usual."""
+        step = max(r["step"] for r in reports)
+        if any(r["stop"] is not None for r in reports) or step >= self.end_step:
+            return None
+        if self._pending or self._building or self._save_due(step):
+            return None
+        if self.membership.num_gangs < self.elastic.min_gangs:
+            return None
+        every = self.cfg.log_every
+        n = min(every, self.end_step - step)
+        return self._dispatch(n, min(every, self.end_step - step - n))
 
     def _finish(self, final: str, *, checkpoint: bool) -> dict[int, dict[str, str]]:
         """Ends on a job-wide sync, checks the replicas, saves the final model."""
@@ -511,13 +549,22 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
 
     # -- one interval -------------------------------------------------------------------------
 
-    def _train_interval(self, n: int, following: int) -> _Interval:
-        """Runs ``train(n, following)`` on every live rank and sorts out what happened."""
-        refs = {r: self._workers[r].train.remote(n, following) for r in self._live_ranks()}
+    def _dispatch(self, n: int, following: int, *, t0: float | None = None) -> _Dispatched:
+        """Sends ``train(n, following)`` to every live rank. ``t0``: where the interval's
+        wall-clock time starts (default: now)."""
+        return _Dispatched(
+            n=n,
+            refs={r: self._workers[r].train.remote(n, following) for r in self._live_ranks()},
+            t0=time.perf_counter() if t0 is None else t0,
+            started=time.monotonic(),
+        )
+
+    def _collect(self, dispatched: _Dispatched) -> _Interval:
+        """Waits for every rank's ``train`` report and sorts out what happened."""
+        n, started = dispatched.n, dispatched.started
         out = _Interval()
-        pending = dict(refs)
+        pending = dict(dispatched.refs)
         deadline: float | None = None
-        started = time.monotonic()
         while pending:
             ready, _ = ray.wait(list(pending.values()), num_returns=1, timeout=self.elastic.poll_s)
             for ref in ready:
@@ -921,7 +968,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
     ) -> list[Any]:
         refs = [getattr(self._workers[r], method).remote(*args_of(r), **kwargs) for r in ranks]
         # Control calls (build, join, sync, prepare, recover) are not what hang detection
-        # watches (that is _train_interval's job); building a gang's ranks on a loaded machine,
+        # watches (that is _collect's job); building a gang's ranks on a loaded machine,
         # or the data pipeline's first batches, can take minutes.
         return ray.get(refs, timeout=max(self.elastic.step_timeout_s, RENDEZVOUS_TIMEOUT_S))
 
