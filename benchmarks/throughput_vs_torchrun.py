@@ -735,8 +735,9 @@ How each side is timed:
   time from the end of the last warmup interval to the end of the last interval (the `elapsed_s`
   difference, which equals the sum of `IntervalMetrics.seconds` up to the microseconds between
   intervals). It includes one Ray round trip per interval (dispatch `train` to every rank,
-  wait for all results), and the Ray driver, raylet, GCS and coordinator actor share the
-  cores with the ranks, as they do in a real job.
+  wait for all results; the coordinator's bookkeeping runs while the next interval trains
+  when nothing happens at the boundary), and the Ray driver, raylet, GCS and coordinator actor
+  share the cores with the ranks, as they do in a real job.
 - The 2D rows are not the same computation as the baseline: every step also all-reduces the
   dense gradients over the replica group, and every {a.sync_every} steps each rank all-reduces
   its embedding shards and their optimizer state with its replicas (local SGD); in exchange
