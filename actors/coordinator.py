@@ -40,6 +40,7 @@ import dataclasses
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -130,6 +131,8 @@ class _Dispatched:
     """One interval's ``train`` calls, sent."""
 
     n: int  # steps
+    end: int  # the step it ends at
+    seq: int  # numbers the job's train calls (actors.rank.IntervalOrder)
     refs: dict[int, Any]  # job rank -> ObjectRef of its report
     t0: float  # perf_counter() where the interval's wall-clock time starts
     started: float  # monotonic() when sent: for the hang timeout
@@ -143,6 +146,8 @@ class _Interval:
     dead: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> cause
     errored: dict[int, str] = dataclasses.field(default_factory=dict)
     hung: list[int] = dataclasses.field(default_factory=list)
+    # Reports of intervals queued behind the failed one that some survivors went on to train.
+    later: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def failed(self) -> bool:
@@ -215,6 +220,14 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         self._building: dict[int, Building] = {}  # gang id -> a new gang being built
         self._shards_of_new: dict[int, Any] = {}  # job rank -> data shard, until it joins
         self._transient = 0  # re-forms in a row with no rank lost
+        self._seq = 0  # the last train call's number
+        self._ready = 0  # batches every live rank holds prepared beyond the job's step
+        # Intervals in flight at once: the running one and one queued behind it, unless the
+        # gangs may drift apart between syncs (hierarchical levels with dense state synced on
+        # the schedule): then a survivor of a failure could be a whole interval further on
+        # than the others, and the job sends the next interval only after the last one.
+        hierarchical = bool(config.sync.levels) and config.sync.dense != "every_step"
+        self._depth = 1 if hierarchical else 2
 
     # -- queries (answered while run() is in progress) ----------------------
 
@@ -461,41 +474,57 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
     def _train(self, *, prepared: bool, train_start: float) -> BaseException | None:
         """Trains interval by interval up to ``num_steps``, recovering from failures; returns
         what stopped training early (bad input, the end of the data), else None. ``prepared``:
-        the live ranks hold the next interval's batches already."""
+        the live ranks hold the next interval's batches already.
+
+        While an interval runs, the next one is already queued on the ranks when nothing has
+        to happen at the boundary between them (:meth:`_top_up`), so a rank goes from one to
+        the next without waiting for the coordinator; its report is booked while the ranks
+        train on."""
         every = self.cfg.log_every
         stopped_by: BaseException | None = None
-        ahead: _Dispatched | None = None  # the next interval, sent before this one's bookkeeping
+        stop: BaseException | None = None  # a rank could not prepare all it was asked to
+        self._ready = min(every, self.end_step - self.step) if prepared else 0
+        inflight: deque[_Dispatched] = deque()  # sent, in order; the first one is running
         while stopped_by is None and self.step < self.end_step:
             try:
-                if ahead is None:
+                if not inflight:
                     t0 = time.perf_counter()  # the interval's time includes what precedes it
+                    n = min(every, self.end_step - self.step)
+                    if stop is not None and self._ready < n:
+                        stopped_by = stop  # bad input, or the end of the data, in what is next
+                        break
                     self._admit_new_gangs()
                     self._wait_for_min_gangs()
                     # A join may have shared the rows left among more ranks: the end is sooner.
                     n = min(every, self.end_step - self.step)
-                    following = min(every, self.end_step - self.step - n)
                     if n <= 0:
                         break
-                    if not prepared:
+                    if self._ready < n:
                         try:
                             self._call(self._live_ranks(), "prepare", n)
                         except ray.exceptions.RayTaskError as e:
                             stopped_by = _cause(e)  # bad input, or the end of the data
                             break
-                    ahead = self._dispatch(n, following, t0=t0)
-                dispatched, ahead = ahead, None
+                        self._ready = n
+                    inflight.append(self._dispatch(self.step, n, t0=t0))
+                dispatched = inflight.popleft()
                 result = self._collect(dispatched)
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
                 result = self._probe(e)  # a rank or node died during a control call
             if result.failed:
+                self._drain(inflight, result)
                 self._recover_until_stable(result)
-                prepared = False
+                self._ready, stop = 0, None  # recovery may have re-opened the ranks' feeds
                 continue
-            prepared = True
+            # The interval's share of the timeline ends here; the next one's starts here.
+            end = time.perf_counter()
             reports = [result.reports[r] for r in sorted(result.reports)]
-            ahead = self._dispatch_ahead(reports)
-            # The interval's share of the timeline ends where the next one was sent, if it was.
-            end = ahead.t0 if ahead is not None else time.perf_counter()
+            step = max(r["step"] for r in reports)
+            self._ready = min(r["ready"] for r in reports)  # batches held beyond ``step``
+            stop = next((r["stop"] for r in reports if r["stop"] is not None), stop)
+            if inflight:
+                inflight[0] = dataclasses.replace(inflight[0], t0=end, started=time.monotonic())
+            self._top_up(inflight, step)
             self._account(reports)
             metrics = merge_metric_states([r["metrics"] for r in reports])
             row = aggregate_interval(
@@ -511,29 +540,32 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
             row = dataclasses.replace(row, end_step=self.end_step)
             with self._lock:
                 self._history.append(row)
-            stops = [r["stop"] for r in reports if r["stop"] is not None]
-            if stops:
-                stopped_by = stops[0]
-            elif ahead is None and self.step < self.end_step:
+            if not inflight and stop is None and self.step < self.end_step:
                 self._maybe_checkpoint()
         return stopped_by
 
-    def _dispatch_ahead(self, reports: list[dict[str, Any]]) -> _Dispatched | None:
-        """Sends the next interval right after an interval succeeded, before the coordinator
-        books it, so the ranks do not wait for the ledger, the AUC merge and the history row.
-        Only when nothing has to happen between the two intervals: no rank stopped, the job
-        is not at its end, no checkpoint is due, no gang is being added and the job has its
-        minimum gangs. Otherwise the next interval starts after the bookkeeping, as usual."""
-        step = max(r["step"] for r in reports)
-        if any(r["stop"] is not None for r in reports) or step >= self.end_step:
-            return None
-        if self._pending or self._building or self._save_due(step):
-            return None
-        if self.membership.num_gangs < self.elastic.min_gangs:
-            return None
-        every = self.cfg.log_every
-        n = min(every, self.end_step - step)
-        return self._dispatch(n, min(every, self.end_step - step - n))
+    def _top_up(self, inflight: deque[_Dispatched], step: int) -> None:
+        """Queues intervals behind the one running, up to ``_depth`` in flight, for as long as
+        :meth:`_may_queue` allows. ``step``: where the last interval collected ended."""
+        while len(inflight) < self._depth:
+            start = inflight[-1].end if inflight else step
+            n = min(self.cfg.log_every, self.end_step - start)
+            if not self._may_queue(start, n, step):
+                return
+            after = inflight[-1].seq if inflight else None
+            inflight.append(self._dispatch(start, n, after=after))
+
+    def _may_queue(self, start: int, n: int, step: int) -> bool:
+        """Whether the interval of ``n`` steps from ``start`` may be sent before the coordinator
+        has seen the job reach ``start``. Only when nothing has to happen at that boundary: the
+        job is not at its end, every rank said it holds the interval's batches (so a data
+        problem stops every rank at the same boundary), no checkpoint is due, no gang is being
+        added and the job has its minimum gangs. ``step``: where the last report ended."""
+        if n <= 0 or self._ready - (start - step) < n:
+            return False
+        if self._pending or self._building or self._save_due(start):
+            return False
+        return self.membership.num_gangs >= self.elastic.min_gangs
 
     def _finish(self, final: str, *, checkpoint: bool) -> dict[int, dict[str, str]]:
         """Ends on a job-wide sync, checks the replicas, saves the final model."""
@@ -549,12 +581,23 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
 
     # -- one interval -------------------------------------------------------------------------
 
-    def _dispatch(self, n: int, following: int, *, t0: float | None = None) -> _Dispatched:
-        """Sends ``train(n, following)`` to every live rank. ``t0``: where the interval's
-        wall-clock time starts (default: now)."""
+    def _dispatch(
+        self, start: int, n: int, *, t0: float | None = None, after: int | None = None
+    ) -> _Dispatched:
+        """Sends ``train`` for the ``n`` steps from ``start`` to every live rank, asking each to
+        prepare the batches of the next ``_depth`` intervals after it. ``after``: the call it
+        is queued behind, still running. ``t0``: where the interval's wall-clock time starts
+        (default: now; an interval sent early starts when the one before it is collected)."""
+        self._seq += 1
+        ready = min(self._depth * self.cfg.log_every, self.end_step - start - n)
         return _Dispatched(
             n=n,
-            refs={r: self._workers[r].train.remote(n, following) for r in self._live_ranks()},
+            end=start + n,
+            seq=self._seq,
+            refs={
+                r: self._workers[r].train.remote(n, ready, seq=self._seq, after=after)
+                for r in self._live_ranks()
+            },
             t0=time.perf_counter() if t0 is None else t0,
             started=time.monotonic(),
         )
@@ -599,6 +642,38 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
                 out.hung = sorted(pending)  # nothing failed and nothing finished: all stuck
                 break
         return out
+
+    def _drain(self, inflight: deque[_Dispatched], result: _Interval) -> None:
+        """After a failed interval, waits out the intervals queued behind it.
+
+        A rank whose own call failed skips the one queued behind it. A rank that finished the
+        failed interval (its gang intact) has gone on into the next one, and may be waiting in
+        a replica-plane collective for a lost peer: its planes are aborted so that it stops at
+        once. What it trained comes back in its report (``result.later``) or from ``recover``,
+        and is booked with the rest. Ranks of gangs that lost a rank are left alone: they are
+        killed with their gang. A survivor whose queued call does not end counts as hung.
+        """
+        lost_gangs = {self._gang_of(r) for r in [*result.dead, *result.hung]}
+        while inflight:
+            d = inflight.popleft()
+            refs = {r: x for r, x in d.refs.items() if self._gang_of(r) not in lost_gangs}
+            self._abort_planes(set(refs))
+            timeout = 2 * self.elastic.collective_timeout_s + self.elastic.poll_s
+            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+            for r, ref in refs.items():
+                if ref not in ready:
+                    result.hung.append(r)
+                    continue
+                try:
+                    report = ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    result.dead[r] = _death_cause(e)
+                except ray.exceptions.RayTaskError as e:
+                    result.errored.setdefault(r, _first_line(_cause(e)))
+                else:
+                    if not report.get("skipped"):
+                        result.later.append(report)
+            lost_gangs |= {self._gang_of(r) for r in [*result.dead, *result.hung]}
 
     def _abort_planes(self, ranks: set[int]) -> None:
         for r in ranks:
@@ -725,7 +800,8 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         # What everyone trained in the failed interval: the survivors' own logs (a survivor
         # may even have finished it), and for the lost ranks, whose logs died with them, the
         # next batches in their stream order, one per step up to the failure.
-        reports = [result.reports[r] for r in survivor_ranks if r in result.reports] + recovered
+        reports = [result.reports[r] for r in survivor_ranks if r in result.reports]
+        reports += [rep for rep in result.later if rep["rank"] in survivor_ranks] + recovered
         lost_ranks = [r for g in failed_gangs for r in self.membership.gang(g).job_ranks]
         reports += self.accounting.lost_rank_reports(lost_ranks, fail_step=fail_step)
         # Syncs before the failed step completed on every gang; the one at it did not.
@@ -797,7 +873,9 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         self._workers[rank] = worker_cls.options(
             num_cpus=scaling.cpus_per_rank,
             num_gpus=1 if scaling.use_gpu else 0,
-            max_concurrency=2,  # abort_replica_planes runs beside a blocked train
+            # The running train, the one queued behind it, and abort_replica_planes beside a
+            # blocked train (actors.rank).
+            max_concurrency=3,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=bundle
             ),

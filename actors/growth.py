@@ -74,6 +74,7 @@ class GangGrowth:
     _workers: dict[int, Any]
     _rank_nodes: dict[int, str]
     _joining: set[int]
+    _ready: int  # batches every live rank holds prepared beyond ``step``
 
     if TYPE_CHECKING:
 
@@ -222,7 +223,9 @@ class GangGrowth:
             )
         # Ranks given a new share have nothing read yet (the others read ahead already).
         ready = self._live_ranks() if reshare else new_ranks
-        self._call(ready, "prepare", min(self.cfg.log_every, self.end_step - self.step))
+        n = min(self.cfg.log_every, self.end_step - self.step)
+        self._call(ready, "prepare", n)
+        self._ready = n  # what the new ranks hold
 
     def _abandon_building(self, gang: Gang) -> None:
         self._release(gang.gang_id, gang.job_ranks)

@@ -3,9 +3,12 @@
 It owns one rank's engine and its data feed, and answers the coordinator's
 calls. All training logic lives in the engine, which tests drive without Ray.
 
-The actor runs with two threads (``max_concurrency=2``): while ``train`` is
-blocked in a collective whose peer died, the coordinator can still call
-``abort_replica_planes`` to fail it at once, and ``recover`` afterwards.
+The actor runs with three threads (``max_concurrency=3``): ``train`` for the
+interval running, the next interval's ``train`` queued behind it (see
+:class:`IntervalOrder`), and one for the coordinator's other calls: while
+``train`` is blocked in a collective whose peer died, the coordinator can
+still call ``abort_replica_planes`` to fail it at once, and ``recover``
+afterwards.
 Every batch the rank trains is logged with its id and step until the
 coordinator collects the log (``train``'s report, or ``recover`` after a
 failed interval), which is what the coordinator's exactly-once ledger is built from.
@@ -35,6 +38,40 @@ __all__ = ["RankWorker"]
 Item = tuple[int | None, Batch]  # (batch id, batch)
 
 
+class IntervalOrder:
+    """Keeps a rank's ``train`` calls in the order the coordinator sent them.
+
+    The coordinator sends interval k+1 while k is still running, so a rank goes straight on
+    from one interval to the next instead of waiting a round trip through the coordinator
+    (``Coordinator._top_up``). A queued call names the call it follows (``after``): it waits
+    for that call to end, and runs only if that call succeeded. After a failed interval the
+    rank's model waits for the coordinator's recovery, so what was queued behind it is skipped
+    without touching it. Ray runs a threaded actor's calls as they arrive, not in the order
+    they were sent, hence this class.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._ended = -1  # the last call (by sequence number) that ended, however
+        self._succeeded = -1  # the last call that returned its report
+
+    def wait_turn(self, after: int | None) -> bool:
+        """Waits until call ``after`` ended; returns whether to run (it succeeded). None: a
+        call sent with nothing running before it runs at once."""
+        if after is None:
+            return True
+        with self._cond:
+            self._cond.wait_for(lambda: self._ended >= after)
+            return self._succeeded == after
+
+    def ended(self, seq: int, *, succeeded: bool) -> None:
+        with self._cond:
+            self._ended = max(self._ended, seq)
+            if succeeded:
+                self._succeeded = seq
+            self._cond.notify_all()
+
+
 class RankWorker:
     """One rank of the job. Made a Ray actor by the coordinator (``ray.remote(RankWorker)``)."""
 
@@ -47,6 +84,8 @@ class RankWorker:
         self._lock = threading.Lock()
         self._trained: list[tuple[int, int | None]] = []  # (step, batch id) not yet reported
         self._losses: list[float] = []
+        self._order = IntervalOrder()
+        self._last_end: float | None = None  # when the last train call ended (perf_counter)
 
     def build(self) -> dict[str, Any]:
         """Joins the gang world and shards the model; returns where this rank runs."""
@@ -128,14 +167,36 @@ class RankWorker:
         self._feed.push_front([(i, self.shard.replay(i, size)) for i in batch_ids])
         return len(batch_ids)
 
-    def train(self, num_steps: int, next_steps: int = 0) -> dict[str, Any]:
-        """Trains ``num_steps`` prepared batches, then prepares the next ``next_steps``.
+    def train(
+        self, num_steps: int, ready_steps: int = 0, *, seq: int = -1, after: int | None = None
+    ) -> dict[str, Any]:
+        """Trains ``num_steps`` prepared batches, then makes sure the next ``ready_steps`` are
+        in memory.
 
-        Returns losses, metric states, the batches trained and timings. Preparing the next
-        interval here saves the coordinator a round trip per interval; a data problem found
-        while preparing is returned in ``"stop"`` (not raised), so the coordinator ends the job
-        at this step boundary.
+        Returns losses, metric states, the batches trained, timings and ``"ready"``, how many
+        batches this rank holds prepared now. Preparing the next intervals here saves the
+        coordinator a round trip per interval; a data problem found while preparing is
+        returned in ``"stop"`` (not raised): the coordinator sends only intervals that every
+        rank said it holds, so the job ends at the step boundary before the bad batch.
+
+        ``seq`` numbers the call; ``after``: the call this one was queued behind
+        (:class:`IntervalOrder`). A call skipped because that one failed returns
+        ``{"skipped": True}`` and changes nothing.
         """
+        if not self._order.wait_turn(after):
+            return {"rank": self.spec.rank, "step": self.engine.step, "skipped": True}
+        last, now = self._last_end, time.perf_counter()
+        succeeded = False
+        try:
+            report = self._train(num_steps, ready_steps)
+            report["idle_s"] = 0.0 if last is None else now - last
+            succeeded = True
+            return report
+        finally:
+            self._last_end = time.perf_counter()
+            self._order.ended(seq, succeeded=succeeded)
+
+    def _train(self, num_steps: int, ready_steps: int) -> dict[str, Any]:
         assert self._feed is not None, "build() first"
         engine = self.engine
         sync_s = stall_s = 0.0
@@ -161,9 +222,9 @@ class RankWorker:
                 engine.sync(decision)
                 sync_s += time.perf_counter() - t2
         stop: BaseException | None = None
-        if next_steps:
+        if ready_steps:
             try:
-                data_s += self.prepare(next_steps)
+                data_s += self.prepare(ready_steps)
             except Exception as e:  # bad input or the end of the data: the caller decides
                 stop = e
             self._feed.wait_s = 0.0
@@ -180,6 +241,7 @@ class RankWorker:
             "stall_s": stall_s,
             "metrics": self.metrics.state(),
             "stop": stop,
+            "ready": self._feed.buffered(),
         }
 
     def _take_log(self) -> tuple[list[tuple[int, int | None]], list[float]]:

@@ -117,7 +117,11 @@ class Measurement:
             f"{self.interval_rows_per_s:>6,.0f}; other processes took "
             f"{self.extra['foreign_cpu']:.0%} of the CPU, hypervisor steal "
             f"{self.extra['steal_cpu']:.0%}"
-            + ("" if control is None else f"; control loop {control:.1%} of the intervals")
+            + (
+                ""
+                if control is None
+                else f"; ranks idle between intervals {control:.2%} of the time"
+            )
             + ")"
         )
 
@@ -412,10 +416,9 @@ def run_raytrec(a: argparse.Namespace, lay: Layout, repeat: int, tmp: Path) -> M
             "sum_interval_seconds": sum(m.seconds for m in timed),
             "rows_from_metrics": sum(m.samples_per_s * m.seconds for m in timed),
             "sync_fraction": statistics.fmean(m.sync_fraction for m in timed),
-            # Interval time outside the slowest rank's training loop: Ray's dispatch and
-            # results, and the coordinator's bookkeeping between intervals.
-            "control_fraction": 1
-            - sum(m.train_s or 0.0 for m in timed) / sum(m.seconds for m in timed),
+            # Interval time the ranks sat idle waiting for the coordinator (Ray's dispatch and
+            # results, the bookkeeping) instead of going on with a queued interval.
+            "control_fraction": sum(m.idle_s or 0.0 for m in timed) / sum(m.seconds for m in timed),
             "data_wait_fraction": statistics.fmean(m.data_wait_fraction for m in timed),
             "final_loss": history[-1].loss,
             "cpu_s_by_process": monitor.cpu_s_by_process(),

@@ -33,17 +33,21 @@ class IntervalMetrics:
     # The step the job ends at, as known now: num_steps, or where a re-shared source's rows end
     # (later after a gang was lost, sooner after one joined).
     end_step: int | None = None
-    # The slowest rank's seconds inside its training loop (the ranks' own clock). The rest of
-    # ``seconds`` is the control loop's: Ray dispatching ``train`` to every rank and returning
-    # the reports, and the coordinator's bookkeeping before the next interval starts.
+    # The slowest rank's seconds in its ``train`` call: the training loop and preparing the
+    # next batches (the ranks' own clock).
     train_s: float | None = None
+    # The longest any rank sat idle between its previous interval and this one, waiting for
+    # the coordinator: Ray's dispatch of ``train`` and the return of the reports, and whatever
+    # ran at the boundary (bookkeeping, a checkpoint, a join). Near zero when the interval was
+    # queued on the ranks while the one before it ran.
+    idle_s: float | None = None
 
     @property
     def control_fraction(self) -> float | None:
-        """The share of the interval's wall-clock time outside the ranks' training loops."""
-        if self.train_s is None or self.seconds <= 0:
+        """The share of the interval's wall-clock time the ranks waited for the coordinator."""
+        if self.idle_s is None or self.seconds <= 0:
             return None
-        return max(0.0, 1.0 - self.train_s / self.seconds)
+        return min(1.0, self.idle_s / self.seconds)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -83,4 +87,5 @@ def aggregate_interval(
         ne=ne,
         at=at,
         train_s=max(r["seconds"] for r in reports),
+        idle_s=max((r["idle_s"] for r in reports if "idle_s" in r), default=None),
     )

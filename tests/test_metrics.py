@@ -8,8 +8,11 @@ from actors.coordinator import intervals
 from raytrec.metrics import aggregate_interval
 
 
-def report(losses: list[float], rows: int, seconds: float, data: float = 0.0) -> dict:
+def report(
+    losses: list[float], rows: int, seconds: float, data: float = 0.0, idle: float = 0.0
+) -> dict:
     return {
+        "idle_s": idle,
         "step": len(losses),
         "losses": losses,
         "rows": rows,
@@ -21,7 +24,7 @@ def report(losses: list[float], rows: int, seconds: float, data: float = 0.0) ->
 
 def test_aggregate_interval() -> None:
     row = aggregate_interval(
-        [report([1.0, 0.5], 512, 2.0, 0.2), report([0.7, 0.2], 512, 1.5, 0.0)],
+        [report([1.0, 0.5], 512, 2.0, 0.2, 0.5), report([0.7, 0.2], 512, 1.5, 0.0, 0.1)],
         wall_s=2.5,
         generation=3,
         gangs=2,
@@ -32,8 +35,10 @@ def test_aggregate_interval() -> None:
     assert row.data_wait_fraction == pytest.approx(0.2 / 3.5)
     assert row.sync_fraction == pytest.approx(0.2 / 3.5)
     assert (row.step, row.steps, row.generation, row.gangs) == (2, 2, 3, 2)
-    # The slowest rank trained for 2.0 s of the interval's 2.5: the control loop took 20%.
+    # The slowest rank trained for 2.0 s; one rank sat idle for 0.5 s of the interval's 2.5
+    # waiting for the coordinator: the control loop took 20%.
     assert row.train_s == pytest.approx(2.0)
+    assert row.idle_s == pytest.approx(0.5)
     assert row.control_fraction == pytest.approx(0.2)
 
 
