@@ -148,6 +148,7 @@ class _Interval:
     hung: list[int] = dataclasses.field(default_factory=list)
     # Reports of intervals queued behind the failed one that some survivors went on to train.
     later: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    booked: bool = False  # recovery has booked the reports above
 
     @property
     def failed(self) -> bool:
@@ -540,7 +541,8 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
             row = dataclasses.replace(row, end_step=self.end_step)
             with self._lock:
                 self._history.append(row)
-            if not inflight and stop is None and self.step < self.end_step:
+            going_on = stop is None or self._ready >= min(every, self.end_step - self.step)
+            if not inflight and going_on and self.step < self.end_step:
                 self._maybe_checkpoint()
         return stopped_by
 
@@ -658,7 +660,12 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
             d = inflight.popleft()
             refs = {r: x for r, x in d.refs.items() if self._gang_of(r) not in lost_gangs}
             self._abort_planes(set(refs))
-            timeout = 2 * self.elastic.collective_timeout_s + self.elastic.poll_s
+            # A survivor may train the whole queued interval (nothing in it waits for the lost
+            # gang): give it the interval's own hang timeout, as _collect does.
+            timeout = max(
+                2 * self.elastic.collective_timeout_s + self.elastic.poll_s,
+                self.elastic.step_timeout_s * max(1, d.n),
+            )
             ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
             for r, ref in refs.items():
                 if ref not in ready:
@@ -709,7 +716,11 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
                 self._recover(result)
                 return
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-                result = self._probe(e)
+                probed = self._probe(e)
+                if not result.booked:  # what the survivors reported is not in the books yet
+                    probed.reports = {**result.reports, **probed.reports}
+                    probed.later = result.later + probed.later
+                result = probed
         raise JobFailedError("the job kept losing ranks while it re-formed")
 
     def _recover(self, result: _Interval) -> None:
@@ -806,6 +817,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         reports += self.accounting.lost_rank_reports(lost_ranks, fail_step=fail_step)
         # Syncs before the failed step completed on every gang; the one at it did not.
         self._account(reports, completed_through=fail_step - 1)
+        result.booked = True
         replay = self._drop(failed_gangs, survivors)
         for gid in failed_gangs:
             self.events.append(

@@ -225,7 +225,9 @@ class GangGrowth:
         ready = self._live_ranks() if reshare else new_ranks
         n = min(self.cfg.log_every, self.end_step - self.step)
         self._call(ready, "prepare", n)
-        self._ready = n  # what the new ranks hold
+        # Every rank holds n now when all were given a new share; else the others hold what
+        # they held (nothing, right after a recovery: they prepare before the next interval).
+        self._ready = n if reshare else min(self._ready, n)
 
     def _abandon_building(self, gang: Gang) -> None:
         self._release(gang.gang_id, gang.job_ranks)

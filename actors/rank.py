@@ -44,10 +44,11 @@ class IntervalOrder:
     The coordinator sends interval k+1 while k is still running, so a rank goes straight on
     from one interval to the next instead of waiting a round trip through the coordinator
     (``Coordinator._top_up``). A queued call names the call it follows (``after``): it waits
-    for that call to end, and runs only if that call succeeded. After a failed interval the
-    rank's model waits for the coordinator's recovery, so what was queued behind it is skipped
-    without touching it. Ray runs a threaded actor's calls as they arrive, not in the order
-    they were sent, hence this class.
+    for that call to end, and may run only if that call succeeded (and, in
+    :meth:`RankWorker.train`, only if it did on every rank of the gang). After a failed
+    interval the rank's model waits for the coordinator's recovery, so what was queued behind
+    it is skipped without touching it. Ray runs a threaded actor's calls as they arrive, not
+    in the order they were sent, hence this class.
     """
 
     def __init__(self) -> None:
@@ -180,10 +181,21 @@ class RankWorker:
         rank said it holds, so the job ends at the step boundary before the bad batch.
 
         ``seq`` numbers the call; ``after``: the call this one was queued behind
-        (:class:`IntervalOrder`). A call skipped because that one failed returns
-        ``{"skipped": True}`` and changes nothing.
+        (:class:`IntervalOrder`). A queued call runs only if that call succeeded on every rank
+        of the gang: the ranks agree on it over the gang world first, because a rank that went
+        on alone would wait in the gang's collectives for a peer that stopped (say one whose
+        replica group lost a member in the last step, while this rank's group finished). A
+        call skipped returns ``{"skipped": True}`` and changes nothing.
         """
-        if not self._order.wait_turn(after):
+        go = self._order.wait_turn(after)
+        if after is not None:
+            try:
+                go = self.engine.gang_agrees(go)
+            except BaseException:
+                self._order.ended(seq, succeeded=False)
+                raise
+        if not go:
+            self._order.ended(seq, succeeded=False)
             return {"rank": self.spec.rank, "step": self.engine.step, "skipped": True}
         last, now = self._last_end, time.perf_counter()
         succeeded = False

@@ -170,6 +170,8 @@ def parity_run(spec: RankSpec, tables: dict[str, np.ndarray], steps: int) -> dic
             out["dense"].append(dense_params(engine))
             out["shards"].append(local_shards(engine))
         out["losses"] = losses
+        # Whether to run an interval queued on the ranks: all say yes, then one says no.
+        out["agree"] = [engine.gang_agrees(True), engine.gang_agrees(spec.gang_rank != 1)]
         return out
 
 
@@ -493,6 +495,13 @@ def test_sync_makes_replicas_identical(job: Job, variant: str) -> None:
 
 
 # -- c) CPU refusals (no processes) ---------------------------------------------------
+
+
+def test_a_gang_agrees_only_when_every_rank_says_yes(job: Job) -> None:
+    # RankWorker.train runs a queued interval only if every rank of the gang may: a rank that
+    # went on alone would wait in the gang's collectives for a peer that stopped.
+    for rank, result in job.results.items():
+        assert result["parity"]["agree"] == [True, False], rank
 
 
 def test_fused_adam_is_refused_on_cpu() -> None:

@@ -229,6 +229,15 @@ class RankEngine:
         self._step_in_flight = False
         return float(loss.detach())
 
+    def gang_agrees(self, ok: bool) -> bool:
+        """Whether every rank of this gang says ``ok`` (a one-number all-reduce over the gang
+        world; at once for a gang of one)."""
+        if self.spec.gang_size == 1:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
     def abandon_failed_step(self) -> bool:
         """Cleans up after a replica-plane failure inside :meth:`train_step`.
 
