@@ -188,6 +188,10 @@ class RankWorker:
         call skipped returns ``{"skipped": True}`` and changes nothing.
         """
         go = self._order.wait_turn(after)
+        # Idle from the last call's end to here; the gang's agreement below is a collective
+        # like the interval's own, and its wait for a peer still finishing the last interval
+        # counts as training time, as it would in the interval's first step.
+        last, started = self._last_end, time.perf_counter()
         if after is not None:
             try:
                 go = self.engine.gang_agrees(go)
@@ -197,25 +201,23 @@ class RankWorker:
         if not go:
             self._order.ended(seq, succeeded=False)
             return {"rank": self.spec.rank, "step": self.engine.step, "skipped": True}
-        last, now = self._last_end, time.perf_counter()
         succeeded = False
         try:
-            report = self._train(num_steps, ready_steps)
-            report["idle_s"] = 0.0 if last is None else now - last
+            report = self._train(num_steps, ready_steps, started=started)
+            report["idle_s"] = 0.0 if last is None else started - last
             succeeded = True
             return report
         finally:
             self._last_end = time.perf_counter()
             self._order.ended(seq, succeeded=succeeded)
 
-    def _train(self, num_steps: int, ready_steps: int) -> dict[str, Any]:
+    def _train(self, num_steps: int, ready_steps: int, *, started: float) -> dict[str, Any]:
         assert self._feed is not None, "build() first"
         engine = self.engine
         sync_s = stall_s = 0.0
         data_s = self._feed.wait_s
         self._feed.wait_s = 0.0
         self.metrics.reset()
-        start = time.perf_counter()
         rows = 0
         for _ in range(num_steps):
             stall_s += self._inject(engine.step + 1)
@@ -247,7 +249,7 @@ class RankWorker:
             "losses": losses,
             "trained": trained,
             "rows": rows,
-            "seconds": time.perf_counter() - start,
+            "seconds": time.perf_counter() - started,
             "data_wait_s": data_s,
             "sync_s": sync_s,
             "stall_s": stall_s,
