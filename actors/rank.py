@@ -192,17 +192,12 @@ class RankWorker:
         # like the interval's own, and its wait for a peer still finishing the last interval
         # counts as training time, as it would in the interval's first step.
         last, started = self._last_end, time.perf_counter()
-        if after is not None:
-            try:
-                go = self.engine.gang_agrees(go)
-            except BaseException:
-                self._order.ended(seq, succeeded=False)
-                raise
-        if not go:
-            self._order.ended(seq, succeeded=False)
-            return {"rank": self.spec.rank, "step": self.engine.step, "skipped": True}
         succeeded = False
         try:
+            if after is not None:
+                go = self.engine.gang_agrees(go)
+            if not go:
+                return {"rank": self.spec.rank, "step": self.engine.step, "skipped": True}
             report = self._train(num_steps, ready_steps, started=started)
             report["idle_s"] = 0.0 if last is None else started - last
             succeeded = True
