@@ -31,6 +31,14 @@ gloo over 127.0.0.1, one torch thread each); no raytrec code is in the step.
    that Ray's own processes (GCS, raylet, dashboard agent, log monitor, idle workers' task
    loops) take from training on a machine whose cores the ranks already fill.
 
+3. **Ray's nice value.** Ray starts its worker processes at nice 15; torchrun's workers run at
+   0. Plain processes (the reference) against two pairs of Ray actors shaped like rank actors
+   (``max_concurrency=3``, pool thread): one left at Ray's nice 15, one set back to nice 0 when
+   it starts (``os.setpriority``, which needs the privilege to lower a nice value: root or
+   CAP_SYS_NICE). On two cores the ranks' threads often wait on the run queue (see
+   ``docs/benchmarks.md``), and a nice-0 process that wakes (raylet, GCS, the driver) is
+   preferred over a nice-15 rank. Not in the default run: ``--experiments niceness``.
+
 Every arm's figure: rows/s over all its chunks, the median chunk, and the median over rounds of
 the chunk's rows/s divided by the reference arm's in the same round (plain processes; no
 cluster). Printed and written to ``docs/benchmarks.md``.
@@ -70,6 +78,10 @@ PLAIN, MAIN, THREADED = (
     "Ray actor, pool thread (max_concurrency=2)",
 )
 NO_CLUSTER, IDLE_CLUSTER = "no Ray cluster", "idle Ray cluster up"
+NICE_15, NICE_0 = (
+    "Ray actor, pool thread (max_concurrency=3), Ray's nice 15",
+    "Ray actor, pool thread (max_concurrency=3), nice 0",
+)
 WORLD = 2
 
 Chunk = tuple[float, int]  # (seconds, voluntary context switches of the training thread)
@@ -78,9 +90,18 @@ Chunk = tuple[float, int]  # (seconds, voluntary context switches of the trainin
 class Host:
     """One rank: joins its pair's gloo world, builds the baseline worker, trains on demand."""
 
-    def __init__(self, rank: int, port: int, argv: list[str]) -> None:
+    def __init__(self, rank: int, port: int, argv: list[str], nice: int | None = None) -> None:
         import torch
         import torch.distributed as dist
+
+        if nice is not None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, 0, nice)
+            except PermissionError as e:
+                raise RuntimeError(
+                    f"cannot set nice {nice} (from {os.getpriority(os.PRIO_PROCESS, 0)}): "
+                    "lowering a nice value needs root or CAP_SYS_NICE"
+                ) from e
 
         sys.path.insert(0, str(HERE))  # in a Ray worker too
         from _torchrun_dmp import BaselineWorker, _parse
@@ -158,12 +179,12 @@ class PlainPair:
 
 
 class ActorPair:
-    def __init__(self, argv: list[str], *, max_concurrency: int) -> None:
+    def __init__(self, argv: list[str], *, max_concurrency: int, nice: int | None = None) -> None:
         import ray
 
         actor = ray.remote(num_cpus=1)(Host).options(max_concurrency=max_concurrency)
         port = _free_port()
-        self.actors = [actor.remote(rank, port, argv) for rank in range(WORLD)]
+        self.actors = [actor.remote(rank, port, argv, nice) for rank in range(WORLD)]
         self.run(1)
 
     def run(self, steps: int) -> list[Chunk]:
@@ -293,7 +314,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--experiments",
         nargs="+",
         default=["hosts", "idle-cluster"],
-        choices=["hosts", "idle-cluster"],
+        choices=["hosts", "idle-cluster", "niceness"],
     )
     p.add_argument("--doc", default=str(HERE.parent / "docs" / "benchmarks.md"))
     p.add_argument("--no-doc", action="store_true", help="print only")
@@ -317,6 +338,28 @@ def run_hosts(a: argparse.Namespace, argv: list[str]) -> dict[str, list[list[Chu
             PLAIN: plain.run,
             MAIN: ActorPair(argv, max_concurrency=1).run,
             THREADED: ActorPair(argv, max_concurrency=2).run,
+        }
+        for run in pairs.values():
+            run(a.warmup_steps)
+        arms = {n: functools.partial(run, a.chunk) for n, run in pairs.items()}
+        return take_turns(arms, a.rounds, a.chunk * a.batch_size * WORLD)
+    finally:
+        plain.close()
+        ray.shutdown()
+
+
+def run_niceness(a: argparse.Namespace, argv: list[str]) -> dict[str, list[list[Chunk]]]:
+    import ray
+
+    from raytrec.cluster import connect
+
+    plain = PlainPair(argv)
+    connect(None, num_cpus=2 * WORLD)
+    try:
+        pairs = {
+            PLAIN: plain.run,
+            NICE_15: ActorPair(argv, max_concurrency=3).run,
+            NICE_0: ActorPair(argv, max_concurrency=3, nice=0).run,
         }
         for run in pairs.values():
             run(a.warmup_steps)
@@ -351,6 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     experiments = {
         "hosts": ("rounds of {chunk} steps per pair", run_hosts, PLAIN),
         "idle-cluster": ("rounds of {chunk} steps per arm", run_idle_cluster, NO_CLUSTER),
+        "niceness": ("rounds of {chunk} steps per pair", run_niceness, PLAIN),
     }
     sections = {}
     for name in a.experiments:
@@ -402,6 +446,14 @@ the chunk, {a.settle_s:.0f} s to settle, stopped after it; two idle rank-shaped 
 coordinator-shaped one):
 
 {tables["idle-cluster"]}"""
+        )
+    if "niceness" in tables:
+        parts.append(
+            f"""Ray's nice value for its workers: plain processes (nice 0) against rank-shaped Ray
+actors at Ray's nice 15 and set back to 0, all up at once, with a local Ray cluster up
+throughout:
+
+{tables["niceness"]}"""
         )
     return "\n\n".join(parts) + "\n"
 
