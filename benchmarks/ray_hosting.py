@@ -327,6 +327,34 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def run_hosts(a: argparse.Namespace, argv: list[str]) -> dict[str, list[list[Chunk]]]:
+    return _pairs_take_turns(
+        a,
+        argv,
+        lambda: {
+            MAIN: ActorPair(argv, max_concurrency=1).run,
+            THREADED: ActorPair(argv, max_concurrency=2).run,
+        },
+    )
+
+
+def run_niceness(a: argparse.Namespace, argv: list[str]) -> dict[str, list[list[Chunk]]]:
+    return _pairs_take_turns(
+        a,
+        argv,
+        lambda: {
+            NICE_15: ActorPair(argv, max_concurrency=3).run,
+            NICE_0: ActorPair(argv, max_concurrency=3, nice=0).run,
+        },
+    )
+
+
+def _pairs_take_turns(
+    a: argparse.Namespace,
+    argv: list[str],
+    actor_pairs: Callable[[], dict[str, Callable[[int], list[Chunk]]]],
+) -> dict[str, list[list[Chunk]]]:
+    """The plain pair (the reference) and the pairs of Ray actors ``actor_pairs`` makes, all up
+    at once on a local Ray cluster, taking turns."""
     import ray
 
     from raytrec.cluster import connect
@@ -334,33 +362,7 @@ def run_hosts(a: argparse.Namespace, argv: list[str]) -> dict[str, list[list[Chu
     plain = PlainPair(argv)  # spawned before Ray starts, so they inherit none of its settings
     connect(None, num_cpus=2 * WORLD)
     try:
-        pairs = {
-            PLAIN: plain.run,
-            MAIN: ActorPair(argv, max_concurrency=1).run,
-            THREADED: ActorPair(argv, max_concurrency=2).run,
-        }
-        for run in pairs.values():
-            run(a.warmup_steps)
-        arms = {n: functools.partial(run, a.chunk) for n, run in pairs.items()}
-        return take_turns(arms, a.rounds, a.chunk * a.batch_size * WORLD)
-    finally:
-        plain.close()
-        ray.shutdown()
-
-
-def run_niceness(a: argparse.Namespace, argv: list[str]) -> dict[str, list[list[Chunk]]]:
-    import ray
-
-    from raytrec.cluster import connect
-
-    plain = PlainPair(argv)
-    connect(None, num_cpus=2 * WORLD)
-    try:
-        pairs = {
-            PLAIN: plain.run,
-            NICE_15: ActorPair(argv, max_concurrency=3).run,
-            NICE_0: ActorPair(argv, max_concurrency=3, nice=0).run,
-        }
+        pairs = {PLAIN: plain.run, **actor_pairs()}
         for run in pairs.values():
             run(a.warmup_steps)
         arms = {n: functools.partial(run, a.chunk) for n, run in pairs.items()}
