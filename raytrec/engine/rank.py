@@ -264,8 +264,10 @@ class RankEngine:
 
     def _average_dense_grads(self) -> None:
         assert self.replica is not None, "join_replica_plane() first"
-        if self.cfg.sync.dense != "every_step":
-            return  # DDP averaged them over the gang; the schedule averages dense parameters
+        if self.cfg.sync.dense != "every_step" or self.replica.size == 1:
+            # DDP averaged them over the gang; the schedule averages dense parameters; or this
+            # rank is its replica group's only member.
+            return
         grads = [p.grad for p in self.dense_params.values() if p.grad is not None]
         self.replica.average_(grads)
 
@@ -293,6 +295,8 @@ class RankEngine:
                 return
             plane = self._plane_for(decision)
             optimizer_state = decision.optimizer_state
+        if plane.size == 1:
+            return  # a group of one: every tensor is already its own mean
         tensors = self.embedding_weights()
         if optimizer_state:
             tensors += self.embedding_optimizer_states()
