@@ -1,6 +1,7 @@
 """What running a rank inside a Ray worker process costs, with the machine's drift taken out.
 
     ./dev.sh bench ray_hosting [--rounds 12] [--chunk 300] [--settle-s 10]
+        [--experiments hosts idle-cluster niceness]
 
 ``throughput_vs_torchrun.py`` runs torchrun and raytrec one after the other, a minute or more
 apart, and on a shared machine that drifts by 10-20% over minutes a few percent of difference

@@ -494,7 +494,7 @@ def test_sync_makes_replicas_identical(job: Job, variant: str) -> None:
         assert not same(runs[rank]["step4"]["weights"], post["weights"])
 
 
-# -- c) CPU refusals (no processes) ---------------------------------------------------
+# -- gang agreement ------------------------------------------------------------------
 
 
 def test_a_gang_agrees_only_when_every_rank_says_yes(job: Job) -> None:
@@ -502,6 +502,9 @@ def test_a_gang_agrees_only_when_every_rank_says_yes(job: Job) -> None:
     # went on alone would wait in the gang's collectives for a peer that stopped.
     for rank, result in job.results.items():
         assert result["parity"]["agree"] == [True, False], rank
+
+
+# -- c) CPU refusals (no processes) ---------------------------------------------------
 
 
 def test_fused_adam_is_refused_on_cpu() -> None:
