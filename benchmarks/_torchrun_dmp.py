@@ -118,6 +118,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=25, help="per-interval timing granularity")
     p.add_argument("--out", required=True, help="rank 0 writes its JSON result here")
     p.add_argument(
+        "--marks-file",
+        default=None,
+        help="rank 0 also appends 'step time.perf_counter()' here every --log-every timed "
+        "steps, as it goes (for throughput_turns.py, which pauses and resumes the workers)",
+    )
+    p.add_argument(
         "--train-pipeline",
         action="store_true",
         help="step with TorchRec's TrainPipelineSparseDist (the next batch's input all-to-all "
@@ -220,10 +226,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     marks = [start]
     measured = a.steps - a.warmup_steps
+    marks_file = open(a.marks_file, "a") if a.marks_file and rank == 0 else None  # noqa: SIM115
     for i in range(measured):
         losses.append(step())
         if (i + 1) % a.log_every == 0 or i + 1 == measured:
             marks.append(time.perf_counter())
+            if marks_file is not None:
+                marks_file.write(f"{i + 1} {marks[-1]}\n")
+                marks_file.flush()
+    if marks_file is not None:
+        marks_file.close()
     dist.barrier()
     seconds = time.perf_counter() - start
 

@@ -1,0 +1,377 @@
+"""raytrec against torchrun + DMP with both jobs up at once, taking turns on the machine.
+
+    ./dev.sh bench throughput_turns [--layout 1x2] [--rounds 30] [--window-s 8] ...
+
+``throughput_vs_torchrun.py`` runs the two systems one after the other, a minute or more apart.
+On a machine whose speed drifts by 10-20% over minutes, a few percent between them is lost in
+that drift. Here both whole systems run at the same time and take turns instead: a torchrun
+job (``benchmarks/_torchrun_dmp.py``, TorchRec's DMP over T ranks, as in that benchmark) and a
+raytrec job (``raytrec.fit`` on its own embedded local Ray cluster, the driver, GCS, raylet,
+coordinator and rank actors included). They take turns of ``--window-s`` seconds, torchrun
+first and last: one job runs while every process of the other is stopped (SIGSTOP). A stopped
+process takes no CPU, so each side runs alone on the machine, as in
+the one-after-the-other benchmark, but the two sides' windows are seconds apart.
+
+What counts: each side's own progress records. torchrun's rank 0 writes (step, time) every
+``--log-every`` steps (``--marks-file``); raytrec's driver writes each metrics row's step and the
+coordinator's ``elapsed_s``. The record gaps that contain a pause (and so the interval during
+which a side was stopped or resumed) are cut out; a window's rows/s is the steps between its
+first and last record over the time between them. So a side is measured on whole intervals
+inside its windows, with its own per-interval control work (for raytrec: the coordinator's
+round trips) counted, and the time to come back from a pause not.
+
+Per round: a raytrec window's rows/s over the mean of the two torchrun windows around it, which
+takes out a drift that is steady over the three windows. Reported: the median of
+those ratios with a bootstrap 95% interval, and each side's rows/s over all windows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import psutil
+from _docs import replace_section
+from _torchrun_dmp import add_model_args, build_config, model_argv
+from throughput_vs_torchrun import WORKER, Layout, bootstrap_median_ci
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+SECTION = "## Throughput, both systems up at once and taking turns"
+FOREVER = 10**8  # steps: both jobs are stopped by this script, not by running out
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="throughput_turns.py",
+        description=(__doc__ or "").split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--world-size", type=int, default=2, help="T: ranks on both sides")
+    p.add_argument("--layout", type=Layout.parse, default=None, help="raytrec GxL (default 1xT)")
+    p.add_argument("--rounds", type=int, default=30, help="turns of each side")
+    p.add_argument("--window-s", type=float, default=8.0, help="seconds per turn")
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        default=2.0,
+        help="seconds of each window, after its first record, left out of the timing",
+    )
+    p.add_argument("--warmup-steps", type=int, default=200, help="steps before the first turn")
+    p.add_argument("--log-every", type=int, default=25, help="steps per progress record")
+    p.add_argument("--sync-every", type=int, default=4, help="raytrec's embedding sync period")
+    add_model_args(p)
+    p.add_argument("--doc", type=Path, default=DOC, help="markdown file to update")
+    p.add_argument("--no-doc", action="store_true", help="do not touch the markdown file")
+    p.add_argument("--start-timeout-s", type=float, default=600.0)
+    p.add_argument("--driver", type=Path, default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.layout is None:
+        a.layout = Layout(gangs=1, gang_size=a.world_size)
+    if a.layout.gangs * a.layout.gang_size != a.world_size:
+        p.error(f"--layout {a.layout.label} does not make --world-size {a.world_size} ranks")
+    if a.window_s < 2 or a.rounds < 1:
+        p.error("--window-s must be >= 2 and --rounds >= 1")
+    return a
+
+
+# -- the raytrec side: a driver process of its own ----------------------------------------------
+
+
+def run_driver(a: argparse.Namespace) -> int:
+    """The raytrec job (runs in a process of its own, ``--driver FILE``): writes 'step
+    elapsed_s perf_counter' per metrics row to FILE until this process is killed."""
+    from raytrec.api import fit
+    from raytrec.metrics import IntervalMetrics
+
+    with tempfile.TemporaryDirectory(prefix="rt-turns-") as tmp:
+        cfg = build_config(
+            a,
+            num_workers=a.world_size,
+            gang_size=a.layout.gang_size,
+            steps=FOREVER,
+            log_every=a.log_every,
+            sync_every=a.sync_every,
+            storage_path=tmp,
+            name=f"turns-{a.layout.label}",
+        )
+        with open(a.driver, "a") as out:
+
+            def progress(m: IntervalMetrics) -> None:
+                out.write(f"{m.step} {m.elapsed_s} {time.perf_counter()}\n")
+                out.flush()
+
+            fit(cfg, on_progress=progress)
+    return 0
+
+
+# -- stopping and resuming whole process trees --------------------------------------------------
+
+
+class Side:
+    """One system: a process started in a session of its own, and everything it starts."""
+
+    def __init__(self, name: str, cmd: list[str], records: Path, log: Path) -> None:
+        self.name, self.records = name, records
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.pop("RAY_ADDRESS", None)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
+            )
+        self.log = log
+        self._seen: dict[int, psutil.Process] = {}
+
+    def processes(self) -> list[psutil.Process]:
+        """The root and all its descendants now, plus any seen before that still live (a
+        stopped parent no longer lists a child that re-parented)."""
+        with contextlib.suppress(psutil.NoSuchProcess):
+            root = psutil.Process(self.proc.pid)
+            for q in [root, *root.children(recursive=True)]:
+                self._seen.setdefault(q.pid, q)
+        return [q for q in self._seen.values() if q.is_running()]
+
+    def signal(self, sig: int) -> None:
+        for q in self.processes():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                q.send_signal(sig)
+
+    def steps(self) -> int:
+        lines = self.records.read_text().split("\n") if self.records.exists() else []
+        return max((int(x.split()[0]) for x in lines if x.strip()), default=0)
+
+    def wait_for_step(self, step: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.steps() < step:
+            if self.proc.poll() is not None:
+                tail = "".join(self.log.read_text(errors="replace").splitlines(True)[-30:])
+                raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{tail}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} did not reach step {step} in {timeout_s:.0f} s")
+            time.sleep(0.2)
+
+    def stop_all(self) -> None:
+        """Ends every process of this side (they were all started by this script)."""
+        procs = self.processes()
+        for q in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                q.send_signal(signal.SIGCONT)
+                q.send_signal(signal.SIGTERM)
+        _, alive = psutil.wait_procs(procs, timeout=15)
+        for q in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                q.kill()
+        psutil.wait_procs(alive, timeout=15)
+
+
+# -- analysis -----------------------------------------------------------------------------------
+
+
+def window_rates(
+    records: list[tuple[int, float, float]],
+    windows: list[tuple[float, float]],
+    rows_per_step: int,
+    *,
+    gap_s: float,
+    settle_s: float,
+) -> list[float | None]:
+    """rows/s of each window (``windows``: (start, end) in ``time.perf_counter``) from the
+    records (step, t, perf_counter at which the record was written or seen). ``t`` differences
+    time the work; records closer than ``gap_s`` in ``t`` belong to one stretch of running.
+    Each stretch is assigned to the window its records were written in. Its records in the
+    first ``settle_s`` after its first one are left out (a side coming back from a pause)."""
+    out: list[float | None] = [None] * len(windows)
+    stretch: list[tuple[int, float, float]] = []
+
+    def close(run: list[tuple[int, float, float]]) -> None:
+        run = [r for r in run if r[1] >= run[0][1] + settle_s]
+        if len(run) < 3:  # too few whole intervals to time
+            return
+        seen_at = statistics.median(r[2] for r in run)
+        for i, (start, end) in enumerate(windows):
+            if start <= seen_at <= end + gap_s:
+                steps = run[-1][0] - run[0][0]
+                out[i] = steps * rows_per_step / (run[-1][1] - run[0][1])
+                return
+
+    for rec in records:
+        if stretch and rec[1] - stretch[-1][1] > gap_s:
+            close(stretch)
+            stretch = []
+        stretch.append(rec)
+    close(stretch)
+    return out
+
+
+def read_records(path: Path, *, driver: bool) -> list[tuple[int, float, float]]:
+    out = []
+    for line in path.read_text().split("\n"):
+        parts = line.split()
+        if not parts:
+            continue
+        step, t = int(parts[0]), float(parts[1])
+        out.append((step, t, float(parts[2]) if driver else t))
+    return out
+
+
+def section(a: argparse.Namespace, summary: dict[str, object], argv: Sequence[str]) -> str:
+    cmd = " ".join(["./dev.sh bench throughput_turns", *argv])
+    ratios = summary["ratios"]
+    assert isinstance(ratios, list)
+    lo, hi = summary["ci"]  # type: ignore[misc]
+    return f"""{SECTION}
+
+Generated by `benchmarks/throughput_turns.py` on {summary["when"]} (whole run
+{summary["minutes"]:.1f} min; {os.cpu_count()} CPU cores, Python {platform.python_version()},
+torch {summary["torch"]}, ray {summary["ray"]}):
+
+    {cmd}
+
+A torchrun + DMP job and a {a.layout.label} job (its own local Ray cluster: driver, GCS,
+raylet, coordinator, rank actors) are up at once and take turns of {a.window_s:g} s: one runs
+while every process of the other is stopped (SIGSTOP), torchrun first and last ({a.rounds}
+raytrec windows, {a.rounds + 1} torchrun windows). T = {a.world_size} ranks on each side, gloo,
+one torch thread per rank, batch {a.batch_size} per rank, the throughput benchmark's model. A
+window's rows/s is timed from each side's own progress records (every {a.log_every} steps), on
+the whole intervals inside the window, from {a.settle_s:g} s after its first record on.
+
+| side | mean window rows/s | median window rows/s |
+|---|---:|---:|
+| torchrun + DMP | {summary["torchrun_all"]:,.0f} | {summary["torchrun_median"]:,.0f} |
+| {a.layout.label} | {summary["raytrec_all"]:,.0f} | {summary["raytrec_median"]:,.0f} |
+
+raytrec / torchrun per round (a raytrec window over the mean of the torchrun windows just
+before and after it): median **{summary["median"]:.3f}** (95% CI {lo:.3f} - {hi:.3f});
+mean over mean {summary["overall"]:.3f}; raytrec ahead in {summary["ahead"]} of
+{len(ratios)} rounds. Per-round ratios: {", ".join(f"{r:.3f}" for r in ratios)}.
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parse_args(argv)
+    if a.driver is not None:
+        return run_driver(a)
+    if a.gpu:
+        raise SystemExit("throughput_turns.py: CPU ranks only")
+    import ray
+    import torch
+
+    began = time.perf_counter()
+    rows_per_step = a.world_size * a.batch_size
+    tmp = Path(tempfile.mkdtemp(prefix="rt-turns-"))
+    t_rec, r_rec = tmp / "torchrun.marks", tmp / "raytrec.marks"
+    exe = Path(sys.executable).with_name("torchrun")
+    launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    torchrun_cmd = [
+        *launcher,
+        "--standalone",
+        f"--nproc-per-node={a.world_size}",
+        str(WORKER),
+        f"--steps={FOREVER}",
+        "--warmup-steps=0",
+        f"--log-every={a.log_every}",
+        f"--out={tmp / 'torchrun.json'}",
+        f"--marks-file={t_rec}",
+        *model_argv(a),
+    ]
+    driver_cmd = [sys.executable, str(Path(__file__).resolve()), *argv, f"--driver={r_rec}"]
+    sides: list[Side] = []
+    windows: dict[str, list[tuple[float, float]]] = {"torchrun": [], "raytrec": []}
+    try:
+        print(
+            f"throughput_turns: T={a.world_size}, {a.layout.label}, "
+            f"{a.rounds} rounds of {a.window_s:g} s per side; records in {tmp}",
+            flush=True,
+        )
+        torchrun = Side("torchrun", torchrun_cmd, t_rec, tmp / "torchrun.log")
+        sides.append(torchrun)
+        torchrun.wait_for_step(a.warmup_steps, a.start_timeout_s)
+        torchrun.signal(signal.SIGSTOP)
+        raytrec = Side("raytrec", driver_cmd, r_rec, tmp / "raytrec.log")
+        sides.append(raytrec)
+        raytrec.wait_for_step(a.warmup_steps, a.start_timeout_s)
+        raytrec.signal(signal.SIGSTOP)
+        # torchrun, raytrec, torchrun, ..., torchrun: each raytrec window sits between two
+        # torchrun windows, and is compared with their mean, which takes out a drift that is
+        # steady over the three windows.
+        turns = [torchrun, raytrec] * a.rounds + [torchrun]
+        for i, side in enumerate(turns):
+            side.signal(signal.SIGCONT)
+            start = time.perf_counter()
+            time.sleep(a.window_s)
+            side.signal(signal.SIGSTOP)
+            windows[side.name].append((start, time.perf_counter()))
+            if side is raytrec:
+                print(
+                    f"  round {i // 2 + 1}/{a.rounds}: torchrun at step {torchrun.steps()}, "
+                    f"raytrec at step {raytrec.steps()}",
+                    flush=True,
+                )
+    finally:
+        for side in sides:
+            side.stop_all()
+
+    gap = a.window_s / 2
+    t_rates = window_rates(
+        read_records(t_rec, driver=False),
+        windows["torchrun"],
+        rows_per_step,
+        gap_s=gap,
+        settle_s=a.settle_s,
+    )
+    r_rates = window_rates(
+        read_records(r_rec, driver=True),
+        windows["raytrec"],
+        rows_per_step,
+        gap_s=gap,
+        settle_s=a.settle_s,
+    )
+    ratios = [
+        rt / ((before + after) / 2)
+        for rt, before, after in zip(r_rates, t_rates, t_rates[1:], strict=False)
+        if rt and before and after
+    ]
+    if not ratios:
+        raise RuntimeError(f"no round timed on both sides; records in {tmp}")
+    tr_all = [tr for tr in t_rates if tr]
+    rt_all = [rt for rt in r_rates if rt]
+    summary: dict[str, object] = {
+        "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "minutes": (time.perf_counter() - began) / 60,
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "ratios": ratios,
+        "median": statistics.median(ratios),
+        "ci": bootstrap_median_ci(ratios),
+        "ahead": sum(x > 1 for x in ratios),
+        "torchrun_all": statistics.fmean(tr_all),
+        "raytrec_all": statistics.fmean(rt_all),
+        "torchrun_median": statistics.median(tr_all),
+        "raytrec_median": statistics.median(rt_all),
+        "overall": statistics.fmean(rt_all) / statistics.fmean(tr_all),
+    }
+    text = section(a, summary, argv)
+    print(text)
+    print(f"windows timed: torchrun {len(tr_all)}/{a.rounds + 1}, raytrec {len(rt_all)}/{a.rounds}")
+    if not a.no_doc:
+        replace_section(a.doc, text, heading=SECTION)
+        print(f"wrote {a.doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
