@@ -32,6 +32,7 @@ import contextlib
 import datetime
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -61,12 +62,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--world-size", type=int, default=2, help="T: ranks on both sides")
     p.add_argument("--layout", type=Layout.parse, default=None, help="raytrec GxL (default 1xT)")
-    p.add_argument("--rounds", type=int, default=30, help="turns of each side")
-    p.add_argument("--window-s", type=float, default=8.0, help="seconds per turn")
+    p.add_argument(
+        "--rounds", type=int, default=40, help="raytrec windows (torchrun gets one more)"
+    )
+    p.add_argument("--window-s", type=float, default=12.0, help="seconds per turn")
     p.add_argument(
         "--settle-s",
         type=float,
-        default=2.0,
+        default=3.0,
         help="seconds of each window, after its first record, left out of the timing",
     )
     p.add_argument("--warmup-steps", type=int, default=200, help="steps before the first turn")
@@ -82,8 +85,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         a.layout = Layout(gangs=1, gang_size=a.world_size)
     if a.layout.gangs * a.layout.gang_size != a.world_size:
         p.error(f"--layout {a.layout.label} does not make --world-size {a.world_size} ranks")
-    if a.window_s < 2 or a.rounds < 1:
-        p.error("--window-s must be >= 2 and --rounds >= 1")
+    if a.window_s < 2 or a.rounds < 1 or not 0 <= a.settle_s < a.window_s / 2:
+        p.error("--window-s must be >= 2, --rounds >= 1 and --settle-s in [0, window-s / 2)")
     return a
 
 
@@ -96,24 +99,25 @@ def run_driver(a: argparse.Namespace) -> int:
     from raytrec.api import fit
     from raytrec.metrics import IntervalMetrics
 
-    with tempfile.TemporaryDirectory(prefix="rt-turns-") as tmp:
-        cfg = build_config(
-            a,
-            num_workers=a.world_size,
-            gang_size=a.layout.gang_size,
-            steps=FOREVER,
-            log_every=a.log_every,
-            sync_every=a.sync_every,
-            storage_path=tmp,
-            name=f"turns-{a.layout.label}",
-        )
-        with open(a.driver, "a") as out:
+    # Its checkpoints and metrics go beside the records, in the folder the parent removes.
+    tmp = str(a.driver.parent / "raytrec-storage")
+    cfg = build_config(
+        a,
+        num_workers=a.world_size,
+        gang_size=a.layout.gang_size,
+        steps=FOREVER,
+        log_every=a.log_every,
+        sync_every=a.sync_every,
+        storage_path=tmp,
+        name=f"turns-{a.layout.label}",
+    )
+    with open(a.driver, "a") as out:
 
-            def progress(m: IntervalMetrics) -> None:
-                out.write(f"{m.step} {m.elapsed_s} {time.perf_counter()}\n")
-                out.flush()
+        def progress(m: IntervalMetrics) -> None:
+            out.write(f"{m.step} {m.elapsed_s} {time.perf_counter()}\n")
+            out.flush()
 
-            fit(cfg, on_progress=progress)
+        fit(cfg, on_progress=progress)
     return 0
 
 
@@ -294,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         print(
             f"throughput_turns: T={a.world_size}, {a.layout.label}, "
-            f"{a.rounds} rounds of {a.window_s:g} s per side; records in {tmp}",
+            f"{a.rounds} rounds of {a.window_s:g} s per side; records in {tmp} until done",
             flush=True,
         )
         torchrun = Side("torchrun", torchrun_cmd, t_rec, tmp / "torchrun.log")
@@ -326,19 +330,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             side.stop_all()
 
     gap = a.window_s / 2
-    t_rates = window_rates(
-        read_records(t_rec, driver=False),
-        windows["torchrun"],
-        rows_per_step,
-        gap_s=gap,
-        settle_s=a.settle_s,
-    )
-    r_rates = window_rates(
-        read_records(r_rec, driver=True),
-        windows["raytrec"],
-        rows_per_step,
-        gap_s=gap,
-        settle_s=a.settle_s,
+    t_rates, r_rates = (
+        window_rates(
+            read_records(path, driver=path == r_rec),
+            windows[name],
+            rows_per_step,
+            gap_s=gap,
+            settle_s=a.settle_s,
+        )
+        for name, path in (("torchrun", t_rec), ("raytrec", r_rec))
     )
     ratios = [
         rt / ((before + after) / 2)
@@ -347,6 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     if not ratios:
         raise RuntimeError(f"no round timed on both sides; records in {tmp}")
+    shutil.rmtree(tmp, ignore_errors=True)  # kept above, where the records explain a failure
     tr_all = [tr for tr in t_rates if tr]
     rt_all = [rt for rt in r_rates if rt]
     summary: dict[str, object] = {
