@@ -78,7 +78,7 @@ from raytrec.engine.rank import RENDEZVOUS_TIMEOUT_S, RankSpec, StoreAddress
 from raytrec.errors import JobFailedError
 from raytrec.metrics import IntervalMetrics, aggregate_interval
 from raytrec.model import ModelFactory, build_dlrm
-from raytrec.placement import placement_specs, rank_resources
+from raytrec.placement import placement_specs, rank_resources, rank_runtime_env
 from raytrec.rec_metrics import merge_metric_states
 from raytrec.sync.schedule import SyncPlan, plan_sync
 from raytrec.topology import Layout
@@ -891,6 +891,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=bundle
             ),
+            runtime_env=rank_runtime_env(scaling.rank_niceness),
         ).remote(spec, shard)
         if account:
             self.accounting.add_rank(rank, shard=getattr(shard, "index", rank), step=self.step)

@@ -61,6 +61,27 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", action="store_true", help="CUDA ranks on NCCL, one GPU per rank")
 
 
+def rank_niceness(text: str) -> int | None:
+    """``--rank-niceness``: an integer, or ``ray`` for Ray's default for workers (15)."""
+    if text == "ray":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer or 'ray'") from None
+
+
+def add_rank_niceness_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--rank-niceness",
+        type=rank_niceness,
+        default=0,
+        metavar="N|ray",
+        help="raytrec's scaling.rank_niceness: the ranks' nice value (raytrec's default 0; "
+        "'ray': Ray's 15 for workers)",
+    )
+
+
 def model_argv(a: argparse.Namespace) -> list[str]:
     """``add_model_args`` values back as command-line flags (for the torchrun workers)."""
     return [
@@ -99,7 +120,12 @@ def build_config(
         ),
         optimizer=OptimizerConfig(embedding=a.embedding_optimizer, dense=a.dense_optimizer),
         sharding=ShardingConfig(sharding_type=a.sharding_type),
-        scaling=ScalingConfig(num_workers=num_workers, gang_size=gang_size, use_gpu=a.gpu),
+        scaling=ScalingConfig(
+            num_workers=num_workers,
+            gang_size=gang_size,
+            use_gpu=a.gpu,
+            rank_niceness=getattr(a, "rank_niceness", 0),
+        ),
         sync=SyncConfig(sync_every=sync_every),
         data=DataConfig(batch_size=a.batch_size, read_ahead=getattr(a, "read_ahead", "auto")),
         num_steps=steps,

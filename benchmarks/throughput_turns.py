@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import os
 import platform
@@ -41,10 +42,11 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Literal
 
 import psutil
 from _docs import replace_section
-from _torchrun_dmp import add_model_args, build_config, model_argv
+from _torchrun_dmp import add_model_args, build_config, model_argv, rank_niceness
 from throughput_vs_torchrun import WORKER, Layout, bootstrap_median_ci
 
 HERE = Path(__file__).resolve().parent
@@ -52,6 +54,55 @@ ROOT = HERE.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Throughput, both systems up at once and taking turns"
 FOREVER = 10**8  # steps: both jobs are stopped by this script, not by running out
+CLUSTER = "its own local Ray cluster: driver, GCS, raylet, coordinator, rank actors"
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """A raytrec variant: its ranks' nice value (``scaling.rank_niceness``; ``"ray"``: Ray's 15
+    for workers) and its interval length (``None``: raytrec's default and ``--log-every``)."""
+
+    nice: int | Literal["ray"] | None = None
+    log_every: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Arm:
+        known = {"nice", "log_every"}
+        values: dict[str, Any] = {}
+        for item in filter(None, text.split(",")):
+            key, sep, value = item.partition("=")
+            if not sep or key not in known:
+                raise argparse.ArgumentTypeError(
+                    f"{item!r}: expected KEY=VALUE with KEY one of {sorted(known)}"
+                )
+            if key == "nice" and value == "ray":
+                values[key] = "ray"
+                continue
+            try:
+                values[key] = int(value)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"{item!r}: {key} must be an integer" + (" or 'ray'" if key == "nice" else "")
+                ) from None
+        if values.get("log_every", 1) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: log_every must be >= 1")
+        return cls(**values)
+
+    @property
+    def label(self) -> str:
+        nice = (
+            ""
+            if self.nice is None
+            else "ranks at Ray's nice 15"
+            if self.nice == "ray"
+            else f"ranks at nice {self.nice}"
+        )
+        every = f"log_every {self.log_every}" if self.log_every is not None else ""
+        return ", ".join(x for x in (nice, every) if x) or "defaults"
+
+    def driver_argv(self) -> list[str]:
+        out = [f"--rank-niceness={self.nice}"] if self.nice is not None else []
+        return out + ([f"--log-every={self.log_every}"] if self.log_every is not None else [])
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -76,13 +127,30 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=25, help="steps per progress record")
     p.add_argument("--sync-every", type=int, default=4, help="raytrec's embedding sync period")
     add_model_args(p)
+    p.add_argument(
+        "--arm",
+        dest="arms",
+        action="append",
+        type=Arm.parse,
+        default=None,
+        metavar="KEY=VALUE[,KEY=VALUE]",
+        help="a raytrec variant to take turns (repeatable; default: one with raytrec's "
+        "defaults). Keys: nice (its ranks' nice value, scaling.rank_niceness, or 'ray' for Ray's "
+        "15), log_every (its steps per interval). Several arms take turns with torchrun in "
+        "rotation, each compared with the torchrun windows around it and, per round, with the "
+        "first arm",
+    )
     p.add_argument("--doc", type=Path, default=DOC, help="markdown file to update")
     p.add_argument("--no-doc", action="store_true", help="do not touch the markdown file")
     p.add_argument("--start-timeout-s", type=float, default=600.0)
     p.add_argument("--driver", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--rank-niceness", type=rank_niceness, default=0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.layout is None:
         a.layout = Layout(gangs=1, gang_size=a.world_size)
+    a.arms = a.arms or [Arm()]
+    if len({arm.label for arm in a.arms}) < len(a.arms):
+        p.error("--arm: the same arm twice")
     if a.layout.gangs * a.layout.gang_size != a.world_size:
         p.error(f"--layout {a.layout.label} does not make --world-size {a.world_size} ranks")
     if a.window_s < 2 or a.rounds < 1 or not 0 <= a.settle_s < a.window_s / 2:
@@ -231,11 +299,69 @@ def read_records(path: Path, *, driver: bool) -> list[tuple[int, float, float]]:
     return out
 
 
-def section(a: argparse.Namespace, summary: dict[str, object], argv: Sequence[str]) -> str:
+def arm_summary(ratios: list[float], rates: list[float]) -> dict[str, Any]:
+    lo, hi = bootstrap_median_ci(ratios)
+    return {
+        "ratios": ratios,
+        "median": statistics.median(ratios),
+        "ci": (lo, hi),
+        "ahead": sum(x > 1 for x in ratios),
+        "mean": statistics.fmean(rates),
+        "median_rate": statistics.median(rates),
+    }
+
+
+def section(a: argparse.Namespace, summary: dict[str, Any], argv: Sequence[str]) -> str:
     cmd = " ".join(["./dev.sh bench throughput_turns", *argv])
-    ratios = summary["ratios"]
-    assert isinstance(ratios, list)
-    lo, hi = summary["ci"]  # type: ignore[misc]
+    arms: list[dict[str, Any]] = summary["arms"]
+    several = len(arms) > 1
+    names = [f"{a.layout.label}" + (f" ({arm['label']})" if several else "") for arm in arms]
+    rows = "\n".join(
+        f"| {name} | {arm['mean']:,.0f} | {arm['median_rate']:,.0f} |"
+        for name, arm in zip(names, arms, strict=True)
+    )
+    if several:
+        order = (
+            f"in rotation: torchrun, {names[0]}, torchrun, {names[1]}"
+            + (", ..." if len(arms) > 2 else "")
+            + f", torchrun first and last ({a.rounds} windows per raytrec job, "
+            f"{a.rounds * len(arms) + 1} torchrun windows)"
+        )
+        jobs = f"{len(arms)} {a.layout.label} jobs (each {CLUSTER})"
+    else:
+        order = (
+            f"torchrun first and last ({a.rounds} raytrec windows, {a.rounds + 1} torchrun windows)"
+        )
+        jobs = f"a {a.layout.label} job ({CLUSTER})"
+    unless = " unless an arm says otherwise" if several else ""
+    default_nice = "Ray's 15" if a.rank_niceness is None else f"nice {a.rank_niceness}"
+    nice = (
+        f"raytrec's ranks at {default_nice} unless an arm says otherwise"
+        if several
+        else f"raytrec's ranks at {default_nice} (`scaling.rank_niceness`)"
+    ) + ", its coordinator and Ray's other workers at Ray's nice 15"
+    lines = []
+    for name, arm in zip(names, arms, strict=True):
+        lo, hi = arm["ci"]
+        lines.append(
+            f"- {name}: median **{arm['median']:.3f}** (95% CI {lo:.3f} - {hi:.3f}); mean over "
+            f"mean {arm['mean'] / summary['torchrun_all']:.3f}; raytrec ahead in {arm['ahead']} "
+            f"of {len(arm['ratios'])} rounds. Per-round ratios: "
+            + ", ".join(f"{r:.3f}" for r in arm["ratios"])
+            + "."
+        )
+    paired = ""
+    if several:
+        paired = (
+            "\n\nEach arm against the first, per round (its ratio over the first arm's):\n\n"
+            + "\n".join(
+                f"- {names[i]} / {names[0]}: median **{arm['vs_first']:.3f}** (95% CI "
+                f"{arm['vs_first_ci'][0]:.3f} - {arm['vs_first_ci'][1]:.3f}), above 1 in "
+                f"{arm['vs_first_above']} of {arm['vs_first_n']} rounds."
+                for i, arm in enumerate(arms)
+                if i
+            )
+        )
     return f"""{SECTION}
 
 Generated by `benchmarks/throughput_turns.py` on {summary["when"]} (whole run
@@ -244,23 +370,22 @@ torch {summary["torch"]}, ray {summary["ray"]}):
 
     {cmd}
 
-A torchrun + DMP job and a {a.layout.label} job (its own local Ray cluster: driver, GCS,
-raylet, coordinator, rank actors) are up at once and take turns of {a.window_s:g} s: one runs
-while every process of the other is stopped (SIGSTOP), torchrun first and last ({a.rounds}
-raytrec windows, {a.rounds + 1} torchrun windows). T = {a.world_size} ranks on each side, gloo,
-one torch thread per rank, batch {a.batch_size} per rank, the throughput benchmark's model. A
-window's rows/s is timed from each side's own progress records (every {a.log_every} steps), on
-the whole intervals inside the window, from {a.settle_s:g} s after its first record on.
+A torchrun + DMP job and {jobs} are up at once and take turns of {a.window_s:g} s: one runs
+while every process of the {"others" if several else "other"} is stopped (SIGSTOP), {order}.
+T = {a.world_size} ranks on each side, gloo, one torch thread per rank, batch {a.batch_size}
+per rank, the throughput benchmark's model; {nice}. A window's rows/s is timed from each
+side's own progress records (every {a.log_every} steps{unless}), on the whole intervals inside
+the window, from {a.settle_s:g} s after its first record on.
 
 | side | mean window rows/s | median window rows/s |
 |---|---:|---:|
 | torchrun + DMP | {summary["torchrun_all"]:,.0f} | {summary["torchrun_median"]:,.0f} |
-| {a.layout.label} | {summary["raytrec_all"]:,.0f} | {summary["raytrec_median"]:,.0f} |
+{rows}
 
 raytrec / torchrun per round (a raytrec window over the mean of the torchrun windows just
-before and after it): median **{summary["median"]:.3f}** (95% CI {lo:.3f} - {hi:.3f});
-mean over mean {summary["overall"]:.3f}; raytrec ahead in {summary["ahead"]} of
-{len(ratios)} rounds. Per-round ratios: {", ".join(f"{r:.3f}" for r in ratios)}.
+before and after it):
+
+{chr(10).join(lines)}{paired}
 """
 
 
@@ -277,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     began = time.perf_counter()
     rows_per_step = a.world_size * a.batch_size
     tmp = Path(tempfile.mkdtemp(prefix="rt-turns-"))
-    t_rec, r_rec = tmp / "torchrun.marks", tmp / "raytrec.marks"
+    t_rec = tmp / "torchrun.marks"
     exe = Path(sys.executable).with_name("torchrun")
     launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
     torchrun_cmd = [
@@ -292,37 +417,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"--marks-file={t_rec}",
         *model_argv(a),
     ]
-    driver_cmd = [sys.executable, str(Path(__file__).resolve()), *argv, f"--driver={r_rec}"]
     sides: list[Side] = []
-    windows: dict[str, list[tuple[float, float]]] = {"torchrun": [], "raytrec": []}
+    arm_sides: list[Side] = []
+    windows: dict[str, list[tuple[float, float]]] = {}
     try:
         print(
-            f"throughput_turns: T={a.world_size}, {a.layout.label}, "
-            f"{a.rounds} rounds of {a.window_s:g} s per side; records in {tmp} until done",
+            f"throughput_turns: T={a.world_size}, {a.layout.label}, arms "
+            f"{[arm.label for arm in a.arms]}, {a.rounds} rounds of {a.window_s:g} s per side; "
+            f"records in {tmp} until done",
             flush=True,
         )
         torchrun = Side("torchrun", torchrun_cmd, t_rec, tmp / "torchrun.log")
         sides.append(torchrun)
         torchrun.wait_for_step(a.warmup_steps, a.start_timeout_s)
         torchrun.signal(signal.SIGSTOP)
-        raytrec = Side("raytrec", driver_cmd, r_rec, tmp / "raytrec.log")
-        sides.append(raytrec)
-        raytrec.wait_for_step(a.warmup_steps, a.start_timeout_s)
-        raytrec.signal(signal.SIGSTOP)
-        # torchrun, raytrec, torchrun, ..., torchrun: each raytrec window sits between two
-        # torchrun windows, and is compared with their mean, which takes out a drift that is
-        # steady over the three windows.
-        turns = [torchrun, raytrec] * a.rounds + [torchrun]
+        for i, arm in enumerate(a.arms):
+            rec = tmp / f"raytrec-{i}.marks"
+            cmd = [sys.executable, str(Path(__file__).resolve()), *argv, f"--driver={rec}"]
+            side = Side(f"raytrec-{i}", [*cmd, *arm.driver_argv()], rec, tmp / f"raytrec-{i}.log")
+            sides.append(side)
+            arm_sides.append(side)
+            side.wait_for_step(a.warmup_steps, a.start_timeout_s)
+            side.signal(signal.SIGSTOP)
+        # torchrun, arm 0, torchrun, arm 1, ..., torchrun: each raytrec window sits between
+        # two torchrun windows, and is compared with their mean, which takes out a drift that
+        # is steady over the three windows.
+        turns = [s for _ in range(a.rounds) for arm in arm_sides for s in (torchrun, arm)]
+        turns.append(torchrun)
         for i, side in enumerate(turns):
             side.signal(signal.SIGCONT)
             start = time.perf_counter()
             time.sleep(a.window_s)
             side.signal(signal.SIGSTOP)
-            windows[side.name].append((start, time.perf_counter()))
-            if side is raytrec:
+            windows.setdefault(side.name, []).append((start, time.perf_counter()))
+            if side is not torchrun:
                 print(
-                    f"  round {i // 2 + 1}/{a.rounds}: torchrun at step {torchrun.steps()}, "
-                    f"raytrec at step {raytrec.steps()}",
+                    f"  round {i // (2 * len(arm_sides)) + 1}/{a.rounds}, {side.name}: "
+                    f"at step {side.steps()} (torchrun at step {torchrun.steps()})",
                     flush=True,
                 )
     finally:
@@ -330,44 +461,55 @@ def main(argv: Sequence[str] | None = None) -> int:
             side.stop_all()
 
     gap = a.window_s / 2
-    t_rates, r_rates = (
-        window_rates(
-            read_records(path, driver=path == r_rec),
-            windows[name],
+
+    def rates(side: Side) -> list[float | None]:
+        return window_rates(
+            read_records(side.records, driver=side is not torchrun),
+            windows[side.name],
             rows_per_step,
             gap_s=gap,
             settle_s=a.settle_s,
         )
-        for name, path in (("torchrun", t_rec), ("raytrec", r_rec))
-    )
-    ratios = [
-        rt / ((before + after) / 2)
-        for rt, before, after in zip(r_rates, t_rates, t_rates[1:], strict=False)
-        if rt and before and after
-    ]
-    if not ratios:
-        raise RuntimeError(f"no round timed on both sides; records in {tmp}")
+
+    t_rates = rates(torchrun)
+    n = len(arm_sides)
+    per_round: list[list[float | None]] = []  # arm -> round -> ratio to torchrun
+    for j, side in enumerate(arm_sides):
+        mine: list[float | None] = []
+        for k, rt in enumerate(rates(side)):
+            before, after = t_rates[k * n + j], t_rates[k * n + j + 1]
+            mine.append(rt / ((before + after) / 2) if rt and before and after else None)
+        per_round.append(mine)
+    if any(not [x for x in r if x] for r in per_round):
+        raise RuntimeError(f"an arm has no round timed on both sides; records in {tmp}")
+    arms: list[dict[str, Any]] = []
+    for j, side in enumerate(arm_sides):
+        ratios = [x for x in per_round[j] if x]
+        arm = {"label": a.arms[j].label, **arm_summary(ratios, [r for r in rates(side) if r])}
+        if j:
+            vs = [x / y for x, y in zip(per_round[j], per_round[0], strict=True) if x and y]
+            arm.update(
+                vs_first=statistics.median(vs),
+                vs_first_ci=bootstrap_median_ci(vs),
+                vs_first_above=sum(x > 1 for x in vs),
+                vs_first_n=len(vs),
+            )
+        arms.append(arm)
+    timed = {side.name: sum(1 for r in rates(side) if r) for side in sides}
     shutil.rmtree(tmp, ignore_errors=True)  # kept above, where the records explain a failure
     tr_all = [tr for tr in t_rates if tr]
-    rt_all = [rt for rt in r_rates if rt]
-    summary: dict[str, object] = {
+    summary: dict[str, Any] = {
         "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "minutes": (time.perf_counter() - began) / 60,
         "torch": torch.__version__,
         "ray": ray.__version__,
-        "ratios": ratios,
-        "median": statistics.median(ratios),
-        "ci": bootstrap_median_ci(ratios),
-        "ahead": sum(x > 1 for x in ratios),
+        "arms": arms,
         "torchrun_all": statistics.fmean(tr_all),
-        "raytrec_all": statistics.fmean(rt_all),
         "torchrun_median": statistics.median(tr_all),
-        "raytrec_median": statistics.median(rt_all),
-        "overall": statistics.fmean(rt_all) / statistics.fmean(tr_all),
     }
     text = section(a, summary, argv)
     print(text)
-    print(f"windows timed: torchrun {len(tr_all)}/{a.rounds + 1}, raytrec {len(rt_all)}/{a.rounds}")
+    print("windows timed: " + ", ".join(f"{k} {v}/{len(windows[k])}" for k, v in timed.items()))
     if not a.no_doc:
         replace_section(a.doc, text, heading=SECTION)
         print(f"wrote {a.doc}")

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from _docs import replace_section
-from _torchrun_dmp import add_model_args, build_config, model_argv
+from _torchrun_dmp import add_model_args, add_rank_niceness_arg, build_config, model_argv
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -67,7 +67,6 @@ SECTION = "## Throughput: raytrec vs torchrun + DistributedModelParallel"
 GPU_SECTION = "## Throughput on GPU: raytrec vs torchrun + DistributedModelParallel"
 BASELINE = "torchrun + DMP"
 IN_RAY = "same worker in Ray actors"
-RAY_WORKER_NICENESS = "RAY_worker_niceness"  # Ray's config override for worker_niceness
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -152,12 +151,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="raytrec shapes GxL with G*L == T (default: 1xT, and 2x(T/2) when T is even)",
     )
-    p.add_argument(
-        "--ray-worker-niceness",
-        type=int,
-        default=None,
-        help="nice value of Ray's worker processes, the ranks (default: Ray's own, 15)",
-    )
+    add_rank_niceness_arg(p)
     p.add_argument(
         "--dmp-in-ray",
         action="store_true",
@@ -483,9 +477,6 @@ def run_raytrec_all(
 
     # Always an embedded cluster on 127.0.0.1 beside the baseline, never a RAY_ADDRESS cluster.
     os.environ.pop("RAY_ADDRESS", None)
-    if a.ray_worker_niceness is not None:
-        # Read by the raylet when it starts worker processes (Ray's default is 15).
-        os.environ[RAY_WORKER_NICENESS] = str(a.ray_worker_niceness)
     connect(None, num_cpus=a.world_size, log_to_driver=a.verbose)
     try:
         runs: list[Callable[[], Measurement]] = [
@@ -666,9 +657,10 @@ def section(
     measured = a.steps - a.warmup_steps
     emb_mb = size["embedding_params"] * 4 / 2**20
     niceness = (
-        "Ray's default nice value for worker processes (15)"
-        if a.ray_worker_niceness is None
-        else f"Ray worker processes at nice {a.ray_worker_niceness} (`--ray-worker-niceness`)"
+        "raytrec's ranks at Ray's nice value for workers, 15 (`--rank-niceness ray`)"
+        if a.rank_niceness is None
+        else f"raytrec's ranks at nice {a.rank_niceness} (`scaling.rank_niceness`; Ray's "
+        "other workers, the coordinator among them, at Ray's 15)"
     )
     run_lines = "\n".join(
         f"  - repeat {m.repeat + 1}, {m.label}: {m.rows_per_s:,.0f} rows/s, median interval "

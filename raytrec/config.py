@@ -49,6 +49,10 @@ CPU_SHARDING_TYPES: tuple[str, ...] = ("table_wise", "column_wise")
 CPU_EMBEDDING_OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "rowwise_adagrad")
 
 
+#: The largest nice value Linux gives a process (``scaling.rank_niceness``).
+MAX_NICENESS = 19
+
+
 def _positive_int(field: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{field} must be a positive integer, got {value!r}")
@@ -210,6 +214,7 @@ class ScalingConfig:
     use_gpu: bool = False
     cpus_per_rank: float = 1.0
     backend: Backend = "auto"
+    rank_niceness: int | None = 0  # rank processes' nice increment (0-19); None: Ray's 15
 
     def __post_init__(self) -> None:
         _positive_int("scaling.num_workers", self.num_workers)
@@ -229,6 +234,15 @@ class ScalingConfig:
             _positive_int("scaling.ranks_per_host", self.ranks_per_host)
         _positive_float("scaling.cpus_per_rank", self.cpus_per_rank)
         _one_of("scaling.backend", self.backend, get_args(Backend))
+        if self.rank_niceness is not None and (
+            isinstance(self.rank_niceness, bool)
+            or not isinstance(self.rank_niceness, int)
+            or not 0 <= self.rank_niceness <= MAX_NICENESS
+        ):
+            raise ConfigError(
+                f"scaling.rank_niceness={self.rank_niceness!r} is not allowed; allowed: an "
+                f"integer from 0 to {MAX_NICENESS}, or None for Ray's default for workers (15)"
+            )
         if self.backend == "nccl" and not self.use_gpu:
             raise ConfigError("scaling.backend='nccl' needs scaling.use_gpu=True")
         try:

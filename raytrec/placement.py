@@ -13,7 +13,16 @@ import dataclasses
 
 from raytrec.topology import Layout, Topology
 
-__all__ = ["PlacementSpec", "placement_specs", "rank_resources"]
+__all__ = [
+    "RAY_WORKER_NICENESS",
+    "PlacementSpec",
+    "placement_specs",
+    "rank_resources",
+    "rank_runtime_env",
+]
+
+#: Ray's setting for the nice increment a worker process applies to itself when it starts.
+RAY_WORKER_NICENESS = "RAY_worker_niceness"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,6 +46,24 @@ def rank_resources(*, cpus_per_rank: float, use_gpu: bool) -> dict[str, float]:
     if use_gpu:
         res["GPU"] = 1.0
     return res
+
+
+def rank_runtime_env(niceness: int | None) -> dict[str, dict[str, str]] | None:
+    """The runtime environment a rank actor is started with (``scaling.rank_niceness``).
+
+    Ray's worker processes raise their own nice value by ``worker_niceness`` (default 15) when
+    they start, so that a busy worker yields to the raylet and GCS. A rank is the job's main
+    work, as a torchrun worker (nice 0) is; on a host whose cores the ranks fill, a rank at nice
+    15 loses the core to every other process that wakes. The setting is read in the worker's
+    own environment, so the rank actors get it through their runtime env (Ray's job supervisor
+    starts job drivers at 0 the same way); no privilege is needed, since a process only keeps
+    its nice value instead of lowering it. Ray merges ``env_vars`` with the job's runtime env,
+    so a job's own variables still reach the ranks. Other workers (the coordinator, Ray Data's
+    CPU workers) keep Ray's 15 and yield to the ranks. ``None``: Ray's default.
+    """
+    if niceness is None:
+        return None
+    return {"env_vars": {RAY_WORKER_NICENESS: str(niceness)}}
 
 
 def _bundle(ranks: tuple[int, ...], per_rank: dict[str, float]) -> dict[str, float]:

@@ -18,6 +18,7 @@ from raytrec.config import (
     criteo_tables,
     validate_features,
 )
+from raytrec.placement import rank_runtime_env
 from raytrec.topology import Layout
 
 
@@ -65,6 +66,23 @@ def test_layout_and_backend_are_checked() -> None:
     # A gang that cannot be packed on hosts as the layout demands.
     with pytest.raises(ConfigError, match=r"scaling: .*gang_size=3.*ranks_per_host=4"):
         ScalingConfig(num_workers=12, gang_size=3, ranks_per_host=4)
+
+
+@pytest.mark.parametrize("value", [-1, 20, 2.5, True, "0"])
+def test_rank_niceness_is_a_nice_increment_or_none(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"scaling.rank_niceness=.* allowed: an integer from 0"):
+        ScalingConfig(rank_niceness=value)  # type: ignore[arg-type]
+
+
+def test_rank_niceness_reaches_the_rank_actors_runtime_env() -> None:
+    assert ScalingConfig().rank_niceness == 0
+    assert rank_runtime_env(ScalingConfig().rank_niceness) == {
+        "env_vars": {"RAY_worker_niceness": "0"}
+    }
+    assert rank_runtime_env(ScalingConfig(rank_niceness=19).rank_niceness) == {
+        "env_vars": {"RAY_worker_niceness": "19"}
+    }
+    assert rank_runtime_env(ScalingConfig(rank_niceness=None).rank_niceness) is None
 
 
 def test_unknown_sharding_type_names_the_allowed_ones() -> None:

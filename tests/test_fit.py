@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import sys
 from collections.abc import Iterator
 
@@ -135,6 +136,34 @@ def test_a_user_model_factory(cluster: None, tmp_path: str) -> None:
     keys = checkpoint_keys(result.final_state_path)
     assert {"tiny_head.weight", "tiny_head.bias", "ebc.embedding_bags.t_cat_0.weight"} <= keys
     assert not isinstance(TinyRecModel, DLRMTrain)
+
+
+def test_rank_processes_run_at_the_configured_nice_value(cluster: None, tmp_path: str) -> None:
+    """Ray starts its workers 15 nicer than the raylet; ranks get ``scaling.rank_niceness``
+    instead (as torchrun's workers run at the nice value they were started with)."""
+    from raytrec.config import ScalingConfig
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    seen = pathlib.Path(tmp_path) / "nice"
+    seen.mkdir()
+
+    def factory(cfg: ModelConfig, num_dense: int, device: torch.device, seed: int) -> nn.Module:
+        (seen / str(os.getpid())).write_text(str(os.getpriority(os.PRIO_PROCESS, 0)))
+        return TinyRecModel(cfg, num_dense, device, seed)
+
+    config = TrainConfig(
+        model=small_model(),
+        scaling=ScalingConfig(num_workers=2, gang_size=1, rank_niceness=3),
+        num_steps=2,
+        log_every=1,
+        storage_path=str(tmp_path),
+    )
+    fit(config, model_factory=factory, shutdown_ray=False)
+    # The local cluster's raylet runs at this process's nice value; a rank adds 3 to it. (The
+    # driver also builds the model once, to plan the sharding: its file is not a rank's.)
+    expected = min(os.getpriority(os.PRIO_PROCESS, 0) + 3, 19)
+    ranks = [int(f.read_text()) for f in seen.iterdir() if f.name != str(os.getpid())]
+    assert ranks == [expected, expected]
 
 
 def test_bad_configuration_fails_before_any_rank_starts(tmp_path: str) -> None:

@@ -7,6 +7,7 @@ a resume, left out. Checked here on records made up with known rates.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ def _load() -> ModuleType:
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -90,3 +92,20 @@ def test_a_window_with_too_few_records_is_not_timed() -> None:
     rates = turns.window_rates(recs, windows, rows_per_step=1, gap_s=5.0, settle_s=0.0)
     assert rates[0] == pytest.approx(100.0)
     assert rates[1] is None
+
+
+def test_an_arm_names_its_ranks_nice_value_and_interval_length() -> None:
+    arm = turns.Arm.parse("nice=ray,log_every=100")
+    assert arm == turns.Arm(nice="ray", log_every=100)
+    assert arm.driver_argv() == ["--rank-niceness=ray", "--log-every=100"]
+    assert arm.label == "ranks at Ray's nice 15, log_every 100"
+    assert turns.Arm.parse("nice=3").driver_argv() == ["--rank-niceness=3"]
+    assert turns.Arm.parse("").driver_argv() == []  # raytrec's defaults
+    for bad, match in [
+        ("nice", "expected KEY=VALUE"),
+        ("speed=2", "expected KEY=VALUE"),
+        ("nice=high", "nice must be an integer or 'ray'"),
+        ("log_every=0", "log_every must be >= 1"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=match):
+            turns.Arm.parse(bad)
