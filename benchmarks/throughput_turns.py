@@ -23,6 +23,11 @@ round trips) counted, and the time to come back from a pause not.
 Per round: a raytrec window's rows/s over the mean of the two torchrun windows around it, which
 takes out a drift that is steady over the three windows. Reported: the median of
 those ratios with a bootstrap 95% interval, and each side's rows/s over all windows.
+
+Variants: ``--arm nice=0 --arm nice=ray,log_every=100`` (repeatable) starts one raytrec job per
+arm, each on its own Ray cluster, and rotates them (torchrun, arm 1, torchrun, arm 2, ...,
+torchrun). Each arm is compared with torchrun as above and, per round, with the first arm,
+which measures a change to raytrec against the same torchrun job in one run.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import psutil
 from _docs import replace_section
@@ -59,10 +64,11 @@ CLUSTER = "its own local Ray cluster: driver, GCS, raylet, coordinator, rank act
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
-    """A raytrec variant: its ranks' nice value (``scaling.rank_niceness``; ``"ray"``: Ray's 15
-    for workers) and its interval length (``None``: raytrec's default and ``--log-every``)."""
+    """A raytrec variant: its ranks' nice value as given to ``--rank-niceness`` (an integer, or
+    ``ray`` for Ray's 15) and its interval length; ``None``: raytrec's default and
+    ``--log-every``."""
 
-    nice: int | Literal["ray"] | None = None
+    nice: str | None = None
     log_every: int | None = None
 
     @classmethod
@@ -75,28 +81,24 @@ class Arm:
                 raise argparse.ArgumentTypeError(
                     f"{item!r}: expected KEY=VALUE with KEY one of {sorted(known)}"
                 )
-            if key == "nice" and value == "ray":
-                values[key] = "ray"
+            if key == "nice":
+                rank_niceness(value)  # checks it
+                values[key] = value
                 continue
             try:
                 values[key] = int(value)
             except ValueError:
-                raise argparse.ArgumentTypeError(
-                    f"{item!r}: {key} must be an integer" + (" or 'ray'" if key == "nice" else "")
-                ) from None
+                raise argparse.ArgumentTypeError(f"{item!r}: {key} must be an integer") from None
         if values.get("log_every", 1) < 1:
             raise argparse.ArgumentTypeError(f"{text!r}: log_every must be >= 1")
         return cls(**values)
 
     @property
     def label(self) -> str:
-        nice = (
-            ""
-            if self.nice is None
-            else "ranks at Ray's nice 15"
-            if self.nice == "ray"
-            else f"ranks at nice {self.nice}"
-        )
+        nice = ""
+        if self.nice is not None:
+            value = rank_niceness(self.nice)
+            nice = "ranks at Ray's nice 15" if value is None else f"ranks at nice {value}"
         every = f"log_every {self.log_every}" if self.log_every is not None else ""
         return ", ".join(x for x in (nice, every) if x) or "defaults"
 

@@ -104,7 +104,8 @@ def test_an_arm_names_its_ranks_nice_value_and_interval_length() -> None:
     for bad, match in [
         ("nice", "expected KEY=VALUE"),
         ("speed=2", "expected KEY=VALUE"),
-        ("nice=high", "nice must be an integer or 'ray'"),
+        ("nice=high", "'high': expected an integer or 'ray'"),
+        ("log_every=many", "log_every must be an integer"),
         ("log_every=0", "log_every must be >= 1"),
     ]:
         with pytest.raises(argparse.ArgumentTypeError, match=match):
