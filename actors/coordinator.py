@@ -35,21 +35,13 @@ time and step, returned in the run summary.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
-import ray
-import ray.exceptions
-import torch.distributed as dist
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from torchrec.distributed.types import ShardingPlan
 
 from actors.growth import Building, GangGrowth
@@ -73,12 +65,25 @@ from raytrec.elastic.events import (
     RankDied,
 )
 from raytrec.elastic.membership import Gang, Membership, RankSlot
+from raytrec.elastic.policy import Reform, Unrecoverable, decide, find_hung_ranks
+from raytrec.elastic.report import RankInfo, RankReport
 from raytrec.elastic.rollback import RollbackPoint, StreamStart
+from raytrec.elastic.state import ElasticState
+from raytrec.elastic.workers import (
+    NODE_DIED,
+    Clock,
+    Placement,
+    RankCallError,
+    RankFailed,
+    RankLost,
+    SystemClock,
+    WorkerGroup,
+)
 from raytrec.engine.rank import RENDEZVOUS_TIMEOUT_S, RankSpec, StoreAddress
 from raytrec.errors import JobFailedError
 from raytrec.metrics import IntervalMetrics, aggregate_interval
 from raytrec.model import ModelFactory, build_dlrm
-from raytrec.placement import placement_specs, rank_resources, rank_runtime_env
+from raytrec.placement import placement_specs, rank_resources
 from raytrec.rec_metrics import merge_metric_states
 from raytrec.sync.schedule import SyncPlan, plan_sync
 from raytrec.topology import Layout
@@ -93,7 +98,7 @@ _MAX_TRANSIENT = 3
 
 # Why a rank the coordinator killed itself is gone: its gang lost another rank.
 _PEER_KILLED = "its gang lost a rank"
-_NODE_DIED = "its node died"
+_NODE_DIED = NODE_DIED
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,7 +107,7 @@ class RunSummary:
     final_state_path: str | None
     steps: int
     wall_s: float
-    ranks: list[dict[str, Any]]
+    ranks: list[RankInfo]
     digests: dict[int, dict[str, str]]  # job rank -> content hashes of its final state
     # Why training stopped before num_steps (bad input, data ran out), else None. The state
     # trained up to ``steps`` is still synced, checked and saved.
@@ -133,7 +138,7 @@ class _Dispatched:
     n: int  # steps
     end: int  # the step it ends at
     seq: int  # numbers the job's train calls (actors.rank.IntervalOrder)
-    refs: dict[int, Any]  # job rank -> ObjectRef of its report
+    refs: dict[int, Any]  # job rank -> the future of its report
     t0: float  # perf_counter() where the interval's wall-clock time starts
     started: float  # monotonic() when sent: for the hang timeout
 
@@ -142,12 +147,14 @@ class _Dispatched:
 class _Interval:
     """The outcome of one interval call on every live rank."""
 
-    reports: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    reports: dict[int, RankReport] = dataclasses.field(default_factory=dict)
     dead: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> cause
     errored: dict[int, str] = dataclasses.field(default_factory=dict)
     hung: list[int] = dataclasses.field(default_factory=list)
+    # Hung rank -> (the last step it finished, seconds it had been silent when found).
+    silence: dict[int, tuple[int, float]] = dataclasses.field(default_factory=dict)
     # Reports of intervals queued behind the failed one that some survivors went on to train.
-    later: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    later: list[RankReport] = dataclasses.field(default_factory=list)
     booked: bool = False  # recovery has booked the reports above
 
     @property
@@ -169,7 +176,15 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         placement_timeout_s: float = 300.0,
         new_shard: Any = None,
         resume_from: str | None = None,
+        group: WorkerGroup | None = None,
+        clock: Clock | None = None,
     ) -> None:
+        if group is None:
+            from actors.worker_group import RayWorkerGroup
+
+            group = RayWorkerGroup()
+        self.group: WorkerGroup = group
+        self.clock: Clock = clock or SystemClock()
         self.cfg = config
         self.plan = plan
         # Parquet read by index: the job's rows are every rank's first num_steps batches, shared
@@ -191,7 +206,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         self.checkpoint_root = checkpoint_root(run_dir)
         self.last_checkpoint: str | None = None
         self._rollback: RollbackPoint | None = None  # where a total loss goes back to
-        self._last_save = (0, time.monotonic())  # (step, clock) of the last save (or start)
+        self._last_save = (0, self.clock.monotonic())  # (step, clock) of the last save (or start)
         self.elastic = config.elastic
         self.topology = config.scaling.topology()
         self.membership = Membership.initial(self.topology)
@@ -204,15 +219,17 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
             self.end_step = min(config.num_steps, self.streams_table.length(0))
         self.first_batch_s = 0.0
         self.events = EventLog()
-        self._t0 = time.monotonic()
+        self._t0 = self.clock.monotonic()
         self._history: list[IntervalMetrics] = []
         self._lock = threading.Lock()
-        self._pgs: dict[int, PlacementGroup] = {}  # gang id -> its placement group
-        self._pending: list[PlacementGroup] = []  # requested for gangs not started yet
-        self._workers: dict[int, Any] = {}  # job rank -> actor handle
+        self._pgs: dict[int, Placement] = {}  # gang id -> its placement group
+        self._pending: list[Placement] = []  # requested for gangs not started yet
+        self._started: set[int] = set()  # job ranks whose process was started and not ended
         self._rank_nodes: dict[int, str] = {}  # job rank -> Ray node id
         self._node_index: dict[str, int] = {}
-        self._store: dist.TCPStore | None = None
+        # Job rank -> (the last step it reported finishing, when the coordinator saw it): the
+        # hang rule's input (raytrec.elastic.policy.find_hung_ranks).
+        self._progress: dict[int, tuple[int, float]] = {}
         self._store_address: StoreAddress | None = None
         replayable = all(s.replayable for s in shards)
         self._stream_id = batch_id if replayable else None
@@ -240,22 +257,15 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         """The events from the ``since``-th on, as dicts (the driver polls them as they come)."""
         return [e.to_dict() for e in list(self.events)[since:]]
 
-    def workers(self) -> dict[int, Any]:
-        return dict(self._workers)
-
     def rank_nodes(self) -> dict[int, str]:
         """Job rank -> the Ray node id it runs on (live ranks)."""
         return dict(self._rank_nodes)
 
     # -- the job --------------------------------------------------------------
 
-    def start(self) -> list[dict[str, Any]]:
+    def start(self) -> list[RankInfo]:
         """Hosts the store, places every gang, starts and builds the rank actors."""
-        host = ray.util.get_node_ip_address()
-        self._store = dist.TCPStore(
-            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300)
-        )
-        self._store_address = StoreAddress(host=host, port=self._store.port)
+        self._store_address = self.group.host_store()
         starts = self._resume_streams(self.resume_from) if self.resume_from is not None else None
 
         def shard_of(rank: int) -> Any:
@@ -269,12 +279,12 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
                 f"{self.placement_timeout_s:.0f}s; the cluster lacks {self._per_rank()} x "
                 f"{self.topology.world_size} ranks"
             )
-        infos = self._build(sorted(self._workers))
+        infos = self._build(sorted(self._started))
         self._new_generation(reason="job started")
         if self.resume_from is not None:
             self._restore(self.resume_from, starts)
         else:
-            self._call(self._live_ranks(), "broadcast_state", 0)  # all from gang 0's state
+            self._call(self._live_ranks(), RankWorker.broadcast_state, 0)  # all from gang 0's state
         self._request_growth()
         return infos
 
@@ -303,12 +313,14 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         its step, and each rank's stream to ``starts`` (else its own shard at that step)."""
         ranks = self._live_ranks()
         if starts is None:
-            loaded = self._call(ranks, "load_checkpoint", uri)
+            loaded = self._call(ranks, RankWorker.load_checkpoint, uri)
         else:
-            loaded = self._call_by_rank(ranks, "load_checkpoint", lambda r: (uri, starts[r].at))
+            loaded = self._call_by_rank(
+                ranks, RankWorker.load_checkpoint, lambda r: (uri, starts[r].at)
+            )
         step, generation = loaded[0]["step"], loaded[0]["generation"]
         self.step = step
-        self._last_save = (step, time.monotonic())
+        self._last_save = (step, self.clock.monotonic())
         if starts is None:
             for r in ranks:
                 self.accounting.restart(r, at=step)
@@ -334,17 +346,10 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         specs = placement_specs(self.topology, per_rank=self._per_rank())
         # Names stay unique when a rebuilt job is placed again in a later generation.
         suffix = f"-gen{self.membership.generation}" if self.membership.generation else ""
-        pgs = [
-            placement_group(
-                list(s.bundles), strategy=s.strategy, name=f"{self.cfg.name}-{s.name}{suffix}"
-            )
-            for s in specs
-        ]
-        ready = [pg.ready() for pg in pgs]
-        done, _ = ray.wait(ready, num_returns=len(ready), timeout=timeout_s)
-        if len(done) < len(ready):
+        pgs = [self.group.place(s, name=f"{self.cfg.name}-{s.name}{suffix}") for s in specs]
+        if len(self.group.ready(pgs, timeout=timeout_s)) < len(pgs):
             for pg in pgs:
-                remove_placement_group(pg)
+                self.group.release(pg)
             return False
         across = self.topology.layout is Layout.REPLICAS_ACROSS_HOSTS
         for spec, pg in zip(specs, pgs, strict=True):
@@ -367,7 +372,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         decision = save_decision(
             self.cfg.checkpoint,
             step=step,
-            now_s=time.monotonic(),
+            now_s=self.clock.monotonic(),
             last_save_step=last_step,
             last_save_s=last_clock,
             sync_every=1,  # a sync is done right here when one is due
@@ -382,7 +387,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         if not self._save_due(self.step, final=final):
             return
         if self.membership.last_sync_step != self.step:
-            self._call(self._live_ranks(), "sync")
+            self._call(self._live_ranks(), RankWorker.sync)
             self._commit_all()
         writer = list(self.membership.gangs[0].job_ranks)
         # The accounting goes into the checkpoint: a rebuild from it rewinds to this state.
@@ -390,7 +395,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         extra = {"step": self.step, "gangs": self.membership.num_gangs, "accounting": accounting}
         refs = self._call(
             writer,
-            "save_checkpoint",
+            RankWorker.save_checkpoint,
             self.checkpoint_root,
             self.membership.generation,
             extra,
@@ -399,7 +404,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         )
         self.last_checkpoint = refs[0][1]
         self._rollback = RollbackPoint(uri=refs[0][1], step=self.step, accounting=accounting)
-        self._last_save = (self.step, time.monotonic())
+        self._last_save = (self.step, self.clock.monotonic())
         self.events.append(CheckpointSaved(at=self._now(), step=self.step, uri=refs[0][1]))
 
     def _accounting_snapshot(self) -> dict[str, Any]:
@@ -419,17 +424,20 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         collectives. Training stops there, and the model trained so far is synced, checked and
         saved like a finished one (``RunSummary.stopped_by`` says why).
         """
-        started = time.perf_counter()
+        clock = self.clock
+        started = clock.perf_counter()
         ranks = self.start()
         stopped_by: BaseException | None = None
         every = self.cfg.log_every
-        t0 = time.perf_counter()
+        t0 = clock.perf_counter()
         try:
-            self._call(self._live_ranks(), "prepare", min(every, self.end_step), first=True)
-        except ray.exceptions.RayTaskError as e:
-            stopped_by = _cause(e)
-        self.first_batch_s = time.perf_counter() - t0
-        train_start = time.perf_counter()
+            self._call(
+                self._live_ranks(), RankWorker.prepare, min(every, self.end_step), first=True
+            )
+        except RankFailed as e:
+            stopped_by = e.cause
+        self.first_batch_s = clock.perf_counter() - t0
+        train_start = clock.perf_counter()
         if stopped_by is None:
             stopped_by = self._train(prepared=True, train_start=train_start)
         final = os.path.join(self.run_dir, "final_model")
@@ -437,7 +445,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
             try:
                 digests = self._finish(final, checkpoint=stopped_by is None)
                 break
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            except RankCallError as e:
                 self._recover_until_stable(self._probe(e))  # lost at the very end: re-form
                 if stopped_by is None and self.step < self.end_step:  # rebuilt from a checkpoint
                     stopped_by = self._train(prepared=False, train_start=train_start)
@@ -457,7 +465,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
             history=self.progress(),
             final_state_path=final,
             steps=self.step,
-            wall_s=time.perf_counter() - started,
+            wall_s=clock.perf_counter() - started,
             ranks=ranks,
             digests=digests,
             stopped_by=stopped_by,
@@ -489,7 +497,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         while stopped_by is None and self.step < self.end_step:
             try:
                 if not inflight:
-                    t0 = time.perf_counter()  # the interval's time includes what precedes it
+                    t0 = self.clock.perf_counter()  # the interval's time includes what precedes it
                     n = min(every, self.end_step - self.step)
                     if stop is not None and self._ready < n:
                         stopped_by = stop  # bad input, or the end of the data, in what is next
@@ -502,15 +510,15 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
                         break
                     if self._ready < n:
                         try:
-                            self._call(self._live_ranks(), "prepare", n)
-                        except ray.exceptions.RayTaskError as e:
-                            stopped_by = _cause(e)  # bad input, or the end of the data
+                            self._call(self._live_ranks(), RankWorker.prepare, n)
+                        except RankFailed as e:
+                            stopped_by = e.cause  # bad input, or the end of the data
                             break
                         self._ready = n
                     inflight.append(self._dispatch(self.step, n, t0=t0))
                 dispatched = inflight.popleft()
                 result = self._collect(dispatched)
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            except RankCallError as e:
                 result = self._probe(e)  # a rank or node died during a control call
             if result.failed:
                 self._drain(inflight, result)
@@ -518,16 +526,18 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
                 self._ready, stop = 0, None  # recovery may have re-opened the ranks' feeds
                 continue
             # The interval's share of the timeline ends here; the next one's starts here.
-            end = time.perf_counter()
+            end = self.clock.perf_counter()
             reports = [result.reports[r] for r in sorted(result.reports)]
-            step = max(r["step"] for r in reports)
-            self._ready = min(r["ready"] for r in reports)  # batches held beyond ``step``
-            stop = next((r["stop"] for r in reports if r["stop"] is not None), stop)
+            step = max(r.step for r in reports)
+            self._ready = min(r.ready for r in reports)  # batches held beyond ``step``
+            stop = next((r.stop for r in reports if r.stop is not None), stop)
             if inflight:
-                inflight[0] = dataclasses.replace(inflight[0], t0=end, started=time.monotonic())
+                inflight[0] = dataclasses.replace(
+                    inflight[0], t0=end, started=self.clock.monotonic()
+                )
             self._top_up(inflight, step)
             self._account(reports)
-            metrics = merge_metric_states([r["metrics"] for r in reports])
+            metrics = merge_metric_states([r.metrics for r in reports if r.metrics is not None])
             row = aggregate_interval(
                 reports,
                 wall_s=end - dispatched.t0,
@@ -572,13 +582,13 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
     def _finish(self, final: str, *, checkpoint: bool) -> dict[int, dict[str, str]]:
         """Ends on a job-wide sync, checks the replicas, saves the final model."""
         if self.step % self.cfg.sync.sync_every or self.membership.last_sync_step != self.step:
-            self._call(self._live_ranks(), "sync")  # end on a sync: every replica the same
+            self._call(self._live_ranks(), RankWorker.sync)  # end on a sync: every replica the same
         self._commit_all()
         if checkpoint:
             self._maybe_checkpoint(final=True)
         digests = self._final_digests()
         first_gang = self.membership.gangs[0]
-        self._call(list(first_gang.job_ranks), "save", final)
+        self._call(list(first_gang.job_ranks), RankWorker.save, final)
         return digests
 
     # -- one interval -------------------------------------------------------------------------
@@ -592,58 +602,99 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         (default: now; an interval sent early starts when the one before it is collected)."""
         self._seq += 1
         ready = min(self._depth * self.cfg.log_every, self.end_step - start - n)
+        ranks = self._live_ranks()
+        now = self.clock.monotonic()
+        if after is None:
+            # Nothing was running: silence counts from now, not from the last interval's end
+            # (a checkpoint, a join or a recovery may have run in between).
+            for r in ranks:
+                step = self._progress.get(r, (self.step, now))[0]
+                self._progress[r] = (step, now)
+        refs = self.group.call(
+            ranks, RankWorker.train, lambda _r: (n, ready), seq=self._seq, after=after
+        )
         return _Dispatched(
             n=n,
             end=start + n,
             seq=self._seq,
-            refs={
-                r: self._workers[r].train.remote(n, ready, seq=self._seq, after=after)
-                for r in self._live_ranks()
-            },
-            t0=time.perf_counter() if t0 is None else t0,
-            started=time.monotonic(),
+            refs=refs,
+            t0=self.clock.perf_counter() if t0 is None else t0,
+            started=now,
         )
 
     def _collect(self, dispatched: _Dispatched) -> _Interval:
-        """Waits for every rank's ``train`` report and sorts out what happened."""
-        n, started = dispatched.n, dispatched.started
+        """Waits for every rank's ``train`` report and sorts out what happened.
+
+        While it waits it reads the ranks' heartbeats (the last step each finished): a rank
+        that finishes no step for ``elastic.step_timeout_s`` is hung (the policy's rule,
+        :func:`~raytrec.elastic.policy.find_hung_ranks`), however many steps the interval has.
+        """
         out = _Interval()
         pending = dict(dispatched.refs)
         deadline: float | None = None
+        elastic = self.elastic
         while pending:
-            ready, _ = ray.wait(list(pending.values()), num_returns=1, timeout=self.elastic.poll_s)
-            for ref in ready:
-                rank = next((r for r, x in pending.items() if x == ref), None)
+            ready = self.group.wait(list(pending.values()), num_returns=1, timeout=elastic.poll_s)
+            now = self.clock.monotonic()
+            for future in ready:
+                rank = next((r for r, x in pending.items() if x is future), None)
                 if rank is None:
                     continue  # a lost gang's peer, already counted
                 del pending[rank]
                 try:
-                    out.reports[rank] = ray.get(ref)
-                except ray.exceptions.RayActorError as e:
-                    out.dead[rank] = _death_cause(e)
+                    report: RankReport = self.group.result(future)
+                    out.reports[rank] = report
+                    self._progress[rank] = (report.step, now)
+                except RankLost as e:
+                    out.dead[rank] = e.cause
                     # The rest of its gang is dropped anyway; left alone it would sit in the
                     # gang's collectives until their timeout. Kill it now.
                     for peer in self.membership.gang(self._gang_of(rank)).job_ranks:
                         if peer in pending:
-                            with contextlib.suppress(Exception):
-                                ray.kill(self._workers[peer])
+                            self.group.kill(peer)
                             del pending[peer]
                             out.dead[peer] = _PEER_KILLED
-                except ray.exceptions.RayTaskError as e:
-                    out.errored[rank] = _first_line(_cause(e))
-            now = time.monotonic()
+                except RankFailed as e:
+                    out.errored[rank] = str(e)
             if (out.dead or out.errored) and deadline is None:
                 # Fail the survivors' blocked collectives now, and give everyone the
                 # collective timeout to report; whoever is still running then is hung.
-                deadline = now + 2 * self.elastic.collective_timeout_s + self.elastic.poll_s
+                deadline = now + 2 * elastic.collective_timeout_s + elastic.poll_s
                 self._abort_planes(set(pending) - set(out.dead))
             if deadline is not None and now > deadline:
                 out.hung = sorted(pending)
+                out.silence = {r: self._silence(r, now) for r in out.hung}
                 break
-            if deadline is None and now - started > self.elastic.step_timeout_s * max(1, n):
-                out.hung = sorted(pending)  # nothing failed and nothing finished: all stuck
-                break
+            if deadline is None and pending:
+                hung = self._hung_ranks(pending, now)
+                if hung:
+                    out.hung = list(hung)
+                    out.silence = {r: self._silence(r, now) for r in hung}
+                    break
         return out
+
+    def _hung_ranks(self, pending: dict[int, Any], now: float) -> tuple[int, ...]:
+        """The ranks still training that count as hung at ``now``, by the policy's rule, after
+        reading their heartbeats. Ranks that already reported are not expected to progress."""
+        for r, step in self.group.progress(list(pending)).items():
+            if step > self._progress.get(r, (-1, now))[0]:
+                self._progress[r] = (step, now)
+        progress = {
+            r: self._progress.get(r, (self.step, now)) if r in pending else (self.step, now)
+            for r in self._live_ranks()
+        }
+        state = ElasticState(
+            membership=self.membership,
+            sync_every=self.cfg.sync.sync_every,
+            max_gangs=self.max_gangs,
+            progress=progress,
+        )
+        return find_hung_ranks(state, now=now, config=self.elastic)
+
+    def _silence(self, rank: int, now: float) -> tuple[int, float]:
+        """(the last step ``rank`` finished, seconds since it did), as the coordinator saw it."""
+        step, at = self._progress.get(rank, (self.step, now))
+        return step, round(now - at, 3)
 
     def _drain(self, inflight: deque[_Dispatched], result: _Interval) -> None:
         """After a failed interval, waits out the intervals queued behind it.
@@ -666,47 +717,50 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
                 2 * self.elastic.collective_timeout_s + self.elastic.poll_s,
                 self.elastic.step_timeout_s * max(1, d.n),
             )
-            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
-            for r, ref in refs.items():
-                if ref not in ready:
+            ready = self.group.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+            now = self.clock.monotonic()
+            for r, future in refs.items():
+                if future not in ready:
                     result.hung.append(r)
+                    result.silence[r] = self._silence(r, now)
                     continue
                 try:
-                    report = ray.get(ref)
-                except ray.exceptions.RayActorError as e:
-                    result.dead[r] = _death_cause(e)
-                except ray.exceptions.RayTaskError as e:
-                    result.errored.setdefault(r, _first_line(_cause(e)))
+                    report = self.group.result(future)
+                except RankLost as e:
+                    result.dead[r] = e.cause
+                except RankFailed as e:
+                    result.errored.setdefault(r, str(e))
                 else:
-                    if not report.get("skipped"):
+                    if not report.skipped:
                         result.later.append(report)
             lost_gangs |= {self._gang_of(r) for r in [*result.dead, *result.hung]}
 
     def _abort_planes(self, ranks: set[int]) -> None:
-        for r in ranks:
-            with contextlib.suppress(Exception):
-                self._workers[r].abort_replica_planes.remote()
+        # Fire and forget: the answer does not matter, only that blocked collectives fail.
+        self.group.call(sorted(ranks & self._started), RankWorker.abort_replica_planes)
 
     # -- failures ---------------------------------------------------------------------------
 
     def _probe(self, error: BaseException) -> _Interval:
         """Which live ranks are dead, after ``error`` broke a control call."""
         out = _Interval()
-        refs = {r: self._workers[r].step.remote() for r in self._live_ranks()}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=10)
-        for r, ref in refs.items():
-            if ref not in ready:
+        refs = self.group.call(self._live_ranks(), RankWorker.step)
+        ready = self.group.wait(list(refs.values()), num_returns=len(refs), timeout=10)
+        now = self.clock.monotonic()
+        for r, future in refs.items():
+            if future not in ready:
                 out.hung.append(r)
+                out.silence[r] = self._silence(r, now)
                 continue
             try:
-                ray.get(ref)
-            except ray.exceptions.RayActorError as e:
-                out.dead[r] = _death_cause(e)
+                self.group.result(future)
+            except RankLost as e:
+                out.dead[r] = e.cause
         if not out.failed:
-            if not isinstance(error, ray.exceptions.RayActorError):
+            if not isinstance(error, RankLost):
                 raise error  # nobody died: a real error of its own
             # An actor outside the membership died (a gang that was starting): re-form as is.
-            out.errored[-1] = _first_line(error)
+            out.errored[-1] = str(error)
         return out
 
     def _recover_until_stable(self, result: _Interval) -> None:
@@ -715,7 +769,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
             try:
                 self._recover(result)
                 return
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            except RankCallError as e:
                 probed = self._probe(e)
                 if not result.booked:  # what the survivors reported is not in the books yet
                     probed.reports = {**result.reports, **probed.reports}
@@ -747,9 +801,9 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         # a rank on a node that just went can look hung for a moment: give the table a few
         # seconds to catch up, and count such ranks as dead.
         if result.hung:
-            deadline = time.monotonic() + _NODE_TABLE_GRACE_S
-            while time.monotonic() < deadline and not self._dead_nodes():
-                time.sleep(0.5)
+            deadline = self.clock.monotonic() + _NODE_TABLE_GRACE_S
+            while self.clock.monotonic() < deadline and not self._dead_nodes():
+                self.clock.sleep(0.5)
             gone = set(self._dead_nodes())
             for r in [r for r in result.hung if self._rank_nodes.get(r) in gone]:
                 result.hung.remove(r)
@@ -779,25 +833,39 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
                 RankDied(at=now, step=self.step, job_rank=r, gang_id=self._gang_of(r), cause=cause)
             )
         if result.hung:
+            silence = [result.silence.get(r, (self.step, 0.0)) for r in result.hung]
             self.events.append(
                 HangDetected(
                     at=now,
                     step=self.step,
                     job_ranks=tuple(result.hung),
                     gang_ids=tuple(sorted({self._gang_of(r) for r in result.hung})),
-                    last_step=self.step,
-                    silent_s=self.elastic.collective_timeout_s,
+                    last_step=min(step for step, _ in silence),
+                    silent_s=max(silent for _, silent in silence),
                 )
             )
-        survivors = [g.gang_id for g in self.membership.gangs if g.gang_id not in failed_gangs]
-        if failed_gangs and (self.topology.layout is Layout.REPLICAS_WITHIN_HOST or not survivors):
+        # The policy decides: drop the gangs that lost a rank and re-form among the intact
+        # ones, or, when no gang is intact, a total loss (some shard may have no live copy).
+        # A gang still joining has no state of its own and counts as lost with the rest.
+        joining = {r for g in failed_gangs for r in self.membership.gang(g).job_ranks}
+        state = ElasticState(
+            membership=self.membership,
+            sync_every=self.cfg.sync.sync_every,
+            max_gangs=self.max_gangs,
+            dead_ranks=frozenset(lost | joining) if lost else frozenset(),
+        )
+        decision = decide(state, now=self.clock.monotonic(), config=self.elastic)
+        if isinstance(decision, Unrecoverable):
             own = sorted(r for r in lost if result.dead.get(r) != _PEER_KILLED)
             self._total_loss(own, failed_gangs, why=lambda g: _why(result, g, self))
             return
+        if isinstance(decision, Reform):
+            failed_gangs = sorted(set(failed_gangs) | set(decision.drop))
+        survivors = [g.gang_id for g in self.membership.gangs if g.gang_id not in failed_gangs]
         survivor_ranks = [r for g in survivors for r in self.membership.gang(g).job_ranks]
         self._abort_planes(set(survivor_ranks))
-        recovered = self._call(survivor_ranks, "recover")
-        steps = sorted({rep["step"] for rep in recovered})
+        recovered = self._call(survivor_ranks, RankWorker.recover)
+        steps = sorted({rep.step for rep in recovered})
         if steps[-1] - steps[0] > self.cfg.sync.sync_every:
             raise JobFailedError(
                 f"survivors stopped at steps {steps[0]}..{steps[-1]} after losing gangs "
@@ -812,7 +880,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         # may even have finished it), and for the lost ranks, whose logs died with them, the
         # next batches in their stream order, one per step up to the failure.
         reports = [result.reports[r] for r in survivor_ranks if r in result.reports]
-        reports += [rep for rep in result.later if rep["rank"] in survivor_ranks] + recovered
+        reports += [rep for rep in result.later if rep.rank in survivor_ranks] + recovered
         lost_ranks = [r for g in failed_gangs for r in self.membership.gang(g).job_ranks]
         reports += self.accounting.lost_rank_reports(lost_ranks, fail_step=fail_step)
         # Syncs before the failed step completed on every gang; the one at it did not.
@@ -837,13 +905,13 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         self._new_generation(reason=reason)
         # The re-formed job's first sync: every replica (and dense state) identical again, and
         # the survivors' batches so far are in the model: committed.
-        self._call(self._live_ranks(), "set_step", fail_step)
-        self._call(self._live_ranks(), "sync")
-        self._call(self._live_ranks(), "broadcast_dense", 0)
+        self._call(self._live_ranks(), RankWorker.set_step, fail_step)
+        self._call(self._live_ranks(), RankWorker.sync)
+        self._call(self._live_ranks(), RankWorker.broadcast_dense, 0)
         self._commit_all()
         # Re-sharing (after the replays are booked) hands each rank its replays too.
         if replay and not self._reshare_rows(self._ranks_in_gang_order()):
-            self._call_by_rank(sorted(replay), "replay", lambda r: (replay[r],))
+            self._call_by_rank(sorted(replay), RankWorker.replay, lambda r: (replay[r],))
         self._request_growth()
 
     def _drop(self, gangs: list[int], survivors: list[int]) -> dict[int, list[int]]:
@@ -859,7 +927,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         rank: int,
         gang: int,
         gang_rank: int,
-        pg: PlacementGroup,
+        pg: Placement,
         bundle: int,
         shard: Any,
         *,
@@ -868,7 +936,6 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         """Starts rank ``rank``'s actor; ``account``: it trains from this step on (a gang built
         in the background is booked when it joins)."""
         assert self._store_address is not None
-        scaling = self.cfg.scaling
         spec = RankSpec(
             rank=rank,
             gang=gang,
@@ -881,29 +948,19 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
             model_factory=self.model_factory,
             timeout_s=self.elastic.collective_timeout_s,
         )
-        worker_cls = ray.remote(RankWorker)
-        self._workers[rank] = worker_cls.options(
-            num_cpus=scaling.cpus_per_rank,
-            num_gpus=1 if scaling.use_gpu else 0,
-            # The running train, the one queued behind it, and abort_replica_planes beside a
-            # blocked train (actors.rank).
-            max_concurrency=3,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=bundle
-            ),
-            runtime_env=rank_runtime_env(scaling.rank_niceness),
-        ).remote(spec, shard)
+        self.group.start_rank(spec, shard, placement=pg, bundle=bundle)
+        self._started.add(rank)
         if account:
             self.accounting.add_rank(rank, shard=getattr(shard, "index", rank), step=self.step)
         else:
             self._shards_of_new[rank] = shard
 
-    def _build(self, ranks: list[int]) -> list[dict[str, Any]]:
-        infos = self._call(ranks, "build")
+    def _build(self, ranks: list[int]) -> list[RankInfo]:
+        infos: list[RankInfo] = self._call(ranks, RankWorker.build)
         for info in infos:
-            self._rank_nodes[info["rank"]] = info["node_id"]
-            self._node(info["node_id"])
-        return sorted(infos, key=lambda x: x["rank"])
+            self._rank_nodes[info.rank] = info.node_id
+            self._node(info.node_id)
+        return sorted(infos, key=lambda x: x.rank)
 
     def _new_generation(self, *, reason: str) -> None:
         """Replica plane and sync plan of the current membership, on every live rank."""
@@ -911,10 +968,10 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         ranks = self._live_ranks()
         self._call_by_rank(
             ranks,
-            "join_replica_plane",
+            RankWorker.join_replica_plane,
             lambda r: (m.generation, m.member_index(self._gang_of(r)), m.num_gangs),
         )
-        self._call(ranks, "join_sync_plan", self._sync_plan())
+        self._call(ranks, RankWorker.join_sync_plan, self._sync_plan())
         self.events.append(
             GenerationStarted(
                 at=self._now(),
@@ -944,13 +1001,12 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
     def _release(self, gang_id: int, ranks: Sequence[int]) -> None:
         """Kills the gang's rank actors and removes its placement group."""
         for r in ranks:
-            with contextlib.suppress(Exception):
-                ray.kill(self._workers.pop(r))
+            self.group.kill(r)
+            self._started.discard(r)
             self._rank_nodes.pop(r, None)
         pg = self._pgs.pop(gang_id, None)
         if pg is not None:
-            with contextlib.suppress(Exception):
-                remove_placement_group(pg)
+            self.group.release(pg)
 
     def _live_ranks(self) -> list[int]:
         return sorted(r for g in self.membership.gangs for r in g.job_ranks)
@@ -985,17 +1041,15 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         return slot.node if node_id is None else self._node(node_id)
 
     def _dead_nodes(self) -> list[str]:
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        alive = {n.node_id for n in self.group.nodes() if n.alive}
         return sorted({n for n in self._rank_nodes.values() if n not in alive})
 
     def _now(self) -> float:
-        return round(time.monotonic() - self._t0, 3)
+        return round(self.clock.monotonic() - self._t0, 3)
 
     # -- accounting -----------------------------------------------------------------------------
 
-    def _account(
-        self, reports: list[dict[str, Any]], *, completed_through: int | None = None
-    ) -> None:
+    def _account(self, reports: list[RankReport], *, completed_through: int | None = None) -> None:
         """Books the ranks' trained batches; a job-wide sync among them commits."""
         sync = self.cfg.sync
         last_sync = self.accounting.record(
@@ -1008,7 +1062,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         )
         if last_sync is not None:
             self.membership = self.membership.synced(last_sync)
-        self.step = max((r["step"] for r in reports), default=self.step)
+        self.step = max((r.step for r in reports), default=self.step)
 
     def _commit_all(self) -> None:
         """A job-wide sync just completed: everything trained so far is in every replica."""
@@ -1020,7 +1074,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
     def _final_digests(self) -> dict[int, dict[str, str]]:
         """Checks that the final sync left every replica of every shard identical."""
         ranks = self._live_ranks()
-        digests = dict(zip(ranks, self._call(ranks, "state_digest"), strict=True))
+        digests = dict(zip(ranks, self._call(ranks, RankWorker.state_digest), strict=True))
         for group in self.membership.replica_groups:
             members = [m.job_rank for m in group]
             shard_digests = {digests[r]["shards"] for r in members}
@@ -1030,20 +1084,12 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
             raise RuntimeError("dense parameters differ between ranks after the final step")
         return digests
 
-    def state_arrays(self) -> dict[int, dict[str, Any]]:
-        """Every rank's shard, optimizer and dense state (for tests and diagnostics)."""
-        ranks = self._live_ranks()
-        got = ray.get([self._workers[r].state_arrays.remote() for r in ranks])
-        return dict(zip(ranks, got, strict=True))
-
     def shutdown(self) -> None:
-        for w in self._workers.values():
-            with contextlib.suppress(Exception):
-                ray.kill(w)
-        self._workers.clear()
+        for r in sorted(self._started):
+            self.group.kill(r)
+        self._started.clear()
         for pg in [*self._pgs.values(), *self._pending]:
-            with contextlib.suppress(Exception):
-                remove_placement_group(pg)
+            self.group.release(pg)
         self._pgs.clear()
         self._pending.clear()
         self._building.clear()
@@ -1051,17 +1097,31 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
 
     # -- helpers ----------------------------------------------------------------
 
-    def _call(self, ranks: list[int], method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def _call(
+        self, ranks: list[int], method: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> list[Any]:
         return self._call_by_rank(ranks, method, lambda _r: args, **kwargs)
 
     def _call_by_rank(
-        self, ranks: list[int], method: str, args_of: Any, **kwargs: Any
+        self,
+        ranks: list[int],
+        method: Callable[..., Any],
+        args_of: Callable[[int], tuple[Any, ...]],
+        **kwargs: Any,
     ) -> list[Any]:
-        refs = [getattr(self._workers[r], method).remote(*args_of(r), **kwargs) for r in ranks]
+        """Calls ``method`` on ``ranks`` and returns their answers in order; raises
+        :class:`RankLost` or :class:`RankFailed` for the first rank whose call failed."""
+        futures = self.group.call(ranks, method, args_of, **kwargs)
         # Control calls (build, join, sync, prepare, recover) are not what hang detection
         # watches (that is _collect's job); building a gang's ranks on a loaded machine,
         # or the data pipeline's first batches, can take minutes.
-        return ray.get(refs, timeout=max(self.elastic.step_timeout_s, RENDEZVOUS_TIMEOUT_S))
+        timeout = max(self.elastic.step_timeout_s, RENDEZVOUS_TIMEOUT_S)
+        pending = list(futures.values())
+        if len(self.group.wait(pending, num_returns=len(pending), timeout=timeout)) < len(pending):
+            raise TimeoutError(
+                f"{method.__name__} did not return on every rank of {ranks} within {timeout:g}s"
+            )
+        return [self.group.result(futures[r]) for r in ranks]
 
 
 def _why(result: _Interval, gang: int, coordinator: Coordinator) -> str:
@@ -1073,27 +1133,3 @@ def _why(result: _Interval, gang: int, coordinator: Coordinator) -> str:
     if hung:
         return f"rank(s) {hung} hung"
     return f"rank(s) {[r for r in ranks if r in result.errored]} failed"
-
-
-def _death_cause(e: BaseException) -> str:
-    """Why an actor died, in one line ("... its node has died" when the node went)."""
-    text = str(e)
-    if "node has died" in text or "node was terminated" in text:
-        return _NODE_DIED
-    return _first_line(e)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
-
-
-def _cause(e: ray.exceptions.RayTaskError) -> BaseException:
-    """The rank's own exception inside Ray's wrapper (a BadInputError keeps its fields)."""
-    from raytrec.data.parquet import _find_bad_input
-
-    bad = _find_bad_input(e)
-    if bad is not None:
-        return bad
-    cause = getattr(e, "cause", None)
-    return cause if isinstance(cause, BaseException) else e

@@ -16,14 +16,10 @@ declared in the class body; it lives here to keep the coordinator's module to it
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import ray
-import ray.exceptions
-from ray.util.placement_group import PlacementGroup, placement_group
-
+from actors.rank import RankWorker
 from raytrec.config import TrainConfig
 from raytrec.elastic.accounting import BatchAccounting
 from raytrec.elastic.config import ElasticConfig
@@ -37,6 +33,8 @@ from raytrec.elastic.events import (
     ResourcesWaited,
 )
 from raytrec.elastic.membership import Gang, Membership
+from raytrec.elastic.report import RankInfo
+from raytrec.elastic.workers import Clock, Placement, RankCallError, WorkerGroup
 from raytrec.errors import JobFailedError
 from raytrec.placement import placement_specs, rank_resources
 from raytrec.topology import Layout, Topology
@@ -49,7 +47,7 @@ class Building:
     """A gang started in the background: its reserved slots and each rank's ``build`` call."""
 
     gang: Gang
-    builds: dict[int, Any]  # job rank -> ObjectRef of its build()
+    builds: dict[int, Any]  # job rank -> the future of its build()
 
 
 class GangGrowth:
@@ -67,11 +65,12 @@ class GangGrowth:
     streams_table: Any  # StreamTable of a re-shared source, or None
     max_gangs: int
     new_shard: Any  # job rank -> BatchShard, or None
-    _pending: list[PlacementGroup]
+    group: WorkerGroup
+    clock: Clock
+    _pending: list[Placement]
     _building: dict[int, Building]
     _shards_of_new: dict[int, Any]
-    _pgs: dict[int, PlacementGroup]
-    _workers: dict[int, Any]
+    _pgs: dict[int, Placement]
     _rank_nodes: dict[int, str]
     _joining: set[int]
     _ready: int  # batches every live rank holds prepared beyond ``step``
@@ -87,13 +86,15 @@ class GangGrowth:
         def _new_generation(self, *, reason: str) -> None: ...
         def _release(self, gang_id: int, ranks: Sequence[int]) -> None: ...
         def _reshare_rows(self, ranks: Sequence[int], *, joining: Sequence[int] = ()) -> bool: ...
-        def _call(self, ranks: list[int], method: str, *args: Any, **kwargs: Any) -> list[Any]: ...
+        def _call(
+            self, ranks: list[int], method: Callable[..., Any], *args: Any, **kwargs: Any
+        ) -> list[Any]: ...
         def _start_rank(
             self,
             rank: int,
             gang: int,
             gang_rank: int,
-            pg: PlacementGroup,
+            pg: Placement,
             bundle: int,
             shard: Any,
             *,
@@ -115,7 +116,7 @@ class GangGrowth:
         )
         spec = placement_specs(self.topology, per_rank=per_rank, gangs=(0,))[0]
         for _ in range(want):
-            self._pending.append(placement_group(list(spec.bundles), strategy=spec.strategy))
+            self._pending.append(self.group.place(spec, name=f"{self.cfg.name}-new-gang"))
         self.events.append(
             GangRequested(
                 at=self._now(), step=self.step, count=want, outstanding=len(self._pending)
@@ -135,9 +136,7 @@ class GangGrowth:
     def _start_ready_gangs(self) -> None:
         if not self._pending:
             return
-        ready_refs = [pg.ready() for pg in self._pending]
-        done, _ = ray.wait(ready_refs, num_returns=len(ready_refs), timeout=0)
-        ready = [pg for pg, ref in zip(self._pending, ready_refs, strict=True) if ref in done]
+        ready = self.group.ready(self._pending, timeout=0)
         if not ready:
             return
         self._pending = [pg for pg in self._pending if pg not in ready]
@@ -151,43 +150,44 @@ class GangGrowth:
                 self._start_rank(
                     slot.job_rank, gang.gang_id, slot.gang_rank, pg, 0, shard, account=False
                 )
-            refs = {r: self._workers[r].build.remote() for r in gang.job_ranks}
-            self._building[gang.gang_id] = Building(gang=gang, builds=refs)
+            builds = self.group.call(gang.job_ranks, RankWorker.build)
+            self._building[gang.gang_id] = Building(gang=gang, builds=builds)
 
     def _join_built_gangs(self) -> None:
         """Joins every gang whose ranks are all built; drops (and asks again for) a gang that
         lost a rank while building."""
         built: list[Building] = []
         for gid, b in list(self._building.items()):
-            refs = list(b.builds.values())
-            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            futures = list(b.builds.values())
+            done = self.group.wait(futures, num_returns=len(futures), timeout=0)
             failed = False
-            for ref in done:
+            for future in done:
                 try:
-                    ray.get(ref)
-                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+                    self.group.result(future)
+                except RankCallError:
                     failed = True  # e.g. its node went away; a peer's build would wait it out
             if failed:
                 del self._building[gid]
                 self._abandon_building(b.gang)
                 self._request_growth()
-            elif len(done) == len(refs):
+            elif len(done) == len(futures):
                 del self._building[gid]
                 built.append(b)
         if not built:
             return
         new_ranks: list[int] = []
         for b in built:
-            for info in ray.get(list(b.builds.values())):
-                self._rank_nodes[info["rank"]] = info["node_id"]
-                self._node(info["node_id"])
+            infos: list[RankInfo] = [self.group.result(f) for f in b.builds.values()]
+            for info in infos:
+                self._rank_nodes[info.rank] = info.node_id
+                self._node(info.node_id)
             new_ranks += b.gang.job_ranks
             nodes = tuple(self._node(self._rank_nodes[r]) for r in b.gang.job_ranks)
             self.events.append(GangPlaced(at=self._now(), step=self.step, nodes=nodes))
         # Join at a sync boundary: the live gangs agree first, so the peer's state is the job's.
         try:
-            self._call(self._live_ranks(), "sync")
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+            self._call(self._live_ranks(), RankWorker.sync)
+        except RankCallError:
             # A survivor failed: recovery takes over; the new gangs, not members yet, are let
             # go (their placement is requested again once the job has re-formed).
             for b in built:
@@ -205,8 +205,10 @@ class GangGrowth:
         self._joining = {g.gang_id for g in gangs}
         self.accounting.add_gangs(g.gang_id for g in gangs)
         self._new_generation(reason=f"gangs {[g.gang_id for g in gangs]} joined")
-        self._call(new_ranks, "set_step", self.step)
-        self._call(self._live_ranks(), "broadcast_state", self.membership.member_index(peer))
+        self._call(new_ranks, RankWorker.set_step, self.step)
+        self._call(
+            self._live_ranks(), RankWorker.broadcast_state, self.membership.member_index(peer)
+        )
         self._reshare_rows(self._ranks_in_gang_order(), joining=new_ranks)
         self._joining = set()
         for g in gangs:
@@ -224,7 +226,7 @@ class GangGrowth:
         # Ranks given a new share have nothing read yet (the others read ahead already).
         ready = self._live_ranks() if reshare else new_ranks
         n = min(self.cfg.log_every, self.end_step - self.step)
-        self._call(ready, "prepare", n)
+        self._call(ready, RankWorker.prepare, n)
         # Every rank holds n now when all were given a new share; else the others hold what
         # they held (nothing, right after a recovery: they prepare before the next interval).
         self._ready = n if reshare else min(self._ready, n)
@@ -257,5 +259,5 @@ class GangGrowth:
                 )
                 self.events.append(JobFailed(at=self._now(), step=self.step, reason=reason))
                 raise JobFailedError(reason)
-            time.sleep(self.elastic.poll_s)
+            self.clock.sleep(self.elastic.poll_s)
             self._admit_new_gangs()

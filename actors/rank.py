@@ -16,6 +16,7 @@ failed interval), which is what the coordinator's exactly-once ledger is built f
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import threading
@@ -29,13 +30,19 @@ import torch
 from raytrec.data.feed import BatchFeed, DataExhausted
 from raytrec.data.source import Batch, BatchShard
 from raytrec.elastic.faults import FaultKind
+from raytrec.elastic.report import RankInfo, RankReport, TrainedBatch
 from raytrec.engine.rank import RankEngine, RankSpec
 from raytrec.rec_metrics import RankMetrics
 from raytrec.sync.schedule import SyncPlan
 
-__all__ = ["RankWorker"]
+__all__ = ["RankWorker", "progress_key"]
 
 Item = tuple[int | None, Batch]  # (batch id, batch)
+
+
+def progress_key(rank: int) -> str:
+    """The store key under which rank ``rank`` keeps the last step it finished."""
+    return f"progress/{rank}"
 
 
 class IntervalOrder:
@@ -83,22 +90,27 @@ class RankWorker:
         self.metrics = RankMetrics()
         self._feed: BatchFeed[Item] | None = None
         self._lock = threading.Lock()
-        self._trained: list[tuple[int, int | None]] = []  # (step, batch id) not yet reported
+        self._trained: list[TrainedBatch] = []  # (step, batch id) not yet reported
         self._losses: list[float] = []
         self._order = IntervalOrder()
         self._last_end: float | None = None  # when the last train call ended (perf_counter)
+        # The heartbeat: the step count goes to the job's store at most this often while the
+        # rank trains (and at every interval's end), so the coordinator sees a hang within
+        # elastic.step_timeout_s + poll_s whatever the interval's length.
+        self._beat_every = spec.config.elastic.poll_s / 2
+        self._last_beat = 0.0
 
-    def build(self) -> dict[str, Any]:
+    def build(self) -> RankInfo:
         """Joins the gang world and shards the model; returns where this rank runs."""
         self.engine.build()
         self._open_feed()
-        return {
-            "rank": self.spec.rank,
-            "gang": self.spec.gang,
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "pid": os.getpid(),
-            "device": str(self.engine.device),
-        }
+        return RankInfo(
+            rank=self.spec.rank,
+            gang=self.spec.gang,
+            node_id=ray.get_runtime_context().get_node_id(),
+            pid=os.getpid(),
+            device=str(self.engine.device),
+        )
 
     def _open_feed(self, *, start_step: int = 0) -> None:
         """Reads this rank's shard from batch ``start_step`` on; a feed open before is closed
@@ -170,7 +182,7 @@ class RankWorker:
 
     def train(
         self, num_steps: int, ready_steps: int = 0, *, seq: int = -1, after: int | None = None
-    ) -> dict[str, Any]:
+    ) -> RankReport:
         """Trains ``num_steps`` prepared batches, then makes sure the next ``ready_steps`` are
         in memory.
 
@@ -185,7 +197,7 @@ class RankWorker:
         of the gang: the ranks agree on it over the gang world first, because a rank that went
         on alone would wait in the gang's collectives for a peer that stopped (say one whose
         replica group lost a member in the last step, while this rank's group finished). A
-        call skipped returns ``{"skipped": True}`` and changes nothing.
+        call skipped returns a report with ``skipped`` set and changes nothing.
         """
         go = self._order.wait_turn(after)
         # Idle from the last call's end to here; the gang's agreement below is a collective
@@ -197,16 +209,15 @@ class RankWorker:
             if after is not None:
                 go = self.engine.gang_agrees(go)
             if not go:
-                return {"rank": self.spec.rank, "step": self.engine.step, "skipped": True}
+                return RankReport(rank=self.spec.rank, step=self.engine.step, skipped=True)
             report = self._train(num_steps, ready_steps, started=started)
-            report["idle_s"] = 0.0 if last is None else started - last
             succeeded = True
-            return report
+            return dataclasses.replace(report, idle_s=0.0 if last is None else started - last)
         finally:
             self._last_end = time.perf_counter()
             self._order.ended(seq, succeeded=succeeded)
 
-    def _train(self, num_steps: int, ready_steps: int, *, started: float) -> dict[str, Any]:
+    def _train(self, num_steps: int, ready_steps: int, *, started: float) -> RankReport:
         assert self._feed is not None, "build() first"
         engine = self.engine
         sync_s = stall_s = 0.0
@@ -230,6 +241,9 @@ class RankWorker:
                 t2 = time.perf_counter()
                 engine.sync(decision)
                 sync_s += time.perf_counter() - t2
+            if time.monotonic() - self._last_beat >= self._beat_every:
+                self._heartbeat()
+        self._heartbeat()
         stop: BaseException | None = None
         if ready_steps:
             try:
@@ -238,43 +252,47 @@ class RankWorker:
                 stop = e
             self._feed.wait_s = 0.0
         trained, losses = self._take_log()
-        return {
-            "rank": self.spec.rank,
-            "step": engine.step,
-            "losses": losses,
-            "trained": trained,
-            "rows": rows,
-            "seconds": time.perf_counter() - started,
-            "data_wait_s": data_s,
-            "sync_s": sync_s,
-            "stall_s": stall_s,
-            "metrics": self.metrics.state(),
-            "stop": stop,
-            "ready": self._feed.buffered(),
-        }
+        return RankReport(
+            rank=self.spec.rank,
+            step=engine.step,
+            losses=tuple(losses),
+            trained=tuple(trained),
+            rows=rows,
+            seconds=time.perf_counter() - started,
+            data_wait_s=data_s,
+            sync_s=sync_s,
+            stall_s=stall_s,
+            metrics=self.metrics.state(),
+            stop=stop,
+            ready=self._feed.buffered(),
+        )
 
-    def _take_log(self) -> tuple[list[tuple[int, int | None]], list[float]]:
+    def _take_log(self) -> tuple[list[TrainedBatch], list[float]]:
         with self._lock:
             trained, self._trained = self._trained, []
             losses, self._losses = self._losses, []
         return trained, losses
 
+    def _heartbeat(self) -> None:
+        self.engine.store.set(progress_key(self.spec.rank), str(self.engine.step))
+        self._last_beat = time.monotonic()
+
     def abort_replica_planes(self) -> None:
         """Fails this rank's pending replica-plane collectives now (runs beside ``train``)."""
         self.engine.abort_replica_planes()
 
-    def recover(self) -> dict[str, Any]:
+    def recover(self) -> RankReport:
         """After a failed ``train``: settles the step that failed and returns the batches
         trained since the last report, and the step count."""
         abandoned = self.engine.abandon_failed_step()
         trained, losses = self._take_log()
-        return {
-            "rank": self.spec.rank,
-            "step": self.engine.step,
-            "trained": trained,
-            "losses": losses,
-            "abandoned_dense_update": abandoned,
-        }
+        return RankReport(
+            rank=self.spec.rank,
+            step=self.engine.step,
+            trained=tuple(trained),
+            losses=tuple(losses),
+            abandoned_dense_update=abandoned,
+        )
 
     def _inject(self, step: int) -> float:
         """Carries out the injected faults and stalls due before ``step``; returns seconds slept."""

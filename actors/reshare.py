@@ -24,9 +24,10 @@ A mixin of :class:`~actors.coordinator.Coordinator` (like :mod:`actors.growth`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from actors.rank import RankWorker
 from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.parquet_plan import (
     Stream,
@@ -98,7 +99,13 @@ class DataResharing:
     if TYPE_CHECKING:
 
         def _now(self) -> float: ...
-        def _call_by_rank(self, ranks: list[int], method: str, args_of: Any) -> list[Any]: ...
+        def _call_by_rank(
+            self,
+            ranks: list[int],
+            method: Callable[..., Any],
+            args_of: Callable[[int], tuple[Any, ...]],
+            **kwargs: Any,
+        ) -> list[Any]: ...
 
     def _reshare_rows(self, ranks: Sequence[int], *, joining: Sequence[int] = ()) -> bool:
         """Cuts the rows no rank has trained among ``ranks`` (gang order; ``joining``: those of
@@ -151,7 +158,7 @@ class DataResharing:
                 streams.retire({old: table.length(old)})
         new_stream = dict(zip(ranks, ids, strict=True))
         self._call_by_rank(
-            list(ranks), "set_shard", lambda r: (table.shard(new_stream[r]), replays[r])
+            list(ranks), RankWorker.set_shard, lambda r: (table.shard(new_stream[r]), replays[r])
         )
         # Equal for every rank, unless the rows left cannot even out the replays queued (a loss
         # at the very end of the data): the job then ends with the shortest rank, and the

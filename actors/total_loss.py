@@ -18,13 +18,10 @@ declared in the class body; it lives here to keep the coordinator's module to it
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import ray
-import ray.exceptions
-
+from actors.rank import RankWorker
 from raytrec.config import TrainConfig
 from raytrec.data.source import BatchShard
 from raytrec.elastic.accounting import BatchAccounting
@@ -39,6 +36,7 @@ from raytrec.elastic.events import (
     TotalLoss,
 )
 from raytrec.elastic.membership import Gang, Membership
+from raytrec.elastic.report import RankInfo
 from raytrec.elastic.rollback import (
     GiveUp,
     Rebuild,
@@ -48,6 +46,7 @@ from raytrec.elastic.rollback import (
     describe_total_loss,
     plan_streams,
 )
+from raytrec.elastic.workers import Clock, RankCallError
 from raytrec.errors import JobFailedError
 from raytrec.topology import Layout, Topology
 
@@ -76,6 +75,7 @@ class TotalLossRecovery:
     _last_save: tuple[int, float]
     _rank_nodes: dict[int, str]
     _joining: set[int]
+    clock: Clock
 
     if TYPE_CHECKING:
 
@@ -83,11 +83,15 @@ class TotalLossRecovery:
         def _place_job(
             self, gangs: Sequence[Gang], shard_of: Callable[[int], Any], *, timeout_s: float
         ) -> bool: ...
-        def _build(self, ranks: list[int]) -> list[dict[str, Any]]: ...
+        def _build(self, ranks: list[int]) -> list[RankInfo]: ...
         def _with_nodes(self, gangs: Sequence[Gang]) -> tuple[Gang, ...]: ...
         def _new_generation(self, *, reason: str) -> None: ...
         def _call_by_rank(
-            self, ranks: list[int], method: str, args_of: Any, **kwargs: Any
+            self,
+            ranks: list[int],
+            method: Callable[..., Any],
+            args_of: Callable[[int], tuple[Any, ...]],
+            **kwargs: Any,
         ) -> list[Any]: ...
         def _request_growth(self) -> None: ...
         def _reshare_rows(self, ranks: Sequence[int], *, joining: Sequence[int] = ()) -> bool: ...
@@ -147,7 +151,7 @@ class TotalLossRecovery:
             try:
                 self._rebuild(decision)
                 return
-            except ray.exceptions.RayError as e:  # lost again while rebuilding: start over
+            except (RankCallError, TimeoutError) as e:  # lost again while rebuilding: start over
                 error = f"{type(e).__name__}: {str(e).strip()[:200]}"
         reason = (
             f"rebuilding the job from {point.uri} after a total loss failed "
@@ -205,10 +209,12 @@ class TotalLossRecovery:
             self.events.append(GangPlaced(at=self._now(), step=self.step, nodes=nodes))
         self.membership = self.membership.with_gangs(placed, step=point.step)
         self._new_generation(reason=f"rebuilt from the checkpoint of step {point.step}")
-        loaded = self._call_by_rank(order, "load_checkpoint", lambda r: (point.uri, starts[r].at))
+        loaded = self._call_by_rank(
+            order, RankWorker.load_checkpoint, lambda r: (point.uri, starts[r].at)
+        )
         if not self._reshare_rows(order):  # the saved streams may not be one per rebuilt rank
             self._queue_replays(starts)
-        self._last_save = (point.step, time.monotonic())
+        self._last_save = (point.step, self.clock.monotonic())
         self.events.append(
             CheckpointRestored(
                 at=self._now(),
@@ -260,7 +266,7 @@ class TotalLossRecovery:
         """Hands each rank the unread replay batches of the stream it continues."""
         replay = {r: list(s.replay) for r, s in starts.items() if s.replay}
         if replay:
-            self._call_by_rank(sorted(replay), "replay", lambda r: (replay[r],))
+            self._call_by_rank(sorted(replay), RankWorker.replay, lambda r: (replay[r],))
 
     def _shard_of(self, index: int) -> BatchShard:
         """The data shard with this index: one of the job's initial shards, or a new one."""

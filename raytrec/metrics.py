@@ -10,6 +10,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from raytrec.elastic.report import RankReport
+
 __all__ = ["IntervalMetrics", "aggregate_interval"]
 
 
@@ -54,7 +56,7 @@ class IntervalMetrics:
 
 
 def aggregate_interval(
-    reports: Sequence[dict[str, Any]],
+    reports: Sequence[RankReport],
     *,
     wall_s: float,
     generation: int,
@@ -67,25 +69,25 @@ def aggregate_interval(
     """Folds the ranks' ``train`` reports for one interval into one history row."""
     if not reports:
         raise ValueError("aggregate_interval needs at least one rank report")
-    steps = {len(r["losses"]) for r in reports}
+    steps = {len(r.losses) for r in reports}
     if len(steps) != 1:
         raise ValueError(f"ranks trained different numbers of steps in one interval: {steps}")
-    losses = [loss for r in reports for loss in r["losses"]]
-    rank_s = sum(r["seconds"] for r in reports) or 1e-12
+    losses = [loss for r in reports for loss in r.losses]
+    rank_s = sum(r.seconds for r in reports) or 1e-12
     return IntervalMetrics(
-        step=max(r["step"] for r in reports),
+        step=max(r.step for r in reports),
         steps=steps.pop(),
         loss=sum(losses) / len(losses),
-        samples_per_s=sum(r["rows"] for r in reports) / max(wall_s, 1e-12),
+        samples_per_s=sum(r.rows for r in reports) / max(wall_s, 1e-12),
         seconds=wall_s,
-        data_wait_fraction=sum(r["data_wait_s"] for r in reports) / rank_s,
-        sync_fraction=sum(r["sync_s"] for r in reports) / rank_s,
+        data_wait_fraction=sum(r.data_wait_s for r in reports) / rank_s,
+        sync_fraction=sum(r.sync_s for r in reports) / rank_s,
         generation=generation,
         gangs=gangs,
         elapsed_s=elapsed_s,
         auc=auc,
         ne=ne,
         at=at,
-        train_s=max(r["seconds"] for r in reports),
-        idle_s=max((r["idle_s"] for r in reports if "idle_s" in r), default=None),
+        train_s=max(r.seconds for r in reports),
+        idle_s=max((r.idle_s for r in reports if r.idle_s is not None), default=None),
     )

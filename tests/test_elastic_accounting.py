@@ -9,6 +9,7 @@ import pytest
 
 from raytrec.elastic.accounting import BatchAccounting
 from raytrec.elastic.ledger import LedgerError
+from raytrec.elastic.report import RankReport
 from raytrec.elastic.rollback import plan_streams
 from raytrec.elastic.streams import StreamError
 
@@ -27,8 +28,8 @@ def every_second_step(step: int) -> bool:
     return step % 2 == 0
 
 
-def report(rank: int, steps: range, ids: list[int]) -> dict[str, object]:
-    return {"rank": rank, "step": steps[-1], "trained": list(zip(steps, ids, strict=True))}
+def report(rank: int, steps: range, ids: list[int]) -> RankReport:
+    return RankReport(rank=rank, step=steps[-1], trained=tuple(zip(steps, ids, strict=True)))
 
 
 def expand(ranges: list[tuple[int, int]]) -> set[int]:
@@ -55,9 +56,9 @@ def test_a_lost_gangs_uncommitted_batches_are_replayed_once() -> None:
     # and 5 are the next ones of their streams. The sync at step 4 completed, the one at 6 not.
     survivors = [report(r, range(4, 6), [stream_id(r, 3), stream_id(r, 4)]) for r in (0, 1)]
     lost = acc.lost_rank_reports([2, 3], fail_step=5)
-    assert [x["trained"] for x in lost] == [
-        [(4, stream_id(2, 3)), (5, stream_id(2, 4))],
-        [(4, stream_id(3, 3)), (5, stream_id(3, 4))],
+    assert [x.trained for x in lost] == [
+        ((4, stream_id(2, 3)), (5, stream_id(2, 4))),
+        ((4, stream_id(3, 3)), (5, stream_id(3, 4))),
     ]
     assert (
         acc.record(

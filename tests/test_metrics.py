@@ -5,21 +5,23 @@ from __future__ import annotations
 import pytest
 
 from actors.coordinator import intervals
+from raytrec.elastic.report import RankReport
 from raytrec.metrics import aggregate_interval
 
 
 def report(
     losses: list[float], rows: int, seconds: float, data: float = 0.0, idle: float = 0.0
-) -> dict:
-    return {
-        "idle_s": idle,
-        "step": len(losses),
-        "losses": losses,
-        "rows": rows,
-        "seconds": seconds,
-        "data_wait_s": data,
-        "sync_s": 0.1,
-    }
+) -> RankReport:
+    return RankReport(
+        rank=0,
+        idle_s=idle,
+        step=len(losses),
+        losses=tuple(losses),
+        rows=rows,
+        seconds=seconds,
+        data_wait_s=data,
+        sync_s=0.1,
+    )
 
 
 def test_aggregate_interval() -> None:

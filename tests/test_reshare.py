@@ -21,6 +21,7 @@ from raytrec.data.spec import criteo_spec
 from raytrec.data.synthetic import batch_id
 from raytrec.elastic.accounting import BatchAccounting
 from raytrec.elastic.events import DataReshared, EventLog
+from raytrec.elastic.report import RankReport
 
 ROWS, B, STEPS = 1000, 16, 20  # 3 ranks x 21 batches per epoch; the job takes 20
 
@@ -59,13 +60,13 @@ class Job(DataResharing):
         own = [batch_id(shard.index, k) for k in range(stream_length(shard.stream(B)))]
         self.feeds[rank] = collections.deque([*replay, *own])
 
-    def _run(self, rank: int, steps: int) -> dict[str, Any]:
+    def _run(self, rank: int, steps: int) -> RankReport:
         ids = [self.feeds[rank].popleft() for _ in range(steps)]
         self.trained += [(rank, i) for i in ids]
-        trained = list(zip(range(self.step + 1, self.step + steps + 1), ids, strict=True))
-        return {"rank": rank, "step": self.step + steps, "trained": trained}
+        trained = tuple(zip(range(self.step + 1, self.step + steps + 1), ids, strict=True))
+        return RankReport(rank=rank, step=self.step + steps, trained=trained)
 
-    def _record(self, reports: list[dict[str, Any]], **kw: Any) -> None:
+    def _record(self, reports: list[RankReport], **kw: Any) -> None:
         last = self.accounting.record(
             reports,
             gang_of=lambda r: r,

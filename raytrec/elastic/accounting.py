@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from raytrec.elastic.ledger import DataLedger
+from raytrec.elastic.report import RankReport, TrainedBatch
 from raytrec.elastic.rows import RowRanges
 from raytrec.elastic.streams import RankStreams
 
@@ -29,8 +30,6 @@ __all__ = ["BatchAccounting"]
 
 # Batch ids are non-negative ints below this (the ledger's "rows per epoch").
 _ID_SPACE = 1 << 62
-
-Report = dict[str, Any]  # {"rank", "step", "trained": [(step, batch id or None)], "lost"?}
 
 
 class BatchAccounting:
@@ -124,7 +123,7 @@ class BatchAccounting:
 
     def record(
         self,
-        reports: Sequence[Report],
+        reports: Sequence[RankReport],
         *,
         gang_of: Callable[[int], int],
         live_gangs: Sequence[int],
@@ -138,23 +137,23 @@ class BatchAccounting:
         ``completed_through``) completed on every live gang: what was trained up to the last
         of them is committed, the rest is pending.
         """
-        new_step = max((r["step"] for r in reports), default=last_sync_step)
+        new_step = max((r.step for r in reports), default=last_sync_step)
         through = new_step if completed_through is None else completed_through
         syncs = [s for s in range(last_sync_step + 1, through + 1) if is_job_wide_sync(s)]
         last_sync = syncs[-1] if syncs else None
         before: dict[int, list[int]] = {}
         after: dict[int, list[int]] = {}
         for rep in reports:
-            rank = rep["rank"]
-            if self.streams is not None and not rep.get("lost"):
-                self.streams.trained(rank, [i for _, i in rep["trained"]])
+            rank = rep.rank
+            if self.streams is not None and not rep.lost:
+                self.streams.trained(rank, [i for _, i in rep.trained])
             gang = gang_of(rank)
-            for step, batch in rep["trained"]:
+            for step, batch in rep.trained:
                 if batch is None:
                     continue
                 bucket = before if last_sync is not None and step <= last_sync else after
                 bucket.setdefault(gang, []).append(batch)
-            self.reported_step[rank] = rep["step"]
+            self.reported_step[rank] = rep.step
         for gang, ids in before.items():
             self.ledger.consume(gang, 0, RowRanges.from_ids(ids))
         if last_sync is not None:
@@ -163,7 +162,7 @@ class BatchAccounting:
             self.ledger.consume(gang, 0, RowRanges.from_ids(ids))
         return last_sync
 
-    def lost_rank_reports(self, ranks: Iterable[int], *, fail_step: int) -> list[Report]:
+    def lost_rank_reports(self, ranks: Iterable[int], *, fail_step: int) -> list[RankReport]:
         """Reports for ranks that died: one batch per step since their last report, the next
         in their stream order. The ranks are forgotten."""
         out = []
@@ -177,8 +176,10 @@ class BatchAccounting:
             else:
                 ids = [None] * count
                 self.lost_batches += count
-            trained = list(zip(range(since + 1, fail_step + 1), ids, strict=True))
-            out.append({"rank": r, "step": fail_step, "trained": trained, "lost": True})
+            trained: tuple[TrainedBatch, ...] = tuple(
+                zip(range(since + 1, fail_step + 1), ids, strict=True)
+            )
+            out.append(RankReport(rank=r, step=fail_step, trained=trained, lost=True))
         return out
 
     def commit(self, live_gangs: Iterable[int]) -> None:

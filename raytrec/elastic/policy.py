@@ -167,8 +167,8 @@ def decide(state: ElasticState, *, now: float, config: ElasticConfig) -> Decisio
                 lost_ranks=tuple(sorted(lost)),
                 reason=(
                     f"{causes} broke all {m.num_gangs} gangs {list(m.gang_ids)}: {what}. No live "
-                    f"copy is left to re-form from; recovering this job needs a checkpoint, and "
-                    f"checkpoint recovery is not part of elastic re-formation"
+                    f"copy is left to re-form from; recovering this job needs a checkpoint "
+                    f"(elastic.restore_on_total_loss)"
                 ),
             )
         return Reform(

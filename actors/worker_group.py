@@ -1,0 +1,168 @@
+"""The worker group on Ray: rank actors, placement groups and the node table.
+
+:class:`RayWorkerGroup` implements :class:`raytrec.elastic.workers.WorkerGroup` for the
+coordinator. Every rank is a :class:`~actors.rank.RankWorker` actor in its gang's placement
+group; Ray's exceptions are turned into :class:`~raytrec.elastic.workers.RankLost` (the actor or
+its node is gone) and :class:`~raytrec.elastic.workers.RankFailed` (the rank raised). Ranks
+write the last step they finished into the job's store (``progress/<rank>``) as they train; the
+coordinator reads all of them in one round trip (:meth:`RayWorkerGroup.progress`), which is how
+a hung rank is found whatever the interval length.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import ray
+import ray.exceptions
+import torch.distributed as dist
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.rank import RankWorker, progress_key
+from raytrec.data.source import BatchShard
+from raytrec.elastic.workers import NODE_DIED, NodeInfo, RankFailed, RankLost
+from raytrec.engine.rank import RankSpec, StoreAddress
+from raytrec.placement import PlacementSpec, rank_runtime_env
+
+__all__ = ["RayWorkerGroup"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Call:
+    """One call's future: the rank it went to and Ray's ObjectRef."""
+
+    rank: int
+    ref: Any
+
+
+class RayWorkerGroup:
+    """Rank actors on Ray (module doc)."""
+
+    def __init__(self) -> None:
+        self._actors: dict[int, Any] = {}
+        self._store: dist.TCPStore | None = None
+
+    def host_store(self) -> StoreAddress:
+        host = ray.util.get_node_ip_address()
+        self._store = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300)
+        )
+        return StoreAddress(host=host, port=self._store.port)
+
+    def start_rank(
+        self, spec: RankSpec, shard: BatchShard, *, placement: PlacementGroup, bundle: int
+    ) -> None:
+        assert self._store is not None, "host_store() first"
+        # The rank overwrites it after every step it finishes; until then it has finished none.
+        self._store.set(progress_key(spec.rank), "0")
+        scaling = spec.config.scaling
+        self._actors[spec.rank] = (
+            ray.remote(RankWorker)
+            .options(
+                num_cpus=scaling.cpus_per_rank,
+                num_gpus=1 if scaling.use_gpu else 0,
+                # The running train, the one queued behind it, and abort_replica_planes beside a
+                # blocked train (actors.rank).
+                max_concurrency=3,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=placement, placement_group_bundle_index=bundle
+                ),
+                runtime_env=rank_runtime_env(scaling.rank_niceness),
+            )
+            .remote(spec, shard)
+        )
+
+    def call(
+        self,
+        ranks: Sequence[int],
+        method: Callable[..., Any],
+        args_of: Callable[[int], tuple[Any, ...]] = lambda _r: (),
+        **kwargs: Any,
+    ) -> dict[int, _Call]:
+        name = method.__name__
+        return {
+            r: _Call(r, getattr(self._actors[r], name).remote(*args_of(r), **kwargs)) for r in ranks
+        }
+
+    def wait(self, futures: Sequence[_Call], *, num_returns: int, timeout: float) -> list[_Call]:
+        if not futures:
+            return []
+        by_ref = {f.ref: f for f in futures}
+        done, _ = ray.wait(list(by_ref), num_returns=min(num_returns, len(by_ref)), timeout=timeout)
+        return [by_ref[ref] for ref in done]
+
+    def result(self, future: _Call) -> Any:
+        try:
+            return ray.get(future.ref)
+        except ray.exceptions.RayActorError as e:
+            cause = _death_cause(e)
+            raise RankLost(future.rank, cause, node_died=cause == NODE_DIED) from None
+        except ray.exceptions.RayTaskError as e:
+            raise RankFailed(future.rank, _cause(e)) from None
+
+    def kill(self, rank: int) -> None:
+        actor = self._actors.pop(rank, None)
+        if actor is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+
+    def progress(self, ranks: Sequence[int]) -> dict[int, int]:
+        if self._store is None or not ranks:
+            return {}
+        values = self._store.multi_get([progress_key(r) for r in ranks])
+        return {r: int(v) for r, v in zip(ranks, values, strict=True)}
+
+    def place(self, spec: PlacementSpec, *, name: str) -> PlacementGroup:
+        return placement_group(list(spec.bundles), strategy=spec.strategy, name=name)
+
+    def ready(
+        self, placements: Sequence[PlacementGroup], *, timeout: float
+    ) -> list[PlacementGroup]:
+        if not placements:
+            return []
+        refs = {pg.ready(): pg for pg in placements}
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        return [refs[ref] for ref in done]
+
+    def release(self, placement: PlacementGroup) -> None:
+        with contextlib.suppress(Exception):
+            remove_placement_group(placement)
+
+    def nodes(self) -> list[NodeInfo]:
+        return [
+            NodeInfo(
+                node_id=n["NodeID"],
+                address=str(n.get("NodeManagerAddress", "")),
+                alive=bool(n.get("Alive")),
+            )
+            for n in ray.nodes()
+        ]
+
+    def shutdown(self) -> None:
+        for rank in list(self._actors):
+            self.kill(rank)
+
+
+def _death_cause(e: BaseException) -> str:
+    """Why an actor died, in one line (:data:`NODE_DIED` when its node went)."""
+    text = str(e)
+    if "node has died" in text or "node was terminated" in text:
+        return NODE_DIED
+    lines = text.strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def _cause(e: ray.exceptions.RayTaskError) -> BaseException:
+    """The rank's own exception inside Ray's wrapper (a BadInputError keeps its fields)."""
+    from raytrec.data.parquet import _find_bad_input
+
+    bad = _find_bad_input(e)
+    if bad is not None:
+        return bad
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, BaseException) else e

@@ -1,0 +1,160 @@
+"""The coordinator's seam to the processes it drives: the worker group and the clock.
+
+The coordinator (:mod:`actors.coordinator`) never talks to Ray directly. It starts ranks, calls
+their methods, waits for the answers, kills ranks, reads their progress, places and releases
+gang placement groups and reads the node table through a :class:`WorkerGroup`, and reads the
+time from a :class:`Clock`. :class:`actors.worker_group.RayWorkerGroup` is the Ray
+implementation; :class:`raytrec.elastic.fake.FakeWorkerGroup` runs ranks in-process with a
+frozen clock, so the real control loop is tested without Ray (Ray Train v2 tests its controller
+the same way).
+
+Calls name the rank method itself (``group.call(ranks, RankWorker.sync)``), not a string, so a
+renamed method breaks the type check rather than a running job. Failures come back as two
+exceptions whatever the implementation: :class:`RankLost` (the rank's process or node is
+gone) and :class:`RankFailed` (the rank raised; ``cause`` is its own exception).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from raytrec.data.source import BatchShard
+    from raytrec.engine.rank import RankSpec, StoreAddress
+    from raytrec.placement import PlacementSpec
+
+__all__ = [
+    "Clock",
+    "Future",
+    "NodeInfo",
+    "Placement",
+    "RankCallError",
+    "RankFailed",
+    "RankLost",
+    "SystemClock",
+    "WorkerGroup",
+]
+
+#: An answer still to come (an ObjectRef, for Ray).
+Future = Any
+#: A placement group requested from the cluster.
+Placement = Any
+
+#: Why a rank is gone when its node went with it (events and tests compare against it).
+NODE_DIED = "its node died"
+
+
+class RankCallError(Exception):
+    """A call on a rank did not return its answer."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class RankLost(RankCallError):
+    """The rank's process is gone (it died, was killed, or its node left the cluster)."""
+
+    def __init__(self, rank: int, cause: str, *, node_died: bool = False) -> None:
+        super().__init__(rank, cause)
+        self.cause = cause
+        self.node_died = node_died
+
+
+class RankFailed(RankCallError):
+    """The rank raised; ``cause`` is its own exception (a BadInputError keeps its fields)."""
+
+    def __init__(self, rank: int, cause: BaseException) -> None:
+        text = str(cause).strip().splitlines()
+        super().__init__(rank, f"{type(cause).__name__}: {text[0][:200] if text else ''}")
+        self.cause = cause
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodeInfo:
+    """A node of the cluster as the node table shows it."""
+
+    node_id: str
+    address: str
+    alive: bool
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+    def perf_counter(self) -> float: ...
+    def sleep(self, seconds: float) -> None: ...
+
+
+class SystemClock:
+    """The real clock."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def perf_counter(self) -> float:
+        return time.perf_counter()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+class WorkerGroup(Protocol):
+    """Everything the coordinator does to processes and the cluster (module doc)."""
+
+    def host_store(self) -> StoreAddress:
+        """Hosts the job's rendezvous store on this node; returns where it listens."""
+        ...
+
+    def start_rank(
+        self, spec: RankSpec, shard: BatchShard, *, placement: Placement, bundle: int
+    ) -> None:
+        """Starts rank ``spec.rank``'s process in bundle ``bundle`` of ``placement``."""
+        ...
+
+    def call(
+        self,
+        ranks: Sequence[int],
+        method: Callable[..., Any],
+        args_of: Callable[[int], tuple[Any, ...]] = lambda _r: (),
+        **kwargs: Any,
+    ) -> dict[int, Future]:
+        """Calls ``method`` (a :class:`~actors.rank.RankWorker` method) on every rank of
+        ``ranks`` with ``args_of(rank)`` and ``kwargs``; returns rank -> its future."""
+        ...
+
+    def wait(self, futures: Sequence[Future], *, num_returns: int, timeout: float) -> list[Future]:
+        """The futures that are done after at most ``timeout`` seconds (at least
+        ``num_returns`` of them unless the time ran out)."""
+        ...
+
+    def result(self, future: Future) -> Any:
+        """A done future's value; raises :class:`RankLost` or :class:`RankFailed`."""
+        ...
+
+    def kill(self, rank: int) -> None:
+        """Ends the rank's process (no-op when it is gone)."""
+        ...
+
+    def progress(self, ranks: Sequence[int]) -> dict[int, int]:
+        """The last step each rank finished, as it reports while it trains (its heartbeat);
+        ranks that have not reported are left out."""
+        ...
+
+    def place(self, spec: PlacementSpec, *, name: str) -> Placement:
+        """Requests a placement group (pending until the cluster can hold it)."""
+        ...
+
+    def ready(self, placements: Sequence[Placement], *, timeout: float) -> list[Placement]:
+        """The placements that are ready after at most ``timeout`` seconds."""
+        ...
+
+    def release(self, placement: Placement) -> None:
+        """Removes a placement group (pending or ready)."""
+        ...
+
+    def nodes(self) -> list[NodeInfo]:
+        """The cluster's node table."""
+        ...
