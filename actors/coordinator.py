@@ -49,15 +49,24 @@ from actors.rank import RankWorker
 from actors.reshare import DataResharing, StreamTable
 from actors.total_loss import TotalLossRecovery
 from raytrec.checkpoint.config import checkpoint_root, save_decision
-from raytrec.config import TrainConfig
+from raytrec.config import ConfigError, TrainConfig
 from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.source import BatchShard
 from raytrec.data.synthetic import batch_id
 from raytrec.elastic.accounting import BatchAccounting
+from raytrec.elastic.control import (
+    Boundary,
+    intervals_to_queue,
+    retry_transient,
+    survivors_apart,
+)
+from raytrec.elastic.drain import REQUEST_FILE, Drain, DrainRequest, decide_drain, read_request
 from raytrec.elastic.events import (
     CheckpointRestored,
     CheckpointSaved,
+    DrainRejected,
     EventLog,
+    GangDrained,
     GangDropped,
     GenerationStarted,
     HangDetected,
@@ -502,6 +511,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
                     if stop is not None and self._ready < n:
                         stopped_by = stop  # bad input, or the end of the data, in what is next
                         break
+                    self._apply_drain()
                     self._admit_new_gangs()
                     self._wait_for_min_gangs()
                     # A join may have shared the rows left among more ranks: the end is sooner.
@@ -557,27 +567,85 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         return stopped_by
 
     def _top_up(self, inflight: deque[_Dispatched], step: int) -> None:
-        """Queues intervals behind the one running, up to ``_depth`` in flight, for as long as
-        :meth:`_may_queue` allows. ``step``: where the last interval collected ended."""
-        while len(inflight) < self._depth:
-            start = inflight[-1].end if inflight else step
-            n = min(self.cfg.log_every, self.end_step - start)
-            if not self._may_queue(start, n, step):
-                return
+        """Queues the intervals :func:`~raytrec.elastic.control.intervals_to_queue` allows
+        behind the one running. ``step``: where the last interval collected ended."""
+        boundary = Boundary(
+            step=step,
+            end_step=self.end_step,
+            every=self.cfg.log_every,
+            depth=self._depth,
+            ready=self._ready,
+            membership_changing=bool(self._pending or self._building)
+            or self._drain_decision(take=False) is not None,
+            live_gangs=self.membership.num_gangs,
+            min_gangs=self.elastic.min_gangs,
+        )
+        end = inflight[-1].end if inflight else None
+        for start, n in intervals_to_queue(boundary, end, len(inflight), self._save_due):
             after = inflight[-1].seq if inflight else None
             inflight.append(self._dispatch(start, n, after=after))
 
-    def _may_queue(self, start: int, n: int, step: int) -> bool:
-        """Whether the interval of ``n`` steps from ``start`` may be sent before the coordinator
-        has seen the job reach ``start``. Only when nothing has to happen at that boundary: the
-        job is not at its end, every rank said it holds the interval's batches (so a data
-        problem stops every rank at the same boundary), no checkpoint is due, no gang is being
-        added and the job has its minimum gangs. ``step``: where the last report ended."""
-        if n <= 0 or self._ready - (start - step) < n:
-            return False
-        if self._pending or self._building or self._save_due(start):
-            return False
-        return self.membership.num_gangs >= self.elastic.min_gangs
+    # -- drains -------------------------------------------------------------------------------
+
+    def _drain_decision(self, *, take: bool) -> Drain | None:
+        """What the policy says to give back now (:func:`~raytrec.elastic.drain.decide_drain`),
+        from a user's request in the run directory and the nodes the cluster is draining.
+        ``take``: a user's request is consumed (it is being carried out)."""
+        path = os.path.join(self.run_dir, REQUEST_FILE)
+        try:
+            request = read_request(path, remove=take)
+        except ConfigError as e:  # a bad request must not stop a training job
+            os.replace(path, f"{path}.rejected")
+            self.events.append(DrainRejected(at=self._now(), step=self.step, reason=str(e)))
+            request = DrainRequest()
+        draining = self.group.draining_nodes()
+        if draining:
+            request = request.merged(DrainRequest(nodes=frozenset(draining)))
+        decision = decide_drain(
+            self.membership,
+            request,
+            node_of_rank=self._rank_nodes,
+            max_gangs=self.max_gangs,
+            min_gangs=self.elastic.min_gangs,
+        )
+        return decision
+
+    def _apply_drain(self) -> None:
+        """Gives gangs back at this boundary (nothing in flight): a job-wide sync commits their
+        work, the rows they had not trained are shared again among the others, and their
+        placement groups are released; no row is lost or trained twice."""
+        decision = self._drain_decision(take=True)
+        if decision is None:
+            return
+        self.max_gangs = decision.max_gangs
+        if decision.gangs:
+            self._call(self._live_ranks(), RankWorker.sync)
+            self._commit_all()
+            drained = list(decision.gangs)
+            survivors = [g for g in self.membership.gang_ids if g not in decision.gangs]
+            ranks = [r for g in drained for r in self.membership.gang(g).job_ranks]
+            # They reported every batch up to this step and all of it is committed: this only
+            # retires their streams where they stand, for the others or a later gang to go on.
+            self.accounting.lost_rank_reports(ranks, fail_step=self.step)
+            self._drop(drained, survivors)
+            for gid in drained:
+                self.events.append(
+                    GangDrained(at=self._now(), step=self.step, gang_id=gid, reason=decision.reason)
+                )
+                self._kill_gang(gid)
+            self.membership = self.membership.without(drained)
+        # Placement requested beyond the new cap is given back too.
+        while (
+            self._pending
+            and self.membership.num_gangs + len(self._pending) + len(self._building)
+            > self.max_gangs
+        ):
+            self.group.release(self._pending.pop())
+        if decision.gangs:
+            self._new_generation(reason=decision.reason)
+            if self._reshare_rows(self._ranks_in_gang_order()):
+                self._ready = 0  # new streams: every rank reads its share from the start
+        self._request_growth()
 
     def _finish(self, final: str, *, checkpoint: bool) -> dict[int, dict[str, str]]:
         """Ends on a job-wide sync, checks the replicas, saves the final model."""
@@ -786,11 +854,10 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
             # collective timeout (an overloaded host, a long pause). Nobody is dropped; the job
             # re-forms as it was, unless that keeps happening.
             self._transient += 1
-            if self._transient > _MAX_TRANSIENT:
-                raise JobFailedError(
-                    f"collectives failed {self._transient} times in a row with every rank "
-                    f"alive; last errors: {sorted(result.errored.items())[:2]}"
-                )
+            errors = [f"rank {r}: {e}" for r, e in sorted(result.errored.items())]
+            why = retry_transient(self._transient, limit=_MAX_TRANSIENT, errors=errors)
+            if why is not None:
+                raise JobFailedError(why)
         else:
             self._transient = 0
         # A gang that was joining has no state of its own yet: if anything fails meanwhile,
@@ -866,12 +933,9 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         self._abort_planes(set(survivor_ranks))
         recovered = self._call(survivor_ranks, RankWorker.recover)
         steps = sorted({rep.step for rep in recovered})
-        if steps[-1] - steps[0] > self.cfg.sync.sync_every:
-            raise JobFailedError(
-                f"survivors stopped at steps {steps[0]}..{steps[-1]} after losing gangs "
-                f"{failed_gangs}; re-forming needs them within one sync period (a hierarchical "
-                "schedule lets groups run apart between job-wide syncs)"
-            )
+        apart = survivors_apart(steps, sync_every=self.cfg.sync.sync_every, lost_gangs=failed_gangs)
+        if apart is not None:
+            raise JobFailedError(apart)
         # A failure reaches the members of a collective at slightly different moments: one may
         # have finished a step its peers did not. The job goes on from the furthest step; a
         # rank that is behind simply trained one batch less (its log says which).

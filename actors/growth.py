@@ -29,9 +29,11 @@ from raytrec.elastic.events import (
     GangJoined,
     GangPlaced,
     GangRequested,
+    HealFailed,
     JobFailed,
     ResourcesWaited,
 )
+from raytrec.elastic.heal import failed_heals
 from raytrec.elastic.membership import Gang, Membership
 from raytrec.elastic.report import RankInfo
 from raytrec.elastic.workers import Clock, Placement, RankCallError, WorkerGroup
@@ -116,7 +118,7 @@ class GangGrowth:
         )
         spec = placement_specs(self.topology, per_rank=per_rank, gangs=(0,))[0]
         for _ in range(want):
-            self._pending.append(self.group.place(spec, name=f"{self.cfg.name}-new-gang"))
+            self._pending.append(self.group.place(spec))
         self.events.append(
             GangRequested(
                 at=self._now(), step=self.step, count=want, outstanding=len(self._pending)
@@ -209,6 +211,8 @@ class GangGrowth:
         self._call(
             self._live_ranks(), RankWorker.broadcast_state, self.membership.member_index(peer)
         )
+        gangs = tuple(self._verify_heals(gangs, peer=peer))
+        new_ranks = [r for g in gangs for r in g.job_ranks]
         self._reshare_rows(self._ranks_in_gang_order(), joining=new_ranks)
         self._joining = set()
         for g in gangs:
@@ -230,6 +234,41 @@ class GangGrowth:
         # Every rank holds n now when all were given a new share; else the others hold what
         # they held (nothing, right after a recovery: they prepare before the next interval).
         self._ready = n if reshare else min(self._ready, n)
+
+    def _verify_heals(self, gangs: Sequence[Gang], *, peer: int) -> list[Gang]:
+        """Compares each joined gang's state with the peer it healed from, before any
+        averaging (:func:`~raytrec.elastic.heal.failed_heals`); a gang that differs is dropped
+        (a new generation without it), released and placed again. Returns the gangs that
+        healed."""
+        ranks = [*self.membership.gang(peer).job_ranks, *(r for g in gangs for r in g.job_ranks)]
+        digests = dict(zip(ranks, self._call(ranks, RankWorker.state_digest), strict=True))
+        failed = failed_heals(
+            self.membership, peer=peer, joined=[g.gang_id for g in gangs], digests=digests
+        )
+        if not failed:
+            return list(gangs)
+        for gid, bad in sorted(failed.items()):
+            self.events.append(
+                HealFailed(
+                    at=self._now(), step=self.step, gang_id=gid, peer_gang_id=peer, job_ranks=bad
+                )
+            )
+        dropped = [g for g in gangs if g.gang_id in failed]
+        if self.streams_table is None:  # else not booked until the rows are shared out
+            for g in dropped:
+                for r in g.job_ranks:
+                    self.accounting.forget_rank(r)  # it trained nothing
+        survivors = [g for g in self.membership.gang_ids if g not in failed]
+        self.accounting.drop(
+            list(failed), survivors, ranks_of=lambda g: self.membership.gang(g).job_ranks
+        )
+        self.membership = self.membership.without(failed)
+        self._joining -= set(failed)
+        self._new_generation(reason=f"gangs {sorted(failed)} did not heal")
+        for g in dropped:
+            self._release(g.gang_id, g.job_ranks)
+        self._request_growth()
+        return [g for g in gangs if g.gang_id not in failed]
 
     def _abandon_building(self, gang: Gang) -> None:
         self._release(gang.gang_id, gang.job_ranks)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import ray
 import torch
+import torch.distributed as dist
 
 from raytrec.data.feed import BatchFeed, DataExhausted
 from raytrec.data.source import Batch, BatchShard
@@ -94,16 +95,16 @@ class RankWorker:
         self._losses: list[float] = []
         self._order = IntervalOrder()
         self._last_end: float | None = None  # when the last train call ended (perf_counter)
-        # The heartbeat: the step count goes to the job's store at most this often while the
-        # rank trains (and at every interval's end), so the coordinator sees a hang within
-        # elastic.step_timeout_s + poll_s whatever the interval's length.
-        self._beat_every = spec.config.elastic.poll_s / 2
-        self._last_beat = 0.0
+        self._heartbeat: threading.Thread | None = None
+        self._closed = threading.Event()
+        self._heal_corrupted = False
 
     def build(self) -> RankInfo:
         """Joins the gang world and shards the model; returns where this rank runs."""
         self.engine.build()
         self._open_feed()
+        self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+        self._heartbeat.start()
         return RankInfo(
             rank=self.spec.rank,
             gang=self.spec.gang,
@@ -131,7 +132,17 @@ class RankWorker:
         self.engine.join_sync_plan(plan)
 
     def broadcast_state(self, src: int) -> None:
+        """Copies replica-group member ``src``'s full state to this rank (a heal, or the job's
+        start)."""
         self.engine.broadcast_state(src=src)
+        spec = self.spec
+        if not self._heal_corrupted and spec.config.faults.corrupts_heal(
+            self.engine.step, rank=spec.rank, gang=spec.gang
+        ):
+            # An injected fault (tests of the coordinator's heal check): one weight is off.
+            self._heal_corrupted = True
+            with torch.no_grad():
+                self.engine.embedding_weights()[0].view(-1)[0] += 1.0
 
     def broadcast_dense(self, src: int) -> None:
         self.engine.broadcast_dense(src=src)
@@ -241,9 +252,6 @@ class RankWorker:
                 t2 = time.perf_counter()
                 engine.sync(decision)
                 sync_s += time.perf_counter() - t2
-            if time.monotonic() - self._last_beat >= self._beat_every:
-                self._heartbeat()
-        self._heartbeat()
         stop: BaseException | None = None
         if ready_steps:
             try:
@@ -273,9 +281,23 @@ class RankWorker:
             losses, self._losses = self._losses, []
         return trained, losses
 
-    def _heartbeat(self) -> None:
-        self.engine.store.set(progress_key(self.spec.rank), str(self.engine.step))
-        self._last_beat = time.monotonic()
+    def _beat(self) -> None:
+        """The heartbeat: every ``elastic.poll_s / 2`` seconds, the step count goes to the job's
+        store when it moved, so the coordinator sees a rank that finishes no step within
+        ``step_timeout_s + poll_s`` whatever the interval's length. A thread of its own with
+        its own connection, so the training loop pays nothing for it; a rank whose process
+        is stuck (even holding the GIL) simply stops beating."""
+        spec = self.spec
+        store = dist.TCPStore(spec.store.host, spec.store.port, is_master=False)
+        key, sent = progress_key(spec.rank), -1
+        while not self._closed.wait(spec.config.elastic.poll_s / 2):
+            step = self.engine.step
+            if step != sent:
+                try:
+                    store.set(key, str(step))
+                except Exception:  # the coordinator, and with it the store, is gone
+                    return
+                sent = step
 
     def abort_replica_planes(self) -> None:
         """Fails this rank's pending replica-plane collectives now (runs beside ``train``)."""
@@ -372,6 +394,7 @@ class RankWorker:
         }
 
     def close(self) -> None:
+        self._closed.set()
         if self._feed is not None:
             self._feed.close()
         self.engine.close()

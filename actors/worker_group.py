@@ -117,7 +117,7 @@ class RayWorkerGroup:
         values = self._store.multi_get([progress_key(r) for r in ranks])
         return {r: int(v) for r, v in zip(ranks, values, strict=True)}
 
-    def place(self, spec: PlacementSpec, *, name: str) -> PlacementGroup:
+    def place(self, spec: PlacementSpec, *, name: str = "") -> PlacementGroup:
         return placement_group(list(spec.bundles), strategy=spec.strategy, name=name)
 
     def ready(
@@ -142,6 +142,16 @@ class RayWorkerGroup:
             )
             for n in ray.nodes()
         ]
+
+    def draining_nodes(self) -> set[str]:
+        # Ray's GCS keeps the nodes being drained (ray drain-node, the autoscaler's idle
+        # termination, preemption notices); there is no public wrapper for it in Ray 2.60.
+        from ray._private.state import state
+
+        try:
+            return set(state.get_draining_nodes())
+        except Exception:  # an older GCS, or a moment without it: nothing is known to drain
+            return set()
 
     def shutdown(self) -> None:
         for rank in list(self._actors):

@@ -174,6 +174,12 @@ class ProgressReporter:
             self._writer = SummaryWriter(logdir=os.path.join(run_dir, TENSORBOARD_DIR))
         for row in self.rows:
             self._record(row)
+        print(
+            f"[raytrec] run directory: {run_dir} (python -m jobs.drain {run_dir} --gangs 1 "
+            "gives a gang back)",
+            file=self.stream,
+            flush=True,
+        )
 
     # -- rows --------------------------------------------------------------------------------
 

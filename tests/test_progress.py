@@ -99,8 +99,13 @@ def test_plain_lines_file_tensorboard_and_plot(tmp_path: pathlib.Path) -> None:
         reporter(row)
     plot = reporter.close(events=[{"step": 25, "kind": "rank_lost", "rank": 1}])
 
-    # The console: one plain line per interval, no carriage returns (job logs stay readable).
-    lines = stream.getvalue().splitlines()
+    # The console: where the run goes, then one plain line per interval, no carriage returns
+    # (job logs stay readable).
+    first, *lines = stream.getvalue().splitlines()
+    assert first == (
+        f"[raytrec] run directory: {tmp_path} (python -m jobs.drain {tmp_path} --gangs 1 gives "
+        "a gang back)"
+    )
     assert lines == [format_line(dataclasses.asdict(r), TOTAL) for r in rows]
     assert "\r" not in stream.getvalue()
 
@@ -220,7 +225,7 @@ def test_events_are_shown_as_they_come_and_written_to_events_jsonl(tmp_path: pat
     reporter(rows[0])
     reporter.event(died)
     reporter.event(reshared)
-    lines = stream.getvalue().splitlines()
+    lines = stream.getvalue().splitlines()[1:]  # after the run directory's line
     assert lines[1] == format_event(died)
     assert lines[1].startswith("[raytrec] event at 12.3s, step 20: rank_died job_rank=3 cause=")
     assert lines[1].endswith("x" * 117 + "...")

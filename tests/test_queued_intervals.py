@@ -1,7 +1,8 @@
 """Intervals queued on the ranks while the one before them runs.
 
 The coordinator sends interval k+1 while k is still running, so the ranks go from one interval
-to the next without waiting for it (``Coordinator._top_up``). Three things make that safe:
+to the next without waiting for it (``Coordinator._top_up``, which asks
+:func:`raytrec.elastic.control.intervals_to_queue`). Three things make that safe:
 
 - *When* it may (pure, ms): only when nothing has to run on the ranks at the boundary (a
   checkpoint, a gang joining, the end of the job), and only intervals every rank said it holds
@@ -17,18 +18,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import ray
 
-from actors.coordinator import Coordinator
 from actors.rank import IntervalOrder
 from raytrec.api import fit
-from raytrec.checkpoint.config import CheckpointConfig
+from raytrec.checkpoint.config import CheckpointConfig, save_decision
 from raytrec.cluster import connect
 from raytrec.config import (
     DataConfig,
@@ -39,84 +37,71 @@ from raytrec.config import (
     criteo_tables,
 )
 from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.control import Boundary, intervals_to_queue
 from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
 
 # -- when the coordinator may queue an interval ---------------------------------------------
 
 
-def coordinator(
+def queue(
+    step: int,
+    ready: int,
     *,
+    in_flight: list[tuple[int, int]] = (),  # type: ignore[assignment]
     end_step: int = 100,
     every_n_steps: int | None = None,
     live: int = 2,
     min_gangs: int = 1,
     depth: int = 2,
-) -> tuple[Coordinator, list[tuple[int, int, int | None]]]:
-    c = Coordinator.__new__(Coordinator)  # no __init__: no Ray, no store
-    sent: list[tuple[int, int, int | None]] = []  # (start, steps, after)
-    c.end_step = end_step
-    c.cfg = SimpleNamespace(log_every=25, checkpoint=CheckpointConfig(every_n_steps=every_n_steps))
-    c.elastic = SimpleNamespace(min_gangs=min_gangs)
-    c.membership = SimpleNamespace(num_gangs=live)
-    c._last_save = (0, time.monotonic())
-    c._pending = []
-    c._building = {}
-    c._depth = depth
-    c._ready = 0
+    changing: bool = False,
+) -> list[tuple[int, int]]:
+    """What the coordinator sends after collecting the interval that ended at ``step``, with
+    every rank holding ``ready`` batches beyond it and ``in_flight`` intervals (start, steps)
+    already sent."""
+    boundary = Boundary(
+        step=step,
+        end_step=end_step,
+        every=25,
+        depth=depth,
+        ready=ready,
+        membership_changing=changing,
+        live_gangs=live,
+        min_gangs=min_gangs,
+    )
+    policy = CheckpointConfig(every_n_steps=every_n_steps)
 
-    def dispatch(start: int, n: int, *, after: int | None = None, **_: Any) -> Any:
-        sent.append((start, n, after))
-        return SimpleNamespace(n=n, end=start + n, seq=len(sent))
+    def save_due(at: int) -> bool:
+        d = save_decision(
+            policy, step=at, now_s=0.0, last_save_step=0, last_save_s=0.0, sync_every=1
+        )
+        return d.save and at != 0
 
-    c._dispatch = dispatch
-    return c, sent
-
-
-def collected(c: Coordinator, step: int, ready: int, inflight: deque[Any]) -> None:
-    """The coordinator collected the interval ending at ``step``; every rank holds ``ready``
-    batches beyond it."""
-    c._ready = ready
-    c._top_up(inflight, step)
+    end = in_flight[-1][0] + in_flight[-1][1] if in_flight else None
+    return intervals_to_queue(boundary, end, len(in_flight), save_due)
 
 
 def test_the_next_interval_is_queued_behind_the_running_one() -> None:
-    c, sent = coordinator(end_step=100)
-    inflight: deque[Any] = deque()
     # Interval 25..50 collected, the ranks hold the next two intervals: both are sent, the
     # second queued behind the first.
-    collected(c, 25, 50, inflight)
-    assert sent == [(25, 25, None), (50, 25, 1)]
+    assert queue(25, 50) == [(25, 25), (50, 25)]
     # 50 collected: 50..75 runs, so 75..100 is queued behind it; nothing beyond the end.
-    inflight.popleft()
-    collected(c, 50, 50, inflight)
-    assert sent[2:] == [(75, 25, 2)]
-    inflight.popleft()
-    collected(c, 75, 25, inflight)
-    assert sent[3:] == []
+    assert queue(50, 50, in_flight=[(50, 25)]) == [(75, 25)]
+    assert queue(75, 25, in_flight=[(75, 25)]) == []
 
 
 def test_a_short_last_interval() -> None:
-    c, sent = coordinator(end_step=60)
-    collected(c, 25, 35, deque())
-    assert sent == [(25, 25, None), (50, 10, 1)]
+    assert queue(25, 35, end_step=60) == [(25, 25), (50, 10)]
 
 
 def test_depth_one_sends_the_next_interval_only_after_the_last() -> None:
-    c, sent = coordinator(depth=1)
-    inflight: deque[Any] = deque()
-    collected(c, 25, 50, inflight)
-    assert sent == [(25, 25, None)]
+    assert queue(25, 50, depth=1) == [(25, 25)]
 
 
 def test_only_what_every_rank_holds_is_sent() -> None:
     # A rank could prepare only 30 batches beyond step 25 (bad input, or its data ended):
     # 25..50 goes, 50..75 does not; the job stops at 50, where that rank's data gives out.
-    c, sent = coordinator()
-    collected(c, 25, 30, deque())
-    assert sent == [(25, 25, None)]
-    c, sent = coordinator()
-    collected(c, 25, 10, deque())
-    assert sent == []
+    assert queue(25, 30) == [(25, 25)]
+    assert queue(25, 10) == []
 
 
 @pytest.mark.parametrize(
@@ -125,30 +110,18 @@ def test_only_what_every_rank_holds_is_sent() -> None:
         ("the job is at its end", {"end_step": 50}, 50),
         ("a checkpoint is due", {"every_n_steps": 50}, 50),
         ("the job is below its minimum gangs", {"live": 1, "min_gangs": 2}, 25),
+        ("a gang is being added, or a drain is due", {"changing": True}, 25),
     ],
 )
 def test_nothing_is_sent_early_when_the_boundary_has_work(
     why: str, kwargs: dict[str, Any], step: int
 ) -> None:
-    c, sent = coordinator(**kwargs)
-    collected(c, step, 50, deque())
-    assert sent == [], why
+    assert queue(step, 50, **kwargs) == [], why
 
 
 def test_nothing_is_queued_past_a_checkpoint() -> None:
     # 50..75 may run, but the interval after it starts where a save is due: it waits.
-    c, sent = coordinator(every_n_steps=75)
-    collected(c, 50, 50, deque())
-    assert sent == [(50, 25, None)]
-
-
-def test_nothing_is_sent_early_while_a_gang_is_being_added() -> None:
-    c, sent = coordinator()
-    c._pending = [object()]  # a placement group not ready yet
-    collected(c, 25, 50, deque())
-    c._pending, c._building = [], {3: object()}
-    collected(c, 25, 50, deque())
-    assert sent == []
+    assert queue(50, 50, every_n_steps=75) == [(50, 25)]
 
 
 # -- the order of train calls on a rank -----------------------------------------------------

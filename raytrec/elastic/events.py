@@ -16,8 +16,10 @@ __all__ = [
     "CheckpointRestored",
     "CheckpointSaved",
     "DataReshared",
+    "DrainRejected",
     "Event",
     "EventLog",
+    "GangDrained",
     "GangDropped",
     "GangHealed",
     "GangJoined",
@@ -25,6 +27,7 @@ __all__ = [
     "GangRequested",
     "GenerationStarted",
     "HangDetected",
+    "HealFailed",
     "JobFailed",
     "NodeDied",
     "RankDied",
@@ -111,6 +114,34 @@ class GangHealed(Event):
     kind: ClassVar[str] = "gang_healed"
     gang_id: int
     peer_gang_id: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GangDrained(Event):
+    """A gang given back on purpose at an interval boundary, its work committed first."""
+
+    kind: ClassVar[str] = "gang_drained"
+    gang_id: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DrainRejected(Event):
+    """A drain request that could not be read or asked for something not allowed."""
+
+    kind: ClassVar[str] = "drain_rejected"
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HealFailed(Event):
+    """A gang's state after healing differs from the peer it copied (digests compared before
+    any averaging): it is dropped and placed again."""
+
+    kind: ClassVar[str] = "heal_failed"
+    gang_id: int
+    peer_gang_id: int
+    job_ranks: tuple[int, ...]  # ranks whose digest differs from their peer's
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

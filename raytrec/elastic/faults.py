@@ -2,7 +2,9 @@
 
 A :class:`FaultSpec` is one fault: ``kill_rank`` (the rank's process exits), ``remove_node``
 (the node and every rank on it go away), ``hang_rank`` (the rank stops making progress and never
-returns) or ``slow_rank`` (the rank stalls ``stall_s`` seconds in each of ``steps`` steps). A
+returns), ``slow_rank`` (the rank stalls ``stall_s`` seconds in each of ``steps`` steps) or
+``corrupt_heal`` (the rank's first heal from a peer at or after ``step`` leaves one of its
+weights off by one, which the coordinator's heal check must catch). A
 fault is due at step ``step``: a rank carries it out as it starts that step (after ``step - 1``
 completed steps; ``kill_rank@16`` dies before training step 16). Rank faults
 target one job rank (``rank``), every rank of a gang (``gang``, a gang id) or every rank on a node
@@ -31,6 +33,7 @@ class FaultKind(enum.StrEnum):
     REMOVE_NODE = "remove_node"
     HANG_RANK = "hang_rank"
     SLOW_RANK = "slow_rank"
+    CORRUPT_HEAL = "corrupt_heal"
 
 
 #: Faults a rank carries out on itself; ``remove_node`` is carried out by the coordinator.
@@ -185,6 +188,16 @@ class FaultConfig:
         """Every fault due at ``step`` (carried out as a rank starts that step)."""
         return tuple(f for f in self.faults if f.fires_at(step))
 
+    def corrupts_heal(self, step: int, *, rank: int, gang: int) -> bool:
+        """Whether a ``corrupt_heal`` fault at or before ``step`` targets this rank."""
+        return any(
+            f.kind is FaultKind.CORRUPT_HEAL
+            and f.step <= step
+            and f.target[0] != "node"
+            and f.hits_rank(rank=rank, gang=gang, node=-1)
+            for f in self.faults
+        )
+
     def for_rank(self, step: int, *, rank: int, gang: int, node: int) -> tuple[FaultSpec, ...]:
         """The rank faults (kill, hang, slow) that job rank ``rank`` of ``gang`` on ``node``
         carries out on itself at ``step``."""
@@ -207,9 +220,12 @@ class FaultConfig:
         )
 
     def check_targets(self, *, num_ranks: int, num_gangs: int, num_nodes: int) -> None:
-        """Every target exists in a job of the given size (initial ranks, gangs, nodes)."""
+        """Every target exists in a job of the given size (initial ranks, gangs, nodes).
+        ``corrupt_heal`` targets a gang or rank that joins later, so any id is allowed."""
         bounds = {"rank": num_ranks, "gang": num_gangs, "node": num_nodes}
         for i, f in enumerate(self.faults):
+            if f.kind is FaultKind.CORRUPT_HEAL:
+                continue
             name, value = f.target
             if value >= bounds[name]:
                 raise ConfigError(

@@ -143,8 +143,9 @@ class WorkerGroup(Protocol):
         ranks that have not reported are left out."""
         ...
 
-    def place(self, spec: PlacementSpec, *, name: str) -> Placement:
-        """Requests a placement group (pending until the cluster can hold it)."""
+    def place(self, spec: PlacementSpec, *, name: str = "") -> Placement:
+        """Requests a placement group (pending until the cluster can hold it); a ``name``
+        must be unique in the cluster."""
         ...
 
     def ready(self, placements: Sequence[Placement], *, timeout: float) -> list[Placement]:
@@ -157,4 +158,8 @@ class WorkerGroup(Protocol):
 
     def nodes(self) -> list[NodeInfo]:
         """The cluster's node table."""
+        ...
+
+    def draining_nodes(self) -> set[str]:
+        """Node ids the cluster marked for removal (an autoscaler, a preemption notice)."""
         ...

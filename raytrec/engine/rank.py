@@ -190,12 +190,6 @@ class RankEngine:
         )
         self.sync_plan = plan
 
-    @property
-    def store(self) -> dist.Store:
-        """The job's rendezvous store (hosted by the coordinator)."""
-        assert self._store is not None, "build() first"
-        return self._store
-
     # -- state views ----------------------------------------------------------
 
     def embedding_weights(self) -> list[torch.Tensor]:
