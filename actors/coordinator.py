@@ -44,9 +44,9 @@ from typing import Any
 
 from torchrec.distributed.types import ShardingPlan
 
-from actors.growth import Building, GangGrowth
+from actors.growth import GangGrowth
 from actors.rank import RankWorker
-from actors.reshare import DataResharing, StreamTable
+from actors.reshare import DataStreams, StreamTable
 from actors.total_loss import TotalLossRecovery
 from raytrec.checkpoint.config import checkpoint_root, save_decision
 from raytrec.config import ConfigError, TrainConfig
@@ -171,7 +171,7 @@ class _Interval:
         return bool(self.dead or self.errored or self.hung)
 
 
-class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
+class Coordinator:
     """Owns the job's membership, store and training loop."""
 
     def __init__(
@@ -198,13 +198,18 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         self.plan = plan
         # Parquet read by index: the job's rows are every rank's first num_steps batches, shared
         # again among the live ranks whenever the membership changes (actors/reshare.py).
-        self.streams_table: StreamTable | None = None
+        table: StreamTable | None = None
         indexed = [s for s in shards if isinstance(s, IndexedParquetShard)]
         if shards and len(indexed) == len(shards):
             limited = [dataclasses.replace(s, limit=config.num_steps) for s in indexed]
-            self.streams_table = StreamTable(limited[0], batch_size=config.data.batch_size)
+            table = StreamTable(limited[0], batch_size=config.data.batch_size)
             shards = list(limited)
-            new_shard = self.streams_table.placeholder
+            new_shard = table.placeholder
+        # The parts of the job with state of their own: where ranks read, gangs being added,
+        # and the rebuild after a total loss.
+        self.streams = DataStreams(self, table)
+        self.growth = GangGrowth(self)
+        self.total_loss = TotalLossRecovery(self)
         self.shards = shards
         self.num_dense = num_dense
         self.run_dir = run_dir
@@ -214,7 +219,6 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         self.resume_from = resume_from  # a checkpoint to start from
         self.checkpoint_root = checkpoint_root(run_dir)
         self.last_checkpoint: str | None = None
-        self._rollback: RollbackPoint | None = None  # where a total loss goes back to
         self._last_save = (0, self.clock.monotonic())  # (step, clock) of the last save (or start)
         self.elastic = config.elastic
         self.topology = config.scaling.topology()
@@ -224,15 +228,14 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         # The step the job's data ends at: num_steps, or for a re-shared source the end of its
         # rows (earlier when the data holds fewer batches, later after a gang is lost).
         self.end_step = config.num_steps
-        if self.streams_table is not None:
-            self.end_step = min(config.num_steps, self.streams_table.length(0))
+        if self.streams.table is not None:
+            self.end_step = min(config.num_steps, self.streams.table.length(0))
         self.first_batch_s = 0.0
         self.events = EventLog()
         self._t0 = self.clock.monotonic()
         self._history: list[IntervalMetrics] = []
         self._lock = threading.Lock()
         self._pgs: dict[int, Placement] = {}  # gang id -> its placement group
-        self._pending: list[Placement] = []  # requested for gangs not started yet
         self._started: set[int] = set()  # job ranks whose process was started and not ended
         self._rank_nodes: dict[int, str] = {}  # job rank -> Ray node id
         self._node_index: dict[str, int] = {}
@@ -243,9 +246,6 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         replayable = all(s.replayable for s in shards)
         self._stream_id = batch_id if replayable else None
         self.accounting = BatchAccounting(self.membership.gang_ids, stream_id=self._stream_id)
-        self._joining: set[int] = set()  # gangs added to the membership but not healed yet
-        self._building: dict[int, Building] = {}  # gang id -> a new gang being built
-        self._shards_of_new: dict[int, Any] = {}  # job rank -> data shard, until it joins
         self._transient = 0  # re-forms in a row with no rank lost
         self._seq = 0  # the last train call's number
         self._ready = 0  # batches every live rank holds prepared beyond the job's step
@@ -278,7 +278,9 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         starts = self._resume_streams(self.resume_from) if self.resume_from is not None else None
 
         def shard_of(rank: int) -> Any:
-            return self.shards[rank] if starts is None else self._shard_of(starts[rank].shard)
+            return (
+                self.shards[rank] if starts is None else self.streams.shard_of(starts[rank].shard)
+            )
 
         timeout_s = self.placement_timeout_s
         placed = self._place_job(self.membership.gangs, shard_of, timeout_s=timeout_s)
@@ -294,7 +296,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
             self._restore(self.resume_from, starts)
         else:
             self._call(self._live_ranks(), RankWorker.broadcast_state, 0)  # all from gang 0's state
-        self._request_growth()
+        self.growth.request()
         return infos
 
     def _resume_streams(self, uri: str) -> dict[int, StreamStart] | None:
@@ -310,7 +312,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         snapshot = extra.get("accounting")
         if self._stream_id is None or not snapshot or snapshot.get("streams") is None:
             return None
-        return self._rewind_to(
+        return self.streams.rewind_to(
             snapshot,
             order=self._ranks_in_gang_order(),
             gang_ids=self.membership.gang_ids,
@@ -334,11 +336,13 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
             for r in ranks:
                 self.accounting.restart(r, at=step)
         else:
-            self._continue_streams(starts, gang_of=self._gang_of, step=step)
-            if not self._reshare_rows(self._ranks_in_gang_order()):  # rows left uneven
-                self._queue_replays(starts)
+            self.streams.continue_streams(starts, gang_of=self._gang_of, step=step)
+            if not self.streams.reshare(self._ranks_in_gang_order()):  # rows left uneven
+                self.streams.queue_replays(starts)
         self.membership = self.membership.synced(step)
-        self._rollback = RollbackPoint(uri=uri, step=step, accounting=self._accounting_snapshot())
+        self.total_loss.point = RollbackPoint(
+            uri=uri, step=step, accounting=self._accounting_snapshot()
+        )
         self.events.append(
             CheckpointRestored(
                 at=self._now(), step=step, uri=uri, saved_step=step, saved_generation=generation
@@ -412,7 +416,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
             self.membership.num_gangs,
         )
         self.last_checkpoint = refs[0][1]
-        self._rollback = RollbackPoint(uri=refs[0][1], step=self.step, accounting=accounting)
+        self.total_loss.point = RollbackPoint(uri=refs[0][1], step=self.step, accounting=accounting)
         self._last_save = (self.step, self.clock.monotonic())
         self.events.append(CheckpointSaved(at=self._now(), step=self.step, uri=refs[0][1]))
 
@@ -420,8 +424,8 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         """The batch accounting (and the table of re-shared streams its positions name) as
         JSON, for a checkpoint and for a rewind to it."""
         snapshot = self.accounting.snapshot(self._ranks_in_gang_order())
-        if self.streams_table is not None:
-            snapshot["streams_table"] = self.streams_table.to_json()
+        if self.streams.table is not None:
+            snapshot["streams_table"] = self.streams.table.to_json()
         return snapshot
 
     def run(self) -> RunSummary:
@@ -460,7 +464,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
                     stopped_by = self._train(prepared=False, train_start=train_start)
         else:
             raise JobFailedError("the job kept losing ranks while it finished")
-        table = self.streams_table
+        table = self.streams.table
         if stopped_by is None and table is not None:
             per_rank = table.template.plan(table.batch_size).num_steps
             if per_rank < self.cfg.num_steps:  # the job's rows were all the data had
@@ -486,7 +490,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
             replayed_batches=self.accounting.replayed(),
             lost_batches=self.accounting.lost_batches + self.accounting.replay_pending(),
             checkpoint=self.last_checkpoint,
-            reshared_streams=None if self.streams_table is None else self.streams_table.to_json(),
+            reshared_streams=None if self.streams.table is None else self.streams.table.to_json(),
         )
 
     def _train(self, *, prepared: bool, train_start: float) -> BaseException | None:
@@ -512,8 +516,8 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
                         stopped_by = stop  # bad input, or the end of the data, in what is next
                         break
                     self._apply_drain()
-                    self._admit_new_gangs()
-                    self._wait_for_min_gangs()
+                    self.growth.admit()
+                    self.growth.wait_for_min_gangs()
                     # A join may have shared the rows left among more ranks: the end is sooner.
                     n = min(every, self.end_step - self.step)
                     if n <= 0:
@@ -575,7 +579,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
             every=self.cfg.log_every,
             depth=self._depth,
             ready=self._ready,
-            membership_changing=bool(self._pending or self._building)
+            membership_changing=bool(self.growth.pending or self.growth.building)
             or self._drain_decision(take=False) is not None,
             live_gangs=self.membership.num_gangs,
             min_gangs=self.elastic.min_gangs,
@@ -636,16 +640,16 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
             self.membership = self.membership.without(drained)
         # Placement requested beyond the new cap is given back too.
         while (
-            self._pending
-            and self.membership.num_gangs + len(self._pending) + len(self._building)
+            self.growth.pending
+            and self.membership.num_gangs + len(self.growth.pending) + len(self.growth.building)
             > self.max_gangs
         ):
-            self.group.release(self._pending.pop())
+            self.group.release(self.growth.pending.pop())
         if decision.gangs:
             self._new_generation(reason=decision.reason)
-            if self._reshare_rows(self._ranks_in_gang_order()):
+            if self.streams.reshare(self._ranks_in_gang_order()):
                 self._ready = 0  # new streams: every rank reads its share from the start
-        self._request_growth()
+        self.growth.request()
 
     def _finish(self, final: str, *, checkpoint: bool) -> dict[int, dict[str, str]]:
         """Ends on a job-wide sync, checks the replicas, saves the final model."""
@@ -862,8 +866,8 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
             self._transient = 0
         # A gang that was joining has no state of its own yet: if anything fails meanwhile,
         # it goes too and is requested again.
-        failed_gangs = sorted({self._gang_of(r) for r in lost} | self._joining)
-        self._joining = set()
+        failed_gangs = sorted({self._gang_of(r) for r in lost} | self.growth.joining)
+        self.growth.joining = set()
         # Ray says when an actor died with its node; the node table may lag behind that, and
         # a rank on a node that just went can look hung for a moment: give the table a few
         # seconds to catch up, and count such ranks as dead.
@@ -924,7 +928,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         decision = decide(state, now=self.clock.monotonic(), config=self.elastic)
         if isinstance(decision, Unrecoverable):
             own = sorted(r for r in lost if result.dead.get(r) != _PEER_KILLED)
-            self._total_loss(own, failed_gangs, why=lambda g: _why(result, g, self))
+            self.total_loss.recover(own, failed_gangs, why=lambda g: _why(result, g, self))
             return
         if isinstance(decision, Reform):
             failed_gangs = sorted(set(failed_gangs) | set(decision.drop))
@@ -974,9 +978,9 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         self._call(self._live_ranks(), RankWorker.broadcast_dense, 0)
         self._commit_all()
         # Re-sharing (after the replays are booked) hands each rank its replays too.
-        if replay and not self._reshare_rows(self._ranks_in_gang_order()):
+        if replay and not self.streams.reshare(self._ranks_in_gang_order()):
             self._call_by_rank(sorted(replay), RankWorker.replay, lambda r: (replay[r],))
-        self._request_growth()
+        self.growth.request()
 
     def _drop(self, gangs: list[int], survivors: list[int]) -> dict[int, list[int]]:
         """The dropped gangs' uncommitted batches, split over the survivors' ranks."""
@@ -1017,7 +1021,7 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         if account:
             self.accounting.add_rank(rank, shard=getattr(shard, "index", rank), step=self.step)
         else:
-            self._shards_of_new[rank] = shard
+            self.growth.shards_of_new[rank] = shard
 
     def _build(self, ranks: list[int]) -> list[RankInfo]:
         infos: list[RankInfo] = self._call(ranks, RankWorker.build)
@@ -1152,12 +1156,12 @@ class Coordinator(GangGrowth, TotalLossRecovery, DataResharing):
         for r in sorted(self._started):
             self.group.kill(r)
         self._started.clear()
-        for pg in [*self._pgs.values(), *self._pending]:
+        for pg in [*self._pgs.values(), *self.growth.pending]:
             self.group.release(pg)
         self._pgs.clear()
-        self._pending.clear()
-        self._building.clear()
-        self._shards_of_new.clear()
+        self.growth.pending.clear()
+        self.growth.building.clear()
+        self.growth.shards_of_new.clear()
 
     # -- helpers ----------------------------------------------------------------
 

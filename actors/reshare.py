@@ -18,7 +18,9 @@ Sources that cannot cut their rows again (the synthetic one, endless; Parquet st
 ``streaming_split``) are not re-shared: their ranks keep their streams (a joining gang continues
 a lost rank's synthetic stream instead).
 
-A mixin of :class:`~actors.coordinator.Coordinator` (like :mod:`actors.growth`).
+A part of the :class:`~actors.coordinator.Coordinator` with state of its own (the table of
+streams), which also rewinds the streams to a checkpoint (a resume, or a rebuild after a total
+loss).
 """
 
 from __future__ import annotations
@@ -37,10 +39,16 @@ from raytrec.data.parquet_plan import (
     streams_from_json,
     streams_to_json,
 )
+from raytrec.data.source import BatchShard
 from raytrec.elastic.accounting import BatchAccounting
-from raytrec.elastic.events import DataReshared, EventLog
+from raytrec.elastic.events import DataReshared
+from raytrec.elastic.rollback import StreamStart, plan_streams
+from raytrec.errors import JobFailedError
 
-__all__ = ["DataResharing", "StreamTable"]
+if TYPE_CHECKING:
+    from actors.coordinator import Coordinator
+
+__all__ = ["DataStreams", "StreamTable"]
 
 
 class StreamTable:
@@ -86,35 +94,24 @@ class StreamTable:
         self.next_id = int(saved["next_id"])
 
 
-class DataResharing:
-    """Re-shares the rows left among the live ranks (module doc)."""
+class DataStreams:
+    """Where every rank reads (module doc): the table of re-shared streams of a re-shareable
+    source, re-sharing the rows left when the ranks change, and rewinding the streams to a
+    checkpoint. Changes the job's accounting and end step through the coordinator it is part
+    of."""
 
-    # Provided by the coordinator.
-    accounting: BatchAccounting
-    events: EventLog
-    step: int
-    end_step: int
-    streams_table: StreamTable | None
+    def __init__(self, job: Coordinator, table: StreamTable | None) -> None:
+        self.job = job
+        self.table = table
 
-    if TYPE_CHECKING:
-
-        def _now(self) -> float: ...
-        def _call_by_rank(
-            self,
-            ranks: list[int],
-            method: Callable[..., Any],
-            args_of: Callable[[int], tuple[Any, ...]],
-            **kwargs: Any,
-        ) -> list[Any]: ...
-
-    def _reshare_rows(self, ranks: Sequence[int], *, joining: Sequence[int] = ()) -> bool:
+    def reshare(self, ranks: Sequence[int], *, joining: Sequence[int] = ()) -> bool:
         """Cuts the rows no rank has trained among ``ranks`` (gang order; ``joining``: those of
         them that join now and are not booked yet) and hands every one its new stream, after
         the replays queued for it (read again: a new stream starts a new feed). False when
         nothing was re-shared (the source cannot be, or every live rank already has as many
         batches left and no rows are orphaned): queued replays are then still to be sent."""
-        table = self.streams_table
-        streams = self.accounting.streams
+        table = self.table
+        streams = self.job.accounting.streams
         if table is None or streams is None:
             return False
         remaining: dict[int, list[tuple[int, int]]] = {}
@@ -140,7 +137,7 @@ class DataResharing:
         if not joining and not orphaned and len(left) == 1:
             # Every row left is some live rank's, and all have as many batches left: their
             # streams stay as they are (and so do the ids of the batches still to come).
-            self.end_step = self.step + left.pop()
+            self.job.end_step = self.job.step + left.pop()
             return False
         shared = recut(remaining, queued=queued, batch_size=table.batch_size)
         ids = table.add(shared.streams)
@@ -149,7 +146,7 @@ class DataResharing:
         replays: dict[int, list[int]] = {}
         for r, sid in zip(ranks, ids, strict=True):
             if r in joining:
-                self.accounting.add_rank(r, shard=sid, step=self.step)
+                self.job.accounting.add_rank(r, shard=sid, step=self.job.step)
                 replays[r] = []
             else:
                 old, _, queued_ids = streams.position(r)
@@ -157,23 +154,77 @@ class DataResharing:
                 streams.switch(r, shard=sid)
                 streams.retire({old: table.length(old)})
         new_stream = dict(zip(ranks, ids, strict=True))
-        self._call_by_rank(
+        self.job._call_by_rank(
             list(ranks), RankWorker.set_shard, lambda r: (table.shard(new_stream[r]), replays[r])
         )
         # Equal for every rank, unless the rows left cannot even out the replays queued (a loss
         # at the very end of the data): the job then ends with the shortest rank, and the
         # replays beyond it stay untrained, counted in Result.lost_batches.
         batches = min(q + stream_length(s) for q, s in zip(queued, shared.streams, strict=True))
-        self.end_step = self.step + batches
-        self.events.append(
+        self.job.end_step = self.job.step + batches
+        self.job.events.append(
             DataReshared(
-                at=self._now(),
-                step=self.step,
+                at=self.job._now(),
+                step=self.job.step,
                 ranks=len(ranks),
                 rows=sum(b - a for runs in remaining.values() for a, b in runs),
                 batches=batches,
-                end_step=self.end_step,
+                end_step=self.job.end_step,
                 left_over=shared.left_over,
             )
         )
         return True
+
+    def rewind_to(
+        self,
+        snapshot: Mapping[str, Any],
+        *,
+        order: Sequence[int],
+        gang_ids: Sequence[int],
+        step: int,
+    ) -> dict[int, StreamStart]:
+        """The batch accounting back to ``snapshot`` (a checkpoint's) for gangs ``gang_ids``, and
+        where each rank of ``order`` (gang order) reads from there on; add the ranks with
+        ``add_rank`` (placing them does), then :meth:`_continue_streams`."""
+        spare = [getattr(shard, "index", t) for t, shard in enumerate(self.job.shards)]
+        if self.table is not None and "streams_table" in snapshot:
+            self.table.load(snapshot["streams_table"])
+            # More ranks than saved streams and spare shards: the others start with nothing to
+            # read, and the re-share that follows gives every rank its part of the rows left.
+            live = {int(s) for s, _, _ in snapshot["streams"]["live"]}
+            have = len(live) + len([s for s in spare if s not in live])
+            spare += self.table.add([()] * max(0, len(order) - have))
+        plan = plan_streams(
+            snapshot["streams"], num_ranks=len(order), spare_shards=spare, step=step
+        )
+        self.job.accounting = BatchAccounting.rewound(
+            snapshot, gang_ids=gang_ids, stream_id=self.job._stream_id
+        )
+        return dict(zip(order, plan, strict=True))
+
+    def continue_streams(
+        self, starts: Mapping[int, StreamStart], *, gang_of: Callable[[int], int], step: int
+    ) -> None:
+        """Books each rank as reading from ``starts`` at job step ``step``."""
+        for r, s in starts.items():
+            self.job.accounting.resume_rank(
+                r, gang=gang_of(r), step=step, stream_at=s.at, replay=s.replay
+            )
+
+    def queue_replays(self, starts: Mapping[int, StreamStart]) -> None:
+        """Hands each rank the unread replay batches of the stream it continues."""
+        replay = {r: list(s.replay) for r, s in starts.items() if s.replay}
+        if replay:
+            self.job._call_by_rank(sorted(replay), RankWorker.replay, lambda r: (replay[r],))
+
+    def shard_of(self, index: int) -> BatchShard:
+        """The data shard with this index: one of the job's initial shards, or a new one."""
+        if self.table is not None:
+            return self.table.shard(index)
+        for t, shard in enumerate(self.job.shards):
+            if getattr(shard, "index", t) == index:
+                return shard
+        if self.job.new_shard is None:
+            raise JobFailedError(f"no data shard {index} to continue after a rebuild")
+        new: BatchShard = self.job.new_shard(index)
+        return new

@@ -20,7 +20,19 @@ def import_graph() -> dict[str, set[str]]:
     files = {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in files}
     for mod, path in files.items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        # Imports under "if TYPE_CHECKING:" are for the type checker only and never run: a
+        # component may name the coordinator it belongs to without importing it.
+        type_only = {
+            id(n)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+            for stmt in block.body
+            for n in ast.walk(stmt)
+        }
+        for node in ast.walk(tree):
+            if id(node) in type_only:
+                continue
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]

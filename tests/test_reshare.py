@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from actors.reshare import DataResharing, StreamTable
+from actors.rank import RankWorker
+from actors.reshare import DataStreams, StreamTable
 from raytrec.data.generate import write_synthetic_parquet
 from raytrec.data.parquet import IndexedParquetShard, ParquetSource
 from raytrec.data.parquet_plan import stream_length
@@ -26,16 +27,16 @@ from raytrec.elastic.report import RankReport
 ROWS, B, STEPS = 1000, 16, 20  # 3 ranks x 21 batches per epoch; the job takes 20
 
 
-class Job(DataResharing):
-    """What the mixin needs of the coordinator, with ranks that keep their feed in memory:
-    ``feeds[r]``: the batch ids it trains next, replays first."""
+class Job:
+    """What :class:`DataStreams` needs of the coordinator, with ranks that keep their feed in
+    memory: ``feeds[r]``: the batch ids it trains next, replays first."""
 
     def __init__(self, shards: Sequence[IndexedParquetShard], *, sync: int = 4) -> None:
         self.sync = sync
         self.step = 0
         self.events = EventLog()
         self.table = StreamTable(shards[0], batch_size=B)
-        self.streams_table = self.table
+        self.streams = DataStreams(self, self.table)  # type: ignore[arg-type]
         self.end_step = STEPS
         self.accounting = BatchAccounting(range(len(shards)), stream_id=batch_id)
         self.feeds: dict[int, collections.deque[int]] = {}
@@ -49,8 +50,8 @@ class Job(DataResharing):
     def _now(self) -> float:
         return time.monotonic()
 
-    def _call_by_rank(self, ranks: list[int], method: str, args_of: Any) -> list[Any]:
-        assert method == "set_shard"
+    def _call_by_rank(self, ranks: list[int], method: Any, args_of: Any) -> list[Any]:
+        assert method is RankWorker.set_shard
         for r in ranks:
             shard, replay = args_of(r)
             self._read(r, shard, replay)
@@ -97,7 +98,7 @@ class Job(DataResharing):
         assert replay  # batches it trained after the last sync
         self.accounting.commit(survivors)  # the re-formed job's first sync
         self.last_sync = fail
-        assert self._reshare_rows(survivors)
+        assert self.streams.reshare(survivors)
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,7 @@ def test_a_loss_and_a_join_leave_every_row_of_the_job_trained_once(
     # Rank 7 joins (not booked yet): all three are given a share of what is left.
     job.accounting.add_gangs([7])
     job.feeds[7] = collections.deque()
-    assert job._reshare_rows([0, 1, 7], joining=[7])
+    assert job.streams.reshare([0, 1, 7], joining=[7])
     assert len({len(f) for f in job.feeds.values()}) == 1
     assert job.end_step - job.step == len(job.feeds[7])
     job.train(job.end_step - job.step)
@@ -154,7 +155,7 @@ def test_a_loss_and_a_join_leave_every_row_of_the_job_trained_once(
     assert job.accounting.replay_pending() == 0
     assert sorted(rows_of(job, committed).tolist()) == sorted(expected.tolist())
     # Nothing left to share: a change that orphans no rows keeps the streams.
-    assert not job._reshare_rows([0, 1, 7])
+    assert not job.streams.reshare([0, 1, 7])
 
 
 def test_a_loss_at_the_very_end_of_the_data_ends_with_the_shortest_rank(

@@ -1,0 +1,143 @@
+"""The control loop's decisions as values: drains, heals, growth, waiting, retries (pure, ms).
+
+Each is what :class:`actors.coordinator.Coordinator` asks at a boundary; the coordinator's own
+tests (tests/test_control_plane.py with the fake worker group, and the cluster tests) check that
+it carries them out.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from raytrec.elastic.control import (
+    Fail,
+    Proceed,
+    Wait,
+    gangs_to_request,
+    resources_decision,
+    retry_transient,
+    survivors_apart,
+)
+from raytrec.elastic.drain import (
+    REQUEST_FILE,
+    DrainRequest,
+    decide_drain,
+    read_request,
+    request_drain,
+)
+from raytrec.elastic.heal import failed_heals
+from raytrec.elastic.membership import Membership
+from raytrec.errors import ConfigError
+from raytrec.topology import Topology
+
+
+def membership(gangs: int, gang_size: int = 2) -> Membership:
+    topology = Topology(world_size=gangs * gang_size, gang_size=gang_size, ranks_per_host=2)
+    return Membership.initial(topology)
+
+
+# -- drains ---------------------------------------------------------------------------------
+
+
+def test_a_user_request_gives_back_the_newest_gangs_and_lowers_the_cap() -> None:
+    m = membership(4)
+    d = decide_drain(m, DrainRequest(gangs=2), node_of_rank={}, max_gangs=4, min_gangs=1)
+    assert d is not None and (d.gangs, d.max_gangs) == ((2, 3), 2)
+    assert "giving back gangs [2, 3], 2 left" in d.reason
+
+
+def test_a_drain_never_goes_below_min_gangs_nor_gives_back_the_last_gang() -> None:
+    m = membership(3)
+    d = decide_drain(m, DrainRequest(gangs=5), node_of_rank={}, max_gangs=3, min_gangs=2)
+    assert d is not None and (d.gangs, d.max_gangs) == ((2,), 2)
+    one = membership(1)
+    d = decide_drain(one, DrainRequest(max_gangs=1), node_of_rank={}, max_gangs=1, min_gangs=1)
+    assert d is None  # nothing to give back, and the cap is already 1
+
+
+def test_a_lower_max_gangs_gives_back_the_gangs_beyond_it() -> None:
+    m = membership(4)
+    d = decide_drain(m, DrainRequest(max_gangs=3), node_of_rank={}, max_gangs=6, min_gangs=1)
+    assert d is not None and (d.gangs, d.max_gangs) == ((3,), 3)
+    # A cap above today's size only stops growth.
+    d = decide_drain(m, DrainRequest(max_gangs=5), node_of_rank={}, max_gangs=6, min_gangs=1)
+    assert d is not None and (d.gangs, d.max_gangs) == ((), 5)
+
+
+def test_gangs_on_draining_nodes_go_even_below_min_gangs_but_one_stays() -> None:
+    m = membership(3)  # gang g holds job ranks 2g, 2g+1
+    nodes = {0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"}
+    request = DrainRequest(nodes=frozenset({"c"}))
+    d = decide_drain(m, request, node_of_rank=nodes, max_gangs=3, min_gangs=3)
+    assert d is not None and (d.gangs, d.max_gangs) == ((2,), 3)  # the cap stays: replace it
+    everywhere = DrainRequest(nodes=frozenset({"a", "b", "c"}))
+    d = decide_drain(m, everywhere, node_of_rank=nodes, max_gangs=3, min_gangs=1)
+    assert d is not None and d.gangs == (0, 1)
+
+
+def test_drain_requests_through_the_run_directory(tmp_path: pathlib.Path) -> None:
+    path = request_drain(str(tmp_path), gangs=1)
+    assert path == str(tmp_path / REQUEST_FILE)
+    request_drain(str(tmp_path), max_gangs=3)  # added to the one not read yet
+    assert read_request(path, remove=False) == DrainRequest(gangs=1, max_gangs=3)
+    assert read_request(path, remove=True) == DrainRequest(gangs=1, max_gangs=3)
+    assert read_request(path, remove=True) == DrainRequest()  # taken
+    with pytest.raises(ConfigError, match="gangs >= 1 or a max_gangs"):
+        request_drain(str(tmp_path))
+    with pytest.raises(ConfigError, match="not a run directory"):
+        request_drain(str(tmp_path / "nope"), gangs=1)
+    (tmp_path / REQUEST_FILE).write_text(json.dumps({"gang": 1}))
+    with pytest.raises(ConfigError, match="must hold gangs and/or max_gangs"):
+        read_request(path, remove=True)
+    with pytest.raises(ConfigError, match="max_gangs must be an integer >= 1"):
+        DrainRequest(max_gangs=0)
+
+
+# -- heals ----------------------------------------------------------------------------------
+
+
+def test_a_heal_is_checked_rank_by_rank_against_the_peer() -> None:
+    m = membership(3)  # gangs 0, 1, 2; gang 2 (ranks 4, 5) healed from gang 0 (ranks 0, 1)
+    good = {"shards": "s0", "dense": "d"}
+    digests = {
+        0: good,
+        1: {"shards": "s1", "dense": "d"},
+        4: good,
+        5: {"shards": "s1", "dense": "d"},
+    }
+    assert failed_heals(m, peer=0, joined=[2], digests=digests) == {}
+    digests[5] = {"shards": "s1", "dense": "other"}
+    assert failed_heals(m, peer=0, joined=[2], digests=digests) == {2: (5,)}
+
+
+# -- growth, waiting, retries ---------------------------------------------------------------
+
+
+def test_placement_requests_fill_up_to_the_target() -> None:
+    assert gangs_to_request(live=2, outstanding=1, max_gangs=4, min_gangs=1, grow=True) == 1
+    assert gangs_to_request(live=1, outstanding=0, max_gangs=4, min_gangs=2, grow=False) == 1
+    assert gangs_to_request(live=3, outstanding=0, max_gangs=4, min_gangs=2, grow=False) == 0
+    assert gangs_to_request(live=4, outstanding=2, max_gangs=4, min_gangs=1, grow=True) == 0
+
+
+def test_waiting_for_resources_until_the_deadline() -> None:
+    kw = {"min_gangs": 2, "waiting_since": 10.0, "resource_wait_s": 30.0}
+    assert resources_decision(live=2, now=100.0, **kw) == Proceed()  # type: ignore[arg-type]
+    assert resources_decision(live=1, now=40.0, **kw) == Wait(deadline=40.0)  # type: ignore[arg-type]
+    failed = resources_decision(live=1, now=40.5, **kw)  # type: ignore[arg-type]
+    assert isinstance(failed, Fail) and "elastic.resource_wait_s=30s" in failed.reason
+
+
+def test_transient_failures_are_retried_up_to_a_limit() -> None:
+    assert retry_transient(3, limit=3, errors=["x"]) is None
+    why = retry_transient(4, limit=3, errors=["rank 0: timeout", "rank 1: timeout", "more"])
+    assert why is not None and "4 times in a row" in why and "more" not in why
+
+
+def test_survivors_must_stand_within_one_sync_period() -> None:
+    assert survivors_apart([8, 9], sync_every=2, lost_gangs=[1]) is None
+    why = survivors_apart([4, 9], sync_every=2, lost_gangs=[1])
+    assert why is not None and "steps 4..9" in why
