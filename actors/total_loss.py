@@ -182,7 +182,7 @@ class TotalLossRecovery:
         )
         if not self.job.streams.reshare(order):  # the saved streams may not be one per rebuilt rank
             self.job.streams.queue_replays(starts)
-        self.job._last_save = (point.step, self.job.clock.monotonic())
+        self.job.checkpoints.last_save = (point.step, self.job.clock.monotonic())
         self.job.events.append(
             CheckpointRestored(
                 at=self.job._now(),

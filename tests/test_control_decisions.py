@@ -28,7 +28,7 @@ from raytrec.elastic.drain import (
     read_request,
     request_drain,
 )
-from raytrec.elastic.heal import failed_heals
+from raytrec.elastic.heal import failed_heals, replicas_disagree
 from raytrec.elastic.membership import Membership
 from raytrec.errors import ConfigError
 from raytrec.topology import Topology
@@ -111,6 +111,19 @@ def test_a_heal_is_checked_rank_by_rank_against_the_peer() -> None:
     assert failed_heals(m, peer=0, joined=[2], digests=digests) == {}
     digests[5] = {"shards": "s1", "dense": "other"}
     assert failed_heals(m, peer=0, joined=[2], digests=digests) == {2: (5,)}
+
+
+def test_the_final_replica_check_names_what_differs() -> None:
+    m = membership(2)  # replica group 0: ranks 0, 2; group 1: ranks 1, 3
+    same = {0: {"shards": "a", "dense": "d"}, 2: {"shards": "a", "dense": "d"}}
+    same |= {1: {"shards": "b", "dense": "d"}, 3: {"shards": "b", "dense": "d"}}
+    assert replicas_disagree(m, same) is None
+    assert replicas_disagree(m, same | {3: {"shards": "c", "dense": "d"}}) == (
+        "replica group of ranks [1, 3] disagrees after the final sync"
+    )
+    assert replicas_disagree(m, same | {3: {"shards": "b", "dense": "x"}}) == (
+        "dense parameters differ between ranks after the final step"
+    )
 
 
 # -- growth, waiting, retries ---------------------------------------------------------------

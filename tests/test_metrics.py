@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from actors.coordinator import intervals
 from raytrec.elastic.report import RankReport
 from raytrec.metrics import aggregate_interval
 
@@ -53,9 +52,3 @@ def test_ranks_that_disagree_on_steps_are_an_error() -> None:
             gangs=1,
             elapsed_s=1.0,
         )
-
-
-def test_intervals_cover_every_step() -> None:
-    assert intervals(10, 4) == [4, 4, 2]
-    assert intervals(8, 4) == [4, 4]
-    assert sum(intervals(1001, 25)) == 1001

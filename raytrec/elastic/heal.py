@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from raytrec.elastic.membership import Membership
 
-__all__ = ["failed_heals"]
+__all__ = ["failed_heals", "replicas_disagree"]
 
 Digests = Mapping[str, str]  # "shards" and "dense" content hashes of one rank's state
 
@@ -39,3 +39,15 @@ def failed_heals(
         if bad:
             failed[gid] = bad
     return failed
+
+
+def replicas_disagree(membership: Membership, digests: Mapping[int, Digests]) -> str | None:
+    """After the job's final sync every replica group holds one copy of its shard and every rank
+    the same dense state; returns what differs, or None."""
+    for group in membership.replica_groups:
+        members = [m.job_rank for m in group]
+        if len({digests[r]["shards"] for r in members}) != 1:
+            return f"replica group of ranks {members} disagrees after the final sync"
+    if len({d["dense"] for d in digests.values()}) != 1:
+        return "dense parameters differ between ranks after the final step"
+    return None

@@ -12,9 +12,12 @@ Pure values; picklable, so Ray ships them as they are.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["RankInfo", "RankReport", "TrainedBatch"]
+if TYPE_CHECKING:
+    from raytrec.metrics import IntervalMetrics
+
+__all__ = ["RankInfo", "RankReport", "RunSummary", "TrainedBatch"]
 
 #: ``(step, batch id)``: the batch a rank trained at that job step (id None: the source cannot
 #: name its batches).
@@ -59,3 +62,29 @@ class RankInfo:
     node_id: str  # Ray's node id
     pid: int
     device: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    """What the coordinator hands the driver when the job ends."""
+
+    history: list[IntervalMetrics]
+    final_state_path: str | None
+    steps: int
+    wall_s: float
+    ranks: list[RankInfo]
+    digests: dict[int, dict[str, str]]  # job rank -> content hashes of its final state
+    # Why training stopped before num_steps (bad input, data ran out), else None. The state
+    # trained up to ``steps`` is still synced, checked and saved.
+    stopped_by: BaseException | None = None
+    first_batch_s: float = 0.0  # until every rank held its first interval's batches
+    events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    generation: int = 0
+    # Exactly-once accounting of batches (replayable sources): ids trained into the final model
+    # (committed), counted with multiplicity, and those handed to survivors for replay.
+    committed_batches: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    committed_count: int = 0
+    replayed_batches: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    lost_batches: int = 0  # uncommitted batches of lost gangs that could not be replayed
+    checkpoint: str | None = None  # the last checkpoint this run saved
+    reshared_streams: dict[str, Any] | None = None  # StreamTable.to_json() of a re-shared source

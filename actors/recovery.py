@@ -1,0 +1,408 @@
+"""Failures while the job trains: finding them, and re-forming the job without the lost gangs.
+
+:class:`FailureRecovery` is a part of :class:`~actors.coordinator.Coordinator` with state of its
+own: each rank's last observed progress (its heartbeat) and the count of failures in a row with
+every rank alive. It collects an interval's reports and finds what went wrong while it waits
+(a rank or node died, a rank raised, a rank hung: no step finished for
+``elastic.step_timeout_s``, :func:`~raytrec.elastic.policy.find_hung_ranks`), waits out the
+intervals queued behind a failed one, and recovers: the policy
+(:func:`~raytrec.elastic.policy.decide`) says whether to drop the gangs that lost a rank and
+re-form among the survivors, or, with no intact gang left, to rebuild from a checkpoint
+(:class:`~actors.total_loss.TotalLossRecovery`). Re-forming books what every rank trained, hands
+a lost gang's uncommitted batches to the survivors and starts a new generation with a job-wide
+sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from actors.rank import RankWorker
+from raytrec.elastic.control import retry_transient, survivors_apart
+from raytrec.elastic.events import GangDropped, HangDetected, NodeDied, RankDied
+from raytrec.elastic.policy import Reform, Unrecoverable, decide, find_hung_ranks
+from raytrec.elastic.report import RankReport
+from raytrec.elastic.state import ElasticState
+from raytrec.elastic.workers import NODE_DIED, RankCallError, RankFailed, RankLost
+from raytrec.errors import JobFailedError
+
+if TYPE_CHECKING:
+    from actors.coordinator import Coordinator
+
+__all__ = ["MAX_TRANSIENT", "Dispatched", "FailureRecovery", "IntervalOutcome"]
+
+# How long a recovery waits for Ray's node table to show a node death it suspects.
+_NODE_TABLE_GRACE_S = 5.0
+
+# Re-forms in a row after collective timeouts with every rank alive, before the job gives up.
+MAX_TRANSIENT = 3
+
+# Why a rank the coordinator killed itself is gone: its gang lost another rank.
+_PEER_KILLED = "its gang lost a rank"
+_NODE_DIED = NODE_DIED
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatched:
+    """One interval's ``train`` calls, sent."""
+
+    n: int  # steps
+    end: int  # the step it ends at
+    seq: int  # numbers the job's train calls (actors.rank.IntervalOrder)
+    refs: dict[int, Any]  # job rank -> the future of its report
+    t0: float  # perf_counter() where the interval's wall-clock time starts
+    started: float  # monotonic() when sent: for the hang timeout
+
+
+@dataclasses.dataclass
+class IntervalOutcome:
+    """The outcome of one interval call on every live rank."""
+
+    reports: dict[int, RankReport] = dataclasses.field(default_factory=dict)
+    dead: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> cause
+    errored: dict[int, str] = dataclasses.field(default_factory=dict)
+    hung: list[int] = dataclasses.field(default_factory=list)
+    # Hung rank -> (the last step it finished, seconds it had been silent when found).
+    silence: dict[int, tuple[int, float]] = dataclasses.field(default_factory=dict)
+    # Reports of intervals queued behind the failed one that some survivors went on to train.
+    later: list[RankReport] = dataclasses.field(default_factory=list)
+    booked: bool = False  # recovery has booked the reports above
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.dead or self.errored or self.hung)
+
+
+class FailureRecovery:
+    """Finds failures while an interval runs and re-forms the job after them (module doc)."""
+
+    def __init__(self, job: Coordinator) -> None:
+        self.job = job
+        # Job rank -> (the last step it reported finishing, when the coordinator saw it): the
+        # hang rule's input.
+        self.progress: dict[int, tuple[int, float]] = {}
+        self.transient = 0  # re-forms in a row with no rank lost
+
+    def collect(self, dispatched: Dispatched) -> IntervalOutcome:
+        """Waits for every rank's ``train`` report and sorts out what happened.
+
+        While it waits it reads the ranks' heartbeats (the last step each finished): a rank
+        that finishes no step for ``elastic.step_timeout_s`` is hung (the policy's rule,
+        :func:`~raytrec.elastic.policy.find_hung_ranks`), however many steps the interval has.
+        """
+        out = IntervalOutcome()
+        pending = dict(dispatched.refs)
+        deadline: float | None = None
+        elastic = self.job.elastic
+        while pending:
+            ready = self.job.group.wait(
+                list(pending.values()), num_returns=1, timeout=elastic.poll_s
+            )
+            now = self.job.clock.monotonic()
+            for future in ready:
+                rank = next((r for r, x in pending.items() if x is future), None)
+                if rank is None:
+                    continue  # a lost gang's peer, already counted
+                del pending[rank]
+                try:
+                    report: RankReport = self.job.group.result(future)
+                    out.reports[rank] = report
+                    self.progress[rank] = (report.step, now)
+                except RankLost as e:
+                    out.dead[rank] = e.cause
+                    # The rest of its gang is dropped anyway; left alone it would sit in the
+                    # gang's collectives until their timeout. Kill it now.
+                    for peer in self.job.membership.gang(self.job._gang_of(rank)).job_ranks:
+                        if peer in pending:
+                            self.job.group.kill(peer)
+                            del pending[peer]
+                            out.dead[peer] = _PEER_KILLED
+                except RankFailed as e:
+                    out.errored[rank] = str(e)
+            if (out.dead or out.errored) and deadline is None:
+                # Fail the survivors' blocked collectives now, and give everyone the
+                # collective timeout to report; whoever is still running then is hung.
+                deadline = now + 2 * elastic.collective_timeout_s + elastic.poll_s
+                self.abort_planes(set(pending) - set(out.dead))
+            if deadline is not None and now > deadline:
+                out.hung = sorted(pending)
+                out.silence = {r: self._silence(r, now) for r in out.hung}
+                break
+            if deadline is None and pending:
+                hung = self._hung_ranks(pending, now)
+                if hung:
+                    out.hung = list(hung)
+                    out.silence = {r: self._silence(r, now) for r in hung}
+                    break
+        return out
+
+    def _hung_ranks(self, pending: dict[int, Any], now: float) -> tuple[int, ...]:
+        """The ranks still training that count as hung at ``now``, by the policy's rule, after
+        reading their heartbeats. Ranks that already reported are not expected to progress."""
+        for r, step in self.job.group.progress(list(pending)).items():
+            if step > self.progress.get(r, (-1, now))[0]:
+                self.progress[r] = (step, now)
+        progress = {
+            r: self.progress.get(r, (self.job.step, now)) if r in pending else (self.job.step, now)
+            for r in self.job._live_ranks()
+        }
+        state = ElasticState(
+            membership=self.job.membership,
+            sync_every=self.job.cfg.sync.sync_every,
+            max_gangs=self.job.max_gangs,
+            progress=progress,
+        )
+        return find_hung_ranks(state, now=now, config=self.job.elastic)
+
+    def _silence(self, rank: int, now: float) -> tuple[int, float]:
+        """(the last step ``rank`` finished, seconds since it did), as the coordinator saw it."""
+        step, at = self.progress.get(rank, (self.job.step, now))
+        return step, round(now - at, 3)
+
+    def settle_queued(self, inflight: deque[Dispatched], result: IntervalOutcome) -> None:
+        """After a failed interval, waits out the intervals queued behind it.
+
+        A rank whose own call failed skips the one queued behind it. A rank that finished the
+        failed interval (its gang intact) has gone on into the next one, and may be waiting in
+        a replica-plane collective for a lost peer: its planes are aborted so that it stops at
+        once. What it trained comes back in its report (``result.later``) or from ``recover``,
+        and is booked with the rest. Ranks of gangs that lost a rank are left alone: they are
+        killed with their gang. A survivor whose queued call does not end counts as hung.
+        """
+        lost_gangs = {self.job._gang_of(r) for r in [*result.dead, *result.hung]}
+        while inflight:
+            d = inflight.popleft()
+            refs = {r: x for r, x in d.refs.items() if self.job._gang_of(r) not in lost_gangs}
+            self.abort_planes(set(refs))
+            # A survivor may train the whole queued interval (nothing in it waits for the lost
+            # gang): give it the interval's own hang timeout, as _collect does.
+            timeout = max(
+                2 * self.job.elastic.collective_timeout_s + self.job.elastic.poll_s,
+                self.job.elastic.step_timeout_s * max(1, d.n),
+            )
+            ready = self.job.group.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+            now = self.job.clock.monotonic()
+            for r, future in refs.items():
+                if future not in ready:
+                    result.hung.append(r)
+                    result.silence[r] = self._silence(r, now)
+                    continue
+                try:
+                    report = self.job.group.result(future)
+                except RankLost as e:
+                    result.dead[r] = e.cause
+                except RankFailed as e:
+                    result.errored.setdefault(r, str(e))
+                else:
+                    if not report.skipped:
+                        result.later.append(report)
+            lost_gangs |= {self.job._gang_of(r) for r in [*result.dead, *result.hung]}
+
+    def abort_planes(self, ranks: set[int]) -> None:
+        # Fire and forget: the answer does not matter, only that blocked collectives fail.
+        self.job.group.call(sorted(ranks & self.job._started), RankWorker.abort_replica_planes)
+
+    # -- failures ---------------------------------------------------------------------------
+
+    def probe(self, error: BaseException) -> IntervalOutcome:
+        """Which live ranks are dead, after ``error`` broke a control call."""
+        out = IntervalOutcome()
+        refs = self.job.group.call(self.job._live_ranks(), RankWorker.step)
+        ready = self.job.group.wait(list(refs.values()), num_returns=len(refs), timeout=10)
+        now = self.job.clock.monotonic()
+        for r, future in refs.items():
+            if future not in ready:
+                out.hung.append(r)
+                out.silence[r] = self._silence(r, now)
+                continue
+            try:
+                self.job.group.result(future)
+            except RankLost as e:
+                out.dead[r] = e.cause
+        if not out.failed:
+            if not isinstance(error, RankLost):
+                raise error  # nobody died: a real error of its own
+            # An actor outside the membership died (a gang that was starting): re-form as is.
+            out.errored[-1] = str(error)
+        return out
+
+    def recover_until_stable(self, result: IntervalOutcome) -> None:
+        """Recovers; a further loss during recovery starts it over with the new losses."""
+        for _ in range(self.job.max_gangs + self.job.membership.num_gangs + 1):
+            try:
+                self.recover(result)
+                return
+            except RankCallError as e:
+                probed = self.probe(e)
+                if not result.booked:  # what the survivors reported is not in the books yet
+                    probed.reports = {**result.reports, **probed.reports}
+                    probed.later = result.later + probed.later
+                result = probed
+        raise JobFailedError("the job kept losing ranks while it re-formed")
+
+    def recover(self, result: IntervalOutcome) -> None:
+        """Drops every gang that lost a rank and re-forms the job among the survivors."""
+        now = self.job._now()
+        lost = set(result.dead) | set(result.hung)
+        if not lost:
+            # Collectives gave up but every rank is alive and answered: a stall longer than the
+            # collective timeout (an overloaded host, a long pause). Nobody is dropped; the job
+            # re-forms as it was, unless that keeps happening.
+            self.transient += 1
+            errors = [f"rank {r}: {e}" for r, e in sorted(result.errored.items())]
+            why = retry_transient(self.transient, limit=MAX_TRANSIENT, errors=errors)
+            if why is not None:
+                raise JobFailedError(why)
+        else:
+            self.transient = 0
+        # A gang that was joining has no state of its own yet: if anything fails meanwhile,
+        # it goes too and is requested again.
+        failed_gangs = sorted({self.job._gang_of(r) for r in lost} | self.job.growth.joining)
+        self.job.growth.joining = set()
+        # Ray says when an actor died with its node; the node table may lag behind that, and
+        # a rank on a node that just went can look hung for a moment: give the table a few
+        # seconds to catch up, and count such ranks as dead.
+        if result.hung:
+            deadline = self.job.clock.monotonic() + _NODE_TABLE_GRACE_S
+            while self.job.clock.monotonic() < deadline and not self.job._dead_nodes():
+                self.job.clock.sleep(0.5)
+            gone = set(self.job._dead_nodes())
+            for r in [r for r in result.hung if self.job._rank_nodes.get(r) in gone]:
+                result.hung.remove(r)
+                result.dead[r] = _NODE_DIED
+        dead_nodes = sorted(
+            set(self.job._dead_nodes())
+            | {
+                self.job._rank_nodes[r]
+                for r, cause in result.dead.items()
+                if "node" in cause and r in self.job._rank_nodes
+            }
+        )
+        # A rank on a dead node died with it, whatever its call said first: a gang peer killed
+        # because its gang lost a rank may have been there too (the whole job fits on one
+        # host). It counts as lost in its own right; otherwise a shard whose every copy was on
+        # that node would look alive.
+        for r, cause in list(result.dead.items()):
+            if cause != _NODE_DIED and self.job._rank_nodes.get(r) in dead_nodes:
+                result.dead[r] = _NODE_DIED
+        for node_id in dead_nodes:
+            gangs = sorted(
+                {self.job._gang_of(r) for r, n in self.job._rank_nodes.items() if n == node_id}
+            )
+            self.job.events.append(
+                NodeDied(
+                    at=now, step=self.job.step, node=self.job._node(node_id), gang_ids=tuple(gangs)
+                )
+            )
+        for r, cause in sorted(result.dead.items()):
+            self.job.events.append(
+                RankDied(
+                    at=now,
+                    step=self.job.step,
+                    job_rank=r,
+                    gang_id=self.job._gang_of(r),
+                    cause=cause,
+                )
+            )
+        if result.hung:
+            silence = [result.silence.get(r, (self.job.step, 0.0)) for r in result.hung]
+            self.job.events.append(
+                HangDetected(
+                    at=now,
+                    step=self.job.step,
+                    job_ranks=tuple(result.hung),
+                    gang_ids=tuple(sorted({self.job._gang_of(r) for r in result.hung})),
+                    last_step=min(step for step, _ in silence),
+                    silent_s=max(silent for _, silent in silence),
+                )
+            )
+        # The policy decides: drop the gangs that lost a rank and re-form among the intact
+        # ones, or, when no gang is intact, a total loss (some shard may have no live copy).
+        # A gang still joining has no state of its own and counts as lost with the rest.
+        joining = {r for g in failed_gangs for r in self.job.membership.gang(g).job_ranks}
+        state = ElasticState(
+            membership=self.job.membership,
+            sync_every=self.job.cfg.sync.sync_every,
+            max_gangs=self.job.max_gangs,
+            dead_ranks=frozenset(lost | joining) if lost else frozenset(),
+        )
+        decision = decide(state, now=self.job.clock.monotonic(), config=self.job.elastic)
+        if isinstance(decision, Unrecoverable):
+            own = sorted(r for r in lost if result.dead.get(r) != _PEER_KILLED)
+            self.job.total_loss.recover(own, failed_gangs, why=lambda g: _why(result, g, self.job))
+            return
+        if isinstance(decision, Reform):
+            failed_gangs = sorted(set(failed_gangs) | set(decision.drop))
+        survivors = [g.gang_id for g in self.job.membership.gangs if g.gang_id not in failed_gangs]
+        survivor_ranks = [r for g in survivors for r in self.job.membership.gang(g).job_ranks]
+        self.abort_planes(set(survivor_ranks))
+        recovered = self.job._call(survivor_ranks, RankWorker.recover)
+        steps = sorted({rep.step for rep in recovered})
+        apart = survivors_apart(
+            steps, sync_every=self.job.cfg.sync.sync_every, lost_gangs=failed_gangs
+        )
+        if apart is not None:
+            raise JobFailedError(apart)
+        # A failure reaches the members of a collective at slightly different moments: one may
+        # have finished a step its peers did not. The job goes on from the furthest step; a
+        # rank that is behind simply trained one batch less (its log says which).
+        fail_step = steps[-1]
+        # What everyone trained in the failed interval: the survivors' own logs (a survivor
+        # may even have finished it), and for the lost ranks, whose logs died with them, the
+        # next batches in their stream order, one per step up to the failure.
+        reports = [result.reports[r] for r in survivor_ranks if r in result.reports]
+        reports += [rep for rep in result.later if rep.rank in survivor_ranks] + recovered
+        lost_ranks = [r for g in failed_gangs for r in self.job.membership.gang(g).job_ranks]
+        reports += self.job.accounting.lost_rank_reports(lost_ranks, fail_step=fail_step)
+        # Syncs before the failed step completed on every gang; the one at it did not.
+        self.job._account(reports, completed_through=fail_step - 1)
+        result.booked = True
+        replay = self.drop(failed_gangs, survivors)
+        for gid in failed_gangs:
+            self.job.events.append(
+                GangDropped(
+                    at=self.job._now(),
+                    step=self.job.step,
+                    gang_id=gid,
+                    reason=_why(result, gid, self.job),
+                )
+            )
+            self.job._kill_gang(gid)
+        if failed_gangs:
+            self.job.membership = self.job.membership.without(failed_gangs)
+            reason = f"lost gangs {failed_gangs}"
+        else:
+            self.job.membership = dataclasses.replace(
+                self.job.membership, generation=self.job.membership.generation + 1
+            )
+            reason = "collectives timed out with every rank alive"
+        self.job._new_generation(reason=reason)
+        # The re-formed job's first sync: every replica (and dense state) identical again, and
+        # the survivors' batches so far are in the model: committed.
+        self.job._call(self.job._live_ranks(), RankWorker.set_step, fail_step)
+        self.job._call(self.job._live_ranks(), RankWorker.sync)
+        self.job._call(self.job._live_ranks(), RankWorker.broadcast_dense, 0)
+        self.job._commit_all()
+        # Re-sharing (after the replays are booked) hands each rank its replays too.
+        if replay and not self.job.streams.reshare(self.job._ranks_in_gang_order()):
+            self.job._call_by_rank(sorted(replay), RankWorker.replay, lambda r: (replay[r],))
+        self.job.growth.request()
+
+    def drop(self, gangs: list[int], survivors: list[int]) -> dict[int, list[int]]:
+        """The dropped gangs' uncommitted batches, split over the survivors' ranks."""
+        return self.job.accounting.drop(
+            gangs, survivors, ranks_of=lambda g: self.job.membership.gang(g).job_ranks
+        )
+
+
+def _why(result: IntervalOutcome, gang: int, coordinator: Coordinator) -> str:
+    ranks = coordinator.membership.gang(gang).job_ranks
+    dead = [r for r in ranks if r in result.dead]
+    hung = [r for r in ranks if r in result.hung]
+    if dead:
+        return f"rank(s) {dead} died"
+    if hung:
+        return f"rank(s) {hung} hung"
+    return f"rank(s) {[r for r in ranks if r in result.errored]} failed"
