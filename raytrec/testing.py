@@ -103,6 +103,38 @@ class NodeRemover:
             self.added = self.add_node(self.cluster)
 
 
+@dataclasses.dataclass
+class NodeDrainer:
+    """``on_progress`` callback: at ``at_step`` marks the node running ``job_rank`` as draining
+    in Ray's GCS, as an autoscaler does before it removes an idle node or a cloud before it
+    preempts one (reason: preemption, ``deadline_s`` from now)."""
+
+    at_step: int
+    job_rank: int
+    deadline_s: float = 600.0
+    drained: str | None = None  # the Ray node id marked
+
+    def __call__(self, row: IntervalMetrics) -> None:
+        if self.drained is not None or row.step < self.at_step:
+            return
+        import time
+
+        from ray.core.generated import autoscaler_pb2
+
+        node_id = ray.get(running_coordinator().rank_nodes.remote())[self.job_rank]
+        # This session's GCS ("auto" would find the cluster started last on this machine).
+        gcs = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
+        accepted, why = gcs.drain_node(
+            node_id,
+            autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+            "raytrec test: node preempted",
+            int(time.time() * 1000 + self.deadline_s * 1000),
+        )
+        if not accepted:
+            raise RuntimeError(f"Ray refused to drain node {node_id}: {why}")
+        self.drained = node_id
+
+
 def committed_row_ids(result: Result, paths: Sequence[str]) -> np.ndarray:
     """The ``row_id`` of every row in the batches ``result`` committed into its model (one entry
     per time a row was trained), for a job that read the Parquet files ``paths`` by index: what

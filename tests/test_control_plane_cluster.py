@@ -7,6 +7,8 @@
 - A gang is given back on request in the middle of the epoch (``raytrec.drain``): the rows each
   rank actually trained, recorded by the model itself as it sees them, cover every row of the
   data exactly once.
+- A node is marked for removal in Ray's GCS (as an autoscaler or a preemption notice does): the
+  gang on it is given back at the next boundary, its work committed, and the job trains on.
 - A replacement gang's heal is corrupted (an injected fault leaves one weight off after the
   peer's state was copied). The coordinator compares digests before any averaging, drops that
   gang, places another, which heals, and the job ends with every replica identical and every
@@ -47,7 +49,7 @@ from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
 from raytrec.metrics import IntervalMetrics
 from raytrec.model import build_dlrm
-from raytrec.testing import committed_row_ids, simulated_cluster
+from raytrec.testing import NodeDrainer, committed_row_ids, simulated_cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -223,3 +225,32 @@ def test_a_gang_drained_mid_epoch_gives_back_its_rows_and_none_is_lost_or_double
     assert sorted(trained) == list(range(rows))  # every row once, as the ranks saw it
     assert sorted(committed_row_ids(result, paths).tolist()) == list(range(rows))  # the ledger
     assert result.lost_batches == 0 and result.steps > 12  # the survivor took the rows left
+
+
+@pytest.fixture
+def two_nodes() -> Iterator[Cluster]:
+    with simulated_cluster(2, cpus_per_node=1) as c:  # one gang of one rank per node
+        yield c
+
+
+def test_a_node_marked_for_removal_gives_its_gang_back(two_nodes: Cluster, tmp_path: str) -> None:
+    config = small_job(
+        tmp_path,
+        elastic=ElasticConfig(step_timeout_s=30, collective_timeout_s=10, poll_s=0.2),
+        # Slow steps, so the drain (marked by the driver once it sees step 4) lands mid-run.
+        faults=FaultConfig(
+            faults=(FaultSpec(kind=FaultKind.SLOW_RANK, step=5, rank=0, stall_s=0.5, steps=8),)
+        ),
+        num_steps=16,
+        log_every=2,
+    )
+    drainer = NodeDrainer(at_step=4, job_rank=1)
+    result = fit(config, on_progress=drainer, shutdown_ray=False)
+
+    assert drainer.drained is not None
+    (drained,) = [e for e in result.events if e["kind"] == "gang_drained"]
+    assert drained["gang_id"] == 1 and "nodes marked for removal" in drained["reason"]
+    assert not [e for e in result.events if e["kind"] in ("rank_died", "gang_dropped")]
+    assert result.steps == 16 and result.history[-1].gangs == 1
+    assert_replicas_agree(result)
+    assert_every_batch_once(result)
