@@ -82,7 +82,7 @@ class JobCheckpoints:
             )
         )
 
-    def due(self, step: int, *, final: bool = False) -> bool:
+    def due(self, step: int, *, final: bool = False, stopping: bool = False) -> bool:
         """Whether the checkpoint policy wants a save at ``step``."""
         last_step, last_clock = self.last_save
         decision = save_decision(
@@ -93,14 +93,15 @@ class JobCheckpoints:
             last_save_s=last_clock,
             sync_every=1,  # a sync is done right here when one is due
             final_step=self.job.end_step if final else None,
+            stopping=stopping,
         )
         return decision.save and step != 0 and last_step != step
 
-    def maybe_save(self, *, final: bool = False) -> None:
+    def maybe_save(self, *, final: bool = False, stopping: bool = False) -> None:
         """Saves a checkpoint when the policy says so: one gang writes, after a job-wide sync
         (so its copy is the job's state)."""
         cfg = self.job.cfg.checkpoint
-        if not self.due(self.job.step, final=final):
+        if not self.due(self.job.step, final=final, stopping=stopping):
             return
         if self.job.membership.last_sync_step != self.job.step:
             self.job._call(self.job._live_ranks(), RankWorker.sync)

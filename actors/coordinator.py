@@ -76,7 +76,7 @@ from raytrec.elastic.workers import (
     WorkerGroup,
 )
 from raytrec.engine.rank import RENDEZVOUS_TIMEOUT_S, RankSpec, StoreAddress
-from raytrec.errors import JobFailedError
+from raytrec.errors import JobFailedError, StopRequested
 from raytrec.metrics import IntervalMetrics, aggregate_interval
 from raytrec.model import ModelFactory, build_dlrm
 from raytrec.placement import placement_specs, rank_resources
@@ -151,6 +151,7 @@ class Coordinator:
         replayable = all(s.replayable for s in shards)
         self._stream_id = batch_id if replayable else None
         self.accounting = BatchAccounting(self.membership.gang_ids, stream_id=self._stream_id)
+        self._stop = threading.Event()  # a stop was asked for (request_stop)
         self._seq = 0  # the last train call's number
         self._ready = 0  # batches every live rank holds prepared beyond the job's step
         # Intervals in flight at once: the running one and one queued behind it, unless the
@@ -178,6 +179,11 @@ class Coordinator:
     def event_dicts(self, since: int = 0) -> list[dict[str, Any]]:
         """The events from the ``since``-th on, as dicts (the driver polls them as they come)."""
         return [e.to_dict() for e in list(self.events)[since:]]
+
+    def request_stop(self) -> None:
+        """Asks the job to stop at the next interval boundary (answered while run() runs): it
+        syncs, checkpoints when checkpoints are configured, and saves the final model."""
+        self._stop.set()
 
     def rank_nodes(self) -> dict[int, str]:
         """Job rank -> the Ray node id it runs on (live ranks)."""
@@ -274,7 +280,10 @@ class Coordinator:
         final = os.path.join(self.run_dir, "final_model")
         for _ in range(MAX_TRANSIENT + 1):
             try:
-                digests = self._finish(final, checkpoint=stopped_by is None)
+                stopping = isinstance(stopped_by, StopRequested)
+                digests = self._finish(
+                    final, checkpoint=stopped_by is None or stopping, stopping=stopping
+                )
                 break
             except RankCallError as e:
                 self.recovery.recover_until_stable(
@@ -335,9 +344,15 @@ class Coordinator:
                     if stop is not None and self._ready < n:
                         stopped_by = stop  # bad input, or the end of the data, in what is next
                         break
+                    if self._stop.is_set():
+                        stopped_by = StopRequested(f"stopped on request at step {self.step}")
+                        break
                     self.drains.apply()
                     self.growth.admit()
                     self.growth.wait_for_min_gangs()
+                    if self._stop.is_set():  # asked while it waited for gangs
+                        stopped_by = StopRequested(f"stopped on request at step {self.step}")
+                        break
                     # A join may have shared the rows left among more ranks: the end is sooner.
                     n = min(every, self.end_step - self.step)
                     if n <= 0:
@@ -399,7 +414,8 @@ class Coordinator:
             every=self.cfg.log_every,
             depth=self._depth,
             ready=self._ready,
-            membership_changing=bool(self.growth.pending or self.growth.building)
+            work_at_boundary=bool(self.growth.pending or self.growth.building)
+            or self._stop.is_set()
             or self.drains.decision(take=False) is not None,
             live_gangs=self.membership.num_gangs,
             min_gangs=self.elastic.min_gangs,
@@ -409,13 +425,16 @@ class Coordinator:
             after = inflight[-1].seq if inflight else None
             inflight.append(self._dispatch(start, n, after=after))
 
-    def _finish(self, final: str, *, checkpoint: bool) -> dict[int, dict[str, str]]:
-        """Ends on a job-wide sync, checks the replicas, saves the final model."""
+    def _finish(
+        self, final: str, *, checkpoint: bool, stopping: bool = False
+    ) -> dict[int, dict[str, str]]:
+        """Ends on a job-wide sync, checks the replicas, saves the final model (and a checkpoint
+        when the policy says so; ``stopping``: the job stops on request)."""
         if self.step % self.cfg.sync.sync_every or self.membership.last_sync_step != self.step:
             self._call(self._live_ranks(), RankWorker.sync)  # end on a sync: every replica the same
         self._commit_all()
         if checkpoint:
-            self.checkpoints.maybe_save(final=True)
+            self.checkpoints.maybe_save(final=True, stopping=stopping)
         digests = self._final_digests()
         first_gang = self.membership.gangs[0]
         self._call(list(first_gang.job_ranks), RankWorker.save, final)

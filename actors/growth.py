@@ -270,7 +270,7 @@ class GangGrowth:
                 now=job._now(),
                 resource_wait_s=elastic.resource_wait_s,
             )
-            if isinstance(decision, Proceed):
+            if isinstance(decision, Proceed) or job._stop.is_set():
                 return
             if isinstance(decision, Fail):
                 job.events.append(JobFailed(at=job._now(), step=job.step, reason=decision.reason))

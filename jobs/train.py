@@ -10,7 +10,10 @@ job's defaults (1000 steps, a line every 25, row-wise Adagrad), ``--config FILE`
 in docs/configuration.md), the shortcut flags below, then ``--set KEY=VALUE`` (repeatable).
 ``--print-config`` prints the result as YAML and exits.
 
-Exit codes: 0 success, 2 configuration error, 3 bad input data, 1 any other failure.
+Exit codes: 0 success, 2 configuration error, 3 bad input data, 4 stopped on request (SIGTERM,
+SIGINT or ``ray job stop``: the job stopped at its next interval boundary, synced, checkpointed
+when checkpoints are configured, with its model and metrics saved; a second signal stops at
+once, 130), 1 any other failure.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ JOB_DEFAULTS: tuple[Override, ...] = (
     ("model.tables[*].pooling", "mean"),
 )
 
-EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_BAD_INPUT = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 3, 4
 
 
 def parser() -> argparse.ArgumentParser:
@@ -156,6 +159,7 @@ def train(config: TrainConfig) -> int:
     from raytrec.api import TrainingStopped, fit
     from raytrec.data.arrow_kjt import BadInputError
     from raytrec.data.spec import SpecError
+    from raytrec.errors import StopRequested
     from raytrec.progress import METRICS_FILE, ProgressReporter
 
     reporter = ProgressReporter(config.num_steps, title=config.name)
@@ -170,6 +174,14 @@ def train(config: TrainConfig) -> int:
         return EXIT_BAD_INPUT
     except TrainingStopped as e:
         result = e.result
+        if isinstance(e.cause, StopRequested):
+            saved = result.checkpoint.path if result.checkpoint is not None else "none configured"
+            print(
+                f"[raytrec] stopped on request at step {result.steps} of "
+                f"{result.config.num_steps}; checkpoint: {saved}; final model: "
+                f"{result.final_state_path}; metrics: {result.run_dir}/{METRICS_FILE}"
+            )
+            return EXIT_STOPPED
         bad = isinstance(e.cause, BadInputError)
         print(f"raytrec: {'bad input' if bad else 'error'}: {_one_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT if bad else EXIT_FAILED

@@ -11,6 +11,8 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -298,11 +300,56 @@ def _drive(
     on_event: Callable[[dict[str, Any]], None] | None = None,
 ) -> Any:
     """Runs the job, passing on its metrics rows (and, with ``on_event``, its events) as they
-    come; returns the coordinator's summary."""
+    come; returns the coordinator's summary. The first SIGTERM or SIGINT (``ray job stop``,
+    Ctrl-C) asks the job to stop at its next interval boundary; a second one stops at once."""
     run_ref = coordinator.run.remote()
+    with _StopOnSignal() as stop:
+        return _follow(coordinator, run_ref, on_progress, on_event, stop)
+
+
+class _StopOnSignal:
+    """While the job runs in the main thread: the first SIGTERM/SIGINT sets ``asked``, the
+    second raises KeyboardInterrupt (the job is then killed). Elsewhere it does nothing."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        self._saved: dict[int, Any] = {}
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if self.asked:
+            raise KeyboardInterrupt(f"signal {signum} again: stopping at once")
+        self.asked = True
+        print(
+            f"[raytrec] signal {signum}: stopping at the next interval boundary "
+            "(send it again to stop at once)",
+            flush=True,
+        )
+
+    def __enter__(self) -> _StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._saved[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+
+
+def _follow(
+    coordinator: Any,
+    run_ref: Any,
+    on_progress: Callable[[IntervalMetrics], None],
+    on_event: Callable[[dict[str, Any]], None] | None,
+    stop: _StopOnSignal,
+) -> Any:
     seen = seen_events = 0
+    stop_sent = False
     try:
         while True:
+            if stop.asked and not stop_sent:
+                coordinator.request_stop.remote()
+                stop_sent = True
             done, _ = ray.wait([run_ref], timeout=1.0)
             rows = ray.get(coordinator.progress.remote(seen))
             for row in rows:

@@ -9,5 +9,10 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
 
 
+class StopRequested(Exception):
+    """The job was asked to stop (SIGTERM, SIGINT, ``ray job stop``): it stopped at an interval
+    boundary, with its work synced, checkpointed (when checkpoints are configured) and saved."""
+
+
 class JobFailedError(RuntimeError):
     """An elastic job cannot go on: too few gangs for too long, or a shard lost every copy."""

@@ -332,3 +332,49 @@ def test_ray_job_submit_trains_and_reports(cluster: LocalCluster, tmp_path: path
     assert "exit code 2" in state
     logs = job_logs(cluster, "raytrec-bad-config")
     assert "raytrec: configuration error: scaling.gang_size=3 does not divide" in logs
+
+
+@pytest.mark.cluster
+def test_ray_job_stop_stops_at_a_boundary_with_a_checkpoint(
+    cluster: LocalCluster, tmp_path: pathlib.Path
+) -> None:
+    storage = tmp_path / "runs"
+    submit(
+        cluster,
+        "raytrec-stop",
+        "--config",
+        "examples/configs/local_cpu.yaml",
+        "--steps",
+        "400",
+        "--log-every",
+        "4",
+        "--storage-path",
+        str(storage),
+        "--set",
+        "name=stopped",
+        "--set",
+        "checkpoint.every_n_steps=200",
+        # Slow steps: the job is still training when it is stopped.
+        "--set",
+        "faults.faults=[{kind: slow_rank, step: 1, rank: 0, stall_s: 0.2, steps: 400}]",
+    )
+    deadline = time.monotonic() + 180
+    while "[raytrec] step      8/400" not in job_logs(cluster, "raytrec-stop"):
+        assert time.monotonic() < deadline, job_logs(cluster, "raytrec-stop")
+        time.sleep(2)
+    stopped = ray_cli(cluster, "job", "stop", "--address", cluster.dashboard, "raytrec-stop")
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+
+    state = wait_for(cluster, "raytrec-stop")
+    logs = job_logs(cluster, "raytrec-stop")
+    assert state.startswith("STOPPED"), state + logs
+    assert "stopping at the next interval boundary" in logs, logs
+    (line,) = [x for x in logs.splitlines() if "[raytrec] stopped on request at step" in x]
+    step = int(line.split("at step ")[1].split()[0])
+    assert 8 <= step < 400 and step % 4 == 0, line
+    (run_dir,) = storage.glob("stopped-*")
+    # A checkpoint of the step it stopped at, although none was due by every_n_steps.
+    assert f"checkpoint: {run_dir}/checkpoints/" in line, line
+    assert (run_dir / "final_model").is_dir()
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == step

@@ -64,7 +64,7 @@ def queue(
         every=25,
         depth=depth,
         ready=ready,
-        membership_changing=changing,
+        work_at_boundary=changing,
         live_gangs=live,
         min_gangs=min_gangs,
     )
@@ -110,7 +110,7 @@ def test_only_what_every_rank_holds_is_sent() -> None:
         ("the job is at its end", {"end_step": 50}, 50),
         ("a checkpoint is due", {"every_n_steps": 50}, 50),
         ("the job is below its minimum gangs", {"live": 1, "min_gangs": 2}, 25),
-        ("a gang is being added, or a drain is due", {"changing": True}, 25),
+        ("a gang is being added, a drain or a stop is due", {"changing": True}, 25),
     ],
 )
 def test_nothing_is_sent_early_when_the_boundary_has_work(

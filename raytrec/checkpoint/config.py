@@ -93,12 +93,14 @@ def save_decision(
     last_save_s: float,
     sync_every: int,
     final_step: int | None = None,
+    stopping: bool = False,
 ) -> SaveDecision:
     """The checkpoint policy after optimizer step ``step``, at clock time ``now_s`` (seconds).
 
     ``last_save_step`` / ``last_save_s`` are the step and time of the last
     save, or of the start (or resume) when there was none. ``final_step`` is
-    the job's last step, for ``checkpoint_at_end``.
+    the job's last step, for ``checkpoint_at_end``. ``stopping``: the job stops on request
+    here; it saves when any checkpoint trigger is configured, so it can be resumed.
     """
     if step <= last_save_step:
         return SaveDecision(save=False, reason=f"step {step} is already saved")
@@ -106,6 +108,8 @@ def save_decision(
         return SaveDecision(
             save=False, reason=f"step {step} is not a sync boundary (sync_every={sync_every})"
         )
+    if stopping and (config.periodic or config.checkpoint_at_end):
+        return SaveDecision(save=True, reason=f"stopped on request at step {step}")
     if config.checkpoint_at_end and final_step is not None and step >= final_step:
         return SaveDecision(save=True, reason=f"checkpoint_at_end: step {step} is the last")
     steps = step - last_save_step

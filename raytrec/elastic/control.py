@@ -38,8 +38,9 @@ class Boundary:
     every: int  # steps per interval (log_every)
     depth: int  # intervals in flight at most: the running one and those queued behind it
     ready: int  # batches every live rank said it holds prepared beyond ``step``
-    #: A placement is pending, a gang is being built, or a drain is due: the boundary has work.
-    membership_changing: bool
+    #: Something has to run at the boundary: a placement is pending, a gang is being built, a
+    #: drain is due, or a stop was asked for.
+    work_at_boundary: bool
     live_gangs: int
     min_gangs: int
 
@@ -53,7 +54,7 @@ def intervals_to_queue(
     An interval may be sent before the coordinator has seen the job reach its start only when
     nothing has to happen at that boundary: the job is not at its end, every rank said it holds
     the interval's batches (so a data problem stops every rank at the same boundary), no
-    checkpoint is due there, the membership is not changing and the job has its minimum gangs.
+    checkpoint is due there, nothing else has to run there and the job has its minimum gangs.
     """
     b = boundary
     out: list[tuple[int, int]] = []
@@ -62,7 +63,7 @@ def intervals_to_queue(
         n = min(b.every, b.end_step - start)
         if n <= 0 or b.ready - (start - b.step) < n:
             break
-        if b.membership_changing or save_due(start) or b.live_gangs < b.min_gangs:
+        if b.work_at_boundary or save_due(start) or b.live_gangs < b.min_gangs:
             break
         out.append((start, n))
         start += n
