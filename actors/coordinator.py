@@ -185,6 +185,11 @@ class Coordinator:
         syncs, checkpoints when checkpoints are configured, and saves the final model."""
         self._stop.set()
 
+    def store_address(self) -> StoreAddress | None:
+        """Where the job's rendezvous store listens, with the job's secret (for tests and
+        diagnostics; the ranks are handed it in their spec)."""
+        return self._store_address
+
     def rank_nodes(self) -> dict[int, str]:
         """Job rank -> the Ray node id it runs on (live ranks)."""
         return dict(self._rank_nodes)

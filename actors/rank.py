@@ -21,13 +21,14 @@ import hashlib
 import os
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import ray
 import torch
-import torch.distributed as dist
 
+from raytrec.cluster import pin_collectives_to
 from raytrec.data.feed import BatchFeed, DataExhausted
 from raytrec.data.source import Batch, BatchShard
 from raytrec.elastic.faults import FaultKind
@@ -101,6 +102,7 @@ class RankWorker:
 
     def build(self) -> RankInfo:
         """Joins the gang world and shards the model; returns where this rank runs."""
+        pin_collectives_to(ray.util.get_node_ip_address())
         self.engine.build()
         self._open_feed()
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
@@ -288,7 +290,7 @@ class RankWorker:
         its own connection, so the training loop pays nothing for it; a rank whose process
         is stuck (even holding the GIL) simply stops beating."""
         spec = self.spec
-        store = dist.TCPStore(spec.store.host, spec.store.port, is_master=False)
+        store = spec.store.connect(timedelta(seconds=300))
         key, sent = progress_key(spec.rank), -1
         while not self._closed.wait(spec.config.elastic.poll_s / 2):
             step = self.engine.step
@@ -322,7 +324,10 @@ class RankWorker:
         slept = 0.0
         if cfg.stragglers is not None:
             slept += cfg.stragglers.stall_seconds(step, spec.rank)
-        for fault in cfg.faults.for_rank(step, rank=spec.rank, gang=spec.gang, node=-1):
+        # A node target names a host of the job's initial layout (job rank // ranks_per_host);
+        # ranks that join later sit on hosts beyond it.
+        host = spec.rank // (cfg.scaling.ranks_per_host or cfg.scaling.gang_size)
+        for fault in cfg.faults.for_rank(step, rank=spec.rank, gang=spec.gang, node=host):
             if fault.kind is FaultKind.KILL_RANK:
                 os._exit(1)  # a crash: no cleanup, no goodbye
             if fault.kind is FaultKind.HANG_RANK:

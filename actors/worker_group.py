@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import secrets
+import socket
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -45,14 +47,32 @@ class RayWorkerGroup:
 
     def __init__(self) -> None:
         self._actors: dict[int, Any] = {}
-        self._store: dist.TCPStore | None = None
+        self._socket: socket.socket | None = None
+        self._server: dist.TCPStore | None = None
+        self._store: dist.Store | None = None  # the server, seen under the job's secret
 
     def host_store(self) -> StoreAddress:
+        """The job's rendezvous store, listening on this node's Ray address only (not on every
+        interface: the socket is bound here and handed to the store), with a fresh secret that
+        only the job's ranks receive (through Ray) and under which every key lies."""
         host = ray.util.get_node_ip_address()
-        self._store = dist.TCPStore(
-            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        self._socket.bind((host, 0))
+        self._socket.listen(1024)
+        port = self._socket.getsockname()[1]
+        server = dist.TCPStore(
+            host,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=300),
+            master_listen_fd=self._socket.fileno(),
         )
-        return StoreAddress(host=host, port=self._store.port)
+        address = StoreAddress(host=host, port=port, secret=secrets.token_hex(16))
+        self._server = server  # keeps the server running for as long as the job
+        self._store = dist.PrefixStore(address.secret, server)
+        return address
 
     def start_rank(
         self, spec: RankSpec, shard: BatchShard, *, placement: PlacementGroup, bundle: int

@@ -15,7 +15,13 @@ from typing import Any
 import ray
 from ray._private import ray_constants
 
-__all__ = ["COORDINATOR_PREFIX", "bind_to_loopback", "connect", "total_resources"]
+__all__ = [
+    "COORDINATOR_PREFIX",
+    "bind_to_loopback",
+    "connect",
+    "pin_collectives_to",
+    "total_resources",
+]
 
 LOOPBACK = "127.0.0.1"
 #: A job's coordinator actor is named this plus the run's name (tools find it by the prefix).
@@ -54,6 +60,27 @@ def bind_to_loopback() -> None:
     """
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def pin_collectives_to(address: str) -> str | None:
+    """Makes Gloo and NCCL listen on the interface that holds ``address`` (the node's Ray
+    address) instead of the one the host name resolves to; returns the interface's name, or
+    None when no interface holds it or the operator chose one already.
+
+    Gloo and NCCL pick their interface by name only (``GLOO_SOCKET_IFNAME``,
+    ``NCCL_SOCKET_IFNAME``), and read the variables when a process group is created, so this
+    runs in the rank's process before its first group.
+    """
+    import psutil  # a dependency of Ray
+
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addresses):
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
+            return name
+    return None
 
 
 def total_resources() -> dict[str, float]:

@@ -9,6 +9,9 @@
   data exactly once.
 - A node is marked for removal in Ray's GCS (as an autoscaler or a preemption notice does): the
   gang on it is given back at the next boundary, its work committed, and the job trains on.
+- While the job trains, its rendezvous store listens on the loopback address only (as does
+  every socket its processes listen on), and a client outside the job finds none of the job's
+  keys: they lie under a secret that only the ranks were handed.
 - A replacement gang's heal is corrupted (an injected fault leaves one weight off after the
   peer's state was copied). The coordinator compares digests before any averaging, drops that
   gang, places another, which heals, and the job ends with every replica identical and every
@@ -17,8 +20,11 @@
 
 from __future__ import annotations
 
+import datetime
 import glob
 import os
+import re
+import subprocess
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -49,7 +55,12 @@ from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
 from raytrec.metrics import IntervalMetrics
 from raytrec.model import build_dlrm
-from raytrec.testing import NodeDrainer, committed_row_ids, simulated_cluster
+from raytrec.testing import (
+    NodeDrainer,
+    committed_row_ids,
+    running_coordinator,
+    simulated_cluster,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -254,3 +265,60 @@ def test_a_node_marked_for_removal_gives_its_gang_back(two_nodes: Cluster, tmp_p
     assert result.steps == 16 and result.history[-1].gangs == 1
     assert_replicas_agree(result)
     assert_every_batch_once(result)
+
+
+def listeners() -> list[tuple[str, str]]:
+    """(address, process name) of every listening TCP socket on this machine (``ss -ltnp``).
+    The kernel keeps a process's first 15 characters: ``ray::Coordinato``, ``ray::RankWorker``."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        local = line.split()[3]
+        for name in re.findall(r'\("([^"]+)",pid=', line):
+            found.append((local, name))
+    return found
+
+
+def test_the_rendezvous_listens_on_loopback_and_hides_the_jobs_keys(
+    cluster: Cluster, tmp_path: str
+) -> None:
+    seen: dict[str, Any] = {}
+
+    def look(row: IntervalMetrics) -> None:
+        if row.step < 4 or seen:
+            return
+        address = ray.get(running_coordinator().store_address.remote())
+        seen["address"] = address
+        seen["listeners"] = listeners()
+        outsider = torch.distributed.TCPStore(
+            address.host, address.port, is_master=False, timeout=datetime.timedelta(seconds=10)
+        )
+        # The job's heartbeat keys exist under its secret, and under no name an outsider knows.
+        seen["inside"] = outsider.check([f"{address.secret}/progress/0"])
+        seen["outside"] = outsider.check(["progress/0", "gang0/0", "/progress/0"])
+        outsider.set("progress/0", "123456")  # lands where the job never reads
+
+    config = small_job(
+        tmp_path,
+        elastic=ElasticConfig(step_timeout_s=30, collective_timeout_s=10, poll_s=0.2),
+        faults=FaultConfig(
+            faults=(FaultSpec(kind=FaultKind.SLOW_RANK, step=5, rank=0, stall_s=0.3, steps=4),)
+        ),
+        num_steps=12,
+        log_every=2,
+    )
+    result = fit(config, on_progress=look, shutdown_ray=False)
+
+    address = seen["address"]
+    assert address.host == "127.0.0.1" and len(address.secret) == 32
+    assert seen["inside"] and not seen["outside"]
+    store = [
+        (local, name) for local, name in seen["listeners"] if local.endswith(f":{address.port}")
+    ]
+    assert store == [(f"127.0.0.1:{address.port}", "ray::Coordinato")], seen["listeners"]
+    # Every socket the coordinator and the ranks listen on is on the loopback address.
+    mine = [
+        local for local, name in seen["listeners"] if name in ("ray::Coordinato", "ray::RankWorker")
+    ]
+    assert mine and all(local.startswith(("127.", "[::ffff:127.")) for local in mine), mine
+    assert result.steps == 12 and not [e for e in result.events if e["kind"] == "rank_died"]

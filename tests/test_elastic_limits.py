@@ -1,5 +1,7 @@
-"""What elastic training cannot survive fails clearly: a loss under ``replicas_within_host``
-with no checkpoint to rebuild from, and the loss of the coordinator itself."""
+"""What elastic training cannot survive fails clearly: a host lost under
+``replicas_within_host`` (every copy of a shard with it) with no checkpoint to rebuild from,
+and the loss of the coordinator itself. One rank lost under that layout is survivable: the
+other copies of its shard live on its host, so its gang is dropped and the job goes on."""
 
 from __future__ import annotations
 
@@ -40,15 +42,19 @@ def config(tmp: str, **changes: object) -> TrainConfig:
     return base.replace(**changes)
 
 
-def test_replicas_within_host_losing_a_rank_without_a_checkpoint_fails_clearly(
+WITHIN_HOST = ScalingConfig(
+    num_workers=4, gang_size=2, ranks_per_host=2, layout="replicas_within_host"
+)
+
+
+def test_replicas_within_host_losing_a_host_without_a_checkpoint_fails_clearly(
     cluster: None, tmp_path: str
 ) -> None:
+    # Host 0 holds shard 0 of both gangs: every copy of that shard dies with it.
     cfg = config(
         str(tmp_path),
-        scaling=ScalingConfig(
-            num_workers=4, gang_size=2, ranks_per_host=2, layout="replicas_within_host"
-        ),
-        faults=FaultConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=5, rank=0),)),
+        scaling=WITHIN_HOST,
+        faults=FaultConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=5, node=0),)),
     )
     # No checkpoint configured: the message says one would have allowed a rebuild.
     with pytest.raises(
@@ -58,6 +64,23 @@ def test_replicas_within_host_losing_a_rank_without_a_checkpoint_fails_clearly(
         r"rebuilt from its last checkpoint automatically",
     ):
         fit(cfg, shutdown_ray=False)
+
+
+def test_replicas_within_host_losing_one_rank_drops_its_gang_and_goes_on(
+    cluster: None, tmp_path: str
+) -> None:
+    cfg = config(
+        str(tmp_path),
+        scaling=WITHIN_HOST,
+        faults=FaultConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=5, rank=0),)),
+    )
+    result = fit(cfg, shutdown_ray=False)
+    kinds = [e["kind"] for e in result.events]
+    assert result.steps == 16 and "total_loss" not in kinds, kinds
+    [dropped] = [e for e in result.events if e["kind"] == "gang_dropped"]
+    assert dropped["gang_id"] == 0, dropped
+    assert result.history[-1].gangs == 1
+    assert result.lost_batches == 0
 
 
 def test_losing_the_coordinator_fails_the_job_instead_of_hanging(

@@ -65,10 +65,19 @@ _DENSE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StoreAddress:
-    """Where the job's rendezvous store (hosted by the coordinator) listens."""
+    """Where the job's rendezvous store (hosted by the coordinator) listens, and the job's
+    secret: every key the job writes or reads lies under it, so a client outside the job (who
+    can reach the port but was not handed the secret through Ray) can neither read the job's
+    keys nor write one the job would read."""
 
     host: str
     port: int
+    secret: str = ""
+
+    def connect(self, timeout: timedelta) -> dist.Store:
+        """A client of the store, seeing the job's keys only."""
+        store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
+        return dist.PrefixStore(self.secret, store) if self.secret else store
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -120,9 +129,7 @@ class RankEngine:
         # loaded machine); collectives afterwards get the short timeout that failure detection
         # relies on.
         rendezvous = timedelta(seconds=max(spec.timeout_s, RENDEZVOUS_TIMEOUT_S))
-        self._store = dist.TCPStore(
-            spec.store.host, spec.store.port, is_master=False, timeout=rendezvous
-        )
+        self._store = spec.store.connect(rendezvous)
         dist.init_process_group(
             backend=cfg.scaling.resolved_backend,
             store=dist.PrefixStore(f"gang{spec.gang}", self._store),
