@@ -51,6 +51,7 @@ from actors.rank import RankWorker
 from actors.recovery import MAX_TRANSIENT, Dispatched, FailureRecovery
 from actors.reshare import DataStreams, StreamTable
 from actors.total_loss import TotalLossRecovery
+from raytrec.capacity import describe_bundles, describe_nodes
 from raytrec.config import TrainConfig
 from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.source import BatchShard
@@ -58,11 +59,15 @@ from raytrec.data.synthetic import batch_id
 from raytrec.elastic.accounting import BatchAccounting
 from raytrec.elastic.control import (
     Boundary,
+    Fail,
+    Proceed,
     intervals_to_queue,
+    placement_decision,
 )
 from raytrec.elastic.events import (
     EventLog,
     GenerationStarted,
+    PlacementWaiting,
 )
 from raytrec.elastic.heal import replicas_disagree
 from raytrec.elastic.membership import Gang, Membership, RankSlot
@@ -76,7 +81,7 @@ from raytrec.elastic.workers import (
     WorkerGroup,
 )
 from raytrec.engine.rank import RENDEZVOUS_TIMEOUT_S, RankSpec, StoreAddress
-from raytrec.errors import JobFailedError, StopRequested
+from raytrec.errors import ConfigError, JobFailedError, StopRequested
 from raytrec.metrics import IntervalMetrics, aggregate_interval
 from raytrec.model import ModelFactory, build_dlrm
 from raytrec.placement import placement_specs, rank_resources
@@ -85,6 +90,9 @@ from raytrec.sync.schedule import SyncPlan, plan_sync
 from raytrec.topology import Layout
 
 __all__ = ["Coordinator", "JobFailedError", "RunSummary"]
+
+#: While the job's placement groups are pending, a ``placement_waiting`` event this often.
+PLACEMENT_REPORT_S = 30.0
 
 
 class Coordinator:
@@ -98,7 +106,6 @@ class Coordinator:
         num_dense: int,
         run_dir: str,
         model_factory: ModelFactory = build_dlrm,
-        placement_timeout_s: float = 300.0,
         new_shard: Any = None,
         resume_from: str | None = None,
         group: WorkerGroup | None = None,
@@ -125,7 +132,6 @@ class Coordinator:
         self.num_dense = num_dense
         self.run_dir = run_dir
         self.model_factory = model_factory
-        self.placement_timeout_s = placement_timeout_s
         self.new_shard = new_shard  # job rank -> BatchShard, for gangs that join later
         self.resume_from = resume_from  # a checkpoint to start from
         self.elastic = config.elastic
@@ -210,14 +216,9 @@ class Coordinator:
                 self.shards[rank] if starts is None else self.streams.shard_of(starts[rank].shard)
             )
 
-        timeout_s = self.placement_timeout_s
-        placed = self._place_job(self.membership.gangs, shard_of, timeout_s=timeout_s)
-        if not placed:
-            raise TimeoutError(
-                f"the job's placement groups were not ready within "
-                f"{self.placement_timeout_s:.0f}s; the cluster lacks {self._per_rank()} x "
-                f"{self.topology.world_size} ranks"
-            )
+        refused = self._place_job(self.membership.gangs, shard_of)
+        if refused is not None:
+            raise ConfigError(refused)
         infos = self._build(sorted(self._started))
         self._new_generation(reason="job started")
         if self.resume_from is not None:
@@ -227,21 +228,49 @@ class Coordinator:
         self.growth.request()
         return infos
 
-    def _place_job(
-        self, gangs: Sequence[Gang], shard_of: Callable[[int], Any], *, timeout_s: float
-    ) -> bool:
+    def _place_job(self, gangs: Sequence[Gang], shard_of: Callable[[int], Any]) -> str | None:
         """Places a whole job of the topology's shape, topology gang ``i`` as ``gangs[i]``, and
-        starts its rank actors, job rank ``r`` reading ``shard_of(r)``. False, with nothing left
-        behind, when the placement groups are not all ready within ``timeout_s`` (until then
-        they are pending: the demand an autoscaler sees)."""
+        starts its rank actors, job rank ``r`` reading ``shard_of(r)``. Until the placement
+        groups are ready they are pending (the demand an autoscaler sees) and a
+        ``placement_waiting`` event says so every ``PLACEMENT_REPORT_S``; returns why it gave
+        up (``placement_decision``), with nothing left behind, or None once placed."""
         specs = placement_specs(self.topology, per_rank=self._per_rank())
         # Names stay unique when a rebuilt job is placed again in a later generation.
         suffix = f"-gen{self.membership.generation}" if self.membership.generation else ""
         pgs = [self.group.place(s, name=f"{self.cfg.name}-{s.name}{suffix}") for s in specs]
-        if len(self.group.ready(pgs, timeout=timeout_s)) < len(pgs):
-            for pg in pgs:
-                self.group.release(pg)
-            return False
+        asked = describe_bundles(specs)
+        since = self.clock.monotonic()
+        while True:
+            now = self.clock.monotonic()
+            left = since + self.elastic.resource_wait_s - now
+            # At least three reports before giving up, however short the wait.
+            every = min(PLACEMENT_REPORT_S, self.elastic.resource_wait_s / 3)
+            ready = len(self.group.ready(pgs, timeout=max(0.0, min(every, left))))
+            now = self.clock.monotonic()
+            decision = placement_decision(
+                ready=ready == len(pgs),
+                waiting_since=since,
+                now=now,
+                resource_wait_s=self.elastic.resource_wait_s,
+                asked=asked,
+            )
+            if isinstance(decision, Proceed):
+                break
+            if isinstance(decision, Fail):
+                for pg in pgs:
+                    self.group.release(pg)
+                nodes = describe_nodes(self.group.nodes())
+                return f"{decision.reason}; the cluster's live nodes: {nodes}"
+            self.events.append(
+                PlacementWaiting(
+                    at=self._now(),
+                    step=self.step,
+                    waited_s=round(now - since, 1),
+                    wait_s=self.elastic.resource_wait_s,
+                    asked=asked,
+                    nodes=describe_nodes(self.group.nodes()),
+                )
+            )
         across = self.topology.layout is Layout.REPLICAS_ACROSS_HOSTS
         for spec, pg in zip(specs, pgs, strict=True):
             for bundle, ranks in enumerate(spec.ranks):
@@ -251,7 +280,7 @@ class Coordinator:
                     self._pgs[gang.gang_id if across else -1] = pg  # within: one for the job
                     r = gang.ranks[pos.gang_rank].job_rank
                     self._start_rank(r, gang.gang_id, pos.gang_rank, pg, bundle, shard_of(r))
-        return True
+        return None
 
     def _per_rank(self) -> dict[str, float]:
         scaling = self.cfg.scaling

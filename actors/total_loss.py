@@ -155,11 +155,10 @@ class TotalLossRecovery:
         def shard_of(rank: int) -> Any:
             return self.job.streams.shard_of(starts[rank].shard)
 
-        if not self.job._place_job(gangs, shard_of, timeout_s=self.job.elastic.resource_wait_s):
+        refused = self.job._place_job(gangs, shard_of)
+        if refused is not None:
             reason = (
-                f"after a total loss, no placement for the whole job ({num_gangs} gangs x "
-                f"{gang_size} ranks) came within elastic.resource_wait_s="
-                f"{self.job.elastic.resource_wait_s:g}s; fit(..., resume_from_checkpoint="
+                f"after a total loss, {refused}; fit(..., resume_from_checkpoint="
                 f"{point.uri!r}) resumes from its checkpoint"
             )
             self.job.events.append(

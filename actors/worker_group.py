@@ -159,6 +159,7 @@ class RayWorkerGroup:
                 node_id=n["NodeID"],
                 address=str(n.get("NodeManagerAddress", "")),
                 alive=bool(n.get("Alive")),
+                resources={k: float(v) for k, v in n.get("Resources", {}).items()},
             )
             for n in ray.nodes()
         ]

@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -24,7 +24,8 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrec._quiet import quiet_known_warnings
-from raytrec.cluster import COORDINATOR_PREFIX, connect, total_resources
+from raytrec.capacity import NodeShape, capacity_refusal
+from raytrec.cluster import COORDINATOR_PREFIX, cluster_shapes, connect
 from raytrec.config import ConfigError, TrainConfig, validate_features
 from raytrec.data.from_config import DataInfo, source_from_config, synthetic_source
 from raytrec.data.parquet import ParquetSource
@@ -34,7 +35,6 @@ from raytrec.engine.plan import apply_embedding_optimizer, make_plan
 from raytrec.errors import JobFailedError
 from raytrec.metrics import IntervalMetrics
 from raytrec.model import ModelFactory, build_dlrm
-from raytrec.placement import rank_resources
 from raytrec.progress import ProgressReporter
 
 __all__ = ["CoordinatorDied", "Result", "TrainingStopped", "default_source", "fit"]
@@ -112,30 +112,13 @@ default_source = synthetic_source  # the source of data.source="synthetic"
 
 
 def check_capacity(
-    config: TrainConfig, resources: dict[str, float], *, ray_data: bool = False
+    config: TrainConfig, shapes: Sequence[NodeShape], *, ray_data: bool = False
 ) -> None:
-    """Fails when the cluster can never hold every rank at once, or, for a Ray Data source,
-    leaves no CPU for its read and preprocessing tasks (the job would wait forever)."""
-    per_rank = rank_resources(
-        cpus_per_rank=config.scaling.cpus_per_rank, use_gpu=config.scaling.use_gpu
-    )
-    world = config.scaling.world_size
-    for name, amount in per_rank.items():
-        need, have = amount * world, resources.get(name, 0.0)
-        if need > have:
-            raise ConfigError(
-                f"scaling: {world} workers ({config.scaling.num_gangs} gangs x "
-                f"{config.scaling.gang_size} ranks) need {need:g} {name} in all but the cluster "
-                f"has {have:g}; allowed: scaling.num_workers x per-rank {name} <= {have:g}"
-            )
-    cpus_left = resources.get("CPU", 0.0) - per_rank["CPU"] * world
-    if ray_data and cpus_left < 1:
-        raise ConfigError(
-            f"scaling: the ranks take {per_rank['CPU'] * world:g} of the cluster's "
-            f"{resources.get('CPU', 0.0):g} CPUs and data.source={config.data.source!r} reads "
-            "through Ray Data, whose tasks need at least 1 CPU of their own; lower "
-            "scaling.cpus_per_rank or scaling.num_workers, or add CPUs"
-        )
+    """Fails (a :class:`ConfigError`, exit code 2 from ``jobs.train``) when the cluster of
+    ``shapes`` can never hold the job: see :mod:`raytrec.capacity`."""
+    refusal = capacity_refusal(config, shapes, ray_data=ray_data)
+    if refusal is not None:
+        raise ConfigError(refusal)
 
 
 def fit(
@@ -163,29 +146,35 @@ def fit(
     )
     if resume is not None:
         _check_checkpoint(resume, config)
-    info = DataInfo(kind="custom")
-    if source is None:
-        source, info = source_from_config(config)
-    validate_features(config.model, source.sparse_features)
-    shards_of_plan = config.scaling.world_size
-    if resume is not None:
-        shards_of_plan = _indexed_resume_shards(resume, config, source) or shards_of_plan
-    plan = _plan(config, source.dense_features, model_factory)
-
-    run_dir = os.path.abspath(
-        os.path.join(config.storage_path, f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    )
-    os.makedirs(run_dir, exist_ok=True)
-    reporter = on_progress or ProgressReporter(config.num_steps, title=config.name)
-    if isinstance(reporter, ProgressReporter) and reporter.run_dir is None:
-        reporter.start(run_dir)
     # Ranks hold their CPUs for the whole job; Ray Data's read and preprocessing
     # tasks need CPUs of their own, or the embedded cluster deadlocks.
     data_cpus = os.cpu_count() or 2
     need_cpus = config.scaling.world_size * config.scaling.cpus_per_rank + data_cpus
     started = connect(ray_address, num_cpus=need_cpus)
     try:
-        check_capacity(config, total_resources(), ray_data=isinstance(source, ParquetSource))
+        # Before any data is generated or any actor started: a job the cluster can never hold.
+        ray_data = (
+            isinstance(source, ParquetSource)
+            if source is not None
+            else config.data.source in ("parquet", "generated")
+        )
+        check_capacity(config, cluster_shapes(), ray_data=ray_data)
+        info = DataInfo(kind="custom")
+        if source is None:
+            source, info = source_from_config(config)
+        validate_features(config.model, source.sparse_features)
+        shards_of_plan = config.scaling.world_size
+        if resume is not None:
+            shards_of_plan = _indexed_resume_shards(resume, config, source) or shards_of_plan
+        plan = _plan(config, source.dense_features, model_factory)
+
+        run_dir = os.path.abspath(
+            os.path.join(config.storage_path, f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        )
+        os.makedirs(run_dir, exist_ok=True)
+        reporter = on_progress or ProgressReporter(config.num_steps, title=config.name)
+        if isinstance(reporter, ProgressReporter) and reporter.run_dir is None:
+            reporter.start(run_dir)
         from actors.coordinator import Coordinator
 
         # On the driver's node: a lost worker node must not take the coordinator with it.
@@ -364,7 +353,7 @@ def _follow(
                 return ray.get(run_ref)
     except ray.exceptions.RayTaskError as e:
         cause = getattr(e, "cause", None)
-        if isinstance(cause, JobFailedError):
+        if isinstance(cause, JobFailedError | ConfigError):
             raise cause from None  # the coordinator's own words, not Ray's wrapper
         raise
     except ray.exceptions.RayActorError as e:

@@ -9,18 +9,21 @@ token here: ranks on a small machine share its cores.
 
 from __future__ import annotations
 
+import collections
 import os
 from typing import Any
 
 import ray
 from ray._private import ray_constants
 
+from raytrec.capacity import NodeShape
+
 __all__ = [
     "COORDINATOR_PREFIX",
     "bind_to_loopback",
+    "cluster_shapes",
     "connect",
     "pin_collectives_to",
-    "total_resources",
 ]
 
 LOOPBACK = "127.0.0.1"
@@ -83,5 +86,34 @@ def pin_collectives_to(address: str) -> str | None:
     return None
 
 
-def total_resources() -> dict[str, float]:
-    return {k: float(v) for k, v in ray.cluster_resources().items()}
+def cluster_shapes() -> list[NodeShape]:
+    """The connected cluster's node shapes: its live nodes (alike ones counted together) and,
+    on an autoscaling cluster, the node types the autoscaler may add (Ray's cluster config,
+    which the autoscaler publishes in the GCS; absent on a fixed cluster)."""
+    alive: collections.Counter[tuple[tuple[str, float], ...]] = collections.Counter()
+    for node in ray.nodes():
+        if node.get("Alive"):
+            res = node.get("Resources", {})
+            alive[tuple((k, float(res[k])) for k in ("CPU", "GPU") if res.get(k))] += 1
+    # A node without CPUs or GPUs (a head node kept for Ray's own processes) holds no rank.
+    shapes = [
+        NodeShape(name="alive", resources=dict(key), count=count)
+        for key, count in alive.items()
+        if key
+    ]
+    from ray._private.state import state  # no public wrapper for the cluster config in Ray 2.60
+
+    try:
+        config = state.get_cluster_config()
+    except Exception:  # a GCS without it: only the live nodes are known
+        config = None
+    for group in config.node_group_configs if config is not None else ():
+        if group.max_count != 0:
+            shapes.append(
+                NodeShape(
+                    name=f"node type {group.name}",
+                    resources={k: float(v) for k, v in group.resources.items()},
+                    count=None if group.max_count < 0 else int(group.max_count),
+                )
+            )
+    return shapes

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from raytrec.api import check_capacity
 from raytrec.config import (
     ConfigError,
     DataConfig,
@@ -164,18 +163,6 @@ def test_other_fields() -> None:
         TrainConfig(num_steps=0)
     with pytest.raises(ConfigError, match=r"scaling must be a ScalingConfig"):
         TrainConfig(scaling={"num_workers": 4})  # type: ignore[arg-type]
-
-
-def test_more_ranks_than_the_cluster_can_ever_place() -> None:
-    cfg = TrainConfig(scaling=ScalingConfig(num_workers=8, gang_size=2))
-    check_capacity(cfg, {"CPU": 8.0})
-    with pytest.raises(
-        ConfigError, match=r"8 workers \(4 gangs x 2 ranks\) need 8 CPU in all but the cluster"
-    ):
-        check_capacity(cfg, {"CPU": 6.0})
-    gpu = TrainConfig(scaling=ScalingConfig(num_workers=2, gang_size=2, use_gpu=True))
-    with pytest.raises(ConfigError, match=r"need 2 GPU in all but the cluster has 0"):
-        check_capacity(gpu, {"CPU": 16.0})
 
 
 def test_read_ahead_auto_uses_a_thread_on_gpu_ranks_only() -> None:

@@ -17,6 +17,7 @@ from raytrec.elastic.control import (
     Proceed,
     Wait,
     gangs_to_request,
+    placement_decision,
     resources_decision,
     retry_transient,
     survivors_apart,
@@ -142,6 +143,18 @@ def test_waiting_for_resources_until_the_deadline() -> None:
     assert resources_decision(live=1, now=40.0, **kw) == Wait(deadline=40.0)  # type: ignore[arg-type]
     failed = resources_decision(live=1, now=40.5, **kw)  # type: ignore[arg-type]
     assert isinstance(failed, Fail) and "elastic.resource_wait_s=30s" in failed.reason
+
+
+def test_a_whole_job_waits_for_its_placement_until_the_deadline() -> None:
+    kw = {"waiting_since": 5.0, "resource_wait_s": 6.0, "asked": "2 x {CPU: 2} on one node each"}
+    assert placement_decision(ready=True, now=50.0, **kw) == Proceed()  # type: ignore[arg-type]
+    assert placement_decision(ready=False, now=10.9, **kw) == Wait(deadline=11.0)  # type: ignore[arg-type]
+    failed = placement_decision(ready=False, now=11.0, **kw)  # type: ignore[arg-type]
+    assert isinstance(failed, Fail)
+    assert failed.reason.startswith(
+        "the job's placement groups (2 x {CPU: 2} on one node each) were not ready within "
+        "elastic.resource_wait_s=6s"
+    )
 
 
 def test_transient_failures_are_retried_up_to_a_limit() -> None:

@@ -23,6 +23,7 @@ __all__ = [
     "Wait",
     "gangs_to_request",
     "intervals_to_queue",
+    "placement_decision",
     "resources_decision",
     "retry_transient",
     "survivors_apart",
@@ -114,6 +115,26 @@ def resources_decision(
         reason=(
             f"{live} live gangs, fewer than elastic.min_gangs={min_gangs}, and no placement for "
             f"more came within elastic.resource_wait_s={resource_wait_s:g}s"
+        )
+    )
+
+
+def placement_decision(
+    *, ready: bool, waiting_since: float, now: float, resource_wait_s: float, asked: str
+) -> Proceed | Wait | Fail:
+    """A whole job's placement groups (at the start, or after a total loss): proceed when all
+    are ready, else wait until ``resource_wait_s`` after the wait began, then fail naming what
+    was asked."""
+    if ready:
+        return Proceed()
+    deadline = waiting_since + resource_wait_s
+    if now < deadline:
+        return Wait(deadline=deadline)
+    return Fail(
+        reason=(
+            f"the job's placement groups ({asked}) were not ready within "
+            f"elastic.resource_wait_s={resource_wait_s:g}s: the cluster has not had the free "
+            "resources for them (other jobs hold them, or an autoscaler could not add nodes)"
         )
     )
 

@@ -30,6 +30,7 @@ __all__ = [
     "HealFailed",
     "JobFailed",
     "NodeDied",
+    "PlacementWaiting",
     "RankDied",
     "ResourcesWaited",
     "TotalLoss",
@@ -172,6 +173,17 @@ class ResourcesWaited(Event):
     live_gangs: int
     min_gangs: int
     deadline: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlacementWaiting(Event):
+    """The job's placement groups are not ready yet (repeated while it waits)."""
+
+    kind: ClassVar[str] = "placement_waiting"
+    waited_s: float
+    wait_s: float  # elastic.resource_wait_s: when the job gives up
+    asked: str  # the bundles, e.g. "2 x {CPU: 2} (a gang's ranks on one node)"
+    nodes: str  # the cluster's live nodes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -80,6 +80,7 @@ class NodeInfo:
     node_id: str
     address: str
     alive: bool
+    resources: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 class Clock(Protocol):
