@@ -311,7 +311,9 @@ class Coordinator:
         train_start = clock.perf_counter()
         if stopped_by is None:
             stopped_by = self._train(prepared=True, train_start=train_start)
-        final = os.path.join(self.run_dir, "final_model")
+        # A job stopped before its first step trained nothing: no model to save.
+        trained = stopped_by is None or self.step > 0
+        final = os.path.join(self.run_dir, "final_model") if trained else None
         for _ in range(MAX_TRANSIENT + 1):
             try:
                 stopping = isinstance(stopped_by, StopRequested)
@@ -460,18 +462,20 @@ class Coordinator:
             inflight.append(self._dispatch(start, n, after=after))
 
     def _finish(
-        self, final: str, *, checkpoint: bool, stopping: bool = False
+        self, final: str | None, *, checkpoint: bool, stopping: bool = False
     ) -> dict[int, dict[str, str]]:
-        """Ends on a job-wide sync, checks the replicas, saves the final model (and a checkpoint
-        when the policy says so; ``stopping``: the job stops on request)."""
+        """Ends on a job-wide sync, checks the replicas, saves the final model (none when
+        ``final`` is None) and a checkpoint when the policy says so (``stopping``: the job stops
+        on request)."""
         if self.step % self.cfg.sync.sync_every or self.membership.last_sync_step != self.step:
             self._call(self._live_ranks(), RankWorker.sync)  # end on a sync: every replica the same
         self._commit_all()
         if checkpoint:
             self.checkpoints.maybe_save(final=True, stopping=stopping)
         digests = self._final_digests()
-        first_gang = self.membership.gangs[0]
-        self._call(list(first_gang.job_ranks), RankWorker.save, final)
+        if final is not None:
+            first_gang = self.membership.gangs[0]
+            self._call(list(first_gang.job_ranks), RankWorker.save, final)
         return digests
 
     # -- one interval -------------------------------------------------------------------------

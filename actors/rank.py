@@ -234,7 +234,11 @@ class RankWorker:
         assert self._feed is not None, "build() first"
         engine = self.engine
         sync_s = stall_s = 0.0
-        data_s = self._feed.wait_s
+        # Waits for data since the last interval (a pipeline started again at a membership
+        # change, say) belong to this interval: in its time as in its data wait, so that the
+        # wait stays a share of the rank's time.
+        carried = self._feed.wait_s
+        data_s = carried
         self._feed.wait_s = 0.0
         self.metrics.reset()
         rows = 0
@@ -268,7 +272,7 @@ class RankWorker:
             losses=tuple(losses),
             trained=tuple(trained),
             rows=rows,
-            seconds=time.perf_counter() - started,
+            seconds=time.perf_counter() - started + carried,
             data_wait_s=data_s,
             sync_s=sync_s,
             stall_s=stall_s,

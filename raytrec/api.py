@@ -36,6 +36,7 @@ from raytrec.errors import JobFailedError
 from raytrec.metrics import IntervalMetrics
 from raytrec.model import ModelFactory, build_dlrm
 from raytrec.progress import ProgressReporter
+from raytrec.summary import ledger_lines, write_ledger
 
 __all__ = ["CoordinatorDied", "Result", "TrainingStopped", "default_source", "fit"]
 
@@ -83,6 +84,14 @@ class Result:
         """The AUC of the data's own click probabilities (generated data only): the ceiling."""
         return self.data.oracle_auc
 
+    def ledger(self, *, stopped: str | None = None) -> dict[str, Any]:
+        """The run's ledger (also in the run directory as ``summary.json``): steps, rows,
+        committed, replayed and lost batches, failures by kind, generations, the replica
+        check, final and best metrics, and where every artifact is (raytrec.summary)."""
+        from raytrec.summary import ledger
+
+        return ledger(self, stopped=stopped)
+
     def metrics_dataframe(self) -> Any:
         import pandas as pd
 
@@ -99,10 +108,17 @@ class TrainingStopped(RuntimeError):
     """
 
     def __init__(self, cause: BaseException, result: Result) -> None:
+        said = str(cause).rstrip()
+        if said and not said.endswith((".", "!", "?")):
+            said += "."
+        saved = (
+            f"the model trained so far is saved at {result.final_state_path}"
+            if result.final_state_path is not None
+            else "nothing was trained, so no model was saved"
+        )
         super().__init__(
-            f"{cause}\ntraining stopped after step {result.steps} of "
-            f"{result.config.num_steps}; the model trained so far is saved at "
-            f"{result.final_state_path}"
+            f"{said}\nTraining stopped after step {result.steps} of "
+            f"{result.config.num_steps}; {saved}."
         )
         self.cause = cause
         self.result = result
@@ -225,6 +241,15 @@ def fit(
         json.dump([m.to_dict() for m in result.history], f, indent=1)
     if on_progress is None and isinstance(reporter, ProgressReporter):
         reporter.close(events=result.events)  # metrics file, TensorBoard and the plot
+    stopped = summary.stopped_by
+    # The run's ledger: summary.json, and its closing lines on the default console.
+    ledger = result.ledger(
+        stopped=None if stopped is None else f"{type(stopped).__name__}: {stopped}"
+    )
+    write_ledger(ledger)
+    if isinstance(reporter, ProgressReporter):
+        for line in ledger_lines(ledger):
+            print(line, flush=True)
     if summary.stopped_by is not None:
         raise TrainingStopped(summary.stopped_by, result) from summary.stopped_by
     return result

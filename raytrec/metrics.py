@@ -43,6 +43,7 @@ class IntervalMetrics:
     # ran at the boundary (bookkeeping, a checkpoint, a join). Near zero when the interval was
     # queued on the ranks while the one before it ran.
     idle_s: float | None = None
+    rows: int = 0  # rows the ranks trained in the interval (replayed ones included)
 
     @property
     def control_fraction(self) -> float | None:
@@ -90,4 +91,5 @@ def aggregate_interval(
         at=at,
         train_s=max(r.seconds for r in reports),
         idle_s=max((r.idle_s for r in reports if r.idle_s is not None), default=None),
+        rows=sum(r.rows for r in reports),
     )

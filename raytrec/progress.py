@@ -65,11 +65,28 @@ def scalars(row: Mapping[str, Any]) -> dict[str, float]:
     }
 
 
-def time_left(step: int, total: int, elapsed_s: float) -> float | None:
-    """Seconds to go at the average pace so far; None before the first step."""
-    if step <= 0 or elapsed_s <= 0:
+#: Intervals whose pace the time left is taken from.
+PACE_WINDOW = 5
+
+
+def time_left(rows: Sequence[Mapping[str, Any]], total: int) -> float | None:
+    """Seconds to go at the pace of the last :data:`PACE_WINDOW` intervals (``rows``: the
+    metrics rows so far, each with ``step`` and ``elapsed_s``). The first interval, which
+    carries the job's start-up, counts only until a second one ends. None before any step."""
+    timed = [r for r in rows if isinstance(r.get("elapsed_s"), int | float)]
+    if not timed:
         return None
-    return elapsed_s / step * max(total - step, 0)
+    last = timed[-1]
+    step, elapsed = int(last["step"]), float(last["elapsed_s"])
+    if len(timed) == 1:
+        if step <= 0 or elapsed <= 0:
+            return None
+        return elapsed / step * max(total - step, 0)
+    first = timed[-min(len(timed), PACE_WINDOW + 1)]
+    steps = step - int(first["step"])
+    if steps <= 0:
+        return None
+    return (elapsed - float(first["elapsed_s"])) / steps * max(total - step, 0)
 
 
 def _duration(seconds: float | None) -> str:
@@ -100,14 +117,21 @@ _LINE_FIELDS: tuple[tuple[str, Callable[[Any], str]], ...] = (
 )
 
 
-def format_line(row: Mapping[str, Any], total_steps: int, *, prefix: str = "[raytrec]") -> str:
-    """One console line for an interval: step, known metrics, elapsed time and time left."""
+def format_line(
+    row: Mapping[str, Any],
+    total_steps: int,
+    *,
+    earlier: Sequence[Mapping[str, Any]] = (),
+    prefix: str = "[raytrec]",
+) -> str:
+    """One console line for an interval: step, known metrics, elapsed time and time left (at
+    the pace of ``earlier`` rows and this one)."""
     step = int(row["step"])
     parts = [f"{prefix} step {step:>6}/{total_steps} ({100 * step / max(total_steps, 1):3.0f}%)"]
     parts += [fmt(row[k]) for k, fmt in _LINE_FIELDS if row.get(k) is not None]
     elapsed = row.get("elapsed_s")
     if isinstance(elapsed, int | float):
-        left = time_left(step, total_steps, float(elapsed))
+        left = time_left([*earlier[-PACE_WINDOW:], row], total_steps)
         parts.append(f"{_duration(float(elapsed))} elapsed, {_duration(left)} left")
     return " | ".join(parts)
 
@@ -196,7 +220,7 @@ class ProgressReporter:
             self.total_steps = end
             if self._bar is not None:
                 self._bar.total = end
-        line = format_line(row, self.total_steps)
+        line = format_line(row, self.total_steps, earlier=self.rows[:-1])
         if not self.tty:
             print(line, file=self.stream, flush=True)
             return
@@ -216,7 +240,7 @@ class ProgressReporter:
         if row.get("samples_per_s") is not None:
             postfix["samples/s"] = f"{row['samples_per_s']:,.0f}"
         if isinstance(row.get("elapsed_s"), int | float):
-            left = time_left(int(row["step"]), self.total_steps, float(row["elapsed_s"]))
+            left = time_left(self.rows[-PACE_WINDOW - 1 :], self.total_steps)
             postfix["left"] = _duration(left)
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.write(line, file=self.stream)

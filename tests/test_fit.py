@@ -280,6 +280,9 @@ def test_bad_input_stops_between_steps_and_keeps_what_was_trained(
     assert (cause.reason, cause.column, cause.row_id) == ("nan", "dense_4", 4000)
     assert cause.file is not None and cause.file.endswith("part-00007.parquet")
     assert "part-00007.parquet" in str(stop.value) and "row_id 4000" in str(stop.value)
+    assert f".\nTraining stopped after step {result.steps} of 32; the model trained so far" in str(
+        stop.value
+    )
     # Stopped between intervals, with what was trained before synced, checked and saved.
     assert result.steps < 32 and result.steps % 4 == 0
     assert [m.step for m in result.history] == list(range(4, result.steps + 1, 4))

@@ -378,3 +378,9 @@ def test_ray_job_stop_stops_at_a_boundary_with_a_checkpoint(
     assert (run_dir / "final_model").is_dir()
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == step
+    # The ledger, in the log and the run directory.
+    ledger = json.loads((run_dir / "summary.json").read_text())
+    assert ledger["steps"] == step and ledger["stopped"].startswith("StopRequested"), ledger
+    assert ledger["batches"]["lost"] == 0 and ledger["replica_check"]["passed"] is True, ledger
+    assert ledger["artifacts"]["checkpoint"] in line, (ledger, line)
+    assert f"[raytrec] ledger: {step} of 400 steps" in logs, logs

@@ -65,11 +65,21 @@ def read_tensorboard(directory: pathlib.Path) -> dict[str, list[tuple[int, float
     return out
 
 
-def test_time_left_is_the_average_pace_so_far() -> None:
-    assert time_left(10, 40, 15.0) == pytest.approx(45.0)
-    assert time_left(40, 40, 60.0) == 0.0
-    assert time_left(0, 40, 1.0) is None
-    assert time_left(50, 40, 10.0) == 0.0
+def test_time_left_is_the_pace_of_the_recent_intervals() -> None:
+    def rows(*pairs: tuple[int, float]) -> list[dict[str, float]]:
+        return [{"step": s, "elapsed_s": e} for s, e in pairs]
+
+    # One interval: its own pace (start-up included, nothing better is known yet).
+    assert time_left(rows((10, 15.0)), 40) == pytest.approx(45.0)
+    assert time_left(rows((0, 1.0)), 40) is None
+    assert time_left([], 40) is None
+    # A slow first interval (start-up) no longer counts once a second one ends.
+    assert time_left(rows((10, 100.0), (20, 110.0)), 40) == pytest.approx(20.0)
+    # The last PACE_WINDOW intervals only: a slow patch long ago is forgotten.
+    history = rows((10, 100.0), *((10 * k, 100.0 + 2.0 * (k - 1)) for k in range(2, 12)))
+    assert time_left(history, 200) == pytest.approx(0.2 * (200 - 110))
+    assert time_left(rows((30, 40.0), (40, 60.0)), 40) == 0.0
+    assert time_left(rows((30, 40.0), (50, 60.0)), 40) == 0.0
 
 
 def test_format_line_shows_progress_metrics_and_time() -> None:
@@ -106,7 +116,8 @@ def test_plain_lines_file_tensorboard_and_plot(tmp_path: pathlib.Path) -> None:
         f"[raytrec] run directory: {tmp_path} (python -m jobs.drain {tmp_path} --gangs 1 gives "
         "a gang back)"
     )
-    assert lines == [format_line(dataclasses.asdict(r), TOTAL) for r in rows]
+    dicts = [dataclasses.asdict(r) for r in rows]
+    assert lines == [format_line(r, TOTAL, earlier=dicts[:i]) for i, r in enumerate(dicts)]
     assert "\r" not in stream.getvalue()
 
     # metrics.jsonl: every field of every row.
@@ -233,3 +244,21 @@ def test_events_are_shown_as_they_come_and_written_to_events_jsonl(tmp_path: pat
     written = [json.loads(x) for x in (tmp_path / EVENTS_FILE).read_text().splitlines()]
     assert written == [died, reshared]
     reporter.close()
+
+
+def test_a_stop_says_why_in_sentences_and_what_was_saved() -> None:
+    from types import SimpleNamespace
+
+    from raytrec.api import TrainingStopped
+
+    config = SimpleNamespace(num_steps=32)
+    trained = SimpleNamespace(steps=8, config=config, final_state_path="/runs/x/final_model")
+    stop = TrainingStopped(ValueError("dense_4 at row_id 4000 is not finite"), trained)  # type: ignore[arg-type]
+    assert str(stop) == (
+        "dense_4 at row_id 4000 is not finite.\nTraining stopped after step 8 of 32; the model "
+        "trained so far is saved at /runs/x/final_model."
+    )
+    nothing = SimpleNamespace(steps=0, config=config, final_state_path=None)
+    assert str(TrainingStopped(ValueError("bad row."), nothing)).endswith(
+        "bad row.\nTraining stopped after step 0 of 32; nothing was trained, so no model was saved."
+    )

@@ -1,0 +1,151 @@
+"""The run's ledger: what a finished (or stopped) job did, as ``summary.json`` in its run
+directory and a few closing lines on the console.
+
+Pure code over a :class:`~raytrec.api.Result`: steps, rows trained, the batch accounting
+(committed, replayed, lost), failures by kind, generations, the replica check (recomputed here
+from the ranks' final state digests), the final and best metrics, and where every artifact is.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from raytrec.progress import EVENTS_FILE, METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
+
+if TYPE_CHECKING:
+    from raytrec.api import Result
+
+__all__ = ["FAILURE_KINDS", "SUMMARY_FILE", "ledger", "ledger_lines", "write_ledger"]
+
+SUMMARY_FILE = "summary.json"
+#: Event kinds counted as failures (raytrec.elastic.events).
+FAILURE_KINDS = ("rank_died", "node_died", "hang_detected", "heal_failed", "total_loss")
+
+
+def replica_check(result: Result) -> dict[str, Any]:
+    """Whether every replica of every shard ended identical, recomputed from the ranks' final
+    state digests."""
+    topo = result.config.scaling.topology()
+    digests = result.state_digests
+    if not digests:
+        return {"passed": None, "why": "no final state digests (nothing was trained)"}
+    # Every shard position must show one digest, held by every live gang: gang_size distinct
+    # shard digests, each on the same number of ranks, and one dense state everywhere.
+    shards = collections.Counter(d["shards"] for d in digests.values())
+    dense = {d["dense"] for d in digests.values()}
+    copies = sorted(set(shards.values()))
+    passed = len(dense) == 1 and len(shards) == topo.gang_size and len(copies) == 1
+    return {
+        "passed": passed,
+        "ranks": len(digests),
+        "distinct_shards": len(shards),
+        "copies_per_shard": copies[0] if len(copies) == 1 else copies,
+        "distinct_dense_states": len(dense),
+    }
+
+
+def _best(history: Sequence[Any], key: str, *, higher: bool) -> dict[str, Any] | None:
+    rows = [m for m in history if getattr(m, key, None) is not None]
+    if not rows:
+        return None
+    pick = (max if higher else min)(rows, key=lambda m: getattr(m, key))
+    return {"value": getattr(pick, key), "step": pick.step}
+
+
+def ledger(result: Result, *, stopped: str | None = None) -> dict[str, Any]:
+    """The ledger of ``result`` as a JSON-ready dict; ``stopped``: why the job ended early."""
+    history = result.history
+    kinds = collections.Counter(e.get("kind") for e in result.events)
+    distinct = sum(b - a for a, b in result.committed_batches)
+    replayed = sum(b - a for a, b in result.replayed_batches)
+    last = history[-1] if history else None
+    run_dir = result.run_dir
+    artifacts = {
+        "run_dir": run_dir,
+        "summary": os.path.join(run_dir, SUMMARY_FILE),
+        "metrics": os.path.join(run_dir, METRICS_FILE),
+        "events": os.path.join(run_dir, EVENTS_FILE),
+        "plot": os.path.join(run_dir, PLOT_FILE),
+        "tensorboard": os.path.join(run_dir, TENSORBOARD_DIR),
+        "final_model": result.final_state_path,
+        "checkpoint": None if result.checkpoint is None else result.checkpoint.path,
+    }
+    return {
+        "name": result.config.name,
+        "steps": result.steps,
+        "num_steps": result.config.num_steps,
+        "stopped": stopped,
+        "wall_s": round(result.wall_s, 3),
+        "rows": {
+            "trained": sum(m.rows for m in history),
+            "per_epoch": result.data.rows_per_epoch,
+            "epochs": result.config.data.epochs if result.data.kind != "synthetic" else None,
+        },
+        "batches": {
+            "committed": result.committed_count,
+            "committed_distinct": distinct,
+            "replayed": replayed,
+            "lost": result.lost_batches,
+        },
+        "failures": {k: kinds[k] for k in FAILURE_KINDS if kinds[k]},
+        "gangs_dropped": kinds["gang_dropped"],
+        "gangs_joined": kinds["gang_joined"],
+        "gangs_drained": kinds["gang_drained"],
+        "generations": result.generation + 1,
+        "replica_check": replica_check(result),
+        "final": None
+        if last is None
+        else {"step": last.step, "loss": last.loss, "auc": last.auc, "ne": last.ne},
+        "best": {
+            "loss": _best(history, "loss", higher=False),
+            "auc": _best(history, "auc", higher=True),
+            "ne": _best(history, "ne", higher=False),
+        },
+        "artifacts": artifacts,
+    }
+
+
+def ledger_lines(summary: Mapping[str, Any], *, prefix: str = "[raytrec]") -> list[str]:
+    """The closing lines: what was trained, the accounting, the check, where things are."""
+    rows, batches, check = summary["rows"], summary["batches"], summary["replica_check"]
+    failures = ", ".join(f"{n} {k}" for k, n in summary["failures"].items()) or "none"
+    if check["passed"] is None:
+        checked = check["why"]
+    elif check["passed"]:
+        checked = (
+            f"passed ({check['distinct_shards']} shards x {check['copies_per_shard']} identical "
+            f"copies, one dense state on {check['ranks']} ranks)"
+        )
+    else:
+        checked = f"FAILED {check}"
+    final = summary["final"]
+    metrics = (
+        "no interval finished"
+        if final is None
+        else ", ".join(
+            f"{k} {final[k]:.4f}" for k in ("loss", "auc", "ne") if final.get(k) is not None
+        )
+    )
+    art = summary["artifacts"]
+    return [
+        f"{prefix} ledger: {summary['steps']} of {summary['num_steps']} steps, "
+        f"{rows['trained']:,} rows trained, {summary['generations']} generation(s); "
+        f"failures: {failures}",
+        f"{prefix} batches: {batches['committed']} committed ({batches['committed_distinct']} "
+        f"distinct), {batches['replayed']} replayed, {batches['lost']} lost; replica check: "
+        f"{checked}",
+        f"{prefix} final {metrics}; model: {art['final_model']}; checkpoint: "
+        f"{art['checkpoint']}; summary: {art['summary']}",
+    ]
+
+
+def write_ledger(summary: Mapping[str, Any]) -> str:
+    """Writes ``summary.json`` into the run directory; returns its path."""
+    path = str(summary["artifacts"]["summary"])
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    return path

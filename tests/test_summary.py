@@ -1,0 +1,111 @@
+"""The run's ledger (raytrec.summary) over a Result as fit() returns it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import ray.train
+
+from raytrec.api import Result
+from raytrec.config import ScalingConfig, TrainConfig
+from raytrec.metrics import IntervalMetrics
+from raytrec.summary import ledger, ledger_lines, write_ledger
+
+
+def row(step: int, loss: float, auc: float, rows: int) -> IntervalMetrics:
+    return IntervalMetrics(
+        step=step,
+        steps=4,
+        loss=loss,
+        samples_per_s=1.0,
+        seconds=1.0,
+        data_wait_fraction=0.0,
+        sync_fraction=0.0,
+        generation=0,
+        gangs=2,
+        elapsed_s=float(step),
+        auc=auc,
+        ne=1.0,
+        rows=rows,
+    )
+
+
+def result(tmp_path: str, digests: dict[int, dict[str, str]]) -> Result:
+    return Result(
+        config=TrainConfig(scaling=ScalingConfig(num_workers=4, gang_size=2), num_steps=12),
+        history=[row(4, 0.6, 0.70, 512), row(8, 0.5, 0.75, 512), row(12, 0.55, 0.72, 384)],
+        final_state_path=f"{tmp_path}/final_model",
+        run_dir=str(tmp_path),
+        steps=12,
+        wall_s=3.25,
+        state_digests=digests,
+        events=[
+            {"kind": "rank_died", "step": 5},
+            {"kind": "node_died", "step": 5},
+            {"kind": "gang_dropped", "step": 5},
+            {"kind": "gang_joined", "step": 9},
+        ],
+        generation=2,
+        committed_batches=[(0, 40), (100, 108)],
+        committed_count=48,
+        replayed_batches=[(100, 104)],
+        lost_batches=0,
+        checkpoint=ray.train.Checkpoint(f"{tmp_path}/checkpoints/checkpoint_0000000012"),
+    )
+
+
+AGREE = {
+    0: {"shards": "a", "dense": "d"},
+    1: {"shards": "b", "dense": "d"},
+    4: {"shards": "a", "dense": "d"},
+    5: {"shards": "b", "dense": "d"},
+}
+
+
+def test_the_ledger_counts_what_the_job_did(tmp_path: str) -> None:
+    summary = ledger(result(tmp_path, AGREE))
+    assert summary["steps"] == 12 and summary["stopped"] is None
+    assert summary["rows"]["trained"] == 1408
+    assert summary["batches"] == {
+        "committed": 48,
+        "committed_distinct": 48,
+        "replayed": 4,
+        "lost": 0,
+    }
+    assert summary["failures"] == {"rank_died": 1, "node_died": 1}
+    assert (summary["gangs_dropped"], summary["gangs_joined"], summary["generations"]) == (1, 1, 3)
+    assert summary["replica_check"] == {
+        "passed": True,
+        "ranks": 4,
+        "distinct_shards": 2,
+        "copies_per_shard": 2,
+        "distinct_dense_states": 1,
+    }
+    assert summary["final"] == {"step": 12, "loss": 0.55, "auc": 0.72, "ne": 1.0}
+    assert summary["best"]["loss"] == {"value": 0.5, "step": 8}
+    assert summary["best"]["auc"] == {"value": 0.75, "step": 8}
+    assert summary["artifacts"]["checkpoint"].endswith("checkpoint_0000000012")
+
+    path = write_ledger(summary)
+    assert path == os.path.join(tmp_path, "summary.json")
+    with open(path) as f:
+        assert json.load(f) == json.loads(json.dumps(summary))
+    done, batches, final = ledger_lines(summary)
+    assert done == (
+        "[raytrec] ledger: 12 of 12 steps, 1,408 rows trained, 3 generation(s); failures: "
+        "1 rank_died, 1 node_died"
+    )
+    assert batches == (
+        "[raytrec] batches: 48 committed (48 distinct), 4 replayed, 0 lost; replica check: "
+        "passed (2 shards x 2 identical copies, one dense state on 4 ranks)"
+    )
+    assert final.startswith("[raytrec] final loss 0.5500, auc 0.7200, ne 1.0000; model: ")
+
+
+def test_the_replica_check_fails_on_any_differing_copy(tmp_path: str) -> None:
+    shard = {**AGREE, 5: {"shards": "c", "dense": "d"}}
+    assert ledger(result(tmp_path, shard))["replica_check"]["passed"] is False
+    dense = {**AGREE, 4: {"shards": "a", "dense": "e"}}
+    assert ledger(result(tmp_path, dense))["replica_check"]["passed"] is False
+    assert "FAILED" in ledger_lines(ledger(result(tmp_path, dense)))[1]
