@@ -67,6 +67,7 @@ from raytrec.elastic.control import (
 from raytrec.elastic.events import (
     EventLog,
     GenerationStarted,
+    NodeDied,
     PlacementWaiting,
 )
 from raytrec.elastic.heal import replicas_disagree
@@ -153,6 +154,9 @@ class Coordinator:
         self._started: set[int] = set()  # job ranks whose process was started and not ended
         self._rank_nodes: dict[int, str] = {}  # job rank -> Ray node id
         self._node_index: dict[str, int] = {}
+        self._node_addresses: dict[str, str] = {}  # Ray node id -> its address
+        self._node_gangs: dict[str, set[int]] = {}  # Ray node id -> gangs that ran there
+        self._reported_dead: set[str] = set()  # nodes with a node_died event
         self._store_address: StoreAddress | None = None
         replayable = all(s.replayable for s in shards)
         self._stream_id = batch_id if replayable else None
@@ -383,6 +387,7 @@ class Coordinator:
                     if self._stop.is_set():
                         stopped_by = StopRequested(f"stopped on request at step {self.step}")
                         break
+                    self.report_late_node_deaths()
                     self.drains.apply()
                     self.growth.admit()
                     self.growth.wait_for_min_gangs()
@@ -547,8 +552,7 @@ class Coordinator:
     def _build(self, ranks: list[int]) -> list[RankInfo]:
         infos: list[RankInfo] = self._call(ranks, RankWorker.build)
         for info in infos:
-            self._rank_nodes[info.rank] = info.node_id
-            self._node(info.node_id)
+            self._saw(info)
         return sorted(infos, key=lambda x: x.rank)
 
     def _new_generation(self, *, reason: str) -> None:
@@ -624,6 +628,52 @@ class Coordinator:
     def _node(self, node_id: str) -> int:
         """A small index for a Ray node id (in order of first sight)."""
         return self._node_index.setdefault(node_id, len(self._node_index))
+
+    def _saw(self, info: RankInfo) -> None:
+        """Notes where a built rank runs."""
+        self._rank_nodes[info.rank] = info.node_id
+        self._node(info.node_id)
+        self._node_gangs.setdefault(info.node_id, set()).add(info.gang)
+        if info.address:
+            self._node_addresses[info.node_id] = info.address
+
+    def report_dead_node(self, node_id: str, gangs: Sequence[int], *, at: float) -> None:
+        """A ``node_died`` event for ``node_id``, once per node."""
+        if node_id in self._reported_dead:
+            return
+        self._reported_dead.add(node_id)
+        self.events.append(
+            NodeDied(
+                at=at,
+                step=self.step,
+                node=self._node(node_id),
+                gang_ids=tuple(gangs),
+                node_id=node_id,
+                address=self.node_name(node_id).split(" at ", 1)[1],
+            )
+        )
+
+    def report_late_node_deaths(self) -> None:
+        """Nodes that held ranks of this job and have died since, though the job learned of
+        their ranks' loss another way (the node table can lag behind a lost raylet): each gets
+        its ``node_died`` event with the gangs it held."""
+        dead = set(self._node_index) - {n.node_id for n in self.group.nodes() if n.alive}
+        for node_id in sorted(dead - self._reported_dead):
+            gangs = sorted(self._node_gangs.get(node_id, ()))
+            self.report_dead_node(node_id, gangs, at=self._now())
+
+    def node_name(self, node_id: str) -> str:
+        """``<first 12 hex digits of the node id> at <address>``, as events name a node."""
+        address = self._node_addresses.get(node_id)
+        if address is None:
+            known = {n.node_id: n.address for n in self.group.nodes()}
+            address = self._node_addresses.setdefault(node_id, known.get(node_id, "?"))
+        return f"{node_id[:12]} at {address}"
+
+    def rank_node_names(self, ranks: Sequence[int]) -> tuple[str, ...]:
+        return tuple(
+            self.node_name(self._rank_nodes[r]) if r in self._rank_nodes else "?" for r in ranks
+        )
 
     def _node_of(self, slot: RankSlot) -> int:
         node_id = self._rank_nodes.get(slot.job_rank)

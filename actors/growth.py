@@ -149,10 +149,9 @@ class GangGrowth:
         for b in built:
             infos: list[RankInfo] = [self.job.group.result(f) for f in b.builds.values()]
             for info in infos:
-                self.job._rank_nodes[info.rank] = info.node_id
-                self.job._node(info.node_id)
+                self.job._saw(info)
             new_ranks += b.gang.job_ranks
-            nodes = tuple(self.job._node(self.job._rank_nodes[r]) for r in b.gang.job_ranks)
+            nodes = self.job.rank_node_names(b.gang.job_ranks)
             self.job.events.append(GangPlaced(at=self.job._now(), step=self.job.step, nodes=nodes))
         # Join at a sync boundary: the live gangs agree first, so the peer's state is the job's.
         try:

@@ -102,7 +102,8 @@ class RankWorker:
 
     def build(self) -> RankInfo:
         """Joins the gang world and shards the model; returns where this rank runs."""
-        pin_collectives_to(ray.util.get_node_ip_address())
+        address = ray.util.get_node_ip_address()
+        pin_collectives_to(address)
         self.engine.build()
         self._open_feed()
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
@@ -111,6 +112,7 @@ class RankWorker:
             rank=self.spec.rank,
             gang=self.spec.gang,
             node_id=ray.get_runtime_context().get_node_id(),
+            address=address,
             pid=os.getpid(),
             device=str(self.engine.device),
         )

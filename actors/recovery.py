@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from actors.rank import RankWorker
 from raytrec.elastic.control import retry_transient, survivors_apart
-from raytrec.elastic.events import GangDropped, HangDetected, NodeDied, RankDied
+from raytrec.elastic.events import GangDropped, HangDetected, RankDied
 from raytrec.elastic.policy import Reform, Unrecoverable, decide, find_hung_ranks
 from raytrec.elastic.report import RankReport
 from raytrec.elastic.state import ElasticState
@@ -291,11 +291,7 @@ class FailureRecovery:
             gangs = sorted(
                 {self.job._gang_of(r) for r, n in self.job._rank_nodes.items() if n == node_id}
             )
-            self.job.events.append(
-                NodeDied(
-                    at=now, step=self.job.step, node=self.job._node(node_id), gang_ids=tuple(gangs)
-                )
-            )
+            self.job.report_dead_node(node_id, gangs, at=now)
         for r, cause in sorted(result.dead.items()):
             self.job.events.append(
                 RankDied(
@@ -304,6 +300,7 @@ class FailureRecovery:
                     job_rank=r,
                     gang_id=self.job._gang_of(r),
                     cause=cause,
+                    node=self.job.rank_node_names([r])[0],
                 )
             )
         if result.hung:

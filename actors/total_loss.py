@@ -172,7 +172,7 @@ class TotalLossRecovery:
         self.job._build(order)
         placed = self.job._with_nodes(gangs)
         for g in placed:
-            nodes = tuple(slot.node for slot in g.ranks)
+            nodes = self.job.rank_node_names(g.job_ranks)
             self.job.events.append(GangPlaced(at=self.job._now(), step=self.job.step, nodes=nodes))
         self.job.membership = self.job.membership.with_gangs(placed, step=point.step)
         self.job._new_generation(reason=f"rebuilt from the checkpoint of step {point.step}")

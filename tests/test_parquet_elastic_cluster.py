@@ -77,6 +77,14 @@ def test_a_lost_node_s_rows_go_to_the_survivor_then_to_the_gang_that_joins(
     kinds = [e["kind"] for e in result.events]
     for kind in ("node_died", "gang_dropped", "gang_joined"):
         assert kind in kinds, " ".join(kinds)
+    # Events name real nodes: Ray's node id and its address.
+    (died,) = [e for e in result.events if e["kind"] == "node_died"]
+    assert died["address"] == "127.0.0.1" and len(died["node_id"]) == 56, died
+    lost = [e for e in result.events if e["kind"] == "rank_died"]
+    assert lost and all(e["node"] == f"{died['node_id'][:12]} at 127.0.0.1" for e in lost), lost
+    (placed,) = [e for e in result.events if e["kind"] == "gang_placed"]
+    assert [n.split(" at ")[1] for n in placed["nodes"]] == ["127.0.0.1"], placed
+    assert placed["nodes"][0].split(" at ")[0] != died["node_id"][:12]
     # Re-shared twice: among the survivor's rank when the node went, then among both gangs'
     # ranks when the new one joined; every rank then has as many batches as the other.
     reshares = [e for e in result.events if e["kind"] == "data_reshared"]

@@ -61,13 +61,16 @@ class RankDied(Event):
     job_rank: int
     gang_id: int | None
     cause: str = ""
+    node: str = ""  # the node it ran on: "<node id> at <address>"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class NodeDied(Event):
     kind: ClassVar[str] = "node_died"
-    node: int
+    node: int  # the job's index of the node (in order of first sight)
     gang_ids: tuple[int, ...]
+    node_id: str = ""  # Ray's node id
+    address: str = ""  # the node's Ray address
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,8 +109,8 @@ class GangRequested(Event):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GangPlaced(Event):
     kind: ClassVar[str] = "gang_placed"
-    #: Node of each gang rank of the placement group that became ready.
-    nodes: tuple[int, ...]
+    #: The node of each gang rank ("<node id> at <address>"), in gang-rank order.
+    nodes: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -60,6 +60,7 @@ class RankInfo:
     rank: int
     gang: int
     node_id: str  # Ray's node id
+    address: str = ""  # the node's Ray address (IP)
     pid: int
     device: str
 

@@ -210,7 +210,7 @@ def observe(
                 outstanding += 1  # placed on a node already lost: pending again
                 continue
             ready.append(nodes)
-            events.append(GangPlaced(at=o.at, step=step, nodes=nodes))
+            events.append(GangPlaced(at=o.at, step=step, nodes=tuple(f"node {n}" for n in nodes)))
         elif isinstance(o, SyncDone):
             m = m.synced(o.step)
             step = max(step, o.step)
