@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrec._quiet import quiet_known_warnings
 from raytrec.capacity import NodeShape, capacity_refusal
-from raytrec.cluster import COORDINATOR_PREFIX, cluster_shapes, connect
+from raytrec.cluster import COORDINATOR_PREFIX, cluster_shapes, connect, resolve_storage_path
 from raytrec.config import ConfigError, TrainConfig, validate_features
 from raytrec.data.from_config import DataInfo, source_from_config, synthetic_source
 from raytrec.data.parquet import ParquetSource
@@ -162,6 +162,7 @@ def fit(
     )
     if resume is not None:
         _check_checkpoint(resume, config)
+    config = config.replace(storage_path=resolve_storage_path(config.storage_path))
     # Ranks hold their CPUs for the whole job; Ray Data's read and preprocessing
     # tasks need CPUs of their own, or the embedded cluster deadlocks.
     data_cpus = os.cpu_count() or 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import ray
@@ -24,6 +25,7 @@ __all__ = [
     "cluster_shapes",
     "connect",
     "pin_collectives_to",
+    "resolve_storage_path",
 ]
 
 LOOPBACK = "127.0.0.1"
@@ -84,6 +86,26 @@ def pin_collectives_to(address: str) -> str | None:
             os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
             return name
     return None
+
+
+#: Where a relative ``storage_path`` goes for a job sent with ``ray job submit``.
+SUBMITTED_RESULTS = "~/raytrec_results"
+
+
+def resolve_storage_path(path: str, environ: Mapping[str, str] | None = None) -> str:
+    """An absolute ``storage_path``. A relative one is taken from the working directory, except
+    in the driver of a job sent with ``ray job submit`` (Ray hands it its job config through
+    ``RAY_JOB_CONFIG_JSON_ENV_VAR``): its working directory is Ray's temporary copy of the
+    uploaded code, deleted with the session, so a relative path goes under
+    ``~/raytrec_results`` on the node the driver runs on instead (as Ray Train's
+    ``~/ray_results``)."""
+    environ = os.environ if environ is None else environ
+    if os.path.isabs(path):
+        return path
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" in environ:
+        home = environ.get("HOME") or os.path.expanduser("~")
+        return os.path.normpath(os.path.join(SUBMITTED_RESULTS.replace("~", home, 1), path))
+    return os.path.abspath(path)
 
 
 def cluster_shapes() -> list[NodeShape]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import pathlib
 import textwrap
 
@@ -376,3 +377,14 @@ def test_main_exit_codes_and_one_line_errors(capsys: pytest.CaptureFixture[str])
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed == to_dict(build_config(["--steps", "12"]))
     assert printed["num_steps"] == 12
+
+
+def test_a_relative_storage_path_under_ray_job_submit_goes_to_the_home_directory() -> None:
+    from raytrec.cluster import resolve_storage_path
+
+    submitted = {"RAY_JOB_CONFIG_JSON_ENV_VAR": "{}", "HOME": "/home/op"}
+    assert resolve_storage_path("runs", submitted) == "/home/op/raytrec_results/runs"
+    assert resolve_storage_path("a/../b", submitted) == "/home/op/raytrec_results/b"
+    assert resolve_storage_path("/mnt/shared/runs", submitted) == "/mnt/shared/runs"
+    # Run by hand: the working directory, as ever.
+    assert resolve_storage_path("runs", {"HOME": "/home/op"}) == os.path.abspath("runs")
