@@ -163,6 +163,8 @@ def fit(
     if resume is not None:
         _check_checkpoint(resume, config)
     config = config.replace(storage_path=resolve_storage_path(config.storage_path))
+    if source is not None:  # a source of the caller's: checked before Ray is touched
+        validate_features(config.model, source.sparse_features)
     # Ranks hold their CPUs for the whole job; Ray Data's read and preprocessing
     # tasks need CPUs of their own, or the embedded cluster deadlocks.
     data_cpus = os.cpu_count() or 2
@@ -179,7 +181,7 @@ def fit(
         info = DataInfo(kind="custom")
         if source is None:
             source, info = source_from_config(config)
-        validate_features(config.model, source.sparse_features)
+            validate_features(config.model, source.sparse_features)
         shards_of_plan = config.scaling.world_size
         if resume is not None:
             shards_of_plan = _indexed_resume_shards(resume, config, source) or shards_of_plan

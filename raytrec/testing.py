@@ -35,6 +35,8 @@ def simulated_cluster(nodes: int, *, cpus_per_node: float) -> Iterator[Cluster]:
     """A multi-node Ray cluster in this machine, every node on 127.0.0.1, with this process
     connected to it. The head node has no CPUs, so no rank lands on it and removing any worker
     node never takes the driver's node (where the coordinator is pinned) with it."""
+    if ray.is_initialized():  # a cluster this process is connected to: this one replaces it
+        ray.shutdown()
     bind_to_loopback()
     cluster = Cluster(
         initialize_head=True,

@@ -3,27 +3,17 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
-import ray
 
 from raytrec.api import Result, fit
 from raytrec.checkpoint.config import CheckpointConfig, checkpoint_root
 from raytrec.checkpoint.errors import CheckpointError
 from raytrec.checkpoint.layout import CheckpointStore
-from raytrec.cluster import connect
 from raytrec.config import DataConfig, ModelConfig, ScalingConfig, TrainConfig, criteo_tables
 from raytrec.data.synthetic import batch_id
 
 pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    connect(num_cpus=4)
-    yield
-    ray.shutdown()
 
 
 def config(tmp: str, *, workers: int, gang: int, steps: int, rows: int = 300) -> TrainConfig:
@@ -39,7 +29,7 @@ def config(tmp: str, *, workers: int, gang: int, steps: int, rows: int = 300) ->
 
 
 @pytest.fixture(scope="module")
-def first_run(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Result:
+def first_run(local_ray: None, tmp_path_factory: pytest.TempPathFactory) -> Result:
     tmp = str(tmp_path_factory.mktemp("first"))
     return fit(config(tmp, workers=2, gang=1, steps=10), shutdown_ray=False)
 

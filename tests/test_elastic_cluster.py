@@ -73,8 +73,8 @@ def test_three_failures_and_growth_in_one_run(cluster: Cluster, tmp_path: str) -
         elastic=ElasticConfig(
             min_gangs=3,  # after each loss, training waits for the replacement gang
             max_gangs=3,
-            step_timeout_s=30,
-            collective_timeout_s=10,
+            step_timeout_s=15,  # the hung rank is singled out this long after its last step
+            collective_timeout_s=8,
             resource_wait_s=60,
             poll_s=0.2,
         ),

@@ -5,13 +5,10 @@ other copies of its shard live on its host, so its gang is dropped and the job g
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import ray
 
 from raytrec.api import CoordinatorDied, fit
-from raytrec.cluster import connect
 from raytrec.config import DataConfig, ModelConfig, ScalingConfig, TrainConfig, criteo_tables
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
@@ -20,13 +17,6 @@ from raytrec.metrics import IntervalMetrics
 from raytrec.testing import running_coordinator
 
 pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    connect(num_cpus=4)
-    yield
-    ray.shutdown()
 
 
 def config(tmp: str, **changes: object) -> TrainConfig:
@@ -48,7 +38,7 @@ WITHIN_HOST = ScalingConfig(
 
 
 def test_replicas_within_host_losing_a_host_without_a_checkpoint_fails_clearly(
-    cluster: None, tmp_path: str
+    local_ray: None, tmp_path: str
 ) -> None:
     # Host 0 holds shard 0 of both gangs: every copy of that shard dies with it.
     cfg = config(
@@ -67,7 +57,7 @@ def test_replicas_within_host_losing_a_host_without_a_checkpoint_fails_clearly(
 
 
 def test_replicas_within_host_losing_one_rank_drops_its_gang_and_goes_on(
-    cluster: None, tmp_path: str
+    local_ray: None, tmp_path: str
 ) -> None:
     cfg = config(
         str(tmp_path),
@@ -84,7 +74,7 @@ def test_replicas_within_host_losing_one_rank_drops_its_gang_and_goes_on(
 
 
 def test_losing_the_coordinator_fails_the_job_instead_of_hanging(
-    cluster: None, tmp_path: str
+    local_ray: None, tmp_path: str
 ) -> None:
     killed: list[int] = []
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import pathlib
 import sys
-from collections.abc import Iterator
 
 import pytest
 import ray
@@ -18,19 +17,11 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from jobs.train import build_config
 from raytrec.api import Result, TrainingStopped, fit
-from raytrec.cluster import connect
 from raytrec.config import ConfigError, ModelConfig, TrainConfig
 from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.model import embedding_bag_configs
 
 pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    connect(num_cpus=5)  # 4 ranks, and a CPU for Ray Data's tasks
-    yield
-    ray.shutdown()
 
 
 def assert_replicas_agree(result: Result) -> None:
@@ -49,7 +40,7 @@ def checkpoint_keys(path: str) -> set[str]:
     return set(FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
-def test_main_job_loss_goes_down(cluster: None, tmp_path: str) -> None:
+def test_main_job_loss_goes_down(local_ray: None, tmp_path: str) -> None:
     # The main job's own configuration, shortened; 30 steps is not a multiple
     # of sync_every=4, so the job has to end on an extra sync.
     config = build_config(["--steps", "30", "--log-every", "10", "--storage-path", str(tmp_path)])
@@ -79,7 +70,7 @@ def small_model() -> ModelConfig:
     )
 
 
-def test_dlrm_dcn_trains_with_column_wise_sharding(cluster: None, tmp_path: str) -> None:
+def test_dlrm_dcn_trains_with_column_wise_sharding(local_ray: None, tmp_path: str) -> None:
     from raytrec.config import ScalingConfig, ShardingConfig
 
     config = TrainConfig(
@@ -116,7 +107,7 @@ class TinyRecModel(nn.Module):
         return loss, (loss.detach(), logits.detach(), batch.labels)
 
 
-def test_a_user_model_factory(cluster: None, tmp_path: str) -> None:
+def test_a_user_model_factory(local_ray: None, tmp_path: str) -> None:
     from raytrec.config import ScalingConfig
 
     # Rank actors cannot import this test module; ship the factory by value,
@@ -138,7 +129,7 @@ def test_a_user_model_factory(cluster: None, tmp_path: str) -> None:
     assert not isinstance(TinyRecModel, DLRMTrain)
 
 
-def test_rank_processes_run_at_the_configured_nice_value(cluster: None, tmp_path: str) -> None:
+def test_rank_processes_run_at_the_configured_nice_value(local_ray: None, tmp_path: str) -> None:
     """Ray starts its workers 15 nicer than the raylet; ranks get ``scaling.rank_niceness``
     instead (as torchrun's workers run at the nice value they were started with)."""
     from raytrec.config import ScalingConfig
@@ -176,27 +167,7 @@ def test_bad_configuration_fails_before_any_rank_starts(tmp_path: str) -> None:
     assert ray.is_initialized() == was_running
 
 
-def test_more_ranks_than_the_cluster_has(tmp_path: str) -> None:
-    from raytrec.config import ScalingConfig
-
-    if ray.is_initialized():
-        ray.shutdown()
-    connect(num_cpus=2)
-    try:
-        config = TrainConfig(
-            model=small_model(),
-            scaling=ScalingConfig(num_workers=4, gang_size=2, cpus_per_rank=1.0),
-            storage_path=str(tmp_path),
-        )
-        with pytest.raises(ConfigError, match=r"need 4 CPU in all but the cluster has 2"):
-            fit(config, shutdown_ray=False)
-        # Nothing was placed: all of the cluster's CPUs are still free.
-        assert ray.available_resources().get("CPU") == 2.0
-    finally:
-        ray.shutdown()
-
-
-def test_main_job_streams_parquet_through_ray_data(cluster: None, tmp_path: str) -> None:
+def test_main_job_streams_parquet_through_ray_data(local_ray: None, tmp_path: str) -> None:
     import json
 
     from jobs.train import main
@@ -239,7 +210,7 @@ def test_main_job_streams_parquet_through_ray_data(cluster: None, tmp_path: str)
 
 
 def test_bad_input_stops_between_steps_and_keeps_what_was_trained(
-    cluster: None, tmp_path: str
+    local_ray: None, tmp_path: str
 ) -> None:
     import json
 

@@ -11,7 +11,7 @@ import dataclasses
 import math
 import pathlib
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,6 @@ import ray
 from ray import cloudpickle
 
 from raytrec.api import _indexed_resume_shards
-from raytrec.cluster import connect
 from raytrec.config import ScalingConfig, TrainConfig
 from raytrec.data.arrow_kjt import BadInputError
 from raytrec.data.generate import write_synthetic_parquet
@@ -301,16 +300,9 @@ def test_skipped_rows_replay_alike_and_a_batch_of_only_bad_rows_stops(
 # -- through Ray Data ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    connect(num_cpus=4)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.cluster
 def test_ray_data_reads_the_same_batches_as_in_process(
-    cluster: None, data_dir: pathlib.Path
+    local_ray: None, data_dir: pathlib.Path
 ) -> None:
     local = split(data_dir, 2, epochs=2, shuffle_seed=3)
     remote = split(data_dir, 2, epochs=2, shuffle_seed=3, in_process=False, read_concurrency=2)
@@ -326,7 +318,7 @@ def test_ray_data_reads_the_same_batches_as_in_process(
 
 @pytest.mark.cluster
 def test_bad_input_through_ray_data_reaches_the_rank_as_itself(
-    cluster: None, data_dir: pathlib.Path, tmp_path: pathlib.Path
+    local_ray: None, data_dir: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     root = copy_data(data_dir, tmp_path / "bad")
     target = sorted(root.glob("*.parquet"))[1]

@@ -6,14 +6,11 @@ checkpoint that goes on with the batches after it."""
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Iterator
 
 import pytest
-import ray
 
 from raytrec.api import fit
 from raytrec.checkpoint.config import CheckpointConfig
-from raytrec.cluster import connect
 from raytrec.config import (
     DataConfig,
     ModelConfig,
@@ -35,15 +32,8 @@ pytestmark = pytest.mark.cluster
 ROWS, VOCAB, B, EPOCH_STEPS = 1200, 200, 32, 19
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    connect(num_cpus=4)  # 2 ranks, and 2 CPUs for the ranks' Ray Data read tasks
-    yield
-    ray.shutdown()
-
-
 def test_a_lost_gang_s_rows_are_trained_by_the_survivors_exactly_once_over_the_epoch(
-    cluster: None, tmp_path: pathlib.Path
+    local_ray: None, tmp_path: pathlib.Path
 ) -> None:
     data = write_synthetic_parquet(
         tmp_path / "data", rows=ROWS, files=4, row_groups_per_file=2, seed=2, num_embeddings=VOCAB
@@ -99,7 +89,7 @@ def test_a_lost_gang_s_rows_are_trained_by_the_survivors_exactly_once_over_the_e
 
 
 def test_a_resume_continues_on_the_batches_after_the_checkpoint(
-    cluster: None, tmp_path: pathlib.Path
+    local_ray: None, tmp_path: pathlib.Path
 ) -> None:
     paths = write_synthetic_parquet(
         tmp_path / "data", rows=ROWS, files=4, row_groups_per_file=2, seed=3, num_embeddings=VOCAB

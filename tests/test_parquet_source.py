@@ -9,7 +9,7 @@ import json
 import math
 import pathlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,6 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from jobs.make_data import main as make_data
-from raytrec.cluster import connect
 from raytrec.data.arrow_kjt import BadInputError
 from raytrec.data.generate import auc, write_synthetic_parquet
 from raytrec.data.parquet import EpochConsumption, ParquetShard, ParquetSource
@@ -38,14 +37,6 @@ ROWS, FILES, GROUPS, VOCAB = 6003, 8, 2, 1000  # 6003 = 4 * 1500 + 3: needs one 
 SPEC = criteo_spec(VOCAB)
 TIMEOUT_S = 120
 STREAM = "streaming"
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    connect(num_cpus=4)
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +135,7 @@ def test_generator_cli_and_argument_checks(tmp_path: pathlib.Path) -> None:
 
 
 def test_every_row_exactly_once_per_epoch_across_ranks(
-    cluster: None, data_dir: pathlib.Path
+    local_ray: None, data_dir: pathlib.Path
 ) -> None:
     source = ParquetSource(
         paths=str(data_dir), spec=SPEC, epochs=2, shuffle_seed=11, read_mode=STREAM
@@ -278,7 +269,7 @@ def test_pipeline_stage_names_file_column_and_row_id(data_dir: pathlib.Path, rea
 
 @pytest.mark.parametrize("reason", ["nan", "id_out_of_range"])
 def test_bad_value_reaches_the_rank_named_by_file_column_and_row_id(
-    cluster: None,
+    local_ray: None,
     data_dir: pathlib.Path,
     tmp_path: pathlib.Path,
     reason: str,
@@ -340,7 +331,7 @@ def test_paths_that_name_nothing(tmp_path: pathlib.Path) -> None:
 
 
 def test_skip_mode_counts_by_reason_and_trains_on_the_rest(
-    cluster: None, data_dir: pathlib.Path, tmp_path: pathlib.Path
+    local_ray: None, data_dir: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     files = sorted(data_dir.glob("*.parquet"))[:2]
     tables = [pq.read_table(f) for f in files]
@@ -408,7 +399,9 @@ def test_skip_mode_counts_by_reason_and_trains_on_the_rest(
 # -- filesystems ---------------------------------------------------------------------------------
 
 
-def test_explicit_filesystem_and_well_formed_batches(cluster: None, data_dir: pathlib.Path) -> None:
+def test_explicit_filesystem_and_well_formed_batches(
+    local_ray: None, data_dir: pathlib.Path
+) -> None:
     fs = pafs.SubTreeFileSystem(str(data_dir), pafs.LocalFileSystem())
     names = [p.name for p in sorted(data_dir.glob("*.parquet"))[2:4]]
     source = ParquetSource(

@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import ray
 
 from actors.rank import IntervalOrder
 from raytrec.api import fit
 from raytrec.checkpoint.config import CheckpointConfig, save_decision
-from raytrec.cluster import connect
 from raytrec.config import (
     DataConfig,
     ModelConfig,
@@ -167,16 +164,9 @@ def test_a_queued_call_that_arrives_after_its_predecessor_ended_does_not_wait() 
 # -- a failure while an interval is queued --------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    connect(num_cpus=4)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.cluster
 def test_a_survivor_trains_the_queued_interval_and_every_batch_counts_once(
-    cluster: None, tmp_path: str
+    local_ray: None, tmp_path: str
 ) -> None:
     from test_elastic_cluster import assert_every_batch_once, assert_replicas_agree
 

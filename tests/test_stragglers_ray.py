@@ -11,14 +11,10 @@ spread over groups; the final sync must still leave every replica identical.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
-import ray
 
 from raytrec.api import Result, fit
-from raytrec.cluster import connect
 from raytrec.config import (
     DataConfig,
     ModelConfig,
@@ -57,13 +53,6 @@ def train_s(result: Result) -> float:
     return sum(m.seconds for m in result.history)
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    connect(num_cpus=4)
-    yield
-    ray.shutdown()
-
-
 def hierarchical_wait_s() -> float:
     """The same charge by hand: per 4-step window, each pair waits for its worse gang over
     steps 1-2, then for its worse gang over steps 3-4; all four wait for the slower pair."""
@@ -83,7 +72,7 @@ def test_the_stalls_separate_the_schedules() -> None:
 
 @pytest.mark.cluster
 def test_hierarchy_with_stragglers_trains_and_ends_with_identical_replicas(
-    cluster: None, tmp_path: str
+    local_ray: None, tmp_path: str
 ) -> None:
     config = TrainConfig(
         model=ModelConfig(

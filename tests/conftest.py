@@ -1,0 +1,37 @@
+"""Fixtures shared by the test modules.
+
+``local_ray``: one local Ray cluster on 127.0.0.1 (5 CPUs: 4 ranks and one for Ray Data's
+tasks), shared by every cluster test that needs no particular cluster shape. It starts with the
+first module that asks for it and stays up; a module that needs a cluster of its own
+(``raytrec.testing.simulated_cluster``) shuts it down first. The modules that use it run first,
+so it starts once per session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import ray
+
+from raytrec.cluster import connect
+
+LOCAL_CPUS = 5
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    if not ray.is_initialized():
+        connect(num_cpus=LOCAL_CPUS)
+        ray.data.DataContext.get_current().enable_progress_bars = False
+    yield
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests on the shared cluster first (stable otherwise), so it starts once."""
+    items.sort(key=lambda item: "local_ray" not in getattr(item, "fixturenames", ()))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if ray.is_initialized():
+        ray.shutdown()
