@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -46,6 +47,7 @@ from torchrec.distributed.types import ShardingPlan
 
 from actors.checkpoints import JobCheckpoints
 from actors.drain import GangDrain
+from actors.evaluation import JobEvaluation
 from actors.growth import GangGrowth
 from actors.rank import RankWorker
 from actors.recovery import MAX_TRANSIENT, Dispatched, FailureRecovery
@@ -83,10 +85,11 @@ from raytrec.elastic.workers import (
 )
 from raytrec.engine.rank import RENDEZVOUS_TIMEOUT_S, RankSpec, StoreAddress
 from raytrec.errors import ConfigError, JobFailedError, StopRequested
+from raytrec.evaluation import EvalPlan
 from raytrec.metrics import IntervalMetrics, aggregate_interval
 from raytrec.model import ModelFactory, build_dlrm
 from raytrec.placement import placement_specs, rank_resources
-from raytrec.rec_metrics import merge_metric_states
+from raytrec.rec_metrics import InterpretedMetrics, merge_metric_states
 from raytrec.sync.schedule import SyncPlan, plan_sync
 from raytrec.topology import Layout
 
@@ -109,6 +112,7 @@ class Coordinator:
         model_factory: ModelFactory = build_dlrm,
         new_shard: Any = None,
         resume_from: str | None = None,
+        evaluation: tuple[Any, EvalPlan] | None = None,
         group: WorkerGroup | None = None,
         clock: Clock | None = None,
     ) -> None:
@@ -135,6 +139,10 @@ class Coordinator:
         self.model_factory = model_factory
         self.new_shard = new_shard  # job rank -> BatchShard, for gangs that join later
         self.resume_from = resume_from  # a checkpoint to start from
+        # Placement group names are unique in the Ray session: the run's name and a random tag.
+        self._pg_prefix = f"{os.path.basename(run_dir)}-{secrets.token_hex(3)}"
+        # Held-out evaluation (raytrec.evaluation): its shard and plan, when configured.
+        self.evaluation = None if evaluation is None else JobEvaluation(self, *evaluation)
         self.elastic = config.elastic
         self.topology = config.scaling.topology()
         self.membership = Membership.initial(self.topology)
@@ -241,7 +249,7 @@ class Coordinator:
         specs = placement_specs(self.topology, per_rank=self._per_rank())
         # Names stay unique when a rebuilt job is placed again in a later generation.
         suffix = f"-gen{self.membership.generation}" if self.membership.generation else ""
-        pgs = [self.group.place(s, name=f"{self.cfg.name}-{s.name}{suffix}") for s in specs]
+        pgs = [self.group.place(s, name=f"{self._pg_prefix}-{s.name}{suffix}") for s in specs]
         asked = describe_bundles(specs)
         since = self.clock.monotonic()
         while True:
@@ -428,6 +436,7 @@ class Coordinator:
             self._top_up(inflight, step)
             self._account(reports)
             metrics = merge_metric_states([r.metrics for r in reports if r.metrics is not None])
+            held_out = self._evaluate() if not inflight and stop is None else None
             row = aggregate_interval(
                 reports,
                 wall_s=end - dispatched.t0,
@@ -439,6 +448,14 @@ class Coordinator:
                 at=self._now(),
             )
             row = dataclasses.replace(row, end_step=self.end_step)
+            if held_out is not None:
+                row = dataclasses.replace(
+                    row,
+                    eval_auc=held_out.auc,
+                    eval_ne=held_out.ne,
+                    eval_log_loss=held_out.log_loss,
+                    eval_rows=held_out.rows,
+                )
             with self._lock:
                 self._history.append(row)
             going_on = stop is None or self._ready >= min(every, self.end_step - self.step)
@@ -462,9 +479,27 @@ class Coordinator:
             min_gangs=self.elastic.min_gangs,
         )
         end = inflight[-1].end if inflight else None
-        for start, n in intervals_to_queue(boundary, end, len(inflight), self.checkpoints.due):
+        for start, n in intervals_to_queue(boundary, end, len(inflight), self._work_due):
             after = inflight[-1].seq if inflight else None
             inflight.append(self._dispatch(start, n, after=after))
+
+    def _work_due(self, step: int) -> bool:
+        """Whether a checkpoint or an evaluation is due at the boundary at ``step``."""
+        return self.checkpoints.due(step) or (
+            self.evaluation is not None and self.evaluation.due(step)
+        )
+
+    def _evaluate(self) -> InterpretedMetrics | None:
+        """Runs the held-out evaluation when one is due here; a rank lost meanwhile is
+        recovered from as anywhere else, and the evaluation waits for the next boundary."""
+        if self.evaluation is None or not self.evaluation.due(self.step):
+            return None
+        try:
+            return self.evaluation.run()
+        except RankCallError as e:
+            self.recovery.recover_until_stable(self.recovery.probe(e))
+            self._ready = 0  # recovery may have re-opened the ranks' feeds
+            return None
 
     def _finish(
         self, final: str | None, *, checkpoint: bool, stopping: bool = False

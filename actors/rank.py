@@ -349,6 +349,21 @@ class RankWorker:
     def sync(self) -> None:
         self.engine.sync()
 
+    def evaluate(
+        self, shard: BatchShard, batch_ids: list[int | None], batch_size: int
+    ) -> dict[str, Any]:
+        """Scores held-out batches ``batch_ids`` of ``shard`` (None: a padding round, scored
+        for the gang's sharded forward and left out); returns the metric states of the rows
+        scored (raytrec.evaluation)."""
+        metrics = RankMetrics(auc_window=1 << 62)  # every row counts for the AUC
+        pad = next((i for i in batch_ids if i is not None), 0)
+        for batch_id in batch_ids:
+            batch = shard.replay(pad if batch_id is None else batch_id, batch_size)
+            logits, labels = self.engine.score(batch)
+            if batch_id is not None:
+                metrics.update(logits, labels)
+        return metrics.state()
+
     def save_checkpoint(
         self,
         root: str,

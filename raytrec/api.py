@@ -27,7 +27,7 @@ from raytrec._quiet import quiet_known_warnings
 from raytrec.capacity import NodeShape, capacity_refusal
 from raytrec.cluster import COORDINATOR_PREFIX, cluster_shapes, connect, resolve_storage_path
 from raytrec.config import ConfigError, TrainConfig, validate_features
-from raytrec.data.from_config import DataInfo, source_from_config, synthetic_source
+from raytrec.data.from_config import DataInfo, held_out, source_from_config, synthetic_source
 from raytrec.data.parquet import ParquetSource
 from raytrec.data.source import BatchSource
 from raytrec.data.synthetic import SyntheticCriteo
@@ -146,12 +146,15 @@ def fit(
     on_progress: Callable[[IntervalMetrics], None] | None = None,
     shutdown_ray: bool | None = None,
     resume_from_checkpoint: str | ray.train.Checkpoint | None = None,
+    eval_source: str | None = None,
 ) -> Result:
     """Trains ``config`` on Ray and returns the metrics history and the final state.
 
     ``source`` overrides ``config.data.source``. ``resume_from_checkpoint`` (a checkpoint
     directory or URI, or a ``ray.train.Checkpoint`` such as ``Result.checkpoint``) starts from a
-    saved job, which may have had another number of gangs, gang size or sharding plan. Raises
+    saved job, which may have had another number of gangs, gang size or sharding plan.
+    ``eval_source`` (held-out Parquet in the training data's schema) sets ``config.eval.path``:
+    the model is evaluated on it every ``config.eval.every_n_steps`` and at the end. Raises
     :class:`TrainingStopped` when bad input or the end of the data stops training early (what
     was trained is saved first).
     """
@@ -163,6 +166,8 @@ def fit(
     if resume is not None:
         _check_checkpoint(resume, config)
     config = config.replace(storage_path=resolve_storage_path(config.storage_path))
+    if eval_source is not None:
+        config = config.replace(eval=dataclasses.replace(config.eval, path=eval_source))
     if source is not None:  # a source of the caller's: checked before Ray is touched
         validate_features(config.model, source.sparse_features)
     # Ranks hold their CPUs for the whole job; Ray Data's read and preprocessing
@@ -186,6 +191,7 @@ def fit(
         if resume is not None:
             shards_of_plan = _indexed_resume_shards(resume, config, source) or shards_of_plan
         plan = _plan(config, source.dense_features, model_factory)
+        evaluation = held_out(config) if config.eval.path is not None else None
 
         run_dir = os.path.abspath(
             os.path.join(config.storage_path, f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -209,6 +215,7 @@ def fit(
             model_factory,
             new_shard=source.shard if isinstance(source, SyntheticCriteo) else None,
             resume_from=resume,
+            evaluation=evaluation,
         )
         try:
             on_event = reporter.event if isinstance(reporter, ProgressReporter) else None

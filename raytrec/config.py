@@ -23,6 +23,7 @@ from raytrec.topology import Layout, Topology, TopologyError
 __all__ = [
     "ConfigError",
     "DataConfig",
+    "EvalConfig",
     "ModelConfig",
     "OptimizerConfig",
     "ScalingConfig",
@@ -453,6 +454,31 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Evaluation on held-out rows while the job trains.
+
+    - ``path``: held-out Parquet in the training data's schema (a file or directory); None
+      (the default) evaluates nothing. ``fit(..., eval_source=PATH)`` sets it too.
+    - ``every_n_steps``: evaluate at the first interval boundary at or after every this many
+      steps, and always at the end; None: at the end only.
+    - ``batch_size``: rows per rank per evaluation step; None: ``data.batch_size``.
+    - ``max_rows``: evaluate on the first this many rows only; None: every row.
+    """
+
+    path: str | None = None
+    every_n_steps: int | None = None
+    batch_size: int | None = None
+    max_rows: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.path is not None and (not isinstance(self.path, str) or not self.path):
+            raise ConfigError(f"eval.path must be a non-empty path or None, got {self.path!r}")
+        for field in ("every_n_steps", "batch_size", "max_rows"):
+            if getattr(self, field) is not None:
+                _positive_int(f"eval.{field}", getattr(self, field))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Everything one training job needs, apart from the data source."""
 
@@ -464,6 +490,7 @@ class TrainConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     elastic: ElasticConfig = dataclasses.field(default_factory=ElasticConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     faults: FaultConfig = dataclasses.field(default_factory=FaultConfig)  # injected, for tests
     stragglers: StragglerSpec | None = None  # injected stalls, for straggler experiments
     num_steps: int = 200
@@ -486,6 +513,7 @@ class TrainConfig:
             ("data", DataConfig),
             ("elastic", ElasticConfig),
             ("checkpoint", CheckpointConfig),
+            ("eval", EvalConfig),
             ("faults", FaultConfig),
         ):
             if not isinstance(getattr(self, field), cls):

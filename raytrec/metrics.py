@@ -44,6 +44,12 @@ class IntervalMetrics:
     # queued on the ranks while the one before it ran.
     idle_s: float | None = None
     rows: int = 0  # rows the ranks trained in the interval (replayed ones included)
+    # Held-out evaluation at the interval's end (TrainConfig.eval), None when none ran: AUC,
+    # NE and log loss over every held-out row scored, and their number.
+    eval_auc: float | None = None
+    eval_ne: float | None = None
+    eval_log_loss: float | None = None
+    eval_rows: int | None = None
 
     @property
     def control_fraction(self) -> float | None:

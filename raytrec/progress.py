@@ -114,6 +114,8 @@ _LINE_FIELDS: tuple[tuple[str, Callable[[Any], str]], ...] = (
     ("gangs", lambda v: f"gangs {v}"),
     ("data_wait_fraction", lambda v: f"data wait {100 * v:.1f}%"),
     ("sync_fraction", lambda v: f"sync {100 * v:.1f}%"),
+    ("eval_auc", lambda v: f"eval auc {v:.4f}"),
+    ("eval_log_loss", lambda v: f"eval log loss {v:.4f}"),
 )
 
 

@@ -15,6 +15,7 @@ validation): on the first pass over the data they are out-of-sample.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ class InterpretedMetrics:
     auc: float | None  # None when the rows held only one class
     ne: float | None
     rows: int
+    log_loss: float | None = None  # mean binary cross entropy of the rows
 
 
 class RankMetrics:
@@ -109,4 +111,11 @@ def merge_metric_states(states: Sequence[dict[str, Any]]) -> InterpretedMetrics:
         if has_both_in_window
         else None
     )
-    return InterpretedMetrics(auc=auc, ne=ne, rows=int(sum(s["rows"] for s in states)))
+    count = float(n.item())
+    return InterpretedMetrics(
+        auc=auc,
+        ne=ne,
+        rows=int(sum(s["rows"] for s in states)),
+        # TorchRec's cross entropy sums are in bits; the log loss is in nats, as the loss is.
+        log_loss=float(ce.item()) / count * math.log(2) if count > 0 else None,
+    )

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 __all__ = ["FAILURE_KINDS", "SUMMARY_FILE", "ledger", "ledger_lines", "write_ledger"]
 
 SUMMARY_FILE = "summary.json"
+_EVAL_KEYS = ("eval_auc", "eval_ne", "eval_log_loss", "eval_rows")
 #: Event kinds counted as failures (raytrec.elastic.events).
 FAILURE_KINDS = ("rank_died", "node_died", "hang_detected", "heal_failed", "total_loss")
 
@@ -99,11 +100,20 @@ def ledger(result: Result, *, stopped: str | None = None) -> dict[str, Any]:
         "replica_check": replica_check(result),
         "final": None
         if last is None
-        else {"step": last.step, "loss": last.loss, "auc": last.auc, "ne": last.ne},
+        else {
+            "step": last.step,
+            "loss": last.loss,
+            "auc": last.auc,
+            "ne": last.ne,
+            **{k: getattr(last, k) for k in _EVAL_KEYS if getattr(last, k) is not None},
+        },
         "best": {
             "loss": _best(history, "loss", higher=False),
             "auc": _best(history, "auc", higher=True),
             "ne": _best(history, "ne", higher=False),
+            "eval_auc": _best(history, "eval_auc", higher=True),
+            "eval_ne": _best(history, "eval_ne", higher=False),
+            "eval_log_loss": _best(history, "eval_log_loss", higher=False),
         },
         "artifacts": artifacts,
     }
@@ -127,7 +137,9 @@ def ledger_lines(summary: Mapping[str, Any], *, prefix: str = "[raytrec]") -> li
         "no interval finished"
         if final is None
         else ", ".join(
-            f"{k} {final[k]:.4f}" for k in ("loss", "auc", "ne") if final.get(k) is not None
+            f"{k.replace('_', ' ')} {final[k]:.4f}"
+            for k in ("loss", "auc", "ne", "eval_auc", "eval_log_loss")
+            if final.get(k) is not None
         )
     )
     art = summary["artifacts"]

@@ -170,6 +170,10 @@ def parity_run(spec: RankSpec, tables: dict[str, np.ndarray], steps: int) -> dic
             out["dense"].append(dense_params(engine))
             out["shards"].append(local_shards(engine))
         out["losses"] = losses
+        # Scoring (held-out evaluation) the next batch: logits, and a state left untouched.
+        logits, labels = engine.score(next(batches))
+        out["scores"] = (logits.numpy().copy(), labels.numpy().copy())
+        out["after_score"] = {"dense": dense_params(engine), "shards": local_shards(engine)}
         # Whether to run an interval queued on the ranks: all say yes, then one says no.
         out["agree"] = [engine.gang_agrees(True), engine.gang_agrees(spec.gang_rank != 1)]
         return out
@@ -237,6 +241,10 @@ class ReferenceDLRM(nn.Module):
 
     def loss(self, batch: Batch) -> torch.Tensor:
         """Mean binary cross-entropy over ``batch``, as ``DLRMTrain`` computes it."""
+        return F.binary_cross_entropy_with_logits(self.logits(batch), batch.labels)
+
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """The model's logits on ``batch``, ``[B]``."""
         jagged = batch.sparse_features.to_dict()
         pooled = [
             self.bags[self.table_of[f]](jagged[f].values().long(), jagged[f].offsets()[:-1].long())
@@ -245,7 +253,7 @@ class ReferenceDLRM(nn.Module):
         sparse = torch.stack(pooled, dim=1)  # [B, F, D]
         dense = self.dense_arch(batch.dense_features)
         logits = self.over_arch(self.inter_arch(dense_features=dense, sparse_features=sparse))
-        return F.binary_cross_entropy_with_logits(logits.squeeze(-1), batch.labels)
+        return logits.squeeze(-1)
 
     def dense_named(self) -> dict[str, torch.Tensor]:
         """Dense parameters under the names ``DLRMTrain`` (and so the engine) gives them."""
@@ -387,7 +395,9 @@ def test_batches_have_multi_hot_empty_and_repeated_ids() -> None:
 
 
 def test_sgd_matches_single_process_reference(job: Job) -> None:
-    """Embedding and dense updates are both SGD on the mean loss over all T ranks' rows.
+    """Embedding and dense updates are both SGD on the mean loss over all T ranks' rows; and
+    scoring a batch afterwards (a held-out evaluation's step) gives the reference's logits
+    and changes no weight.
 
     DDP averages dense gradients over the gang and the engine over the
     replica group; TorchRec divides the embedding gradients coming back
@@ -428,6 +438,19 @@ def test_sgd_matches_single_process_reference(job: Job) -> None:
             # The summed-gradient hypothesis is measurably wrong.
             off = max_diff(gather_tables(results, 0, step, shapes), summed.tables())
             assert max(off.values()) > 100 * TOL, off
+
+    # Scoring the next batch: the reference's logits, and nothing trained.
+    for rank, it in enumerate(iters):
+        batch = next(it)
+        logits, labels = results[rank]["scores"]
+        with torch.no_grad():
+            np.testing.assert_allclose(logits, ref.logits(batch).numpy(), rtol=0, atol=TOL)
+        np.testing.assert_array_equal(labels, batch.labels.numpy())
+        after = results[rank]["after_score"]
+        assert max(max_diff(after["dense"], results[rank]["dense"][-1]).values()) == 0.0
+        for name, shards in after["shards"].items():
+            before = results[rank]["shards"][-1][name]
+            assert all(np.array_equal(a[2], b[2]) for a, b in zip(shards, before, strict=True))
 
     # The test can fail: every table and dense parameter moved far beyond the tolerance.
     moved = max_diff(ref.tables(), init)

@@ -18,9 +18,10 @@ import shutil
 import tempfile
 
 from raytrec.config import ConfigError, TrainConfig
-from raytrec.data.source import BatchSource
+from raytrec.data.source import BatchShard, BatchSource
 from raytrec.data.spec import FeatureSpec, SparseFeature
 from raytrec.data.synthetic import SyntheticCriteo
+from raytrec.evaluation import EvalPlan, eval_plan
 
 __all__ = ["DataInfo", "generated_rows", "parquet_spec", "source_from_config", "synthetic_source"]
 
@@ -163,3 +164,27 @@ def _oracle_auc(path: str) -> float | None:
     with open(meta) as f:
         value = json.load(f).get("oracle_auc")
     return float(value) if value is not None else None
+
+
+def held_out(config: TrainConfig) -> tuple[BatchShard, EvalPlan]:
+    """The held-out shard ``config.eval.path`` names, read by index in the training data's
+    schema as one stream (one epoch, file order), and the plan of one evaluation."""
+    from raytrec.data.parquet import ParquetSource  # Ray Data: only when it is used
+    from raytrec.data.parquet_indexed import IndexedParquetShard
+
+    assert config.eval.path is not None
+    source = ParquetSource(
+        paths=config.eval.path,
+        spec=parquet_spec(config),
+        epochs=1,
+        shuffle_seed=None,
+        on_bad_rows=config.data.on_bad_rows,
+        read_mode="indexed",
+    )
+    (shard,) = source.split(1)
+    assert isinstance(shard, IndexedParquetShard)
+    batch_size = config.eval.batch_size or config.data.batch_size
+    plan = shard.plan(batch_size)
+    return shard, eval_plan(
+        total_rows=plan.rows_per_epoch, batch_size=batch_size, max_rows=config.eval.max_rows
+    )

@@ -236,6 +236,19 @@ class RankEngine:
         self._step_in_flight = False
         return float(loss.detach())
 
+    def score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's logits and the labels on this rank's local batch, in eval mode and under
+        ``torch.no_grad()``: no backward, so no embedding or dense update. Every rank of the
+        gang scores a batch at once (the forward is sharded)."""
+        batch = batch.to(self.device)
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                _, (_, logits, labels) = self.model(batch)
+        finally:
+            self.model.train()
+        return logits.detach(), labels.detach()
+
     def gang_agrees(self, ok: bool) -> bool:
         """Whether every rank of this gang says ``ok`` (a one-number all-reduce over the gang
         world; at once for a gang of one)."""

@@ -1,0 +1,46 @@
+"""The coordinator's part that runs held-out evaluations (raytrec.evaluation): when one is due
+(``eval_due``), after a job-wide sync, the live ranks score the held-out batches
+(``assign_eval_batches``) and the coordinator merges their metric states."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from actors.rank import RankWorker
+from raytrec.evaluation import EvalPlan, assign_eval_batches, eval_due
+from raytrec.rec_metrics import InterpretedMetrics, merge_metric_states
+
+if TYPE_CHECKING:
+    from actors.coordinator import Coordinator
+
+
+class JobEvaluation:
+    """Evaluations of one job: the held-out shard, its plan and the last step evaluated."""
+
+    def __init__(self, job: Coordinator, shard: Any, plan: EvalPlan) -> None:
+        self.job = job
+        self.shard = shard
+        self.plan = plan
+        self.last_step = -1
+
+    def due(self, step: int) -> bool:
+        return self.plan.num_batches > 0 and eval_due(
+            step,
+            every=self.job.cfg.eval.every_n_steps,
+            last_eval_step=self.last_step,
+            end_step=self.job.end_step,
+        )
+
+    def run(self) -> InterpretedMetrics:
+        """Evaluates the job's model as of now (after a sync when the gangs' copies differ)."""
+        job = self.job
+        if job.membership.last_sync_step != job.step:
+            job._call(job._live_ranks(), RankWorker.sync)
+            job._commit_all()
+        ranks = job._live_ranks()
+        assigned = assign_eval_batches(self.plan.num_batches, ranks)
+        states = job._call_by_rank(
+            ranks, RankWorker.evaluate, lambda r: (self.shard, assigned[r], self.plan.batch_size)
+        )
+        self.last_step = job.step
+        return merge_metric_states(states)

@@ -1,0 +1,80 @@
+"""Held-out evaluation while the job trains (TrainConfig.eval, fit(eval_source=...)).
+
+2 gangs x 2 ranks train on 6 files of generated Parquet and evaluate on the 2 files held out
+(same teacher, other rows) every 4 steps and at the end. The evaluation scores every held-out
+row once (in rounds over the 4 ranks, the last one padded), merges AUC, NE and log loss over
+all of them: its NE is its log loss over the entropy of the held-out rows' click rate, read
+here from the files. (That scoring matches a single-process model and updates nothing is
+tests/test_engine_2d.py's parity test.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import shutil
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from raytrec.api import fit
+from raytrec.config import (
+    DataConfig,
+    EvalConfig,
+    ModelConfig,
+    ScalingConfig,
+    TrainConfig,
+    criteo_tables,
+)
+from raytrec.data.generate import write_synthetic_parquet
+from raytrec.progress import METRICS_FILE
+
+pytestmark = pytest.mark.cluster
+
+
+def test_evaluation_scores_every_held_out_row_and_changes_nothing(
+    local_ray: None, tmp_path: pathlib.Path
+) -> None:
+    data = write_synthetic_parquet(
+        tmp_path / "all", rows=8 * 512, files=8, row_groups_per_file=1, seed=5, num_embeddings=500
+    )
+    train, held = tmp_path / "train", tmp_path / "held_out"
+    train.mkdir(), held.mkdir()
+    for i, path in enumerate(data.paths):
+        shutil.move(path, (held if i >= 6 else train) / os.path.basename(path))
+    held_rows = sum(pq.read_metadata(p).num_rows for p in held.glob("*.parquet"))
+    config = TrainConfig(
+        model=ModelConfig(tables=criteo_tables(num_features=26, num_embeddings=500)),
+        scaling=ScalingConfig(num_workers=4, gang_size=2),
+        data=DataConfig(source="parquet", path=str(train), batch_size=64),
+        # 96 rows per batch: 11 batches over 4 ranks, so the third round is padded.
+        eval=EvalConfig(every_n_steps=4, batch_size=96),
+        num_steps=8,
+        log_every=4,
+        storage_path=str(tmp_path / "runs"),
+    )
+    result = fit(config, eval_source=str(held), shutdown_ray=False)
+    labels = np.concatenate(
+        [pq.read_table(p, columns=["label"])["label"].to_numpy() for p in held.glob("*.parquet")]
+    )
+    rate = float(labels.mean())
+    entropy = -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
+
+    assert [m.step for m in result.history] == [4, 8]
+    for row in result.history:
+        assert row.eval_rows == held_rows == 1024
+        assert row.eval_auc is not None and 0.0 < row.eval_auc < 1.0
+        assert row.eval_log_loss is not None and math.isfinite(row.eval_log_loss)
+        assert row.eval_ne == pytest.approx(row.eval_log_loss / entropy, rel=1e-6)
+    assert result.history[0].eval_auc != result.history[1].eval_auc  # the model moved
+    # In the metrics file and the ledger.
+    with open(os.path.join(result.run_dir, METRICS_FILE)) as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["eval_auc"] for r in rows] == [m.eval_auc for m in result.history]
+    ledger = result.ledger()
+    assert ledger["final"]["eval_rows"] == 1024
+    best = max(result.history, key=lambda m: np.float64(m.eval_auc))
+    assert ledger["best"]["eval_auc"] == {"value": best.eval_auc, "step": best.step}
