@@ -36,6 +36,10 @@ __all__ = ["MAX_TRANSIENT", "Dispatched", "FailureRecovery", "IntervalOutcome"]
 # How long a recovery waits for Ray's node table to show a node death it suspects.
 _NODE_TABLE_GRACE_S = 5.0
 
+# How far past a rank's step timeout the heartbeats are read (the hang rule is "silent for
+# longer than step_timeout_s").
+_PAST_TIMEOUT_S = 0.001
+
 # Re-forms in a row after collective timeouts with every rank alive, before the job gives up.
 MAX_TRANSIENT = 3
 
@@ -69,6 +73,8 @@ class IntervalOutcome:
     # Reports of intervals queued behind the failed one that some survivors went on to train.
     later: list[RankReport] = dataclasses.field(default_factory=list)
     booked: bool = False  # recovery has booked the reports above
+    # Deaths, node deaths and hangs already in the event log (a recovery started over).
+    logged: set[int | str] = dataclasses.field(default_factory=set)
 
     @property
     def failed(self) -> bool:
@@ -96,10 +102,9 @@ class FailureRecovery:
         pending = dict(dispatched.refs)
         deadline: float | None = None
         elastic = self.job.elastic
+        wake = elastic.poll_s
         while pending:
-            ready = self.job.group.wait(
-                list(pending.values()), num_returns=1, timeout=elastic.poll_s
-            )
+            ready = self.job.group.wait(list(pending.values()), num_returns=1, timeout=wake)
             now = self.job.clock.monotonic()
             for future in ready:
                 rank = next((r for r, x in pending.items() if x is future), None)
@@ -136,7 +141,20 @@ class FailureRecovery:
                     out.hung = list(hung)
                     out.silence = {r: self._silence(r, now) for r in hung}
                     break
+                wake = self._next_look(pending, now)
+            else:
+                wake = elastic.poll_s
         return out
+
+    def _next_look(self, pending: dict[int, Any], now: float) -> float:
+        """Seconds until the heartbeats are read again: a poll, or less when a rank's silence
+        passes ``step_timeout_s`` before then. A hang is then found ``step_timeout_s`` after
+        the rank's step was last seen to move, not up to a poll later, which keeps it within
+        ``step_timeout_s + poll_s`` of the rank's last finished step."""
+        elastic = self.job.elastic
+        seen = min(self.progress.get(r, (self.job.step, now))[1] for r in pending)
+        until = seen + elastic.step_timeout_s - now
+        return min(elastic.poll_s, max(until, 0.0) + _PAST_TIMEOUT_S)
 
     def _hung_ranks(self, pending: dict[int, Any], now: float) -> tuple[int, ...]:
         """The ranks still training that count as hung at ``now``, by the policy's rule, after
@@ -235,12 +253,25 @@ class FailureRecovery:
                 self.recover(result)
                 return
             except RankCallError as e:
-                probed = self.probe(e)
-                if not result.booked:  # what the survivors reported is not in the books yet
-                    probed.reports = {**result.reports, **probed.reports}
-                    probed.later = result.later + probed.later
-                result = probed
+                result = self._merged(result, self.probe(e))
         raise JobFailedError("the job kept losing ranks while it re-formed")
+
+    def _merged(self, before: IntervalOutcome, probed: IntervalOutcome) -> IntervalOutcome:
+        """What a probe found after a recovery broke, with the losses found before that are
+        still members (a hung rank answers a probe; a peer the coordinator killed stays lost
+        because its gang lost a rank, not because it was killed) and, unless booked, the
+        reports that came back."""
+        member = self.job.membership.gang_of_rank
+        earlier = {r: c for r, c in before.dead.items() if member(r) is not None}
+        probed.dead = {**probed.dead, **earlier}
+        hung = {r for r in before.hung if member(r) is not None} | set(probed.hung)
+        probed.hung = sorted(hung - set(probed.dead))
+        probed.silence = {**before.silence, **probed.silence}
+        probed.logged = before.logged
+        if not before.booked:  # what the survivors reported is not in the books yet
+            probed.reports = {**before.reports, **probed.reports}
+            probed.later = before.later + probed.later
+        return probed
 
     def recover(self, result: IntervalOutcome) -> None:
         """Drops every gang that lost a rank and re-forms the job among the survivors."""
@@ -287,7 +318,8 @@ class FailureRecovery:
         for r, cause in list(result.dead.items()):
             if cause != _NODE_DIED and self.job._rank_nodes.get(r) in dead_nodes:
                 result.dead[r] = _NODE_DIED
-        for node_id in dead_nodes:
+        for node_id in [n for n in dead_nodes if n not in result.logged]:
+            result.logged.add(node_id)
             gangs = sorted(
                 {self.job._gang_of(r) for r, n in self.job._rank_nodes.items() if n == node_id}
             )
@@ -297,6 +329,9 @@ class FailureRecovery:
                 )
             )
         for r, cause in sorted(result.dead.items()):
+            if r in result.logged:
+                continue
+            result.logged.add(r)
             self.job.events.append(
                 RankDied(
                     at=now,
@@ -306,7 +341,8 @@ class FailureRecovery:
                     cause=cause,
                 )
             )
-        if result.hung:
+        if set(result.hung) - result.logged:
+            result.logged |= set(result.hung)
             silence = [result.silence.get(r, (self.job.step, 0.0)) for r in result.hung]
             self.job.events.append(
                 HangDetected(
@@ -338,7 +374,7 @@ class FailureRecovery:
         survivors = [g.gang_id for g in self.job.membership.gangs if g.gang_id not in failed_gangs]
         survivor_ranks = [r for g in survivors for r in self.job.membership.gang(g).job_ranks]
         self.abort_planes(set(survivor_ranks))
-        recovered = self.job._call(survivor_ranks, RankWorker.recover)
+        recovered = self._recover_ranks(survivor_ranks, result)
         steps = sorted({rep.step for rep in recovered})
         apart = survivors_apart(
             steps, sync_every=self.job.cfg.sync.sync_every, lost_gangs=failed_gangs
@@ -389,6 +425,25 @@ class FailureRecovery:
         if replay and not self.job.streams.reshare(self.job._ranks_in_gang_order()):
             self.job._call_by_rank(sorted(replay), RankWorker.replay, lambda r: (replay[r],))
         self.job.growth.request()
+
+    def _recover_ranks(self, ranks: list[int], result: IntervalOutcome) -> list[RankReport]:
+        """``recover`` on every survivor. Its report is the only record of what the rank trained
+        since its last one (a second ``recover`` returns nothing): when another survivor is
+        lost meanwhile, the reports that came back stay in ``result`` for the recovery that
+        starts over."""
+        futures = self.job.group.call(ranks, RankWorker.recover)
+        self.job._wait_all(futures, RankWorker.recover)
+        recovered: list[RankReport] = []
+        error: RankCallError | None = None
+        for r in ranks:
+            try:
+                recovered.append(self.job.group.result(futures[r]))
+            except RankCallError as e:
+                error = error or e
+        if error is not None:
+            result.later += recovered
+            raise error
+        return recovered
 
     def drop(self, gangs: list[int], survivors: list[int]) -> dict[int, list[int]]:
         """The dropped gangs' uncommitted batches, split over the survivors' ranks."""
