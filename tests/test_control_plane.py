@@ -39,7 +39,7 @@ from raytrec.elastic.fake import (
     SlowRank,
 )
 from raytrec.elastic.report import RunSummary
-from raytrec.elastic.workers import NODE_DIED
+from raytrec.elastic.workers import NODE_DIED, RankLost
 from raytrec.errors import JobFailedError
 
 BUILD_S = 1.0  # the fake's build time: training starts then
@@ -396,3 +396,24 @@ def test_control_plane_scenarios_take_no_real_time(tmp_path: Any) -> None:
     summary = j.run()
     assert summary.steps == 4000 and j.group.clock.now > 400
     assert re.match(r"rank\(s\) \[2\] hung", events(summary, "gang_dropped")[0]["reason"])
+
+
+def test_a_call_on_a_killed_rank_fails_with_rank_lost_in_the_ray_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The protocol the fake follows: a recovery that starts over probes every member, the
+    # peers it killed included. No Ray cluster is needed: the killed rank is never called.
+    from actors import worker_group
+    from actors.rank import RankWorker
+
+    killed: list[object] = []
+    monkeypatch.setattr(worker_group.ray, "kill", killed.append)
+    group = worker_group.RayWorkerGroup()
+    actor = object()  # stands for the rank's actor handle
+    group._actors[3] = actor
+    group.kill(3)
+    assert killed == [actor]
+    calls = group.call([3], RankWorker.step)
+    assert group.wait(list(calls.values()), num_returns=1, timeout=0) == [calls[3]]
+    with pytest.raises(RankLost, match="killed"):
+        group.result(calls[3])
