@@ -100,6 +100,7 @@ class FailureRecovery:
         """
         out = IntervalOutcome()
         pending = dict(dispatched.refs)
+        rank_of = {id(x): r for r, x in pending.items()}
         deadline: float | None = None
         elastic = self.job.elastic
         wake = elastic.poll_s
@@ -107,8 +108,8 @@ class FailureRecovery:
             ready = self.job.group.wait(list(pending.values()), num_returns=1, timeout=wake)
             now = self.job.clock.monotonic()
             for future in ready:
-                rank = next((r for r, x in pending.items() if x is future), None)
-                if rank is None:
+                rank = rank_of.get(id(future))
+                if rank is None or rank not in pending:
                     continue  # a lost gang's peer, already counted
                 del pending[rank]
                 try:
@@ -201,9 +202,10 @@ class FailureRecovery:
                 self.job.elastic.step_timeout_s * max(1, d.n),
             )
             ready = self.job.group.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+            done = {id(f) for f in ready}
             now = self.job.clock.monotonic()
             for r, future in refs.items():
-                if future not in ready:
+                if id(future) not in done:
                     result.hung.append(r)
                     result.silence[r] = self._silence(r, now)
                     continue
@@ -229,9 +231,10 @@ class FailureRecovery:
         out = IntervalOutcome()
         refs = self.job.group.call(self.job._live_ranks(), RankWorker.step)
         ready = self.job.group.wait(list(refs.values()), num_returns=len(refs), timeout=10)
+        done = {id(f) for f in ready}
         now = self.job.clock.monotonic()
         for r, future in refs.items():
-            if future not in ready:
+            if id(future) not in done:
                 out.hung.append(r)
                 out.silence[r] = self._silence(r, now)
                 continue
@@ -371,8 +374,10 @@ class FailureRecovery:
             return
         if isinstance(decision, Reform):
             failed_gangs = sorted(set(failed_gangs) | set(decision.drop))
-        survivors = [g.gang_id for g in self.job.membership.gangs if g.gang_id not in failed_gangs]
+        failed = set(failed_gangs)
+        survivors = [g.gang_id for g in self.job.membership.gangs if g.gang_id not in failed]
         survivor_ranks = [r for g in survivors for r in self.job.membership.gang(g).job_ranks]
+        alive = set(survivor_ranks)
         self.abort_planes(set(survivor_ranks))
         recovered = self._recover_ranks(survivor_ranks, result)
         steps = sorted({rep.step for rep in recovered})
@@ -389,7 +394,7 @@ class FailureRecovery:
         # may even have finished it), and for the lost ranks, whose logs died with them, the
         # next batches in their stream order, one per step up to the failure.
         reports = [result.reports[r] for r in survivor_ranks if r in result.reports]
-        reports += [rep for rep in result.later if rep.rank in survivor_ranks] + recovered
+        reports += [rep for rep in result.later if rep.rank in alive] + recovered
         lost_ranks = [r for g in failed_gangs for r in self.job.membership.gang(g).job_ranks]
         reports += self.job.accounting.lost_rank_reports(lost_ranks, fail_step=fail_step)
         # Syncs before the failed step completed on every gang; the one at it did not.

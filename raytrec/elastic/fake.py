@@ -336,7 +336,6 @@ class _Rank:
     last_end: float | None = None
     runs: list[_Run] = dataclasses.field(default_factory=list)
     pending: list[_Future] = dataclasses.field(default_factory=list)
-    calls: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
     @property
     def gang(self) -> int:
@@ -395,6 +394,9 @@ class FakeWorkerGroup:
         )
         self._faults: list[Fault] = [f for f in schedule if not isinstance(f, NodesJoin)]
         self._slow = {f.rank: f.step_s for f in self._faults if isinstance(f, SlowRank)}
+        self._on_call = {
+            (f.rank, f.on): f for f in self._faults if isinstance(f, RankDies) and f.on is not None
+        }
         self._timed: list[tuple[float, Callable[[], object]]] = []  # (when, what), to fire
         self._pending: list[FakePlacement] = []
         self._ranks: dict[int, _Rank] = {}
@@ -462,17 +464,10 @@ class FakeWorkerGroup:
         now = self.clock.now
         out: dict[int, _Future] = {}
         for rank in states:
-            rank.calls[name] += 1
-            for f in self._faults:
-                if (
-                    isinstance(f, RankDies)
-                    and f.on == name
-                    and f.rank == rank.spec.rank
-                    and rank.calls[name] == 1
-                ):
-                    self._faults.remove(f)
-                    self._kill(rank, "ActorDiedError: the rank's process exited", at=now)
-                    break
+            fault = self._on_call.pop((rank.spec.rank, name), None)
+            if fault is not None:  # it dies at this call
+                self._faults.remove(fault)
+                self._kill(rank, "ActorDiedError: the rank's process exited", at=now)
         if name == "train":
             out = self._train(states, args_of, **kwargs)
         elif name in _COLLECTIVES:
