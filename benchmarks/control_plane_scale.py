@@ -37,6 +37,7 @@ import dataclasses
 import datetime
 import gc
 import itertools
+import os
 import statistics
 import sys
 import tempfile
@@ -304,6 +305,14 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     text = table(runs)
+    big = [r for r in runs if r.ranks == 4096]
+    if big:
+        cpu = max(v for r in big for values in r.decisions.values() for v in values)
+        wall = max(v for r in big for values in r.decisions_wall.values() for v in values)
+        text += (
+            f"\n\nAt 4,096 ranks the slowest decision took {cpu:.0f} ms of CPU and {wall:.0f} ms "
+            f"of wall time (1-minute load average {os.getloadavg()[0]:.1f} on 2 cores at the end)."
+        )
     print(text)
     if a.write:
         date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
@@ -315,9 +324,12 @@ Measured by `benchmarks/control_plane_scale.py` on {date} (2-core CPU VM, whole 
     {COMMAND}
 
 The real coordinator over the in-process fake worker group (no Ray), through a storm of losses,
-a hang, a transient failure, heals and drains in 40 steps. Decision times in ms, median / max,
-from the observation to the decision value (the module docstring says which); CPU per interval
-is the coordinator's own, median / max. Goal: every decision under 50 ms at 4,096 ranks.
+a hang, a transient failure, heals and drains in 40 steps. Decision times are the coordinator's
+CPU time in ms, median / max, from the observation to the decision value (the module docstring
+says which); the slowest one is also given in wall time, which on this shared machine includes
+waiting for a core. CPU per interval: the coordinator's own, median / max, recoveries and joins
+included. Goal: every decision under 50 ms at 4,096 ranks, costs growing no faster than the
+number of ranks (4x from 1,024 to 4,096).
 
 {text}
 """
