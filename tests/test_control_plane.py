@@ -417,3 +417,25 @@ def test_a_call_on_a_killed_rank_fails_with_rank_lost_in_the_ray_group(
     assert group.wait(list(calls.values()), num_returns=1, timeout=0) == [calls[3]]
     with pytest.raises(RankLost, match="killed"):
         group.result(calls[3])
+
+
+def test_the_scale_benchmark_measures_every_kind_of_decision() -> None:
+    # benchmarks/control_plane_scale.py's storm at 64 ranks: each decision it reports was taken.
+    import importlib.util
+    import pathlib
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    sys.path.append(str(root / "benchmarks"))  # its _docs helper, as when run as a script
+    path = root / "benchmarks" / "control_plane_scale.py"
+    spec = importlib.util.spec_from_file_location("control_plane_scale", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["control_plane_scale"] = bench  # dataclasses look their module up by name
+    spec.loader.exec_module(bench)
+    run = bench.run_one(64, 4)
+    assert set(run.decisions) == {"loss", "heartbeat check", "heal", "drain"}
+    # A rank, a node, a hang, a transient failure, a rank, and one lost during that recovery.
+    assert len(run.decisions["loss"]) == 6
+    assert run.events["gang_joined"] == 5 and run.events["gang_drained"] == 2
+    assert len(run.interval_cpu_ms) == len(run.rows) - 1 > 10
