@@ -331,6 +331,20 @@ def test_a_user_drain_gives_back_the_newest_gang(tmp_path: Any) -> None:
     assert not replayed(summary) and "gang_requested" not in kinds(summary)
 
 
+def test_a_lower_max_gangs_gives_back_the_gangs_above_it_for_good(tmp_path: Any) -> None:
+    run_dir = str(tmp_path)
+    drain = AtStep(step=9, action=lambda: request_drain(run_dir, max_gangs=1))  # as 9 ends
+    summary = job(tmp_path, drain, NodesJoin(at=2.0, count=2), grow=True, num_steps=40).run()
+    # Asked during step 10, with the interval to step 12 already queued: given back at 12.
+    assert [(e["gang_id"], e["step"]) for e in events(summary, "gang_drained")] == [
+        (1, 12),
+        (2, 12),
+    ]
+    # Nodes come later, but the job, capped at one gang, asks for none.
+    assert "gang_requested" not in kinds(summary) and gangs_of(summary) == [0]
+    assert summary.steps == 40 and not replayed(summary)
+
+
 def test_a_draining_node_gives_its_gang_back_and_a_new_one_replaces_it(tmp_path: Any) -> None:
     j = job(tmp_path, NodeDrains(node=1, step=3), nodes=4, grow=True, num_steps=40)
     summary = j.run()
