@@ -385,9 +385,9 @@ class FakeWorkerGroup:
         if future.done_at > self.clock.now:
             raise FakeUsageError(f"result() of rank {future.rank}'s call before it is done")
         if future.error is not None:
-            raise future.error
+            raise _fresh(future.error)
         if future.after is not None and isinstance(future.after.error, RankLost):
-            raise future.after.error  # a call queued on a rank that died
+            raise _fresh(future.after.error)  # a call queued on a rank that died
         return future.value
 
     def kill(self, rank: int) -> None:
@@ -708,7 +708,9 @@ class FakeWorkerGroup:
         start = now if prev is None else max(now, prev.end)
         run = _Run(step0=steps.pop(), start=start)
         self._runs[seq] = run
-        self._runs.pop(seq - 4, None)
+        old = self._runs.pop(seq - 4, None)
+        if old is not None:  # nothing is queued behind it any more; ranks keep its timeline
+            old.futures.clear()
         step_s = max(r.step_s for r in states)
         gangs: dict[int, list[_Rank]] = {}
         for r in states:
@@ -817,6 +819,16 @@ class FakeWorkerGroup:
                     blocked_from=t,
                 )
         return True
+
+
+def _fresh(error: BaseException) -> BaseException:
+    """A new exception for each ``result()``, as Ray's ``get`` raises: one raised again and again
+    would collect a traceback per raise, and keep every frame in them alive."""
+    if isinstance(error, RankLost):
+        return RankLost(error.rank, error.cause, node_died=error.node_died)
+    if isinstance(error, RankFailed):
+        return RankFailed(error.rank, error.cause)
+    return error
 
 
 def _drain(node: _Node, at: float) -> Callable[[], None]:
