@@ -22,7 +22,13 @@ from typing import TYPE_CHECKING, Any
 from actors.rank import RankWorker
 from raytrec.elastic.control import retry_transient, survivors_apart
 from raytrec.elastic.events import GangDropped, HangDetected, NodeDied, RankDied
-from raytrec.elastic.policy import Reform, Unrecoverable, decide, find_hung_ranks
+from raytrec.elastic.policy import (
+    Reform,
+    Unrecoverable,
+    decide,
+    find_hung_ranks,
+    next_hang_check,
+)
 from raytrec.elastic.report import RankReport
 from raytrec.elastic.state import ElasticState
 from raytrec.elastic.workers import NODE_DIED, RankCallError, RankFailed, RankLost
@@ -35,10 +41,6 @@ __all__ = ["MAX_TRANSIENT", "Dispatched", "FailureRecovery", "IntervalOutcome"]
 
 # How long a recovery waits for Ray's node table to show a node death it suspects.
 _NODE_TABLE_GRACE_S = 5.0
-
-# How far past a rank's step timeout the heartbeats are read (the hang rule is "silent for
-# longer than step_timeout_s").
-_PAST_TIMEOUT_S = 0.001
 
 # Re-forms in a row after collective timeouts with every rank alive, before the job gives up.
 MAX_TRANSIENT = 3
@@ -148,14 +150,10 @@ class FailureRecovery:
         return out
 
     def _next_look(self, pending: dict[int, Any], now: float) -> float:
-        """Seconds until the heartbeats are read again: a poll, or less when a rank's silence
-        passes ``step_timeout_s`` before then. A hang is then found ``step_timeout_s`` after
-        the rank's step was last seen to move, not up to a poll later, which keeps it within
-        ``step_timeout_s + poll_s`` of the rank's last finished step."""
-        elastic = self.job.elastic
-        seen = min(self.progress.get(r, (self.job.step, now))[1] for r in pending)
-        until = seen + elastic.step_timeout_s - now
-        return min(elastic.poll_s, max(until, 0.0) + _PAST_TIMEOUT_S)
+        """Seconds until the heartbeats are read again
+        (:func:`~raytrec.elastic.policy.next_hang_check`)."""
+        seen = (self.progress.get(r, (self.job.step, now))[1] for r in pending)
+        return next_hang_check(seen, now=now, config=self.job.elastic)
 
     def _hung_ranks(self, pending: dict[int, Any], now: float) -> tuple[int, ...]:
         """The ranks still training that count as hung at ``now``, by the policy's rule, after
