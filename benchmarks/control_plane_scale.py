@@ -55,10 +55,10 @@ import actors.recovery
 from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.drain import request_drain
-from raytrec.elastic.fake import (
+from raytrec.elastic.fake import FakeWorkerGroup
+from raytrec.elastic.fake_faults import (
     AtStep,
     FakeShard,
-    FakeWorkerGroup,
     Fault,
     NodeDies,
     NodeDrains,

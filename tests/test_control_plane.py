@@ -24,10 +24,10 @@ from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
 from raytrec.data.synthetic import batch_id, split_batch_id
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.drain import request_drain
-from raytrec.elastic.fake import (
+from raytrec.elastic.fake import FakeWorkerGroup
+from raytrec.elastic.fake_faults import (
     AtStep,
     FakeShard,
-    FakeWorkerGroup,
     Fault,
     HealCorrupted,
     NodeDies,

@@ -1,10 +1,11 @@
-"""An in-process worker group and a manual clock: the real control loop without Ray.
+"""An in-process worker group: the real control loop without Ray.
 
 :class:`FakeWorkerGroup` implements :class:`~raytrec.elastic.workers.WorkerGroup` with fake
 ranks that "train" by taking batch ids from their streams (replays first, as a real feed does)
 and returning well-formed :class:`~raytrec.elastic.report.RankReport`\\ s; no process, no process
-group. :class:`ManualClock` advances only when the coordinator sleeps or waits, so a test of
-minutes of job time runs in milliseconds and every timeout is exact.
+group. Its clock (:class:`~raytrec.elastic.fake_faults.ManualClock`) advances only when the
+coordinator sleeps or waits, so a test of minutes of job time runs in milliseconds and every
+timeout is exact.
 
 What the fake models, and how:
 
@@ -17,7 +18,7 @@ What the fake models, and how:
   ``state_digest`` hashes it, so heal verification and the final replica check behave as on real
   ranks; :meth:`FakeWorkerGroup.model_batches` says which batches the final model holds.
 - **Faults**, from a schedule (:mod:`raytrec.elastic.fake_faults`, with the clock and the fake
-  shards; this module exports them). A rank or node that dies as a step starts fails its call at
+  shards). A rank or node that dies as a step starts fails its call at
   once; the ranks waiting for it in that step's collectives fail when the coordinator aborts
   their replica planes, or after ``collective_timeout_s``. A hung rank's call never returns and
   its heartbeat stops.
@@ -39,20 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from raytrec.data.synthetic import batch_id
-from raytrec.elastic.fake_faults import (
-    AtStep,
-    FakeShard,
-    Fault,
-    HealCorrupted,
-    ManualClock,
-    NodeDies,
-    NodeDrains,
-    NodesJoin,
-    RankDies,
-    RankFails,
-    RankHangs,
-    SlowRank,
-)
+from raytrec.elastic import fake_faults
 from raytrec.elastic.report import RankInfo, RankReport, TrainedBatch
 from raytrec.elastic.workers import NODE_DIED, NodeInfo, RankFailed, RankLost
 
@@ -61,22 +49,7 @@ if TYPE_CHECKING:
     from raytrec.engine.rank import RankSpec, StoreAddress
     from raytrec.placement import PlacementSpec
 
-__all__ = [
-    "AtStep",
-    "FakeShard",
-    "FakeUsageError",
-    "FakeWorkerGroup",
-    "Fault",
-    "HealCorrupted",
-    "ManualClock",
-    "NodeDies",
-    "NodeDrains",
-    "NodesJoin",
-    "RankDies",
-    "RankFails",
-    "RankHangs",
-    "SlowRank",
-]
+__all__ = ["FakePlacement", "FakeUsageError", "FakeWorkerGroup"]
 
 _MASK = (1 << 64) - 1
 _NEVER = math.inf
@@ -250,7 +223,8 @@ def _lost(rank: _Rank) -> RankLost:
 
 
 class FakeWorkerGroup:
-    """Fake ranks on fake nodes, driven by a :class:`ManualClock` (module doc).
+    """Fake ranks on fake nodes, driven by a :class:`~raytrec.elastic.fake_faults.ManualClock`
+    (module doc).
 
     ``nodes`` nodes of ``cpus_per_node`` CPUs each to start with; ``step_s``: seconds a step
     takes; ``build_s``: seconds a rank takes to build. ``faults``: the schedule.
@@ -261,12 +235,12 @@ class FakeWorkerGroup:
         *,
         nodes: int,
         cpus_per_node: float,
-        faults: Iterable[Fault | NodesJoin] = (),
-        clock: ManualClock | None = None,
+        faults: Iterable[fake_faults.Fault | fake_faults.NodesJoin] = (),
+        clock: fake_faults.ManualClock | None = None,
         step_s: float = 0.1,
         build_s: float = 1.0,
     ) -> None:
-        self.clock = clock or ManualClock()
+        self.clock = clock or fake_faults.ManualClock()
         self.clock.on_advance(self._time_passed)
         self.cpus_per_node = cpus_per_node
         self.step_s = step_s
@@ -275,12 +249,16 @@ class FakeWorkerGroup:
         self._add_nodes(nodes)
         schedule = list(faults)
         self._arrivals = sorted(
-            (f for f in schedule if isinstance(f, NodesJoin)), key=lambda f: f.at
+            (f for f in schedule if isinstance(f, fake_faults.NodesJoin)), key=lambda f: f.at
         )
-        self._faults: list[Fault] = [f for f in schedule if not isinstance(f, NodesJoin)]
-        self._slow = {f.rank: f.step_s for f in self._faults if isinstance(f, SlowRank)}
+        self._faults: list[fake_faults.Fault] = [
+            f for f in schedule if not isinstance(f, fake_faults.NodesJoin)
+        ]
+        self._slow = {f.rank: f.step_s for f in self._faults if isinstance(f, fake_faults.SlowRank)}
         self._on_call = {
-            (f.rank, f.on): f for f in self._faults if isinstance(f, RankDies) and f.on is not None
+            (f.rank, f.on): f
+            for f in self._faults
+            if isinstance(f, fake_faults.RankDies) and f.on is not None
         }
         self._timed: list[tuple[float, Callable[[], object]]] = []  # (when, what), to fire
         self._pending: list[FakePlacement] = []
@@ -635,7 +613,7 @@ class FakeWorkerGroup:
                 for r in states:
                     if r.gang != source and not r.corrupt:
                         r.corrupt = any(
-                            isinstance(f, HealCorrupted) and f.rank == r.spec.rank
+                            isinstance(f, fake_faults.HealCorrupted) and f.rank == r.spec.rank
                             for f in self._faults
                         )
         elif name == "save_checkpoint":
@@ -755,9 +733,13 @@ class FakeWorkerGroup:
 
     def _fire_at(self, step: int, t: float) -> None:
         """Schedules the drains and actions due once ``step`` is done (at ``t``)."""
-        for f in [f for f in self._faults if isinstance(f, NodeDrains | AtStep) and f.step == step]:
+        for f in [
+            f
+            for f in self._faults
+            if isinstance(f, fake_faults.NodeDrains | fake_faults.AtStep) and f.step == step
+        ]:
             self._faults.remove(f)
-            if isinstance(f, NodeDrains):
+            if isinstance(f, fake_faults.NodeDrains):
                 self._timed.append((t, _drain(self._nodes[f.node], t)))
             else:
                 self._timed.append((t, f.action))
@@ -770,21 +752,28 @@ class FakeWorkerGroup:
         due = [
             f
             for f in self._faults
-            if isinstance(f, RankDies | NodeDies | RankHangs | RankFails) and f.step == s
+            if isinstance(
+                f,
+                fake_faults.RankDies
+                | fake_faults.NodeDies
+                | fake_faults.RankHangs
+                | fake_faults.RankFails,
+            )
+            and f.step == s
         ]
         hung: set[int] = set()
         errors: dict[int, float] = {}
         for f in due:
-            if isinstance(f, NodeDies):
+            if isinstance(f, fake_faults.NodeDies):
                 self._faults.remove(f)
                 self._node_dies(self._nodes[f.node], t)
-            elif isinstance(f, RankHangs) and (f.rank is None or f.rank in here):
+            elif isinstance(f, fake_faults.RankHangs) and (f.rank is None or f.rank in here):
                 self._faults.remove(f)
                 hung |= here if f.rank is None else {f.rank}
-            elif isinstance(f, RankDies) and f.rank in here:
+            elif isinstance(f, fake_faults.RankDies) and f.rank in here:
                 self._faults.remove(f)
                 self._kill(self._ranks[f.rank], "ActorDiedError: the rank's process exited", at=t)
-            elif isinstance(f, RankFails) and f.rank in here:
+            elif isinstance(f, fake_faults.RankFails) and f.rank in here:
                 self._faults.remove(f)
                 errors[f.rank] = f.after_s
         dead = {r.spec.rank for r in states if r.died_at <= t}
