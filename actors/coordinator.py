@@ -782,6 +782,11 @@ class Coordinator:
         """Calls ``method`` on ``ranks`` and returns their answers in order; raises
         :class:`RankLost` or :class:`RankFailed` for the first rank whose call failed."""
         futures = self.group.call(ranks, method, args_of, **kwargs)
+        self._wait_all(futures, method)
+        return [self.group.result(futures[r]) for r in ranks]
+
+    def _wait_all(self, futures: dict[int, Any], method: Callable[..., Any]) -> None:
+        """Waits for every answer of a control call; raises TimeoutError when some do not come."""
         # Control calls (build, join, sync, prepare, recover) are not what hang detection
         # watches (that is _collect's job); building a gang's ranks on a loaded machine,
         # or the data pipeline's first batches, can take minutes.
@@ -789,6 +794,6 @@ class Coordinator:
         pending = list(futures.values())
         if len(self.group.wait(pending, num_returns=len(pending), timeout=timeout)) < len(pending):
             raise TimeoutError(
-                f"{method.__name__} did not return on every rank of {ranks} within {timeout:g}s"
+                f"{method.__name__} did not return on every rank of {sorted(futures)} within "
+                f"{timeout:g}s"
             )
-        return [self.group.result(futures[r]) for r in ranks]

@@ -22,7 +22,13 @@ from typing import TYPE_CHECKING, Any
 from actors.rank import RankWorker
 from raytrec.elastic.control import retry_transient, survivors_apart
 from raytrec.elastic.events import GangDropped, HangDetected, RankDied
-from raytrec.elastic.policy import Reform, Unrecoverable, decide, find_hung_ranks
+from raytrec.elastic.policy import (
+    Reform,
+    Unrecoverable,
+    decide,
+    find_hung_ranks,
+    next_hang_check,
+)
 from raytrec.elastic.report import RankReport
 from raytrec.elastic.state import ElasticState
 from raytrec.elastic.workers import NODE_DIED, RankCallError, RankFailed, RankLost
@@ -69,6 +75,8 @@ class IntervalOutcome:
     # Reports of intervals queued behind the failed one that some survivors went on to train.
     later: list[RankReport] = dataclasses.field(default_factory=list)
     booked: bool = False  # recovery has booked the reports above
+    # Deaths, node deaths and hangs already in the event log (a recovery started over).
+    logged: set[int | str] = dataclasses.field(default_factory=set)
 
     @property
     def failed(self) -> bool:
@@ -94,16 +102,16 @@ class FailureRecovery:
         """
         out = IntervalOutcome()
         pending = dict(dispatched.refs)
+        rank_of = {id(x): r for r, x in pending.items()}
         deadline: float | None = None
         elastic = self.job.elastic
+        wake = elastic.poll_s
         while pending:
-            ready = self.job.group.wait(
-                list(pending.values()), num_returns=1, timeout=elastic.poll_s
-            )
+            ready = self.job.group.wait(list(pending.values()), num_returns=1, timeout=wake)
             now = self.job.clock.monotonic()
             for future in ready:
-                rank = next((r for r, x in pending.items() if x is future), None)
-                if rank is None:
+                rank = rank_of.get(id(future))
+                if rank is None or rank not in pending:
                     continue  # a lost gang's peer, already counted
                 del pending[rank]
                 try:
@@ -136,7 +144,16 @@ class FailureRecovery:
                     out.hung = list(hung)
                     out.silence = {r: self._silence(r, now) for r in hung}
                     break
+                wake = self._next_look(pending, now)
+            else:
+                wake = elastic.poll_s
         return out
+
+    def _next_look(self, pending: dict[int, Any], now: float) -> float:
+        """Seconds until the heartbeats are read again
+        (:func:`~raytrec.elastic.policy.next_hang_check`)."""
+        seen = (self.progress.get(r, (self.job.step, now))[1] for r in pending)
+        return next_hang_check(seen, now=now, config=self.job.elastic)
 
     def _hung_ranks(self, pending: dict[int, Any], now: float) -> tuple[int, ...]:
         """The ranks still training that count as hung at ``now``, by the policy's rule, after
@@ -183,9 +200,10 @@ class FailureRecovery:
                 self.job.elastic.step_timeout_s * max(1, d.n),
             )
             ready = self.job.group.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+            done = {id(f) for f in ready}
             now = self.job.clock.monotonic()
             for r, future in refs.items():
-                if future not in ready:
+                if id(future) not in done:
                     result.hung.append(r)
                     result.silence[r] = self._silence(r, now)
                     continue
@@ -211,9 +229,10 @@ class FailureRecovery:
         out = IntervalOutcome()
         refs = self.job.group.call(self.job._live_ranks(), RankWorker.step)
         ready = self.job.group.wait(list(refs.values()), num_returns=len(refs), timeout=10)
+        done = {id(f) for f in ready}
         now = self.job.clock.monotonic()
         for r, future in refs.items():
-            if future not in ready:
+            if id(future) not in done:
                 out.hung.append(r)
                 out.silence[r] = self._silence(r, now)
                 continue
@@ -235,12 +254,25 @@ class FailureRecovery:
                 self.recover(result)
                 return
             except RankCallError as e:
-                probed = self.probe(e)
-                if not result.booked:  # what the survivors reported is not in the books yet
-                    probed.reports = {**result.reports, **probed.reports}
-                    probed.later = result.later + probed.later
-                result = probed
+                result = self._merged(result, self.probe(e))
         raise JobFailedError("the job kept losing ranks while it re-formed")
+
+    def _merged(self, before: IntervalOutcome, probed: IntervalOutcome) -> IntervalOutcome:
+        """What a probe found after a recovery broke, with the losses found before that are
+        still members (a hung rank answers a probe; a peer the coordinator killed stays lost
+        because its gang lost a rank, not because it was killed) and, unless booked, the
+        reports that came back."""
+        member = self.job.membership.gang_of_rank
+        earlier = {r: c for r, c in before.dead.items() if member(r) is not None}
+        probed.dead = {**probed.dead, **earlier}
+        hung = {r for r in before.hung if member(r) is not None} | set(probed.hung)
+        probed.hung = sorted(hung - set(probed.dead))
+        probed.silence = {**before.silence, **probed.silence}
+        probed.logged = before.logged
+        if not before.booked:  # what the survivors reported is not in the books yet
+            probed.reports = {**before.reports, **probed.reports}
+            probed.later = before.later + probed.later
+        return probed
 
     def recover(self, result: IntervalOutcome) -> None:
         """Drops every gang that lost a rank and re-forms the job among the survivors."""
@@ -287,12 +319,16 @@ class FailureRecovery:
         for r, cause in list(result.dead.items()):
             if cause != _NODE_DIED and self.job._rank_nodes.get(r) in dead_nodes:
                 result.dead[r] = _NODE_DIED
-        for node_id in dead_nodes:
+        for node_id in [n for n in dead_nodes if n not in result.logged]:
+            result.logged.add(node_id)
             gangs = sorted(
                 {self.job._gang_of(r) for r, n in self.job._rank_nodes.items() if n == node_id}
             )
             self.job.report_dead_node(node_id, gangs, at=now)
         for r, cause in sorted(result.dead.items()):
+            if r in result.logged:
+                continue
+            result.logged.add(r)
             self.job.events.append(
                 RankDied(
                     at=now,
@@ -303,7 +339,8 @@ class FailureRecovery:
                     node=self.job.rank_node_names([r])[0],
                 )
             )
-        if result.hung:
+        if set(result.hung) - result.logged:
+            result.logged |= set(result.hung)
             silence = [result.silence.get(r, (self.job.step, 0.0)) for r in result.hung]
             self.job.events.append(
                 HangDetected(
@@ -332,10 +369,12 @@ class FailureRecovery:
             return
         if isinstance(decision, Reform):
             failed_gangs = sorted(set(failed_gangs) | set(decision.drop))
-        survivors = [g.gang_id for g in self.job.membership.gangs if g.gang_id not in failed_gangs]
+        failed = set(failed_gangs)
+        survivors = [g.gang_id for g in self.job.membership.gangs if g.gang_id not in failed]
         survivor_ranks = [r for g in survivors for r in self.job.membership.gang(g).job_ranks]
+        alive = set(survivor_ranks)
         self.abort_planes(set(survivor_ranks))
-        recovered = self.job._call(survivor_ranks, RankWorker.recover)
+        recovered = self._recover_ranks(survivor_ranks, result)
         steps = sorted({rep.step for rep in recovered})
         apart = survivors_apart(
             steps, sync_every=self.job.cfg.sync.sync_every, lost_gangs=failed_gangs
@@ -350,7 +389,7 @@ class FailureRecovery:
         # may even have finished it), and for the lost ranks, whose logs died with them, the
         # next batches in their stream order, one per step up to the failure.
         reports = [result.reports[r] for r in survivor_ranks if r in result.reports]
-        reports += [rep for rep in result.later if rep.rank in survivor_ranks] + recovered
+        reports += [rep for rep in result.later if rep.rank in alive] + recovered
         lost_ranks = [r for g in failed_gangs for r in self.job.membership.gang(g).job_ranks]
         reports += self.job.accounting.lost_rank_reports(lost_ranks, fail_step=fail_step)
         # Syncs before the failed step completed on every gang; the one at it did not.
@@ -386,6 +425,25 @@ class FailureRecovery:
         if replay and not self.job.streams.reshare(self.job._ranks_in_gang_order()):
             self.job._call_by_rank(sorted(replay), RankWorker.replay, lambda r: (replay[r],))
         self.job.growth.request()
+
+    def _recover_ranks(self, ranks: list[int], result: IntervalOutcome) -> list[RankReport]:
+        """``recover`` on every survivor. Its report is the only record of what the rank trained
+        since its last one (a second ``recover`` returns nothing): when another survivor is
+        lost meanwhile, the reports that came back stay in ``result`` for the recovery that
+        starts over."""
+        futures = self.job.group.call(ranks, RankWorker.recover)
+        self.job._wait_all(futures, RankWorker.recover)
+        recovered: list[RankReport] = []
+        error: RankCallError | None = None
+        for r in ranks:
+            try:
+                recovered.append(self.job.group.result(futures[r]))
+            except RankCallError as e:
+                error = error or e
+        if error is not None:
+            result.later += recovered
+            raise error
+        return recovered
 
     def drop(self, gangs: list[int], survivors: list[int]) -> dict[int, list[int]]:
         """The dropped gangs' uncommitted batches, split over the survivors' ranks."""

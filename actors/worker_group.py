@@ -39,7 +39,7 @@ class _Call:
     """One call's future: the rank it went to and Ray's ObjectRef."""
 
     rank: int
-    ref: Any
+    ref: Any  # None: the rank was killed, and the call fails with RankLost
 
 
 class RayWorkerGroup:
@@ -47,6 +47,7 @@ class RayWorkerGroup:
 
     def __init__(self) -> None:
         self._actors: dict[int, Any] = {}
+        self._killed: set[int] = set()  # a call on one of them fails with RankLost
         self._socket: socket.socket | None = None
         self._server: dist.TCPStore | None = None
         self._store: dist.Store | None = None  # the server, seen under the job's secret
@@ -106,17 +107,24 @@ class RayWorkerGroup:
     ) -> dict[int, _Call]:
         name = method.__name__
         return {
-            r: _Call(r, getattr(self._actors[r], name).remote(*args_of(r), **kwargs)) for r in ranks
+            r: _Call(r, None)
+            if r in self._killed
+            else _Call(r, getattr(self._actors[r], name).remote(*args_of(r), **kwargs))
+            for r in ranks
         }
 
     def wait(self, futures: Sequence[_Call], *, num_returns: int, timeout: float) -> list[_Call]:
-        if not futures:
-            return []
-        by_ref = {f.ref: f for f in futures}
-        done, _ = ray.wait(list(by_ref), num_returns=min(num_returns, len(by_ref)), timeout=timeout)
-        return [by_ref[ref] for ref in done]
+        gone = [f for f in futures if f.ref is None]  # calls on killed ranks: failed already
+        by_ref = {f.ref: f for f in futures if f.ref is not None}
+        wanted = min(num_returns, len(futures)) - len(gone)
+        if not by_ref or wanted <= 0:
+            return gone
+        done, _ = ray.wait(list(by_ref), num_returns=wanted, timeout=timeout)
+        return gone + [by_ref[ref] for ref in done]
 
     def result(self, future: _Call) -> Any:
+        if future.ref is None:
+            raise RankLost(future.rank, "ActorDiedError: the actor was killed by ray.kill")
         try:
             return ray.get(future.ref)
         except ray.exceptions.RayActorError as e:
@@ -128,6 +136,7 @@ class RayWorkerGroup:
     def kill(self, rank: int) -> None:
         actor = self._actors.pop(rank, None)
         if actor is not None:
+            self._killed.add(rank)
             with contextlib.suppress(Exception):
                 ray.kill(actor)
 

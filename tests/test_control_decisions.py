@@ -12,6 +12,7 @@ import pathlib
 
 import pytest
 
+from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.control import (
     Fail,
     Proceed,
@@ -31,6 +32,7 @@ from raytrec.elastic.drain import (
 )
 from raytrec.elastic.heal import failed_heals, replicas_disagree
 from raytrec.elastic.membership import Membership
+from raytrec.elastic.policy import PAST_TIMEOUT_S, next_hang_check
 from raytrec.errors import ConfigError
 from raytrec.topology import Topology
 
@@ -167,3 +169,15 @@ def test_survivors_must_stand_within_one_sync_period() -> None:
     assert survivors_apart([8, 9], sync_every=2, lost_gangs=[1]) is None
     why = survivors_apart([4, 9], sync_every=2, lost_gangs=[1])
     assert why is not None and "steps 4..9" in why
+
+
+# -- reading the heartbeats -------------------------------------------------------------------
+
+
+def test_the_heartbeats_are_read_again_just_after_a_rank_could_count_as_stalled() -> None:
+    config = ElasticConfig(step_timeout_s=30, collective_timeout_s=10, poll_s=1)
+    # Ranks last seen to move at 0 s and 5 s: at 10 s nobody is near the timeout, a poll.
+    assert next_hang_check([0.0, 5.0], now=10.0, config=config) == 1.0
+    # At 29.5 s the rank seen at 0 s passes 30 s of silence in 0.5 s: look then, not at 30.5.
+    assert next_hang_check([0.0, 5.0], now=29.5, config=config) == 0.5 + PAST_TIMEOUT_S
+    assert next_hang_check([], now=29.5, config=config) == 1.0

@@ -136,9 +136,13 @@ class Membership:
     def num_gangs(self) -> int:
         return len(self.gangs)
 
-    @property
+    @functools.cached_property
     def gang_ids(self) -> tuple[int, ...]:
         return tuple(g.gang_id for g in self.gangs)
+
+    @functools.cached_property
+    def _member_index(self) -> dict[int, int]:
+        return {g.gang_id: i for i, g in enumerate(self.gangs)}
 
     @functools.cached_property
     def _by_id(self) -> dict[int, Gang]:
@@ -177,7 +181,7 @@ class Membership:
     def member_index(self, gang_id: int) -> int:
         """The gang's position in every replica group of this generation."""
         self.gang(gang_id)
-        return self.gang_ids.index(gang_id)
+        return self._member_index[gang_id]
 
     @functools.cached_property
     def replica_groups(self) -> tuple[tuple[ReplicaMember, ...], ...]:

@@ -21,6 +21,7 @@ the cluster's pending demand (one per wanted gang, so an autoscaler grows the jo
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.events import (
@@ -38,6 +39,7 @@ from raytrec.elastic.membership import Gang
 from raytrec.elastic.state import ElasticState
 
 __all__ = [
+    "PAST_TIMEOUT_S",
     "Continue",
     "Decision",
     "Fail",
@@ -49,6 +51,7 @@ __all__ = [
     "apply",
     "decide",
     "find_hung_ranks",
+    "next_hang_check",
     "placement_requests",
     "request_placements",
 ]
@@ -137,6 +140,24 @@ def find_hung_ranks(state: ElasticState, *, now: float, config: ElasticConfig) -
     }
     silent = stalled - state.timed_out
     return tuple(sorted(silent or stalled))
+
+
+#: How far past a rank's step timeout its heartbeat is read again (the rule is "silent for
+#: longer than step_timeout_s").
+PAST_TIMEOUT_S = 0.001
+
+
+def next_hang_check(silent_since: Iterable[float], *, now: float, config: ElasticConfig) -> float:
+    """Seconds until the heartbeats are worth reading again, given when each rank still training
+    was last seen to finish a step: a poll, or less when a rank's silence passes
+    ``step_timeout_s`` before then. A hang is then found ``step_timeout_s`` after the rank's
+    step was last seen to move, not up to a poll later, which keeps it within
+    ``step_timeout_s + poll_s`` of the rank's last finished step."""
+    seen = min(silent_since, default=None)
+    if seen is None:
+        return config.poll_s
+    until = seen + config.step_timeout_s - now
+    return min(config.poll_s, max(until, 0.0) + PAST_TIMEOUT_S)
 
 
 def decide(state: ElasticState, *, now: float, config: ElasticConfig) -> Decision:

@@ -1,0 +1,342 @@
+"""How the coordinator's decisions and CPU time grow with the number of ranks.
+
+Question: at 1,024 and 4,096 ranks (gangs of 4 and of 16), through a storm of failures, heals
+and drains, how long does the real coordinator take from an observation to its decision, how
+much CPU does it spend per interval, and do both grow no faster than the number of ranks? The
+goal: every decision under 50 ms at 4,096 ranks.
+
+The coordinator (:class:`actors.coordinator.Coordinator`, unchanged) drives the in-process fake
+worker group (:mod:`raytrec.elastic.fake`) with its manual clock, so only the control plane
+runs: no Ray, no processes, no training. The storm, in 40 steps of intervals of 2: a rank
+dies, a node dies, a rank hangs, a transient collective failure, a node marked draining, a
+user's drain request, a rank dies and another dies during that recovery; the job asks for a
+gang after each loss and heals it from a peer when it is placed (on the capacity the loss
+freed).
+
+Decision times are wall time, less the fake's own CPU time in between, from the observation to
+the decision value:
+
+- *loss*: the first failed call of the interval -> :func:`raytrec.elastic.policy.decide`;
+- *hang*: the heartbeat read -> :func:`raytrec.elastic.policy.find_hung_ranks` naming the rank
+  (and *heartbeat check*: every poll's read -> its verdict, mostly "none");
+- *heal*: the new gang's builds seen done -> :func:`raytrec.elastic.heal.failed_heals`, which
+  includes the join's sync, new generation and state broadcast;
+- *drain*: the draining nodes read -> :func:`raytrec.elastic.drain.decide_drain` giving gangs.
+
+Per interval: the coordinator's CPU time (``time.process_time``, less the fake's) between two
+history rows. Run::
+
+    .venv/bin/python benchmarks/control_plane_scale.py --write docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import itertools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from _docs import replace_section  # benchmarks/, the script's own folder
+
+import actors.coordinator
+import actors.drain
+import actors.growth
+import actors.recovery
+from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
+from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.drain import request_drain
+from raytrec.elastic.fake import FakeWorkerGroup
+from raytrec.elastic.fake_faults import (
+    AtStep,
+    FakeShard,
+    Fault,
+    NodeDies,
+    NodeDrains,
+    RankDies,
+    RankFails,
+    RankHangs,
+)
+
+HERE = Path(__file__).resolve().parent
+SECTION = "## Control plane at scale, without Ray"
+COMMAND = ".venv/bin/python benchmarks/control_plane_scale.py --write docs/benchmarks.md"
+SHAPES = ((1024, 4), (4096, 4), (1024, 16), (4096, 16))  # (ranks, gang size)
+EVENTS = ("loss", "heartbeat check", "heal", "drain")
+
+
+class TimedGroup(FakeWorkerGroup):
+    """The fake group, noting when the coordinator last observed something (wall time, and the
+    fake's CPU time then)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.failed_at: tuple[float, float, float] | None = None  # the first failed call
+        self.progress_at = (0.0, 0.0, 0.0)
+        self.builds_at = (0.0, 0.0, 0.0)
+        self.draining_at = (0.0, 0.0, 0.0)
+
+    def _now(self) -> tuple[float, float, float]:
+        return time.perf_counter(), time.process_time(), self.cpu_s
+
+    def result(self, future: Any) -> Any:
+        try:
+            return super().result(future)
+        except Exception:
+            if self.failed_at is None:
+                self.failed_at = self._now()
+            raise
+
+    def progress(self, ranks: Any) -> dict[int, int]:
+        out = super().progress(ranks)
+        self.progress_at = self._now()
+        return out
+
+    def wait(self, futures: Any, *, num_returns: int, timeout: float) -> list[Any]:
+        done = super().wait(futures, num_returns=num_returns, timeout=timeout)
+        if timeout == 0 and futures and len(done) == len(futures):
+            self.builds_at = self._now()  # a gang's builds, checked at a boundary
+        return done
+
+    def draining_nodes(self) -> set[str]:
+        out = super().draining_nodes()
+        self.draining_at = self._now()
+        return out
+
+
+@dataclasses.dataclass
+class Run:
+    ranks: int
+    gang_size: int
+    # Event -> decision times in ms: CPU time of this process, and wall time; both less the
+    # fake's CPU time in between.
+    decisions: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    decisions_wall: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    interval_cpu_ms: list[float] = dataclasses.field(default_factory=list)
+    cpu_s: float = 0.0  # the coordinator's, whole run
+    fake_cpu_s: float = 0.0
+    wall_s: float = 0.0
+    steps: int = 0
+    generation: int = 0
+    events: dict[str, int] = dataclasses.field(default_factory=dict)
+    # (CPU time, the fake's CPU time) at each history row: one per interval.
+    rows: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+
+    def note(self, event: str, since: tuple[float, float, float], group: TimedGroup) -> None:
+        wall, cpu, fake = since
+        fake_s = group.cpu_s - fake
+        self.decisions.setdefault(event, []).append(1e3 * (time.process_time() - cpu - fake_s))
+        self.decisions_wall.setdefault(event, []).append(
+            1e3 * (time.perf_counter() - wall - fake_s)
+        )
+
+
+@contextlib.contextmanager
+def timed_decisions(run: Run, group: TimedGroup) -> Iterator[None]:
+    """Wraps the pure decisions where the coordinator's parts call them."""
+
+    def wrap(module: Any, name: str, after: Callable[[Any], None]) -> None:
+        inner = getattr(module, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            value = inner(*args, **kwargs)
+            after(value)
+            return value
+
+        saved.append((module, name, inner))
+        setattr(module, name, timed)
+
+    def on_decide(_value: Any) -> None:
+        if group.failed_at is not None:
+            run.note("loss", group.failed_at, group)
+        group.failed_at = None
+
+    def on_hung(value: Any) -> None:
+        run.note("hang" if value else "heartbeat check", group.progress_at, group)
+
+    def on_drain(value: Any) -> None:
+        if value is not None and value.gangs:
+            run.note("drain", group.draining_at, group)
+
+    saved: list[tuple[Any, str, Any]] = []
+    wrap(actors.recovery, "decide", on_decide)
+    wrap(actors.recovery, "find_hung_ranks", on_hung)
+    wrap(actors.growth, "failed_heals", lambda _v: run.note("heal", group.builds_at, group))
+    wrap(actors.drain, "decide_drain", on_drain)
+    wrap(
+        actors.coordinator,
+        "aggregate_interval",
+        lambda _v: run.rows.append((time.process_time(), group.cpu_s)),
+    )
+    try:
+        yield
+    finally:
+        for module, name, inner in saved:
+            setattr(module, name, inner)
+
+
+def storm(gangs: int, g: int, run_dir: str) -> list[Fault]:
+    """The failures, heals and drains of one run (module doc); gang ``k`` is on node ``k``."""
+    return [
+        RankDies(rank=1 * g + 1, step=5),
+        NodeDies(node=3, step=9),
+        RankHangs(rank=5 * g, step=13),
+        RankFails(rank=7 * g, step=17),
+        NodeDrains(node=9, step=21),
+        AtStep(step=25, action=lambda: request_drain(run_dir, gangs=1)),
+        RankDies(rank=11 * g + 2, step=29),
+        RankDies(rank=13 * g, on="recover"),
+    ]
+
+
+def run_one(ranks: int, g: int) -> Run:
+    gangs = ranks // g
+    run = Run(ranks=ranks, gang_size=g)
+    # The last run's garbage is not this one's cost; what is alive now (the imported modules)
+    # lives as long as the process, and full collections would scan it again and again.
+    gc.collect()
+    gc.freeze()
+    with tempfile.TemporaryDirectory() as run_dir:
+        cfg = TrainConfig(
+            scaling=ScalingConfig(num_workers=ranks, gang_size=g, ranks_per_host=g),
+            data=DataConfig(batch_size=8),
+            sync=SyncConfig(sync_every=4),
+            elastic=ElasticConfig(
+                collective_timeout_s=10, step_timeout_s=30, poll_s=1, max_gangs=gangs
+            ),
+            num_steps=40,
+            log_every=2,
+            storage_path=run_dir,
+        )
+        group = TimedGroup(
+            nodes=gangs + 2, cpus_per_node=g, faults=storm(gangs, g, run_dir), build_s=0.5
+        )
+        coordinator = actors.coordinator.Coordinator(
+            cfg,
+            plan=None,  # type: ignore[arg-type]  # only the ranks read it
+            shards=[FakeShard(i) for i in range(ranks)],
+            num_dense=13,
+            run_dir=run_dir,
+            new_shard=FakeShard,
+            group=group,
+            clock=group.clock,
+        )
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        with timed_decisions(run, group):
+            summary = coordinator.run()
+        run.wall_s = time.perf_counter() - wall0
+        run.fake_cpu_s = group.cpu_s
+        run.cpu_s = time.process_time() - cpu0 - group.cpu_s
+    rows = run.rows
+    run.interval_cpu_ms = [
+        1e3 * ((c1 - c0) - (f1 - f0)) for (c0, f0), (c1, f1) in itertools.pairwise(rows)
+    ]
+    run.steps, run.generation = summary.steps, summary.generation
+    for e in summary.events:
+        run.events[e["kind"]] = run.events.get(e["kind"], 0) + 1
+    assert summary.lost_batches == 0 and summary.steps >= 40
+    return run
+
+
+def ms(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.1f} / {max(values):.1f}"
+
+
+def table(runs: list[Run]) -> str:
+    by = {(r.ranks, r.gang_size): r for r in runs}
+    lines = [
+        "| ranks (gangs x ranks) | "
+        + " | ".join(EVENTS)
+        + " | slowest decision, wall | CPU per interval | run CPU |",
+        "|---|" + "---:|" * (len(EVENTS) + 3),
+    ]
+    for r in runs:
+        cells = [ms(r.decisions.get(e, [])) for e in EVENTS]
+        slowest = max(v for values in r.decisions_wall.values() for v in values)
+        lines.append(
+            f"| {r.ranks:,} ({r.ranks // r.gang_size} x {r.gang_size}) | "
+            + " | ".join(cells)
+            + f" | {slowest:.1f} | {ms(r.interval_cpu_ms)} | {r.cpu_s:.2f} s |"
+        )
+    for g in sorted({r.gang_size for r in runs}):
+        small, big = by.get((1024, g)), by.get((4096, g))
+        if small is None or big is None:
+            continue
+        cells = []
+        for e in EVENTS:
+            a, b = small.decisions.get(e), big.decisions.get(e)
+            cells.append(f"{statistics.median(b) / statistics.median(a):.1f}x" if a and b else "-")
+        ratio = statistics.median(big.interval_cpu_ms) / statistics.median(small.interval_cpu_ms)
+        lines.append(
+            f"| 4,096 / 1,024 (gangs of {g}) | "
+            + " | ".join(cells)
+            + f" | - | {ratio:.1f}x | {big.cpu_s / small.cpu_s:.1f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", type=Path, help="the docs page to put the table in")
+    parser.add_argument("--ranks", type=int, nargs="*", help="only these sizes")
+    a = parser.parse_args(argv)
+    started = time.perf_counter()
+    runs = []
+    for ranks, g in SHAPES:
+        if a.ranks and ranks not in a.ranks:
+            continue
+        run = run_one(ranks, g)
+        runs.append(run)
+        print(
+            f"{ranks} ranks, gangs of {g}: {run.wall_s:.1f} s wall, coordinator CPU "
+            f"{run.cpu_s:.2f} s, fake {run.fake_cpu_s:.2f} s; generation {run.generation}; "
+            f"events {run.events}",
+            flush=True,
+        )
+    text = table(runs)
+    big = [r for r in runs if r.ranks == 4096]
+    if big:
+        cpu = max(v for r in big for values in r.decisions.values() for v in values)
+        wall = max(v for r in big for values in r.decisions_wall.values() for v in values)
+        text += (
+            f"\n\nAt 4,096 ranks the slowest decision took {cpu:.0f} ms of CPU and {wall:.0f} ms "
+            f"of wall time (1-minute load average {os.getloadavg()[0]:.1f} on 2 cores at the end)."
+        )
+    print(text)
+    if a.write:
+        date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+        section = f"""{SECTION}
+
+Measured by `benchmarks/control_plane_scale.py` on {date} (2-core CPU VM, whole run
+{time.perf_counter() - started:.0f} s):
+
+    {COMMAND}
+
+The real coordinator over the in-process fake worker group (no Ray), through a storm of losses,
+a hang, a transient failure, heals and drains in 40 steps. Decision times are the coordinator's
+CPU time in ms, median / max, from the observation to the decision value (the module docstring
+says which); the slowest one is also given in wall time, which on this shared machine includes
+waiting for a core. CPU per interval: the coordinator's own, median / max, recoveries and joins
+included. Goal: every decision under 50 ms at 4,096 ranks, costs growing no faster than the
+number of ranks (4x from 1,024 to 4,096).
+
+{text}
+"""
+        replace_section(a.write, section, heading=SECTION)
+        print(f"wrote {a.write}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

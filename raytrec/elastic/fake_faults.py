@@ -1,0 +1,163 @@
+"""What a test scripts for the fake worker group: its fault schedule, its clock and its shards.
+
+:class:`~raytrec.elastic.fake.FakeWorkerGroup` carries out the schedule: a rank or node that dies
+(:class:`RankDies`, :class:`NodeDies`), hangs (:class:`RankHangs`), fails once
+(:class:`RankFails`) or is slow (:class:`SlowRank`); a node marked draining
+(:class:`NodeDrains`); a heal that goes wrong (:class:`HealCorrupted`); nodes that join later
+(:class:`NodesJoin`); and anything else once a step is done (:class:`AtStep`, e.g. a user's
+drain request). :class:`ManualClock` moves only when the coordinator sleeps or waits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from raytrec.data.source import BatchShard
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from raytrec.data.source import Batch
+
+__all__ = [
+    "AtStep",
+    "FakeShard",
+    "Fault",
+    "HealCorrupted",
+    "ManualClock",
+    "NodeDies",
+    "NodeDrains",
+    "NodesJoin",
+    "RankDies",
+    "RankFails",
+    "RankHangs",
+    "SlowRank",
+]
+
+
+# -- the fault schedule -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankDies:
+    """Job rank ``rank`` dies as it starts job step ``step``, or at its first ``on`` call (a
+    :class:`~actors.rank.RankWorker` method name, e.g. ``"recover"`` or ``"build"``)."""
+
+    rank: int
+    step: int | None = None
+    on: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodeDies:
+    """Fake node ``node`` (its index) leaves the cluster as job step ``step`` starts."""
+
+    node: int
+    step: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankHangs:
+    """Rank ``rank`` (None: every rank) finishes step ``step - 1`` and never another."""
+
+    step: int
+    rank: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankFails:
+    """Rank ``rank`` raises ``after_s`` into step ``step`` (a collective gave up) and stays
+    alive: a transient failure."""
+
+    rank: int
+    step: int
+    after_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SlowRank:
+    """Rank ``rank`` takes ``step_s`` seconds a step (and so does every rank, in lockstep)."""
+
+    rank: int
+    step_s: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodeDrains:
+    """The cluster marks fake node ``node`` for removal once job step ``step`` is done."""
+
+    node: int
+    step: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HealCorrupted:
+    """Rank ``rank``'s state is off by one weight after its first ``broadcast_state``."""
+
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AtStep:
+    """Calls ``action`` once job step ``step`` is done (a user asking for a drain, say)."""
+
+    step: int
+    action: Callable[[], object]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodesJoin:
+    """``count`` nodes join the cluster at clock time ``at``."""
+
+    at: float
+    count: int = 1
+
+
+Fault = RankDies | NodeDies | RankHangs | RankFails | SlowRank | NodeDrains | HealCorrupted | AtStep
+
+
+# -- the clock --------------------------------------------------------------------------------
+
+
+class ManualClock:
+    """A clock that moves only when it is told to: by ``sleep``, or by the fake group while the
+    coordinator waits. ``monotonic`` and ``perf_counter`` read the same time."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+        self._listeners: list[Callable[[], None]] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.advance_to(self.now + max(0.0, seconds))
+
+    def advance_to(self, t: float) -> None:
+        if t > self.now:
+            self.now = t
+            for listener in self._listeners:
+                listener()
+
+    def on_advance(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+
+# -- data -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeShard(BatchShard):
+    """A shard a fake rank reads by batch id only: batch ``k`` is ``batch_id(index, k)``, the
+    ids of the synthetic source, so the coordinator's stream order applies unchanged."""
+
+    index: int
+    replayable = True
+
+    def batches(self, batch_size: int, *, start_step: int = 0) -> Iterator[Batch]:
+        raise NotImplementedError("a fake shard has batch ids, not batches")
