@@ -1,5 +1,7 @@
 """Every row's gradient is in the final model exactly once, embeddings and dense parameters
-alike, through a rank death and through a node loss (``sync.dense="every_step"``, the default).
+alike, through a rank death and through a node loss with dense gradients averaged every step
+(``sync.dense="every_step"``, the default), and through a rank death with dense parameters
+averaged with the schedule (``"with_schedule"``).
 
 The model counts: each row has an id of its own, looked up in a one-feature table whose weights
 start at zero (``t_cat_0``, column 0 of each id's embedding) and in a dense vector ``hits`` with
@@ -151,7 +153,9 @@ def expected_counts(result: Result) -> tuple[np.ndarray, np.ndarray]:
     - the batches committed (each once: ``assert_every_batch_once``), each first trained at step
       ``index + 1`` of its shard when that is before the failure, else after it;
     - the failure: the step ``k`` the new generation began at, the live gangs before and after;
-    - ``dense_through``, the last step whose dense update the survivors kept (k - 1 or k).
+    - ``dense_through``, the last step whose dense update the survivors kept: k - 1 or k with
+      dense gradients averaged every step, the last job-wide sync with dense parameters
+      averaged with the schedule (the dense side then follows the embeddings' rule).
 
     A row's dense gradient counts at the generation of the step that applied it: its first
     training when that step is at most ``dense_through``, else after the failure (a lost gang's
@@ -172,8 +176,11 @@ def expected_counts(result: Result) -> tuple[np.ndarray, np.ndarray]:
     ]
     (settled,) = [e for e in result.events if e["kind"] == "failed_step_settled"]
     k, n_before, n_after = reform["step"], len(before["gang_ids"]), len(reform["gang_ids"])
-    assert settled["step"] == k and settled["dense_through"] in (k - 1, k), settled
     committed_through = SYNC_EVERY * ((k - 1) // SYNC_EVERY)
+    if result.config.sync.dense == "every_step":
+        assert settled["step"] == k and settled["dense_through"] in (k - 1, k), settled
+    else:
+        assert settled["dense_through"] == committed_through and not settled["finished"]
     emb = np.zeros(NUM_IDS)
     dense = np.zeros(NUM_IDS)
     for a, b in result.committed_batches:
@@ -209,12 +216,20 @@ def one_node() -> Iterator[Cluster]:
         yield c
 
 
-def test_a_rank_death_leaves_every_row_in_the_model_once(one_node: Cluster, tmp_path: str) -> None:
-    # Rank 1 exits as it starts step 7: its batches of steps 5 and 6 reached the survivor's
-    # dense parameters through the all-reduce, and its embedding updates since the sync at
-    # step 4 are lost; the survivor's own step 7 lost its dense update with the all-reduce.
+@pytest.mark.parametrize(("dense", "failed_step"), [("every_step", 7), ("with_schedule", 8)])
+def test_a_rank_death_leaves_every_row_in_the_model_once(
+    one_node: Cluster, tmp_path: str, dense: str, failed_step: int
+) -> None:
+    # Rank 1 exits as it starts step 7. Dense gradients averaged every step: its batches of
+    # steps 5 and 6 reached the survivor's dense parameters through the all-reduce, its
+    # embedding updates since the sync at step 4 are lost, and the survivor's own step 7 loses
+    # its dense update with the all-reduce. Dense parameters averaged with the schedule: the
+    # survivor notices at the sync of step 8, and the lost gang's dense changes since step 4
+    # are gone with its embedding updates.
     config = counting_job(
-        tmp_path, faults=FaultConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=7, rank=1),))
+        tmp_path,
+        sync=SyncConfig(sync_every=SYNC_EVERY, dense=dense),  # type: ignore[arg-type]
+        faults=FaultConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=7, rank=1),)),
     )
     result = fit(
         config,
@@ -225,7 +240,7 @@ def test_a_rank_death_leaves_every_row_in_the_model_once(one_node: Cluster, tmp_
 
     assert result.steps == 14 and result.history[-1].gangs == 1
     reforms = [e for e in result.events if e["kind"] == "generation_started" and e["generation"]]
-    assert [e["step"] for e in reforms] == [7], result.events
+    assert [e["step"] for e in reforms] == [failed_step], result.events
     assert_every_row_once(result)
 
 
