@@ -19,6 +19,11 @@ the rank's group at the level that is due (:meth:`RankEngine.sync` with a
 averaged with them instead of every step, so a slow gang holds back only the
 gangs it syncs with.
 
+After a loss, a replayed batch whose dense gradient already reached the dense parameters trains
+with a zero dense gradient (``train_step(batch, dense=False)``), and a step whose dense
+all-reduce failed keeps its gradients until the re-formed job finishes or drops that update
+(:meth:`RankEngine.settle_failed_step`); :mod:`raytrec.elastic.dense` decides which.
+
 This module knows nothing of Ray; the rank actor is a thin shell over it and
 tests drive it with plain processes on gloo.
 """
