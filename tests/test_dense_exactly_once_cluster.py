@@ -59,7 +59,8 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 B = 2  # rows per batch
 MAX_BATCHES = 32  # batches per shard the table has ids for
-NUM_IDS = 2 * MAX_BATCHES * B  # two shards
+SHARDS = 4  # at most 4 ranks
+NUM_IDS = SHARDS * MAX_BATCHES * B
 SYNC_EVERY = 4
 
 
@@ -74,7 +75,7 @@ class CountingSource(SyntheticCriteo):
     like the synthetic stream it extends."""
 
     def make_batch(self, shard: int, step: int, batch_size: int) -> Batch:
-        assert batch_size == B and step < MAX_BATCHES and shard < 2, (shard, step)
+        assert batch_size == B and step < MAX_BATCHES and shard < SHARDS, (shard, step)
         ids = torch.from_numpy(row_ids(shard, step))
         return Batch(
             dense_features=torch.zeros(B, 1),
@@ -175,7 +176,12 @@ def expected_counts(result: Result) -> tuple[np.ndarray, np.ndarray]:
         if e["kind"] == "generation_started" and e["generation"] == reform["generation"] - 1
     ]
     (settled,) = [e for e in result.events if e["kind"] == "failed_step_settled"]
-    k, n_before, n_after = reform["step"], len(before["gang_ids"]), len(reform["gang_ids"])
+    # A rank's batch enters as the mean over the gang's ranks (DDP for dense gradients, and
+    # TorchRec's backward all-to-all divides embedding gradients by the gang size), then the
+    # mean over the gangs.
+    per_gang = result.config.scaling.gang_size
+    k = reform["step"]
+    n_before, n_after = per_gang * len(before["gang_ids"]), per_gang * len(reform["gang_ids"])
     committed_through = SYNC_EVERY * ((k - 1) // SYNC_EVERY)
     if result.config.sync.dense == "every_step":
         assert settled["step"] == k and settled["dense_through"] in (k - 1, k), settled
@@ -241,24 +247,32 @@ def test_a_rank_death_leaves_every_row_in_the_model_once(
     assert result.steps == 14 and result.history[-1].gangs == 1
     reforms = [e for e in result.events if e["kind"] == "generation_started" and e["generation"]]
     assert [e["step"] for e in reforms] == [failed_step], result.events
+    (settled,) = [e for e in result.events if e["kind"] == "failed_step_settled"]
+    # Every step: the lost rank's batches of steps 5 and 6 are replayed embedding-only, and the
+    # survivor finished its step 7. With the schedule: every replay updates both.
+    want = (2, True) if dense == "every_step" else (0, False)
+    assert (settled["embedding_only"], settled["finished"]) == want, settled
     assert_every_row_once(result)
 
 
 @pytest.fixture
 def two_nodes() -> Iterator[Cluster]:
-    with simulated_cluster(2, cpus_per_node=1) as c:  # one gang of one rank per node
+    with simulated_cluster(2, cpus_per_node=2) as c:  # one gang of two ranks per node
         yield c
 
 
 def test_a_node_loss_leaves_every_row_in_the_model_once(two_nodes: Cluster, tmp_path: str) -> None:
+    # Gangs of two ranks: the survivor's ranks replay the lost gang's batches round-robin, so
+    # in one step one rank may train an embedding-only replay beside a full one.
     config = counting_job(
         tmp_path,
+        scaling=ScalingConfig(num_workers=4, gang_size=2),
         # Slow steps, so the removal (done by the driver once it sees step 4) lands mid-run.
         faults=FaultConfig(
             faults=(FaultSpec(kind=FaultKind.SLOW_RANK, step=5, rank=0, stall_s=0.4, steps=6),)
         ),
     )
-    remover = NodeRemover(cluster=two_nodes, at_step=4, job_rank=1)
+    remover = NodeRemover(cluster=two_nodes, at_step=4, job_rank=2)
     result = fit(
         config,
         source=CountingSource(num_dense=1, num_sparse=1),
