@@ -5,12 +5,14 @@ every step:
   the job applies the same dense update (the zero enters the gang's DDP average, so the gang's
   other ranks keep theirs). The updates are linear in the batches that count: from one start,
   the update with rank 0's batch alone plus the update without it is the update with all four.
-- ``settle_failed_step(finish=True)``: a step whose dense all-reduce never ran (gradients kept)
-  is finished over the replica plane, and gives the dense update of an ordinary step.
+- ``settle_failed_step(finish=True)``: a step whose dense all-reduce failed (after leaving
+  garbage in its buffer: a failed collective writes nothing back, so the gradients are kept) is
+  finished over the next generation's replica plane, and gives an ordinary step's update.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +31,7 @@ from raytrec.config import (
 )
 from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.rank import RankEngine, RankSpec
+from raytrec.engine.replica_plane import ReplicaPlaneError
 
 pytestmark = pytest.mark.multiprocess
 
@@ -53,6 +56,19 @@ CONFIG = TrainConfig(
 )
 
 
+class _FailingWork:
+    def wait(self) -> None:
+        raise RuntimeError("a member of the replica group died")
+
+
+class _FailingGroup:
+    """A replica group whose all-reduce fails after leaving garbage in the buffer."""
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> _FailingWork:
+        tensors[0].fill_(float("nan"))  # must never reach the gradients
+        return _FailingWork()
+
+
 def _dense(engine: RankEngine) -> list[np.ndarray]:
     return [p.detach().numpy().copy() for p in engine.dense_params.values()]
 
@@ -74,10 +90,20 @@ def worker(spec: RankSpec) -> dict[str, Any]:
             return [a - b.numpy() for a, b in zip(_dense(engine), dense0, strict=True)]
 
         def failed_then_finished() -> None:
-            # A step whose all-reduce failed: backward ran, the gradients are kept.
-            loss, _ = engine.model(batch)
-            loss.backward()
-            engine._holding_failed_step = True
+            # The replica plane fails inside the step, as when a member dies: the embedding
+            # update happened, the dense update did not, and its gradients are kept.
+            assert engine.replica is not None
+            engine.replica = dataclasses.replace(engine.replica, pg=_FailingGroup())
+            try:
+                engine.train_step(batch)
+            except ReplicaPlaneError:
+                pass
+            else:
+                raise AssertionError("the step's all-reduce should have failed")
+            assert engine.abandon_failed_step()
+            assert engine.abandon_failed_step()  # asked again: still held
+            # The job re-forms (a new generation of the same gangs) and finishes the step.
+            engine.join_replica_plane(generation=1, member_rank=spec.gang, size=G)
             engine.settle_failed_step(finish=True)
 
         tables_before = [w.detach().clone() for w in engine.embedding_weights()]
