@@ -99,6 +99,9 @@ class RankWorker:
         self._heartbeat: threading.Thread | None = None
         self._closed = threading.Event()
         self._heal_corrupted = False
+        # Queued replay batches that update their embedding rows only: their dense gradient is
+        # already in the model (the coordinator's accounting says which).
+        self._embedding_only: set[int] = set()
 
     def build(self) -> RankInfo:
         """Joins the gang world and shards the model; returns where this rank runs."""
@@ -122,6 +125,7 @@ class RankWorker:
         (what it had read ahead is dropped)."""
         if self._feed is not None:
             self._feed.close()
+        self._embedding_only = set()
         data = self.spec.config.data
         self._feed = BatchFeed(
             self.shard.identified_batches(data.batch_size, start_step=start_step),
@@ -148,8 +152,11 @@ class RankWorker:
             with torch.no_grad():
                 self.engine.embedding_weights()[0].view(-1)[0] += 1.0
 
-    def broadcast_dense(self, src: int) -> None:
-        self.engine.broadcast_dense(src=src)
+    def broadcast_dense(self, src: int, gang_src: int = 0) -> None:
+        self.engine.broadcast_dense(src=src, gang_src=gang_src)
+
+    def settle_failed_step(self, finish: bool) -> None:
+        self.engine.settle_failed_step(finish=finish)
 
     def set_step(self, step: int) -> None:
         """A rank that joins a running job takes the job's step count (after healing)."""
@@ -178,21 +185,25 @@ class RankWorker:
                 "steps; lower num_steps or raise the source's epochs"
             ) from None
 
-    def set_shard(self, shard: BatchShard, replay: list[int]) -> None:
+    def set_shard(
+        self, shard: BatchShard, replay: list[int], embedding_only: list[int] | None = None
+    ) -> None:
         """Reads the batches ``replay`` and then ``shard`` from its first batch on (the rows
         left, shared again after the job's ranks changed); batches read ahead before are
-        dropped untrained."""
+        dropped untrained. ``embedding_only``: as for :meth:`replay`."""
         self.shard = shard
         self._open_feed()
         if replay:
-            self.replay(replay)
+            self.replay(replay, embedding_only)
 
-    def replay(self, batch_ids: list[int]) -> int:
+    def replay(self, batch_ids: list[int], embedding_only: list[int] | None = None) -> int:
         """Queues the batches ``batch_ids`` (a lost gang's uncommitted ones) ahead of this
-        rank's own stream; returns how many are queued."""
+        rank's own stream; returns how many are queued. Those also in ``embedding_only`` update
+        their embedding rows only (their dense gradient is already in the dense parameters)."""
         assert self._feed is not None, "build() first"
         size = self.spec.config.data.batch_size
         self._feed.push_front([(i, self.shard.replay(i, size)) for i in batch_ids])
+        self._embedding_only.update(embedding_only or ())
         return len(batch_ids)
 
     def train(
@@ -250,7 +261,10 @@ class RankWorker:
             with self._lock:
                 self._trained.append((engine.step + 1, batch_id))
             rows += int(batch.labels.shape[0])
-            loss = engine.train_step(batch)
+            dense = batch_id is None or batch_id not in self._embedding_only
+            if batch_id is not None:
+                self._embedding_only.discard(batch_id)
+            loss = engine.train_step(batch, dense=dense)
             with self._lock:
                 self._losses.append(loss)
             assert engine.last_output is not None
@@ -312,8 +326,9 @@ class RankWorker:
         self.engine.abort_replica_planes()
 
     def recover(self) -> RankReport:
-        """After a failed ``train``: settles the step that failed and returns the batches
-        trained since the last report, and the step count."""
+        """After a failed ``train``: returns the batches trained since the last report, the
+        step count, and whether this rank holds the failed step's dense update, not applied
+        (the coordinator settles it once the job has re-formed: :meth:`settle_failed_step`)."""
         abandoned = self.engine.abandon_failed_step()
         trained, losses = self._take_log()
         return RankReport(

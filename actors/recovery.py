@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from actors.rank import RankWorker
 from raytrec.elastic.control import retry_transient, survivors_apart
-from raytrec.elastic.events import GangDropped, HangDetected, RankDied
+from raytrec.elastic.dense import settle_failed_step
+from raytrec.elastic.events import FailedStepSettled, GangDropped, HangDetected, RankDied
 from raytrec.elastic.policy import (
     Reform,
     Unrecoverable,
@@ -395,7 +396,18 @@ class FailureRecovery:
         # Syncs before the failed step completed on every gang; the one at it did not.
         self.job._account(reports, completed_through=fail_step - 1)
         result.booked = True
-        replay = self.drop(failed_gangs, survivors)
+        # Whose dense state the job goes on from, and which of the lost gangs' batches have
+        # their dense gradient in it already (those are replayed for their embedding rows only).
+        settled = settle_failed_step(
+            recovered,
+            every_step=self.job.cfg.sync.dense == "every_step",
+            committed_through=self.job.membership.last_sync_step,
+        )
+        source_gang = self.job._gang_of(settled.source)
+        source_slot = next(
+            s for s in self.job.membership.gang(source_gang).ranks if s.job_rank == settled.source
+        )
+        replay = self.drop(failed_gangs, survivors, dense_through=settled.dense_through)
         for gid in failed_gangs:
             self.job.events.append(
                 GangDropped(
@@ -416,14 +428,33 @@ class FailureRecovery:
             reason = "collectives timed out with every rank alive"
         self.job._new_generation(reason=reason)
         # The re-formed job's first sync: every replica (and dense state) identical again, and
-        # the survivors' batches so far are in the model: committed.
-        self.job._call(self.job._live_ranks(), RankWorker.set_step, fail_step)
-        self.job._call(self.job._live_ranks(), RankWorker.sync)
-        self.job._call(self.job._live_ranks(), RankWorker.broadcast_dense, 0)
+        # the survivors' batches so far are in the model: committed. The failed step's dense
+        # update is then finished among the survivors, or dropped where the state taken has it.
+        live = self.job._live_ranks()
+        self.job._call(live, RankWorker.set_step, fail_step)
+        self.job._call(live, RankWorker.sync)
+        src = self.job.membership.member_index(source_gang)
+        self.job._call(live, RankWorker.broadcast_dense, src, source_slot.gang_rank)
+        self.job._call(live, RankWorker.settle_failed_step, settled.finish)
         self.job._commit_all()
+        acc = self.job.accounting
+        self.job.events.append(
+            FailedStepSettled(
+                at=self.job._now(),
+                step=fail_step,
+                dense_through=settled.dense_through,
+                dense_from=settled.source,
+                finished=settled.finish,
+                embedding_only=len(acc.embedding_only(i for ids in replay.values() for i in ids)),
+            )
+        )
         # Re-sharing (after the replays are booked) hands each rank its replays too.
         if replay and not self.job.streams.reshare(self.job._ranks_in_gang_order()):
-            self.job._call_by_rank(sorted(replay), RankWorker.replay, lambda r: (replay[r],))
+            self.job._call_by_rank(
+                sorted(replay),
+                RankWorker.replay,
+                lambda r: (replay[r], acc.embedding_only(replay[r])),
+            )
         self.job.growth.request()
 
     def _recover_ranks(self, ranks: list[int], result: IntervalOutcome) -> list[RankReport]:
@@ -445,10 +476,16 @@ class FailureRecovery:
             raise error
         return recovered
 
-    def drop(self, gangs: list[int], survivors: list[int]) -> dict[int, list[int]]:
-        """The dropped gangs' uncommitted batches, split over the survivors' ranks."""
+    def drop(
+        self, gangs: list[int], survivors: list[int], *, dense_through: int | None = None
+    ) -> dict[int, list[int]]:
+        """The dropped gangs' uncommitted batches, split over the survivors' ranks; those trained
+        at or before ``dense_through`` are replayed for their embedding rows only."""
         return self.job.accounting.drop(
-            gangs, survivors, ranks_of=lambda g: self.job.membership.gang(g).job_ranks
+            gangs,
+            survivors,
+            ranks_of=lambda g: self.job.membership.gang(g).job_ranks,
+            dense_through=dense_through,
         )
 
 

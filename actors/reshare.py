@@ -154,8 +154,11 @@ class DataStreams:
                 streams.switch(r, shard=sid)
                 streams.retire({old: table.length(old)})
         new_stream = dict(zip(ranks, ids, strict=True))
+        acc = self.job.accounting
         self.job._call_by_rank(
-            list(ranks), RankWorker.set_shard, lambda r: (table.shard(new_stream[r]), replays[r])
+            list(ranks),
+            RankWorker.set_shard,
+            lambda r: (table.shard(new_stream[r]), replays[r], acc.embedding_only(replays[r])),
         )
         # Equal for every rank, unless the rows left cannot even out the replays queued (a loss
         # at the very end of the data): the job then ends with the shortest rank, and the
@@ -214,8 +217,13 @@ class DataStreams:
     def queue_replays(self, starts: Mapping[int, StreamStart]) -> None:
         """Hands each rank the unread replay batches of the stream it continues."""
         replay = {r: list(s.replay) for r, s in starts.items() if s.replay}
+        acc = self.job.accounting
         if replay:
-            self.job._call_by_rank(sorted(replay), RankWorker.replay, lambda r: (replay[r],))
+            self.job._call_by_rank(
+                sorted(replay),
+                RankWorker.replay,
+                lambda r: (replay[r], acc.embedding_only(replay[r])),
+            )
 
     def shard_of(self, index: int) -> BatchShard:
         """The data shard with this index: one of the job's initial shards, or a new one."""

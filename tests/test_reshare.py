@@ -53,7 +53,8 @@ class Job:
     def _call_by_rank(self, ranks: list[int], method: Any, args_of: Any) -> list[Any]:
         assert method is RankWorker.set_shard
         for r in ranks:
-            shard, replay = args_of(r)
+            shard, replay, embedding_only = args_of(r)
+            assert embedding_only == []  # nothing here reached the dense parameters before
             self._read(r, shard, replay)
         return [None] * len(ranks)
 

@@ -7,6 +7,8 @@
 - :mod:`~raytrec.elastic.policy`: :func:`decide` and :func:`apply`, decisions as values.
 - :mod:`~raytrec.elastic.events`: the append-only event log returned with a run.
 - :mod:`~raytrec.elastic.rows` and :mod:`~raytrec.elastic.ledger`: exactly-once row accounting.
+- :mod:`~raytrec.elastic.dense`: where a failure leaves the dense parameters, and which replays
+  update embedding rows only.
 - :mod:`~raytrec.elastic.rollback`: a total loss (some shard without a live copy): rebuild from
   a checkpoint or fail, and where each rebuilt rank reads.
 - :mod:`~raytrec.elastic.sim`: a simulated job that drives all of the above with a frozen clock.

@@ -7,6 +7,12 @@ ranks took after their last report, known from their stream order: :mod:`~.strea
 survivors for replay, spread over the survivors' ranks. Built on :class:`~.ledger.DataLedger`
 (batch ids as row ids, all in "epoch" 0) and :class:`~.streams.RankStreams`.
 
+Dense gradients are tracked beside: a lost gang's batch whose dense gradient already reached the
+survivors' dense parameters (it was trained at or before the step
+:func:`~raytrec.elastic.dense.settle_failed_step` names) is replayed *embedding-only*
+(:meth:`BatchAccounting.embedding_only`): the rank that replays it gives it a zero dense
+gradient, so each batch's dense gradient is in the model once, like its embedding update.
+
 A source that cannot name and rebuild its batches (``replayable=False``) is tracked by count
 only: a lost gang's uncommitted batches are then counted in :attr:`lost_batches`.
 
@@ -45,6 +51,9 @@ class BatchAccounting:
         self.streams = RankStreams(stream_id) if stream_id is not None else None
         self.reported_step: dict[int, int] = {}  # job rank -> step of its last report
         self.lost_batches = 0
+        self._trained_at: dict[int, int] = {}  # uncommitted batch id -> step it was trained at
+        # Uncommitted batch ids whose dense gradient is already in the dense parameters.
+        self._dense_applied: set[int] = set()
 
     # -- membership --------------------------------------------------------------------------
 
@@ -96,6 +105,8 @@ class BatchAccounting:
             **self.ledger.snapshot(),
             "lost_batches": self.lost_batches,
             "streams": streams,
+            # At a sync boundary nothing is pending: these are unread replays.
+            "dense_applied": sorted(self._dense_applied),
         }
 
     @classmethod
@@ -112,6 +123,7 @@ class BatchAccounting:
         acc = cls((), stream_id=stream_id)
         acc.ledger.rewind(snapshot, gang_ids)
         acc.lost_batches = int(snapshot["lost_batches"])
+        acc._dense_applied = {int(i) for i in snapshot.get("dense_applied", ())}
         streams = snapshot["streams"]
         if acc.streams is not None and streams is not None:
             stopped = {int(s): int(at) for s, at, _ in streams["live"]}
@@ -151,13 +163,14 @@ class BatchAccounting:
             for step, batch in rep.trained:
                 if batch is None:
                     continue
+                self._trained_at[batch] = step
                 bucket = before if last_sync is not None and step <= last_sync else after
                 bucket.setdefault(gang, []).append(batch)
             self.reported_step[rank] = rep.step
         for gang, ids in before.items():
             self.ledger.consume(gang, 0, RowRanges.from_ids(ids))
         if last_sync is not None:
-            self.ledger.commit(live_gangs)
+            self.commit(live_gangs)
         for gang, ids in after.items():
             self.ledger.consume(gang, 0, RowRanges.from_ids(ids))
         return last_sync
@@ -184,6 +197,11 @@ class BatchAccounting:
 
     def commit(self, live_gangs: Iterable[int]) -> None:
         """A job-wide sync just completed: everything trained so far is in every replica."""
+        live_gangs = list(live_gangs)
+        for g in live_gangs:
+            for batch in self.ledger.pending(g).get(0, RowRanges()):
+                self._trained_at.pop(batch, None)
+                self._dense_applied.discard(batch)
         self.ledger.commit(live_gangs)
 
     def drop(
@@ -192,8 +210,19 @@ class BatchAccounting:
         survivors: Sequence[int],
         *,
         ranks_of: Callable[[int], Sequence[int]],
+        dense_through: int | None = None,
     ) -> dict[int, list[int]]:
-        """Drops gangs; returns survivor rank -> batch ids to replay (queued in its stream)."""
+        """Drops gangs; returns survivor rank -> batch ids to replay (queued in its stream).
+
+        ``dense_through``: the last step whose dense update the survivors' dense parameters
+        hold (:func:`~raytrec.elastic.dense.settle_failed_step`); the dropped gangs' batches
+        trained at or before it are replayed embedding-only. None: no step's (a drain, after a
+        job-wide sync, leaves nothing to replay)."""
+        for g in gangs:
+            for batch in self.ledger.pending(g).get(0, RowRanges()):
+                at = self._trained_at.get(batch)
+                if dense_through is not None and at is not None and at <= dense_through:
+                    self._dense_applied.add(batch)
         plan = self.ledger.drop(gangs, survivors)
         if self.streams is None:
             return {}
@@ -206,6 +235,11 @@ class BatchAccounting:
         for rank, ids in assignments.items():
             self.streams.queue_replay(rank, ids)
         return assignments
+
+    def embedding_only(self, batch_ids: Iterable[int]) -> list[int]:
+        """Those of ``batch_ids`` (replays) that update their embedding rows only: their dense
+        gradient is already in the dense parameters."""
+        return [i for i in batch_ids if i in self._dense_applied]
 
     # -- results -----------------------------------------------------------------------------
 

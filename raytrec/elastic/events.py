@@ -19,6 +19,7 @@ __all__ = [
     "DrainRejected",
     "Event",
     "EventLog",
+    "FailedStepSettled",
     "GangDrained",
     "GangDropped",
     "GangHealed",
@@ -88,6 +89,19 @@ class GangDropped(Event):
     kind: ClassVar[str] = "gang_dropped"
     gang_id: int
     reason: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FailedStepSettled(Event):
+    """After a re-forming: the dense state the job went on from (``step`` is the failed one)."""
+
+    kind: ClassVar[str] = "failed_step_settled"
+    #: The last step whose dense update that state holds; the lost gangs' batches trained at or
+    #: before it are replayed for their embedding rows only.
+    dense_through: int
+    dense_from: int  # the job rank whose dense state every rank took
+    finished: bool  # the survivors applied the failed step's dense update among themselves
+    embedding_only: int  # replay batches handed out that update embedding rows only
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -10,9 +10,10 @@ possible, deterministic). A survivor reads its replay share before fresh rows.
 
 :meth:`DataLedger.check_exactly_once` proves, per epoch, that every id was committed exactly
 once, returning the missing and the duplicated ids. Rows that went through replay are listed by
-:meth:`DataLedger.replayed`: when the dense parameters are averaged across gangs every step
-(rather than on the sync schedule), the lost gang had already put these rows' dense gradients
-into every survivor, so their dense contribution is counted twice (docs/fault_tolerance.md).
+:meth:`DataLedger.replayed`. When the dense parameters are averaged across gangs every step
+(rather than on the sync schedule), the lost gang had already put most of these rows' dense
+gradients into every survivor: those are replayed for their embedding rows only
+(:mod:`~raytrec.elastic.dense`, :meth:`~raytrec.elastic.accounting.BatchAccounting.drop`).
 
 Pending rows are kept as an unmerged list, so a row consumed twice by one gang shows up as a
 duplicate at commit rather than being silently merged away.

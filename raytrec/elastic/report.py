@@ -49,7 +49,8 @@ class RankReport:
     #: Made up by the coordinator for a rank that died: its batches follow from its stream order.
     lost: bool = False
     #: ``recover`` after a failed step: the step's embedding update happened, its dense update
-    #: was dropped.
+    #: did not; the rank holds that step's dense gradients until the coordinator settles it
+    #: (:func:`raytrec.elastic.dense.settle_failed_step`).
     abandoned_dense_update: bool = False
 
 

@@ -19,6 +19,11 @@ the rank's group at the level that is due (:meth:`RankEngine.sync` with a
 averaged with them instead of every step, so a slow gang holds back only the
 gangs it syncs with.
 
+After a loss, a replayed batch whose dense gradient already reached the dense parameters trains
+with a zero dense gradient (``train_step(batch, dense=False)``), and a step whose dense
+all-reduce failed keeps its gradients until the re-formed job finishes or drops that update
+(:meth:`RankEngine.settle_failed_step`); :mod:`raytrec.elastic.dense` decides which.
+
 This module knows nothing of Ray; the rank actor is a thin shell over it and
 tests drive it with plain processes on gloo.
 """
@@ -112,6 +117,10 @@ class RankEngine:
         # (logits, labels) of the last step, detached, for the rank's metrics.
         self.last_output: tuple[torch.Tensor, torch.Tensor] | None = None
         self._step_in_flight = False
+        self._holding_failed_step = False  # dense gradients of a failed step kept, not applied
+        # False while a batch trains whose dense gradient is already in the model (a replay):
+        # the hooks below make its dense gradient zero before the gang's DDP averages it.
+        self._dense_grad_on = True
 
     # -- construction -------------------------------------------------------
 
@@ -156,6 +165,14 @@ class RankEngine:
             self.dense_params, lambda ps: dense_cls(ps, **dense_kwargs)
         )
         self._tbes = _fused_tables(self.model)
+        for p in self.dense_params.values():
+            p.register_hook(self._mask_dense_grad)
+
+    def _mask_dense_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
+        # A tensor hook runs before the gradient is accumulated, so DDP (whose hooks run after
+        # accumulation) averages a zero for this rank's batch: every rank of the gang still
+        # applies the same dense update, and the other ranks' batches keep their weight.
+        return None if self._dense_grad_on else torch.zeros_like(grad)
 
     def join_replica_plane(self, *, generation: int, member_rank: int, size: int) -> None:
         """(Re)builds this rank's replica group for ``generation``.
@@ -220,11 +237,20 @@ class RankEngine:
 
     # -- training -------------------------------------------------------------
 
-    def train_step(self, batch: Batch) -> float:
-        """One forward/backward/update on this rank's local batch; returns the loss."""
+    def train_step(self, batch: Batch, *, dense: bool = True) -> float:
+        """One forward/backward/update on this rank's local batch; returns the loss.
+
+        ``dense=False``: the batch updates its embedding rows only; its dense gradient is zero
+        (a replayed batch whose dense gradient already reached the dense parameters). The step
+        still takes part in every collective, so it is a step like any other for the job.
+        """
         batch = batch.to(self.device)
         loss, (_, logits, labels) = self.model(batch)
-        loss.backward()
+        self._dense_grad_on = dense
+        try:
+            loss.backward()
+        finally:
+            self._dense_grad_on = True
         self.last_output = (logits.detach(), labels.detach())
         # FBGEMM updated the embeddings inside backward: from here on the step has happened,
         # whatever becomes of the dense update (see abandon_failed_step).
@@ -262,17 +288,40 @@ class RankEngine:
         """Cleans up after a replica-plane failure inside :meth:`train_step`.
 
         The embedding update of that step already happened (fused into backward) and cannot
-        be undone, so the step counts; its dense update is skipped (the gradients are
-        dropped). Every surviving rank fails in the same collective, so all of them skip the
-        same dense update, and the re-formed job's first sync makes dense state identical
-        again. Returns whether a step was in flight.
+        be undone, so the step counts. Its dense update did not happen: the all-reduce failed,
+        and a failed collective writes nothing back, so the dense gradients are still this
+        gang's own (DDP's average over the gang). They are kept until the coordinator, once
+        the job has re-formed, says whether to finish that update among the survivors or drop
+        it (:meth:`settle_failed_step`). Returns whether this rank holds such a step (also when
+        it is asked again, after a further loss interrupted the re-forming).
         """
-        in_flight = self._step_in_flight
-        self.dense_optimizer.zero_grad(set_to_none=False)
-        if in_flight:
+        if self._step_in_flight:
             self.step += 1
             self._step_in_flight = False
-        return in_flight
+            self._holding_failed_step = True
+        elif not self._holding_failed_step:
+            self.dense_optimizer.zero_grad(set_to_none=False)
+        return self._holding_failed_step
+
+    def settle_failed_step(self, *, finish: bool) -> None:
+        """After re-forming: applies the failed step's dense update among this generation's
+        gangs (``finish``), or drops it.
+
+        Finishing averages the dense gradients each rank kept (:meth:`abandon_failed_step`;
+        zero on a rank that had not reached the step) over the new replica plane and steps the
+        dense optimizer, so the survivors' batches of that step reach the dense parameters
+        once, averaged over the live gangs like any step's. Collective: every live rank calls
+        it with the same ``finish``, after the dense state was made identical
+        (:meth:`broadcast_dense`).
+        """
+        if finish:
+            for p in self.dense_params.values():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self._average_dense_grads()
+            self.dense_optimizer.step()
+        self.dense_optimizer.zero_grad(set_to_none=False)
+        self._holding_failed_step = False
 
     def abort_replica_planes(self) -> None:
         """Aborts this rank's replica-plane groups (all levels), failing pending collectives."""
@@ -371,8 +420,9 @@ class RankEngine:
                 self._job_wide_plan = plan
         return plan.decide(step)
 
-    def broadcast_dense(self, *, src: int) -> None:
-        """Copies member ``src``'s dense parameters and dense optimizer state to the group.
+    def broadcast_dense(self, *, src: int, gang_src: int = 0) -> None:
+        """Copies the dense parameters and dense optimizer state of gang rank ``gang_src`` of
+        member ``src``'s gang to every rank.
 
         After a failure the survivors may disagree on the step that failed (some finished its
         dense all-reduce before the failure reached them, some did not); one survivor's dense
@@ -380,9 +430,10 @@ class RankEngine:
         assert self.replica is not None, "join_replica_plane() first"
         tensors = self.dense_state()
         # Ranks of one gang can disagree too (each sits in another replica group, and one
-        # group's collective may have finished where another's failed): first gang rank 0's
-        # copy within the gang, then member ``src``'s across gangs.
-        in_place_flat(tensors, lambda flat: dist.broadcast(flat, src=0))
+        # group's collective may have finished where another's failed): first gang rank
+        # ``gang_src``'s copy within the gang, then member ``src``'s across gangs.
+        if self.spec.gang_size > 1:
+            in_place_flat(tensors, lambda flat: dist.broadcast(flat, src=gang_src))
         self.replica.broadcast_(tensors, src=src)
 
     def broadcast_state(self, *, src: int) -> None:

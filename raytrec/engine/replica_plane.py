@@ -42,13 +42,20 @@ def in_place_flat(
     tensors: Sequence[torch.Tensor], collective: Callable[[torch.Tensor], None]
 ) -> None:
     """Runs ``collective`` on one flat buffer per dtype and writes the result back in place, so a
-    sync costs one collective per dtype whatever the number of tables."""
+    sync costs one collective per dtype whatever the number of tables.
+
+    Nothing is written back unless every collective succeeded: a failed one leaves all the
+    tensors as they were (a failed step's dense gradients stay this rank's own, to be finished
+    after re-forming: :meth:`raytrec.engine.rank.RankEngine.settle_failed_step`)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
+    flats = []
     for group in by_dtype.values():
         flat = _flatten_dense_tensors(group)
         collective(flat)
+        flats.append((group, flat))
+    for group, flat in flats:
         for dst, value in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
             dst.copy_(value)
 

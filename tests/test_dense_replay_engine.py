@@ -1,0 +1,147 @@
+"""The engine's two dense-gradient tools on gloo, 2 gangs of 2 ranks, dense gradients averaged
+every step:
+
+- ``train_step(batch, dense=False)``: the batch's dense gradient is zero, and still every rank of
+  the job applies the same dense update (the zero enters the gang's DDP average, so the gang's
+  other ranks keep theirs). The updates are linear in the batches that count: from one start,
+  the update with rank 0's batch alone plus the update without it is the update with all four.
+- ``settle_failed_step(finish=True)``: a step whose dense all-reduce failed (after leaving
+  garbage in its buffer: a failed collective writes nothing back, so the gradients are kept) is
+  finished over the next generation's replica plane, and gives an ordinary step's update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from gloo_job import engine_for, make_plan_for, run_gang_job
+
+from raytrec.config import (
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ScalingConfig,
+    TableConfig,
+    TrainConfig,
+)
+from raytrec.data.synthetic import SyntheticCriteo
+from raytrec.engine.rank import RankEngine, RankSpec
+from raytrec.engine.replica_plane import ReplicaPlaneError
+
+pytestmark = pytest.mark.multiprocess
+
+G, L = 2, 2
+BATCH = 8
+SOURCE = SyntheticCriteo(num_dense=4, num_sparse=2, num_embeddings=(16, 24), seed=5)
+CONFIG = TrainConfig(
+    model=ModelConfig(
+        tables=tuple(
+            TableConfig(name=f"t{i}", num_embeddings=n, embedding_dim=8, features=(f,))
+            for i, (n, f) in enumerate(
+                zip(SOURCE.embedding_sizes, SOURCE.sparse_features, strict=True)
+            )
+        ),
+        dense_arch_layers=(8, 8),
+        over_arch_layers=(4, 1),
+    ),
+    optimizer=OptimizerConfig(embedding="sgd", embedding_lr=0.1, dense="sgd", dense_lr=0.1),
+    scaling=ScalingConfig(num_workers=G * L, gang_size=L),
+    data=DataConfig(batch_size=BATCH),
+    seed=3,
+)
+
+
+class _FailingWork:
+    def wait(self) -> None:
+        raise RuntimeError("a member of the replica group died")
+
+
+class _FailingGroup:
+    """A replica group whose all-reduce fails after leaving garbage in the buffer."""
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> _FailingWork:
+        tensors[0].fill_(float("nan"))  # must never reach the gradients
+        return _FailingWork()
+
+
+def _dense(engine: RankEngine) -> list[np.ndarray]:
+    return [p.detach().numpy().copy() for p in engine.dense_params.values()]
+
+
+def worker(spec: RankSpec) -> dict[str, Any]:
+    with engine_for(spec) as engine:
+        engine.broadcast_state(src=0)
+        batch = next(SOURCE.split(G * L)[spec.rank].batches(BATCH))
+        dense0 = [p.detach().clone() for p in engine.dense_params.values()]
+        tables0 = [w.detach().clone() for w in engine.embedding_weights()]
+
+        def from_start(step: Callable[[], None]) -> list[np.ndarray]:
+            with torch.no_grad():
+                for p, v in zip(engine.dense_params.values(), dense0, strict=True):
+                    p.copy_(v)
+                for w, v in zip(engine.embedding_weights(), tables0, strict=True):
+                    w.copy_(v)
+            step()
+            return [a - b.numpy() for a, b in zip(_dense(engine), dense0, strict=True)]
+
+        def failed_then_finished() -> None:
+            # The replica plane fails inside the step, as when a member dies: the embedding
+            # update happened, the dense update did not, and its gradients are kept.
+            assert engine.replica is not None
+            engine.replica = dataclasses.replace(engine.replica, pg=_FailingGroup())
+            try:
+                engine.train_step(batch)
+            except ReplicaPlaneError:
+                pass
+            else:
+                raise AssertionError("the step's all-reduce should have failed")
+            assert engine.abandon_failed_step()
+            assert engine.abandon_failed_step()  # asked again: still held
+            # The job re-forms (a new generation of the same gangs) and finishes the step.
+            engine.join_replica_plane(generation=1, member_rank=spec.gang, size=G)
+            engine.settle_failed_step(finish=True)
+
+        tables_before = [w.detach().clone() for w in engine.embedding_weights()]
+        out = {
+            "all": from_start(lambda: engine.train_step(batch)),
+            "none": from_start(lambda: engine.train_step(batch, dense=False)),
+            "without0": from_start(lambda: engine.train_step(batch, dense=spec.rank != 0)),
+            "only0": from_start(lambda: engine.train_step(batch, dense=spec.rank == 0)),
+            "finished": from_start(failed_then_finished),
+        }
+        # dense=False still trains the embedding rows.
+        engine.train_step(batch, dense=False)
+        out["tables_moved"] = any(
+            not torch.equal(a, b)
+            for a, b in zip(engine.embedding_weights(), tables_before, strict=True)
+        )
+        return out
+
+
+def test_a_zero_dense_gradient_keeps_every_rank_alike_and_the_others_weight() -> None:
+    results = run_gang_job(
+        worker,
+        num_gangs=G,
+        gang_size=L,
+        config=CONFIG,
+        plan=make_plan_for(CONFIG, SOURCE.num_dense),
+        num_dense=SOURCE.num_dense,
+    )
+    ranks = sorted(results)
+    for key in ("all", "none", "without0", "only0", "finished"):
+        first = results[ranks[0]][key]
+        for r in ranks[1:]:  # every rank applied the same dense update
+            assert all(np.array_equal(a, b) for a, b in zip(first, results[r][key], strict=True))
+    r0 = results[ranks[0]]
+    assert all(not np.any(d) for d in r0["none"])
+    assert any(np.any(d) for d in r0["only0"]) and any(np.any(d) for d in r0["without0"])
+    for a, w, o in zip(r0["all"], r0["without0"], r0["only0"], strict=True):
+        np.testing.assert_allclose(w + o, a, atol=1e-6)
+    for a, f in zip(r0["all"], r0["finished"], strict=True):
+        np.testing.assert_allclose(f, a, atol=1e-6)
+    assert all(res["tables_moved"] for res in results.values())
