@@ -15,13 +15,14 @@ validation): on the first pass over the data they are out-of-sample.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torchrec.metrics.auc import compute_auc
-from torchrec.metrics.ne import compute_ne, get_ne_states
+from torchrec.metrics.ne import compute_logloss, compute_ne, get_ne_states
 
 __all__ = ["InterpretedMetrics", "RankMetrics", "merge_metric_states"]
 
@@ -35,6 +36,8 @@ class InterpretedMetrics:
     auc: float | None  # None when the rows held only one class
     ne: float | None
     rows: int
+    # Mean binary cross-entropy in nats, as the training loss (TorchRec's logloss is in bits).
+    log_loss: float | None = None
 
 
 class RankMetrics:
@@ -109,4 +112,6 @@ def merge_metric_states(states: Sequence[dict[str, Any]]) -> InterpretedMetrics:
         if has_both_in_window
         else None
     )
-    return InterpretedMetrics(auc=auc, ne=ne, rows=int(sum(s["rows"] for s in states)))
+    log_loss = float(compute_logloss(ce, pos, neg, _ETA)[0]) * math.log(2) if n.item() else None
+    rows = int(sum(s["rows"] for s in states))
+    return InterpretedMetrics(auc=auc, ne=ne, rows=rows, log_loss=log_loss)
