@@ -21,11 +21,13 @@ from torchrec.models.dlrm import DLRM_DCN, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+from jobs.export import main as export_main
 from raytrec._quiet import quiet_known_warnings
 from raytrec.checkpoint.errors import CheckpointError
 from raytrec.checkpoint.layout import CheckpointStore, data_files
 from raytrec.checkpoint.manifest import Manifest, signature_for
 from raytrec.config import DataConfig, ModelConfig, TrainConfig, criteo_tables
+from raytrec.config_file import dump as yaml_text
 from raytrec.data.from_config import parquet_spec
 from raytrec.data.generate import auc, write_synthetic_parquet
 from raytrec.data.spec import BucketizedFeature, FeatureSpec, SparseFeature
@@ -338,3 +340,28 @@ def test_evaluate_equals_closed_form_metrics(saved: dict[str, object], data: Pat
     # Straight from the checkpoint (exported to a temporary directory first): the same numbers.
     again = evaluate(str(saved["checkpoint"]), str(data), config=CONFIG)
     assert again.step == 40 and again.auc == pytest.approx(metrics.auc, abs=1e-12)
+
+
+def test_export_command(
+    saved: dict[str, object], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = saved["root"]
+    assert isinstance(root, Path)
+    assert export_main([str(root / "final_model"), str(tmp_path / "a"), "--no-program"]) == 0
+    assert (
+        f"exported final_model {root / 'final_model'} to {tmp_path / 'a'}"
+        in capsys.readouterr().out
+    )
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["model.json", "model.pt"]
+    # A checkpoint without its spec: refused, then exported with the job's config.
+    assert export_main([str(saved["checkpoint"]), str(tmp_path / "b")]) == 2
+    assert "pass config=" in capsys.readouterr().err
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml_text(CONFIG))
+    assert (
+        export_main(
+            [str(saved["checkpoint"]), str(tmp_path / "b"), "--config", str(config), "--no-program"]
+        )
+        == 0
+    )
+    assert "(step 40)" in capsys.readouterr().out

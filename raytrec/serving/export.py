@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 import pyarrow as pa
+import ray.train
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -100,8 +101,8 @@ def _location(checkpoint: Any) -> tuple[str, TrainConfig | None]:
         if checkpoint.final_state_path is None:
             raise CheckpointError("the result has no final model (final_state_path is None)")
         return str(checkpoint.final_state_path), config
-    if hasattr(checkpoint, "path") and not isinstance(checkpoint, str | os.PathLike):
-        return str(checkpoint.path), None  # ray.train.Checkpoint
+    if isinstance(checkpoint, ray.train.Checkpoint):  # refuses os.fspath()
+        return str(checkpoint.path), None
     return os.fspath(checkpoint), None
 
 
