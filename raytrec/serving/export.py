@@ -9,7 +9,7 @@ gang size and sharding plan were. It writes, into one directory:
   ``sparse_arch.embedding_bag_collection.embedding_bags.<table>.weight``, ...), plain tensors
   (``torch.load(..., weights_only=True)`` reads it);
 * ``model.pt2`` (unless ``program=False``): the same model in eval mode as a ``torch.export``
-  program, ``(dense [B, num_dense], KeyedJaggedTensor) -> logits [B, 1]`` for ``B >= 2``;
+  program, ``(dense [B, num_dense], KeyedJaggedTensor) -> logits [B, 1]`` for any ``B >= 1``;
 * ``model.json``, written last: the model spec (config, number of dense features, the row
   layout), where it came from, and every tensor's shape.
 
@@ -270,7 +270,12 @@ def _write_program(model: nn.Module, spec: ModelSpec, file: str) -> None:
     # rank, inverse indices); values and lengths vary with the batch.
     auto = {0: Dim.AUTO}
     dynamic = (auto, [auto, None, auto, None, None, None])
-    with _quiet(), torch.no_grad():
+    # Size-oblivious: a batch of one row takes the same graph (else sizes 0 and 1 are
+    # specialized away and the program refuses B = 1).
+    from torch.fx.experimental import _config as fx_config
+
+    oblivious = fx_config.patch(backed_size_oblivious=True)  # type: ignore[attr-defined]
+    with _quiet(), torch.no_grad(), oblivious:
         program = torch.export.export(
             model,
             (batch.dense_features, batch.sparse_features),
@@ -321,7 +326,7 @@ def load_model(path: str | os.PathLike[str]) -> nn.Module:
 
 
 def load_program(path: str | os.PathLike[str]) -> nn.Module:
-    """``model.pt2`` of an export as a callable module: ``(dense, kjt) -> logits``, B >= 2."""
+    """``model.pt2`` of an export as a callable module: ``(dense, kjt) -> logits``."""
     with torch.serialization.safe_globals([KeyedJaggedTensor]):
         return torch.export.load(_in(os.fspath(path), PROGRAM_FILE)).module()
 
