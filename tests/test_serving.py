@@ -76,26 +76,29 @@ def trained_like_model(seed: int = 5) -> DLRMTrain:
     return model
 
 
-def reference_model(state: dict[str, torch.Tensor]) -> DLRM_DCN:
-    """The same model built from TorchRec's constructors alone, holding ``state``."""
+def reference_model(path: Path) -> DLRM_DCN:
+    """The exported model rebuilt with TorchRec alone from model.json and model.pt, as
+    docs/serving.md shows."""
+    cfg = json.loads((path / MODEL_JSON).read_text())["spec"]
+    assert cfg["model_kind"] == "DLRM_DCN"
     tables = [
         EmbeddingBagConfig(
-            name=t.name,
-            num_embeddings=t.num_embeddings,
-            embedding_dim=t.embedding_dim,
-            feature_names=list(t.features),
+            name=t["name"],
+            num_embeddings=t["num_embeddings"],
+            embedding_dim=t["embedding_dim"],
+            feature_names=t["features"],
         )
-        for t in CONFIG.model.tables
+        for t in cfg["model"]["tables"]
     ]
     model = DLRM_DCN(
         embedding_bag_collection=EmbeddingBagCollection(tables=tables),
-        dense_in_features=NUM_DENSE,
-        dense_arch_layer_sizes=[16, DIM],
-        over_arch_layer_sizes=[16, 1],
-        dcn_num_layers=2,
-        dcn_low_rank_dim=4,
+        dense_in_features=cfg["num_dense"],
+        dense_arch_layer_sizes=cfg["model"]["dense_arch_layers"],
+        over_arch_layer_sizes=cfg["model"]["over_arch_layers"],
+        dcn_num_layers=cfg["model"]["dcn_num_layers"],
+        dcn_low_rank_dim=cfg["model"]["dcn_low_rank_dim"],
     )
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(torch.load(path / STATE_FILE, weights_only=True))
     return model.eval()
 
 
@@ -231,7 +234,7 @@ def test_loaded_model_scores_equal_plain_torchrec(saved: dict[str, object], data
     root = saved["root"]
     assert isinstance(root, Path)
     loaded = load_model(root / "export")
-    reference = reference_model(torch.load(root / "export" / STATE_FILE, weights_only=True))
+    reference = reference_model(root / "export")
     table = pq.read_table(data)  # held-out rows: the model never saw them
     spec = ModelSpec.for_config(CONFIG, NUM_DENSE)
     for rows in (table.slice(0, 1), table.slice(1, 257), table.to_pandas().iloc[300:310]):

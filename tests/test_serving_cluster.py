@@ -85,7 +85,7 @@ def test_exported_model_scores_equal_plain_torchrec(run: dict[str, object]) -> N
     result = run["result"]
     info = export(result, path, program=False)
     model = load_model(path)
-    reference = reference_model(torch.load(path / STATE_FILE, weights_only=True))
+    reference = reference_model(path)
     batch, _ = make_batch(pq.read_table(held_out), info.spec)
     with torch.no_grad():
         theirs = torch.sigmoid(reference(batch.dense_features, batch.sparse_features)).reshape(-1)
