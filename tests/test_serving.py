@@ -368,3 +368,13 @@ def test_export_command(
         == 0
     )
     assert "(step 40)" in capsys.readouterr().out
+
+
+def test_the_functions_are_raytrec_names() -> None:
+    import raytrec
+    from raytrec.serving import evaluate as evaluate_module
+
+    assert raytrec.export is export and raytrec.load_model is load_model
+    assert raytrec.make_batch is make_batch and raytrec.evaluate is evaluate
+    assert raytrec.predict is evaluate_module.predict
+    assert {"export", "load_model", "make_batch", "evaluate", "predict"} <= set(raytrec.__all__)
