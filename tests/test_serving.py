@@ -304,7 +304,7 @@ def test_export_refuses_what_it_cannot_read(saved: dict[str, object], tmp_path: 
     # A save that never committed: its marker is missing.
     store = CheckpointStore(str(tmp_path / "ckpts"))
     pending = store.begin(3)
-    (Path(pending.write_uri) / "manifest.json").write_text("{}")
+    dcp.save({"model": {"x": torch.zeros(2)}}, checkpoint_id=pending.write_uri, no_dist=True)
     with pytest.raises(CheckpointError, match="no commit marker"):
         export(pending.write_uri, tmp_path / "y", config=CONFIG)
     # A spec for another model.

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import posixpath
+import re
 import shutil
 import tempfile
 import warnings
@@ -38,7 +39,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from raytrec.checkpoint.errors import CheckpointError
-from raytrec.checkpoint.layout import MANIFEST, filesystem, read_manifest
+from raytrec.checkpoint.layout import MANIFEST, MARKER, filesystem, read_manifest
 from raytrec.checkpoint.storage import storage_reader
 from raytrec.config import TrainConfig
 from raytrec.data.arrow_kjt import to_batch
@@ -114,7 +115,9 @@ def source_kind(uri: str) -> SourceKind:
         raise CheckpointError(f"no model at {uri}: the directory does not exist")
     if fs.exists(posixpath.join(path, MODEL_JSON)):
         return "export"
-    if fs.exists(posixpath.join(path, MANIFEST)) or fs.exists(posixpath.join(path, "_COMMITTED")):
+    # A checkpoint's directory name says what it is even when its save never finished.
+    named = re.match(r"^\.?checkpoint_\d+", posixpath.basename(path.rstrip("/"))) is not None
+    if named or any(fs.exists(posixpath.join(path, f)) for f in (MANIFEST, MARKER)):
         return "checkpoint"
     if fs.exists(posixpath.join(path, ".metadata")):
         return "final_model"
