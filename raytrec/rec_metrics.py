@@ -49,10 +49,13 @@ class RankMetrics:
     Rows that fall out of the AUC window are folded into the NE sums as they leave.
     """
 
-    def __init__(self, *, auc_window: int = 1 << 16) -> None:
+    def __init__(self, *, auc_window: int = 1 << 16, exact_preds: bool = False) -> None:
         if auc_window < 1:
             raise ValueError(f"auc_window must be >= 1, got {auc_window!r}")
         self.auc_window = auc_window
+        # Predictions travel as float32 (half the bytes), which may tie rows whose float64
+        # predictions differ; exact_preds keeps float64, for an AUC that matches a rank AUC.
+        self.exact_preds = exact_preds
         self.reset()
 
     def reset(self) -> None:
@@ -81,7 +84,7 @@ class RankMetrics:
         sums, preds = _ne_sums(logits, labels)
         return {
             "ne": (self._ne + sums).numpy(),
-            "preds": preds[0].float().numpy(),
+            "preds": (preds[0] if self.exact_preds else preds[0].float()).numpy(),
             "labels": labels.float().cpu().numpy(),
             "rows": self.rows,
         }

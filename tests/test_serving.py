@@ -51,7 +51,8 @@ DIM = 8
 CONFIG = TrainConfig(
     model=ModelConfig(
         arch="dlrm_dcn",
-        tables=criteo_tables(num_embeddings=IDS, embedding_dim=DIM),
+        # 4 of the data's 26 sparse columns: the layout reads the model's features only.
+        tables=criteo_tables(num_features=4, num_embeddings=IDS, embedding_dim=DIM),
         dense_arch_layers=(16, DIM),
         over_arch_layers=(16, 1),
         dcn_num_layers=2,
@@ -241,9 +242,9 @@ def test_loaded_model_scores_equal_plain_torchrec(saved: dict[str, object], data
         batch, row_ids = make_batch(rows, spec)
         ours = score(loaded, batch)
         with torch.no_grad():
-            theirs = torch.sigmoid(reference(batch.dense_features, batch.sparse_features)).reshape(
-                -1
-            )
+            theirs = torch.sigmoid(
+                reference(batch.dense_features, batch.sparse_features).double()
+            ).reshape(-1)
         assert ours.shape == (len(rows),) and row_ids is not None and len(row_ids) == len(rows)
         assert torch.allclose(ours, theirs, atol=1e-6, rtol=0)
         assert bool(((ours > 0.01) & (ours < 0.99)).all())
@@ -273,7 +274,9 @@ def test_program_scores_like_the_module(saved: dict[str, object], data: Path) ->
         batch, _ = make_batch(table.slice(start, size), spec)
         with torch.no_grad():
             logits = program(batch.dense_features, batch.sparse_features)
-        assert torch.allclose(torch.sigmoid(logits.reshape(-1)), score(loaded, batch), atol=1e-6)
+        assert torch.allclose(
+            torch.sigmoid(logits.reshape(-1).double()), score(loaded, batch), atol=1e-6
+        )
 
 
 def test_checkpoint_without_spec_exports_with_the_config(
@@ -332,7 +335,7 @@ def test_evaluate_equals_closed_form_metrics(saved: dict[str, object], data: Pat
         assert metrics.rows == 600 and metrics.step is None
         table = pq.read_table(data)
         batch, _ = make_batch(table, ModelSpec.for_config(CONFIG, NUM_DENSE))
-        p = score(load_model(root / "export"), batch).double().numpy()
+        p = score(load_model(root / "export"), batch).numpy()
         y = table.column("label").to_numpy().astype(np.float64)
         log_loss = -np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))
         assert metrics.log_loss == pytest.approx(log_loss, abs=1e-9)

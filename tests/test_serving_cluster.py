@@ -70,12 +70,12 @@ def test_checkpoint_and_final_model_export_to_the_same_model(run: dict[str, obje
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)  # both hold the model of step 8
     tables = [k for k in a if k.startswith("sparse_arch.embedding_bag_collection")]
-    assert len(tables) == 26 and all(a[k].shape == (IDS, 8) for k in tables)
+    assert len(tables) == 4 and all(a[k].shape == (IDS, 8) for k in tables)
     # The checkpoint of step 4 holds another model: the job trained between the two.
     earlier = export(Path(result.checkpoint.path).parent / "checkpoint_0000000004", tmp / "at4")
     assert earlier.step == 4
     c = torch.load(tmp / "at4" / STATE_FILE, weights_only=True)
-    assert sum(not torch.equal(a[k], c[k]) for k in tables) >= 20
+    assert all(not torch.equal(a[k], c[k]) for k in tables)
 
 
 def test_exported_model_scores_equal_plain_torchrec(run: dict[str, object]) -> None:
@@ -88,7 +88,9 @@ def test_exported_model_scores_equal_plain_torchrec(run: dict[str, object]) -> N
     reference = reference_model(path)
     batch, _ = make_batch(pq.read_table(held_out), info.spec)
     with torch.no_grad():
-        theirs = torch.sigmoid(reference(batch.dense_features, batch.sparse_features)).reshape(-1)
+        theirs = torch.sigmoid(
+            reference(batch.dense_features, batch.sparse_features).double()
+        ).reshape(-1)
     assert torch.allclose(score(model, batch), theirs, atol=1e-6, rtol=0)
 
 
@@ -104,7 +106,7 @@ def test_evaluate_and_predict_agree_with_closed_form(run: dict[str, object]) -> 
     rows = pq.read_table(held_out).to_pandas().set_index("row_id")
     scored = scored.set_index("row_id").sort_index()
     assert np.array_equal(scored["label"].to_numpy(), rows.loc[scored.index, "label"].to_numpy())
-    p = scored["score"].to_numpy().astype(np.float64)
+    p = scored["score"].to_numpy()
     y = scored["label"].to_numpy().astype(np.float64)
     log_loss = -np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))
     assert metrics.log_loss == pytest.approx(log_loss, abs=1e-6)

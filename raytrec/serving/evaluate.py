@@ -20,7 +20,6 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -84,7 +83,7 @@ def evaluate(
     spec = parquet.spec
     files = parquet.inspect()  # every file readable, with rows and the spec's columns
     fs, _ = parquet.list_files()
-    metrics = RankMetrics(auc_window=max(1, sum(f.rows for f in files)))
+    metrics = RankMetrics(auc_window=max(1, sum(f.rows for f in files)), exact_preds=True)
     for f in files:
         with fs.open_input_file(f.path) as handle:
             reader = pq.ParquetFile(handle)
@@ -122,7 +121,7 @@ class _Scorer:
         if row_ids is not None:
             columns["row_id"] = pa.array(row_ids, pa.int64())
         columns["label"] = pa.array(batch.labels.numpy().reshape(len(table), -1)[:, 0])
-        columns["score"] = pa.array(score(self.model, batch).numpy().astype(np.float32))
+        columns["score"] = pa.array(score(self.model, batch).numpy())
         return pa.table(columns)
 
 

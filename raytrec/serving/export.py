@@ -362,10 +362,11 @@ def _as_table(rows: Any) -> pa.Table | pa.RecordBatch:
 
 
 def score(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Click probabilities ``[B]`` (float32) of ``model`` on ``batch``, without gradients."""
+    """Click probabilities ``[B]`` of ``model`` on ``batch``, without gradients: the sigmoid
+    of the logits in float64, as the metrics take it (float32 would tie scores that differ)."""
     with torch.no_grad():
         logits = model(batch.dense_features, batch.sparse_features)
-    return torch.sigmoid(logits.reshape(-1))
+    return torch.sigmoid(logits.reshape(-1).double())
 
 
 @contextmanager
