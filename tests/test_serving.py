@@ -28,6 +28,7 @@ from raytrec.checkpoint.layout import CheckpointStore, data_files
 from raytrec.checkpoint.manifest import Manifest, signature_for
 from raytrec.config import DataConfig, ModelConfig, TrainConfig, criteo_tables
 from raytrec.config_file import dump as yaml_text
+from raytrec.data.arrow_kjt import BadInputError
 from raytrec.data.from_config import parquet_spec
 from raytrec.data.generate import auc, write_synthetic_parquet
 from raytrec.data.spec import BucketizedFeature, FeatureSpec, SparseFeature
@@ -381,3 +382,23 @@ def test_the_functions_are_raytrec_names() -> None:
     assert raytrec.make_batch is make_batch and raytrec.evaluate is evaluate
     assert raytrec.predict is evaluate_module.predict
     assert {"export", "load_model", "make_batch", "evaluate", "predict"} <= set(raytrec.__all__)
+
+
+def test_evaluate_reads_rows_without_row_ids_and_names_a_missing_column(
+    saved: dict[str, object], data: Path, tmp_path: Path
+) -> None:
+    root = saved["root"]
+    assert isinstance(root, Path)
+    table = pq.read_table(data)
+    pq.write_table(table.drop_columns(["row_id"]), tmp_path / "no_ids.parquet")
+    (tmp_path / "bad").mkdir()
+    pq.write_table(table.drop_columns(["dense_3"]), tmp_path / "bad" / "part.parquet")
+    without = evaluate(str(root / "export"), str(tmp_path / "no_ids.parquet"))
+    with_ids = evaluate(str(root / "export"), str(data))
+    assert (without.rows, without.log_loss, without.auc) == (
+        with_ids.rows,
+        pytest.approx(with_ids.log_loss, abs=1e-12),
+        pytest.approx(with_ids.auc, abs=1e-12),
+    )
+    with pytest.raises(BadInputError, match=r"missing_column.*column 'dense_3'"):
+        evaluate(str(root / "export"), str(tmp_path / "bad"))

@@ -25,8 +25,8 @@ import pyarrow.parquet as pq
 import torch
 
 from raytrec.config import DataConfig, TrainConfig
-from raytrec.data.arrow_kjt import to_batch
-from raytrec.data.parquet import ParquetSource
+from raytrec.data.arrow_kjt import BadInputError, to_batch
+from raytrec.data.parquet import ParquetFileInfo, ParquetSource
 from raytrec.data.spec import FeatureSpec
 from raytrec.rec_metrics import RankMetrics, merge_metric_states
 from raytrec.serving.export import build_model, exported, load_exported, make_batch, score
@@ -51,15 +51,27 @@ class EvalMetrics:
         return dataclasses.asdict(self)
 
 
-def _parquet(source: Source, features: FeatureSpec) -> ParquetSource:
+def _parquet(source: Source, features: FeatureSpec) -> tuple[ParquetSource, list[ParquetFileInfo]]:
+    """The source as a :class:`ParquetSource` and its files, checked (readable, with rows, the
+    layout's columns with the right types). Files without the layout's row-id column are read
+    without row ids; any other missing column is an error."""
     if isinstance(source, ParquetSource):
-        return source
-    if isinstance(source, DataConfig):
+        parquet = source
+    elif isinstance(source, DataConfig):
         if source.path is None:
             raise ValueError("evaluate/predict: the DataConfig names no path (data.path)")
-        return ParquetSource(paths=source.path, spec=features)
-    paths = os.fspath(source) if isinstance(source, str | os.PathLike) else list(source)
-    return ParquetSource(paths=paths, spec=features)
+        parquet = ParquetSource(paths=source.path, spec=features)
+    else:
+        paths = os.fspath(source) if isinstance(source, str | os.PathLike) else list(source)
+        parquet = ParquetSource(paths=paths, spec=features)
+    try:
+        return parquet, parquet.inspect()
+    except BadInputError as e:
+        row_id = parquet.spec.row_id
+        if e.reason != "missing_column" or row_id is None or e.column != row_id:
+            raise
+    parquet = dataclasses.replace(parquet, spec=dataclasses.replace(parquet.spec, row_id=None))
+    return parquet, parquet.inspect()
 
 
 def evaluate(
@@ -79,9 +91,8 @@ def evaluate(
     """
     with exported(checkpoint, config=config) as path:
         model, info = load_exported(path)
-    parquet = _parquet(source, features or info.spec.features)
+    parquet, files = _parquet(source, features or info.spec.features)
     spec = parquet.spec
-    files = parquet.inspect()  # every file readable, with rows and the spec's columns
     fs, _ = parquet.list_files()
     metrics = RankMetrics(auc_window=max(1, sum(f.rows for f in files)), exact_preds=True)
     for f in files:
@@ -149,8 +160,8 @@ def predict(
 
     with exported(checkpoint, config=config) as path:
         model, info = load_exported(path)
-    parquet = _parquet(source, features or info.spec.features)
-    parquet.inspect()  # fail on the driver, naming the file, before any worker starts
+    # Checked on the driver, so a bad file fails here, named, before any worker starts.
+    parquet, _ = _parquet(source, features or info.spec.features)
     connect(ray_address)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     ref = ray.put((info.spec.to_dict(), state, info.path))
