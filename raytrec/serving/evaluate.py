@@ -22,8 +22,10 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import ray
 import torch
 
+from raytrec.cluster import connect
 from raytrec.config import DataConfig, TrainConfig
 from raytrec.data.arrow_kjt import BadInputError, to_batch
 from raytrec.data.parquet import ParquetFileInfo, ParquetSource
@@ -118,8 +120,7 @@ class _Scorer:
     """A Ray Data callable class: builds the model once per actor, then scores Arrow batches."""
 
     def __init__(self, model: list[Any], features: FeatureSpec) -> None:
-        import ray
-
+        # ``model`` holds the object-store ref of (spec, state dict, where): fetched here, once.
         torch.set_num_threads(1)  # one CPU per actor
         spec_doc, state, where = ray.get(model[0])
         spec = ModelSpec.from_dict(spec_doc, where=where)
@@ -153,11 +154,6 @@ def predict(
     least 1) with Ray Data; connects to Ray (``ray_address``, ``RAY_ADDRESS`` or an embedded
     local cluster) when not connected. The dataset is lazy: it is scored when consumed.
     """
-    import ray
-    import ray.data
-
-    from raytrec.cluster import connect
-
     with exported(checkpoint, config=config) as path:
         model, info = load_exported(path)
     # Checked on the driver, so a bad file fails here, named, before any worker starts.
