@@ -1,17 +1,38 @@
 """raytrec: elastic 2D sparse-parallel training of TorchRec models on Ray.
 
-The public entry point is :func:`fit`; configs live in :mod:`raytrec.config`.
+The public entry point is :func:`fit`; configs live in :mod:`raytrec.config`. After training,
+:func:`export`, :func:`load_model`, :func:`make_batch`, :func:`evaluate` and :func:`predict`
+(:mod:`raytrec.serving`) score the trained model outside the job.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["Result", "drain", "fit"]
+__all__ = [
+    "Result",
+    "drain",
+    "evaluate",
+    "export",
+    "fit",
+    "load_model",
+    "make_batch",
+    "predict",
+]
 
 if TYPE_CHECKING:
     from raytrec.api import Result, fit
     from raytrec.elastic.drain import request_drain as drain
+    from raytrec.serving.evaluate import evaluate, predict
+    from raytrec.serving.export import export, load_model, make_batch
+
+_SERVING = {
+    "evaluate": "raytrec.serving.evaluate",
+    "predict": "raytrec.serving.evaluate",
+    "export": "raytrec.serving.export",
+    "load_model": "raytrec.serving.export",
+    "make_batch": "raytrec.serving.export",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -21,6 +42,10 @@ def __getattr__(name: str) -> Any:
         from raytrec.elastic.drain import request_drain
 
         return request_drain
+    if name in _SERVING:
+        import importlib
+
+        return getattr(importlib.import_module(_SERVING[name]), name)
     if name in __all__:
         from raytrec import api
 

@@ -20,7 +20,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from raytrec.config import ModelConfig
 
-__all__ = ["ModelFactory", "build_dlrm", "embedding_bag_configs"]
+__all__ = ["ModelFactory", "build_dlrm", "build_dlrm_model", "embedding_bag_configs"]
 
 # (model config, number of dense features, dense device, seed) -> train module
 ModelFactory = Callable[[ModelConfig, int, torch.device, int], nn.Module]
@@ -39,14 +39,26 @@ def embedding_bag_configs(cfg: ModelConfig) -> list[EmbeddingBagConfig]:
     ]
 
 
-def build_dlrm(cfg: ModelConfig, num_dense: int, device: torch.device, seed: int) -> nn.Module:
-    """``DLRMTrain`` around DLRM or DLRM-DCN, embeddings on ``meta``, dense on ``device``."""
-    ebc = EmbeddingBagCollection(tables=embedding_bag_configs(cfg), device=torch.device("meta"))
+def build_dlrm_model(
+    cfg: ModelConfig,
+    num_dense: int,
+    device: torch.device,
+    seed: int,
+    *,
+    embedding_device: torch.device | None = None,
+) -> DLRM:
+    """TorchRec's DLRM or DLRM-DCN (``cfg.arch``): ``forward(dense, kjt)`` gives logits ``[B, 1]``.
+
+    Dense layers on ``device`` from ``seed``; embedding tables on ``embedding_device`` (default
+    ``meta``: allocated later, by DistributedModelParallel or a state dict loaded with
+    ``assign=True``)."""
+    ebc = EmbeddingBagCollection(
+        tables=embedding_bag_configs(cfg), device=embedding_device or torch.device("meta")
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model: DLRM
         if cfg.arch == "dlrm_dcn":
-            model = DLRM_DCN(
+            return DLRM_DCN(
                 embedding_bag_collection=ebc,
                 dense_in_features=num_dense,
                 dense_arch_layer_sizes=list(cfg.dense_arch_layers),
@@ -55,12 +67,15 @@ def build_dlrm(cfg: ModelConfig, num_dense: int, device: torch.device, seed: int
                 dcn_low_rank_dim=cfg.dcn_low_rank_dim,
                 dense_device=device,
             )
-        else:
-            model = DLRM(
-                embedding_bag_collection=ebc,
-                dense_in_features=num_dense,
-                dense_arch_layer_sizes=list(cfg.dense_arch_layers),
-                over_arch_layer_sizes=list(cfg.over_arch_layers),
-                dense_device=device,
-            )
-    return DLRMTrain(model)
+        return DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=num_dense,
+            dense_arch_layer_sizes=list(cfg.dense_arch_layers),
+            over_arch_layer_sizes=list(cfg.over_arch_layers),
+            dense_device=device,
+        )
+
+
+def build_dlrm(cfg: ModelConfig, num_dense: int, device: torch.device, seed: int) -> nn.Module:
+    """``DLRMTrain`` around DLRM or DLRM-DCN, embeddings on ``meta``, dense on ``device``."""
+    return DLRMTrain(build_dlrm_model(cfg, num_dense, device, seed))

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 from torchrec.metrics.auc import compute_auc
-from torchrec.metrics.ne import compute_ne, get_ne_states
+from torchrec.metrics.ne import compute_logloss, compute_ne, get_ne_states
 
 __all__ = ["InterpretedMetrics", "RankMetrics", "merge_metric_states"]
 
@@ -36,7 +36,8 @@ class InterpretedMetrics:
     auc: float | None  # None when the rows held only one class
     ne: float | None
     rows: int
-    log_loss: float | None = None  # mean binary cross entropy of the rows
+    # Mean binary cross-entropy in nats, as the training loss (TorchRec's logloss is in bits).
+    log_loss: float | None = None
 
 
 class RankMetrics:
@@ -48,10 +49,13 @@ class RankMetrics:
     Rows that fall out of the AUC window are folded into the NE sums as they leave.
     """
 
-    def __init__(self, *, auc_window: int = 1 << 16) -> None:
+    def __init__(self, *, auc_window: int = 1 << 16, exact_preds: bool = False) -> None:
         if auc_window < 1:
             raise ValueError(f"auc_window must be >= 1, got {auc_window!r}")
         self.auc_window = auc_window
+        # Predictions travel as float32 (half the bytes), which may tie rows whose float64
+        # predictions differ; exact_preds keeps float64, for an AUC that matches a rank AUC.
+        self.exact_preds = exact_preds
         self.reset()
 
     def reset(self) -> None:
@@ -80,7 +84,7 @@ class RankMetrics:
         sums, preds = _ne_sums(logits, labels)
         return {
             "ne": (self._ne + sums).numpy(),
-            "preds": preds[0].float().numpy(),
+            "preds": (preds[0] if self.exact_preds else preds[0].float()).numpy(),
             "labels": labels.float().cpu().numpy(),
             "rows": self.rows,
         }
@@ -111,11 +115,6 @@ def merge_metric_states(states: Sequence[dict[str, Any]]) -> InterpretedMetrics:
         if has_both_in_window
         else None
     )
-    count = float(n.item())
-    return InterpretedMetrics(
-        auc=auc,
-        ne=ne,
-        rows=int(sum(s["rows"] for s in states)),
-        # TorchRec's cross entropy sums are in bits; the log loss is in nats, as the loss is.
-        log_loss=float(ce.item()) / count * math.log(2) if count > 0 else None,
-    )
+    log_loss = float(compute_logloss(ce, pos, neg, _ETA)[0]) * math.log(2) if n.item() else None
+    rows = int(sum(s["rows"] for s in states))
+    return InterpretedMetrics(auc=auc, ne=ne, rows=rows, log_loss=log_loss)

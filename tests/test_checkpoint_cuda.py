@@ -94,6 +94,7 @@ class KeyedAdam:
 class Spec:
     gang_rank: int = 0
     gang_size: int = 1
+    num_dense: int = 4
 
 
 class StandInEngine:

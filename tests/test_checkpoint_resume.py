@@ -59,6 +59,7 @@ from raytrec.config import (
 )
 from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.rank import RankEngine, RankSpec, StoreAddress
+from raytrec.serving.spec import MODEL_SPEC
 
 pytestmark = pytest.mark.multiprocess
 
@@ -460,11 +461,12 @@ def test_one_gang_writes_and_keeps_the_last_two(job: Job) -> None:
     assert job.results[0]["A_listing"] == [4, 6]
     path = Path(job.root_a) / "checkpoint_0000000004"
     doc = json.loads((path / MANIFEST).read_text())
-    # Gang 0's two ranks wrote one data file each; gang 1 wrote nothing.
+    # Gang 0's two ranks wrote one data file each; gang 1 wrote nothing. Gang rank 0 added
+    # the model's spec (listed in the manifest like the data).
     assert sorted(p.name for p in path.iterdir()) == sorted(
-        [".metadata", "__0_0.distcp", "__1_0.distcp", MANIFEST, MARKER]
+        [".metadata", "__0_0.distcp", "__1_0.distcp", MODEL_SPEC, MANIFEST, MARKER]
     )
-    assert doc["files"].keys() == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    assert doc["files"].keys() == {".metadata", "__0_0.distcp", "__1_0.distcp", MODEL_SPEC}
     assert (doc["step"], doc["generation"], doc["gang_size"], doc["num_gangs"]) == (4, 1, 2, 2)
     assert (doc["sharding_type"], doc["embedding_optimizer"], doc["dense_optimizer"]) == (
         "table_wise",

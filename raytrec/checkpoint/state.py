@@ -61,6 +61,7 @@ from raytrec.checkpoint.manifest import (
 )
 from raytrec.checkpoint.reshard import convert_rowwise_state
 from raytrec.checkpoint.storage import storage_reader, storage_writer
+from raytrec.serving.spec import ModelSpec, write_model_spec
 
 if TYPE_CHECKING:
     from raytrec.engine.rank import RankEngine
@@ -200,6 +201,8 @@ def save_checkpoint(
         signature = _signature(engine, state["model"])
 
     def commit() -> CheckpointRef:
+        # Before the manifest, which lists it with its size: what rebuilds the model elsewhere.
+        write_model_spec(pending.write_uri, ModelSpec.for_config(engine.cfg, engine.spec.num_dense))
         manifest = Manifest(
             step=step,
             generation=generation,

@@ -19,7 +19,7 @@ import tempfile
 
 from raytrec.config import ConfigError, TrainConfig
 from raytrec.data.source import BatchShard, BatchSource
-from raytrec.data.spec import FeatureSpec, SparseFeature
+from raytrec.data.spec import FeatureSpec, parquet_layout
 from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.evaluation import EvalPlan, eval_plan
 
@@ -53,16 +53,10 @@ def synthetic_source(config: TrainConfig) -> SyntheticCriteo:
 def parquet_spec(config: TrainConfig) -> FeatureSpec:
     """Criteo's column layout for the model's features: ``dense_0..``, one id-list column per
     sparse feature (named like it), ``label`` and ``row_id``."""
-    data = config.data
-    return FeatureSpec(
-        dense=tuple(f"dense_{j}" for j in range(data.num_dense)),
-        sparse=tuple(
-            SparseFeature(name=f, num_embeddings=t.num_embeddings, id_policy=data.id_policy)
-            for t in config.model.tables
-            for f in t.features
-        ),
-        labels=("label",),
-        row_id="row_id",
+    return parquet_layout(
+        [(f, t.num_embeddings) for t in config.model.tables for f in t.features],
+        num_dense=config.data.num_dense,
+        id_policy=config.data.id_policy,
     )
 
 

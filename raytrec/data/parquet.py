@@ -200,6 +200,11 @@ class ParquetSource(BatchSource):
             raise BadInputError("no_files", detail, file=roots[0])
         return fs, files
 
+    def dataset(self) -> Any:
+        """The spec's columns of every file as one Ray Data dataset (with each row's file in a
+        ``path`` column), read in file order."""
+        return self._read(*self.list_files())
+
     def inspect(self) -> list[ParquetFileInfo]:
         """Reads every file's footer and checks it: a readable Parquet file, with rows, and every
         column the spec needs, of the right type. Raises :class:`BadInputError` naming the first

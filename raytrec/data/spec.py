@@ -24,6 +24,7 @@ __all__ = [
     "SparseFeature",
     "SpecError",
     "criteo_spec",
+    "parquet_layout",
 ]
 
 IdPolicy: TypeAlias = Literal["modulo", "hash", "strict"]
@@ -235,4 +236,20 @@ def criteo_spec(
         ),
         labels=("label",),
         row_id=row_id,
+    )
+
+
+def parquet_layout(
+    sparse: Sequence[tuple[str, int]], *, num_dense: int, id_policy: IdPolicy = "modulo"
+) -> FeatureSpec:
+    """raytrec's Parquet layout (``data.source="parquet"``): dense ``dense_0 ..
+    dense_{num_dense-1}``, one id-list column per ``(feature, num_embeddings)`` named like the
+    feature, ``label`` and ``row_id``."""
+    return FeatureSpec(
+        dense=tuple(f"dense_{j}" for j in range(num_dense)),
+        sparse=tuple(
+            SparseFeature(name=name, num_embeddings=n, id_policy=id_policy) for name, n in sparse
+        ),
+        labels=("label",),
+        row_id="row_id",
     )
