@@ -17,10 +17,14 @@ intervals. Everything ends by itself: the job runs ``--steps`` steps; the cluste
 
 Reported from the job's own outputs (``events.jsonl``, ``metrics.jsonl``, ``summary.json``):
 
-- **detected after**: the kill to the job's ``rank_died``/``node_died`` event. Events carry the
-  coordinator's clock; the harness's kill time is put on it with the offset min(time the harness
-  first saw a metrics row - the row's ``at``): an upper bound by the smallest delay with which
-  the driver (polling each second) wrote a row and the harness (polling each 0.1 s) saw it.
+- **detected after**: the kill to the job's first ``rank_died`` event for a rank on the killed
+  node (the job acts on it: the gang is dropped and the survivors re-form); for a node loss also
+  **node_died after**: the kill to the ``node_died`` event, once Ray's node table shows the node
+  dead (after Ray's health checks of the raylet), checked to carry the killed node's id. Events
+  carry the coordinator's clock; the harness's kill time is put on it with the offset
+  min(time the harness first saw a metrics row - the row's ``at``): upper bounds by the smallest
+  delay with which the driver (polling each second) wrote a row and the harness (polling each
+  0.1 s) saw it.
 - **survivors' stall**: at a loss or join event, the gap between the metrics rows just before
   and just after it minus the time the later row's steps take at the run's normal pace (the
   median seconds per step of the rows away from any event). With ``log_every`` small the
@@ -53,7 +57,13 @@ from typing import Any
 
 from _docs import replace_block  # benchmarks/, the script's own folder
 
-from raytrec.local_cluster import LocalCluster, WorkerNode, local_cluster, stop_session
+from raytrec.local_cluster import (
+    LocalCluster,
+    WorkerNode,
+    local_cluster,
+    session_pids,
+    stop_session,
+)
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- chaos:begin -->", "<!-- chaos:end -->"
@@ -117,19 +127,8 @@ class RunDir:
 
 
 def rank_pids(node: WorkerNode) -> list[int]:
-    import psutil
-
-    out = []
-    for pid in psutil.pids():
-        try:
-            if os.getsid(pid) != node.session:
-                continue
-            title = " ".join(psutil.Process(pid).cmdline())
-        except (psutil.Error, ProcessLookupError, PermissionError):
-            continue
-        if title.startswith("ray::RankWorker"):
-            out.append(pid)
-    return sorted(out)
+    """The node's rank processes (their title is ``ray::RankWorker`` and the running method)."""
+    return sorted(session_pids(node.session, "ray::RankWorker"))
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:

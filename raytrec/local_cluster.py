@@ -34,6 +34,7 @@ __all__ = [
     "free_port",
     "local_cluster",
     "loopback_host_name",
+    "session_pids",
     "stop_session",
 ]
 
