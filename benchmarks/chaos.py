@@ -13,7 +13,8 @@ carries out its schedule: a **rank kill** SIGKILLs one ``ray::RankWorker`` proce
 dropped; the freed CPUs take a new gang, which joins), a **node loss** SIGKILLs a worker node's
 raylet (then ends what the node left) and, unless it is the last fault, starts a replacement
 node, whose new gang joins. A fault waits until both gangs have been training for two
-intervals. Everything ends by itself: the job runs ``--steps`` steps; the cluster is stopped.
+intervals. Everything ends by itself: the job runs ``--steps`` steps; the cluster is stopped
+and the job's run directory removed (``--keep-run`` keeps it).
 
 Reported from the job's own outputs (``events.jsonl``, ``metrics.jsonl``, ``summary.json``):
 
@@ -47,6 +48,7 @@ import itertools
 import json
 import os
 import pathlib
+import shutil
 import signal
 import statistics
 import sys
@@ -161,14 +163,17 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if run_dir.path and os.path.exists(os.path.join(run_dir.path, "summary.json")):
         with open(os.path.join(run_dir.path, "summary.json")) as f:
             summary = json.load(f)
+    events = run_dir.events()
+    if not a.keep_run:  # what the report needs is read; checkpoints and the model go
+        shutil.rmtree(storage, ignore_errors=True)
     return {
         "state": state.split("\n", 1)[0],
         "status": state,
         "logs_tail": logs[-6000:],
-        "run_dir": run_dir.path,
+        "run_dir": run_dir.path if a.keep_run else None,
         "faults": [dataclasses.asdict(f) for f in faults],
         "rows": run_dir.rows,
-        "events": run_dir.events(),
+        "events": events,
         "offset": run_dir.offset() if run_dir.rows else None,
         "summary": summary,
         "wall_s": round(time.monotonic() - started, 1),
@@ -378,6 +383,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--first-step", type=int, default=10, help="no fault before this step")
     p.add_argument("--collective-timeout-s", type=float, default=10.0)
     p.add_argument("--timeout-s", type=float, default=900.0, help="stop the job after this")
+    p.add_argument("--keep-run", action="store_true", help="keep the job's run directory")
     p.add_argument("--json", type=pathlib.Path, help="write the raw outputs and report here")
     p.add_argument("--write", type=pathlib.Path, help="put the table into this docs page")
     p.add_argument(
