@@ -1,26 +1,19 @@
 """`ray job submit` against a real local cluster, and the cluster files that size gangs.
 
 The cluster test starts its own Ray head with ``ray start`` on 127.0.0.1 (its own ports, temp
-directory and authentication token), submits the training job with the real ``ray job submit``
-command line, and stops exactly the processes it started: ``ray stop`` would stop every Ray
-cluster on the machine, so the test ends its own process session by pid instead.
+directory and authentication token; ``raytrec.local_cluster``), submits the training job with the
+real ``ray job submit`` command line, and stops exactly the processes it started: ``ray stop``
+would stop every Ray cluster on the machine, so the cluster's process sessions are ended by pid.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 import math
-import os
 import pathlib
-import secrets
-import shutil
-import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 
@@ -29,6 +22,7 @@ import yaml
 
 from raytrec.config import TrainConfig
 from raytrec.config_file import load_config
+from raytrec.local_cluster import LocalCluster, local_cluster
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BIN = pathlib.Path(sys.executable).parent  # the environment running the tests has Ray
@@ -113,173 +107,31 @@ def test_runtime_env_excludes_the_environment_and_runs() -> None:
 # --- a real cluster -------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclasses.dataclass(frozen=True)
-class LocalCluster:
-    dashboard: str  # http://127.0.0.1:<port>, what `ray job submit --address` takes
-    env: dict[str, str]  # with the token: what a client of this cluster runs with
-    session: int  # the process session of every process `ray start` left running
-
-
-def stop_session(session: int, grace_s: float = 8.0) -> None:
-    """Terminates every process in ``session`` and their children; kills what outlives
-    ``grace_s``."""
-    import psutil
-
-    procs: dict[int, psutil.Process] = {}
-    for p in psutil.process_iter():
-        try:
-            if os.getsid(p.pid) == session:
-                procs[p.pid] = p
-                procs.update({c.pid: c for c in p.children(recursive=True)})
-        except (psutil.Error, ProcessLookupError, PermissionError):
-            continue
-    for p in procs.values():
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.terminate()
-    _, alive = psutil.wait_procs(list(procs.values()), timeout=grace_s)
-    for p in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    psutil.wait_procs(alive, timeout=5)
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    # Unix socket paths under Ray's temp dir must stay short: a short name in /tmp.
-    temp_dir = tempfile.mkdtemp(prefix="rtjob-", dir="/tmp")
-    env = {
-        **os.environ,
-        # A Ray 2.60 cluster with token authentication, with a token of its own.
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN": secrets.token_hex(32),
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # keep 127.0.0.1 as the node address
-        "RAY_USAGE_STATS_ENABLED": "0",
-        # The job's entrypoint runs `python` from the PATH that `ray start` had.
-        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-    }
-    env.pop("RAY_ADDRESS", None)
-    dashboard_port = free_port()
-    ports = {
-        "--port": free_port(),
-        "--dashboard-port": dashboard_port,
-        "--dashboard-agent-listen-port": free_port(),
-        "--dashboard-agent-grpc-port": free_port(),
-        "--runtime-env-agent-port": free_port(),
-        "--metrics-export-port": free_port(),
-        "--ray-client-server-port": free_port(),
-        "--node-manager-port": free_port(),
-        "--object-manager-port": free_port(),
-    }
-    start = subprocess.Popen(
-        [
-            RAY,
-            "start",
-            "--head",
-            "--node-ip-address=127.0.0.1",
-            "--dashboard-host=127.0.0.1",
-            "--num-cpus=3",
-            f"--temp-dir={temp_dir}",
-            "--disable-usage-stats",
-            *(f"{flag}={port}" for flag, port in ports.items()),
-        ],
-        env=env,
-        start_new_session=True,  # everything it starts shares this session: stopped below
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        out, _ = start.communicate(timeout=120)
-        assert start.returncode == 0, out
-        yield LocalCluster(
-            dashboard=f"http://127.0.0.1:{dashboard_port}", env=env, session=start.pid
-        )
-    finally:
-        if start.poll() is None:
-            start.kill()
-        stop_session(start.pid)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    with local_cluster(head_cpus=3, temp_prefix="rtjob-") as c:
+        yield c
 
 
 def ray_cli(
-    cluster: LocalCluster, *args: str, env: dict[str, str] | None = None, timeout: float = 120
+    cluster: LocalCluster, *args: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [RAY, *args],
-        env=env or cluster.env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return cluster.ray(*args, env=env, cwd=str(REPO))
 
 
 def submit(cluster: LocalCluster, submission_id: str, *job_args: str) -> None:
-    """``ray job submit`` as a user types it; retried while the job agent is still starting."""
-    command = [
-        "job",
-        "submit",
-        "--address",
-        cluster.dashboard,
-        "--submission-id",
-        submission_id,
-        "--working-dir",
-        ".",
-        "--runtime-env",
-        str(RUNTIME_ENV.relative_to(REPO)),
-        "--no-wait",
-        "--",
-        "python",
-        "-m",
-        "jobs.train",
-        *job_args,
-    ]
-    for _ in range(30):
-        done = ray_cli(cluster, *command)
-        if done.returncode == 0:
-            return
-        assert "No available agent" in done.stdout + done.stderr, done.stdout + done.stderr
-        time.sleep(2)
-    raise AssertionError("the cluster's job agent never came up")
+    """``ray job submit`` as a user types it."""
+    runtime_env = str(RUNTIME_ENV.relative_to(REPO))
+    entrypoint = ("python", "-m", "jobs.train", *job_args)
+    cluster.submit(submission_id, *entrypoint, cwd=str(REPO), runtime_env=runtime_env)
 
 
 def wait_for(cluster: LocalCluster, submission_id: str, timeout_s: float = 240) -> str:
-    """The job's final state and status message, read from ``ray job status``."""
-    # What the CLI prints (on stderr) once a job has ended.
-    ended = {
-        f"Job '{submission_id}' succeeded": "SUCCEEDED",
-        f"Job '{submission_id}' failed": "FAILED",
-        f"Job '{submission_id}' was stopped": "STOPPED",
-    }
-    deadline = time.monotonic() + timeout_s
-    text = ""
-    while time.monotonic() < deadline:
-        status = ray_cli(
-            cluster,
-            "job",
-            "status",
-            "--log-color",
-            "false",
-            "--address",
-            cluster.dashboard,
-            submission_id,
-        )
-        text = status.stdout + status.stderr
-        state = next((s for line, s in ended.items() if line in text), None)
-        if state:
-            return f"{state}\n{text}"
-        time.sleep(3)
-    raise AssertionError(f"job {submission_id} did not end in {timeout_s}s: {text}")
+    return cluster.wait(submission_id, timeout_s)
 
 
 def job_logs(cluster: LocalCluster, submission_id: str) -> str:
-    return ray_cli(cluster, "job", "logs", "--address", cluster.dashboard, submission_id).stdout
+    return cluster.logs(submission_id)
 
 
 @pytest.mark.cluster

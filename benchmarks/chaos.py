@@ -1,0 +1,423 @@
+"""Chaos on a multi-node local cluster: what losing nodes and ranks costs a submitted job.
+
+    .venv/bin/python benchmarks/chaos.py                       # 3 node losses, 1 rank kill
+    .venv/bin/python benchmarks/chaos.py --short               # 1 rank kill, 1 node loss
+    .venv/bin/python benchmarks/chaos.py --write docs/fault_tolerance.md
+
+Starts a cluster of ``ray start`` processes on 127.0.0.1 (``raytrec.local_cluster``): a head
+node with no CPUs (the job's driver and coordinator) and ``--nodes`` worker nodes of one gang
+each, every node with its own ports, temporary directory and process session. Submits
+``python -m jobs.train`` with ``ray job submit`` (2 gangs x 2 ranks, synthetic data, a
+checkpoint every 50 steps) and, following the steps in the run directory's ``metrics.jsonl``,
+carries out its schedule: a **rank kill** SIGKILLs one ``ray::RankWorker`` process (its gang is
+dropped; the freed CPUs take a new gang, which joins), a **node loss** SIGKILLs a worker node's
+raylet (then ends what the node left) and, unless it is the last fault, starts a replacement
+node, whose new gang joins. A fault waits until both gangs have been training for two
+intervals. Everything ends by itself: the job runs ``--steps`` steps; the cluster is stopped
+and the job's run directory removed (``--keep-run`` keeps it).
+
+Reported from the job's own outputs (``events.jsonl``, ``metrics.jsonl``, ``summary.json``):
+
+- **detected after**: the kill to the job's first ``rank_died`` event for a rank on the killed
+  node (the job acts on it: the gang is dropped and the survivors re-form); for a node loss also
+  **node_died after**: the kill to the ``node_died`` event, once Ray's node table shows the node
+  dead (after Ray's health checks of the raylet), checked to carry the killed node's id. Events
+  carry the coordinator's clock; the harness's kill time is put on it with the offset
+  min(time the harness first saw a metrics row - the row's ``at``): upper bounds by the smallest
+  delay with which the driver (polling each second) wrote a row and the harness (polling each
+  0.1 s) saw it.
+- **survivors' stall**: at a loss or join event, the gap between the metrics rows just before
+  and just after it minus the time the later row's steps take at the run's normal pace (the
+  median seconds per step of the rows away from any event). With ``log_every`` small the
+  intervals are short, so this is the time the survivors trained nothing because of the event,
+  detection, re-forming, the sync and state broadcast, and the first batches included.
+- **to join**: a replacement's start (the node's ``ray start``, or the rank kill that freed its
+  CPUs) to its gang's ``gang_joined``; the survivors train meanwhile.
+- rows lost (``batches.lost``) and doubled (``committed - committed_distinct``), the job's state
+  and its final metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import glob
+import itertools
+import json
+import os
+import pathlib
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from _docs import replace_block  # benchmarks/, the script's own folder
+
+from raytrec.local_cluster import (
+    LocalCluster,
+    WorkerNode,
+    local_cluster,
+    session_pids,
+    stop_session,
+)
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- chaos:begin -->", "<!-- chaos:end -->"
+HEADING = "## Chaos: node and rank losses on a local cluster"
+#: The full run and the short one (the cluster test's): faults in order.
+SCHEDULES = {
+    "full": ("rank", "node", "node", "node"),
+    "short": ("rank", "node"),
+}
+STALL_TARGETS = {"loss": 3.0, "join": 1.0}
+
+
+@dataclasses.dataclass
+class Fault:
+    kind: str  # "rank" or "node"
+    step: int  # the last step seen before the kill
+    kill_mono: float  # time.monotonic() at the kill (the same clock on every process here)
+    node: str  # the worker node's name
+    node_id: str | None  # Ray's node id of the node (of the rank's node for a rank kill)
+    replacement_mono: float | None = None  # when a replacement node's `ray start` began
+
+
+class RunDir:
+    """The job's run directory, read as it is written; remembers when each row was first seen."""
+
+    def __init__(self, storage: str) -> None:
+        self.storage = storage
+        self.path: str | None = None
+        self.rows: list[dict[str, Any]] = []
+        self.seen: list[float] = []
+
+    def poll(self) -> None:
+        if self.path is None:
+            found = glob.glob(os.path.join(self.storage, "*", "metrics.jsonl"))
+            if not found:
+                return
+            self.path = os.path.dirname(found[0])
+        with open(os.path.join(self.path, "metrics.jsonl")) as f:
+            lines = f.read().splitlines()
+        now = time.monotonic()
+        for line in lines[len(self.rows) :]:
+            try:
+                self.rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # half written: read again next time
+            self.seen.append(now)
+
+    def events(self) -> list[dict[str, Any]]:
+        if self.path is None or not os.path.exists(os.path.join(self.path, "events.jsonl")):
+            return []
+        with open(os.path.join(self.path, "events.jsonl")) as f:
+            return [json.loads(x) for x in f.read().splitlines() if x.strip()]
+
+    @property
+    def step(self) -> int:
+        return int(self.rows[-1]["step"]) if self.rows else 0
+
+    def offset(self) -> float:
+        """time.monotonic() - the coordinator's clock, from above."""
+        return min(s - float(r["at"]) for s, r in zip(self.seen, self.rows, strict=True))
+
+
+def rank_pids(node: WorkerNode) -> list[int]:
+    """The node's rank processes (their title is ``ray::RankWorker`` and the running method)."""
+    return sorted(session_pids(node.session, "ray::RankWorker"))
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    storage = tempfile.mkdtemp(prefix="rtchaos-", dir="/tmp")
+    faults: list[Fault] = []
+    schedule = SCHEDULES[a.schedule]
+    started = time.monotonic()
+    with local_cluster(head_cpus=0, temp_prefix="rtch-") as cluster:
+        with concurrent.futures.ThreadPoolExecutor(a.nodes) as pool:
+            names = [f"n{i}" for i in range(a.nodes)]
+            list(pool.map(lambda name: cluster.add_node(name, num_cpus=a.gang_size), names))
+        cluster.nodes.sort(key=lambda n: n.name)
+        job = f"chaos-{os.getpid()}"
+        print(f"[chaos] cluster: {cluster.dashboard}, head in {cluster.temp_dir}", flush=True)
+        entrypoint = [
+            "python", "-m", "jobs.train", "--config", "examples/configs/local_cpu.yaml",
+            "--num-workers", str(2 * a.gang_size), "--gang-size", str(a.gang_size),
+            "--steps", str(a.steps), "--log-every", str(a.log_every),
+            "--storage-path", storage, "--set", "name=chaos",
+            "--set", "checkpoint.every_n_steps=50",
+            "--set", "elastic.min_gangs=1", "--set", "elastic.max_gangs=2",
+            "--set", f"elastic.collective_timeout_s={a.collective_timeout_s}",
+            "--set", f"elastic.step_timeout_s={2 * a.collective_timeout_s}",
+        ]  # fmt: skip
+        cluster.submit(job, *entrypoint, cwd=str(REPO), runtime_env="examples/runtime_env.yaml")
+        run_dir = RunDir(storage)
+        state = drive(a, cluster, job, run_dir, schedule, faults, started)
+        logs = cluster.logs(job)
+    summary = {}
+    if run_dir.path and os.path.exists(os.path.join(run_dir.path, "summary.json")):
+        with open(os.path.join(run_dir.path, "summary.json")) as f:
+            summary = json.load(f)
+    events = run_dir.events()
+    if not a.keep_run:  # what the report needs is read; checkpoints and the model go
+        shutil.rmtree(storage, ignore_errors=True)
+    return {
+        "state": state.split("\n", 1)[0],
+        "status": state,
+        "logs_tail": logs[-6000:],
+        "run_dir": run_dir.path if a.keep_run else None,
+        "faults": [dataclasses.asdict(f) for f in faults],
+        "rows": run_dir.rows,
+        "events": events,
+        "offset": run_dir.offset() if run_dir.rows else None,
+        "summary": summary,
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+
+
+def drive(
+    a: argparse.Namespace,
+    cluster: LocalCluster,
+    job: str,
+    run_dir: RunDir,
+    schedule: tuple[str, ...],
+    faults: list[Fault],
+    started: float,
+) -> str:
+    """Carries out ``schedule`` while the job trains; returns its final state."""
+
+    spare = len(cluster.nodes)  # names of replacement nodes go on from here
+    dead: set[str] = set()
+    full_since: int | None = None  # the first step at which both gangs trained again
+    ended: list[str] = []  # the job's final state, once `ray job status` shows one
+    # The `ray` CLI takes seconds to start here: asked in a thread, so faults stay on time.
+    waiter = threading.Thread(target=lambda: ended.append(cluster.wait(job, a.timeout_s)))
+    waiter.daemon = True
+    waiter.start()
+    while not ended:
+        if time.monotonic() - started > a.timeout_s:
+            cluster.ray("job", "stop", "--address", cluster.dashboard, job)
+            return cluster.wait(job, 180)
+        run_dir.poll()
+        rows = run_dir.rows
+        if rows and rows[-1]["gangs"] == 2:
+            full_since = run_dir.step if full_since is None else full_since
+        else:
+            full_since = None
+        due = (
+            len(faults) < len(schedule)
+            and full_since is not None
+            and run_dir.step >= max(a.first_step, full_since + 2 * a.log_every)
+        )
+        if due:
+            kind = schedule[len(faults)]
+            live = [n for n in cluster.nodes if n.name not in dead and rank_pids(n)]
+            node = live[-1] if kind == "node" else live[0]
+            node_id = node.node_id()
+            kill_mono = time.monotonic()
+            if kind == "rank":
+                os.kill(rank_pids(node)[-1], signal.SIGKILL)
+            else:
+                raylet = node.raylet_pid()
+                assert raylet is not None
+                os.kill(raylet, signal.SIGKILL)
+            fault = Fault(kind, run_dir.step, kill_mono, node.name, node_id)
+            faults.append(fault)
+            print(f"[chaos] step {fault.step}: killed a {kind} on {node.name}", flush=True)
+            full_since = None
+            if kind == "node":
+                dead.add(node.name)
+                stop_session(node.session, grace_s=2)  # what the node left (agents, workers)
+                if len(faults) < len(schedule):  # a replacement, except after the last fault
+                    fault.replacement_mono = time.monotonic()
+                    cluster.add_node(f"n{spare}", num_cpus=a.gang_size)
+                    spare += 1
+        time.sleep(0.1)
+    run_dir.poll()
+    return ended[0]
+
+
+# --- the report -------------------------------------------------------------------------------
+
+
+def analyse(out: dict[str, Any]) -> dict[str, Any]:
+    rows, events, offset = out["rows"], out["events"], out["offset"]
+    marks: list[dict[str, Any]] = []
+    losses = [e for e in events if e["kind"] in ("rank_died", "node_died")]
+    for f in out["faults"]:
+        kill_at = f["kill_mono"] - offset
+        after = [e for e in losses if e["at"] >= kill_at - 1e-3]
+        # The job notices a lost node through its ranks' calls (rank_died naming the node);
+        # Ray's node table shows the node dead later (node_died, after its health checks).
+        on_node = [e for e in after if e["kind"] == "rank_died" and _same_node(e, f)]
+        mark = {"what": f"{f['kind']} killed ({f['node']})", "step": f["step"], "type": "loss"}
+        if on_node:
+            hit = on_node[0]
+            mark |= {"at": hit["at"], "step": hit["step"], "detected_s": hit["at"] - kill_at}
+        if f["kind"] == "node":
+            died = next((e for e in after if e["kind"] == "node_died"), None)
+            if died is not None:
+                mark["node_died_s"] = died["at"] - kill_at
+                mark["named"] = died.get("node_id") == f["node_id"]
+        marks.append(mark)
+    starts = [
+        (f["replacement_mono"] if f["kind"] == "node" else f["kill_mono"]) - offset
+        for f in out["faults"]
+        if f["kind"] == "rank" or f["replacement_mono"] is not None
+    ]
+    for e in (e for e in events if e["kind"] == "gang_joined"):
+        start = max((s for s in starts if s <= e["at"]), default=None)
+        mark = {"what": f"gang {e['gang_id']} joined", "step": e["step"], "type": "join"}
+        mark |= {"at": e["at"], "to_join_s": None if start is None else e["at"] - start}
+        marks.append(mark)
+    marks.sort(key=lambda m: m.get("at", float("inf")))
+    # The normal pace: seconds per step of the rows whose interval held no event.
+    ats = [m["at"] for m in marks if "at" in m]
+    pace = []
+    for before, after in itertools.pairwise(rows):
+        if not any(before["at"] < t <= after["at"] for t in ats):
+            pace.append((after["at"] - before["at"]) / after["steps"])
+    step_s = statistics.median(pace) if pace else 0.0
+    for m in marks:
+        if "at" not in m:
+            continue
+        before = [r for r in rows if r["at"] <= m["at"]]
+        after = [r for r in rows if r["at"] > m["at"]]
+        if before and after:
+            gap = after[0]["at"] - before[-1]["at"]
+            m["stall_s"] = gap - after[0]["steps"] * step_s
+    summary = out["summary"]
+    batches = summary.get("batches", {})
+    return {
+        "marks": marks,
+        "step_s": step_s,
+        "lost": batches.get("lost"),
+        "doubled": None if not batches else batches["committed"] - batches["committed_distinct"],
+        "final": summary.get("final"),
+        "replica_check": summary.get("replica_check", {}).get("passed"),
+    }
+
+
+def _same_node(event: dict[str, Any], fault: dict[str, Any]) -> bool:
+    """Whether a rank_died event names the fault's node ("<node id prefix> at <address>")."""
+    prefix = str(event.get("node", "")).split(" ", 1)[0]
+    return bool(prefix) and str(fault["node_id"] or "").startswith(prefix)
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = [
+        "| event | step | detected after (s) | node_died after (s) | to join (s) "
+        "| survivors' stall (s) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for m in report["marks"]:
+        died = _s(m.get("node_died_s"))
+        if m.get("named") is False:
+            died += " (**another node named**)"
+        lines.append(
+            f"| {m['what']} | {m['step']} | {_s(m.get('detected_s'))} | {died} | "
+            f"{_s(m.get('to_join_s'))} | {_s(m.get('stall_s'))} |"
+        )
+    return "\n".join(lines)
+
+
+def medians(report: dict[str, Any]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for kind in ("loss", "join"):
+        stalls = [m["stall_s"] for m in report["marks"] if m["type"] == kind and "stall_s" in m]
+        out[kind] = statistics.median(stalls) if stalls else None
+    return out
+
+
+def describe(a: argparse.Namespace, out: dict[str, Any], report: dict[str, Any]) -> str:
+    final = report["final"] or {}
+    med = medians(report)
+    verdicts = []
+    for kind, label in (("loss", "a loss"), ("join", "a join")):
+        value, target = med[kind], STALL_TARGETS[kind]
+        met = value is not None and value < target
+        verdicts.append(
+            f"median survivors' stall at {label} {_s(value)} s (target < {target:.0f} s: "
+            f"{'met' if met else '**missed**'})"
+        )
+    argv = out["args"]["command"]
+    return "\n".join(
+        [
+            f"Measured by `benchmarks/chaos.py` on {a.date}, machine: {a.machine}, "
+            f"whole run {out['wall_s']:.0f} s:",
+            "",
+            f"    .venv/bin/python benchmarks/chaos.py {argv}".rstrip(),
+            "",
+            f"- Cluster: `ray start` head (0 CPUs) + {a.nodes} worker nodes of {a.gang_size} "
+            f"CPUs on 127.0.0.1; job: 2 gangs x {a.gang_size} ranks, synthetic data, "
+            f"`examples/configs/local_cpu.yaml`, {a.steps} steps, `log_every={a.log_every}`, "
+            f"a checkpoint every 50 steps; normal pace {report['step_s']:.3f} s/step.",
+            f"- Job {out['state'].lower()}; rows lost: {report['lost']} batches, doubled: "
+            f"{report['doubled']} batches; replica check "
+            f"{'passed' if report['replica_check'] else 'FAILED'}; final loss "
+            f"{final.get('loss', float('nan')):.4f}, AUC {final.get('auc') or float('nan'):.4f} "
+            f"at step {final.get('step')}.",
+            f"- {verdicts[0]}; {verdicts[1]}.",
+            "",
+            table(report),
+        ]
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--short", dest="schedule", action="store_const", const="short", default="full")
+    p.add_argument("--nodes", type=int, default=2, help="worker nodes at the start")
+    p.add_argument("--gang-size", type=int, default=2)
+    p.add_argument("--steps", type=int, default=None, help="default: 14000, 3500 with --short")
+    p.add_argument("--log-every", type=int, default=2)
+    p.add_argument("--first-step", type=int, default=10, help="no fault before this step")
+    p.add_argument("--collective-timeout-s", type=float, default=10.0)
+    p.add_argument("--timeout-s", type=float, default=900.0, help="stop the job after this")
+    p.add_argument("--keep-run", action="store_true", help="keep the job's run directory")
+    p.add_argument("--json", type=pathlib.Path, help="write the raw outputs and report here")
+    p.add_argument("--write", type=pathlib.Path, help="put the table into this docs page")
+    p.add_argument(
+        "--from-json", type=pathlib.Path, help="report a run saved with --json (runs nothing)"
+    )
+    p.add_argument("--machine", default="2-core CPU VM")
+    p.add_argument("--date", default=datetime.date.today().isoformat())
+    a = p.parse_args(argv)
+    if a.steps is None:
+        a.steps = 3500 if a.schedule == "short" else 14000
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.from_json:
+        out = json.loads(a.from_json.read_text())["out"]
+        a.__dict__.update(out["args"])
+    else:
+        out = run(a)
+        out["args"] = {k: getattr(a, k) for k in ("nodes", "gang_size", "steps", "log_every")}
+        out["args"] |= {"command": " ".join(sys.argv[1:])}
+    report = analyse(out) if out["rows"] else {"marks": []}
+    if a.json:
+        a.json.write_text(json.dumps({"out": out, "report": report}, indent=1, default=str))
+    if not out["rows"]:
+        print(out["status"], out["logs_tail"], sep="\n")
+        return 1
+    text = describe(a, out, report)
+    print(text)
+    if a.write:
+        replace_block(a.write, text, begin=BEGIN, end=END, heading=HEADING)
+    return 0 if out["state"] == "SUCCEEDED" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
