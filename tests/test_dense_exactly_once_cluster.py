@@ -222,7 +222,10 @@ def one_node() -> Iterator[Cluster]:
         yield c
 
 
-@pytest.mark.parametrize(("dense", "failed_step"), [("every_step", 7), ("with_schedule", 8)])
+@pytest.mark.parametrize(
+    ("dense", "failed_step"),
+    [("every_step", 7), pytest.param("with_schedule", 8, marks=pytest.mark.long)],
+)
 def test_a_rank_death_leaves_every_row_in_the_model_once(
     one_node: Cluster, tmp_path: str, dense: str, failed_step: int
 ) -> None:

@@ -52,7 +52,7 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
         yield c
 
 
-@pytest.mark.parametrize("source", ["synthetic", "parquet"])
+@pytest.mark.parametrize("source", [pytest.param("synthetic", marks=pytest.mark.long), "parquet"])
 def test_a_lost_host_with_every_copy_of_a_shard_is_rebuilt_from_the_checkpoint(
     cluster: Cluster, tmp_path: str, source: str
 ) -> None:

@@ -541,7 +541,7 @@ class FakeWorkerGroup:
             rank.replay.extendleft(reversed(args[0]))
             return self._future(rank, len(args[0]))
         if name == "set_shard":
-            shard, replay = args
+            shard, replay = args[0], args[1]  # and the embedding-only ids (no dense in the fake)
             rank.stream, rank.pos = int(shard.index), 0
             rank.replay = collections.deque(replay)
             return self._future(rank)
@@ -560,7 +560,7 @@ class FakeWorkerGroup:
                 rank,
                 {"shards": shards + (":off" if rank.corrupt else ""), "dense": f"{copy.dense:x}"},
             )
-        if name in ("join_sync_plan", "close"):
+        if name in ("join_sync_plan", "close", "settle_failed_step"):
             return self._future(rank)
         raise FakeUsageError(f"the fake rank has no method {name}")
 
