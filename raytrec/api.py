@@ -225,6 +225,9 @@ def fit(
             with contextlib.suppress(Exception):
                 ray.get(coordinator.shutdown.remote(), timeout=60)
             ray.kill(coordinator)
+            # A coordinator that died could not release the job's placement groups, and Ray
+            # keeps them for as long as this driver lives: release them by their names.
+            _release_placement_groups(os.path.basename(run_dir))
     finally:
         if shutdown_ray if shutdown_ray is not None else started:
             ray.shutdown()
@@ -396,6 +399,17 @@ def _follow(
             "the coordinator actor died, and the job with it: raytrec does not survive the "
             f"loss of its coordinator (its node, or the driver's Ray session, went away): {e}"
         ) from e
+
+
+def _release_placement_groups(prefix: str) -> None:
+    """Removes the placement groups still held whose name starts with ``prefix`` (a run's)."""
+    from ray.util.placement_group import get_placement_group, placement_group_table
+
+    for info in placement_group_table().values():
+        name = info.get("name") or ""
+        if name.startswith(prefix) and info.get("state") != "REMOVED":
+            with contextlib.suppress(Exception):
+                ray.util.remove_placement_group(get_placement_group(name))
 
 
 class CoordinatorDied(RuntimeError):
