@@ -114,6 +114,7 @@ def test_every_rank_hung_is_found_by_the_heartbeat_rule(cluster: Cluster, tmp_pa
     assert_every_batch_once(result)
 
 
+@pytest.mark.long
 def test_a_heal_that_does_not_match_its_peer_is_dropped_and_placed_again(
     cluster: Cluster, tmp_path: str
 ) -> None:

@@ -56,6 +56,7 @@ def test_replicas_within_host_losing_a_host_without_a_checkpoint_fails_clearly(
         fit(cfg, shutdown_ray=False)
 
 
+@pytest.mark.long
 def test_replicas_within_host_losing_one_rank_drops_its_gang_and_goes_on(
     local_ray: None, tmp_path: str
 ) -> None:
