@@ -165,6 +165,9 @@ class Coordinator:
         self._node_addresses: dict[str, str] = {}  # Ray node id -> its address
         self._node_gangs: dict[str, set[int]] = {}  # Ray node id -> gangs that ran there
         self._reported_dead: set[str] = set()  # nodes with a node_died event
+        # Nodes of ranks lost for another reason than a known node death: checked at the
+        # boundaries until the node table says whether they died (report_late_node_deaths).
+        self._suspect_nodes: set[str] = set()
         self._store_address: StoreAddress | None = None
         replayable = all(s.replayable for s in shards)
         self._stream_id = batch_id if replayable else None
@@ -689,11 +692,14 @@ class Coordinator:
         )
 
     def report_late_node_deaths(self) -> None:
-        """Nodes that held ranks of this job and have died since, though the job learned of
-        their ranks' loss another way (the node table can lag behind a lost raylet): each gets
-        its ``node_died`` event with the gangs it held."""
-        dead = set(self._node_index) - {n.node_id for n in self.group.nodes() if n.alive}
-        for node_id in sorted(dead - self._reported_dead):
+        """The nodes of ranks lost without a node death being known (the node table can lag
+        behind a lost raylet) that the table now shows dead: each gets its ``node_died`` event
+        with the gangs it held. Asks the node table only while such a node is unresolved."""
+        suspects = self._suspect_nodes - self._reported_dead
+        if not suspects:
+            return
+        dead = suspects - {n.node_id for n in self.group.nodes() if n.alive}
+        for node_id in sorted(dead):
             gangs = sorted(self._node_gangs.get(node_id, ()))
             self.report_dead_node(node_id, gangs, at=self._now())
 

@@ -330,6 +330,8 @@ class FailureRecovery:
             if r in result.logged:
                 continue
             result.logged.add(r)
+            if cause != _NODE_DIED and r in self.job._rank_nodes:
+                self.job._suspect_nodes.add(self.job._rank_nodes[r])
             self.job.events.append(
                 RankDied(
                     at=now,
