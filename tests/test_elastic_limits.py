@@ -37,6 +37,7 @@ WITHIN_HOST = ScalingConfig(
 )
 
 
+@pytest.mark.long
 def test_replicas_within_host_losing_a_host_without_a_checkpoint_fails_clearly(
     local_ray: None, tmp_path: str
 ) -> None:

@@ -70,6 +70,7 @@ def test_the_stalls_separate_the_schedules() -> None:
     assert hierarchical_wait_s() <= synchronous_lower_bound_s() - 2.5
 
 
+@pytest.mark.long
 @pytest.mark.cluster
 def test_hierarchy_with_stragglers_trains_and_ends_with_identical_replicas(
     local_ray: None, tmp_path: str
