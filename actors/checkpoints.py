@@ -10,10 +10,11 @@ and continues the saved data streams on any number of ranks.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from actors.rank import RankWorker
-from raytrec.checkpoint.config import checkpoint_root, save_decision
+from raytrec.checkpoint.config import SCORE_ATTRIBUTES, checkpoint_root, save_decision
 from raytrec.elastic.events import CheckpointRestored, CheckpointSaved
 from raytrec.elastic.rollback import RollbackPoint, StreamStart
 
@@ -85,6 +86,7 @@ class JobCheckpoints:
     def due(self, step: int, *, final: bool = False, stopping: bool = False) -> bool:
         """Whether the checkpoint policy wants a save at ``step``."""
         last_step, last_clock = self.last_save
+        evaluation = self.job.evaluation
         decision = save_decision(
             self.job.cfg.checkpoint,
             step=step,
@@ -94,6 +96,7 @@ class JobCheckpoints:
             sync_every=1,  # a sync is done right here when one is due
             final_step=self.job.end_step if final else None,
             stopping=stopping,
+            evaluated=evaluation is not None and evaluation.last_step == step,
         )
         return decision.save and step != 0 and last_step != step
 
@@ -113,6 +116,7 @@ class JobCheckpoints:
             "step": self.job.step,
             "gangs": self.job.membership.num_gangs,
             "accounting": accounting,
+            "metrics": self.metrics(),
         }
         refs = self.job._call(
             writer,
@@ -120,7 +124,7 @@ class JobCheckpoints:
             self.root,
             self.job.membership.generation,
             extra,
-            cfg.num_to_keep,
+            cfg,
             self.job.membership.num_gangs,
         )
         self.last = refs[0][1]
@@ -131,6 +135,16 @@ class JobCheckpoints:
         self.job.events.append(
             CheckpointSaved(at=self.job._now(), step=self.job.step, uri=refs[0][1])
         )
+
+    def metrics(self) -> dict[str, float]:
+        """The metrics of the interval that ended at the job's step (the held-out ones when an
+        evaluation ran there): what ranks a checkpoint (``checkpoint_score_attribute``)."""
+        rows = self.job.progress()
+        if not rows or rows[-1].step != self.job.step:
+            return {}
+        row = rows[-1]
+        values = {k: getattr(row, k) for k in SCORE_ATTRIBUTES}
+        return {k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)}
 
     def accounting_snapshot(self) -> dict[str, Any]:
         """The batch accounting (and the table of re-shared streams its positions name) as

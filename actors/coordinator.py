@@ -37,10 +37,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import secrets
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from torchrec.distributed.types import ShardingPlan
@@ -49,11 +48,12 @@ from actors.checkpoints import JobCheckpoints
 from actors.drain import GangDrain
 from actors.evaluation import JobEvaluation
 from actors.growth import GangGrowth
+from actors.nodes import JobNodes
+from actors.placement import JobPlacement
 from actors.rank import RankWorker
 from actors.recovery import MAX_TRANSIENT, Dispatched, FailureRecovery
 from actors.reshare import DataStreams, StreamTable
 from actors.total_loss import TotalLossRecovery
-from raytrec.capacity import describe_bundles, describe_nodes
 from raytrec.config import TrainConfig
 from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.source import BatchShard
@@ -61,42 +61,31 @@ from raytrec.data.synthetic import batch_id
 from raytrec.elastic.accounting import BatchAccounting
 from raytrec.elastic.control import (
     Boundary,
-    Fail,
-    Proceed,
     intervals_to_queue,
-    placement_decision,
 )
 from raytrec.elastic.events import (
     EventLog,
     GenerationStarted,
-    NodeDied,
-    PlacementWaiting,
 )
 from raytrec.elastic.heal import replicas_disagree
-from raytrec.elastic.membership import Gang, Membership, RankSlot
+from raytrec.elastic.membership import Membership
 from raytrec.elastic.report import RankInfo, RankReport, RunSummary
 from raytrec.elastic.workers import (
     Clock,
-    Placement,
     RankCallError,
     RankFailed,
     SystemClock,
     WorkerGroup,
 )
-from raytrec.engine.rank import RENDEZVOUS_TIMEOUT_S, RankSpec, StoreAddress
-from raytrec.errors import ConfigError, JobFailedError, StopRequested
+from raytrec.engine.rank import RENDEZVOUS_TIMEOUT_S, StoreAddress
+from raytrec.errors import ConfigError, EarlyStopped, JobFailedError, StopRequested
 from raytrec.evaluation import EvalPlan
 from raytrec.metrics import IntervalMetrics, aggregate_interval
 from raytrec.model import ModelFactory, build_dlrm
-from raytrec.placement import placement_specs, rank_resources
 from raytrec.rec_metrics import InterpretedMetrics, merge_metric_states
 from raytrec.sync.schedule import SyncPlan, plan_sync
-from raytrec.topology import Layout
 
 __all__ = ["Coordinator", "JobFailedError", "RunSummary"]
-
-#: While the job's placement groups are pending, a ``placement_waiting`` event this often.
-PLACEMENT_REPORT_S = 30.0
 
 
 class Coordinator:
@@ -139,8 +128,6 @@ class Coordinator:
         self.model_factory = model_factory
         self.new_shard = new_shard  # job rank -> BatchShard, for gangs that join later
         self.resume_from = resume_from  # a checkpoint to start from
-        # Placement group names are unique in the Ray session: the run's name and a random tag.
-        self._pg_prefix = f"{os.path.basename(run_dir)}-{secrets.token_hex(3)}"
         # Held-out evaluation (raytrec.evaluation): its shard and plan, when configured.
         self.evaluation = None if evaluation is None else JobEvaluation(self, *evaluation)
         self.elastic = config.elastic
@@ -158,16 +145,6 @@ class Coordinator:
         self._t0 = self.clock.monotonic()
         self._history: list[IntervalMetrics] = []
         self._lock = threading.Lock()
-        self._pgs: dict[int, Placement] = {}  # gang id -> its placement group
-        self._started: set[int] = set()  # job ranks whose process was started and not ended
-        self._rank_nodes: dict[int, str] = {}  # job rank -> Ray node id
-        self._node_index: dict[str, int] = {}
-        self._node_addresses: dict[str, str] = {}  # Ray node id -> its address
-        self._node_gangs: dict[str, set[int]] = {}  # Ray node id -> gangs that ran there
-        self._reported_dead: set[str] = set()  # nodes with a node_died event
-        # Nodes of ranks lost for another reason than a known node death: checked at the
-        # boundaries until the node table says whether they died (report_late_node_deaths).
-        self._suspect_nodes: set[str] = set()
         self._store_address: StoreAddress | None = None
         replayable = all(s.replayable for s in shards)
         self._stream_id = batch_id if replayable else None
@@ -182,8 +159,10 @@ class Coordinator:
         hierarchical = bool(config.sync.levels) and config.sync.dense != "every_step"
         self._depth = 1 if hierarchical else 2
         # The parts of the job with state of their own, each in its module: where the ranks
-        # read, gangs being added, drains, failures, the rebuild after a total loss, and
-        # checkpoints. The decisions they carry out are made in raytrec.elastic.
+        # run, where they read, gangs being added, drains, failures, the rebuild after a total
+        # loss, and checkpoints. The decisions they carry out are made in raytrec.elastic.
+        self.placement = JobPlacement(self)
+        self.nodes = JobNodes(self)
         self.streams = DataStreams(self, table)
         self.growth = GangGrowth(self)
         self.drains = GangDrain(self)
@@ -213,7 +192,7 @@ class Coordinator:
 
     def rank_nodes(self) -> dict[int, str]:
         """Job rank -> the Ray node id it runs on (live ranks)."""
-        return dict(self._rank_nodes)
+        return dict(self.nodes.of_rank)
 
     # -- the job --------------------------------------------------------------
 
@@ -231,10 +210,10 @@ class Coordinator:
                 self.shards[rank] if starts is None else self.streams.shard_of(starts[rank].shard)
             )
 
-        refused = self._place_job(self.membership.gangs, shard_of)
+        refused = self.placement.place_job(self.membership.gangs, shard_of)
         if refused is not None:
             raise ConfigError(refused)
-        infos = self._build(sorted(self._started))
+        infos = self._build(sorted(self.placement.started))
         self._new_generation(reason="job started")
         if self.resume_from is not None:
             self.checkpoints.restore(self.resume_from, starts)
@@ -242,64 +221,6 @@ class Coordinator:
             self._call(self._live_ranks(), RankWorker.broadcast_state, 0)  # all from gang 0's state
         self.growth.request()
         return infos
-
-    def _place_job(self, gangs: Sequence[Gang], shard_of: Callable[[int], Any]) -> str | None:
-        """Places a whole job of the topology's shape, topology gang ``i`` as ``gangs[i]``, and
-        starts its rank actors, job rank ``r`` reading ``shard_of(r)``. Until the placement
-        groups are ready they are pending (the demand an autoscaler sees) and a
-        ``placement_waiting`` event says so every ``PLACEMENT_REPORT_S``; returns why it gave
-        up (``placement_decision``), with nothing left behind, or None once placed."""
-        specs = placement_specs(self.topology, per_rank=self._per_rank())
-        # Names stay unique when a rebuilt job is placed again in a later generation.
-        suffix = f"-gen{self.membership.generation}" if self.membership.generation else ""
-        pgs = [self.group.place(s, name=f"{self._pg_prefix}-{s.name}{suffix}") for s in specs]
-        asked = describe_bundles(specs)
-        since = self.clock.monotonic()
-        while True:
-            now = self.clock.monotonic()
-            left = since + self.elastic.resource_wait_s - now
-            # At least three reports before giving up, however short the wait.
-            every = min(PLACEMENT_REPORT_S, self.elastic.resource_wait_s / 3)
-            ready = len(self.group.ready(pgs, timeout=max(0.0, min(every, left))))
-            now = self.clock.monotonic()
-            decision = placement_decision(
-                ready=ready == len(pgs),
-                waiting_since=since,
-                now=now,
-                resource_wait_s=self.elastic.resource_wait_s,
-                asked=asked,
-            )
-            if isinstance(decision, Proceed):
-                break
-            if isinstance(decision, Fail):
-                for pg in pgs:
-                    self.group.release(pg)
-                nodes = describe_nodes(self.group.nodes())
-                return f"{decision.reason}; the cluster's live nodes: {nodes}"
-            self.events.append(
-                PlacementWaiting(
-                    at=self._now(),
-                    step=self.step,
-                    waited_s=round(now - since, 1),
-                    wait_s=self.elastic.resource_wait_s,
-                    asked=asked,
-                    nodes=describe_nodes(self.group.nodes()),
-                )
-            )
-        across = self.topology.layout is Layout.REPLICAS_ACROSS_HOSTS
-        for spec, pg in zip(specs, pgs, strict=True):
-            for bundle, ranks in enumerate(spec.ranks):
-                for t in ranks:
-                    pos = self.topology.position(t)
-                    gang = gangs[pos.gang]
-                    self._pgs[gang.gang_id if across else -1] = pg  # within: one for the job
-                    r = gang.ranks[pos.gang_rank].job_rank
-                    self._start_rank(r, gang.gang_id, pos.gang_rank, pg, bundle, shard_of(r))
-        return None
-
-    def _per_rank(self) -> dict[str, float]:
-        scaling = self.cfg.scaling
-        return rank_resources(cpus_per_rank=scaling.cpus_per_rank, use_gpu=scaling.use_gpu)
 
     def run(self) -> RunSummary:
         """Trains ``num_steps`` steps and writes the final model; returns the summary.
@@ -331,7 +252,7 @@ class Coordinator:
         final = os.path.join(self.run_dir, "final_model") if trained else None
         for _ in range(MAX_TRANSIENT + 1):
             try:
-                stopping = isinstance(stopped_by, StopRequested)
+                stopping = isinstance(stopped_by, StopRequested | EarlyStopped)
                 digests = self._finish(
                     final, checkpoint=stopped_by is None or stopping, stopping=stopping
                 )
@@ -398,7 +319,7 @@ class Coordinator:
                     if self._stop.is_set():
                         stopped_by = StopRequested(f"stopped on request at step {self.step}")
                         break
-                    self.report_late_node_deaths()
+                    self.nodes.report_late_deaths()
                     self.drains.apply()
                     self.growth.admit()
                     self.growth.wait_for_min_gangs()
@@ -461,6 +382,10 @@ class Coordinator:
                 )
             with self._lock:
                 self._history.append(row)
+            if held_out is not None and self.evaluation is not None:
+                early = self.evaluation.early_stop()
+                if early is not None:
+                    return EarlyStopped(early)  # nothing is queued after an evaluation
             going_on = stop is None or self._ready >= min(every, self.end_step - self.step)
             if not inflight and going_on and self.step < self.end_step:
                 self.checkpoints.maybe_save()
@@ -554,43 +479,10 @@ class Coordinator:
 
     # -- membership plumbing -----------------------------------------------------------------
 
-    def _start_rank(
-        self,
-        rank: int,
-        gang: int,
-        gang_rank: int,
-        pg: Placement,
-        bundle: int,
-        shard: Any,
-        *,
-        account: bool = True,
-    ) -> None:
-        """Starts rank ``rank``'s actor; ``account``: it trains from this step on (a gang built
-        in the background is booked when it joins)."""
-        assert self._store_address is not None
-        spec = RankSpec(
-            rank=rank,
-            gang=gang,
-            gang_rank=gang_rank,
-            gang_size=self.topology.gang_size,
-            config=self.cfg,
-            plan=self.plan,
-            num_dense=self.num_dense,
-            store=self._store_address,
-            model_factory=self.model_factory,
-            timeout_s=self.elastic.collective_timeout_s,
-        )
-        self.group.start_rank(spec, shard, placement=pg, bundle=bundle)
-        self._started.add(rank)
-        if account:
-            self.accounting.add_rank(rank, shard=getattr(shard, "index", rank), step=self.step)
-        else:
-            self.growth.shards_of_new[rank] = shard
-
     def _build(self, ranks: list[int]) -> list[RankInfo]:
         infos: list[RankInfo] = self._call(ranks, RankWorker.build)
         for info in infos:
-            self._saw(info)
+            self.nodes.saw(info)
         return sorted(infos, key=lambda x: x.rank)
 
     def _new_generation(self, *, reason: str) -> None:
@@ -616,7 +508,7 @@ class Coordinator:
     def _sync_plan(self) -> SyncPlan:
         """The generation's sync schedule over the live gangs, gangs on one host together."""
         locality = {
-            g.gang_id: tuple(sorted({self._node_of(s) for s in g.ranks}))
+            g.gang_id: tuple(sorted({self.nodes.of_slot(s) for s in g.ranks}))
             for g in self.membership.gangs
         }
         return plan_sync(
@@ -626,103 +518,16 @@ class Coordinator:
             locality=locality,
         )
 
-    def _kill_gang(self, gang_id: int) -> None:
-        self._release(gang_id, self.membership.gang(gang_id).job_ranks)
-
-    def _release(self, gang_id: int, ranks: Sequence[int]) -> None:
-        """Kills the gang's rank actors and removes its placement group."""
-        for r in ranks:
-            self.group.kill(r)
-            self._started.discard(r)
-            self._rank_nodes.pop(r, None)
-        pg = self._pgs.pop(gang_id, None)
-        if pg is not None:
-            self.group.release(pg)
-
     def _live_ranks(self) -> list[int]:
         return sorted(r for g in self.membership.gangs for r in g.job_ranks)
 
     def _ranks_in_gang_order(self) -> list[int]:
         return [r for g in self.membership.gangs for r in g.job_ranks]
 
-    def _with_nodes(self, gangs: Sequence[Gang]) -> tuple[Gang, ...]:
-        """The gangs with the nodes their built ranks run on."""
-        return tuple(
-            dataclasses.replace(
-                g,
-                ranks=tuple(
-                    RankSlot(job_rank=s.job_rank, gang_rank=s.gang_rank, node=self._node_of(s))
-                    for s in g.ranks
-                ),
-            )
-            for g in gangs
-        )
-
     def _gang_of(self, rank: int) -> int:
         gang = self.membership.gang_of_rank(rank)
         assert gang is not None, f"rank {rank} is in no live gang"
         return gang
-
-    def _node(self, node_id: str) -> int:
-        """A small index for a Ray node id (in order of first sight)."""
-        return self._node_index.setdefault(node_id, len(self._node_index))
-
-    def _saw(self, info: RankInfo) -> None:
-        """Notes where a built rank runs."""
-        self._rank_nodes[info.rank] = info.node_id
-        self._node(info.node_id)
-        self._node_gangs.setdefault(info.node_id, set()).add(info.gang)
-        if info.address:
-            self._node_addresses[info.node_id] = info.address
-
-    def report_dead_node(self, node_id: str, gangs: Sequence[int], *, at: float) -> None:
-        """A ``node_died`` event for ``node_id``, once per node."""
-        if node_id in self._reported_dead:
-            return
-        self._reported_dead.add(node_id)
-        self.events.append(
-            NodeDied(
-                at=at,
-                step=self.step,
-                node=self._node(node_id),
-                gang_ids=tuple(gangs),
-                node_id=node_id,
-                address=self.node_name(node_id).split(" at ", 1)[1],
-            )
-        )
-
-    def report_late_node_deaths(self) -> None:
-        """The nodes of ranks lost without a node death being known (the node table can lag
-        behind a lost raylet) that the table now shows dead: each gets its ``node_died`` event
-        with the gangs it held. Asks the node table only while such a node is unresolved."""
-        suspects = self._suspect_nodes - self._reported_dead
-        if not suspects:
-            return
-        dead = suspects - {n.node_id for n in self.group.nodes() if n.alive}
-        for node_id in sorted(dead):
-            gangs = sorted(self._node_gangs.get(node_id, ()))
-            self.report_dead_node(node_id, gangs, at=self._now())
-
-    def node_name(self, node_id: str) -> str:
-        """``<first 12 hex digits of the node id> at <address>``, as events name a node."""
-        address = self._node_addresses.get(node_id)
-        if address is None:
-            known = {n.node_id: n.address for n in self.group.nodes()}
-            address = self._node_addresses.setdefault(node_id, known.get(node_id, "?"))
-        return f"{node_id[:12]} at {address}"
-
-    def rank_node_names(self, ranks: Sequence[int]) -> tuple[str, ...]:
-        return tuple(
-            self.node_name(self._rank_nodes[r]) if r in self._rank_nodes else "?" for r in ranks
-        )
-
-    def _node_of(self, slot: RankSlot) -> int:
-        node_id = self._rank_nodes.get(slot.job_rank)
-        return slot.node if node_id is None else self._node(node_id)
-
-    def _dead_nodes(self) -> list[str]:
-        alive = {n.node_id for n in self.group.nodes() if n.alive}
-        return sorted({n for n in self._rank_nodes.values() if n not in alive})
 
     def _now(self) -> float:
         return round(self.clock.monotonic() - self._t0, 3)
@@ -761,15 +566,8 @@ class Coordinator:
         return digests
 
     def shutdown(self) -> None:
-        for r in sorted(self._started):
-            self.group.kill(r)
-        self._started.clear()
-        for pg in [*self._pgs.values(), *self.growth.pending]:
-            self.group.release(pg)
-        self._pgs.clear()
-        self.growth.pending.clear()
-        self.growth.building.clear()
-        self.growth.shards_of_new.clear()
+        """Ends every rank actor and releases every placement group, pending ones included."""
+        self.placement.shutdown()
 
     # -- helpers ----------------------------------------------------------------
 

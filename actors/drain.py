@@ -49,7 +49,7 @@ class GangDrain:
         decision = decide_drain(
             self.job.membership,
             request,
-            node_of_rank=self.job._rank_nodes,
+            node_of_rank=self.job.nodes.of_rank,
             max_gangs=self.job.max_gangs,
             min_gangs=self.job.elastic.min_gangs,
         )
@@ -79,7 +79,7 @@ class GangDrain:
                         at=self.job._now(), step=self.job.step, gang_id=gid, reason=decision.reason
                     )
                 )
-                self.job._kill_gang(gid)
+                self.job.placement.kill_gang(gid)
             self.job.membership = self.job.membership.without(drained)
         # Placement requested beyond the new cap is given back too.
         while (

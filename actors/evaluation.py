@@ -1,13 +1,15 @@
 """The coordinator's part that runs held-out evaluations (raytrec.evaluation): when one is due
 (``eval_due``), after a job-wide sync, the live ranks score the held-out batches
-(``assign_eval_batches``) and the coordinator merges their metric states."""
+(``assign_eval_batches``) and the coordinator merges their metric states. It keeps the score of
+each evaluation for early stopping (``early_stop_decision``)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from actors.rank import RankWorker
-from raytrec.evaluation import EvalPlan, assign_eval_batches, eval_due
+from raytrec.elastic.events import EarlyStopped
+from raytrec.evaluation import EvalPlan, assign_eval_batches, early_stop_decision, eval_due
 from raytrec.rec_metrics import InterpretedMetrics, merge_metric_states
 
 if TYPE_CHECKING:
@@ -22,6 +24,8 @@ class JobEvaluation:
         self.shard = shard
         self.plan = plan
         self.last_step = -1
+        # (step, early_stopping_metric) of every evaluation, in order.
+        self.scores: list[tuple[int, float | None]] = []
 
     def due(self, step: int) -> bool:
         return self.plan.num_batches > 0 and eval_due(
@@ -43,4 +47,32 @@ class JobEvaluation:
             ranks, RankWorker.evaluate, lambda r: (self.shard, assigned[r], self.plan.batch_size)
         )
         self.last_step = job.step
-        return merge_metric_states(states)
+        merged = merge_metric_states(states)
+        metric = job.cfg.eval.early_stopping_metric
+        self.scores.append((job.step, getattr(merged, metric.removeprefix("eval_"))))
+        return merged
+
+    def early_stop(self) -> str | None:
+        """Why the job stops after the last evaluation (an ``early_stopped`` event), or None."""
+        cfg = self.job.cfg.eval
+        if cfg.early_stopping_patience is None or self.job.step >= self.job.end_step:
+            return None
+        decision = early_stop_decision(
+            self.scores,
+            metric=cfg.early_stopping_metric,
+            patience=cfg.early_stopping_patience,
+            min_delta=cfg.early_stopping_min_delta,
+        )
+        if decision is None:
+            return None
+        self.job.events.append(
+            EarlyStopped(
+                at=self.job._now(),
+                step=self.job.step,
+                metric=cfg.early_stopping_metric,
+                best=decision.best,
+                best_step=decision.best_step,
+                reason=decision.reason,
+            )
+        )
+        return decision.reason

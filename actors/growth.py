@@ -114,10 +114,10 @@ class GangGrowth:
             [[0] * self.job.topology.gang_size for _ in ready]  # nodes filled in once built
         )
         for gang, pg in zip(gangs, ready, strict=True):
-            self.job._pgs[gang.gang_id] = pg
+            self.job.placement.pgs[gang.gang_id] = pg
             for slot in gang.ranks:
                 shard = self.job.new_shard(slot.job_rank)
-                self.job._start_rank(
+                self.job.placement.start_rank(
                     slot.job_rank, gang.gang_id, slot.gang_rank, pg, 0, shard, account=False
                 )
             builds = self.job.group.call(gang.job_ranks, RankWorker.build)
@@ -149,9 +149,9 @@ class GangGrowth:
         for b in built:
             infos: list[RankInfo] = [self.job.group.result(f) for f in b.builds.values()]
             for info in infos:
-                self.job._saw(info)
+                self.job.nodes.saw(info)
             new_ranks += b.gang.job_ranks
-            nodes = self.job.rank_node_names(b.gang.job_ranks)
+            nodes = self.job.nodes.rank_names(b.gang.job_ranks)
             self.job.events.append(GangPlaced(at=self.job._now(), step=self.job.step, nodes=nodes))
         # Join at a sync boundary: the live gangs agree first, so the peer's state is the job's.
         try:
@@ -164,7 +164,7 @@ class GangGrowth:
             raise
         self.job._commit_all()
         peer = self.job.membership.gangs[0].gang_id
-        gangs = self.job._with_nodes([b.gang for b in built])
+        gangs = self.job.nodes.with_nodes([b.gang for b in built])
         reshare = self.job.streams.table is not None
         for r in new_ranks:  # they train from this step on
             shard = self.shards_of_new.pop(r)
@@ -246,12 +246,12 @@ class GangGrowth:
         self.joining -= set(failed)
         self.job._new_generation(reason=f"gangs {sorted(failed)} did not heal")
         for g in dropped:
-            self.job._release(g.gang_id, g.job_ranks)
+            self.job.placement.release(g.gang_id, g.job_ranks)
         self.request()
         return [g for g in gangs if g.gang_id not in failed]
 
     def abandon(self, gang: Gang) -> None:
-        self.job._release(gang.gang_id, gang.job_ranks)
+        self.job.placement.release(gang.gang_id, gang.job_ranks)
         for r in gang.job_ranks:
             self.shards_of_new.pop(r, None)
 

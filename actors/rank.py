@@ -28,6 +28,7 @@ import numpy as np
 import ray
 import torch
 
+from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.cluster import pin_collectives_to
 from raytrec.data.feed import BatchFeed, DataExhausted
 from raytrec.data.source import Batch, BatchShard
@@ -384,7 +385,7 @@ class RankWorker:
         root: str,
         generation: int,
         extra: dict[str, Any],
-        num_to_keep: int | None,
+        retention: CheckpointConfig,
         num_gangs: int,
     ) -> tuple[int, str]:
         """Writes the training state as a checkpoint (a collective in this gang; one gang
@@ -396,7 +397,7 @@ class RankWorker:
             root,
             generation=generation,
             extra=extra,
-            num_to_keep=num_to_keep,
+            num_to_keep=retention,
             num_gangs=num_gangs,
         )
         return ref.step, ref.uri

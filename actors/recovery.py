@@ -32,7 +32,7 @@ from raytrec.elastic.policy import (
 )
 from raytrec.elastic.report import RankReport
 from raytrec.elastic.state import ElasticState
-from raytrec.elastic.workers import NODE_DIED, RankCallError, RankFailed, RankLost
+from raytrec.elastic.workers import RankCallError, RankFailed, RankLost
 from raytrec.errors import JobFailedError
 
 if TYPE_CHECKING:
@@ -40,15 +40,11 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_TRANSIENT", "Dispatched", "FailureRecovery", "IntervalOutcome"]
 
-# How long a recovery waits for Ray's node table to show a node death it suspects.
-_NODE_TABLE_GRACE_S = 5.0
-
 # Re-forms in a row after collective timeouts with every rank alive, before the job gives up.
 MAX_TRANSIENT = 3
 
 # Why a rank the coordinator killed itself is gone: its gang lost another rank.
 _PEER_KILLED = "its gang lost a rank"
-_NODE_DIED = NODE_DIED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +217,9 @@ class FailureRecovery:
 
     def abort_planes(self, ranks: set[int]) -> None:
         # Fire and forget: the answer does not matter, only that blocked collectives fail.
-        self.job.group.call(sorted(ranks & self.job._started), RankWorker.abort_replica_planes)
+        self.job.group.call(
+            sorted(ranks & self.job.placement.started), RankWorker.abort_replica_planes
+        )
 
     # -- failures ---------------------------------------------------------------------------
 
@@ -294,44 +292,11 @@ class FailureRecovery:
         # it goes too and is requested again.
         failed_gangs = sorted({self.job._gang_of(r) for r in lost} | self.job.growth.joining)
         self.job.growth.joining = set()
-        # Ray says when an actor died with its node; the node table may lag behind that, and
-        # a rank on a node that just went can look hung for a moment: give the table a few
-        # seconds to catch up, and count such ranks as dead.
-        if result.hung:
-            deadline = self.job.clock.monotonic() + _NODE_TABLE_GRACE_S
-            while self.job.clock.monotonic() < deadline and not self.job._dead_nodes():
-                self.job.clock.sleep(0.5)
-            gone = set(self.job._dead_nodes())
-            for r in [r for r in result.hung if self.job._rank_nodes.get(r) in gone]:
-                result.hung.remove(r)
-                result.dead[r] = _NODE_DIED
-        dead_nodes = sorted(
-            set(self.job._dead_nodes())
-            | {
-                self.job._rank_nodes[r]
-                for r, cause in result.dead.items()
-                if "node" in cause and r in self.job._rank_nodes
-            }
-        )
-        # A rank on a dead node died with it, whatever its call said first: a gang peer killed
-        # because its gang lost a rank may have been there too (the whole job fits on one
-        # host). It counts as lost in its own right; otherwise a shard whose every copy was on
-        # that node would look alive.
-        for r, cause in list(result.dead.items()):
-            if cause != _NODE_DIED and self.job._rank_nodes.get(r) in dead_nodes:
-                result.dead[r] = _NODE_DIED
-        for node_id in [n for n in dead_nodes if n not in result.logged]:
-            result.logged.add(node_id)
-            gangs = sorted(
-                {self.job._gang_of(r) for r, n in self.job._rank_nodes.items() if n == node_id}
-            )
-            self.job.report_dead_node(node_id, gangs, at=now)
+        self.job.nodes.settle_deaths(result, now=now)
         for r, cause in sorted(result.dead.items()):
             if r in result.logged:
                 continue
             result.logged.add(r)
-            if cause != _NODE_DIED and r in self.job._rank_nodes:
-                self.job._suspect_nodes.add(self.job._rank_nodes[r])
             self.job.events.append(
                 RankDied(
                     at=now,
@@ -339,7 +304,7 @@ class FailureRecovery:
                     job_rank=r,
                     gang_id=self.job._gang_of(r),
                     cause=cause,
-                    node=self.job.rank_node_names([r])[0],
+                    node=self.job.nodes.rank_names([r])[0],
                 )
             )
         if set(result.hung) - result.logged:
@@ -419,7 +384,7 @@ class FailureRecovery:
                     reason=_why(result, gid, self.job),
                 )
             )
-            self.job._kill_gang(gid)
+            self.job.placement.kill_gang(gid)
         if failed_gangs:
             self.job.membership = self.job.membership.without(failed_gangs)
             reason = f"lost gangs {failed_gangs}"

@@ -127,7 +127,7 @@ class TotalLossRecovery:
     def _tear_down(self) -> None:
         """Kills every rank actor and releases every placement group, pending ones included."""
         self.job.shutdown()
-        self.job._rank_nodes.clear()
+        self.job.nodes.of_rank.clear()
         self.job.growth.joining = set()
         if self.job.membership.gangs:
             self.job.membership = self.job.membership.without(self.job.membership.gang_ids)
@@ -155,7 +155,7 @@ class TotalLossRecovery:
         def shard_of(rank: int) -> Any:
             return self.job.streams.shard_of(starts[rank].shard)
 
-        refused = self.job._place_job(gangs, shard_of)
+        refused = self.job.placement.place_job(gangs, shard_of)
         if refused is not None:
             reason = (
                 f"after a total loss, {refused}; fit(..., resume_from_checkpoint="
@@ -170,9 +170,9 @@ class TotalLossRecovery:
         gang_of = {r: g.gang_id for g in gangs for r in g.job_ranks}
         self.job.streams.continue_streams(starts, gang_of=gang_of.__getitem__, step=point.step)
         self.job._build(order)
-        placed = self.job._with_nodes(gangs)
+        placed = self.job.nodes.with_nodes(gangs)
         for g in placed:
-            nodes = self.job.rank_node_names(g.job_ranks)
+            nodes = self.job.nodes.rank_names(g.job_ranks)
             self.job.events.append(GangPlaced(at=self.job._now(), step=self.job.step, nodes=nodes))
         self.job.membership = self.job.membership.with_gangs(placed, step=point.step)
         self.job._new_generation(reason=f"rebuilt from the checkpoint of step {point.step}")

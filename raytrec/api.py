@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrec._quiet import quiet_known_warnings
 from raytrec.capacity import NodeShape, capacity_refusal
+from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.cluster import COORDINATOR_PREFIX, cluster_shapes, connect, resolve_storage_path
 from raytrec.config import ConfigError, TrainConfig, validate_features
 from raytrec.data.from_config import DataInfo, held_out, source_from_config, synthetic_source
@@ -32,7 +33,7 @@ from raytrec.data.parquet import ParquetSource
 from raytrec.data.source import BatchSource
 from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.plan import apply_embedding_optimizer, make_plan
-from raytrec.errors import JobFailedError
+from raytrec.errors import EarlyStopped, JobFailedError
 from raytrec.metrics import IntervalMetrics
 from raytrec.model import ModelFactory, build_dlrm
 from raytrec.progress import ProgressReporter
@@ -65,6 +66,13 @@ class Result:
     replayed_batches: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     lost_batches: int = 0
     checkpoint: ray.train.Checkpoint | None = None  # the last checkpoint saved (Ray Train's type)
+    # The checkpoints kept, each with the metrics of its step: best first by
+    # checkpoint.checkpoint_score_attribute when one is set, else newest first (Ray Train's
+    # Result.best_checkpoints).
+    best_checkpoints: list[tuple[ray.train.Checkpoint, dict[str, float]]] = dataclasses.field(
+        default_factory=list
+    )
+    stopped_early: str | None = None  # why early stopping ended the job (eval.early_stopping_*)
     # Parquet read by index: the streams made when the rows left were shared again among the
     # ranks after a membership change (the ids of committed batches name them), as JSON; None
     # for other sources. IndexedParquetShard.with_table(...) reads or locates any of them.
@@ -168,6 +176,7 @@ def fit(
     config = config.replace(storage_path=resolve_storage_path(config.storage_path))
     if eval_source is not None:
         config = config.replace(eval=dataclasses.replace(config.eval, path=eval_source))
+    _check_eval_is_there(config)
     if source is not None:  # a source of the caller's: checked before Ray is touched
         validate_features(config.model, source.sparse_features)
     # Ranks hold their CPUs for the whole job; Ray Data's read and preprocessing
@@ -249,12 +258,16 @@ def fit(
         lost_batches=summary.lost_batches,
         reshared_streams=summary.reshared_streams,
         checkpoint=None if summary.checkpoint is None else ray.train.Checkpoint(summary.checkpoint),
+        best_checkpoints=best_checkpoints(run_dir, config.checkpoint),
+        stopped_early=str(summary.stopped_by)
+        if isinstance(summary.stopped_by, EarlyStopped)
+        else None,
     )
     with open(os.path.join(run_dir, "metrics.json"), "w") as f:
         json.dump([m.to_dict() for m in result.history], f, indent=1)
     if on_progress is None and isinstance(reporter, ProgressReporter):
         reporter.close(events=result.events)  # metrics file, TensorBoard and the plot
-    stopped = summary.stopped_by
+    stopped = None if isinstance(summary.stopped_by, EarlyStopped) else summary.stopped_by
     # The run's ledger: summary.json, and its closing lines on the default console.
     ledger = result.ledger(
         stopped=None if stopped is None else f"{type(stopped).__name__}: {stopped}"
@@ -263,9 +276,51 @@ def fit(
     if isinstance(reporter, ProgressReporter):
         for line in ledger_lines(ledger):
             print(line, flush=True)
-    if summary.stopped_by is not None:
-        raise TrainingStopped(summary.stopped_by, result) from summary.stopped_by
+    if stopped is not None:
+        raise TrainingStopped(stopped, result) from stopped
     return result
+
+
+def _check_eval_is_there(config: TrainConfig) -> None:
+    """Ranking checkpoints by, or stopping early on, a held-out metric needs held-out data."""
+    if config.eval.path is not None:
+        return
+    wants = []
+    if config.checkpoint.scored_by_eval:
+        wants.append(
+            f"checkpoint.checkpoint_score_attribute={config.checkpoint.checkpoint_score_attribute}"
+        )
+    if config.eval.early_stopping_patience is not None:
+        wants.append(f"eval.early_stopping_patience={config.eval.early_stopping_patience}")
+    if wants:
+        raise ConfigError(
+            f"{' and '.join(wants)} need held-out data: set eval.path or pass "
+            "fit(..., eval_source=PATH)"
+        )
+
+
+def best_checkpoints(
+    run_dir: str, config: CheckpointConfig
+) -> list[tuple[ray.train.Checkpoint, dict[str, float]]]:
+    """The run's committed checkpoints with the metrics of their step: best first by
+    ``config.checkpoint_score_attribute``, else newest first."""
+    from raytrec.checkpoint.config import checkpoint_root, ranked
+    from raytrec.checkpoint.layout import CheckpointStore, read_manifest
+
+    store = CheckpointStore(checkpoint_root(run_dir))
+    refs = {ref.name: ref for ref in store.committed()}
+    saved = [store.scored(ref, config.checkpoint_score_attribute) for ref in refs.values()]
+    if config.checkpoint_score_attribute is None:
+        order = sorted(saved, key=lambda c: -c.step)
+    else:
+        order = ranked(saved, config.checkpoint_score_order)
+    return [
+        (
+            ray.train.Checkpoint(refs[c.name].uri),
+            dict(read_manifest(refs[c.name].uri).extra.get("metrics", {})),
+        )
+        for c in order
+    ]
 
 
 def _check_checkpoint(uri: str, config: TrainConfig) -> None:

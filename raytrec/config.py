@@ -43,6 +43,7 @@ DataSourceKind = Literal["synthetic", "parquet", "generated"]
 PoolingName = Literal["sum", "mean"]
 OnBadRows = Literal["error", "skip"]
 ParquetRead = Literal["indexed", "streaming"]
+EvalMetric = Literal["eval_auc", "eval_ne", "eval_log_loss"]
 IdPolicyName = Literal["modulo", "hash", "strict"]
 
 # What TorchRec 1.8's planner offers a CPU compute device (checked on gloo).
@@ -463,19 +464,37 @@ class EvalConfig:
       steps, and always at the end; None: at the end only.
     - ``batch_size``: rows per rank per evaluation step; None: ``data.batch_size``.
     - ``max_rows``: evaluate on the first this many rows only; None: every row.
+    - ``early_stopping_patience``: stop the job once ``early_stopping_metric`` has not
+      improved on its best by more than ``early_stopping_min_delta`` for this many evaluations
+      in a row (it ends like a finished job: synced, checkpointed when checkpoints are
+      configured, saved); None: never. Needs ``every_n_steps``.
+    - ``early_stopping_metric``: ``eval_auc`` (higher is better), ``eval_ne`` or
+      ``eval_log_loss`` (lower is better).
     """
 
     path: str | None = None
     every_n_steps: int | None = None
     batch_size: int | None = None
     max_rows: int | None = None
+    early_stopping_patience: int | None = None
+    early_stopping_metric: EvalMetric = "eval_auc"
+    early_stopping_min_delta: float = 0.0
 
     def __post_init__(self) -> None:
         if self.path is not None and (not isinstance(self.path, str) or not self.path):
             raise ConfigError(f"eval.path must be a non-empty path or None, got {self.path!r}")
-        for field in ("every_n_steps", "batch_size", "max_rows"):
+        for field in ("every_n_steps", "batch_size", "max_rows", "early_stopping_patience"):
             if getattr(self, field) is not None:
                 _positive_int(f"eval.{field}", getattr(self, field))
+        _one_of("eval.early_stopping_metric", self.early_stopping_metric, get_args(EvalMetric))
+        delta = self.early_stopping_min_delta
+        if isinstance(delta, bool) or not isinstance(delta, int | float) or not delta >= 0:
+            raise ConfigError(f"eval.early_stopping_min_delta must be a number >= 0, got {delta!r}")
+        if self.early_stopping_patience is not None and self.every_n_steps is None:
+            raise ConfigError(
+                "eval.early_stopping_patience needs eval.every_n_steps: without it the model "
+                "is evaluated at the end only"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -495,6 +514,8 @@ class TrainConfig:
     stragglers: StragglerSpec | None = None  # injected stalls, for straggler experiments
     num_steps: int = 200
     log_every: int = 20
+    #: Seeds the dense and embedding initialisation and generated data: two CPU runs with
+    #: the same seed, config and shape end with bitwise-identical weights.
     seed: int = 0
     storage_path: str = "runs"
     name: str = "raytrec"

@@ -14,5 +14,10 @@ class StopRequested(Exception):
     boundary, with its work synced, checkpointed (when checkpoints are configured) and saved."""
 
 
+class EarlyStopped(Exception):
+    """Held-out evaluation stopped improving (``eval.early_stopping_patience``): the job ended at
+    an interval boundary like a finished one. Not an error: ``fit`` returns its result."""
+
+
 class JobFailedError(RuntimeError):
     """An elastic job cannot go on: too few gangs for too long, or a shard lost every copy."""

@@ -12,14 +12,26 @@ backward runs, so FBGEMM's fused optimizer (which updates inside backward) chang
 The ranks' metric states (TorchRec's NE sums, and every prediction and label for AUC) are
 merged on the coordinator exactly as the training metrics are, so AUC, NE and log loss are
 those of the union of the held-out rows.
+
+:func:`early_stop_decision` is the early-stopping policy: from the metric at each evaluation so
+far, whether the job stops now.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
-__all__ = ["EvalPlan", "assign_eval_batches", "eval_due", "eval_plan"]
+__all__ = [
+    "EarlyStop",
+    "EvalPlan",
+    "assign_eval_batches",
+    "early_stop_decision",
+    "eval_due",
+    "eval_plan",
+    "higher_is_better",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,3 +71,49 @@ def eval_due(step: int, *, every: int | None, last_eval_step: int, end_step: int
     if step >= end_step:
         return True
     return every is not None and step // every > last_eval_step // every
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EarlyStop:
+    """Stop the job here: the metric stopped improving. ``best_step``: where it was best."""
+
+    reason: str
+    best_step: int
+    best: float
+
+
+def higher_is_better(metric: str) -> bool:
+    """AUC grows as a model improves; NE and log loss fall."""
+    return metric.endswith("auc")
+
+
+def early_stop_decision(
+    scores: Sequence[tuple[int, float | None]], *, metric: str, patience: int, min_delta: float
+) -> EarlyStop | None:
+    """Whether to stop after the evaluations ``scores`` (their step and ``metric``, in order):
+    when the last ``patience`` of them did not improve on the best before them by more than
+    ``min_delta``. A missing or NaN score counts as no improvement."""
+    sign = 1.0 if higher_is_better(metric) else -1.0
+    best: tuple[int, float] | None = None  # index and value of the best score so far
+    for i, (_, score) in enumerate(scores):
+        if score is None or math.isnan(score):
+            continue
+        if best is None or sign * (score - best[1]) > min_delta:
+            best = (i, score)
+    if best is None:
+        since = len(scores)
+        if since < patience:
+            return None
+        return EarlyStop(
+            reason=f"{metric} was not measured in {since} evaluations", best_step=0, best=math.nan
+        )
+    since = len(scores) - 1 - best[0]
+    if since < patience:
+        return None
+    step = scores[best[0]][0]
+    return EarlyStop(
+        reason=f"early stopping: {metric} did not improve on its best ({best[1]:.4f}, at step "
+        f"{step}) by more than {min_delta:g} in {since} evaluations",
+        best_step=step,
+        best=best[1],
+    )

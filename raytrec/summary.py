@@ -74,12 +74,17 @@ def ledger(result: Result, *, stopped: str | None = None) -> dict[str, Any]:
         "tensorboard": os.path.join(run_dir, TENSORBOARD_DIR),
         "final_model": result.final_state_path,
         "checkpoint": None if result.checkpoint is None else result.checkpoint.path,
+        # The best kept checkpoint by checkpoint.checkpoint_score_attribute (None: not ranked).
+        "best_checkpoint": result.best_checkpoints[0][0].path
+        if result.best_checkpoints and result.config.checkpoint.checkpoint_score_attribute
+        else None,
     }
     return {
         "name": result.config.name,
         "steps": result.steps,
         "num_steps": result.config.num_steps,
         "stopped": stopped,
+        "stopped_early": result.stopped_early,
         "wall_s": round(result.wall_s, 3),
         "rows": {
             "trained": sum(m.rows for m in history),
@@ -143,7 +148,10 @@ def ledger_lines(summary: Mapping[str, Any], *, prefix: str = "[raytrec]") -> li
         )
     )
     art = summary["artifacts"]
+    early = [f"{prefix} {summary['stopped_early']}"] if summary.get("stopped_early") else []
+    best = summary["artifacts"].get("best_checkpoint")
     return [
+        *early,
         f"{prefix} ledger: {summary['steps']} of {summary['num_steps']} steps, "
         f"{rows['trained']:,} rows trained, {summary['generations']} generation(s); "
         f"failures: {failures}",
@@ -152,6 +160,7 @@ def ledger_lines(summary: Mapping[str, Any], *, prefix: str = "[raytrec]") -> li
         f"{checked}",
         f"{prefix} final {metrics}; model: {art['final_model']}; checkpoint: "
         f"{art['checkpoint']}; summary: {art['summary']}",
+        *([f"{prefix} best checkpoint: {best}"] if best else []),
     ]
 
 

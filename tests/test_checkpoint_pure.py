@@ -19,7 +19,13 @@ import fsspec
 import pytest
 import torch
 
-from raytrec.checkpoint.config import CheckpointConfig, checkpoint_root, save_decision
+from raytrec.checkpoint.config import (
+    CheckpointConfig,
+    SavedCheckpoint,
+    checkpoint_root,
+    checkpoints_to_remove,
+    save_decision,
+)
 from raytrec.checkpoint.errors import CheckpointError
 from raytrec.checkpoint.layout import (
     MANIFEST,
@@ -525,3 +531,72 @@ def test_pyarrow_filesystem_when_fsspec_lacks_the_protocol(
     )
     with pytest.raises(CheckpointError, match=r"cannot open checkpoint location 'nosuch://x'"):
         CheckpointStore("nosuch://x")
+
+
+# -- keeping the best checkpoints ------------------------------------------------------------
+
+
+def scored(*scores: float | None) -> list[SavedCheckpoint]:
+    return [SavedCheckpoint(name=f"c{i}", step=10 * (i + 1), score=v) for i, v in enumerate(scores)]
+
+
+def test_without_a_score_the_newest_are_kept() -> None:
+    saved = scored(0.9, 0.1, 0.5, 0.2)
+    assert checkpoints_to_remove(saved, CheckpointConfig(num_to_keep=2)) == ["c0", "c1"]
+    assert checkpoints_to_remove(saved, CheckpointConfig()) == []
+
+
+@pytest.mark.parametrize(
+    ("order", "kept"),
+    [("max", {"c0", "c2", "c5"}), ("min", {"c1", "c3", "c5"})],
+)
+def test_the_best_k_by_score_and_the_newest_are_kept(order: str, kept: set[str]) -> None:
+    # c5 (the newest) has no score: it ranks last but is kept, as what a rebuild starts from.
+    saved = scored(0.9, 0.1, 0.8, 0.2, math.nan, None)
+    config = CheckpointConfig(
+        num_to_keep=2, checkpoint_score_attribute="eval_auc", checkpoint_score_order=order
+    )
+    removed = checkpoints_to_remove(saved, config)
+    assert set(removed) == {c.name for c in saved} - kept
+    assert removed == sorted(removed, key=lambda n: int(n[1:]))  # oldest first
+
+
+def test_equal_scores_keep_the_newer() -> None:
+    config = CheckpointConfig(num_to_keep=1, checkpoint_score_attribute="loss")
+    assert checkpoints_to_remove(scored(0.5, 0.5, 0.1), config) == ["c0"]
+
+
+def test_prune_ranks_by_the_metrics_in_each_manifest(tmp_path: Path) -> None:
+    store = CheckpointStore(str(tmp_path))
+    for step, auc in [(10, 0.70), (20, 0.75), (30, 0.72), (40, None)]:
+        pending = store.begin(step)
+        manifest = manifest_for(step, data_files(pending.write_uri))
+        metrics = {} if auc is None else {"eval_auc": auc}
+        store.commit(pending, dataclasses.replace(manifest, extra={"metrics": metrics}))
+    config = CheckpointConfig(num_to_keep=1, checkpoint_score_attribute="eval_auc")
+    assert store.prune(config) == ["checkpoint_0000000010", "checkpoint_0000000030"]
+    assert [r.step for r in store.committed()] == [20, 40]
+
+
+def test_ranked_by_an_evaluation_metric_a_checkpoint_is_saved_at_every_evaluation() -> None:
+    config = CheckpointConfig(checkpoint_score_attribute="eval_ne", checkpoint_score_order="min")
+    base = dict(now_s=0.0, last_save_step=8, last_save_s=0.0, sync_every=1)
+    decision = save_decision(config, step=12, evaluated=True, **base)  # type: ignore[arg-type]
+    assert decision.save and "eval_ne" in decision.reason
+    assert not save_decision(config, step=12, **base).save  # type: ignore[arg-type]
+    by_loss = CheckpointConfig(checkpoint_score_attribute="loss")
+    assert not save_decision(by_loss, step=12, evaluated=True, **base).save  # type: ignore[arg-type]
+    # A stop on request saves, so the job can be resumed.
+    assert save_decision(config, step=12, stopping=True, **base).save  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("checkpoint_score_attribute", "accuracy", r"one of eval_auc, eval_ne.*got 'accuracy'"),
+        ("checkpoint_score_order", "desc", r"'max' or 'min', got 'desc'"),
+    ],
+)
+def test_score_settings_are_checked(field: str, value: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        CheckpointConfig(**{field: value})  # type: ignore[arg-type]

@@ -8,10 +8,12 @@ it carries them out.
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 
 import pytest
 
+from raytrec.config import EvalConfig
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.control import (
     Fail,
@@ -34,6 +36,7 @@ from raytrec.elastic.heal import failed_heals, replicas_disagree
 from raytrec.elastic.membership import Membership
 from raytrec.elastic.policy import PAST_TIMEOUT_S, next_hang_check
 from raytrec.errors import ConfigError
+from raytrec.evaluation import early_stop_decision
 from raytrec.topology import Topology
 
 
@@ -181,3 +184,37 @@ def test_the_heartbeats_are_read_again_just_after_a_rank_could_count_as_stalled(
     # At 29.5 s the rank seen at 0 s passes 30 s of silence in 0.5 s: look then, not at 30.5.
     assert next_hang_check([0.0, 5.0], now=29.5, config=config) == 0.5 + PAST_TIMEOUT_S
     assert next_hang_check([], now=29.5, config=config) == 1.0
+
+
+# -- early stopping ------------------------------------------------------------------------------
+
+
+def test_early_stopping_after_patience_evaluations_without_improvement() -> None:
+    scores = [(4, 0.70), (8, 0.75), (12, 0.749), (16, 0.751)]
+    # 0.751 improves on 0.75, but not by more than 0.01: two evaluations without improvement.
+    assert early_stop_decision(scores, metric="eval_auc", patience=3, min_delta=0.01) is None
+    stop = early_stop_decision(scores, metric="eval_auc", patience=2, min_delta=0.01)
+    assert stop is not None and (stop.best_step, stop.best) == (8, 0.75)
+    assert "eval_auc did not improve on its best (0.7500, at step 8)" in stop.reason
+    assert early_stop_decision(scores, metric="eval_auc", patience=2, min_delta=0.0) is None
+
+
+def test_early_stopping_on_a_loss_wants_it_lower() -> None:
+    rising = [(4, 0.50), (8, 0.52), (12, 0.55)]
+    stop = early_stop_decision(rising, metric="eval_log_loss", patience=2, min_delta=0.0)
+    assert stop is not None and stop.best_step == 4
+    falling = [(4, 0.55), (8, 0.52), (12, 0.50)]
+    assert early_stop_decision(falling, metric="eval_ne", patience=1, min_delta=0.0) is None
+
+
+def test_a_missing_score_is_no_improvement() -> None:
+    scores = [(4, 0.7), (8, None), (12, math.nan)]
+    stop = early_stop_decision(scores, metric="eval_auc", patience=2, min_delta=0.0)
+    assert stop is not None and stop.best_step == 4
+
+
+def test_early_stopping_needs_periodic_evaluations() -> None:
+    with pytest.raises(ConfigError, match=r"early_stopping_patience needs eval\.every_n_steps"):
+        EvalConfig(early_stopping_patience=2)
+    with pytest.raises(ConfigError, match=r"eval\.early_stopping_metric='auc' is not one of"):
+        EvalConfig(every_n_steps=4, early_stopping_patience=2, early_stopping_metric="auc")  # type: ignore[arg-type]

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from raytrec.api import fit
+from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.config import (
     DataConfig,
     EvalConfig,
@@ -35,16 +36,27 @@ from raytrec.progress import METRICS_FILE
 pytestmark = pytest.mark.cluster
 
 
-def test_evaluation_scores_every_held_out_row_and_changes_nothing(
-    local_ray: None, tmp_path: pathlib.Path
-) -> None:
+def split_data(tmp_path: pathlib.Path, *, seed: int) -> tuple[pathlib.Path, pathlib.Path]:
+    """8 files of generated Parquet, 512 rows each: 6 to train on, 2 held out."""
     data = write_synthetic_parquet(
-        tmp_path / "all", rows=8 * 512, files=8, row_groups_per_file=1, seed=5, num_embeddings=500
+        tmp_path / "all",
+        rows=8 * 512,
+        files=8,
+        row_groups_per_file=1,
+        seed=seed,
+        num_embeddings=500,
     )
     train, held = tmp_path / "train", tmp_path / "held_out"
     train.mkdir(), held.mkdir()
     for i, path in enumerate(data.paths):
         shutil.move(path, (held if i >= 6 else train) / os.path.basename(path))
+    return train, held
+
+
+def test_evaluation_scores_every_held_out_row_and_changes_nothing(
+    local_ray: None, tmp_path: pathlib.Path
+) -> None:
+    train, held = split_data(tmp_path, seed=5)
     held_rows = sum(pq.read_metadata(p).num_rows for p in held.glob("*.parquet"))
     config = TrainConfig(
         model=ModelConfig(tables=criteo_tables(num_features=26, num_embeddings=500)),
@@ -78,3 +90,50 @@ def test_evaluation_scores_every_held_out_row_and_changes_nothing(
     assert ledger["final"]["eval_rows"] == 1024
     best = max(result.history, key=lambda m: np.float64(m.eval_auc))
     assert ledger["best"]["eval_auc"] == {"value": best.eval_auc, "step": best.step}
+
+
+def test_the_best_checkpoint_by_eval_is_kept_and_early_stopping_ends_the_job(
+    local_ray: None, tmp_path: pathlib.Path
+) -> None:
+    """Checkpoints ranked by held-out AUC, lowest first (``checkpoint_score_order="min"``, so
+    the best one is not simply the newest): one is saved at every evaluation, and after each
+    save only the best and the newest are left. Early stopping with a ``min_delta`` of 1 (no
+    AUC can improve by more) ends the job after ``patience`` evaluations past the first."""
+    train, held = split_data(tmp_path, seed=6)
+    config = TrainConfig(
+        model=ModelConfig(tables=criteo_tables(num_features=26, num_embeddings=500)),
+        scaling=ScalingConfig(num_workers=4, gang_size=2),
+        data=DataConfig(source="parquet", path=str(train), batch_size=32),
+        eval=EvalConfig(
+            every_n_steps=4,
+            batch_size=128,
+            early_stopping_patience=3,
+            early_stopping_min_delta=1.0,
+        ),
+        checkpoint=CheckpointConfig(
+            checkpoint_score_attribute="eval_auc", checkpoint_score_order="min", num_to_keep=1
+        ),
+        num_steps=40,
+        log_every=4,
+        storage_path=str(tmp_path / "runs"),
+    )
+    result = fit(config, eval_source=str(held), shutdown_ray=False)
+
+    # Early stopping: evaluations at 4, 8, 12 and 16, none better than the first by 1.
+    assert [m.step for m in result.history] == [4, 8, 12, 16]
+    assert result.steps == 16
+    [early] = [e for e in result.events if e["kind"] == "early_stopped"]
+    assert (early["step"], early["best_step"], early["metric"]) == (16, 4, "eval_auc")
+    assert result.stopped_early is not None and "eval_auc did not improve" in result.stopped_early
+    assert result.ledger()["stopped_early"] == result.stopped_early
+    # A checkpoint at every evaluation; the lowest eval AUC and the newest are kept.
+    saved = [e["uri"] for e in result.events if e["kind"] == "checkpoint_saved"]
+    assert len(saved) == 4
+    by_step = {m.step: m.eval_auc for m in result.history}
+    worst = min(by_step, key=lambda s: by_step[s])
+    kept = [uri for uri in saved if os.path.exists(uri)]
+    assert sorted(kept) == sorted({saved[[4, 8, 12, 16].index(worst)], saved[-1]})
+    best_uri, best_metrics = result.best_checkpoints[0]
+    assert best_uri.path == saved[[4, 8, 12, 16].index(worst)]
+    assert best_metrics["eval_auc"] == pytest.approx(by_step[worst])
+    assert result.ledger()["artifacts"]["best_checkpoint"] == best_uri.path

@@ -36,6 +36,7 @@ from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
+from raytrec.checkpoint.config import CheckpointConfig, SavedCheckpoint, checkpoints_to_remove
 from raytrec.checkpoint.errors import CheckpointError
 from raytrec.checkpoint.manifest import Manifest
 
@@ -216,19 +217,38 @@ class CheckpointStore:
         else:
             self.fs.pipe_file(path, data)
 
-    def prune(self, num_to_keep: int | None, *, keep: str | None = None) -> list[str]:
-        """Removes all but the newest ``num_to_keep`` committed checkpoints (None keeps all)
-        and every uncommitted directory except ``keep``; returns the removed names.
+    def prune(
+        self, retention: CheckpointConfig | int | None, *, keep: str | None = None
+    ) -> list[str]:
+        """Removes the committed checkpoints that ``retention`` does not keep
+        (:func:`~raytrec.checkpoint.config.checkpoints_to_remove`: an int keeps the newest that
+        many, None keeps all) and every uncommitted directory except ``keep``; returns the
+        removed names.
 
         Call it after a commit, when no other save is in flight.
         """
+        if not isinstance(retention, CheckpointConfig):
+            retention = CheckpointConfig(num_to_keep=retention)
         removed = [n for n in self.uncommitted() if n != keep]
-        if num_to_keep is not None:
-            committed = self.committed()
-            removed += [r.name for r in committed[: max(0, len(committed) - num_to_keep)]]
+        if retention.num_to_keep is not None:
+            removed += checkpoints_to_remove(
+                [
+                    self.scored(ref, retention.checkpoint_score_attribute)
+                    for ref in self.committed()
+                ],
+                retention,
+            )
         for name in removed:
             self._remove(name)
         return removed
+
+    def scored(self, ref: CheckpointRef, attribute: str | None) -> SavedCheckpoint:
+        """``ref`` with its score: metric ``attribute`` at its step, from its manifest."""
+        score = None
+        if attribute is not None:
+            value = read_manifest(ref.uri).extra.get("metrics", {}).get(attribute)
+            score = None if value is None else float(value)
+        return SavedCheckpoint(name=ref.name, step=ref.step, score=score)
 
     def _remove(self, name: str) -> None:
         path = self._path(name)

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from raytrec.checkpoint.collective import agree, describe, on_rank0
+from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.checkpoint.errors import CheckpointError
 from raytrec.checkpoint.layout import (
     CheckpointRef,
@@ -168,7 +169,7 @@ def save_checkpoint(
     *,
     generation: int,
     extra: Mapping[str, Any] | None = None,
-    num_to_keep: int | None = None,
+    num_to_keep: CheckpointConfig | int | None = None,
     num_gangs: int | None = None,
     writer_factory: WriterFactory = storage_writer,
 ) -> CheckpointRef:
@@ -177,8 +178,9 @@ def save_checkpoint(
     A collective over the gang: every rank of ONE gang calls it (the other
     gangs do not). ``extra`` is any JSON-able dict (data position,
     accounting), returned as is by :func:`load_checkpoint`. After the commit,
-    all but the newest ``num_to_keep`` checkpoints are removed (None keeps
-    all). Returns the committed checkpoint on every rank of the gang; raises
+    the checkpoints retention does not keep are removed (``num_to_keep``: a
+    :class:`CheckpointConfig`, or an int keeping the newest that many; None
+    keeps all). Returns the committed checkpoint on every rank of the gang; raises
     :class:`CheckpointError` on every rank if any part failed, in which case
     nothing new is visible.
     """

@@ -242,6 +242,18 @@ class CheckpointRestored(Event):
     saved_generation: int
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EarlyStopped(Event):
+    """Held-out evaluation stopped improving (``eval.early_stopping_patience``): the job ends
+    at this boundary."""
+
+    kind: ClassVar[str] = "early_stopped"
+    metric: str
+    best: float
+    best_step: int
+    reason: str
+
+
 E = TypeVar("E", bound=Event)
 
 

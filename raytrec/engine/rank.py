@@ -101,6 +101,12 @@ class RankSpec:
     timeout_s: float = 120.0  # collectives (failure detection); rendezvous waits longer
 
 
+def embedding_seed(seed: int, gang_rank: int) -> int:
+    """The seed of the embedding shards a rank initialises: one stream per place in a gang,
+    none equal to the dense layers' (``seed`` itself)."""
+    return seed * 1_000_003 + gang_rank + 1
+
+
 class RankEngine:
     """One rank's model, optimizers and process groups."""
 
@@ -149,13 +155,19 @@ class RankEngine:
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=spec.timeout_s))
         model = spec.model_factory(cfg.model, spec.num_dense, self.device, cfg.seed)
         apply_embedding_optimizer(model, cfg.optimizer)
-        self.model = DistributedModelParallel(
-            module=model,
-            env=ShardingEnv.from_process_group(dist.group.WORLD),
-            device=self.device,
-            plan=spec.plan,
-            sharders=sharders(),
-        )
+        # DistributedModelParallel allocates this rank's embedding shards and initialises them
+        # from the global generator: seeded here from the job's seed and the rank's place in
+        # its gang, so that a run is reproducible (the other gangs then copy the first's state).
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(embedding_seed(cfg.seed, spec.gang_rank))
+            self.model = DistributedModelParallel(
+                module=model,
+                env=ShardingEnv.from_process_group(dist.group.WORLD),
+                device=self.device,
+                plan=spec.plan,
+                sharders=sharders(),
+            )
         dense_cls = _DENSE_OPTIMIZERS[cfg.optimizer.dense]
         dense_kwargs: dict[str, Any] = {"lr": cfg.optimizer.dense_lr}
         if cfg.optimizer.dense != "sgd":

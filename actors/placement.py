@@ -1,0 +1,162 @@
+"""Placing gangs and starting their ranks, and ending them.
+
+:class:`JobPlacement` is a part of :class:`~actors.coordinator.Coordinator` with state of its
+own: the placement group of every live gang (one for the whole job under
+``replicas_within_host``) and the job ranks whose actor was started and not yet ended. It places
+a whole job of the topology's shape (at the start, and again after a total loss), waiting for
+the cluster as :func:`~raytrec.elastic.control.placement_decision` says, with a
+``placement_waiting`` event while it waits; it starts one rank actor per job rank and ends the
+actors and placement groups of gangs that are dropped, drained or given up.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from raytrec.capacity import describe_bundles, describe_nodes
+from raytrec.elastic.control import Fail, Proceed, placement_decision
+from raytrec.elastic.events import PlacementWaiting
+from raytrec.elastic.membership import Gang
+from raytrec.elastic.workers import Placement
+from raytrec.engine.rank import RankSpec
+from raytrec.placement import placement_specs, rank_resources
+from raytrec.topology import Layout
+
+if TYPE_CHECKING:
+    from actors.coordinator import Coordinator
+
+__all__ = ["PLACEMENT_REPORT_S", "JobPlacement"]
+
+#: While the job's placement groups are pending, a ``placement_waiting`` event this often.
+PLACEMENT_REPORT_S = 30.0
+
+
+class JobPlacement:
+    """The job's placement groups and started rank actors."""
+
+    def __init__(self, job: Coordinator) -> None:
+        self.job = job
+        # Placement group names are unique in the Ray session: the run's name and a random tag.
+        self.prefix = f"{os.path.basename(job.run_dir)}-{secrets.token_hex(3)}"
+        self.pgs: dict[int, Placement] = {}  # gang id -> its placement group
+        self.started: set[int] = set()  # job ranks whose process was started and not ended
+
+    def place_job(self, gangs: Sequence[Gang], shard_of: Callable[[int], Any]) -> str | None:
+        """Places a whole job of the topology's shape, topology gang ``i`` as ``gangs[i]``, and
+        starts its rank actors, job rank ``r`` reading ``shard_of(r)``. Until the placement
+        groups are ready they are pending (the demand an autoscaler sees) and a
+        ``placement_waiting`` event says so every ``PLACEMENT_REPORT_S``; returns why it gave
+        up (``placement_decision``), with nothing left behind, or None once placed."""
+        specs = placement_specs(self.job.topology, per_rank=self.per_rank())
+        # Names stay unique when a rebuilt job is placed again in a later generation.
+        suffix = f"-gen{self.job.membership.generation}" if self.job.membership.generation else ""
+        pgs = [self.job.group.place(s, name=f"{self.prefix}-{s.name}{suffix}") for s in specs]
+        asked = describe_bundles(specs)
+        since = self.job.clock.monotonic()
+        while True:
+            now = self.job.clock.monotonic()
+            left = since + self.job.elastic.resource_wait_s - now
+            # At least three reports before giving up, however short the wait.
+            every = min(PLACEMENT_REPORT_S, self.job.elastic.resource_wait_s / 3)
+            ready = len(self.job.group.ready(pgs, timeout=max(0.0, min(every, left))))
+            now = self.job.clock.monotonic()
+            decision = placement_decision(
+                ready=ready == len(pgs),
+                waiting_since=since,
+                now=now,
+                resource_wait_s=self.job.elastic.resource_wait_s,
+                asked=asked,
+            )
+            if isinstance(decision, Proceed):
+                break
+            if isinstance(decision, Fail):
+                for pg in pgs:
+                    self.job.group.release(pg)
+                nodes = describe_nodes(self.job.group.nodes())
+                return f"{decision.reason}; the cluster's live nodes: {nodes}"
+            self.job.events.append(
+                PlacementWaiting(
+                    at=self.job._now(),
+                    step=self.job.step,
+                    waited_s=round(now - since, 1),
+                    wait_s=self.job.elastic.resource_wait_s,
+                    asked=asked,
+                    nodes=describe_nodes(self.job.group.nodes()),
+                )
+            )
+        across = self.job.topology.layout is Layout.REPLICAS_ACROSS_HOSTS
+        for spec, pg in zip(specs, pgs, strict=True):
+            for bundle, ranks in enumerate(spec.ranks):
+                for t in ranks:
+                    pos = self.job.topology.position(t)
+                    gang = gangs[pos.gang]
+                    self.pgs[gang.gang_id if across else -1] = pg  # within: one for the job
+                    r = gang.ranks[pos.gang_rank].job_rank
+                    self.start_rank(r, gang.gang_id, pos.gang_rank, pg, bundle, shard_of(r))
+        return None
+
+    def per_rank(self) -> dict[str, float]:
+        scaling = self.job.cfg.scaling
+        return rank_resources(cpus_per_rank=scaling.cpus_per_rank, use_gpu=scaling.use_gpu)
+
+    def start_rank(
+        self,
+        rank: int,
+        gang: int,
+        gang_rank: int,
+        pg: Placement,
+        bundle: int,
+        shard: Any,
+        *,
+        account: bool = True,
+    ) -> None:
+        """Starts rank ``rank``'s actor; ``account``: it trains from this step on (a gang built
+        in the background is booked when it joins)."""
+        assert self.job._store_address is not None
+        spec = RankSpec(
+            rank=rank,
+            gang=gang,
+            gang_rank=gang_rank,
+            gang_size=self.job.topology.gang_size,
+            config=self.job.cfg,
+            plan=self.job.plan,
+            num_dense=self.job.num_dense,
+            store=self.job._store_address,
+            model_factory=self.job.model_factory,
+            timeout_s=self.job.elastic.collective_timeout_s,
+        )
+        self.job.group.start_rank(spec, shard, placement=pg, bundle=bundle)
+        self.started.add(rank)
+        if account:
+            self.job.accounting.add_rank(
+                rank, shard=getattr(shard, "index", rank), step=self.job.step
+            )
+        else:
+            self.job.growth.shards_of_new[rank] = shard
+
+    def kill_gang(self, gang_id: int) -> None:
+        self.release(gang_id, self.job.membership.gang(gang_id).job_ranks)
+
+    def release(self, gang_id: int, ranks: Sequence[int]) -> None:
+        """Kills the gang's rank actors and removes its placement group."""
+        for r in ranks:
+            self.job.group.kill(r)
+            self.started.discard(r)
+            self.job.nodes.forget(r)
+        pg = self.pgs.pop(gang_id, None)
+        if pg is not None:
+            self.job.group.release(pg)
+
+    def shutdown(self) -> None:
+        for r in sorted(self.started):
+            self.job.group.kill(r)
+        self.started.clear()
+        for pg in [*self.pgs.values(), *self.job.growth.pending]:
+            self.job.group.release(pg)
+        self.pgs.clear()
+        self.job.growth.pending.clear()
+        self.job.growth.building.clear()
+        self.job.growth.shards_of_new.clear()
