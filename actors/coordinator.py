@@ -57,6 +57,7 @@ from actors.total_loss import TotalLossRecovery
 from raytrec.config import TrainConfig
 from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.source import BatchShard
+from raytrec.data.spec import FeatureSpec
 from raytrec.data.synthetic import batch_id
 from raytrec.elastic.accounting import BatchAccounting
 from raytrec.elastic.control import (
@@ -104,6 +105,7 @@ class Coordinator:
         evaluation: tuple[Any, EvalPlan] | None = None,
         group: WorkerGroup | None = None,
         clock: Clock | None = None,
+        features: FeatureSpec | None = None,
     ) -> None:
         if group is None:
             from actors.worker_group import RayWorkerGroup
@@ -128,6 +130,7 @@ class Coordinator:
         self.model_factory = model_factory
         self.new_shard = new_shard  # job rank -> BatchShard, for gangs that join later
         self.resume_from = resume_from  # a checkpoint to start from
+        self.features = features  # the row layout trained on, saved with the model
         # Held-out evaluation (raytrec.evaluation): its shard and plan, when configured.
         self.evaluation = None if evaluation is None else JobEvaluation(self, *evaluation)
         self.elastic = config.elastic

@@ -127,6 +127,7 @@ class JobPlacement:
             store=self.job._store_address,
             model_factory=self.job.model_factory,
             timeout_s=self.job.elastic.collective_timeout_s,
+            features=self.job.features,
         )
         self.job.group.start_rank(spec, shard, placement=pg, bundle=bundle)
         self.started.add(rank)

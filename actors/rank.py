@@ -416,11 +416,11 @@ class RankWorker:
         """Writes this gang's model with torch.distributed.checkpoint (a collective in the gang)."""
         import torch.distributed.checkpoint as dcp
 
-        from raytrec.serving.spec import ModelSpec, write_model_spec
+        from raytrec.serving.spec import write_model_spec
 
         dcp.save(self.engine.model.state_dict(), checkpoint_id=path)
         if self.spec.gang_rank == 0:  # what rebuilds the model outside the job (raytrec.export)
-            write_model_spec(path, ModelSpec.for_config(self.spec.config, self.spec.num_dense))
+            write_model_spec(path, self.spec.model_spec())
 
     def state_arrays(self) -> dict[str, list[np.ndarray]]:
         """Copies of this rank's embedding shards, their optimizer state and dense state."""

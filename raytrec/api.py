@@ -28,7 +28,13 @@ from raytrec.capacity import NodeShape, capacity_refusal
 from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.cluster import COORDINATOR_PREFIX, cluster_shapes, connect, resolve_storage_path
 from raytrec.config import ConfigError, TrainConfig, validate_features
-from raytrec.data.from_config import DataInfo, held_out, source_from_config, synthetic_source
+from raytrec.data.from_config import (
+    DataInfo,
+    held_out,
+    parquet_spec,
+    source_from_config,
+    synthetic_source,
+)
 from raytrec.data.parquet import ParquetSource
 from raytrec.data.source import BatchSource
 from raytrec.data.synthetic import SyntheticCriteo
@@ -194,13 +200,16 @@ def fit(
         check_capacity(config, cluster_shapes(), ray_data=ray_data)
         info = DataInfo(kind="custom")
         if source is None:
-            source, info = source_from_config(config)
+            source, info = source_from_config(config, _vocabularies_of(resume))
             validate_features(config.model, source.sparse_features)
         shards_of_plan = config.scaling.world_size
         if resume is not None:
             shards_of_plan = _indexed_resume_shards(resume, config, source) or shards_of_plan
         plan = _plan(config, source.dense_features, model_factory)
-        evaluation = held_out(config) if config.eval.path is not None else None
+        # The row layout the model is trained on (vocabularies included): the held-out rows
+        # are read in it, and every checkpoint and final model records it.
+        features = source.spec if isinstance(source, ParquetSource) else parquet_spec(config)
+        evaluation = held_out(config, features) if config.eval.path is not None else None
 
         run_dir = os.path.abspath(
             os.path.join(config.storage_path, f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -225,6 +234,7 @@ def fit(
             new_shard=source.shard if isinstance(source, SyntheticCriteo) else None,
             resume_from=resume,
             evaluation=evaluation,
+            features=features,
         )
         try:
             on_event = reporter.event if isinstance(reporter, ProgressReporter) else None
@@ -279,6 +289,25 @@ def fit(
     if stopped is not None:
         raise TrainingStopped(stopped, result) from stopped
     return result
+
+
+def _vocabularies_of(checkpoint: str | None) -> dict[str, tuple[str, ...]] | None:
+    """The vocabularies a checkpoint's model was trained with: a resumed job encodes categories
+    as it did (None: no checkpoint, or one without them, and they are fitted on the data)."""
+    if checkpoint is None:
+        return None
+    from raytrec.data.spec import CategoricalFeature
+    from raytrec.serving.spec import read_model_spec
+
+    spec = read_model_spec(checkpoint)
+    if spec is None:
+        return None
+    found = {
+        f.name: f.vocabulary
+        for f in spec.features.sparse
+        if isinstance(f, CategoricalFeature) and f.vocabulary is not None
+    }
+    return found or None
 
 
 def _check_eval_is_there(config: TrainConfig) -> None:

@@ -44,6 +44,7 @@ PoolingName = Literal["sum", "mean"]
 OnBadRows = Literal["error", "skip"]
 ParquetRead = Literal["indexed", "streaming"]
 EvalMetric = Literal["eval_auc", "eval_ne", "eval_log_loss"]
+CategoryEncoding = Literal["vocabulary", "hash"]
 IdPolicyName = Literal["modulo", "hash", "strict"]
 
 # What TorchRec 1.8's planner offers a CPU compute device (checked on gloo).
@@ -75,6 +76,75 @@ def _one_of(field: str, value: object, allowed: Sequence[str]) -> None:
         raise ConfigError(f"{field}={value!r} is not one of {', '.join(map(repr, allowed))}")
 
 
+# Names TorchRec cannot give an embedding table: its tables are the entries of an nn.ModuleDict,
+# which refuses a key that is one of its own attributes (tests/test_config.py checks the list
+# against torch's).
+RESERVED_TABLE_NAMES: frozenset[str] = frozenset(
+    (
+        "T_destination",
+        "add_module",
+        "apply",
+        "bfloat16",
+        "buffers",
+        "call_super_init",
+        "children",
+        "clear",
+        "compile",
+        "cpu",
+        "cuda",
+        "double",
+        "dump_patches",
+        "eval",
+        "extra_repr",
+        "float",
+        "forward",
+        "get_buffer",
+        "get_extra_state",
+        "get_parameter",
+        "get_submodule",
+        "half",
+        "ipu",
+        "items",
+        "keys",
+        "load_state_dict",
+        "modules",
+        "mtia",
+        "named_buffers",
+        "named_children",
+        "named_modules",
+        "named_parameters",
+        "parameters",
+        "pop",
+        "register_backward_hook",
+        "register_buffer",
+        "register_forward_hook",
+        "register_forward_pre_hook",
+        "register_full_backward_hook",
+        "register_full_backward_pre_hook",
+        "register_load_state_dict_post_hook",
+        "register_load_state_dict_pre_hook",
+        "register_module",
+        "register_parameter",
+        "register_state_dict_post_hook",
+        "register_state_dict_pre_hook",
+        "requires_grad_",
+        "set_extra_state",
+        "set_submodule",
+        "share_memory",
+        "state_dict",
+        "to",
+        "to_empty",
+        "train",
+        "type",
+        "update",
+        "values",
+        "xpu",
+        "zero_grad",
+        "training",
+    )
+)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TableConfig:
     """One embedding table and the sparse features that look it up."""
@@ -88,6 +158,12 @@ class TableConfig:
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
             raise ConfigError(f"table name must be a non-empty string, got {self.name!r}")
+        if self.name in RESERVED_TABLE_NAMES or "." in self.name:
+            raise ConfigError(
+                f"table name {self.name!r} cannot be used: TorchRec keeps tables in an "
+                "nn.ModuleDict, whose own attributes and dotted names are not allowed as keys "
+                "(e.g. use 't_items')"
+            )
         _one_of(f"tables[{self.name}].pooling", self.pooling, get_args(PoolingName))
         _positive_int(f"tables[{self.name}].num_embeddings", self.num_embeddings)
         _positive_int(f"tables[{self.name}].embedding_dim", self.embedding_dim)
@@ -395,6 +471,54 @@ class SyncConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ColumnsConfig:
+    """Which Parquet columns hold a row's parts. The defaults are raytrec's own layout, so only
+    what differs needs naming.
+
+    - ``label``: the label column (0/1).
+    - ``row_id``: an integer column naming each row (in error messages, predict's output and the
+      consumption logs); None: the data has none, and rows are named by their file and their
+      index in it.
+    - ``dense``: the dense (numeric) input columns, in order; None: ``dense_0`` ..
+      ``dense_{data.num_dense-1}``; an empty list: no dense input.
+    - ``features``: sparse feature -> the column holding its ids (a list per row, or one value
+      per row); a feature not named here reads the column of its own name.
+    - ``categorical``: sparse feature -> how the categories in its column (strings, or integers
+      used as categories) become ids: ``"vocabulary"`` (the most frequent values of the training
+      data get ids 1.., every other value id 0; the vocabulary is saved with the model) or
+      ``"hash"`` (a stable hash modulo the table's rows). Features not named here hold integer
+      ids, mapped by ``data.id_policy``.
+    """
+
+    label: str = "label"
+    row_id: str | None = "row_id"
+    dense: tuple[str, ...] | None = None
+    features: dict[str, str] = dataclasses.field(default_factory=dict)
+    categorical: dict[str, CategoryEncoding] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for field in ("label", "row_id"):
+            value = getattr(self, field)
+            if (value is not None or field == "label") and (
+                not isinstance(value, str) or not value
+            ):
+                raise ConfigError(f"data.columns.{field} must be a column name, got {value!r}")
+        if self.dense is not None:
+            object.__setattr__(self, "dense", tuple(self.dense))
+            if any(not isinstance(c, str) or not c for c in self.dense):
+                raise ConfigError(f"data.columns.dense must be column names, got {self.dense!r}")
+        object.__setattr__(self, "features", dict(self.features))
+        object.__setattr__(self, "categorical", dict(self.categorical))
+        for feature, column in self.features.items():
+            if not isinstance(column, str) or not column:
+                raise ConfigError(
+                    f"data.columns.features[{feature!r}] must be a column name, got {column!r}"
+                )
+        for feature, encoding in self.categorical.items():
+            _one_of(f"data.columns.categorical[{feature!r}]", encoding, get_args(CategoryEncoding))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
     """Where training rows come from and how each rank batches them.
 
@@ -404,12 +528,13 @@ class DataConfig:
       (:class:`~raytrec.data.synthetic.SyntheticCriteo`), no I/O; endless, so ``epochs`` does
       not apply.
     - ``"parquet"``: the Parquet files at ``path`` (a file, a directory or a pyarrow URI such as
-      ``s3://bucket/prefix``), read by Ray Data (``parquet_read``). Columns: ``dense_0`` ..
-      ``dense_{num_dense-1}`` (floats), one id-list column per sparse feature named like the
-      feature, ``label`` and ``row_id``.
+      ``s3://bucket/prefix``), read by Ray Data (``parquet_read``). Columns (``columns`` maps
+      your own names): ``dense_0`` .. ``dense_{num_dense-1}`` (numbers), one id-list column per
+      sparse feature named like the feature, ``label`` and ``row_id``.
     - ``"generated"``: Parquet written once from the synthetic teacher model (with its oracle
       AUC known) into ``path`` (default: ``<storage_path>/data/<a name from the sizes>``, reused
-      when already there), then read like ``"parquet"``; sized so the job trains
+      when already there), then read like ``"parquet"`` (its ids span the largest table and
+      are folded into smaller ones: ``id_policy="modulo"``); sized so the job trains
       ``epochs`` passes over it in ``num_steps`` steps.
 
     ``parquet_read`` says how ranks read Parquet: ``"indexed"``, each rank its own batches, each
@@ -426,8 +551,14 @@ class DataConfig:
     shuffle_seed: int | None = None  # None: files in sorted order; else a seeded order per epoch
     on_bad_rows: OnBadRows = "error"  # "skip" drops rows holding a bad value and counts them
     parquet_read: ParquetRead = "indexed"  # "indexed": replayable batches; or "streaming"
-    id_policy: IdPolicyName = "modulo"  # how raw ids map into a table's rows
-    num_dense: int = 13  # dense columns of a Parquet source
+    # How integer ids map into a table's rows: "strict" (an id outside [0, num_embeddings) is
+    # bad input), "modulo" (folded into range) or "hash" (hashed into range).
+    id_policy: IdPolicyName = "strict"
+    # Dense columns of a Parquet source (dense_0 ..); None: 13, or as many as columns.dense names.
+    num_dense: int | None = None
+    columns: ColumnsConfig = dataclasses.field(default_factory=ColumnsConfig)
+    # A category must appear this many times in the training data to get a vocabulary id.
+    vocabulary_min_count: int = 1
     generated_files: int = 4
     prefetch_batches: int = 4  # batches each rank fetches ahead of training
     # Where a rank makes its batches: "background" (a read-ahead thread, overlapping training),
@@ -442,7 +573,19 @@ class DataConfig:
         _one_of("data.on_bad_rows", self.on_bad_rows, get_args(OnBadRows))
         _one_of("data.parquet_read", self.parquet_read, get_args(ParquetRead))
         _one_of("data.id_policy", self.id_policy, get_args(IdPolicyName))
-        _positive_int("data.num_dense", self.num_dense)
+        if not isinstance(self.columns, ColumnsConfig):
+            raise ConfigError(f"data.columns must be a ColumnsConfig, got {self.columns!r}")
+        named = self.columns.dense
+        if self.num_dense is None:
+            object.__setattr__(self, "num_dense", 13 if named is None else len(named))
+        else:
+            _non_negative_int("data.num_dense", self.num_dense)
+            if named is not None and self.num_dense != len(named):
+                raise ConfigError(
+                    f"data.num_dense={self.num_dense} but data.columns.dense names {len(named)} "
+                    "columns; leave num_dense out"
+                )
+        _positive_int("data.vocabulary_min_count", self.vocabulary_min_count)
         _positive_int("data.generated_files", self.generated_files)
         _non_negative_int("data.prefetch_batches", self.prefetch_batches)
         _one_of("data.read_ahead", self.read_ahead, get_args(ReadAhead))

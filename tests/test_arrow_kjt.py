@@ -29,10 +29,10 @@ BOUNDS = (-1.0, 0.0, 0.5, 2.0)
 SPEC = FeatureSpec(
     dense=("d_float", "d_int"),
     sparse=(
-        SparseFeature(name="mod", column="c_mod", num_embeddings=50),
+        SparseFeature(name="mod", column="c_mod", num_embeddings=50, id_policy="modulo"),
         SparseFeature(name="strict32", column="c_strict32", num_embeddings=40, id_policy="strict"),
         SparseFeature(name="hash", column="c_hash", num_embeddings=97, id_policy="hash"),
-        SparseFeature(name="single", column="c_single", num_embeddings=7),
+        SparseFeature(name="single", column="c_single", num_embeddings=7, id_policy="modulo"),
         BucketizedFeature(name="bucket", source_column="d_float", boundaries=BOUNDS),
     ),
     labels=("label",),

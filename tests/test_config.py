@@ -174,3 +174,14 @@ def test_read_ahead_auto_uses_a_thread_on_gpu_ranks_only() -> None:
         assert cfg.feed_in_background is background
     with pytest.raises(ConfigError, match=r"data\.read_ahead"):
         DataConfig(read_ahead="sometimes")  # type: ignore[arg-type]
+
+
+def test_table_names_torchrec_cannot_hold_are_refused() -> None:
+    from torch import nn
+
+    from raytrec.config import RESERVED_TABLE_NAMES, TableConfig
+
+    attributes = {n for n in dir(nn.ModuleDict) if not n.startswith("_")} | {"training"}
+    assert attributes == RESERVED_TABLE_NAMES
+    with pytest.raises(ConfigError, match="table name 'items' cannot be used"):
+        TableConfig(name="items", num_embeddings=4, embedding_dim=4, features=("item",))

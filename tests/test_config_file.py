@@ -46,7 +46,9 @@ def a_config() -> TrainConfig:
             arch="dlrm_dcn",
             tables=(
                 TableConfig(name="users", num_embeddings=1000, embedding_dim=8, features=("u",)),
-                TableConfig(name="items", num_embeddings=50, embedding_dim=8, features=("i", "j")),
+                TableConfig(
+                    name="t_items", num_embeddings=50, embedding_dim=8, features=("i", "j")
+                ),
             ),
             dense_arch_layers=(32, 8),
             dcn_num_layers=1,
@@ -69,7 +71,7 @@ def test_dump_and_load_round_trip(tmp_path: pathlib.Path) -> None:
     assert plain["scaling"]["layout"] == "replicas_within_host"
     assert plain["scaling"]["num_workers"] == 8
     assert plain["model"]["tables"][1] == {
-        "name": "items",
+        "name": "t_items",
         "num_embeddings": 50,
         "embedding_dim": 8,
         "features": ["i", "j"],

@@ -62,7 +62,7 @@ from raytrec.checkpoint.manifest import (
 )
 from raytrec.checkpoint.reshard import convert_rowwise_state
 from raytrec.checkpoint.storage import storage_reader, storage_writer
-from raytrec.serving.spec import ModelSpec, write_model_spec
+from raytrec.serving.spec import write_model_spec
 
 if TYPE_CHECKING:
     from raytrec.engine.rank import RankEngine
@@ -204,7 +204,7 @@ def save_checkpoint(
 
     def commit() -> CheckpointRef:
         # Before the manifest, which lists it with its size: what rebuilds the model elsewhere.
-        write_model_spec(pending.write_uri, ModelSpec.for_config(engine.cfg, engine.spec.num_dense))
+        write_model_spec(pending.write_uri, engine.spec.model_spec())
         manifest = Manifest(
             step=step,
             generation=generation,

@@ -13,16 +13,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import itertools
 from typing import Literal, TypeAlias
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from raytrec.data.source import Batch
-from raytrec.data.spec import BucketizedFeature, ColumnKind, FeatureSpec, SparseFeature
+from raytrec.data.spec import (
+    BucketizedFeature,
+    CategoricalFeature,
+    ColumnKind,
+    FeatureSpec,
+    SparseFeature,
+)
 
 __all__ = ["BadInputError", "ConversionReport", "to_batch", "validate_schema"]
 
@@ -32,6 +40,7 @@ _ALLOWED: dict[ColumnKind, str] = {
     "numeric": "an integer, floating point or boolean type",
     "integer": "an integer type",
     "ids": "list<int>, large_list<int> or an integer type",
+    "categories": "a string or integer type, or a list of either",
 }
 
 
@@ -97,7 +106,17 @@ class ConversionReport:
     skipped_rows: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
+def _is_category(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return bool(pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t))
+
+
 def _type_ok(kind: ColumnKind, t: pa.DataType) -> bool:
+    if kind == "categories":
+        if pa.types.is_list(t) or pa.types.is_large_list(t):
+            return _is_category(t.value_type)
+        return _is_category(t)
     if pa.types.is_integer(t):
         return True
     if kind == "numeric":
@@ -311,6 +330,55 @@ def _fill_ids(
     _mod_inplace(u, n)
 
 
+# Vocabulary digest -> value -> id, built once per process (a pipeline worker converts many
+# blocks with one spec); a lookup then costs one dict access per distinct value of a batch.
+_VOCABULARIES: dict[str, dict[str, int]] = {}
+
+
+def _vocabulary_index(f: CategoricalFeature) -> dict[str, int]:
+    assert f.vocabulary is not None and f.vocabulary_sha256 is not None
+    index = _VOCABULARIES.get(f.vocabulary_sha256)
+    if index is None:
+        index = {v: i + 1 for i, v in enumerate(f.vocabulary)}
+        _VOCABULARIES[f.vocabulary_sha256] = index
+    return index
+
+
+def category_id(value: str, f: CategoricalFeature) -> int:
+    """The id of one category (its text) under ``f``'s encoding."""
+    if f.encoding == "hash":
+        digest = hashlib.blake2b(value.encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") % f.num_embeddings
+    return _vocabulary_index(f).get(value, 0)
+
+
+def _categories(
+    data: pa.Table | pa.RecordBatch, f: CategoricalFeature, lengths: np.ndarray
+) -> np.ndarray:
+    """Writes the feature's lengths into ``lengths`` and returns its ids: each distinct value of
+    the batch is encoded once. A null value, or a null list, is an empty list; a null inside a
+    list is left out of it."""
+    arr = _column(data, f.source_column)
+    if isinstance(arr, pa.ListArray | pa.LargeListArray):
+        lengths[:] = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False)
+        values = pc.list_flatten(arr)  # the items of non-null lists, in row order
+        if values.null_count:
+            inner = _nulls(values)
+            row_of = np.repeat(np.arange(len(lengths)), lengths)
+            lengths -= np.bincount(row_of[inner], minlength=len(lengths)).astype(lengths.dtype)
+            values = values.filter(pa.array(~inner))
+    else:
+        values = _single(arr, lengths)
+    if pa.types.is_dictionary(values.type):
+        values = values.dictionary_decode()
+    if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+        values = values.cast(pa.string())  # integers as categories: their decimal text
+    encoded = pc.dictionary_encode(values)
+    uniques = encoded.dictionary.to_pylist()
+    ids = np.fromiter((category_id(u, f) for u in uniques), dtype=np.int64, count=len(uniques))
+    return ids[encoded.indices.to_numpy(zero_copy_only=False)]
+
+
 def _bucketize(
     data: pa.Table | pa.RecordBatch, f: BucketizedFeature, rows: _Rows, lengths: np.ndarray
 ) -> np.ndarray:
@@ -363,6 +431,8 @@ def to_batch(
         slot = lengths[k * num_rows : (k + 1) * num_rows]
         if isinstance(f, SparseFeature):
             raws.append(_raw_ids(_column(data, f.source_column), f, rows, slot))
+        elif isinstance(f, CategoricalFeature):
+            raws.append(_categories(data, f, slot))
         else:
             raws.append(_bucketize(data, f, rows, slot))
     # Pass 2: one values buffer, filled feature by feature, each slice checked while hot.

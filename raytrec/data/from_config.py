@@ -16,10 +16,16 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 
 from raytrec.config import ConfigError, TrainConfig
 from raytrec.data.source import BatchShard, BatchSource
-from raytrec.data.spec import FeatureSpec, parquet_layout
+from raytrec.data.spec import (
+    CategoricalFeature,
+    FeatureSpec,
+    SparseFeature,
+    fit_vocabulary,
+)
 from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.evaluation import EvalPlan, eval_plan
 
@@ -50,14 +56,88 @@ def synthetic_source(config: TrainConfig) -> SyntheticCriteo:
     )
 
 
-def parquet_spec(config: TrainConfig) -> FeatureSpec:
-    """Criteo's column layout for the model's features: ``dense_0..``, one id-list column per
-    sparse feature (named like it), ``label`` and ``row_id``."""
-    return parquet_layout(
-        [(f, t.num_embeddings) for t in config.model.tables for f in t.features],
-        num_dense=config.data.num_dense,
-        id_policy=config.data.id_policy,
+def parquet_spec(
+    config: TrainConfig, vocabularies: Mapping[str, tuple[str, ...]] | None = None
+) -> FeatureSpec:
+    """The row layout of a Parquet source for the model's features: ``config.data.columns``
+    names the label, row-id, dense and feature columns (default: raytrec's own layout,
+    ``dense_0..``, one id-list column per feature named like it, ``label`` and ``row_id``) and
+    which features hold categories; ``vocabularies`` holds the fitted vocabulary of each feature
+    encoded by ``"vocabulary"`` (:func:`fit_vocabularies`)."""
+    data, columns = config.data, config.data.columns
+    assert data.num_dense is not None  # DataConfig resolves it
+    sizes = {f: t.num_embeddings for t in config.model.tables for f in t.features}
+    unknown = sorted((set(columns.features) | set(columns.categorical)) - set(sizes))
+    if unknown:
+        raise ConfigError(
+            f"data.columns names features {unknown} that no table of model.tables serves "
+            f"(features: {sorted(sizes)})"
+        )
+    sparse: list[SparseFeature | CategoricalFeature] = []
+    for feature, n in sizes.items():
+        column = columns.features.get(feature, feature)
+        encoding = columns.categorical.get(feature)
+        if encoding is None:
+            sparse.append(
+                SparseFeature(
+                    name=feature, column=column, num_embeddings=n, id_policy=data.id_policy
+                )
+            )
+            continue
+        vocabulary = None
+        if encoding == "vocabulary":
+            vocabulary = (vocabularies or {}).get(feature)
+            if vocabulary is None:
+                raise ConfigError(
+                    f"feature {feature!r} is encoded by a vocabulary, which is fitted on the "
+                    "training data: data.source='parquet' with data.path"
+                )
+        sparse.append(
+            CategoricalFeature(
+                name=feature,
+                column=column,
+                num_embeddings=n,
+                encoding=encoding,
+                vocabulary=vocabulary,
+            )
+        )
+    return FeatureSpec(
+        dense=columns.dense
+        if columns.dense is not None
+        else tuple(f"dense_{j}" for j in range(data.num_dense)),
+        sparse=tuple(sparse),
+        labels=(columns.label,),
+        row_id=columns.row_id,
     )
+
+
+def fit_vocabularies(config: TrainConfig, path: str) -> dict[str, tuple[str, ...]]:
+    """The vocabulary of every feature ``config.data.columns.categorical`` encodes by
+    ``"vocabulary"``, counted over the Parquet files at ``path`` (:mod:`raytrec.data.vocabulary`).
+    """
+    from raytrec.data.parquet import ParquetSource
+    from raytrec.data.vocabulary import count_categories
+
+    columns = config.data.columns
+    wanted = {
+        f: columns.features.get(f, f)
+        for f, encoding in columns.categorical.items()
+        if encoding == "vocabulary"
+    }
+    if not wanted:
+        return {}
+    sizes = {f: t.num_embeddings for t in config.model.tables for f in t.features}
+    # Listing the files takes a layout; the one without categories will do.
+    plain = dataclasses.replace(columns, categorical={})
+    listing = ParquetSource(
+        paths=path,
+        spec=parquet_spec(config.replace(data=dataclasses.replace(config.data, columns=plain))),
+    )
+    counts = count_categories(*listing.list_files(), wanted)
+    return {
+        f: fit_vocabulary(counts[f], size=sizes[f] - 1, min_count=config.data.vocabulary_min_count)
+        for f in wanted
+    }
 
 
 def generated_rows(config: TrainConfig) -> int:
@@ -66,8 +146,12 @@ def generated_rows(config: TrainConfig) -> int:
     return steps_per_epoch * config.scaling.world_size * config.data.batch_size
 
 
-def source_from_config(config: TrainConfig) -> tuple[BatchSource, DataInfo]:
-    """The source ``config.data`` names; writes generated data first when needed."""
+def source_from_config(
+    config: TrainConfig, vocabularies: Mapping[str, tuple[str, ...]] | None = None
+) -> tuple[BatchSource, DataInfo]:
+    """The source ``config.data`` names; writes generated data first when needed.
+    ``vocabularies``: those of categorical features (a resumed job's, from its checkpoint);
+    None: fitted on the training files."""
     from raytrec.data.parquet import ParquetSource  # Ray Data: only when it is used
 
     data = config.data
@@ -78,9 +162,13 @@ def source_from_config(config: TrainConfig) -> tuple[BatchSource, DataInfo]:
         path, oracle = data.path, _oracle_auc(data.path)
     else:
         path, oracle = generate(config)
+        # Generated ids span the largest table; a smaller table folds them into its rows.
+        config = config.replace(data=dataclasses.replace(data, id_policy="modulo"))
     source = ParquetSource(
         paths=path,
-        spec=parquet_spec(config),
+        spec=parquet_spec(
+            config, fit_vocabularies(config, path) if vocabularies is None else vocabularies
+        ),
         epochs=data.epochs,
         shuffle_seed=data.shuffle_seed,
         on_bad_rows=data.on_bad_rows,
@@ -160,16 +248,17 @@ def _oracle_auc(path: str) -> float | None:
     return float(value) if value is not None else None
 
 
-def held_out(config: TrainConfig) -> tuple[BatchShard, EvalPlan]:
+def held_out(config: TrainConfig, spec: FeatureSpec) -> tuple[BatchShard, EvalPlan]:
     """The held-out shard ``config.eval.path`` names, read by index in the training data's
-    schema as one stream (one epoch, file order), and the plan of one evaluation."""
+    layout ``spec`` (its vocabularies included) as one stream (one epoch, file order), and the
+    plan of one evaluation."""
     from raytrec.data.parquet import ParquetSource  # Ray Data: only when it is used
     from raytrec.data.parquet_indexed import IndexedParquetShard
 
     assert config.eval.path is not None
     source = ParquetSource(
         paths=config.eval.path,
-        spec=parquet_spec(config),
+        spec=spec,
         epochs=1,
         shuffle_seed=None,
         on_bad_rows=config.data.on_bad_rows,

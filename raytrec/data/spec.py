@@ -4,19 +4,25 @@ A :class:`FeatureSpec` names the dense (float) columns, the sparse features (id-
 columns, or dense columns bucketized into ids), the label column(s) and an optional row-id column.
 It is pure data (frozen, picklable, no torch or Arrow imports), validated on construction, so a bad
 spec fails on the driver rather than inside a rank. :mod:`raytrec.data.arrow_kjt` applies it.
+
+A :class:`CategoricalFeature` reads a column of categories (strings, or integers used as
+categories) and turns each into an id by a vocabulary or by hashing; :func:`fit_vocabulary` is the
+pure part of building a vocabulary from value counts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal, TypeAlias
 
 __all__ = [
     "BucketizedFeature",
+    "CategoricalFeature",
     "ColumnKind",
     "FeatureSpec",
     "IdPolicy",
@@ -24,6 +30,7 @@ __all__ = [
     "SparseFeature",
     "SpecError",
     "criteo_spec",
+    "fit_vocabulary",
     "parquet_layout",
 ]
 
@@ -31,8 +38,9 @@ IdPolicy: TypeAlias = Literal["modulo", "hash", "strict"]
 NullIdPolicy: TypeAlias = Literal["error", "drop"]
 # What a column must hold: "numeric" is any integer, floating or boolean column; "ids" is an
 # integer column (one id per row) or a list / large_list of integers; "integer" is an integer
-# column.
-ColumnKind: TypeAlias = Literal["numeric", "ids", "integer"]
+# column; "categories" is a string or integer column, or a list of either.
+ColumnKind: TypeAlias = Literal["numeric", "ids", "integer", "categories"]
+Encoding: TypeAlias = Literal["vocabulary", "hash"]
 
 _ID_POLICIES: tuple[IdPolicy, ...] = ("modulo", "hash", "strict")
 _NULL_ID_POLICIES: tuple[NullIdPolicy, ...] = ("error", "drop")
@@ -65,7 +73,7 @@ class SparseFeature:
 
     The column is ``list<int>`` / ``large_list<int>`` (any length, empty allowed; a null list is
     an empty list) or a plain integer column (one id per row; a null is an empty list). Ids map
-    into ``[0, num_embeddings)`` by ``id_policy``:
+    into ``[0, num_embeddings)`` by ``id_policy`` (default ``"strict"``):
 
     - ``"modulo"``: ``id % num_embeddings``; a negative id is an error (it signals corrupt data,
       and a silent wrap would alias it onto a valid row);
@@ -80,7 +88,7 @@ class SparseFeature:
     name: str
     column: str | None = None
     num_embeddings: int
-    id_policy: IdPolicy = "modulo"
+    id_policy: IdPolicy = "strict"
     null_id_policy: NullIdPolicy = "error"
 
     def __post_init__(self) -> None:
@@ -136,7 +144,80 @@ class BucketizedFeature:
         return len(self.boundaries) + 1
 
 
-Feature: TypeAlias = SparseFeature | BucketizedFeature
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CategoricalFeature:
+    """A column of categories turned into ids: strings, or integers used as categories (their
+    decimal text), one per row or a list per row (a null value or list is an empty list).
+
+    - ``encoding="vocabulary"``: the value at index ``i`` of ``vocabulary`` gets id ``i + 1``;
+      id 0 stands for every value not in it (out of vocabulary). So ``vocabulary`` holds at
+      most ``num_embeddings - 1`` values.
+    - ``encoding="hash"``: the first 8 bytes of the BLAKE2b hash of the value's UTF-8 text,
+      modulo ``num_embeddings``: the same in every process and run, no vocabulary to keep.
+    """
+
+    name: str
+    column: str | None = None
+    num_embeddings: int
+    encoding: Encoding = "hash"
+    vocabulary: tuple[str, ...] | None = dataclasses.field(default=None, hash=False)
+    # A digest of the vocabulary: hashing a spec (which the conversion caches by) stays cheap.
+    vocabulary_sha256: str | None = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        owner = "CategoricalFeature"
+        _check_name(owner, "name", self.name)
+        if self.column is None:
+            object.__setattr__(self, "column", self.name)
+        _check_name(owner, "column", self.column)
+        n = self.num_embeddings
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            raise SpecError(owner, "num_embeddings", n, "an int >= 1")
+        object.__setattr__(self, "num_embeddings", int(n))
+        if self.encoding not in ("vocabulary", "hash"):
+            raise SpecError(owner, "encoding", self.encoding, "'vocabulary' or 'hash'")
+        if self.encoding == "hash":
+            if self.vocabulary is not None:
+                raise SpecError(owner, "vocabulary", "...", "None with encoding='hash'")
+            return
+        if self.vocabulary is None or isinstance(self.vocabulary, str):
+            raise SpecError(owner, "vocabulary", self.vocabulary, "a sequence of strings")
+        vocabulary = tuple(self.vocabulary)
+        if not all(isinstance(v, str) for v in vocabulary):
+            raise SpecError(owner, "vocabulary", vocabulary[:5], "a sequence of strings")
+        if len(vocabulary) > n - 1:
+            raise SpecError(
+                owner,
+                "vocabulary",
+                f"{len(vocabulary)} values",
+                f"at most num_embeddings - 1 = {n - 1} values (id 0 is out of vocabulary)",
+            )
+        if len(set(vocabulary)) != len(vocabulary):
+            raise SpecError(owner, "vocabulary", "...", "free of duplicates")
+        object.__setattr__(self, "vocabulary", vocabulary)
+        digest = hashlib.sha256("\0".join(vocabulary).encode()).hexdigest()
+        object.__setattr__(self, "vocabulary_sha256", digest)
+
+    def __hash__(self) -> int:
+        return hash(
+            (self.name, self.column, self.num_embeddings, self.encoding, self.vocabulary_sha256)
+        )
+
+    @property
+    def source_column(self) -> str:
+        return self.column if self.column is not None else self.name
+
+
+def fit_vocabulary(counts: Mapping[str, int], *, size: int, min_count: int = 1) -> tuple[str, ...]:
+    """The vocabulary of a categorical feature from its values' counts in the training data:
+    the ``size`` most frequent values seen at least ``min_count`` times, most frequent first
+    (ties in text order, so the result depends on the counts alone)."""
+    kept = [(v, c) for v, c in counts.items() if c >= min_count]
+    kept.sort(key=lambda vc: (-vc[1], vc[0]))
+    return tuple(v for v, _ in kept[:size])
+
+
+Feature: TypeAlias = SparseFeature | BucketizedFeature | CategoricalFeature
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -162,8 +243,13 @@ class FeatureSpec:
         for name in self.labels:
             _check_name(owner, "labels", name)
         for feature in self.sparse:
-            if not isinstance(feature, SparseFeature | BucketizedFeature):
-                raise SpecError(owner, "sparse", feature, "SparseFeature or BucketizedFeature")
+            if not isinstance(feature, SparseFeature | BucketizedFeature | CategoricalFeature):
+                raise SpecError(
+                    owner,
+                    "sparse",
+                    feature,
+                    "SparseFeature, BucketizedFeature or CategoricalFeature",
+                )
         if not self.sparse:
             raise SpecError(owner, "sparse", self.sparse, "non-empty")
         if not self.labels:
@@ -209,6 +295,8 @@ class FeatureSpec:
         for f in self.sparse:
             if isinstance(f, SparseFeature):
                 need(f.source_column, "ids", "sparse")
+            elif isinstance(f, CategoricalFeature):
+                need(f.source_column, "categories", "sparse")
             else:
                 need(f.source_column, "numeric", "sparse")
         for name in self.labels:
@@ -221,7 +309,7 @@ class FeatureSpec:
 def criteo_spec(
     num_embeddings: int | Sequence[int] = 10_000,
     *,
-    id_policy: IdPolicy = "modulo",
+    id_policy: IdPolicy = "strict",
     row_id: str | None = "row_id",
 ) -> FeatureSpec:
     """Criteo's layout: dense ``dense_0..12``, sparse ``cat_0..25``, ``label`` and ``row_id``."""
@@ -240,7 +328,7 @@ def criteo_spec(
 
 
 def parquet_layout(
-    sparse: Sequence[tuple[str, int]], *, num_dense: int, id_policy: IdPolicy = "modulo"
+    sparse: Sequence[tuple[str, int]], *, num_dense: int, id_policy: IdPolicy = "strict"
 ) -> FeatureSpec:
     """raytrec's Parquet layout (``data.source="parquet"``): dense ``dense_0 ..
     dense_{num_dense-1}``, one id-list column per ``(feature, num_embeddings)`` named like the

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from raytrec._quiet import quiet_known_warnings
 from raytrec.config import TrainConfig
 from raytrec.data.source import Batch
+from raytrec.data.spec import FeatureSpec
 from raytrec.engine.plan import apply_embedding_optimizer, sharders
 from raytrec.engine.replica_plane import (
     RENDEZVOUS_TIMEOUT_S,
@@ -58,6 +59,9 @@ from raytrec.engine.replica_plane import (
 )
 from raytrec.model import ModelFactory, build_dlrm
 from raytrec.sync.schedule import SyncDecision, SyncPlan, plan_sync
+
+if TYPE_CHECKING:
+    from raytrec.serving.spec import ModelSpec
 
 __all__ = ["RENDEZVOUS_TIMEOUT_S", "RankEngine", "RankSpec", "StoreAddress"]
 
@@ -99,6 +103,17 @@ class RankSpec:
     store: StoreAddress
     model_factory: ModelFactory = build_dlrm
     timeout_s: float = 120.0  # collectives (failure detection); rendezvous waits longer
+    # The row layout the job trains on (column names, vocabularies); None: raytrec's own
+    # Parquet layout for the config. Saved with every checkpoint and final model.
+    features: FeatureSpec | None = None
+
+    def model_spec(self) -> ModelSpec:
+        """What rebuilds this model outside training (written beside its saved state)."""
+        from raytrec.serving.spec import ModelSpec
+
+        if self.features is None:
+            return ModelSpec.for_config(self.config, self.num_dense)
+        return ModelSpec(model=self.config.model, num_dense=self.num_dense, features=self.features)
 
 
 def embedding_seed(seed: int, gang_rank: int) -> int:

@@ -20,7 +20,13 @@ from typing import Any
 from raytrec.checkpoint.layout import filesystem
 from raytrec.config import ModelConfig, TrainConfig
 from raytrec.config_file import from_dict, to_dict
-from raytrec.data.spec import BucketizedFeature, FeatureSpec, SparseFeature, parquet_layout
+from raytrec.data.spec import (
+    BucketizedFeature,
+    CategoricalFeature,
+    Feature,
+    FeatureSpec,
+    SparseFeature,
+)
 
 __all__ = ["MODEL_SPEC", "ModelSpec", "SpecFileError", "read_model_spec", "write_model_spec"]
 
@@ -54,13 +60,13 @@ class ModelSpec:
 
     @staticmethod
     def for_config(config: TrainConfig, num_dense: int) -> ModelSpec:
-        """The spec of the model ``config`` trains, with raytrec's Parquet layout
-        (:func:`~raytrec.data.spec.parquet_layout`) for its features."""
-        features = parquet_layout(
-            [(f, t.num_embeddings) for t in config.model.tables for f in t.features],
-            num_dense=num_dense,
-            id_policy=config.data.id_policy,
-        )
+        """The spec of the model ``config`` trains, with the Parquet layout its ``data.columns``
+        name (:func:`~raytrec.data.from_config.parquet_spec`; no vocabularies)."""
+        from raytrec.data.from_config import parquet_spec
+
+        if config.data.columns.dense is None and config.data.num_dense != num_dense:
+            config = config.replace(data=dataclasses.replace(config.data, num_dense=num_dense))
+        features = parquet_spec(config)
         return ModelSpec(model=config.model, num_dense=num_dense, features=features)
 
     @property
@@ -100,8 +106,16 @@ class ModelSpec:
 
 
 def _features_to_dict(spec: FeatureSpec) -> dict[str, Any]:
+    kinds = {
+        SparseFeature: "ids",
+        BucketizedFeature: "bucketized",
+        CategoricalFeature: "categorical",
+    }
     sparse = [
-        {"kind": "ids" if isinstance(f, SparseFeature) else "bucketized", **dataclasses.asdict(f)}
+        {
+            "kind": kinds[type(f)],
+            **{k: v for k, v in dataclasses.asdict(f).items() if k != "vocabulary_sha256"},
+        }
         for f in spec.sparse
     ]
     return {
@@ -113,15 +127,19 @@ def _features_to_dict(spec: FeatureSpec) -> dict[str, Any]:
 
 
 def _features_from_dict(doc: Mapping[str, Any]) -> FeatureSpec:
-    sparse: list[SparseFeature | BucketizedFeature] = []
+    sparse: list[Feature] = []
     for item in doc["sparse"]:
         fields = {k: v for k, v in item.items() if k != "kind"}
         if item["kind"] == "ids":
             sparse.append(SparseFeature(**fields))
         elif item["kind"] == "bucketized":
             sparse.append(BucketizedFeature(**fields))
+        elif item["kind"] == "categorical":
+            sparse.append(CategoricalFeature(**fields))
         else:
-            raise ValueError(f"sparse feature kind {item['kind']!r} is not 'ids' or 'bucketized'")
+            raise ValueError(
+                f"sparse feature kind {item['kind']!r} is not 'ids', 'bucketized' or 'categorical'"
+            )
     return FeatureSpec(
         dense=tuple(doc["dense"]),
         sparse=tuple(sparse),
