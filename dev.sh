@@ -44,6 +44,11 @@ case "$cmd" in
     "$venv/bin/ruff" check .
     "$venv/bin/ruff" format --check .
     "$venv/bin/mypy"
+    if [[ $# -eq 0 ]]; then
+      # The fast tier first: a failure there stops before the slow tiers start.
+      "$venv/bin/python" -m pytest -m "not cluster and not multiprocess and not long"
+      exec "$venv/bin/python" -m pytest -m "(cluster or multiprocess) and not long"
+    fi
     exec "$venv/bin/python" -m pytest "$@" ;;
   bench) setup; name="$1"; shift; exec "$venv/bin/python" "benchmarks/$name.py" "$@" ;;
   python) setup; exec "$venv/bin/python" "$@" ;;

@@ -24,7 +24,6 @@ import time
 from datetime import timedelta
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 
@@ -422,15 +421,6 @@ class RankWorker:
         if self.spec.gang_rank == 0:  # what rebuilds the model outside the job (raytrec.export)
             write_model_spec(path, self.spec.model_spec())
 
-    def state_arrays(self) -> dict[str, list[np.ndarray]]:
-        """Copies of this rank's embedding shards, their optimizer state and dense state."""
-        engine = self.engine
-        return {
-            "embedding_weights": _arrays(engine.embedding_weights()),
-            "embedding_optimizer_states": _arrays(engine.embedding_optimizer_states()),
-            "dense_state": _arrays(engine.dense_state()),
-        }
-
     def state_digest(self) -> dict[str, str]:
         """Content hashes of this rank's shard state and dense state, to compare replicas."""
         engine = self.engine
@@ -444,10 +434,6 @@ class RankWorker:
         if self._feed is not None:
             self._feed.close()
         self.engine.close()
-
-
-def _arrays(tensors: list[torch.Tensor]) -> list[np.ndarray]:
-    return [t.detach().cpu().numpy().copy() for t in tensors]
 
 
 def _digest(tensors: list[torch.Tensor]) -> str:

@@ -227,3 +227,14 @@ def run_gang_job(
         results.close()
         results.cancel_join_thread()
         del stores
+
+
+def run_steps(engine: RankEngine, batches: Iterator[Any], num_steps: int) -> list[float]:
+    """Trains ``num_steps`` steps on ``engine``, syncing after each as its schedule decides."""
+    losses = []
+    for _ in range(num_steps):
+        losses.append(engine.train_step(next(batches)))
+        decision = engine.decide(engine.step)
+        if decision.due:
+            engine.sync(decision)
+    return losses

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch.distributed as dist
-from gloo_job import engine_for, make_plan_for, run_gang_job
+from gloo_job import engine_for, make_plan_for, run_gang_job, run_steps
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
@@ -103,10 +103,10 @@ def victim(plan: ShardingPlan, root: str, flag: str, snapshot: str) -> None:
     )
     with engine_for(spec) as engine:
         batches = SOURCE.split(1)[0].batches(BATCH)
-        engine.run(batches, 2)
+        run_steps(engine, batches, 2)
         save_checkpoint(engine, root, generation=0, extra={"next_step": 2})
         np.savez(snapshot, **full_state(engine))
-        engine.run(batches, 1)
+        run_steps(engine, batches, 1)
         save_checkpoint(
             engine,
             root,
@@ -125,7 +125,9 @@ def resume(spec: RankSpec, *, root: str) -> dict[str, Any]:
         assert latest is not None
         loaded = load_checkpoint(engine, latest)
         state = full_state(engine)
-        engine.run(SOURCE.split(1)[0].batches(BATCH, start_step=loaded.extra["next_step"]), 1)
+        run_steps(
+            engine, SOURCE.split(1)[0].batches(BATCH, start_step=loaded.extra["next_step"]), 1
+        )
         ref = save_checkpoint(engine, store, generation=1, extra={"next_step": 3})
         return {
             "latest": latest.step,

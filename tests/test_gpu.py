@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_job import engine_for, run_gang_job
+from gloo_job import engine_for, run_gang_job, run_steps
 from test_engine_2d import BATCH, NUM_DENSE, SOURCE, ReferenceDLRM, job_config, max_diff
 from torchrec.distributed.types import ShardingPlan
 
@@ -153,7 +153,7 @@ def variant_run(spec: RankSpec) -> dict[str, Any]:
     """Trains two steps (the second syncs), then checks the state the sync covers."""
     with engine_for(spec) as engine:
         init_states = host(engine.embedding_optimizer_states())
-        losses = engine.run(batches(), 2)  # sync_every=2: the second step syncs on NCCL
+        losses = run_steps(engine, batches(), 2)  # sync_every=2: the second step syncs on NCCL
         weights, states = engine.embedding_weights(), engine.embedding_optimizer_states()
         before = host(weights + states)
         # A job-wide plane of one member skips the collective; build one on NCCL anyway, so
@@ -182,11 +182,11 @@ def checkpoint_run(spec: RankSpec, root: str) -> dict[str, Any]:
 
     with engine_for(spec) as engine:
         source = batches()
-        engine.run(source, 2)
+        run_steps(engine, source, 2)
         saved = host(engine.embedding_weights() + engine.embedding_optimizer_states())
         saved_dense = host(engine.dense_state())
         ref = save_checkpoint(engine, root, generation=0, extra={"step": engine.step})
-        engine.run(source, 2)  # move everything away from the saved state
+        run_steps(engine, source, 2)  # move everything away from the saved state
         moved = host(engine.embedding_weights() + engine.embedding_optimizer_states())
         loaded = load_checkpoint(engine, ref)
         back = host(engine.embedding_weights() + engine.embedding_optimizer_states())

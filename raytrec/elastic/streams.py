@@ -77,9 +77,6 @@ class RankStreams:
     def queue_replay(self, rank: int, ids: Iterable[int]) -> None:
         self._replay[rank].extend(ids)
 
-    def replay_queued(self, rank: int) -> int:
-        return len(self._replay[rank])
-
     def trained(self, rank: int, ids: Sequence[int | None]) -> None:
         """The rank reports the batches it trained, in order."""
         for batch_id in ids:

@@ -31,7 +31,6 @@ tests drive it with plain processes on gloo.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -470,16 +469,6 @@ class RankEngine:
             self.embedding_weights() + self.embedding_optimizer_states() + self.dense_state(),
             src=src,
         )
-
-    def run(self, batches: Iterator[Batch], num_steps: int) -> list[float]:
-        """Trains ``num_steps`` steps, syncing after each as the schedule decides."""
-        losses = []
-        for _ in range(num_steps):
-            losses.append(self.train_step(next(batches)))
-            decision = self.decide(self.step)
-            if decision.due:
-                self.sync(decision)
-        return losses
 
     def close(self) -> None:
         if dist.is_initialized():
