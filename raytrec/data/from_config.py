@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 
-from raytrec.config import ConfigError, TrainConfig
+from raytrec.config import WEIGHTS_SUFFIX, ConfigError, TrainConfig
 from raytrec.data.source import BatchShard, BatchSource
 from raytrec.data.spec import FeatureSpec, parquet_layout
 from raytrec.data.synthetic import SyntheticCriteo
@@ -36,8 +36,19 @@ class DataInfo:
     oracle_auc: float | None = None  # AUC of the teacher's own click probabilities
 
 
+def _refuse_weighted(config: TrainConfig) -> None:
+    weighted = [t.name for t in config.model.tables if t.weighted]
+    if weighted:
+        raise ConfigError(
+            f"model.tables {weighted} are weighted, which needs data.source='parquet' with "
+            f"weights columns (<feature>{WEIGHTS_SUFFIX}); data.source={config.data.source!r} "
+            "makes ids without weights"
+        )
+
+
 def synthetic_source(config: TrainConfig) -> SyntheticCriteo:
     """The in-rank synthetic source that matches ``config.model.tables``."""
+    _refuse_weighted(config)
     features = config.model.features
     sizes = {f: t.num_embeddings for t in config.model.tables for f in t.features}
     named = all(f"cat_{i}" in sizes for i in range(len(features)))
@@ -52,11 +63,13 @@ def synthetic_source(config: TrainConfig) -> SyntheticCriteo:
 
 def parquet_spec(config: TrainConfig) -> FeatureSpec:
     """Criteo's column layout for the model's features: ``dense_0..``, one id-list column per
-    sparse feature (named like it), ``label`` and ``row_id``."""
+    sparse feature (named like it) and a weights column for each weighted one
+    (``<feature>_weights``), ``label`` and ``row_id``."""
     return parquet_layout(
         [(f, t.num_embeddings) for t in config.model.tables for f in t.features],
         num_dense=config.data.num_dense,
         id_policy=config.data.id_policy,
+        weights=config.model.weights_columns,
     )
 
 
@@ -95,6 +108,7 @@ def generate(config: TrainConfig) -> tuple[str, float | None]:
     """Writes (or finds) the generated Parquet for ``config``; returns its path and oracle AUC."""
     from raytrec.data.generate import META_FILE, write_synthetic_parquet
 
+    _refuse_weighted(config)
     data, features = config.data, config.model.features
     if data.num_dense != 13 or any(f != f"cat_{i}" for i, f in enumerate(features)):
         raise ConfigError(
