@@ -195,7 +195,7 @@ class BaselineWorker:
                 gang_size=world,
                 device_type=device.type,
                 sharding=cfg.sharding,
-                table_names=[t.name for t in cfg.model.tables],
+                tables=cfg.model.tables,
                 batch_size=cfg.data.batch_size,
             )
         dist.broadcast_object_list(plan_box, src=0)

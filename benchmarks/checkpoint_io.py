@@ -87,7 +87,7 @@ def build_engine(tables: int, rows: int, dim: int) -> RankEngine:
         gang_size=1,
         device_type="cpu",
         sharding=config.sharding,
-        table_names=[t.name for t in config.model.tables],
+        tables=config.model.tables,
         batch_size=config.data.batch_size,
     )
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))

@@ -41,7 +41,7 @@ from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.plan import apply_embedding_optimizer, make_plan
 from raytrec.errors import EarlyStopped, JobFailedError
 from raytrec.metrics import IntervalMetrics
-from raytrec.model import ModelFactory, build_dlrm
+from raytrec.model import ModelFactory, build_train_model
 from raytrec.progress import ProgressReporter
 from raytrec.summary import ledger_lines, write_ledger
 
@@ -155,7 +155,7 @@ def fit(
     config: TrainConfig,
     *,
     source: BatchSource | None = None,
-    model_factory: ModelFactory = build_dlrm,
+    model_factory: ModelFactory = build_train_model,
     ray_address: str | None = None,
     on_progress: Callable[[IntervalMetrics], None] | None = None,
     shutdown_ray: bool | None = None,
@@ -400,7 +400,7 @@ def _plan(config: TrainConfig, num_dense: int, model_factory: ModelFactory) -> A
         gang_size=config.scaling.gang_size,
         device_type="cuda" if config.scaling.use_gpu else "cpu",
         sharding=config.sharding,
-        table_names=[t.name for t in config.model.tables],
+        tables=config.model.tables,
         batch_size=config.data.batch_size,
     )
 

@@ -33,7 +33,7 @@ __all__ = [
     "TrainConfig",
 ]
 
-ModelArch = Literal["dlrm", "dlrm_dcn"]
+ModelArch = Literal["dlrm", "dlrm_dcn", "deepfm"]
 EmbeddingOptimizer = Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
 DenseOptimizer = Literal["sgd", "adagrad", "adam"]
 ShardingType = Literal["table_wise", "column_wise", "row_wise", "table_row_wise"]
@@ -47,10 +47,21 @@ EvalMetric = Literal["eval_auc", "eval_ne", "eval_log_loss"]
 CategoryEncoding = Literal["vocabulary", "hash"]
 IdPolicyName = Literal["modulo", "hash", "strict"]
 
+#: Architectures whose interaction needs one embedding_dim for every table: DLRM's dot products
+#: and DCN's cross layers take the pooled embeddings as one [B, F, D] block. DeepFM concatenates
+#: them flat, so its tables may differ.
+SAME_DIM_ARCHS: tuple[str, ...] = ("dlrm", "dlrm_dcn")
+#: Architectures that need dense features (DLRM's dense arch makes a vector of the tables'
+#: width out of them); DeepFM without dense columns scores from the sparse features alone.
+DENSE_ARCHS: tuple[str, ...] = ("dlrm", "dlrm_dcn")
+
 # What TorchRec 1.8's planner offers a CPU compute device (checked on gloo).
 CPU_SHARDING_TYPES: tuple[str, ...] = ("table_wise", "column_wise")
 CPU_EMBEDDING_OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "rowwise_adagrad")
 
+
+#: A weighted feature ``f`` reads its weights from the Parquet column ``f + WEIGHTS_SUFFIX``.
+WEIGHTS_SUFFIX = "_weights"
 
 #: The largest nice value Linux gives a process (``scaling.rank_niceness``).
 MAX_NICENESS = 19
@@ -147,29 +158,70 @@ RESERVED_TABLE_NAMES: frozenset[str] = frozenset(
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TableConfig:
-    """One embedding table and the sparse features that look it up."""
+    """One embedding table and the sparse features that look it up.
+
+    - ``weighted``: each id of the table's features carries a float weight and the pooled
+      vector is the weighted sum of the ids' rows. In Parquet the weights of feature ``f`` are
+      the ``list<float>`` column ``f_weights``, as long as ``f``'s id list in every row. A
+      weighted table needs ``pooling="sum"``, and so does every other table of the model (see
+      :class:`ModelConfig`).
+    - ``sharding_types``: the sharding types TorchRec's planner may choose for this table (its
+      ``ParameterConstraints.sharding_types``); None: ``sharding.sharding_type``.
+    - ``min_partition``: the narrowest column-wise shard the planner may cut
+      (``ParameterConstraints.min_partition``); None: TorchRec's default (128 columns).
+    - ``pooling_factor``: the mean number of ids per row the planner assumes for each of the
+      table's features when it balances ranks (``ParameterConstraints.pooling_factors``);
+      None: TorchRec's default (1.0).
+    """
 
     name: str
     num_embeddings: int
     embedding_dim: int
     features: tuple[str, ...]
     pooling: PoolingName = "sum"  # how a list's ids become one vector: their sum or mean
+    weighted: bool = False  # ids carry weights, from the list<float> column <feature>_weights
+    sharding_types: tuple[ShardingType, ...] | None = None  # planner's choices; None: the default
+    min_partition: int | None = None  # narrowest column-wise shard; None: TorchRec's 128
+    pooling_factor: float | None = None  # mean ids per row, for the planner; None: 1.0
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
             raise ConfigError(f"table name must be a non-empty string, got {self.name!r}")
+        where = f"tables[{self.name}]"
         if self.name in RESERVED_TABLE_NAMES or "." in self.name:
             raise ConfigError(
                 f"table name {self.name!r} cannot be used: TorchRec keeps tables in an "
                 "nn.ModuleDict, whose own attributes and dotted names are not allowed as keys "
                 "(e.g. use 't_items')"
             )
-        _one_of(f"tables[{self.name}].pooling", self.pooling, get_args(PoolingName))
-        _positive_int(f"tables[{self.name}].num_embeddings", self.num_embeddings)
-        _positive_int(f"tables[{self.name}].embedding_dim", self.embedding_dim)
+        _one_of(f"{where}.pooling", self.pooling, get_args(PoolingName))
+        _positive_int(f"{where}.num_embeddings", self.num_embeddings)
+        _positive_int(f"{where}.embedding_dim", self.embedding_dim)
         object.__setattr__(self, "features", tuple(self.features))
         if not self.features:
-            raise ConfigError(f"tables[{self.name}].features must name at least one feature")
+            raise ConfigError(f"{where}.features must name at least one feature")
+        if not isinstance(self.weighted, bool):
+            raise ConfigError(f"{where}.weighted must be true or false, got {self.weighted!r}")
+        if self.weighted and self.pooling != "sum":
+            raise ConfigError(
+                f"{where}.weighted=True needs {where}.pooling='sum', got {self.pooling!r}: "
+                "PyTorch's EmbeddingBag takes per-id weights only when it sums"
+            )
+        if self.sharding_types is not None:
+            if isinstance(self.sharding_types, str):
+                raise ConfigError(
+                    f"{where}.sharding_types must be a list of sharding types, "
+                    f"got {self.sharding_types!r}"
+                )
+            object.__setattr__(self, "sharding_types", tuple(self.sharding_types))
+            if not self.sharding_types:
+                raise ConfigError(f"{where}.sharding_types must not be empty (None: the default)")
+            for i, kind in enumerate(self.sharding_types):
+                _one_of(f"{where}.sharding_types[{i}]", kind, get_args(ShardingType))
+        if self.min_partition is not None:
+            _positive_int(f"{where}.min_partition", self.min_partition)
+        if self.pooling_factor is not None:
+            _positive_float(f"{where}.pooling_factor", self.pooling_factor)
 
 
 def criteo_tables(
@@ -197,7 +249,23 @@ def criteo_tables(
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """TorchRec's DLRM or DLRM-DCN over the given tables."""
+    """The model over the given tables: TorchRec's DLRM, DLRM-DCN or a DeepFM of TorchRec's parts.
+
+    - ``arch``: ``"dlrm"`` (TorchRec's ``DLRM``), ``"dlrm_dcn"`` (``DLRM_DCN``, a low-rank cross
+      network as interaction) or ``"deepfm"`` (TorchRec's DeepFM parts: ``SparseArch``,
+      ``FMInteractionArch`` with its ``DeepFM`` and ``FactorizationMachine`` modules, and
+      DLRM's dense and over arches, so the output is a logit).
+    - ``dense_arch_layers``: the MLP over the dense features. DLRM and DLRM-DCN need its last
+      size equal to the tables' embedding_dim; for DeepFM the last size is the width of the
+      dense features' vector that joins the embeddings (not used without dense features).
+    - ``over_arch_layers``: the MLP that makes the logit; the last size is 1.
+    - ``dcn_num_layers``, ``dcn_low_rank_dim``: DLRM-DCN's cross network.
+    - ``deep_fm_dimension``: DeepFM's deep part, the width of its layer over all embeddings.
+
+    DLRM and DLRM-DCN need one embedding_dim for every table; DeepFM allows one per table.
+    When any table is weighted, every table must be sum-pooled: TorchRec's
+    EmbeddingBagCollection passes weights to all of its tables.
+    """
 
     arch: ModelArch = "dlrm"
     tables: tuple[TableConfig, ...] = dataclasses.field(default_factory=criteo_tables)
@@ -205,6 +273,7 @@ class ModelConfig:
     over_arch_layers: tuple[int, ...] = (64, 1)
     dcn_num_layers: int = 2
     dcn_low_rank_dim: int = 16
+    deep_fm_dimension: int = 16
 
     def __post_init__(self) -> None:
         _one_of("model.arch", self.arch, get_args(ModelArch))
@@ -222,9 +291,23 @@ class ModelConfig:
         if dupes:
             raise ConfigError(f"model.tables: features {dupes} are served by more than one table")
         dims = {t.embedding_dim for t in self.tables}
-        if len(dims) != 1:
+        if len(dims) != 1 and self.arch in SAME_DIM_ARCHS:
+            by_dim = ", ".join(
+                f"{d}: {[t.name for t in self.tables if t.embedding_dim == d]}"
+                for d in sorted(dims)
+            )
             raise ConfigError(
-                f"model.tables: DLRM needs one embedding_dim for all tables, got {sorted(dims)}"
+                f"model.arch={self.arch!r} needs one embedding_dim for all tables, got {by_dim}; "
+                "per-table dims are allowed with model.arch='deepfm'"
+            )
+        weighted = [t.name for t in self.tables if t.weighted]
+        mean = [t.name for t in self.tables if t.pooling != "sum"]
+        if weighted and mean:
+            raise ConfigError(
+                f"model.tables: weighted tables {weighted} need every table sum-pooled, but "
+                f"{mean} use pooling='mean' (TorchRec's EmbeddingBagCollection passes the "
+                "weights to all its tables, and PyTorch's EmbeddingBag takes them only when it "
+                "sums)"
             )
         for field in ("dense_arch_layers", "over_arch_layers"):
             layers = getattr(self, field)
@@ -232,25 +315,56 @@ class ModelConfig:
                 raise ConfigError(f"model.{field} must not be empty")
             for i, size in enumerate(layers):
                 _positive_int(f"model.{field}[{i}]", size)
-        if self.dense_arch_layers[-1] != self.embedding_dim:
+        if self.arch in SAME_DIM_ARCHS and self.dense_arch_layers[-1] != self.embedding_dim:
             raise ConfigError(
                 f"model.dense_arch_layers[-1]={self.dense_arch_layers[-1]} must equal the tables' "
-                f"embedding_dim={self.embedding_dim}"
+                f"embedding_dim={self.embedding_dim} (model.arch={self.arch!r})"
             )
         if self.over_arch_layers[-1] != 1:
             raise ConfigError(
                 f"model.over_arch_layers[-1]={self.over_arch_layers[-1]} must be 1 (one logit)"
             )
+        if len(self.over_arch_layers) < 2:
+            raise ConfigError(
+                f"model.over_arch_layers={list(self.over_arch_layers)} needs at least two sizes "
+                "(TorchRec's OverArch: hidden layers, then 1)"
+            )
         _positive_int("model.dcn_num_layers", self.dcn_num_layers)
         _positive_int("model.dcn_low_rank_dim", self.dcn_low_rank_dim)
+        _positive_int("model.deep_fm_dimension", self.deep_fm_dimension)
 
     @property
     def embedding_dim(self) -> int:
+        """The first table's embedding_dim: every table's for DLRM and DLRM-DCN."""
         return self.tables[0].embedding_dim
 
     @property
     def features(self) -> tuple[str, ...]:
         return tuple(f for t in self.tables for f in t.features)
+
+    @property
+    def is_weighted(self) -> bool:
+        """Whether any table is weighted: the model's embedding collection then takes weights."""
+        return any(t.weighted for t in self.tables)
+
+    @property
+    def weights_columns(self) -> dict[str, str]:
+        """Weighted feature -> the Parquet column of its id weights."""
+        return {f: f"{f}{WEIGHTS_SUFFIX}" for t in self.tables if t.weighted for f in t.features}
+
+    @property
+    def needs_dense(self) -> bool:
+        """Whether the architecture needs at least one dense feature."""
+        return self.arch in DENSE_ARCHS
+
+    def check_num_dense(self, num_dense: int) -> None:
+        """Refuses zero dense features for an architecture that needs them."""
+        if num_dense == 0 and self.needs_dense:
+            raise ConfigError(
+                f"model.arch={self.arch!r} needs dense features, the data has none "
+                "(data.num_dense=0): its dense arch makes the vector its interaction starts "
+                "from; use model.arch='deepfm' for data without dense columns"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -530,7 +644,8 @@ class DataConfig:
     - ``"parquet"``: the Parquet files at ``path`` (a file, a directory or a pyarrow URI such as
       ``s3://bucket/prefix``), read by Ray Data (``parquet_read``). Columns (``columns`` maps
       your own names): ``dense_0`` .. ``dense_{num_dense-1}`` (numbers), one id-list column per
-      sparse feature named like the feature, ``label`` and ``row_id``.
+      sparse feature named like the feature, ``<feature>_weights`` (``list<float>``) for each
+      feature of a weighted table, ``label`` and ``row_id``.
     - ``"generated"``: Parquet written once from the synthetic teacher model (with its oracle
       AUC known) into ``path`` (default: ``<storage_path>/data/<a name from the sizes>``, reused
       when already there), then read like ``"parquet"`` (its ids span the largest table and
@@ -554,7 +669,8 @@ class DataConfig:
     # How integer ids map into a table's rows: "strict" (an id outside [0, num_embeddings) is
     # bad input), "modulo" (folded into range) or "hash" (hashed into range).
     id_policy: IdPolicyName = "strict"
-    # Dense columns of a Parquet source (dense_0 ..); None: 13, or as many as columns.dense names.
+    # Dense columns of a Parquet source (dense_0 ..); None: 13, or as many as columns.dense
+    # names; 0: none (model.arch="deepfm" only).
     num_dense: int | None = None
     columns: ColumnsConfig = dataclasses.field(default_factory=ColumnsConfig)
     # A category must appear this many times in the training data to get a vocabulary id.
@@ -700,12 +816,28 @@ class TrainConfig:
                     f"mode'); on CPU use one of {', '.join(map(repr, CPU_EMBEDDING_OPTIMIZERS))}, "
                     "or set scaling.use_gpu=True"
                 )
-            if self.sharding.sharding_type not in CPU_SHARDING_TYPES:
-                raise ConfigError(
-                    f"sharding.sharding_type={self.sharding.sharding_type!r} has no CPU kernel "
-                    "in TorchRec 1.8's planner; on CPU use one of "
-                    f"{', '.join(map(repr, CPU_SHARDING_TYPES))}, or set scaling.use_gpu=True"
-                )
+            for field, kinds in self.sharding_choices():
+                for kind in kinds:
+                    if kind not in CPU_SHARDING_TYPES:
+                        raise ConfigError(
+                            f"{field}={kind!r} has no CPU kernel in TorchRec 1.8's planner; on "
+                            f"CPU use one of {', '.join(map(repr, CPU_SHARDING_TYPES))}, or set "
+                            "scaling.use_gpu=True"
+                        )
+        if self.data.source in ("parquet", "generated"):
+            assert self.data.num_dense is not None  # DataConfig resolves it
+            self.model.check_num_dense(self.data.num_dense)
+
+    def sharding_choices(self) -> list[tuple[str, tuple[str, ...]]]:
+        """``(config field, sharding types)`` the planner may use: each table's own
+        ``sharding_types``, else ``sharding.sharding_type``."""
+        default = ("sharding.sharding_type", (self.sharding.sharding_type,))
+        return [
+            (f"model.tables[{t.name}].sharding_types", t.sharding_types)
+            if t.sharding_types is not None
+            else default
+            for t in self.model.tables
+        ]
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)

@@ -1,4 +1,4 @@
-"""Model factories: TorchRec's DLRM and DLRM-DCN from raytrec table configs.
+"""Model factories: TorchRec's DLRM and DLRM-DCN, and a DeepFM of TorchRec's parts.
 
 A model factory returns a module whose ``forward(batch)`` gives
 ``(loss, (loss, logits, labels))`` the way ``torchrec.models.dlrm.DLRMTrain``
@@ -14,13 +14,24 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
+from torchrec.models.deepfm import FMInteractionArch
+from torchrec.models.deepfm import SparseArch as DeepFMSparseArch
+from torchrec.models.dlrm import DLRM, DLRM_DCN, DenseArch, DLRMTrain, OverArch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from raytrec.config import ModelConfig
 
-__all__ = ["ModelFactory", "build_dlrm", "build_dlrm_model", "embedding_bag_configs"]
+__all__ = [
+    "DeepFM",
+    "ModelFactory",
+    "build_dlrm",
+    "build_dlrm_model",
+    "build_model",
+    "build_train_model",
+    "embedding_bag_configs",
+]
 
 # (model config, number of dense features, dense device, seed) -> train module
 ModelFactory = Callable[[ModelConfig, int, torch.device, int], nn.Module]
@@ -39,24 +50,92 @@ def embedding_bag_configs(cfg: ModelConfig) -> list[EmbeddingBagConfig]:
     ]
 
 
-def build_dlrm_model(
+class DeepFM(nn.Module):
+    """DeepFM (https://arxiv.org/abs/1703.04247) from TorchRec's parts: ``forward(dense, kjt)``
+    gives logits ``[B, 1]``.
+
+    The layout of TorchRec's ``SimpleDeepFMNN``: the dense features go through a dense arch to
+    one vector, which joins the pooled embeddings in ``FMInteractionArch`` (TorchRec's
+    ``DeepFM`` deep part and ``FactorizationMachine``). Two differences: the over arch is
+    DLRM's, ending in a logit (``SimpleDeepFMNN`` ends in a sigmoid, which a logit loss would
+    apply twice), and tables may have different embedding dims, since both parts flatten the
+    embeddings. Without dense features (``num_dense=0``) there is no dense arch and the
+    interaction starts from the embeddings alone.
+    """
+
+    def __init__(
+        self,
+        *,
+        embedding_bag_collection: EmbeddingBagCollection,
+        num_dense: int,
+        dense_arch_layers: list[int],
+        deep_fm_dimension: int,
+        over_arch_layers: list[int],
+        dense_device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        configs = embedding_bag_collection.embedding_bag_configs()
+        features = [f for c in configs for f in c.feature_names]
+        sparse_width = sum(c.embedding_dim * len(c.feature_names) for c in configs)
+        dense_width = dense_arch_layers[-1] if num_dense else 0
+        self.sparse_arch = DeepFMSparseArch(embedding_bag_collection)
+        self.dense_arch: nn.Module | None = (
+            DenseArch(in_features=num_dense, layer_sizes=dense_arch_layers, device=dense_device)
+            if num_dense
+            else None
+        )
+        self.inter_arch = FMInteractionArch(
+            fm_in_features=dense_width + sparse_width,
+            sparse_feature_names=features,
+            deep_fm_dimension=deep_fm_dimension,
+        ).to(dense_device)
+        self.over_arch = OverArch(
+            in_features=dense_width + deep_fm_dimension + 1,
+            layer_sizes=over_arch_layers,
+            device=dense_device,
+        )
+
+    def forward(
+        self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor
+    ) -> torch.Tensor:
+        # Without a dense arch the dense input is [B, 0]: it adds nothing to the concatenations.
+        dense = dense_features if self.dense_arch is None else self.dense_arch(dense_features)
+        embedded = self.sparse_arch(sparse_features)
+        return self.over_arch(self.inter_arch(dense_features=dense, sparse_features=embedded))
+
+
+def build_model(
     cfg: ModelConfig,
     num_dense: int,
     device: torch.device,
     seed: int,
     *,
     embedding_device: torch.device | None = None,
-) -> DLRM:
-    """TorchRec's DLRM or DLRM-DCN (``cfg.arch``): ``forward(dense, kjt)`` gives logits ``[B, 1]``.
+) -> nn.Module:
+    """The model of ``cfg.arch`` (TorchRec's ``DLRM``, ``DLRM_DCN``, or :class:`DeepFM`):
+    ``forward(dense, kjt)`` gives logits ``[B, 1]``.
 
     Dense layers on ``device`` from ``seed``; embedding tables on ``embedding_device`` (default
     ``meta``: allocated later, by DistributedModelParallel or a state dict loaded with
-    ``assign=True``)."""
+    ``assign=True``). A weighted table makes the collection weighted (``is_weighted``): the
+    batches' KeyedJaggedTensor then carries weights."""
+    cfg.check_num_dense(num_dense)
     ebc = EmbeddingBagCollection(
-        tables=embedding_bag_configs(cfg), device=embedding_device or torch.device("meta")
+        tables=embedding_bag_configs(cfg),
+        is_weighted=cfg.is_weighted,
+        device=embedding_device or torch.device("meta"),
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        if cfg.arch == "deepfm":
+            return DeepFM(
+                embedding_bag_collection=ebc,
+                num_dense=num_dense,
+                dense_arch_layers=list(cfg.dense_arch_layers),
+                deep_fm_dimension=cfg.deep_fm_dimension,
+                over_arch_layers=list(cfg.over_arch_layers),
+                dense_device=device,
+            )
         if cfg.arch == "dlrm_dcn":
             return DLRM_DCN(
                 embedding_bag_collection=ebc,
@@ -76,6 +155,15 @@ def build_dlrm_model(
         )
 
 
-def build_dlrm(cfg: ModelConfig, num_dense: int, device: torch.device, seed: int) -> nn.Module:
-    """``DLRMTrain`` around DLRM or DLRM-DCN, embeddings on ``meta``, dense on ``device``."""
-    return DLRMTrain(build_dlrm_model(cfg, num_dense, device, seed))
+def build_train_model(
+    cfg: ModelConfig, num_dense: int, device: torch.device, seed: int
+) -> nn.Module:
+    """TorchRec's ``DLRMTrain`` (logits, BCE-with-logits loss) around the model of ``cfg.arch``,
+    embeddings on ``meta``, dense on ``device``: the default :data:`ModelFactory`."""
+    # DLRMTrain calls its module as model(dense, kjt) and needs nothing else of DLRM.
+    return DLRMTrain(build_model(cfg, num_dense, device, seed))
+
+
+# The names of these factories from when DLRM was the only architecture; they build any.
+build_dlrm = build_train_model
+build_dlrm_model = build_model

@@ -33,7 +33,7 @@ from raytrec._quiet import quiet_known_warnings
 from raytrec.config import TrainConfig
 from raytrec.engine.plan import apply_embedding_optimizer, make_plan
 from raytrec.engine.rank import RankEngine, RankSpec, StoreAddress
-from raytrec.model import build_dlrm
+from raytrec.model import build_train_model
 
 __all__ = ["GangJobError", "engine_for", "make_plan_for", "run_gang_job"]
 
@@ -50,14 +50,14 @@ class GangJobError(RuntimeError):
 def make_plan_for(config: TrainConfig, num_dense: int) -> ShardingPlan:
     """The job's single sharding plan, made for ``config.scaling.gang_size`` CPU ranks."""
     quiet_known_warnings()
-    model = build_dlrm(config.model, num_dense, torch.device("cpu"), config.seed)
+    model = build_train_model(config.model, num_dense, torch.device("cpu"), config.seed)
     apply_embedding_optimizer(model, config.optimizer)
     return make_plan(
         model,
         gang_size=config.scaling.gang_size,
         device_type="cpu",
         sharding=config.sharding,
-        table_names=[t.name for t in config.model.tables],
+        tables=config.model.tables,
         batch_size=config.data.batch_size,
     )
 

@@ -131,7 +131,7 @@ def test_model_checks_tables_together() -> None:
     with pytest.raises(ConfigError, match=r"features \['x'\] are served by more than one table"):
         ModelConfig(tables=(a, b), dense_arch_layers=(4,))
     b = table(name="b", features=("y",), embedding_dim=8)
-    with pytest.raises(ConfigError, match=r"one embedding_dim for all tables, got \[4, 8\]"):
+    with pytest.raises(ConfigError, match=r"one embedding_dim for all tables, got 4: \['a'\], 8"):
         ModelConfig(tables=(a, b), dense_arch_layers=(4,))
     with pytest.raises(ConfigError, match=r"dense_arch_layers\[-1\]=8 must equal .*=4"):
         ModelConfig(tables=(a,), dense_arch_layers=(8,))

@@ -76,6 +76,10 @@ def test_dump_and_load_round_trip(tmp_path: pathlib.Path) -> None:
         "embedding_dim": 8,
         "features": ["i", "j"],
         "pooling": "sum",
+        "weighted": False,
+        "sharding_types": None,
+        "min_partition": None,
+        "pooling_factor": None,
     }
     assert plain["sync"]["levels"] == [[2, 2]]
     loaded = load_config(write(tmp_path, text))
@@ -85,6 +89,50 @@ def test_dump_and_load_round_trip(tmp_path: pathlib.Path) -> None:
     assert loaded.sync.levels == ((2, 2),)
     assert from_dict(TrainConfig, to_dict(config)) == config
     assert load_config(write(tmp_path, dump(TrainConfig()), "d.yaml")) == TrainConfig()
+
+
+def test_model_keys_from_yaml_and_overrides(tmp_path: pathlib.Path) -> None:
+    """DeepFM with per-table dims, a weighted table and per-table sharding, read from YAML."""
+    path = write(
+        tmp_path,
+        textwrap.dedent(
+            """
+            model:
+              arch: deepfm
+              deep_fm_dimension: 12
+              tables:
+                - {name: users, num_embeddings: 100, embedding_dim: 8, features: [u]}
+                - name: t_items
+                  num_embeddings: 50
+                  embedding_dim: 16
+                  features: [i]
+                  weighted: true
+                  sharding_types: [column_wise]
+                  min_partition: 8
+            data: {source: parquet, path: /data, num_dense: 0}
+            """
+        ),
+    )
+    config = load_config(
+        path,
+        [
+            "model.tables[0].sharding_types=[table_wise, column_wise]",
+            "model.tables[1].pooling_factor=2.5",
+        ],
+    )
+    users, items = config.model.tables
+    assert config.model.arch == "deepfm" and config.model.deep_fm_dimension == 12
+    assert (users.embedding_dim, items.embedding_dim) == (8, 16)
+    assert items.weighted and not users.weighted
+    assert users.sharding_types == ("table_wise", "column_wise")
+    assert items.sharding_types == ("column_wise",) and items.min_partition == 8
+    assert items.pooling_factor == 2.5
+    assert config.data.num_dense == 0
+    assert load_config(write(tmp_path, dump(config), "again.yaml")) == config
+    with pytest.raises(
+        ConfigError, match=r"model.tables\[1\].sharding_types\[0\]='diagonal' is not"
+    ):
+        load_config(path, ["model.tables[1].sharding_types=[diagonal]"])
 
 
 def test_keys_left_out_take_the_defaults(tmp_path: pathlib.Path) -> None:

@@ -69,7 +69,7 @@ def gpu_plan(config: TrainConfig) -> ShardingPlan:
         gang_size=1,
         device_type="cuda",
         sharding=config.sharding,
-        table_names=[t.name for t in config.model.tables],
+        tables=config.model.tables,
         batch_size=BATCH,
     )
 

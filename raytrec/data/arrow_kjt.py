@@ -5,7 +5,8 @@ array and its ids are the slice ``[offsets[0], offsets[-1])`` of the child array
 one preallocated key-major ``values`` buffer. Id policies run in place on that buffer while it is
 still in cache; the common case (all ids already in range) costs one ``max`` over it.
 
-Bad data (a NaN feature, a negative id, a null inside a list, ...) raises :class:`BadInputError`
+Bad data (a NaN feature, a negative id, a null inside a list, a weights list whose length is not
+its ids list's, a non-finite weight, ...) raises :class:`BadInputError`
 naming file, column and row, or with ``on_bad_rows="skip"`` drops the row and counts the reason.
 """
 
@@ -41,6 +42,7 @@ _ALLOWED: dict[ColumnKind, str] = {
     "integer": "an integer type",
     "ids": "list<int>, large_list<int> or an integer type",
     "categories": "a string or integer type, or a list of either",
+    "weights": "list<float>, large_list<float> or a numeric type",
 }
 
 
@@ -123,6 +125,10 @@ def _type_ok(kind: ColumnKind, t: pa.DataType) -> bool:
         return pa.types.is_floating(t) or pa.types.is_boolean(t)
     if kind == "ids" and (pa.types.is_list(t) or pa.types.is_large_list(t)):
         return bool(pa.types.is_integer(t.value_type))
+    if kind == "weights":
+        if pa.types.is_list(t) or pa.types.is_large_list(t):
+            t = t.value_type
+        return bool(pa.types.is_floating(t) or pa.types.is_integer(t))
     return False
 
 
@@ -249,35 +255,78 @@ def _single(arr: pa.Array, lengths: np.ndarray) -> pa.Array:
     return arr.filter(pa.array(valid))
 
 
-def _raw_ids(arr: pa.Array, f: SparseFeature, rows: _Rows, lengths: np.ndarray) -> np.ndarray:
-    """Writes the feature's lengths into ``lengths`` and returns its ids (any int dtype, row
-    order; a zero-copy view of the Arrow buffer when there are no nulls)."""
-    column = f.source_column
-    if not isinstance(arr, pa.ListArray | pa.LargeListArray):  # one id per row
-        return np.asarray(_single(arr, lengths).to_numpy())
-    # offsets respect the array's slice but are not rebased: the ids are child[o[0]:o[-1]].
+def _flat(arr: pa.Array, lengths: np.ndarray) -> pa.Array:
+    """Writes a list (or one-value-per-row) column's lengths into ``lengths``, a null list
+    counting as empty, and returns its items in row order (nulls inside lists kept)."""
+    if not isinstance(arr, pa.ListArray | pa.LargeListArray):  # one value per row
+        return _single(arr, lengths)
+    # offsets respect the array's slice but are not rebased: the items are child[o[0]:o[-1]].
     offsets = arr.offsets.to_numpy()
     start, end = int(offsets[0]), int(offsets[-1])
     np.subtract(offsets[1:], offsets[:-1], out=lengths, casting="unsafe")
-    child = arr.values
-    if not arr.null_count and not child.null_count:  # the common case: a zero-copy view
-        return np.asarray(child.to_numpy()[start:end])
-    child = child.slice(start, end - start)
-    if arr.null_count:  # a null list is empty; Arrow allows it to span ids, which we drop
+    child = arr.values.slice(start, end - start)
+    if arr.null_count:  # a null list is empty; Arrow allows it to span items, which we drop
         null = _nulls(arr)
         if lengths[null].any():
             child = child.filter(pa.array(np.repeat(~null, lengths)))
         lengths[null] = 0
+    return child
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ids:
+    """A feature's raw ids, and what ``null_id_policy="drop"`` removed: a mask over the ids
+    before the drop, and the lengths before it (None when nothing was dropped)."""
+
+    values: np.ndarray
+    dropped: np.ndarray | None = None
+    lengths_before_drop: np.ndarray | None = None
+
+
+def _raw_ids(arr: pa.Array, f: SparseFeature, rows: _Rows, lengths: np.ndarray) -> _Ids:
+    """Writes the feature's lengths into ``lengths`` and returns its ids (any int dtype, row
+    order; a zero-copy view of the Arrow buffer when there are no nulls)."""
+    child = _flat(arr, lengths)
+    if not child.null_count:  # the common case: a zero-copy view
+        return _Ids(np.asarray(child.to_numpy()))
+    inner = _nulls(child)
+    if f.null_id_policy == "drop":
+        before = lengths.copy()
+        row_of = np.repeat(np.arange(len(lengths)), lengths)
+        lengths -= np.bincount(row_of[inner], minlength=len(lengths)).astype(lengths.dtype)
+        return _Ids(np.asarray(child.filter(pa.array(~inner)).to_numpy()), inner, before)
+    rows.flag_values("null_id", f.source_column, inner, lengths, "null id")
+    child = child.fill_null(0)  # only reached when skipping: the row goes anyway
+    return _Ids(np.asarray(child.to_numpy()))
+
+
+def _weights(
+    data: pa.Table | pa.RecordBatch, f: SparseFeature, ids: _Ids, lengths: np.ndarray, rows: _Rows
+) -> np.ndarray:
+    """The float32 weights of ``f``'s ids (aligned with them after any dropped null id),
+    checked: as many weights as ids in every row, none null, all finite."""
+    assert f.weights is not None
+    column = f.weights
+    have = np.empty(len(lengths), dtype=np.int32)
+    child = _flat(_column(data, column), have)
+    want = ids.lengths_before_drop if ids.lengths_before_drop is not None else lengths
+    mismatch = have != want
+    if mismatch.any():
+        r = int(np.argmax(mismatch))
+        what = f"{have[r]} weights for {want[r]} ids of column {f.source_column!r}"
+        rows.flag("weights_length_mismatch", column, mismatch, what)
+        return np.zeros(len(ids.values), dtype=np.float32)  # skipping: the rows go anyway
     if child.null_count:
-        inner = _nulls(child)
-        if f.null_id_policy == "drop":
-            row_of = np.repeat(np.arange(len(lengths)), lengths)
-            lengths -= np.bincount(row_of[inner], minlength=len(lengths)).astype(lengths.dtype)
-            child = child.filter(pa.array(~inner))
-        else:
-            rows.flag_values("null_id", column, inner, lengths, "null id")
-            child = child.fill_null(0)  # only reached when skipping: the row goes anyway
-    return np.asarray(child.to_numpy())
+        rows.flag_values("null_weight", column, _nulls(child), want, "null weight")
+        child = child.fill_null(0)
+    with np.errstate(over="ignore"):  # a float32 overflow becomes inf, reported below
+        w = np.asarray(child.to_numpy(zero_copy_only=False), dtype=np.float32)
+    bad = ~np.isfinite(w)
+    if bad.any():
+        what = f"weight {w[int(np.argmax(bad))]} is not finite"
+        rows.flag_values("non_finite_weight", column, bad, want, what)
+        w = np.where(bad, np.float32(0), w)
+    return w if ids.dropped is None else w[~ids.dropped]
 
 
 def _splitmix64_inplace(z: np.ndarray, tmp: np.ndarray) -> None:
@@ -401,11 +450,13 @@ def to_batch(
 ) -> tuple[Batch, ConversionReport]:
     """Converts ``data`` (any chunking or slicing) to a ``Batch`` laid out by ``spec``.
 
-    Dense features are float32 ``[B, num_dense]``, labels float32 ``[B]`` (or ``[B, n]`` for
-    several label columns), sparse features a key-major ``KeyedJaggedTensor`` (int64 values, int32
-    lengths, ``length_per_key`` / ``offset_per_key`` precomputed). ``row_offset`` is the absolute
-    index of ``data``'s first row, for error messages. Raises :class:`BadInputError`, or with
-    ``on_bad_rows="skip"`` drops rows holding a bad value and counts them in the report.
+    Dense features are float32 ``[B, num_dense]`` (``[B, 0]`` without dense columns), labels
+    float32 ``[B]`` (or ``[B, n]`` for several label columns), sparse features a key-major
+    ``KeyedJaggedTensor`` (int64 values, int32 lengths, ``length_per_key`` / ``offset_per_key``
+    precomputed; float32 ``weights`` when any feature has a weights column, 1 for the others).
+    ``row_offset`` is the absolute index of ``data``'s first row, for error messages. Raises
+    :class:`BadInputError`, or with ``on_bad_rows="skip"`` drops rows holding a bad value and
+    counts them in the report.
     """
     if on_bad_rows not in ("error", "skip"):
         raise ValueError(f"on_bad_rows must be 'error' or 'skip', got {on_bad_rows!r}")
@@ -427,10 +478,14 @@ def to_batch(
     num_keys = len(spec.sparse)
     lengths = np.empty(num_keys * num_rows, dtype=np.int32)
     raws: list[np.ndarray] = []
+    weights: dict[int, np.ndarray] = {}  # feature index -> its ids' weights
     for k, f in enumerate(spec.sparse):
         slot = lengths[k * num_rows : (k + 1) * num_rows]
         if isinstance(f, SparseFeature):
-            raws.append(_raw_ids(_column(data, f.source_column), f, rows, slot))
+            ids = _raw_ids(_column(data, f.source_column), f, rows, slot)
+            raws.append(ids.values)
+            if f.weights is not None:
+                weights[k] = _weights(data, f, ids, slot, rows)
         elif isinstance(f, CategoricalFeature):
             raws.append(_categories(data, f, slot))
         else:
@@ -453,9 +508,16 @@ def to_batch(
             kept, rows_in=num_rows, skipped=dict(rows.skipped), skipped_rows=where
         )
         return batch, report
+    kjt_weights = None
+    if spec.is_weighted:  # one weight per id; 1 for the features without a weights column
+        w = np.ones(offset_per_key[-1], dtype=np.float32)
+        for k, fw in weights.items():
+            w[offset_per_key[k] : offset_per_key[k + 1]] = fw
+        kjt_weights = torch.from_numpy(w)
     kjt = KeyedJaggedTensor(
         keys=list(spec.sparse_names),
         values=torch.from_numpy(values),
+        weights=kjt_weights,
         lengths=torch.from_numpy(lengths),
         stride=num_rows,
         length_per_key=length_per_key,

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 
-from raytrec.config import ConfigError, TrainConfig
+from raytrec.config import WEIGHTS_SUFFIX, ConfigError, TrainConfig
 from raytrec.data.source import BatchShard, BatchSource
 from raytrec.data.spec import (
     CategoricalFeature,
@@ -42,8 +42,19 @@ class DataInfo:
     oracle_auc: float | None = None  # AUC of the teacher's own click probabilities
 
 
+def _refuse_weighted(config: TrainConfig) -> None:
+    weighted = [t.name for t in config.model.tables if t.weighted]
+    if weighted:
+        raise ConfigError(
+            f"model.tables {weighted} are weighted, which needs data.source='parquet' with "
+            f"weights columns (<feature>{WEIGHTS_SUFFIX}); data.source={config.data.source!r} "
+            "makes ids without weights"
+        )
+
+
 def synthetic_source(config: TrainConfig) -> SyntheticCriteo:
     """The in-rank synthetic source that matches ``config.model.tables``."""
+    _refuse_weighted(config)
     features = config.model.features
     sizes = {f: t.num_embeddings for t in config.model.tables for f in t.features}
     named = all(f"cat_{i}" in sizes for i in range(len(features)))
@@ -61,12 +72,14 @@ def parquet_spec(
 ) -> FeatureSpec:
     """The row layout of a Parquet source for the model's features: ``config.data.columns``
     names the label, row-id, dense and feature columns (default: raytrec's own layout,
-    ``dense_0..``, one id-list column per feature named like it, ``label`` and ``row_id``) and
+    ``dense_0..``, one id-list column per feature named like it, ``<feature>_weights`` for each
+    feature of a weighted table, ``label`` and ``row_id``) and
     which features hold categories; ``vocabularies`` holds the fitted vocabulary of each feature
     encoded by ``"vocabulary"`` (:func:`fit_vocabularies`)."""
     data, columns = config.data, config.data.columns
     assert data.num_dense is not None  # DataConfig resolves it
     sizes = {f: t.num_embeddings for t in config.model.tables for f in t.features}
+    weights = config.model.weights_columns  # feature -> its weights column, weighted tables
     unknown = sorted((set(columns.features) | set(columns.categorical)) - set(sizes))
     if unknown:
         raise ConfigError(
@@ -80,10 +93,19 @@ def parquet_spec(
         if encoding is None:
             sparse.append(
                 SparseFeature(
-                    name=feature, column=column, num_embeddings=n, id_policy=data.id_policy
+                    name=feature,
+                    column=column,
+                    num_embeddings=n,
+                    id_policy=data.id_policy,
+                    weights=weights.get(feature),
                 )
             )
             continue
+        if feature in weights:
+            raise ConfigError(
+                f"feature {feature!r} holds categories (data.columns.categorical) and its table "
+                "is weighted: weights go with integer id lists only"
+            )
         vocabulary = None
         if encoding == "vocabulary":
             vocabulary = (vocabularies or {}).get(feature)
@@ -183,6 +205,7 @@ def generate(config: TrainConfig) -> tuple[str, float | None]:
     """Writes (or finds) the generated Parquet for ``config``; returns its path and oracle AUC."""
     from raytrec.data.generate import META_FILE, write_synthetic_parquet
 
+    _refuse_weighted(config)
     data, features = config.data, config.model.features
     if data.num_dense != 13 or any(f != f"cat_{i}" for i, f in enumerate(features)):
         raise ConfigError(

@@ -30,7 +30,7 @@ import ray.exceptions
 
 from raytrec.data.arrow_kjt import BadInputError, ConversionReport, OnBadRows, to_batch
 from raytrec.data.source import Batch
-from raytrec.data.spec import FeatureSpec, SparseFeature
+from raytrec.data.spec import Feature, FeatureSpec, SparseFeature
 
 __all__ = [
     "DROP",
@@ -166,6 +166,7 @@ class Layout:
                     column=f"__rt_sparse_{k}",
                     num_embeddings=f.num_embeddings,
                     id_policy="strict",  # ids are in range already: one max check per feature
+                    weights=None if _weights_of(f) is None else f"__rt_weights_{k}",
                 )
                 for k, f in enumerate(spec.sparse)
             ),
@@ -193,6 +194,12 @@ class Layout:
             columns[f.source_column] = pa.ListArray.from_arrays(
                 pa.array(offsets, pa.int32()), pa.array(child, pa.int64())
             )
+            weights = _weights_of(f)
+            if weights is not None:
+                w = kjt.weights().numpy()[offset_per_key[k] : offset_per_key[k + 1]]
+                columns[weights] = pa.ListArray.from_arrays(
+                    pa.array(offsets, pa.int32()), pa.array(w, pa.float32())
+                )
         labels = batch.labels.numpy().reshape(rows, len(spec.labels)).T
         for j, name in enumerate(spec.labels):
             columns[name] = pa.array(np.ascontiguousarray(labels[j]), pa.float32())
@@ -210,11 +217,19 @@ class Layout:
         )
         columns: dict[str, pa.Array] = dict.fromkeys(spec.dense, zeros)
         columns.update((f.source_column, empty) for f in spec.sparse)
+        no_weights = pa.ListArray.from_arrays(
+            pa.array(np.zeros(n + 1, dtype=np.int32), pa.int32()), pa.array([], pa.float32())
+        )
+        columns.update((w, no_weights) for w in map(_weights_of, spec.sparse) if w is not None)
         columns.update(dict.fromkeys(spec.labels, zeros))
         if spec.row_id is not None:
             columns[spec.row_id] = row_ids if row_ids is not None else pa.nulls(n, pa.int64())
         columns[DROP] = drop
         return pa.table(columns)
+
+
+def _weights_of(f: Feature) -> str | None:
+    return f.weights if isinstance(f, SparseFeature) else None
 
 
 @functools.lru_cache(maxsize=16)

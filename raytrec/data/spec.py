@@ -38,8 +38,10 @@ IdPolicy: TypeAlias = Literal["modulo", "hash", "strict"]
 NullIdPolicy: TypeAlias = Literal["error", "drop"]
 # What a column must hold: "numeric" is any integer, floating or boolean column; "ids" is an
 # integer column (one id per row) or a list / large_list of integers; "integer" is an integer
-# column; "categories" is a string or integer column, or a list of either.
-ColumnKind: TypeAlias = Literal["numeric", "ids", "integer", "categories"]
+# column; "categories" is a string or integer column, or a list of either; "weights" is a list /
+# large_list of floating point or integer numbers, or a numeric column (one weight per row, next
+# to a one-id-per-row ids column).
+ColumnKind: TypeAlias = Literal["numeric", "ids", "integer", "categories", "weights"]
 Encoding: TypeAlias = Literal["vocabulary", "hash"]
 
 _ID_POLICIES: tuple[IdPolicy, ...] = ("modulo", "hash", "strict")
@@ -83,6 +85,12 @@ class SparseFeature:
 
     ``null_id_policy`` says what a null *inside* a list means: ``"error"`` or ``"drop"`` (remove it
     and shorten the list).
+
+    ``weights``: the column of the ids' weights (a weighted feature), ``list<float>`` with one
+    finite weight per id of the row (a plain numeric column next to a plain integer ids column);
+    a null weights list stands for an empty one. Its lengths must equal the ids' (a null id
+    dropped by ``null_id_policy="drop"`` drops its weight). None: the feature is unweighted
+    (weight 1 wherever a batch carries weights).
     """
 
     name: str
@@ -90,6 +98,7 @@ class SparseFeature:
     num_embeddings: int
     id_policy: IdPolicy = "strict"
     null_id_policy: NullIdPolicy = "error"
+    weights: str | None = None
 
     def __post_init__(self) -> None:
         owner = "SparseFeature"
@@ -107,6 +116,10 @@ class SparseFeature:
             raise SpecError(
                 owner, "null_id_policy", self.null_id_policy, f"one of {_NULL_ID_POLICIES}"
             )
+        if self.weights is not None:
+            _check_name(owner, "weights", self.weights)
+            if self.weights == self.column:
+                raise SpecError(owner, "weights", self.weights, "a column other than the ids'")
 
     @property
     def source_column(self) -> str:
@@ -271,6 +284,11 @@ class FeatureSpec:
         return len(self.dense)
 
     @property
+    def is_weighted(self) -> bool:
+        """Whether batches carry id weights (weight 1 for the features without a column)."""
+        return any(isinstance(f, SparseFeature) and f.weights is not None for f in self.sparse)
+
+    @property
     def num_embeddings(self) -> tuple[int, ...]:
         """The id range of each sparse feature, in key order."""
         return tuple(f.num_embeddings for f in self.sparse)
@@ -295,6 +313,8 @@ class FeatureSpec:
         for f in self.sparse:
             if isinstance(f, SparseFeature):
                 need(f.source_column, "ids", "sparse")
+                if f.weights is not None:
+                    need(f.weights, "weights", "sparse")
             elif isinstance(f, CategoricalFeature):
                 need(f.source_column, "categories", "sparse")
             else:
@@ -328,15 +348,24 @@ def criteo_spec(
 
 
 def parquet_layout(
-    sparse: Sequence[tuple[str, int]], *, num_dense: int, id_policy: IdPolicy = "strict"
+    sparse: Sequence[tuple[str, int]],
+    *,
+    num_dense: int,
+    id_policy: IdPolicy = "strict",
+    weights: Mapping[str, str] | None = None,
 ) -> FeatureSpec:
     """raytrec's Parquet layout (``data.source="parquet"``): dense ``dense_0 ..
     dense_{num_dense-1}``, one id-list column per ``(feature, num_embeddings)`` named like the
-    feature, ``label`` and ``row_id``."""
+    feature (with its weights column ``weights[feature]``, for a weighted feature), ``label``
+    and ``row_id``."""
+    weights = weights or {}
     return FeatureSpec(
         dense=tuple(f"dense_{j}" for j in range(num_dense)),
         sparse=tuple(
-            SparseFeature(name=name, num_embeddings=n, id_policy=id_policy) for name, n in sparse
+            SparseFeature(
+                name=name, num_embeddings=n, id_policy=id_policy, weights=weights.get(name)
+            )
+            for name, n in sparse
         ),
         labels=("label",),
         row_id="row_id",

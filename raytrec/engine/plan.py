@@ -10,6 +10,8 @@ starts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
@@ -17,13 +19,14 @@ from torchrec import optim as trec_optim
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.planner.constants import POOLING_FACTOR
 from torchrec.distributed.planner.types import ParameterConstraints, PlannerError
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from raytrec.config import ConfigError, OptimizerConfig, ShardingConfig
+from raytrec.config import ConfigError, OptimizerConfig, ShardingConfig, TableConfig
 
-__all__ = ["apply_embedding_optimizer", "make_plan", "sharders"]
+__all__ = ["apply_embedding_optimizer", "make_plan", "sharders", "table_constraints"]
 
 _EMBEDDING_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": trec_optim.SGD,
@@ -50,23 +53,34 @@ def apply_embedding_optimizer(model: nn.Module, cfg: OptimizerConfig) -> None:
     apply_optimizer_in_backward(_EMBEDDING_OPTIMIZERS[cfg.embedding], params, kwargs)
 
 
+def table_constraints(
+    tables: Sequence[TableConfig], sharding: ShardingConfig
+) -> dict[str, ParameterConstraints]:
+    """TorchRec's planner constraints for each table: its own ``sharding_types`` (else
+    ``sharding.sharding_type``), ``min_partition`` and ``pooling_factor``; always FBGEMM's
+    fused kernel, whose in-backward optimizer state the replica syncs average."""
+    return {
+        t.name: ParameterConstraints(
+            sharding_types=list(t.sharding_types or (sharding.sharding_type,)),
+            compute_kernels=[EmbeddingComputeKernel.FUSED.value],
+            min_partition=t.min_partition,
+            pooling_factors=[t.pooling_factor or POOLING_FACTOR] * len(t.features),
+        )
+        for t in tables
+    }
+
+
 def make_plan(
     model: nn.Module,
     *,
     gang_size: int,
     device_type: str,
     sharding: ShardingConfig,
-    table_names: list[str],
+    tables: Sequence[TableConfig],
     batch_size: int,
 ) -> ShardingPlan:
-    """Plans ``model`` for ``gang_size`` ranks with every table sharded ``sharding_type``."""
-    constraints = {
-        name: ParameterConstraints(
-            sharding_types=[sharding.sharding_type],
-            compute_kernels=[EmbeddingComputeKernel.FUSED.value],
-        )
-        for name in table_names
-    }
+    """Plans ``model`` for ``gang_size`` ranks within each table's constraints
+    (:func:`table_constraints`)."""
     planner = EmbeddingShardingPlanner(
         topology=Topology(
             world_size=gang_size,
@@ -74,13 +88,17 @@ def make_plan(
             local_world_size=gang_size,
         ),
         batch_size=batch_size,
-        constraints=constraints,
+        constraints=table_constraints(tables, sharding),
     )
     try:
         return planner.plan(model, sharders())
     except PlannerError as e:
         first_line = str(e).strip().splitlines()[0]
+        own = [f"{t.name}: {list(t.sharding_types)}" for t in tables if t.sharding_types]
+        choices = f"sharding.sharding_type={sharding.sharding_type!r}" + (
+            f" (per table: {', '.join(own)})" if own else ""
+        )
         raise ConfigError(
-            f"sharding.sharding_type={sharding.sharding_type!r}: TorchRec's planner found no "
-            f"plan for {gang_size} {device_type} rank(s): {first_line}"
+            f"{choices}: TorchRec's planner found no plan for {gang_size} {device_type} "
+            f"rank(s): {first_line}"
         ) from e

@@ -56,7 +56,7 @@ from raytrec.engine.replica_plane import (
     ReplicaPlane,
     in_place_flat,
 )
-from raytrec.model import ModelFactory, build_dlrm
+from raytrec.model import ModelFactory, build_train_model
 from raytrec.sync.schedule import SyncDecision, SyncPlan, plan_sync
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ class RankSpec:
     plan: ShardingPlan
     num_dense: int
     store: StoreAddress
-    model_factory: ModelFactory = build_dlrm
+    model_factory: ModelFactory = build_train_model
     timeout_s: float = 120.0  # collectives (failure detection); rendezvous waits longer
     # The row layout the job trains on (column names, vocabularies); None: raytrec's own
     # Parquet layout for the config. Saved with every checkpoint and final model.

@@ -5,9 +5,9 @@ torch.distributed.checkpoint's offline path (no process group): for each tensor 
 saved shard that overlaps the whole tensor, so embedding tables come out full-size whatever the
 gang size and sharding plan were. It writes, into one directory:
 
-* ``model.pt``: the state dict of a plain ``DLRM`` / ``DLRM_DCN`` (TorchRec's own names,
-  ``sparse_arch.embedding_bag_collection.embedding_bags.<table>.weight``, ...), plain tensors
-  (``torch.load(..., weights_only=True)`` reads it);
+* ``model.pt``: the state dict of a plain ``DLRM`` / ``DLRM_DCN`` / raytrec's DeepFM (TorchRec's
+  own names, ``sparse_arch.embedding_bag_collection.embedding_bags.<table>.weight``, ...), plain
+  tensors (``torch.load(..., weights_only=True)`` reads it);
 * ``model.pt2`` (unless ``program=False``): the same model in eval mode as a ``torch.export``
   program, ``(dense [B, num_dense], KeyedJaggedTensor) -> logits [B, 1]`` for any ``B >= 1``;
 * ``model.json``, written last: the model spec (config, number of dense features, the row
@@ -45,7 +45,7 @@ from raytrec.config import TrainConfig
 from raytrec.data.arrow_kjt import to_batch
 from raytrec.data.source import Batch
 from raytrec.data.spec import FeatureSpec
-from raytrec.model import build_dlrm_model
+from raytrec.model import build_model as build_arch
 from raytrec.serving.spec import ModelSpec, read_model_spec
 
 __all__ = [
@@ -128,7 +128,7 @@ def source_kind(uri: str) -> SourceKind:
 
 
 def read_unsharded_state(uri: str) -> tuple[dict[str, torch.Tensor], int | None, SourceKind]:
-    """The model's full state dict from a checkpoint or a final model, under DLRM's own names,
+    """The model's full state dict from a checkpoint or a final model, under TorchRec's names,
     read in this process with no process group; with the checkpoint's step (None for a final
     model) and the kind of source. A checkpoint is verified first (commit marker, manifest,
     file sizes)."""
@@ -158,18 +158,20 @@ def read_unsharded_state(uri: str) -> tuple[dict[str, torch.Tensor], int | None,
     return {k[len(prefix) :]: v for k, v in state.items()}, step, kind
 
 
-def _infer_num_dense(state: Mapping[str, torch.Tensor], where: str) -> int:
+def _infer_num_dense(state: Mapping[str, torch.Tensor], where: str, arch: str) -> int:
     key = "dense_arch.model._mlp.0._linear.weight"
-    if key not in state:
-        raise CheckpointError(f"{where} has no {key!r}: not a DLRM model")
-    return int(state[key].shape[1])
+    if key in state:
+        return int(state[key].shape[1])
+    if arch == "deepfm":  # a DeepFM without dense features has no dense arch
+        return 0
+    raise CheckpointError(f"{where} has no {key!r}: not a {arch} model")
 
 
 def _resolve_spec(
     uri: str, state: Mapping[str, torch.Tensor], config: TrainConfig | None
 ) -> ModelSpec:
     if config is not None:
-        return ModelSpec.for_config(config, _infer_num_dense(state, uri))
+        return ModelSpec.for_config(config, _infer_num_dense(state, uri, config.model.arch))
     spec = read_model_spec(uri)
     if spec is None:
         raise CheckpointError(
@@ -180,8 +182,8 @@ def _resolve_spec(
 
 
 def build_model(spec: ModelSpec, state: Mapping[str, torch.Tensor], *, where: str) -> nn.Module:
-    """The unsharded DLRM / DLRM-DCN of ``spec`` holding ``state``, in eval mode on the CPU."""
-    model = build_dlrm_model(spec.model, spec.num_dense, torch.device("cpu"), seed=0)
+    """The unsharded model of ``spec`` holding ``state``, in eval mode on the CPU."""
+    model = build_arch(spec.model, spec.num_dense, torch.device("cpu"), seed=0)
     expected = model.state_dict()
     problems = [f"{k!r} missing" for k in expected if k not in state]
     problems += [f"{k!r} not in the model" for k in state if k not in expected]
@@ -258,8 +260,12 @@ def example_batch(spec: ModelSpec, batch_size: int = 4) -> Batch:
     """A small batch laid out like ``spec``'s rows (every id 0, one per feature and row)."""
     keys = list(spec.features.sparse_names)
     lengths = torch.ones(len(keys) * batch_size, dtype=torch.int32)
+    num_ids = int(lengths.sum())
     kjt = KeyedJaggedTensor(
-        keys=keys, values=torch.zeros(int(lengths.sum()), dtype=torch.int64), lengths=lengths
+        keys=keys,
+        values=torch.zeros(num_ids, dtype=torch.int64),
+        weights=torch.ones(num_ids) if spec.model.is_weighted else None,
+        lengths=lengths,
     )
     return Batch(torch.zeros(batch_size, spec.num_dense), kjt, torch.zeros(batch_size))
 
@@ -270,9 +276,11 @@ def _write_program(model: nn.Module, spec: ModelSpec, file: str) -> None:
 
     batch = example_batch(spec)
     # The KeyedJaggedTensor flattens to (values, weights, lengths, offsets, stride per key per
-    # rank, inverse indices); values and lengths vary with the batch.
+    # rank, inverse indices); values, weights (when there are any) and lengths vary with the
+    # batch.
     auto = {0: Dim.AUTO}
-    dynamic = (auto, [auto, None, auto, None, None, None])
+    weights = auto if spec.model.is_weighted else None
+    dynamic = (auto, [auto, weights, auto, None, None, None])
     # Size-oblivious: a batch of one row takes the same graph (else sizes 0 and 1 are
     # specialized away and the program refuses B = 1).
     from torch.fx.experimental import _config as fx_config
@@ -322,7 +330,8 @@ def load_exported(path: str | os.PathLike[str]) -> tuple[nn.Module, ExportedMode
 
 
 def load_model(path: str | os.PathLike[str]) -> nn.Module:
-    """The exported model as a plain TorchRec ``DLRM`` / ``DLRM_DCN`` in eval mode on the CPU:
+    """The exported model as a plain TorchRec ``DLRM`` / ``DLRM_DCN`` (or raytrec's
+    :class:`~raytrec.model.DeepFM` of TorchRec's parts) in eval mode on the CPU:
     ``model(dense, kjt)`` gives logits ``[B, 1]`` (:func:`score` gives probabilities). One
     process, no Ray, no process group."""
     return load_exported(path)[0]

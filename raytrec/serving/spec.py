@@ -42,7 +42,7 @@ class SpecFileError(ValueError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """A DLRM / DLRM-DCN model and the row layout it scores."""
+    """A model (DLRM, DLRM-DCN or DeepFM) and the row layout it scores."""
 
     model: ModelConfig
     num_dense: int
@@ -57,6 +57,16 @@ class ModelSpec:
         missing = sorted(set(self.model.features) - set(self.features.sparse_names))
         if missing:
             raise SpecFileError(f"ModelSpec.features lacks the model's sparse features {missing}")
+        by_name = {f.name: f for f in self.features.sparse}
+        unweighted = [
+            name
+            for name in self.model.weights_columns
+            if getattr(by_name[name], "weights", None) is None
+        ]
+        if unweighted:
+            raise SpecFileError(
+                f"ModelSpec.features has no weights column for the weighted features {unweighted}"
+            )
 
     @staticmethod
     def for_config(config: TrainConfig, num_dense: int) -> ModelSpec:
@@ -71,8 +81,9 @@ class ModelSpec:
 
     @property
     def kind(self) -> str:
-        """TorchRec's class: ``"DLRM"`` or ``"DLRM_DCN"``."""
-        return "DLRM_DCN" if self.model.arch == "dlrm_dcn" else "DLRM"
+        """The model's class: TorchRec's ``"DLRM"`` or ``"DLRM_DCN"``, or ``"DeepFM"``
+        (:class:`raytrec.model.DeepFM`)."""
+        return {"dlrm": "DLRM", "dlrm_dcn": "DLRM_DCN", "deepfm": "DeepFM"}[self.model.arch]
 
     def to_dict(self) -> dict[str, Any]:
         return {
