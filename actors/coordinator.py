@@ -113,14 +113,19 @@ class Coordinator:
             group = RayWorkerGroup()
         self.group: WorkerGroup = group
         self.clock: Clock = clock or SystemClock()
+        if config.num_steps is None:
+            raise ValueError(
+                "the coordinator needs a resolved num_steps (raytrec.data.length, in fit)"
+            )
         self.cfg = config
+        self.num_steps: int = config.num_steps
         self.plan = plan
         # Parquet read by index: the job's rows are every rank's first num_steps batches, shared
         # again among the live ranks whenever the membership changes (actors/reshare.py).
         table: StreamTable | None = None
         indexed = [s for s in shards if isinstance(s, IndexedParquetShard)]
         if shards and len(indexed) == len(shards):
-            limited = [dataclasses.replace(s, limit=config.num_steps) for s in indexed]
+            limited = [dataclasses.replace(s, limit=self.num_steps) for s in indexed]
             table = StreamTable(limited[0], batch_size=config.data.batch_size)
             shards = list(limited)
             new_shard = table.placeholder
@@ -140,9 +145,9 @@ class Coordinator:
         self.step = 0
         # The step the job's data ends at: num_steps, or for a re-shared source the end of its
         # rows (earlier when the data holds fewer batches, later after a gang is lost).
-        self.end_step = config.num_steps
+        self.end_step = self.num_steps
         if table is not None:
-            self.end_step = min(config.num_steps, table.length(0))
+            self.end_step = min(self.num_steps, table.length(0))
         self.first_batch_s = 0.0
         self.events = EventLog()
         self._t0 = self.clock.monotonic()
@@ -271,11 +276,11 @@ class Coordinator:
         table = self.streams.table
         if stopped_by is None and table is not None:
             per_rank = table.template.plan(table.batch_size).num_steps
-            if per_rank < self.cfg.num_steps:  # the job's rows were all the data had
+            if per_rank < self.num_steps:  # the job's rows were all the data had
                 stopped_by = RuntimeError(
                     f"the data source ran out after {self.step} steps: its "
                     f"{self.cfg.data.epochs} epoch(s) hold {per_rank} batches per rank, fewer "
-                    f"than num_steps={self.cfg.num_steps} (every row was trained once); lower "
+                    f"than num_steps={self.num_steps} (every row was trained once); lower "
                     "num_steps or raise data.epochs"
                 )
         return RunSummary(

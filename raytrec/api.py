@@ -35,6 +35,7 @@ from raytrec.data.from_config import (
     source_from_config,
     synthetic_source,
 )
+from raytrec.data.length import data_steps, endless_refusal, resolve_num_steps
 from raytrec.data.parquet import ParquetSource
 from raytrec.data.source import BatchSource
 from raytrec.data.synthetic import SyntheticCriteo
@@ -170,7 +171,9 @@ def fit(
     ``eval_source`` (held-out Parquet in the training data's schema) sets ``config.eval.path``:
     the model is evaluated on it every ``config.eval.every_n_steps`` and at the end. Raises
     :class:`TrainingStopped` when bad input or the end of the data stops training early (what
-    was trained is saved first).
+    was trained is saved first). ``config.num_steps=None`` trains every batch of
+    ``config.data.epochs`` passes over Parquet data; ``Result.config.num_steps`` holds the steps
+    that came to.
     """
     resume = (
         resume_from_checkpoint.path
@@ -185,6 +188,7 @@ def fit(
     _check_eval_is_there(config)
     if source is not None:  # a source of the caller's: checked before Ray is touched
         validate_features(config.model, source.sparse_features)
+    _check_length_known(config, source)
     # Ranks hold their CPUs for the whole job; Ray Data's read and preprocessing
     # tasks need CPUs of their own, or the embedded cluster deadlocks.
     data_cpus = os.cpu_count() or 2
@@ -205,6 +209,14 @@ def fit(
         shards_of_plan = config.scaling.world_size
         if resume is not None:
             shards_of_plan = _indexed_resume_shards(resume, config, source) or shards_of_plan
+        shards = source.split(shards_of_plan)
+        # Resolved once, here: the coordinator, the progress bar and the ledger read this.
+        num_steps = resolve_num_steps(
+            config.num_steps,
+            data_steps(shards, config.data.batch_size),
+            source=type(source).__name__,
+        )
+        config = config.replace(num_steps=num_steps)
         plan = _plan(config, source.dense_features, model_factory)
         # The row layout the model is trained on (vocabularies included): the held-out rows
         # are read in it, and every checkpoint and final model records it.
@@ -215,7 +227,9 @@ def fit(
             os.path.join(config.storage_path, f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         )
         os.makedirs(run_dir, exist_ok=True)
-        reporter = on_progress or ProgressReporter(config.num_steps, title=config.name)
+        reporter = on_progress or ProgressReporter(num_steps, title=config.name)
+        if isinstance(reporter, ProgressReporter) and reporter.total_steps is None:
+            reporter.total_steps = num_steps  # a reporter made before the length was known
         if isinstance(reporter, ProgressReporter) and reporter.run_dir is None:
             reporter.start(run_dir)
         from actors.coordinator import Coordinator
@@ -227,7 +241,7 @@ def fit(
         coordinator = coordinator_cls.options(scheduling_strategy=here, name=name).remote(
             config,
             plan,
-            source.split(shards_of_plan),
+            shards,
             source.dense_features,
             run_dir,
             model_factory,
@@ -308,6 +322,16 @@ def _vocabularies_of(checkpoint: str | None) -> dict[str, tuple[str, ...]] | Non
         if isinstance(f, CategoricalFeature) and f.vocabulary is not None
     }
     return found or None
+
+
+def _check_length_known(config: TrainConfig, source: BatchSource | None) -> None:
+    """``num_steps=None`` needs a source with an end, known before Ray is touched."""
+    if config.num_steps is not None:
+        return
+    if source is not None and not isinstance(source, ParquetSource):
+        raise ConfigError(endless_refusal(f"the source {type(source).__name__}"))
+    if source is None and config.data.source == "synthetic":
+        raise ConfigError(endless_refusal("data.source='synthetic' (rows made in each rank)"))
 
 
 def _check_eval_is_there(config: TrainConfig) -> None:

@@ -58,6 +58,9 @@ DENSE_ARCHS: tuple[str, ...] = ("dlrm", "dlrm_dcn")
 # What TorchRec 1.8's planner offers a CPU compute device (checked on gloo).
 CPU_SHARDING_TYPES: tuple[str, ...] = ("table_wise", "column_wise")
 CPU_EMBEDDING_OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "rowwise_adagrad")
+# The fused embedding optimizers whose FBGEMM kernels take a weight decay (EXACT_SGD and
+# EXACT_ADAGRAD ignore it).
+EMBEDDING_WEIGHT_DECAY: tuple[str, ...] = ("rowwise_adagrad", "adam")
 
 
 #: A weighted feature ``f`` reads its weights from the Parquet column ``f + WEIGHTS_SUFFIX``.
@@ -80,6 +83,11 @@ def _non_negative_int(field: str, value: object) -> None:
 def _positive_float(field: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise ConfigError(f"{field} must be a positive number, got {value!r}")
+
+
+def _non_negative_float(field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ConfigError(f"{field} must be a number >= 0, got {value!r}")
 
 
 def _one_of(field: str, value: object, allowed: Sequence[str]) -> None:
@@ -274,9 +282,20 @@ class ModelConfig:
     dcn_num_layers: int = 2
     dcn_low_rank_dim: int = 16
     deep_fm_dimension: int = 16
+    #: Dropout probability after every hidden layer of the dense and over arch (not after the
+    #: dense arch's output, not on the logit); active in training, off in evaluation and serving.
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         _one_of("model.arch", self.arch, get_args(ModelArch))
+        if (
+            isinstance(self.dropout, bool)
+            or not isinstance(self.dropout, int | float)
+            or not 0 <= self.dropout < 1
+        ):
+            raise ConfigError(
+                f"model.dropout must be a probability in [0, 1), got {self.dropout!r}"
+            )
         object.__setattr__(self, "tables", tuple(self.tables))
         object.__setattr__(self, "dense_arch_layers", tuple(self.dense_arch_layers))
         object.__setattr__(self, "over_arch_layers", tuple(self.over_arch_layers))
@@ -376,6 +395,12 @@ class OptimizerConfig:
     dense: DenseOptimizer = "adagrad"
     dense_lr: float = 0.05
     eps: float = 1e-8
+    #: L2 penalty on the dense parameters, added to their gradient (torch's weight_decay).
+    dense_weight_decay: float = 0.0
+    #: Weight decay of the embedding rows a batch looks up, applied by FBGEMM's fused optimizer
+    #: on GPU ranks: L2 (added to the gradient) for rowwise_adagrad, decoupled for adam; sgd
+    #: and adagrad have none, and FBGEMM's CPU kernels ignore it.
+    embedding_weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
         _one_of("optimizer.embedding", self.embedding, get_args(EmbeddingOptimizer))
@@ -383,6 +408,15 @@ class OptimizerConfig:
         _positive_float("optimizer.embedding_lr", self.embedding_lr)
         _positive_float("optimizer.dense_lr", self.dense_lr)
         _positive_float("optimizer.eps", self.eps)
+        _non_negative_float("optimizer.dense_weight_decay", self.dense_weight_decay)
+        _non_negative_float("optimizer.embedding_weight_decay", self.embedding_weight_decay)
+        if self.embedding_weight_decay and self.embedding not in EMBEDDING_WEIGHT_DECAY:
+            raise ConfigError(
+                f"optimizer.embedding_weight_decay={self.embedding_weight_decay!r} is not "
+                f"supported by FBGEMM's fused {self.embedding!r} optimizer; allowed with "
+                f"optimizer.embedding in {', '.join(map(repr, EMBEDDING_WEIGHT_DECAY))}, "
+                "else set it to 0"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -649,14 +683,24 @@ class DataConfig:
     - ``"generated"``: Parquet written once from the synthetic teacher model (with its oracle
       AUC known) into ``path`` (default: ``<storage_path>/data/<a name from the sizes>``, reused
       when already there), then read like ``"parquet"`` (its ids span the largest table and
-      are folded into smaller ones: ``id_policy="modulo"``); sized so the job trains
-      ``epochs`` passes over it in ``num_steps`` steps.
+      are folded into smaller ones: ``id_policy="modulo"``); ``generated_rows`` rows, or when
+      that is None sized so the job trains ``epochs`` passes over it in ``num_steps`` steps.
+
+    With ``num_steps=None`` (:class:`TrainConfig`) the job trains every batch of ``epochs``
+    passes over Parquet data (``"parquet"``, ``"generated"``), and no more.
 
     ``parquet_read`` says how ranks read Parquet: ``"indexed"``, each rank its own batches, each
     batch at a fixed place in the data, so a lost gang's uncommitted batches are read again by
     the survivors and a resume from a checkpoint continues on the same rows; or
     ``"streaming"``, one pipeline cut among the ranks by ``streaming_split`` (batches have no
     ids: a loss leaves them untrained, counted in ``Result.lost_batches``).
+
+    ``shuffle_window_rows`` shuffles rows, not only row groups: each epoch's rows, in the
+    seeded row-group order, are cut into windows of this many consecutive rows, and the rows of
+    each window are permuted (seeded by ``shuffle_seed``, the epoch and the window), so rows of
+    neighbouring row groups mix. Read by index, a batch is read from its window(s): the order
+    is a pure function of the seed and the data, so replays and resumes read the same rows.
+    Streaming, it is Ray Data's local shuffle buffer of this many rows in each rank.
     """
 
     batch_size: int = 256  # rows per rank per step
@@ -664,6 +708,9 @@ class DataConfig:
     path: str | None = None
     epochs: int = 1  # passes over Parquet data
     shuffle_seed: int | None = None  # None: files in sorted order; else a seeded order per epoch
+    #: Rows permuted together within each epoch (needs shuffle_seed); None: rows keep their
+    #: order within a row group (indexed) or file (streaming).
+    shuffle_window_rows: int | None = None
     on_bad_rows: OnBadRows = "error"  # "skip" drops rows holding a bad value and counts them
     parquet_read: ParquetRead = "indexed"  # "indexed": replayable batches; or "streaming"
     # How integer ids map into a table's rows: "strict" (an id outside [0, num_embeddings) is
@@ -676,6 +723,8 @@ class DataConfig:
     # A category must appear this many times in the training data to get a vocabulary id.
     vocabulary_min_count: int = 1
     generated_files: int = 4
+    #: Rows per epoch of data.source="generated"; None: enough for num_steps steps.
+    generated_rows: int | None = None
     prefetch_batches: int = 4  # batches each rank fetches ahead of training
     # Where a rank makes its batches: "background" (a read-ahead thread, overlapping training),
     # "inline" (between intervals, on the training thread), "auto" (background on GPU ranks,
@@ -707,6 +756,15 @@ class DataConfig:
         _one_of("data.read_ahead", self.read_ahead, get_args(ReadAhead))
         if self.shuffle_seed is not None:
             _non_negative_int("data.shuffle_seed", self.shuffle_seed)
+        if self.shuffle_window_rows is not None:
+            _positive_int("data.shuffle_window_rows", self.shuffle_window_rows)
+            if self.shuffle_seed is None:
+                raise ConfigError(
+                    f"data.shuffle_window_rows={self.shuffle_window_rows} needs "
+                    "data.shuffle_seed: the rows' order is drawn from it"
+                )
+        if self.generated_rows is not None:
+            _positive_int("data.generated_rows", self.generated_rows)
         if self.source == "parquet" and not self.path:
             raise ConfigError("data.path must name Parquet files when data.source='parquet'")
         if self.path is not None and (not isinstance(self.path, str) or not self.path):
@@ -771,7 +829,9 @@ class TrainConfig:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     faults: FaultConfig = dataclasses.field(default_factory=FaultConfig)  # injected, for tests
     stragglers: StragglerSpec | None = None  # injected stalls, for straggler experiments
-    num_steps: int = 200
+    #: Steps every rank trains; None: every batch of data.epochs passes over Parquet data
+    #: (data.source "parquet" or "generated"), worked out from the files before training.
+    num_steps: int | None = 200
     log_every: int = 20
     #: Seeds the dense and embedding initialisation and generated data: two CPU runs with
     #: the same seed, config and shape end with bitwise-identical weights.
@@ -780,7 +840,8 @@ class TrainConfig:
     name: str = "raytrec"
 
     def __post_init__(self) -> None:
-        _positive_int("num_steps", self.num_steps)
+        if self.num_steps is not None:
+            _positive_int("num_steps", self.num_steps)
         _positive_int("log_every", self.log_every)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
@@ -802,6 +863,15 @@ class TrainConfig:
             raise ConfigError(
                 f"stragglers must be a StragglerSpec or None, got {self.stragglers!r}"
             )
+        if (
+            self.num_steps is None
+            and self.data.source == "generated"
+            and self.data.generated_rows is None
+        ):
+            raise ConfigError(
+                "num_steps=None takes the job's length from the data, and data.source="
+                "'generated' sizes its data from num_steps: set data.generated_rows or num_steps"
+            )
         self.elastic.resolved_max_gangs(self.scaling.num_gangs)  # min <= initial <= max
         self.faults.check_targets(
             num_ranks=self.scaling.world_size,
@@ -815,6 +885,12 @@ class TrainConfig:
                     "FBGEMM's CPU kernels refuse it ('Optimizer adam is not supported in CPU "
                     f"mode'); on CPU use one of {', '.join(map(repr, CPU_EMBEDDING_OPTIMIZERS))}, "
                     "or set scaling.use_gpu=True"
+                )
+            if self.optimizer.embedding_weight_decay:
+                raise ConfigError(
+                    f"optimizer.embedding_weight_decay={self.optimizer.embedding_weight_decay!r} "
+                    "cannot run on CPU ranks: FBGEMM's CPU kernels ignore it; set it to 0, or "
+                    "set scaling.use_gpu=True (or use optimizer.dense_weight_decay)"
                 )
             for field, kinds in self.sharding_choices():
                 for kind in kinds:

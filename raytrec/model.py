@@ -6,11 +6,17 @@ does, with its ``EmbeddingBagCollection`` on the ``meta`` device so that
 ``DistributedModelParallel`` materialises only the local shards. Dense layers
 are built on ``device`` from ``seed``, so every rank of the job starts with
 the same dense weights.
+
+``ModelConfig.dropout`` adds dropout after the activation of every hidden layer of the dense
+and over arch (TorchRec's MLPs take none): as a module inside each ``Perceptron``'s
+activation, so the parameter names, the state dict and a saved model are those of the model
+without dropout, and ``model.eval()`` turns it off for evaluation, export and serving.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +25,7 @@ from torchrec.models.deepfm import SparseArch as DeepFMSparseArch
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DenseArch, DLRMTrain, OverArch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.mlp import MLP, Perceptron
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from raytrec.config import ModelConfig
@@ -26,6 +33,7 @@ from raytrec.config import ModelConfig
 __all__ = [
     "DeepFM",
     "ModelFactory",
+    "add_dropout",
     "build_dlrm",
     "build_dlrm_model",
     "build_model",
@@ -127,8 +135,9 @@ def build_model(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        model: nn.Module
         if cfg.arch == "deepfm":
-            return DeepFM(
+            model = DeepFM(
                 embedding_bag_collection=ebc,
                 num_dense=num_dense,
                 dense_arch_layers=list(cfg.dense_arch_layers),
@@ -136,8 +145,8 @@ def build_model(
                 over_arch_layers=list(cfg.over_arch_layers),
                 dense_device=device,
             )
-        if cfg.arch == "dlrm_dcn":
-            return DLRM_DCN(
+        elif cfg.arch == "dlrm_dcn":
+            model = DLRM_DCN(
                 embedding_bag_collection=ebc,
                 dense_in_features=num_dense,
                 dense_arch_layer_sizes=list(cfg.dense_arch_layers),
@@ -146,13 +155,47 @@ def build_model(
                 dcn_low_rank_dim=cfg.dcn_low_rank_dim,
                 dense_device=device,
             )
-        return DLRM(
-            embedding_bag_collection=ebc,
-            dense_in_features=num_dense,
-            dense_arch_layer_sizes=list(cfg.dense_arch_layers),
-            over_arch_layer_sizes=list(cfg.over_arch_layers),
-            dense_device=device,
-        )
+        else:
+            model = DLRM(
+                embedding_bag_collection=ebc,
+                dense_in_features=num_dense,
+                dense_arch_layer_sizes=list(cfg.dense_arch_layers),
+                over_arch_layer_sizes=list(cfg.over_arch_layers),
+                dense_device=device,
+            )
+    if cfg.dropout:
+        add_dropout(model, cfg.dropout)
+    return model
+
+
+class _ActivationThenDropout(nn.Module):
+    """A Perceptron's activation followed by dropout (no parameters, no state)."""
+
+    def __init__(self, activation: nn.Module | Callable[[torch.Tensor], torch.Tensor], p: float):
+        super().__init__()
+        self.activation = activation
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.activation(x))
+
+
+def add_dropout(model: nn.Module, p: float) -> None:
+    """Dropout ``p`` after every hidden layer of ``model``'s dense and over arch: every
+    Perceptron of the over arch's MLP (its final Linear makes the logit) and every one of the
+    dense arch's but the last (whose output is the dense features' embedding). DeepFM without
+    dense features has no dense arch."""
+    dense_arch = getattr(model, "dense_arch", None)
+    dense = [] if dense_arch is None else _perceptrons(dense_arch.model)[:-1]
+    over_arch: Any = model.over_arch  # DLRM's and DeepFM's OverArch: an MLP, then a Linear
+    over = [p_ for m in over_arch.model if isinstance(m, MLP) for p_ in _perceptrons(m)]
+    for perceptron in [*dense, *over]:
+        perceptron._activation_fn = _ActivationThenDropout(perceptron._activation_fn, p)
+
+
+def _perceptrons(mlp: nn.Module) -> list[Perceptron]:
+    assert isinstance(mlp, MLP), f"TorchRec's DLRM arch holds an MLP, got {type(mlp).__name__}"
+    return [m for m in mlp._mlp if isinstance(m, Perceptron)]
 
 
 def build_train_model(

@@ -159,7 +159,7 @@ class ProgressReporter:
 
     def __init__(
         self,
-        total_steps: int,
+        total_steps: int | None,
         *,
         run_dir: str | None = None,
         stream: TextIO | None = None,
@@ -168,7 +168,7 @@ class ProgressReporter:
         plot: bool = True,
         title: str = "",
     ) -> None:
-        self.total_steps = total_steps
+        self.total_steps = total_steps  # None: fit sets it once the data's length is known
         self.stream = stream if stream is not None else sys.stdout
         isatty = getattr(self.stream, "isatty", None)
         self.tty = tty if tty is not None else bool(isatty and isatty())
@@ -222,7 +222,8 @@ class ProgressReporter:
             self.total_steps = end
             if self._bar is not None:
                 self._bar.total = end
-        line = format_line(row, self.total_steps, earlier=self.rows[:-1])
+        total = self.total_steps if self.total_steps is not None else int(row["step"])
+        line = format_line(row, total, earlier=self.rows[:-1])
         if not self.tty:
             print(line, file=self.stream, flush=True)
             return
@@ -232,7 +233,7 @@ class ProgressReporter:
             # Time left comes from the rows' training time, not from tqdm's own clock, which
             # would count the cluster's start-up.
             self._bar = tqdm(
-                total=self.total_steps,
+                total=total,
                 file=self.stream,
                 dynamic_ncols=True,
                 bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} steps [{elapsed}{postfix}]",
@@ -242,7 +243,7 @@ class ProgressReporter:
         if row.get("samples_per_s") is not None:
             postfix["samples/s"] = f"{row['samples_per_s']:,.0f}"
         if isinstance(row.get("elapsed_s"), int | float):
-            left = time_left(self.rows[-PACE_WINDOW - 1 :], self.total_steps)
+            left = time_left(self.rows[-PACE_WINDOW - 1 :], total)
             postfix["left"] = _duration(left)
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.write(line, file=self.stream)

@@ -149,12 +149,20 @@ def committed_row_ids(result: Result, paths: Sequence[str]) -> np.ndarray:
     from raytrec.data.parquet import IndexedParquetShard, ParquetSource
 
     config = result.config
-    source = ParquetSource(paths=list(paths), spec=parquet_spec(config), read_mode="indexed")
+    source = ParquetSource(
+        paths=list(paths),
+        spec=parquet_spec(config),
+        read_mode="indexed",
+        epochs=config.data.epochs,
+        shuffle_seed=config.data.shuffle_seed,
+        shuffle_window_rows=config.data.shuffle_window_rows,
+    )
     table = result.reshared_streams or {"made": {}}
     # The plan of the ranks the job's data was split for (a resumed job keeps its checkpoint's).
     shard = source.split(int(table.get("num_shards", config.scaling.world_size)))[0]
     if not isinstance(shard, IndexedParquetShard):
         raise TypeError("committed_row_ids needs Parquet read by index")
+    assert config.num_steps is not None  # fit resolves it
     shard = shard.with_table(table, limit=config.num_steps)
     ids = {p: pq.read_table(p, columns=["row_id"])["row_id"].to_numpy() for p in paths}
     batch = config.data.batch_size

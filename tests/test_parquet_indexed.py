@@ -156,6 +156,30 @@ def test_replay_gives_back_each_batch_bitwise_from_any_rank(data_dir: pathlib.Pa
         other.replay(batch_id(0, 64), B)
 
 
+def test_a_shuffle_window_mixes_rows_and_replays_and_resumes_bitwise(
+    data_dir: pathlib.Path,
+) -> None:
+    # 12 row groups of ~167 rows; windows of 500 rows mix three or four of them.
+    shards = split(data_dir, 3, epochs=2, shuffle_seed=4, shuffle_window_rows=500)
+    plain = split(data_dir, 3, epochs=2, shuffle_seed=4)
+    m = shards[0].plan(B).steps_per_epoch
+    seen = [read_all(s) for s in shards]
+    for epoch in range(2):  # every row once per epoch
+        ids = np.concatenate([b[2] for rank in seen for b in rank[epoch * m : (epoch + 1) * m]])
+        assert (np.sort(ids) == np.arange(ROWS)).all()
+    first = seen[0][0][2]  # row ids are row numbers: a batch's ids show where its rows came from
+    assert (np.diff(first) != 1).any()  # not a run of consecutive rows
+    assert len({int(i) // 167 for i in first}) >= 3  # rows of several row groups
+    assert sorted(first.tolist()) != sorted(read_all(plain[0])[0][2].tolist())
+    # Replays (any rank's batch, from a fresh copy) and a resume read exactly the same batches.
+    other = split(data_dir, 3, epochs=2, shuffle_seed=4, shuffle_window_rows=500)[2]
+    for i, data, _ in [b for rank in seen for b in rank][::7]:
+        assert as_bytes(other.replay(i, B)) == data, split_batch_id(i)
+    (later,) = split(data_dir, 3, epochs=2, shuffle_seed=4, shuffle_window_rows=500)[1:2]
+    resumed = read_all(later, m - 1)
+    assert [(i, d) for i, d, _ in resumed] == [(i, d) for i, d, _ in seen[1][m - 1 :]]
+
+
 @pytest.mark.parametrize("start", [1, 31, 32, 33, 63, 64])
 def test_start_step_continues_on_the_same_rows(data_dir: pathlib.Path, start: int) -> None:
     (shard,) = split(data_dir, 1, epochs=2, shuffle_seed=8)

@@ -30,6 +30,7 @@ def random_plan(
     batch_size: int,
     epochs: int = 2,
     shuffle_seed: int | None = 5,
+    shuffle_window_rows: int | None = None,
 ) -> BatchPlan:
     """Files of 1..max_groups row groups of 0..max_rows rows (empty row groups included)."""
     groups = [
@@ -43,6 +44,7 @@ def random_plan(
         batch_size=batch_size,
         epochs=epochs,
         shuffle_seed=shuffle_seed,
+        shuffle_window_rows=shuffle_window_rows,
     )
 
 
@@ -284,3 +286,101 @@ def test_recut_cannot_fill_a_batch_per_rank_from_too_few_rows() -> None:
         recut({0: [(0, 5), (3, 6)]}, queued=[0], batch_size=4)
     part = shared.streams[0][0]
     assert Part.from_json(part.to_json()) == part
+
+
+# -- rows shuffled within a window -------------------------------------------------------------
+
+
+def epoch_rows(plan: BatchPlan, epoch: int) -> list[tuple[str, int]]:
+    """Every rank's rows of ``epoch`` in step order, as (file, index in the file)."""
+    m = plan.steps_per_epoch
+    return [
+        (p.path, p.file_row + i)
+        for rank in range(plan.num_shards)
+        for p in plan.pieces(rank, epoch * m, (epoch + 1) * m)
+        for i in range(p.rows)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("num_shards", "batch_size", "window"), [(1, 64, 500), (3, 50, 97), (7, 33, 1), (16, 8, 4000)]
+)
+def test_a_shuffle_window_keeps_every_row_once_per_epoch(
+    num_shards: int, batch_size: int, window: int
+) -> None:
+    rng = np.random.default_rng(num_shards * 1000 + batch_size)
+    plan = random_plan(
+        rng,
+        files=23,
+        max_groups=6,
+        max_rows=400,
+        num_shards=num_shards,
+        batch_size=batch_size,
+        shuffle_window_rows=window,
+    )
+    rows_of = check_cover(plan)  # pieces are where each batch's rows are: every row once
+    for i in list(rows_of)[:: max(1, len(rows_of) // 50)]:
+        rank, step = split_batch_id(i)
+        assert rows_of[i] == [global_rows(plan, p) for p in plan.pieces(rank, step, step + 1)]
+
+
+def test_the_window_order_is_a_pure_function_of_seed_epoch_and_data() -> None:
+    def plan(seed: int, window: int | None = 300) -> BatchPlan:
+        return random_plan(
+            np.random.default_rng(0),
+            files=5,
+            max_groups=4,
+            max_rows=200,
+            num_shards=3,
+            batch_size=32,
+            shuffle_seed=seed,
+            shuffle_window_rows=window,
+        )
+
+    first = [epoch_rows(plan(7), e) for e in range(2)]
+    assert first == [epoch_rows(plan(7), e) for e in range(2)]  # a fresh plan: the same order
+    assert first[0] != first[1]  # drawn again every epoch
+    assert first[0] != epoch_rows(plan(8), 0)  # another seed, another order
+    # The same row groups in the same order: the window changes which row is at each place.
+    unwindowed = epoch_rows(plan(7, None), 0)
+    assert sorted(first[0]) == sorted(unwindowed) and first[0] != unwindowed
+    with pytest.raises(ValueError, match="shuffle_window_rows"):
+        plan_without_seed = dict(paths=("a",), row_groups=((10,),), num_shards=1, batch_size=2)
+        BatchPlan(**plan_without_seed, epochs=1, shuffle_window_rows=4)  # type: ignore[arg-type]
+
+
+def test_rows_cross_row_groups_within_their_window_only() -> None:
+    # 12 row groups of 50 rows in 3 files; windows of 200 rows: 4 row groups each.
+    plan = BatchPlan(
+        paths=("a", "b", "c"),
+        row_groups=((50,) * 4,) * 3,
+        num_shards=2,
+        batch_size=25,
+        epochs=1,
+        shuffle_seed=3,
+        shuffle_window_rows=200,
+    )
+    order = plan.epoch_order(0)
+    unit_of_place = np.repeat(order, 50)  # the row group at each place before the window shuffle
+    for k in range(3):
+        rows = plan.window_rows(0, 200 * k, 200 * (k + 1))
+        assert sorted(rows.tolist()) == list(range(200 * k, 200 * (k + 1)))  # stays in its window
+        units = unit_of_place[rows]
+        assert set(units.tolist()) == set(order[4 * k : 4 * (k + 1)].tolist())
+        # Mixed: the first batch of the window already holds rows of 3 or 4 of its row groups.
+        assert len(set(units[:25].tolist())) >= 3
+    # A read holds one window's rows at most, and a batch is read from its window(s) only.
+    stream = plan.stream(0)
+    reads = plan.stream_reads(stream, 0, plan.steps_per_epoch)
+    assert [r.rows for r in reads] == [200, 100]  # rank 0's 300 rows: windows 0 and 1
+    assert all(sum(x.rows for x in r.reads) <= 200 for r in reads)  # type: ignore[union-attr]
+    assert plan.stream_reads(stream, 0, 1)[0].rows == 25
+
+
+def test_without_a_window_reads_are_the_pieces() -> None:
+    plan = random_plan(
+        np.random.default_rng(4), files=6, max_groups=3, max_rows=90, num_shards=2, batch_size=16
+    )
+    stream = plan.stream(1)
+    assert plan.stream_reads(stream, 3, 17) == plan.stream_pieces(stream, 3, 17)
+    assert (plan.window_rows(1, 10, 40) == np.arange(10, 40)).all()

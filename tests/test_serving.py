@@ -8,6 +8,7 @@ compared with a DLRM built independently from TorchRec's constructors and the st
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -402,3 +403,27 @@ def test_evaluate_reads_rows_without_row_ids_and_names_a_missing_column(
     )
     with pytest.raises(BadInputError, match=r"missing_column.*column 'dense_3'"):
         evaluate(str(root / "export"), str(tmp_path / "bad"))
+
+
+def test_a_model_trained_with_dropout_exports_and_scores_without_it(
+    tmp_path: Path, data: Path
+) -> None:
+    """Dropout adds no state and is off in eval: the export, its program and plain TorchRec
+    score alike."""
+    noisy = TrainConfig(model=dataclasses.replace(CONFIG.model, dropout=0.3))
+    model = trained_like_model()  # built without dropout: its state is the same either way
+    dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "final"), no_dist=True)
+    write_model_spec(str(tmp_path / "final"), ModelSpec.for_config(noisy, NUM_DENSE))
+    exported = export(str(tmp_path / "final"), tmp_path / "export")
+    assert exported.spec.model.dropout == 0.3 and exported.program is not None
+    loaded, program = load_model(tmp_path / "export"), load_program(tmp_path / "export")
+    assert not loaded.training and any(isinstance(m, torch.nn.Dropout) for m in loaded.modules())
+    reference = reference_model(tmp_path / "export")
+    batch, _ = make_batch(pq.read_table(data).slice(0, 64), exported.spec)
+    with torch.no_grad():
+        theirs = torch.sigmoid(reference(batch.dense_features, batch.sparse_features).double())
+        from_program = program(batch.dense_features, batch.sparse_features)
+    ours = score(loaded, batch)
+    assert torch.equal(ours, score(loaded, batch))  # no dropout at scoring
+    assert torch.allclose(ours, theirs.reshape(-1), atol=1e-6, rtol=0)
+    assert torch.allclose(torch.sigmoid(from_program.reshape(-1).double()), ours, atol=1e-6)

@@ -163,7 +163,11 @@ def fit_vocabularies(config: TrainConfig, path: str) -> dict[str, tuple[str, ...
 
 
 def generated_rows(config: TrainConfig) -> int:
-    """Rows per epoch so that ``epochs`` passes take ``num_steps`` steps (at least)."""
+    """Rows per epoch: ``data.generated_rows``, else so many that ``epochs`` passes take
+    ``num_steps`` steps (at least)."""
+    if config.data.generated_rows is not None:
+        return config.data.generated_rows
+    assert config.num_steps is not None  # TrainConfig refuses neither
     steps_per_epoch = math.ceil(config.num_steps / config.data.epochs)
     return steps_per_epoch * config.scaling.world_size * config.data.batch_size
 
@@ -193,6 +197,7 @@ def source_from_config(
         ),
         epochs=data.epochs,
         shuffle_seed=data.shuffle_seed,
+        shuffle_window_rows=data.shuffle_window_rows,
         on_bad_rows=data.on_bad_rows,
         prefetch_batches=data.prefetch_batches,
         read_mode=data.parquet_read,

@@ -41,7 +41,10 @@ Epochs and shuffling (streaming): each pass of a rank's ``DataIterator`` is one 
 epoch for all of them). With ``shuffle_seed`` set, the read shuffles the file order with
 ``FileShuffleConfig(seed, reseed_after_execution=True)``: a different, reproducible order per
 epoch, which streams (``randomize_block_order`` would be an all-to-all barrier that materializes
-the whole dataset before the first batch). Rows within a file keep their order.
+the whole dataset before the first batch). Rows within a file keep their order, unless
+``shuffle_window_rows`` is set: then each rank shuffles its rows in Ray Data's local shuffle
+buffer of that many rows (``iter_batches(local_shuffle_buffer_size=...)``), seeded from
+``shuffle_seed``, the epoch and the rank.
 
 Consumption accounting: a shard logs, per epoch, the row ids it yielded and the ones it dropped
 as bad, as merged ranges (a file's row ids are usually contiguous, so this is small), and keeps
@@ -122,7 +125,9 @@ class ParquetSource(BatchSource):
     way. ``prefetch_batches``: batches each rank keeps
     in flight (streaming mode). ``read_mode``: ``"indexed"`` or ``"streaming"`` (module doc).
     ``read_concurrency``: in the indexed mode, the Ray Data read tasks each rank keeps running
-    (how far it reads ahead, in pieces of row groups).
+    (how far it reads ahead, in pieces of row groups). ``shuffle_window_rows`` (needs
+    ``shuffle_seed``): rows are shuffled within windows of this many rows too (indexed:
+    :mod:`raytrec.data.parquet_gather`; streaming: a local shuffle buffer in each rank).
     """
 
     paths: str | Sequence[str]
@@ -134,6 +139,7 @@ class ParquetSource(BatchSource):
     prefetch_batches: int = 2
     read_mode: ReadMode = "indexed"
     read_concurrency: int = 2
+    shuffle_window_rows: int | None = None
 
     def __post_init__(self) -> None:
         paths = (self.paths,) if isinstance(self.paths, str | os.PathLike) else tuple(self.paths)
@@ -169,6 +175,12 @@ class ParquetSource(BatchSource):
         if self.shuffle_seed is not None and self.shuffle_seed < 0:
             raise ValueError(
                 f"ParquetSource.shuffle_seed must be None or >= 0, got {self.shuffle_seed!r}"
+            )
+        window = self.shuffle_window_rows
+        if window is not None and (window < 1 or self.shuffle_seed is None):
+            raise ValueError(
+                f"ParquetSource.shuffle_window_rows must be None, or >= 1 with a shuffle_seed, "
+                f"got {window!r} (shuffle_seed={self.shuffle_seed!r})"
             )
 
     @property
@@ -264,6 +276,8 @@ class ParquetSource(BatchSource):
                 on_bad_rows=self.on_bad_rows,
                 prefetch_batches=self.prefetch_batches,
                 rows_per_epoch=(total + padding) // num_shards,
+                shuffle_seed=self.shuffle_seed,
+                shuffle_window_rows=self.shuffle_window_rows,
             )
             for rank, it in enumerate(iterators)
         ]
@@ -284,6 +298,7 @@ class ParquetSource(BatchSource):
                 source_spec=self.spec,
                 epochs=self.epochs,
                 shuffle_seed=self.shuffle_seed,
+                shuffle_window_rows=self.shuffle_window_rows,
                 on_bad_rows=self.on_bad_rows,
                 read_concurrency=self.read_concurrency,
             )
@@ -355,6 +370,8 @@ class ParquetShard(BatchShard):
     on_bad_rows: OnBadRows
     prefetch_batches: int
     rows_per_epoch: int
+    shuffle_seed: int | None = None
+    shuffle_window_rows: int | None = None  # a local shuffle buffer of this many rows
     last_row_ids: np.ndarray | None = dataclasses.field(default=None, init=False)
     current_epoch: int = dataclasses.field(default=-1, init=False)
     _log: list[EpochLog] = dataclasses.field(default_factory=list, init=False, repr=False)
@@ -389,11 +406,20 @@ class ParquetShard(BatchShard):
             log = EpochLog(epoch, has_ids=self.spec.row_id is not None)
             self._log.append(log)
             self.current_epoch = epoch
+            shuffle: dict[str, Any] = {}
+            if self.shuffle_window_rows is not None:
+                assert self.shuffle_seed is not None  # ParquetSource checks it
+                seed = np.random.SeedSequence([self.shuffle_seed, epoch, self.index])
+                shuffle = {
+                    "local_shuffle_buffer_size": self.shuffle_window_rows,
+                    "local_shuffle_seed": int(seed.generate_state(1)[0]),
+                }
             tables = self.iterator.iter_batches(
                 batch_size=batch_size,
                 batch_format="pyarrow",
                 prefetch_batches=self.prefetch_batches,
                 drop_last=False,  # every row once per epoch: keep the short last batch
+                **shuffle,
             )
             try:
                 for table in tables:

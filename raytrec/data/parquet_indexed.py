@@ -10,6 +10,10 @@ own steps with a Ray Data pipeline of its own, started in the rank::
       -> map_batches(preprocess)       # fused with the read: the streaming mode's CPU stage
       -> iter_batches(whole blocks)    # preserve_order: blocks come in task order
 
+With a shuffle window (``shuffle_window_rows``) a read task is a gather instead
+(:mod:`raytrec.data.parquet_gather`): it reads the ranges of row groups that hold the rows of one
+window its batches need, at most the window's rows, and takes them in batch order.
+
 A read task opens one file, decodes one row group up to the piece's last row (in record batches
 of at most 16,384 rows, so memory stays bounded whatever the row group size) and adds each
 row's step, and for error messages its file, row group and index in the file.
@@ -44,9 +48,11 @@ from ray.data import ReadTask
 from ray.data.block import BlockMetadata
 
 from raytrec.data.arrow_kjt import BadInputError, OnBadRows, to_batch
+from raytrec.data.parquet_gather import Gather
 from raytrec.data.parquet_plan import (
     BatchPlan,
     Piece,
+    Read,
     Stream,
     stream_batch_size,
     stream_epoch,
@@ -69,7 +75,7 @@ from raytrec.data.source import Batch, BatchShard
 from raytrec.data.spec import FeatureSpec
 from raytrec.data.synthetic import batch_id, split_batch_id
 
-__all__ = ["IndexedParquetShard", "read_piece"]
+__all__ = ["IndexedParquetShard", "read", "read_gather", "read_piece"]
 
 # The column of each row's step, from the read task to the rank.
 STEP = "__rt_step"
@@ -107,6 +113,7 @@ class IndexedParquetShard(BatchShard):
     shuffle_seed: int | None
     on_bad_rows: OnBadRows
     read_concurrency: int
+    shuffle_window_rows: int | None = None
     in_process: bool = False
     limit: int | None = None
     streams: dict[int, Stream] = dataclasses.field(default_factory=dict)
@@ -140,6 +147,7 @@ class IndexedParquetShard(BatchShard):
                 batch_size=batch_size,
                 epochs=self.epochs,
                 shuffle_seed=self.shuffle_seed,
+                shuffle_window_rows=self.shuffle_window_rows,
             )
             self._plans[batch_size] = plan
         return plan
@@ -202,8 +210,8 @@ class IndexedParquetShard(BatchShard):
             )
         cutter = _StepCutter(step, functools.partial(stream_batch_size, stream))
         done: list[tuple[int, pa.Table]] = []
-        for piece in plan.stream_pieces(stream, step, step + 1):
-            for table in read_piece(self.filesystem, piece, self.source_spec.required_columns()):
+        for unit in plan.stream_reads(stream, step, step + 1):
+            for table in read(self.filesystem, unit, self.source_spec.required_columns()):
                 done += cutter.feed(self._preprocess(table))
         cutter.finish(step + 1)
         ((_, rows),) = done
@@ -253,13 +261,13 @@ class IndexedParquetShard(BatchShard):
         length = stream_length(stream)
         if start_step >= length:
             return iter(())
-        pieces = plan.stream_pieces(stream, start_step, length)
+        pieces = plan.stream_reads(stream, start_step, length)
         if self.in_process:
             columns = self.source_spec.required_columns()
             return (
                 self._preprocess(table)
                 for piece in pieces
-                for table in read_piece(self.filesystem, piece, columns)
+                for table in read(self.filesystem, piece, columns)
             )
         source = _PieceSource(pieces, self.filesystem, self.source_spec.required_columns())
         # The same task pool for both stages: Ray Data then fuses them into one task per piece,
@@ -314,6 +322,28 @@ class IndexedParquetShard(BatchShard):
         if report.row_ids is not None:
             log.ids.add(report.row_ids)
         return batch, report.row_ids
+
+
+def read(fs: pafs.FileSystem, unit: Read, columns: Sequence[str]) -> Iterator[pa.Table]:
+    """The rows of a piece or a gather, as :func:`read_piece` and :func:`read_gather` give them."""
+    if isinstance(unit, Gather):
+        return read_gather(fs, unit, columns)
+    return read_piece(fs, unit, columns)
+
+
+def read_gather(fs: pafs.FileSystem, unit: Gather, columns: Sequence[str]) -> Iterator[pa.Table]:
+    """The rows of ``unit`` in its order, with each row's step and place (as
+    :func:`read_piece`), in tables of at most ``_READ_ROWS`` rows. Holds the rows of its reads
+    at once: at most one shuffle window."""
+    tables = []
+    for r in unit.reads:
+        piece = Piece(r.path, r.row_group, r.start, r.stop, r.file_row, 0, (r.rows,))
+        tables += [t.drop_columns([STEP]) for t in read_piece(fs, piece, columns)]
+    # Each file's path is its own one-value dictionary: one dictionary for the take.
+    rows = pa.concat_tables(tables).unify_dictionaries().take(pa.array(unit.take))
+    rows = rows.append_column(STEP, pa.array(unit.steps()))
+    for start in range(0, rows.num_rows, _READ_ROWS):
+        yield rows.slice(start, _READ_ROWS)
 
 
 def read_piece(fs: pafs.FileSystem, piece: Piece, columns: Sequence[str]) -> Iterator[pa.Table]:
@@ -421,9 +451,9 @@ class _StepCutter:
 
 
 class _PieceSource(ray.data.Datasource):
-    """A Ray Data datasource of one read task per piece, in the order given."""
+    """A Ray Data datasource of one read task per piece (or gather), in the order given."""
 
-    def __init__(self, pieces: list[Piece], fs: pafs.FileSystem, columns: Sequence[str]) -> None:
+    def __init__(self, pieces: list[Read], fs: pafs.FileSystem, columns: Sequence[str]) -> None:
         super().__init__()
         self.pieces, self.fs, self.columns = pieces, fs, tuple(columns)
 
@@ -439,9 +469,12 @@ class _PieceSource(ray.data.Datasource):
         # One task per piece whatever ``parallelism`` asks: the pieces are the plan's.
         return [
             ReadTask(
-                functools.partial(read_piece, self.fs, p, self.columns),
+                functools.partial(read, self.fs, p, self.columns),
                 BlockMetadata(
-                    num_rows=p.rows, size_bytes=None, exec_stats=None, input_files=(p.path,)
+                    num_rows=p.rows,
+                    size_bytes=None,
+                    exec_stats=None,
+                    input_files=p.paths if isinstance(p, Gather) else (p.path,),
                 ),
             )
             for p in self.pieces

@@ -13,6 +13,10 @@ batch for the whole job, and :meth:`BatchPlan.pieces` turns any range of a rank'
 row ranges of row groups. Contiguous shares (rather than dealing batches round-robin) keep each
 rank's reads within its own row groups: a row group is decoded by at most the two ranks whose
 shares meet inside it, not by every rank.
+
+With ``shuffle_window_rows`` the rows of each window of that many consecutive rows of the row
+space are permuted too (:mod:`raytrec.data.parquet_gather`): the cuts above stay, the rows at
+their places change, and :meth:`BatchPlan.stream_reads` describes reads as gathers.
 """
 
 from __future__ import annotations
@@ -25,10 +29,13 @@ from typing import Any
 
 import numpy as np
 
+from raytrec.data.parquet_gather import Gather, gather, window_permutation
+
 __all__ = [
     "BatchPlan",
     "Part",
     "Piece",
+    "Read",
     "Recut",
     "Stream",
     "recut",
@@ -41,6 +48,7 @@ __all__ = [
 ]
 
 _CACHED_EPOCHS = 4  # epoch orders kept: a rank reads one epoch at a time, replays are recent
+_CACHED_WINDOWS = 4  # window permutations kept: a rank reads a window or two at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +124,9 @@ class Part:
             count=int(count),
         )
 
+
+#: What a rank reads for a run of its batches: rows of one row group, or a window's gather.
+Read = Piece | Gather
 
 # What one rank reads, in order: parts of epochs, never two parts of one epoch out of order.
 Stream = tuple[Part, ...]
@@ -274,7 +285,11 @@ class BatchPlan:
     batch_size: int
     epochs: int
     shuffle_seed: int | None = None
+    shuffle_window_rows: int | None = None
     _orders: dict[int, tuple[np.ndarray, np.ndarray]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _windows: dict[tuple[int, int], np.ndarray] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
@@ -292,6 +307,11 @@ class BatchPlan:
         check("row_groups", self.row_groups, counts_ok, "row counts >= 0")
         if self.shuffle_seed is not None:
             check("shuffle_seed", self.shuffle_seed, self.shuffle_seed >= 0, "None or >= 0")
+        window = self.shuffle_window_rows
+        if window is not None:
+            check("shuffle_window_rows", window, window >= 1, "None or >= 1")
+            seeded = self.shuffle_seed is not None
+            check("shuffle_window_rows", window, seeded, "None without a shuffle_seed")
         n, t = self.rows_per_epoch, self.num_shards
         if n < t:
             raise ValueError(f"the data has {n} rows, fewer than the {t} ranks that share it")
@@ -388,25 +408,57 @@ class BatchPlan:
 
     def stream_pieces(self, stream: Stream, first: int, stop: int) -> list[Piece]:
         """The rows of batches ``[first, stop)`` of ``stream`` (a piece's ``step`` counts the
-        stream's batches), in batch order, as pieces of row groups."""
+        stream's batches), in batch order, as pieces of row groups. With a shuffle window a
+        batch's rows are scattered over its window: a piece per run of consecutive rows (to
+        locate rows; :meth:`stream_reads` says how to read them)."""
         out: list[Piece] = []
+        for epoch, lo, hi, cuts, step in self._intervals(stream, first, stop):
+            if self.shuffle_window_rows is None:
+                out += self._interval_pieces(epoch, lo, hi, cuts, step)
+                continue
+            for read in self._interval_gathers(epoch, lo, hi, cuts, step):
+                out += [
+                    Piece(r.path, r.row_group, r.start, r.stop, r.file_row, s, counts)
+                    for r, s, counts in read.runs()
+                ]
+        return out
+
+    def stream_reads(self, stream: Stream, first: int, stop: int) -> list[Read]:
+        """How to read batches ``[first, stop)`` of ``stream``, in batch order: pieces of row
+        groups, or with a shuffle window one gather per window (at most that many rows)."""
+        if self.shuffle_window_rows is None:
+            return list(self.stream_pieces(stream, first, stop))
+        out: list[Read] = []
+        for interval in self._intervals(stream, first, stop):
+            out += self._interval_gathers(*interval)
+        return out
+
+    def _intervals(
+        self, stream: Stream, first: int, stop: int
+    ) -> list[tuple[int, int, int, np.ndarray, int]]:
+        """Batches ``[first, stop)`` of ``stream`` as ``(epoch, lo, hi, cuts, step)``: rows
+        ``[lo, hi)`` of the epoch's row space, where batch ``step``, ``step + 1``, ... start in
+        it (``cuts``, and where the last one ends)."""
+        out: list[tuple[int, int, int, np.ndarray, int]] = []
         at = 0  # the stream's batch where the part starts
         for part in stream:
             lo, hi = max(first, at), min(stop, at + part.count)
             if lo < hi:
                 self._check_epoch(part.epoch)
-                out += self._part_pieces(part, lo - at, hi - at, step0=at)
+                out += self._part_intervals(part, lo - at, hi - at, step0=at)
             at += part.count
         if stop > at:
             raise ValueError(f"the stream has {at} batches, asked for batches up to {stop}")
         return out
 
-    def _part_pieces(self, part: Part, k0: int, k1: int, *, step0: int) -> list[Piece]:
-        """Pieces of the part's batches ``[k0, k1)`` (``step0``: the stream's batch of the part's
-        first)."""
+    def _part_intervals(
+        self, part: Part, k0: int, k1: int, *, step0: int
+    ) -> list[tuple[int, int, int, np.ndarray, int]]:
+        """The part's batches ``[k0, k1)`` as intervals of the epoch's row space (``step0``: the
+        stream's batch of the part's first)."""
         # Where each batch starts in the part's runs laid end to end; the last: where k1 - 1 ends.
         cuts = part.local_cuts(k0, k1)
-        out: list[Piece] = []
+        out: list[tuple[int, int, int, np.ndarray, int]] = []
         run_at = 0  # where the run starts in the runs laid end to end
         for run_lo, run_hi in part.runs:
             run_end = run_at + (run_hi - run_lo)
@@ -416,11 +468,71 @@ class BatchPlan:
                 i = int(np.searchsorted(cuts, a, side="right")) - 1
                 j = int(np.searchsorted(cuts, b - 1, side="right")) - 1
                 shift = run_lo - run_at
-                out += self._interval_pieces(
-                    part.epoch, a + shift, b + shift, cuts[i : j + 2] + shift, step0 + k0 + i
+                out.append(
+                    (part.epoch, a + shift, b + shift, cuts[i : j + 2] + shift, step0 + k0 + i)
                 )
             run_at = run_end
         return out
+
+    def _interval_gathers(
+        self, epoch: int, lo: int, hi: int, cuts: np.ndarray, step: int
+    ) -> list[Gather]:
+        """Rows ``[lo, hi)`` of ``epoch``'s row space (``cuts``, ``step``: as for
+        :meth:`_interval_pieces`) as one gather per window they meet."""
+        assert self.shuffle_window_rows is not None
+        w = self.shuffle_window_rows
+        order, ends = self._order(epoch)
+        out: list[Gather] = []
+        while lo < hi:
+            k = lo // w
+            stop = min(hi, (k + 1) * w)
+            rows = self.window_rows(epoch, lo, stop)
+            first = int(np.searchsorted(cuts, lo, side="right")) - 1
+            last = int(np.searchsorted(cuts, stop - 1, side="right")) - 1
+            counts = np.diff(np.clip(cuts[first : last + 2], lo, stop))
+            out.append(
+                gather(
+                    rows,
+                    order=order,
+                    ends=ends,
+                    unit_rows=self._unit_rows,
+                    where=self._unit_where,
+                    paths=self.paths,
+                    step=step + first,
+                    counts=counts.tolist(),
+                )
+            )
+            lo = stop
+        return out
+
+    def window_rows(self, epoch: int, lo: int, hi: int) -> np.ndarray:
+        """The rows (of the epoch's row space before the window shuffle) at places
+        ``[lo, hi)``: the places themselves without a shuffle window."""
+        self._check_epoch(epoch)
+        if self.shuffle_window_rows is None:
+            return np.arange(lo, hi, dtype=np.int64)
+        w = self.shuffle_window_rows
+        parts = []
+        while lo < hi:
+            k = lo // w
+            stop = min(hi, (k + 1) * w)
+            parts.append(self._window(epoch, k)[lo - k * w : stop - k * w] + k * w)
+            lo = stop
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def _window(self, epoch: int, k: int) -> np.ndarray:
+        """Window ``k``'s permutation of its rows in ``epoch``."""
+        hit = self._windows.get((epoch, k))
+        if hit is not None:
+            return hit
+        assert self.shuffle_window_rows is not None and self.shuffle_seed is not None
+        w = self.shuffle_window_rows
+        size = min(w, self.rows_per_epoch - k * w)
+        perm = window_permutation(self.shuffle_seed, epoch, k, size)
+        if len(self._windows) >= _CACHED_WINDOWS:
+            self._windows.pop(next(iter(self._windows)))
+        self._windows[(epoch, k)] = perm
+        return perm
 
     def _interval_pieces(
         self, epoch: int, lo: int, hi: int, cuts: np.ndarray, step: int

@@ -11,6 +11,7 @@ starts.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,7 +27,13 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from raytrec.config import ConfigError, OptimizerConfig, ShardingConfig, TableConfig
 
-__all__ = ["apply_embedding_optimizer", "make_plan", "sharders", "table_constraints"]
+__all__ = [
+    "apply_embedding_optimizer",
+    "embedding_optimizer_kwargs",
+    "make_plan",
+    "sharders",
+    "table_constraints",
+]
 
 _EMBEDDING_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": trec_optim.SGD,
@@ -40,11 +47,26 @@ def sharders() -> list[ModuleSharder[nn.Module]]:
     return [EmbeddingBagCollectionSharder()]
 
 
-def apply_embedding_optimizer(model: nn.Module, cfg: OptimizerConfig) -> None:
-    """Marks every embedding table for FBGEMM's fused, in-backward optimizer."""
-    kwargs: dict[str, float] = {"lr": cfg.embedding_lr}
+def embedding_optimizer_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
+    """The fused optimizer's arguments, as TorchRec hands them to FBGEMM's table batch."""
+    kwargs: dict[str, Any] = {"lr": cfg.embedding_lr}
     if cfg.embedding != "sgd":
         kwargs["eps"] = cfg.eps
+    if cfg.embedding_weight_decay:
+        from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
+
+        kwargs["weight_decay"] = cfg.embedding_weight_decay
+        # Row-wise Adagrad takes L2 or decoupled decay; L2 is torch's weight_decay. FBGEMM's
+        # Adam decays decoupled (as AdamW) whatever the mode says.
+        kwargs["weight_decay_mode"] = (
+            WeightDecayMode.L2 if cfg.embedding == "rowwise_adagrad" else WeightDecayMode.DECOUPLE
+        )
+    return kwargs
+
+
+def apply_embedding_optimizer(model: nn.Module, cfg: OptimizerConfig) -> None:
+    """Marks every embedding table for FBGEMM's fused, in-backward optimizer."""
+    kwargs = embedding_optimizer_kwargs(cfg)
     params = [
         p for m in model.modules() if isinstance(m, EmbeddingBagCollection) for p in m.parameters()
     ]

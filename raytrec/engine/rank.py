@@ -34,6 +34,7 @@ import dataclasses
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
@@ -46,7 +47,7 @@ from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from raytrec._quiet import quiet_known_warnings
-from raytrec.config import TrainConfig
+from raytrec.config import OptimizerConfig, TrainConfig
 from raytrec.data.source import Batch
 from raytrec.data.spec import FeatureSpec
 from raytrec.engine.plan import apply_embedding_optimizer, sharders
@@ -62,13 +63,29 @@ from raytrec.sync.schedule import SyncDecision, SyncPlan, plan_sync
 if TYPE_CHECKING:
     from raytrec.serving.spec import ModelSpec
 
-__all__ = ["RENDEZVOUS_TIMEOUT_S", "RankEngine", "RankSpec", "StoreAddress"]
+__all__ = [
+    "RENDEZVOUS_TIMEOUT_S",
+    "RankEngine",
+    "RankSpec",
+    "StoreAddress",
+    "dense_optimizer_kwargs",
+]
 
 _DENSE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
     "adagrad": torch.optim.Adagrad,
     "adam": torch.optim.Adam,
 }
+
+
+def dense_optimizer_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
+    """The dense optimizer's arguments (torch's, for ``_DENSE_OPTIMIZERS[cfg.dense]``)."""
+    kwargs: dict[str, Any] = {"lr": cfg.dense_lr}
+    if cfg.dense != "sgd":
+        kwargs["eps"] = cfg.eps
+    if cfg.dense_weight_decay:
+        kwargs["weight_decay"] = cfg.dense_weight_decay
+    return kwargs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -119,6 +136,11 @@ def embedding_seed(seed: int, gang_rank: int) -> int:
     """The seed of the embedding shards a rank initialises: one stream per place in a gang,
     none equal to the dense layers' (``seed`` itself)."""
     return seed * 1_000_003 + gang_rank + 1
+
+
+def dropout_seed(seed: int, rank: int) -> int:
+    """The seed of job rank ``rank``'s dropout masks (``model.dropout``)."""
+    return int(np.random.SeedSequence([seed, rank, 0xD5]).generate_state(1)[0])
 
 
 class RankEngine:
@@ -182,10 +204,12 @@ class RankEngine:
                 plan=spec.plan,
                 sharders=sharders(),
             )
+        if cfg.model.dropout:
+            # Dropout draws its masks from the global generator: one stream per job rank, from
+            # the job's seed, so that a run with dropout reproduces too.
+            torch.manual_seed(dropout_seed(cfg.seed, spec.rank))
         dense_cls = _DENSE_OPTIMIZERS[cfg.optimizer.dense]
-        dense_kwargs: dict[str, Any] = {"lr": cfg.optimizer.dense_lr}
-        if cfg.optimizer.dense != "sgd":
-            dense_kwargs["eps"] = cfg.optimizer.eps
+        dense_kwargs = dense_optimizer_kwargs(cfg.optimizer)
         self.dense_params = dict(in_backward_optimizer_filter(self.model.named_parameters()))
         self.dense_optimizer = KeyedOptimizerWrapper(
             self.dense_params, lambda ps: dense_cls(ps, **dense_kwargs)
