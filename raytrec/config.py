@@ -33,7 +33,8 @@ __all__ = [
     "TrainConfig",
 ]
 
-ModelArch = Literal["dlrm", "dlrm_dcn", "deepfm"]
+ModelArch = Literal["dlrm", "dlrm_dcn", "deepfm", "two_tower"]
+TwoTowerLoss = Literal["in_batch_softmax", "logistic"]
 EmbeddingOptimizer = Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
 DenseOptimizer = Literal["sgd", "adagrad", "adam"]
 ShardingType = Literal["table_wise", "column_wise", "row_wise", "table_row_wise"]
@@ -269,8 +270,21 @@ class ModelConfig:
     - ``over_arch_layers``: the MLP that makes the logit; the last size is 1.
     - ``dcn_num_layers``, ``dcn_low_rank_dim``: DLRM-DCN's cross network.
     - ``deep_fm_dimension``: DeepFM's deep part, the width of its layer over all embeddings.
+    - ``"two_tower"`` (:class:`raytrec.two_tower.TwoTower`, a retrieval model): a user tower over
+      the dense features and the pooled embeddings of ``user_features``, an item tower over
+      those of every other feature, each an MLP of ``tower_layers`` (the last size is the
+      embedding both towers output); the score of a row is the dot product of its two
+      vectors. Each table serves one tower; per-table dims are allowed.
+    - ``user_features``: the features of the user tower (two_tower only).
+    - ``tower_layers``: both towers' layer sizes (two_tower only).
+    - ``two_tower_loss``: ``"in_batch_softmax"`` (each positive row's item against every item
+      of its batch, a softmax over the scores divided by ``temperature``; negative rows are
+      candidates only) or ``"logistic"`` (binary cross-entropy of each row's score against its
+      label: negatives sampled in the data).
+    - ``temperature``: divides the scores of ``in_batch_softmax``.
 
-    DLRM and DLRM-DCN need one embedding_dim for every table; DeepFM allows one per table.
+    DLRM and DLRM-DCN need one embedding_dim for every table; DeepFM and the two-tower model
+    allow one per table.
     When any table is weighted, every table must be sum-pooled: TorchRec's
     EmbeddingBagCollection passes weights to all of its tables.
     """
@@ -282,6 +296,10 @@ class ModelConfig:
     dcn_num_layers: int = 2
     dcn_low_rank_dim: int = 16
     deep_fm_dimension: int = 16
+    user_features: tuple[str, ...] = ()
+    tower_layers: tuple[int, ...] = (64, 32)
+    two_tower_loss: TwoTowerLoss = "in_batch_softmax"
+    temperature: float = 0.05
     #: Dropout probability after every hidden layer of the dense and over arch (not after the
     #: dense arch's output, not on the logit); active in training, off in evaluation and serving.
     dropout: float = 0.0
@@ -317,7 +335,7 @@ class ModelConfig:
             )
             raise ConfigError(
                 f"model.arch={self.arch!r} needs one embedding_dim for all tables, got {by_dim}; "
-                "per-table dims are allowed with model.arch='deepfm'"
+                "per-table dims are allowed with model.arch='deepfm' or 'two_tower'"
             )
         weighted = [t.name for t in self.tables if t.weighted]
         mean = [t.name for t in self.tables if t.pooling != "sum"]
@@ -351,6 +369,50 @@ class ModelConfig:
         _positive_int("model.dcn_num_layers", self.dcn_num_layers)
         _positive_int("model.dcn_low_rank_dim", self.dcn_low_rank_dim)
         _positive_int("model.deep_fm_dimension", self.deep_fm_dimension)
+        self._check_towers()
+
+    def _check_towers(self) -> None:
+        object.__setattr__(self, "user_features", tuple(self.user_features))
+        object.__setattr__(self, "tower_layers", tuple(self.tower_layers))
+        _one_of("model.two_tower_loss", self.two_tower_loss, get_args(TwoTowerLoss))
+        _positive_float("model.temperature", self.temperature)
+        if not self.tower_layers:
+            raise ConfigError("model.tower_layers must not be empty")
+        for i, size in enumerate(self.tower_layers):
+            _positive_int(f"model.tower_layers[{i}]", size)
+        if self.arch != "two_tower":
+            if self.user_features:
+                raise ConfigError("model.user_features applies to model.arch='two_tower' only")
+            return
+        if self.dropout:
+            raise ConfigError(
+                "model.dropout applies to the dense and over arches, which "
+                "model.arch='two_tower' has none of; set it to 0"
+            )
+        unknown = sorted(set(self.user_features) - set(self.features))
+        if unknown or not self.user_features:
+            raise ConfigError(
+                f"model.user_features must name some of the tables' features {list(self.features)}"
+                f" for the user tower, got {list(self.user_features)}"
+            )
+        if set(self.user_features) == set(self.features):
+            raise ConfigError(
+                "model.user_features names every feature: the item tower needs at least one"
+            )
+        split = [
+            t.name
+            for t in self.tables
+            if 0 < len(set(t.features) & set(self.user_features)) < len(t.features)
+        ]
+        if split:
+            raise ConfigError(
+                f"model.tables {split} serve features of both towers; a table serves one tower"
+            )
+
+    @property
+    def item_features(self) -> tuple[str, ...]:
+        """The item tower's features (two_tower): every feature not in the user tower."""
+        return tuple(f for f in self.features if f not in self.user_features)
 
     @property
     def embedding_dim(self) -> int:

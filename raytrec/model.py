@@ -136,7 +136,11 @@ def build_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model: nn.Module
-        if cfg.arch == "deepfm":
+        if cfg.arch == "two_tower":
+            from raytrec.two_tower import build_two_tower
+
+            model = build_two_tower(cfg, num_dense, ebc, device)
+        elif cfg.arch == "deepfm":
             model = DeepFM(
                 embedding_bag_collection=ebc,
                 num_dense=num_dense,
@@ -163,7 +167,7 @@ def build_model(
                 over_arch_layer_sizes=list(cfg.over_arch_layers),
                 dense_device=device,
             )
-    if cfg.dropout:
+    if cfg.dropout and cfg.arch != "two_tower":
         add_dropout(model, cfg.dropout)
     return model
 
@@ -203,8 +207,14 @@ def build_train_model(
 ) -> nn.Module:
     """TorchRec's ``DLRMTrain`` (logits, BCE-with-logits loss) around the model of ``cfg.arch``,
     embeddings on ``meta``, dense on ``device``: the default :data:`ModelFactory`."""
+    model = build_model(cfg, num_dense, device, seed)
+    if cfg.arch == "two_tower":
+        from raytrec.two_tower import TwoTower, TwoTowerTrain
+
+        assert isinstance(model, TwoTower)
+        return TwoTowerTrain(model, loss=cfg.two_tower_loss, temperature=cfg.temperature)
     # DLRMTrain calls its module as model(dense, kjt) and needs nothing else of DLRM.
-    return DLRMTrain(build_model(cfg, num_dense, device, seed))
+    return DLRMTrain(model)
 
 
 # The names of these factories from when DLRM was the only architecture; they build any.

@@ -7,7 +7,8 @@ nothing is trained.
 
 - :func:`evaluate` reads the rows in this process and returns AUC, normalized entropy and log
   loss over all of them, computed with the training loop's own metric code
-  (:mod:`raytrec.rec_metrics`, TorchRec's ``compute_auc`` and ``compute_ne``).
+  (:mod:`raytrec.rec_metrics`, TorchRec's ``compute_auc`` and ``compute_ne``); for a two-tower
+  model also recall@k (:func:`recall_at_k`).
 - :func:`predict` scores the rows with Ray Data (``map_batches`` over an actor pool; each
   actor builds the model once from a copy in Ray's object store, so workers need no shared
   filesystem) and returns a dataset of ``row_id``, ``label`` and ``score`` per row.
@@ -33,8 +34,9 @@ from raytrec.data.spec import FeatureSpec
 from raytrec.rec_metrics import RankMetrics, merge_metric_states
 from raytrec.serving.export import build_model, exported, load_exported, make_batch, score
 from raytrec.serving.spec import ModelSpec
+from raytrec.two_tower import TwoTower
 
-__all__ = ["EvalMetrics", "evaluate", "predict"]
+__all__ = ["EvalMetrics", "evaluate", "predict", "recall_at_k"]
 
 Source = str | os.PathLike[str] | Sequence[str] | DataConfig | ParquetSource
 
@@ -48,6 +50,9 @@ class EvalMetrics:
     log_loss: float  # mean binary cross-entropy
     rows: int
     step: int | None  # the step the model was trained to, when its checkpoint says
+    # Two-tower models: k -> the share of positive rows whose own item is among the k items
+    # scored highest for their user, out of every distinct item of the rows (recall_at_k).
+    recall_at_k: dict[int, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -83,6 +88,7 @@ def evaluate(
     config: TrainConfig | None = None,
     features: FeatureSpec | None = None,
     batch_size: int = 8192,
+    recall_at: Sequence[int] = (1, 10, 100),
 ) -> EvalMetrics:
     """AUC, NE and log loss of the model in ``checkpoint`` over every row of ``source``
     (Parquet paths, a :class:`DataConfig` with a path, or a
@@ -90,6 +96,7 @@ def evaluate(
 
     ``features``: the row layout, if not the one the model was trained with (its spec's);
     ``config``: for a model saved without its spec (see :func:`~raytrec.serving.export.export`).
+    ``recall_at``: the k of recall@k, for a two-tower model.
     """
     with exported(checkpoint, config=config) as path:
         model, info = load_exported(path)
@@ -97,6 +104,7 @@ def evaluate(
     spec = parquet.spec
     fs, _ = parquet.list_files()
     metrics = RankMetrics(auc_window=max(1, sum(f.rows for f in files)), exact_preds=True)
+    towers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for f in files:
         with fs.open_input_file(f.path) as handle:
             reader = pq.ParquetFile(handle)
@@ -108,12 +116,44 @@ def evaluate(
                 offset += record_batch.num_rows
                 with torch.no_grad():
                     logits = model(batch.dense_features, batch.sparse_features)
+                    if isinstance(model, TwoTower):
+                        user, item = model.towers(batch.dense_features, batch.sparse_features)
+                        towers.append((user, item, batch.labels.reshape(-1)))
                 metrics.update(logits, batch.labels)
     merged = merge_metric_states([metrics.state()])
     assert merged.log_loss is not None  # inspect() refuses files without rows
+    recall = None
+    if towers:
+        users, items, labels = (torch.cat(t) for t in zip(*towers, strict=True))
+        recall = recall_at_k(users, items, labels, ks=recall_at)
     return EvalMetrics(
-        auc=merged.auc, ne=merged.ne, log_loss=merged.log_loss, rows=merged.rows, step=info.step
+        auc=merged.auc,
+        ne=merged.ne,
+        log_loss=merged.log_loss,
+        rows=merged.rows,
+        step=info.step,
+        recall_at_k=recall,
     )
+
+
+def recall_at_k(
+    users: torch.Tensor, items: torch.Tensor, labels: torch.Tensor, *, ks: Sequence[int]
+) -> dict[int, float]:
+    """Retrieval recall: for each positive row, whether its own item is among the ``k``
+    highest-scored (``user · item``) of every distinct item vector of the rows (ties count
+    against it). Rows of one item give one candidate; NaN when no row is positive."""
+    candidates, which = torch.unique(items, dim=0, return_inverse=True)
+    queries = torch.nonzero(labels > 0.5).reshape(-1)
+    if len(queries) == 0:
+        return {k: float("nan") for k in ks}
+    hits = dict.fromkeys(ks, 0)
+    for chunk in queries.split(1024):
+        scores = users[chunk] @ candidates.T
+        own = scores.gather(1, which[chunk].reshape(-1, 1))  # the same product, bit for bit
+        better = (scores >= own).sum(dim=1) - 1  # less the item itself
+        for k in ks:
+            hits[k] += int((better < k).sum())
+    return {k: hits[k] / len(queries) for k in ks}
 
 
 class _Scorer:

@@ -168,17 +168,26 @@ def _infer_num_dense(state: Mapping[str, torch.Tensor], where: str, arch: str) -
 
 
 def _resolve_spec(
-    uri: str, state: Mapping[str, torch.Tensor], config: TrainConfig | None
+    uri: str,
+    state: Mapping[str, torch.Tensor],
+    config: TrainConfig | None,
+    *,
+    fallback: TrainConfig | None = None,
 ) -> ModelSpec:
+    """The caller's ``config``; else the saved spec, which holds the row layout trained on
+    (column names, vocabularies) that a config alone does not; else ``fallback`` (a
+    Result's config)."""
+    if config is None:
+        spec = read_model_spec(uri)
+        if spec is not None:
+            return spec
+        config = fallback
     if config is not None:
         return ModelSpec.for_config(config, _infer_num_dense(state, uri, config.model.arch))
-    spec = read_model_spec(uri)
-    if spec is None:
-        raise CheckpointError(
-            f"{uri} holds no model spec (model_spec.json; written by jobs since raytrec "
-            "recorded it): pass config=, the TrainConfig it was trained with"
-        )
-    return spec
+    raise CheckpointError(
+        f"{uri} holds no model spec (model_spec.json; written by jobs since raytrec "
+        "recorded it): pass config=, the TrainConfig it was trained with"
+    )
 
 
 def build_model(spec: ModelSpec, state: Mapping[str, torch.Tensor], *, where: str) -> nn.Module:
@@ -211,15 +220,15 @@ def export(
     ``ray.train.Checkpoint``, or ``checkpoint_<step>`` under a run's ``checkpoints/``), a final
     model (``Result.final_state_path``), or a :class:`~raytrec.api.Result` (its final model).
     ``config``: the job's :class:`TrainConfig`, needed only for a model saved without
-    ``model_spec.json``. ``program``: also write ``model.pt2`` (a ``torch.export`` program).
+    ``model_spec.json`` (given, it is used instead of the saved spec). ``program``: also write
+    ``model.pt2`` (a ``torch.export`` program).
     """
     uri, result_config = _location(checkpoint)
-    config = config or result_config
     out = os.fspath(path)
     if os.path.exists(out) and os.listdir(out):
         raise FileExistsError(f"export path {out} exists and is not empty")
     state, step, kind = read_unsharded_state(uri)
-    spec = _resolve_spec(uri, state, config)
+    spec = _resolve_spec(uri, state, config, fallback=result_config)
     model = build_model(spec, state, where=uri)
     os.makedirs(out, exist_ok=True)
     torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, _in(out, STATE_FILE))

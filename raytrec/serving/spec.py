@@ -82,8 +82,14 @@ class ModelSpec:
     @property
     def kind(self) -> str:
         """The model's class: TorchRec's ``"DLRM"`` or ``"DLRM_DCN"``, or ``"DeepFM"``
-        (:class:`raytrec.model.DeepFM`)."""
-        return {"dlrm": "DLRM", "dlrm_dcn": "DLRM_DCN", "deepfm": "DeepFM"}[self.model.arch]
+        (:class:`raytrec.model.DeepFM`), or ``"TwoTower"`` (:class:`raytrec.two_tower.TwoTower`)."""
+        kinds = {
+            "dlrm": "DLRM",
+            "dlrm_dcn": "DLRM_DCN",
+            "deepfm": "DeepFM",
+            "two_tower": "TwoTower",
+        }
+        return kinds[self.model.arch]
 
     def to_dict(self) -> dict[str, Any]:
         return {
