@@ -6,7 +6,8 @@ it runs on that cluster; this is also the entry point for
 job's driver). See docs/job_submission.md.
 
 The configuration is resolved in this order, later wins: the config classes' defaults, this
-job's defaults (1000 steps, a line every 25, row-wise Adagrad), ``--config FILE`` (YAML, keys as
+job's defaults (1000 steps, a line every 25, row-wise Adagrad, a held-out split evaluated every
+200 steps), ``--config FILE`` (YAML, keys as
 in docs/configuration.md), the shortcut flags below, then ``--set KEY=VALUE`` (repeatable).
 ``--print-config`` prints the result as YAML and exits.
 
@@ -39,6 +40,9 @@ JOB_DEFAULTS: tuple[Override, ...] = (
     # cannot fit that: docs/benchmarks.md, "AUC against the oracle").
     ("model.tables[*].num_embeddings", 500),
     ("model.tables[*].pooling", "mean"),
+    # A held-out split of the same teacher, evaluated every 200 steps and at the end.
+    ("data.generated_held_out_rows", 16384),
+    ("eval.every_n_steps", 200),
 )
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 3, 4
@@ -207,6 +211,11 @@ def train(config: TrainConfig) -> int:
     if result.oracle_auc is not None and last.auc is not None:
         ratio = last.auc / result.oracle_auc
         auc += f" ({ratio:.3f} of the data's oracle AUC {result.oracle_auc:.4f})"
+    if last.eval_auc is not None:
+        auc += f"; held-out AUC {last.eval_auc:.4f}"
+        if result.held_out_oracle_auc is not None:
+            ratio = last.eval_auc / result.held_out_oracle_auc
+            auc += f" ({ratio:.3f} of its oracle AUC {result.held_out_oracle_auc:.4f})"
     print(
         f"[raytrec] done: {result.steps} steps in {result.wall_s:.1f}s; loss {first.loss:.4f} "
         f"-> {last.loss:.4f}; AUC {auc}; final model: {result.final_state_path}; "

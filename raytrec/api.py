@@ -95,6 +95,11 @@ class Result:
         return self.history[-1].auc if self.history else None
 
     @property
+    def held_out_oracle_auc(self) -> float | None:
+        """The oracle AUC of generated data's held-out split (data.generated_held_out_rows)."""
+        return self.data.held_out_oracle_auc
+
+    @property
     def oracle_auc(self) -> float | None:
         """The AUC of the data's own click probabilities (generated data only): the ceiling."""
         return self.data.oracle_auc
@@ -206,6 +211,11 @@ def fit(
         if source is None:
             source, info = source_from_config(config, _vocabularies_of(resume))
             validate_features(config.model, source.sparse_features)
+            if config.eval.path is None and info.held_out_path is not None:
+                # Generated data's held-out split is what the job evaluates on.
+                config = config.replace(
+                    eval=dataclasses.replace(config.eval, path=info.held_out_path)
+                )
         shards_of_plan = config.scaling.world_size
         if resume is not None:
             shards_of_plan = _indexed_resume_shards(resume, config, source) or shards_of_plan
@@ -336,7 +346,9 @@ def _check_length_known(config: TrainConfig, source: BatchSource | None) -> None
 
 def _check_eval_is_there(config: TrainConfig) -> None:
     """Ranking checkpoints by, or stopping early on, a held-out metric needs held-out data."""
-    if config.eval.path is not None:
+    if config.eval.path is not None or (
+        config.data.source == "generated" and config.data.generated_held_out_rows
+    ):
         return
     wants = []
     if config.checkpoint.scored_by_eval:

@@ -787,6 +787,10 @@ class DataConfig:
     generated_files: int = 4
     #: Rows per epoch of data.source="generated"; None: enough for num_steps steps.
     generated_rows: int | None = None
+    #: Rows of a held-out split of data.source="generated": the same teacher, other rows,
+    #: written beside the training data and evaluated on (eval.path) unless eval.path is set;
+    #: 0: none.
+    generated_held_out_rows: int = 0
     prefetch_batches: int = 4  # batches each rank fetches ahead of training
     # Where a rank makes its batches: "background" (a read-ahead thread, overlapping training),
     # "inline" (between intervals, on the training thread), "auto" (background on GPU ranks,
@@ -827,6 +831,7 @@ class DataConfig:
                 )
         if self.generated_rows is not None:
             _positive_int("data.generated_rows", self.generated_rows)
+        _non_negative_int("data.generated_held_out_rows", self.generated_held_out_rows)
         if self.source == "parquet" and not self.path:
             raise ConfigError("data.path must name Parquet files when data.source='parquet'")
         if self.path is not None and (not isinstance(self.path, str) or not self.path):

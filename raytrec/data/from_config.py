@@ -40,6 +40,9 @@ class DataInfo:
     path: str | None = None
     rows_per_epoch: int | None = None
     oracle_auc: float | None = None  # AUC of the teacher's own click probabilities
+    # Generated data's held-out split (data.generated_held_out_rows), and its oracle AUC.
+    held_out_path: str | None = None
+    held_out_oracle_auc: float | None = None
 
 
 def _refuse_weighted(config: TrainConfig) -> None:
@@ -190,6 +193,8 @@ def source_from_config(
         path, oracle = generate(config)
         # Generated ids span the largest table; a smaller table folds them into its rows.
         config = config.replace(data=dataclasses.replace(data, id_policy="modulo"))
+        if data.generated_held_out_rows:
+            held_path, held_oracle = generate_held_out(config, path)
     source = ParquetSource(
         paths=path,
         spec=parquet_spec(
@@ -202,14 +207,18 @@ def source_from_config(
         prefetch_batches=data.prefetch_batches,
         read_mode=data.parquet_read,
     )
-    rows = generated_rows(config) if data.source == "generated" else None
-    return source, DataInfo(kind=data.source, path=path, rows_per_epoch=rows, oracle_auc=oracle)
+    info = DataInfo(kind=data.source, path=path, oracle_auc=oracle)
+    if data.source == "generated":
+        info = dataclasses.replace(info, rows_per_epoch=generated_rows(config))
+        if data.generated_held_out_rows:
+            info = dataclasses.replace(
+                info, held_out_path=held_path, held_out_oracle_auc=held_oracle
+            )
+    return source, info
 
 
 def generate(config: TrainConfig) -> tuple[str, float | None]:
     """Writes (or finds) the generated Parquet for ``config``; returns its path and oracle AUC."""
-    from raytrec.data.generate import META_FILE, write_synthetic_parquet
-
     _refuse_weighted(config)
     data, features = config.data, config.model.features
     if data.num_dense != 13 or any(f != f"cat_{i}" for i, f in enumerate(features)):
@@ -222,16 +231,34 @@ def generate(config: TrainConfig) -> tuple[str, float | None]:
         raise ConfigError(f"data.source='generated' has 26 sparse features, the model {features}")
     rows = generated_rows(config)
     num_embeddings = max(t.num_embeddings for t in config.model.tables)
-    files = min(data.generated_files, rows)
-    name = f"synthetic-{rows}rows-{files}files-{num_embeddings}ids-seed{config.seed}"
-    path = data.path or os.path.join(config.storage_path, "data", name)
+    name = f"synthetic-{rows}rows-{min(data.generated_files, rows)}files-{num_embeddings}ids"
+    path = data.path or os.path.join(config.storage_path, "data", f"{name}-seed{config.seed}")
+    return _generated(config, path, rows=rows, files=data.generated_files, shard=0)
+
+
+def generate_held_out(config: TrainConfig, train_path: str) -> tuple[str, float | None]:
+    """Writes (or finds) the held-out split of generated data (``data.generated_held_out_rows``
+    rows of the same teacher, from another row stream) beside ``train_path``."""
+    path = f"{train_path.rstrip('/')}-held_out-{config.data.generated_held_out_rows}rows"
+    return _generated(config, path, rows=config.data.generated_held_out_rows, files=2, shard=1)
+
+
+def _generated(
+    config: TrainConfig, path: str, *, rows: int, files: int, shard: int
+) -> tuple[str, float | None]:
+    """Generated rows of ``config``'s teacher at ``path``: found there, or written into a
+    temporary directory and renamed into place when complete."""
+    from raytrec.data.generate import META_FILE, write_synthetic_parquet
+
+    num_embeddings = max(t.num_embeddings for t in config.model.tables)
+    files = min(files, rows)
     meta_path = os.path.join(path, META_FILE)
     if os.path.exists(meta_path):
         with open(meta_path) as f:
             meta = json.load(f)
         want = {"rows": rows, "seed": config.seed, "num_embeddings": num_embeddings}
         have = {k: meta.get(k) for k in want}
-        if have != want:
+        if have != want or meta.get("shard", 0) != shard:
             raise ConfigError(
                 f"data.path={path!r} holds generated data for {have}, this job needs {want}; "
                 "choose another data.path or remove it"
@@ -253,6 +280,7 @@ def generate(config: TrainConfig) -> tuple[str, float | None]:
             row_groups_per_file=max(1, min(8, rows // files // 8192)),
             seed=config.seed,
             num_embeddings=num_embeddings,
+            shard=shard,
         )
         if os.path.isdir(path):
             os.rmdir(path)  # empty, checked above

@@ -112,6 +112,7 @@ def write_synthetic_parquet(
     row_groups_per_file: int,
     seed: int = 0,
     num_embeddings: int = 10_000,
+    shard: int = 0,
 ) -> GeneratedData:
     """Writes ``rows`` synthetic rows to ``files`` Parquet files of ``row_groups_per_file`` row
     groups each (sizes as even as possible, none empty) under ``out_dir``, plus ``_meta.json``.
@@ -119,6 +120,8 @@ def write_synthetic_parquet(
     Columns: ``dense_0..12`` float32, ``cat_0..25`` ``list<int64>`` (ids in
     ``[0, num_embeddings)``, lists of any length including empty), ``label`` float32, ``row_id``
     int64 (``0..rows-1`` in file order) and ``click_prob`` float32 (the teacher's probability).
+    ``shard``: which of the source's independent row streams to draw from; the teacher depends
+    on ``seed`` alone, so another shard is a held-out split of the same data.
     """
     for name, value in (
         ("rows", rows),
@@ -147,7 +150,7 @@ def write_synthetic_parquet(
             for group_rows in _split_evenly(file_rows, row_groups_per_file):
                 chunks: list[pa.Table] = []
                 for chunk_rows in _split_evenly(group_rows, -(-group_rows // _CHUNK_ROWS)):
-                    batch = source.make_batch(0, step, chunk_rows)
+                    batch = source.make_batch(shard, step, chunk_rows)
                     step += 1
                     prob = _click_prob(source.teacher_logits(batch).numpy())
                     chunks.append(batch_to_table(batch, row_id_start=row_id, click_prob=prob))
@@ -171,6 +174,7 @@ def write_synthetic_parquet(
         "files": files,
         "row_groups_per_file": row_groups_per_file,
         "seed": seed,
+        "shard": shard,
         "num_embeddings": num_embeddings,
         "oracle_auc": oracle if both_classes else None,
         "positive_rate": float(all_labels.mean(dtype=np.float64)),
