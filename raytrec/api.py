@@ -31,7 +31,6 @@ from raytrec.config import ConfigError, TrainConfig, validate_features
 from raytrec.data.from_config import (
     DataInfo,
     held_out,
-    parquet_spec,
     source_from_config,
     synthetic_source,
 )
@@ -230,8 +229,13 @@ def fit(
         plan = _plan(config, source.dense_features, model_factory)
         # The row layout the model is trained on (vocabularies included): the held-out rows
         # are read in it, and every checkpoint and final model records it.
-        features = source.spec if isinstance(source, ParquetSource) else parquet_spec(config)
-        evaluation = held_out(config, features) if config.eval.path is not None else None
+        features = source.spec if isinstance(source, ParquetSource) else None
+        evaluation = None
+        if config.eval.path is not None:
+            from raytrec.serving.spec import ModelSpec
+
+            layout = features or ModelSpec.for_config(config, source.dense_features).features
+            evaluation = held_out(config, layout)
 
         run_dir = os.path.abspath(
             os.path.join(config.storage_path, f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_job import engine_for, make_plan_for, run_gang_job
+from gloo_job import engine_for, make_plan_for, run_gang_job, run_steps
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import FileSystemReader
 from torchrec.distributed.types import ShardingPlan
@@ -216,7 +216,7 @@ def phase_spec(spec: RankSpec, name: str, store: StoreAddress, plan: ShardingPla
 
 def train(engine: RankEngine, rank: int, start_step: int, steps: int) -> list[float]:
     batches = SOURCE.split(WORLD)[rank].batches(BATCH, start_step=start_step)
-    return engine.run(batches, steps)
+    return run_steps(engine, batches, steps)
 
 
 def bad_paths(bad_root: str) -> dict[str, str]:

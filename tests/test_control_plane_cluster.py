@@ -191,7 +191,9 @@ def test_a_gang_drained_mid_epoch_gives_back_its_rows_and_none_is_lost_or_double
 ) -> None:
     rows = 2 * 12 * 32  # 2 ranks x 12 batches of 32 rows
     data_dir = f"{tmp_path}/data"
-    paths = write_synthetic_parquet(data_dir, rows=rows, files=2, row_groups_per_file=2).paths
+    paths = write_synthetic_parquet(
+        data_dir, rows=rows, files=2, row_groups_per_file=2, num_embeddings=200
+    ).paths
     for path in paths:  # dense_0 := the row's id, so the model can say which rows it trained
         table = pq.read_table(path)
         scaled = (table["row_id"].to_numpy() * ROW_SCALE).astype(np.float32)

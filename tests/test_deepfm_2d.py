@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gloo_job import engine_for, make_plan_for, run_gang_job
+from gloo_job import engine_for, make_plan_for, run_gang_job, run_steps
 from test_engine_2d import dense_params, gather_tables, load_tables, local_shards, max_diff
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -31,7 +31,7 @@ from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.rank import RankSpec
 from raytrec.model import DeepFM, build_model
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 G, L = 2, 2
 T = G * L
@@ -99,7 +99,7 @@ def worker(spec: RankSpec, *, tables: dict[str, np.ndarray]) -> dict[str, Any]:
         batches = rank_batches(spec.rank)
         out["losses"] = []
         for _ in range(STEPS):
-            out["losses"] += engine.run(batches, 1)
+            out["losses"] += run_steps(engine, batches, 1)
             out["dense"].append(dense_params(engine))
             out["shards"].append(local_shards(engine))
         logits, _ = engine.score(next(batches))

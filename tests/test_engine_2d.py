@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gloo_job import engine_for, make_plan_for, run_gang_job
+from gloo_job import engine_for, make_plan_for, run_gang_job, run_steps
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.types import ShardingPlan
@@ -166,7 +166,7 @@ def parity_run(spec: RankSpec, tables: dict[str, np.ndarray], steps: int) -> dic
         batches = rank_batches(spec.rank)
         losses = []
         for _ in range(steps):
-            losses += engine.run(batches, 1)
+            losses += run_steps(engine, batches, 1)
             out["dense"].append(dense_params(engine))
             out["shards"].append(local_shards(engine))
         out["losses"] = losses
@@ -186,15 +186,15 @@ def sync_run(spec: RankSpec) -> dict[str, dict[str, list[np.ndarray]]]:
         e.broadcast_state(src=0)
         snaps = {"init": snapshot(e)}
         batches = rank_batches(spec.rank)
-        e.run(batches, 1)  # step 1: no sync
+        run_steps(e, batches, 1)  # step 1: no sync
         snaps["step1"] = snapshot(e)
         e.train_step(next(batches))  # step 2, by hand to see the state just before the sync
         snaps["step2_pre_sync"] = snapshot(e)
         e.sync()
         snaps["step2"] = snapshot(e)
-        e.run(batches, 1)  # step 3: no sync
+        run_steps(e, batches, 1)  # step 3: no sync
         snaps["step3"] = snapshot(e)
-        e.run(batches, 1)  # step 4: run() syncs on its own
+        run_steps(e, batches, 1)  # step 4: run() syncs on its own
         snaps["step4"] = snapshot(e)
         return snaps
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from gloo_job import engine_for, make_plan_for, run_gang_job
+from gloo_job import engine_for, make_plan_for, run_gang_job, run_steps
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from raytrec.checkpoint.state import save_checkpoint
@@ -62,7 +62,7 @@ PROBE_STEP = 50  # a batch the gang never trained on
 
 def worker(spec: RankSpec, *, root: str, final: str) -> dict[str, Any]:
     with engine_for(spec) as engine:
-        engine.run(SOURCE.split(2)[spec.rank].batches(BATCH), 3)
+        run_steps(engine, SOURCE.split(2)[spec.rank].batches(BATCH), 3)
         save_checkpoint(engine, root, generation=0)
         # What RankWorker.save writes for the final model.
         dcp.save(engine.model.state_dict(), checkpoint_id=final)

@@ -60,7 +60,12 @@ def test_a_lost_host_with_every_copy_of_a_shard_is_rebuilt_from_the_checkpoint(
     paths: list[str] = []
     if source == "parquet":  # one epoch: 4 ranks x 16 batches of 32 rows, read by index
         paths = write_synthetic_parquet(
-            f"{tmp_path}/data", rows=ROWS, files=4, row_groups_per_file=2, seed=4
+            f"{tmp_path}/data",
+            rows=ROWS,
+            files=4,
+            row_groups_per_file=2,
+            seed=4,
+            num_embeddings=200,
         ).paths
         data = DataConfig(batch_size=32, source="parquet", path=f"{tmp_path}/data")
     config = TrainConfig(
