@@ -83,6 +83,7 @@ def small_job(tmp_path: str, **kw: object) -> TrainConfig:
     return TrainConfig(**base)  # type: ignore[arg-type]
 
 
+@pytest.mark.long
 def test_every_rank_hung_is_found_by_the_heartbeat_rule(cluster: Cluster, tmp_path: str) -> None:
     elastic = ElasticConfig(step_timeout_s=8, collective_timeout_s=4, poll_s=0.5)
     config = small_job(

@@ -264,6 +264,7 @@ def two_nodes() -> Iterator[Cluster]:
         yield c
 
 
+@pytest.mark.long
 def test_a_node_loss_leaves_every_row_in_the_model_once(two_nodes: Cluster, tmp_path: str) -> None:
     # Gangs of two ranks: the survivor's ranks replay the lost gang's batches round-robin, so
     # in one step one rank may train an embedding-only replay beside a full one.

@@ -75,6 +75,7 @@ def test_replicas_within_host_losing_one_rank_drops_its_gang_and_goes_on(
     assert result.lost_batches == 0
 
 
+@pytest.mark.long
 def test_losing_the_coordinator_fails_the_job_instead_of_hanging(
     local_ray: None, tmp_path: str
 ) -> None:

@@ -71,6 +71,7 @@ def small_model() -> ModelConfig:
     )
 
 
+@pytest.mark.long
 def test_dlrm_dcn_trains_with_column_wise_sharding(local_ray: None, tmp_path: str) -> None:
     from raytrec.config import ScalingConfig, ShardingConfig
 
