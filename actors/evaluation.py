@@ -23,7 +23,9 @@ class JobEvaluation:
         self.job = job
         self.shard = shard
         self.plan = plan
-        self.last_step = -1
+        # The start counts as evaluated: the first evaluation is at the first boundary at or
+        # after every_n_steps, not at the first boundary of all.
+        self.last_step = 0
         # (step, early_stopping_metric) of every evaluation, in order.
         self.scores: list[tuple[int, float | None]] = []
 

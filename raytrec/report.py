@@ -1,7 +1,8 @@
 """A PNG of a run: loss and AUC over steps, with failures and generation changes marked.
 
-Input is plain data: metrics rows (mappings with at least ``step`` and ``loss``; ``auc`` when the
-run measured it) and events, mappings ``{"step": int, "kind": str, ...}`` such as
+Input is plain data: metrics rows (mappings with at least ``step`` and ``loss``; ``auc``,
+``eval_auc`` and ``eval_log_loss`` when the run measured them) and events, mappings
+``{"step": int, "kind": str, ...}`` such as
 ``{"step": 120, "kind": "rank_died", "job_rank": 3}`` or ``{"step": 140, "kind": "generation",
 "generation": 2}`` (the elastic event log's ``to_dicts()`` rows are of this shape). Failures and
 generation changes are marked, labelled from the kind and the keys that name a rank, gang or
@@ -133,7 +134,8 @@ def build_figure(
     *,
     title: str = "",
 ) -> Any:
-    """A matplotlib Figure: loss (top) and AUC (bottom) against step, events as vertical lines."""
+    """A matplotlib Figure: loss (top) and AUC (bottom) against step, the held-out evaluations'
+    log loss and AUC beside the training ones, events as vertical lines."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(9, 6), dpi=100, layout="constrained")
@@ -142,9 +144,24 @@ def build_figure(
     loss_ax.plot(xs, ys, marker="o", markersize=3, color="tab:orange", label="loss")
     loss_ax.set_ylabel("training loss")
     xs, ys = _series(rows, "auc")
+    held_xs, held_ys = _series(rows, "eval_auc")
     if xs:
-        auc_ax.plot(xs, ys, marker="o", markersize=3, color="tab:green", label="auc")
-    else:
+        auc_ax.plot(
+            xs, ys, marker="o", markersize=3, color="tab:green", label="training (progressive)"
+        )
+    if held_xs:
+        # Held-out evaluations (TrainConfig.eval): the curve that tells overfitting apart.
+        auc_ax.plot(held_xs, held_ys, marker="s", markersize=5, color="tab:blue", label="held-out")
+        loss_ax.plot(
+            *_series(rows, "eval_log_loss"),
+            marker="s",
+            markersize=5,
+            color="tab:blue",
+            label="held-out log loss",
+        )
+        for ax in (loss_ax, auc_ax):
+            ax.legend(loc="lower right" if ax is auc_ax else "upper right", fontsize=8)
+    if not xs and not held_xs:
         auc_ax.text(0.5, 0.5, "AUC not recorded", transform=auc_ax.transAxes, ha="center")
     auc_ax.set_ylabel("AUC")
     auc_ax.set_xlabel("step")

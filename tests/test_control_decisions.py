@@ -36,7 +36,7 @@ from raytrec.elastic.heal import failed_heals, replicas_disagree
 from raytrec.elastic.membership import Membership
 from raytrec.elastic.policy import PAST_TIMEOUT_S, next_hang_check
 from raytrec.errors import ConfigError
-from raytrec.evaluation import early_stop_decision
+from raytrec.evaluation import early_stop_decision, eval_due
 from raytrec.topology import Topology
 
 
@@ -218,3 +218,14 @@ def test_early_stopping_needs_periodic_evaluations() -> None:
         EvalConfig(early_stopping_patience=2)
     with pytest.raises(ConfigError, match=r"eval\.early_stopping_metric='auc' is not one of"):
         EvalConfig(every_n_steps=4, early_stopping_patience=2, early_stopping_metric="auc")  # type: ignore[arg-type]
+
+
+def test_evaluations_fall_at_each_multiple_and_at_the_end() -> None:
+    steps, last = [], 0  # the start counts as evaluated
+    for step in range(25, 1001, 25):
+        if eval_due(step, every=200, last_eval_step=last, end_step=1000):
+            steps.append(step)
+            last = step
+    assert steps == [200, 400, 600, 800, 1000]
+    assert eval_due(30, every=None, last_eval_step=0, end_step=30)
+    assert not eval_due(30, every=None, last_eval_step=30, end_step=30)  # never twice
