@@ -896,9 +896,10 @@ class TrainConfig:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     faults: FaultConfig = dataclasses.field(default_factory=FaultConfig)  # injected, for tests
     stragglers: StragglerSpec | None = None  # injected stalls, for straggler experiments
-    #: Steps every rank trains; None: every batch of data.epochs passes over Parquet data
-    #: (data.source "parquet" or "generated"), worked out from the files before training.
-    num_steps: int | None = 200
+    #: Steps every rank trains; None (the default): every batch of data.epochs passes over
+    #: Parquet data (data.source "parquet" or "generated"), worked out from the files before
+    #: training. The endless synthetic source needs it set.
+    num_steps: int | None = None
     log_every: int = 20
     #: Seeds the dense and embedding initialisation and generated data: two CPU runs with
     #: the same seed, config and shape end with bitwise-identical weights.

@@ -210,7 +210,7 @@ def test_list_overrides_by_index_every_entry_and_from_the_end() -> None:
         ("model.tables[26].name=x", r"model.tables\[26\] is out of range: model.tables has 26"),
         ("model.tables.name=x", r"model.tables is a list: use model.tables\[i\] or"),
         ("scaling[0]=x", r"scaling is a mapping, not a list"),
-        ("num_steps.x=1", r"num_steps is not a mapping \(its type: int\); it has no key 'x'"),
+        ("log_every.x=1", r"log_every is not a mapping \(its type: int\); it has no key 'x'"),
         ("model.tables[0].nmae=x", r"unknown key 'model.tables\[0\].nmae' \(did you mean "),
         ("scaling..x=1", r"bad key 'scaling..x'"),
     ],
