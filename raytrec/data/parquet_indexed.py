@@ -25,6 +25,11 @@ two row groups, so two blocks), drops and counts rows marked as bad, and convert
 rows in the rank's own process (a pipeline's start-up would cost more than one batch), so a
 replayed batch is bitwise the batch first read, and bad input in it is named the same way.
 
+A new pipeline delivers nothing for seconds while its first read task starts (a new worker
+imports torch); until then the stream's first rows are read in the rank's own process with the
+same functions (:mod:`raytrec.data.handover`), so a rank given a new stream at a loss or a join
+trains at once.
+
 A batch all of whose rows were skipped as bad (``on_bad_rows="skip"``) stops the stream with a
 :class:`~raytrec.data.arrow_kjt.BadInputError`: its step cannot train on no rows (the mean loss
 would be NaN), and leaving the step out would shift every later batch's id.
@@ -48,6 +53,7 @@ from ray.data import ReadTask
 from ray.data.block import BlockMetadata
 
 from raytrec.data.arrow_kjt import BadInputError, OnBadRows, to_batch
+from raytrec.data.handover import read_while_starting
 from raytrec.data.parquet_gather import Gather
 from raytrec.data.parquet_plan import (
     BatchPlan,
@@ -262,13 +268,20 @@ class IndexedParquetShard(BatchShard):
         if start_step >= length:
             return iter(())
         pieces = plan.stream_reads(stream, start_step, length)
+        columns = self.source_spec.required_columns()
+        in_process = (
+            self._preprocess(table)
+            for piece in pieces
+            for table in read(self.filesystem, piece, columns)
+        )
         if self.in_process:
-            columns = self.source_spec.required_columns()
-            return (
-                self._preprocess(table)
-                for piece in pieces
-                for table in read(self.filesystem, piece, columns)
-            )
+            return in_process
+        # The first rows in this process until the pipeline delivers (a new pipeline takes
+        # seconds to start): a rank given a new stream at a loss or a join trains at once.
+        return read_while_starting(in_process, functools.partial(self._ray_pipeline, pieces))
+
+    def _ray_pipeline(self, pieces: list[Read]) -> Iterator[pa.Table]:
+        """The preprocessed blocks of ``pieces``, in order, read by a Ray Data pipeline."""
         source = _PieceSource(pieces, self.filesystem, self.source_spec.required_columns())
         # The same task pool for both stages: Ray Data then fuses them into one task per piece,
         # so no block crosses the object store in between.
