@@ -7,10 +7,11 @@
 Starts a cluster of ``ray start`` processes on 127.0.0.1 (``raytrec.local_cluster``): a head
 node with no CPUs (the job's driver and coordinator) and ``--nodes`` worker nodes of one gang
 each, every node with its own ports, temporary directory and process session. Submits
-``python -m jobs.train`` with ``ray job submit`` (2 gangs x 2 ranks, synthetic data, a
-checkpoint every 50 steps) and, following the steps in the run directory's ``metrics.jsonl``,
-carries out its schedule: a **rank kill** SIGKILLs one ``ray::RankWorker`` process (its gang is
-dropped; the freed CPUs take a new gang, which joins), a **node loss** SIGKILLs a worker node's
+``python -m jobs.train`` with ``ray job submit`` (2 gangs x 2 ranks, synthetic data or with
+``--data parquet`` Parquet read by index, a checkpoint every 50 steps) and, following the steps
+in the run directory's ``metrics.jsonl``, carries out its schedule: a **rank kill** SIGKILLs one
+``ray::RankWorker`` process (its gang is dropped; the freed CPUs take a new gang, which joins),
+a **node loss** SIGKILLs a worker node's
 raylet (then ends what the node left) and, unless it is the last fault, starts a replacement
 node, whose new gang joins. A fault waits until both gangs have been training for two
 intervals. Everything ends by itself: the job runs ``--steps`` steps; the cluster is stopped
@@ -68,7 +69,11 @@ from raytrec.local_cluster import (
 )
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-BEGIN, END = "<!-- chaos:begin -->", "<!-- chaos:end -->"
+#: The docs block of each kind of data.
+MARKERS = {
+    "synthetic": ("<!-- chaos:begin -->", "<!-- chaos:end -->"),
+    "parquet": ("<!-- chaos-parquet:begin -->", "<!-- chaos-parquet:end -->"),
+}
 HEADING = "## Chaos: node and rank losses on a local cluster"
 #: The full run and the short one (the cluster test's): faults in order.
 SCHEDULES = {
@@ -76,6 +81,8 @@ SCHEDULES = {
     "short": ("rank", "node"),
 }
 STALL_TARGETS = {"loss": 3.0, "join": 1.0}
+#: examples/configs/local_cpu.yaml's batch size, and the passes over the rows with --data parquet.
+BATCH_SIZE, EPOCHS = 128, 4
 
 
 @dataclasses.dataclass
@@ -155,6 +162,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "--set", f"elastic.collective_timeout_s={a.collective_timeout_s}",
             "--set", f"elastic.step_timeout_s={2 * a.collective_timeout_s}",
         ]  # fmt: skip
+        if a.data == "parquet":
+            # Parquet written once by the job (the synthetic teacher's rows), read by index in
+            # EPOCHS passes: a loss or a join shares the rows left again, and every rank then
+            # reads a new stream through a new Ray Data pipeline.
+            rows = -(-a.steps * 2 * a.gang_size * BATCH_SIZE // EPOCHS)
+            entrypoint += ["--set", "data.source=generated", "--set", f"data.generated_rows={rows}"]
+            entrypoint += ["--set", f"data.epochs={EPOCHS}"]
         cluster.submit(job, *entrypoint, cwd=str(REPO), runtime_env="examples/runtime_env.yaml")
         run_dir = RunDir(storage)
         state = drive(a, cluster, job, run_dir, schedule, faults, started)
@@ -338,6 +352,12 @@ def medians(report: dict[str, Any]) -> dict[str, float | None]:
     return out
 
 
+DATA = {
+    "synthetic": "synthetic data",
+    "parquet": f"Parquet read by index through Ray Data ({EPOCHS} epochs)",
+}
+
+
 def describe(a: argparse.Namespace, out: dict[str, Any], report: dict[str, Any]) -> str:
     final = report["final"] or {}
     med = medians(report)
@@ -358,7 +378,7 @@ def describe(a: argparse.Namespace, out: dict[str, Any], report: dict[str, Any])
             f"    .venv/bin/python benchmarks/chaos.py {argv}".rstrip(),
             "",
             f"- Cluster: `ray start` head (0 CPUs) + {a.nodes} worker nodes of {a.gang_size} "
-            f"CPUs on 127.0.0.1; job: 2 gangs x {a.gang_size} ranks, synthetic data, "
+            f"CPUs on 127.0.0.1; job: 2 gangs x {a.gang_size} ranks, {DATA[a.data]}, "
             f"`examples/configs/local_cpu.yaml`, {a.steps} steps, `log_every={a.log_every}`, "
             f"a checkpoint every 50 steps; normal pace {report['step_s']:.3f} s/step.",
             f"- Job {out['state'].lower()}; rows lost: {report['lost']} batches, doubled: "
@@ -376,6 +396,12 @@ def describe(a: argparse.Namespace, out: dict[str, Any], report: dict[str, Any])
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--short", dest="schedule", action="store_const", const="short", default="full")
+    p.add_argument(
+        "--data",
+        choices=("synthetic", "parquet"),
+        default="synthetic",
+        help="rows made in each rank, or Parquet read by index through Ray Data",
+    )
     p.add_argument("--nodes", type=int, default=2, help="worker nodes at the start")
     p.add_argument("--gang-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="default: 14000, 3500 with --short")
@@ -404,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         a.__dict__.update(out["args"])
     else:
         out = run(a)
-        out["args"] = {k: getattr(a, k) for k in ("nodes", "gang_size", "steps", "log_every")}
+        keys = ("nodes", "gang_size", "steps", "log_every", "data")
+        out["args"] = {k: getattr(a, k) for k in keys}
         out["args"] |= {"command": " ".join(sys.argv[1:])}
     report = analyse(out) if out["rows"] else {"marks": []}
     if a.json:
@@ -415,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     text = describe(a, out, report)
     print(text)
     if a.write:
-        replace_block(a.write, text, begin=BEGIN, end=END, heading=HEADING)
+        begin, end = MARKERS[a.data]
+        replace_block(a.write, text, begin=begin, end=end, heading=HEADING)
     return 0 if out["state"] == "SUCCEEDED" else 1
 
 

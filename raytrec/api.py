@@ -26,7 +26,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raytrec._quiet import quiet_known_warnings
 from raytrec.capacity import NodeShape, capacity_refusal
 from raytrec.checkpoint.config import CheckpointConfig
-from raytrec.cluster import COORDINATOR_PREFIX, cluster_shapes, connect, resolve_storage_path
+from raytrec.cluster import (
+    COORDINATOR_PREFIX,
+    cluster_shapes,
+    connect,
+    pin_ray_data_helpers,
+    resolve_storage_path,
+)
 from raytrec.config import ConfigError, TrainConfig, validate_features
 from raytrec.data.from_config import (
     DataInfo,
@@ -206,6 +212,8 @@ def fit(
             else config.data.source in ("parquet", "generated")
         )
         check_capacity(config, cluster_shapes(), ray_data=ray_data)
+        if ray_data or config.eval.path is not None:  # the ranks will run Ray Data pipelines
+            pin_ray_data_helpers()
         info = DataInfo(kind="custom")
         if source is None:
             source, info = source_from_config(config, _vocabularies_of(resume))

@@ -25,6 +25,7 @@ __all__ = [
     "cluster_shapes",
     "connect",
     "pin_collectives_to",
+    "pin_ray_data_helpers",
     "resolve_storage_path",
 ]
 
@@ -90,6 +91,28 @@ def pin_collectives_to(address: str) -> str | None:
 
 #: Where a relative ``storage_path`` goes for a job sent with ``ray job submit``.
 SUBMITTED_RESULTS = "~/raytrec_results"
+
+
+def pin_ray_data_helpers() -> None:
+    """Creates Ray Data's per-cluster helper actors from this process, so that they live on its
+    node (the driver's, which lives as long as the job).
+
+    The first pipeline run anywhere in a cluster creates Ray Data's detached helper actors (its
+    stats actor and its autoscaling coordinator) pinned to the node of the process that ran it.
+    Left to the ranks, that is a worker node; once it is lost, every later pipeline's calls to
+    them fail (``ActorUnschedulableError``, ``KeyError: dataset_...``) and Ray Data logs a
+    traceback for each. Ray has no public call that creates them; these are Ray Data's own
+    getters (Ray's version is pinned in requirements/base.lock), skipped if they moved.
+    """
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+        from ray.data._internal.stats import get_or_create_stats_actor
+    except ImportError:  # another Ray: its pipelines create them where they first run
+        return
+    get_or_create_stats_actor()
+    get_or_create_autoscaling_coordinator()
 
 
 def resolve_storage_path(path: str, environ: Mapping[str, str] | None = None) -> str:

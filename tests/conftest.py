@@ -9,6 +9,8 @@ so it starts once per session.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -32,6 +34,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: "local_ray" not in getattr(item, "fixturenames", ()))
 
 
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if ray.is_initialized():
         ray.shutdown()
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Ends the process with pytest's exit status once every report is written, without the
+    interpreter's teardown. The test process holds Ray's core worker, Ray Data's executor threads
+    and torch's thread pools; their native teardown at interpreter exit crashed now and then
+    (SIGSEGV after the summary line, so a green run exited 139)."""
+    status = config.stash.get(_EXIT_STATUS, None)
+    if status is None:  # no session ran (--help, --version)
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
