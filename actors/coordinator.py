@@ -396,8 +396,18 @@ class Coordinator:
                     return EarlyStopped(early)  # nothing is queued after an evaluation
             going_on = stop is None or self._ready >= min(every, self.end_step - self.step)
             if not inflight and going_on and self.step < self.end_step:
-                self.checkpoints.maybe_save()
+                self._checkpoint()
         return stopped_by
+
+    def _checkpoint(self) -> None:
+        """Saves a checkpoint when one is due here; a rank lost during its sync or its save is
+        recovered from as anywhere else, and the checkpoint waits for the next boundary where
+        one is due."""
+        try:
+            self.checkpoints.maybe_save()
+        except RankCallError as e:
+            self.recovery.recover_until_stable(self.recovery.probe(e))
+            self._ready = 0  # recovery may have re-opened the ranks' feeds
 
     def _top_up(self, inflight: deque[Dispatched], step: int) -> None:
         """Queues the intervals :func:`~raytrec.elastic.control.intervals_to_queue` allows

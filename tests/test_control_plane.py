@@ -252,6 +252,24 @@ def test_a_total_loss_is_rebuilt_from_the_last_checkpoint(tmp_path: Any) -> None
     assert sorted(summary.digests) == list(range(6, 12))
 
 
+@pytest.mark.parametrize(("call", "every"), [("sync", 6), ("save_checkpoint", 4)])
+def test_a_rank_lost_while_a_checkpoint_is_saved_is_recovered_from(
+    tmp_path: Any, call: str, every: int
+) -> None:
+    # Rank 1 (of gang 0, the writer) dies in the job-wide sync before the save (due at step 6,
+    # between two syncs of the schedule), or in the save itself (at step 4).
+    ckpt = CheckpointConfig(every_n_steps=every)
+    j = job(tmp_path, RankDies(rank=1, on=call), checkpoint=ckpt)
+    summary = j.run()
+    assert summary.steps == 16 and gangs_of(summary) == [1, 2]
+    [died] = events(summary, "rank_died")
+    assert died["job_rank"] == 1 and died["step"] == every
+    # That save was lost with the rank; the next ones come from gang 1, the new writer.
+    saved = [e["step"] for e in events(summary, "checkpoint_saved")]
+    assert saved and saved[0] > every
+    assert_exactly_once(summary, j.group)
+
+
 def test_a_total_loss_without_a_checkpoint_fails_clearly(tmp_path: Any) -> None:
     j = job(tmp_path, *EVERY_GANG)
     with pytest.raises(JobFailedError, match="cannot go on without a checkpoint, and none is"):
