@@ -1,6 +1,6 @@
 """AUC against the oracle, and data wait: one run of the main job's default configuration.
 
-    ./dev.sh bench auc_vs_oracle [--set KEY=VALUE ...] [--storage-path DIR] [--no-doc]
+    .venv/bin/python -m benchmarks.auc_vs_oracle [--set KEY=VALUE ...] [--write docs/benchmarks.md]
 
 Trains exactly what ``python -m jobs.train`` trains with no arguments (``jobs.train.build_config``:
 the config classes' defaults under the job's ``JOB_DEFAULTS``), with run directories and the
@@ -20,88 +20,36 @@ generated data in a temporary directory, and reports:
   effects, so the best logistic fit on the exact per-id effects, pooled by sum and by mean, gives
   the AUC ceiling of either pooling on this data.
 
-``--set`` takes the job's own override syntax, for trying a change before it becomes a default;
-the command, with any overrides, is written next to the numbers into ``docs/benchmarks.md``
-(only this script's section is replaced).
+``--set`` takes the job's own override syntax, for trying a change before it becomes a default.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import glob
 import math
 import os
-import platform
-import shlex
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-if str(ROOT) not in sys.path:  # run as a script from anywhere: jobs/ and raytrec/ live here
-    sys.path.insert(0, str(ROOT))
+from benchmarks.common import add_write_arg, drop_options, header, replace_block
+from jobs.train import build_config
+from raytrec.config import TrainConfig
+from raytrec.data.generate import auc
+from raytrec.data.synthetic import SyntheticCriteo
+from raytrec.metrics import IntervalMetrics
+from raytrec.model import ModelFactory, build_dlrm
 
-from _docs import replace_section  # noqa: E402  (benchmarks/, the script's folder)
-
-from jobs.train import build_config  # noqa: E402
-from raytrec.config import TrainConfig  # noqa: E402
-from raytrec.data.generate import auc  # noqa: E402
-from raytrec.data.synthetic import SyntheticCriteo  # noqa: E402
-from raytrec.metrics import IntervalMetrics  # noqa: E402
-from raytrec.model import ModelFactory, build_dlrm  # noqa: E402
-
-DOC = ROOT / "docs" / "benchmarks.md"
-SECTION = "## AUC against the oracle, and data wait"
 TARGET_RATIO = 0.97
 TARGET_WAIT = 0.05
 CEILING_ROWS = 100_000
-
-# Other configurations, one run each of this script's measurement (``--set`` on top of the job
-# defaults of the time, 4 ranks = 2 gangs x 2, batch 256, dim 16, row-wise Adagrad, one pass),
-# kept here as the record of how the defaults were chosen.
-NOTES = """\
-How the defaults were chosen (2026-11-22, one run each on this machine, 4 ranks as 2 gangs x 2,
-256 rows per rank per step, dim 16, row-wise Adagrad, one pass; "tail" is the mean of the last
-3 intervals for the sum-pooled runs and of the last 4 for the mean-pooled ones):
-
-| pooling | arch | ids per table | embedding lr | steps | final / oracle | tail / oracle |
-|---|---|---:|---:|---:|---:|---:|
-| sum | dlrm | 10,000 | 0.2 | 600 | 0.917 | 0.915 |
-| sum | dlrm | 2,000 | 0.1 | 600 | 0.932 | 0.933 |
-| sum | dlrm | 1,000 | 0.1 | 600 | 0.938 | 0.940 |
-| sum | dlrm | 500 | 0.1 | 600 | 0.944 | 0.948 |
-| sum | dlrm_dcn | 500 | 0.1 | 600 | 0.948 | 0.949 |
-| mean | dlrm | 1,000 | 0.1 | 600 | 0.962 | 0.968 |
-| mean | dlrm | 500 | 0.2 | 600 | 0.976 | 0.972 |
-| mean | dlrm | 500 | 0.1 | 600 | 0.975 | 0.976 |
-| mean | dlrm | 500 | 0.1 (dense lr 0.1) | 600 | 0.970 | 0.973 |
-| mean | dlrm | 500 | 0.05 | 600 | 0.981 | 0.976 |
-| mean | dlrm | 250 | 0.1 | 600 | 0.986 | 0.980 |
-| mean | dlrm | 500 | 0.1 | 1,000 (3 runs) | 0.987, 0.979, 0.979 | 0.988, 0.985, 0.982 |
-
-- Sum pooling is held under the ceiling above: no size, learning rate or architecture (DCN
-  included) got past 0.95. Mean pooling matches how the data's labels are made; then what
-  limits the AUC is how many rows each id is seen in: fewer ids per table or more steps raise
-  it. A learner of the teacher's own form (a per-id effect and a linear dense part, plain
-  Adagrad, one process) reached 0.981 (500 ids) and 0.967 (2,000 ids) on the last tenth of one
-  pass of 600 steps' rows.
-- 1,000 steps instead of 600 buys a margin over the target larger than an interval's noise
-  (above), for 51-60 s of training instead of 35-65 s (the spread is other jobs' load). Between
-  0.05 and 0.2 the embedding learning rate moved the result less than that noise.
-- The mean data wait after the first interval stayed at or below 0.1% of rank time in every run
-  above; single intervals reached a few percent while other jobs loaded the machine. Ray Data's
-  read-ahead keeps up with 4 CPU ranks on 2 cores; the first batch arrives 15-70 s after the
-  start depending on how busy the machine is (Ray Data's start, the first file's read).
-"""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -326,106 +274,50 @@ def describe(config: TrainConfig, pooling: str) -> list[str]:
 
 
 def render(
-    *,
     config: TrainConfig,
-    summary: Summary,
+    s: Summary,
     history: Sequence[IntervalMetrics],
-    pooling: str,
     noise: tuple[float, float, int] | None,
     ceiling: dict[str, float] | None,
-    factory: str | None,
-    overrides: Sequence[str],
-    command: str,
-    when: str,
-    machine: str,
-) -> str:
-    s = summary
-    ok_auc = "meets" if s.final_ratio >= TARGET_RATIO else "misses"
-    ok_wait = "meets" if s.wait_max < TARGET_WAIT else "misses"
+) -> list[str]:
+    """The verdicts, then one row per interval (markdown)."""
     interval_rows = config.log_every * config.scaling.world_size * config.data.batch_size
-    table = [
+    lines = [
+        f"- **Final AUC {s.final_auc:.4f} against the oracle's {s.oracle_auc:.4f}: "
+        f"{s.final_ratio:.3f}** (target >= {TARGET_RATIO}); mean of the last {s.tail} intervals "
+        f"{s.tail_auc:.4f} = {s.tail_ratio:.3f} of the oracle.",
+        f"- **Data wait: at most {s.wait_max:.1%} of rank time in any interval after the first, "
+        f"{s.wait_mean:.1%} on average** (target < {TARGET_WAIT:.0%}); {s.first_interval_wait:.1%} "
+        f"in the first interval. Start-up until every rank held its first batch: "
+        f"{s.first_batch_s:.1f} s.",
+        f"- Throughput {s.samples_per_s:,.0f} rows/s (intervals after the first); training "
+        f"{s.train_s:.0f} s, the whole `fit()` {s.wall_s:.0f} s including start-up and writing "
+        "the data.",
+    ]
+    if noise is not None:
+        lines.append(
+            f"- Sampling noise of one interval: the oracle's own AUC over {noise[2]} disjoint "
+            f"chunks of {interval_rows:,} rows of this data is {noise[0]:.4f} +- {noise[1]:.4f} "
+            f"(std), i.e. +- {noise[1] / s.oracle_auc:.3f} in the ratio."
+        )
+    if ceiling is not None:
+        lines.append(
+            "- What pooling allows: handed the teacher's exact per-id effects, the best logistic "
+            f"fit on the dense features plus sum-pooled lists reaches {ceiling['sum']:.3f} of the "
+            f"oracle AUC ({CEILING_ROWS:,} rows), on mean-pooled lists {ceiling['mean']:.3f}."
+        )
+    lines += [
+        "",
         "| step | AUC | AUC / oracle | NE | data wait | rows/s |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for m in history:
-        a = m.auc if m.auc is not None else math.nan
-        ne = m.ne if m.ne is not None else math.nan
-        table.append(
+        a, ne = m.auc if m.auc is not None else math.nan, m.ne if m.ne is not None else math.nan
+        lines.append(
             f"| {m.step} | {a:.4f} | {a / s.oracle_auc:.3f} | {ne:.3f} | "
             f"{m.data_wait_fraction:.1%} | {m.samples_per_s:,.0f} |"
         )
-    noise_line = (
-        f"- Sampling noise of one interval: the oracle's own AUC over {noise[2]} disjoint chunks "
-        f"of {interval_rows:,} rows of this data is {noise[0]:.4f} +- {noise[1]:.4f} (std), i.e. "
-        f"+- {noise[1] / s.oracle_auc:.3f} in the ratio; the mean of the last {s.tail} intervals "
-        "is the steadier figure."
-        if noise is not None
-        else "- Sampling noise of one interval: not measured (no generated Parquet to read)."
-    )
-    ceiling_line = (
-        "- What pooling allows: the teacher scores each id list by the mean of its ids' effects. "
-        "Handed the teacher's exact per-id effects, the best logistic fit on the dense features "
-        f"plus sum-pooled lists reaches {ceiling['sum']:.3f} of the oracle AUC "
-        f"({CEILING_ROWS:,} rows of this data), on mean-pooled lists {ceiling['mean']:.3f}: a "
-        "sum-pooled model stays at or below the target however well it learns, a mean-pooled "
-        "one is limited only by how well it learns the effects from the rows it sees."
-        if ceiling is not None
-        else ""
-    )
-    intro = (
-        "One run of the main job's default configuration (`jobs.train.build_config`), the same "
-        "as `python -m jobs.train` with no arguments except that run directories and the "
-        "generated data go to a temporary directory:"
-        if not overrides
-        else "One run of the main job's configuration (`jobs.train.build_config`) with "
-        f"{', '.join(f'`{o}`' for o in overrides)} on top of its defaults, run directories and "
-        "the generated data in a temporary directory:"
-    )
-    factory_line = (
-        [f"- Model built by `{factory}` instead of `raytrec.model.build_dlrm`."] if factory else []
-    )
-    return "\n".join(
-        [
-            SECTION,
-            "",
-            f"Command: `{command}`, run on {when} on {machine}.",
-            "",
-            intro,
-            "",
-            *describe(config, pooling),
-            *factory_line,
-            "",
-            f"- **Final AUC {s.final_auc:.4f} against the oracle's {s.oracle_auc:.4f}: "
-            f"{s.final_ratio:.3f}** ({ok_auc} the >= {TARGET_RATIO} target); mean of the last "
-            f"{s.tail} intervals {s.tail_auc:.4f} = {s.tail_ratio:.3f} of the oracle.",
-            f"- **Data wait: at most {s.wait_max:.1%} of rank time in any interval after the "
-            f"first, {s.wait_mean:.1%} on average** ({ok_wait} the < {TARGET_WAIT:.0%} target); "
-            f"{s.first_interval_wait:.1%} in the first interval. Start-up until every rank held "
-            f"its first batch: {s.first_batch_s:.1f} s.",
-            f"- Throughput {s.samples_per_s:,.0f} rows/s (intervals after the first); training "
-            f"{s.train_s:.0f} s, the whole `fit()` {s.wall_s:.0f} s including start-up and "
-            "writing the data.",
-            noise_line,
-            *([ceiling_line] if ceiling_line else []),
-            "",
-            *table,
-            "",
-            NOTES,
-        ]
-    )
-
-
-def machine() -> str:
-    import ray
-    import torch
-    import torchrec
-
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (
-        f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}, load average "
-        f"{load} at the end, shared with other jobs), torch {torch.__version__}, torchrec "
-        f"{torchrec.__version__}, ray {ray.__version__}"
-    )
+    return lines
 
 
 def run(
@@ -442,13 +334,13 @@ def run(
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a job config override on top of the defaults (as python -m jobs.train --set)",
+        help="a job config override on top of the defaults (as jobs.train --set)",
     )
     p.add_argument("--storage-path", help="where runs and data go (default: a temporary dir)")
     p.add_argument("--tail", type=int, default=4, help="intervals averaged for the tail AUC")
-    p.add_argument("--no-doc", action="store_true", help=f"do not update {DOC.name}")
+    add_write_arg(p, "docs/benchmarks.md")
     a = p.parse_args(argv)
-    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="raytrec-auc-") as tmp:
         job_argv = ["--storage-path", a.storage_path or tmp]
         for kv in a.overrides:
@@ -456,50 +348,42 @@ def run(
         config = build_config(job_argv)
         pooling = pooling_of(config, model_factory)
         print("\n".join(describe(config, pooling)), flush=True)
-        started = time.perf_counter()
         result = fit(config, model_factory=model_factory)
-        wall_s = time.perf_counter() - started
         if result.oracle_auc is None:
-            raise SystemExit(
-                f"auc_vs_oracle: data.source={config.data.source!r} records no oracle AUC; "
-                "only data.source='generated' does (try --set data.source=generated)"
-            )
+            raise SystemExit("auc_vs_oracle: only data.source='generated' records an oracle AUC")
         summary = summarize(
             result.history,
             oracle_auc=result.oracle_auc,
             first_batch_s=result.first_batch_s,
-            wall_s=wall_s,
+            wall_s=time.perf_counter() - started,
             tail=a.tail,
         )
+        path = str(result.data.path)
         interval_rows = config.log_every * config.scaling.world_size * config.data.batch_size
-        generated = bool(result.data.path) and os.path.isdir(str(result.data.path))
-        noise = oracle_noise(str(result.data.path), interval_rows) if generated else None
+        generated = bool(result.data.path) and os.path.isdir(path)
+        noise = oracle_noise(path, interval_rows) if generated else None
         teacher = SyntheticCriteo(
             seed=config.seed, num_embeddings=max(t.num_embeddings for t in config.model.tables)
         )
         ceiling = (
-            pooling_ceiling(str(result.data.path), teacher, CEILING_ROWS)
+            pooling_ceiling(path, teacher, CEILING_ROWS)
             if generated and config.data.source == "generated"
             else None
         )
-    command = shlex.join(["./dev.sh", "bench", "auc_vs_oracle", *argv])
-    text = render(
-        config=config,
-        summary=summary,
-        history=result.history,
-        pooling=pooling,
-        noise=noise,
-        ceiling=ceiling,
-        factory=None if model_factory is build_dlrm else model_factory.__qualname__,
-        overrides=a.overrides,
-        command=command,
-        when=when,
-        machine=machine(),
+    factory = (
+        [] if model_factory is build_dlrm else [f"- Model built by `{model_factory.__qualname__}`."]
     )
-    print(text, flush=True)
-    if not a.no_doc:
-        replace_section(DOC, text, heading=SECTION)
-        print(f"updated {SECTION!r} in {DOC.relative_to(ROOT)}")
+    block = "\n".join(
+        [
+            header("auc_vs_oracle", drop_options(argv, "--write"), started),
+            *describe(config, pooling),
+            *factory,
+            *render(config, summary, result.history, noise, ceiling),
+        ]
+    )
+    print(block, flush=True)
+    if a.write:
+        replace_block(a.write, block, name="auc-vs-oracle", heading="## AUC against the oracle")
     return {"summary": summary, "noise": noise, "ceiling": ceiling, "config": config}
 
 

@@ -26,7 +26,7 @@ the decision value:
 Per interval: the coordinator's CPU time (``time.process_time``, less the fake's) between two
 history rows. Run::
 
-    .venv/bin/python benchmarks/control_plane_scale.py --write docs/benchmarks.md
+    .venv/bin/python -m benchmarks.control_plane_scale --write docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -34,24 +34,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import gc
 import itertools
-import os
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
-
-from _docs import replace_section  # benchmarks/, the script's own folder
 
 import actors.coordinator
 import actors.drain
 import actors.growth
 import actors.recovery
+from benchmarks.common import add_write_arg, drop_options, header, replace_block
 from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.drain import request_drain
@@ -67,9 +63,6 @@ from raytrec.elastic.fake_faults import (
     RankHangs,
 )
 
-HERE = Path(__file__).resolve().parent
-SECTION = "## Control plane at scale, without Ray"
-COMMAND = ".venv/bin/python benchmarks/control_plane_scale.py --write docs/benchmarks.md"
 SHAPES = ((1024, 4), (4096, 4), (1024, 16), (4096, 16))  # (ranks, gang size)
 EVENTS = ("loss", "heartbeat check", "heal", "drain")
 
@@ -287,54 +280,28 @@ def table(runs: list[Run]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", type=Path, help="the docs page to put the table in")
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="*", help="only these sizes")
+    add_write_arg(parser, "docs/benchmarks.md")
     a = parser.parse_args(argv)
     started = time.perf_counter()
     runs = []
     for ranks, g in SHAPES:
         if a.ranks and ranks not in a.ranks:
             continue
-        run = run_one(ranks, g)
-        runs.append(run)
+        runs.append(run := run_one(ranks, g))
         print(
             f"{ranks} ranks, gangs of {g}: {run.wall_s:.1f} s wall, coordinator CPU "
-            f"{run.cpu_s:.2f} s, fake {run.fake_cpu_s:.2f} s; generation {run.generation}; "
-            f"events {run.events}",
+            f"{run.cpu_s:.2f} s, fake {run.fake_cpu_s:.2f} s; events {run.events}",
             flush=True,
         )
-    text = table(runs)
-    big = [r for r in runs if r.ranks == 4096]
-    if big:
-        cpu = max(v for r in big for values in r.decisions.values() for v in values)
-        wall = max(v for r in big for values in r.decisions_wall.values() for v in values)
-        text += (
-            f"\n\nAt 4,096 ranks the slowest decision took {cpu:.0f} ms of CPU and {wall:.0f} ms "
-            f"of wall time (1-minute load average {os.getloadavg()[0]:.1f} on 2 cores at the end)."
-        )
-    print(text)
+    block = (
+        f"{header('control_plane_scale', drop_options(argv, '--write'), started)}\n{table(runs)}"
+    )
+    print(block)
     if a.write:
-        date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
-        section = f"""{SECTION}
-
-Measured by `benchmarks/control_plane_scale.py` on {date} (2-core CPU VM, whole run
-{time.perf_counter() - started:.0f} s):
-
-    {COMMAND}
-
-The real coordinator over the in-process fake worker group (no Ray), through a storm of losses,
-a hang, a transient failure, heals and drains in 40 steps. Decision times are the coordinator's
-CPU time in ms, median / max, from the observation to the decision value (the module docstring
-says which); the slowest one is also given in wall time, which on this shared machine includes
-waiting for a core. CPU per interval: the coordinator's own, median / max, recoveries and joins
-included. Goal: every decision under 50 ms at 4,096 ranks, costs growing no faster than the
-number of ranks (4x from 1,024 to 4,096).
-
-{text}
-"""
-        replace_section(a.write, section, heading=SECTION)
-        print(f"wrote {a.write}")
+        replace_block(a.write, block, name="control-plane-scale", heading="## Control plane")
     return 0
 
 
