@@ -2,25 +2,11 @@
 
     .venv/bin/python -m benchmarks.auc_vs_oracle [--set KEY=VALUE ...] [--write docs/benchmarks.md]
 
-Trains exactly what ``python -m jobs.train`` trains with no arguments (``jobs.train.build_config``:
-the config classes' defaults under the job's ``JOB_DEFAULTS``), with run directories and the
-generated data in a temporary directory, and reports:
-
-* the final AUC (``Result.final_auc``: the last interval's progressive-validation AUC, i.e. each
-  batch scored before the model trains on it) and the mean over the last ``--tail`` intervals,
-  each against the oracle AUC (the teacher's own click probabilities on the same data) and as a
-  ratio; target >= 0.97. On one pass over the data this AUC is out of sample; from the second
-  epoch on it is not, and the report says so.
-* how large an interval's sampling noise is: the spread of the oracle's own AUC over disjoint
-  chunks of the generated data as large as one interval.
-* the share of rank time spent waiting for data in each interval after the first (max and
-  mean; target < 5%), and the start-up time until every rank held its first batch.
-* rows trained per second and the wall time (start-up included).
-* what the model's pooling allows at best: the teacher scores an id list by the mean of its ids'
-  effects, so the best logistic fit on the exact per-id effects, pooled by sum and by mean, gives
-  the AUC ceiling of either pooling on this data.
-
-``--set`` takes the job's own override syntax, for trying a change before it becomes a default.
+Trains what ``python -m jobs.train`` trains with no arguments (``--set`` adds the job's own
+overrides), data and runs in a temporary directory, and reports the final progressive-validation
+AUC and the mean of the last ``--tail`` intervals against the oracle's (the teacher's own click
+probabilities), the spread of the oracle's AUC over chunks as large as an interval (sampling
+noise), the share of rank time spent waiting for data, and rows trained per second.
 """
 
 from __future__ import annotations
@@ -43,13 +29,11 @@ from benchmarks.common import add_write_arg, drop_options, header, replace_block
 from jobs.train import build_config
 from raytrec.config import TrainConfig
 from raytrec.data.generate import auc
-from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.metrics import IntervalMetrics
 from raytrec.model import ModelFactory, build_dlrm
 
 TARGET_RATIO = 0.97
 TARGET_WAIT = 0.05
-CEILING_ROWS = 100_000
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -139,101 +123,6 @@ def oracle_noise(data_path: str, chunk_rows: int) -> tuple[float, float, int]:
     return chunk_auc_spread(prob, label, chunk_rows)
 
 
-def teacher_id_effects(teacher: SyntheticCriteo) -> np.ndarray:
-    """``[features, ids]``: what each id adds to the teacher's logit when it is its list's only
-    id, read through the public ``teacher_logits`` (one single-id row per (feature, id), dense
-    zero, every other list empty, less the logit of an all-empty row)."""
-    import torch
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    from raytrec.data.source import Batch
-
-    sizes = teacher.embedding_sizes
-    num_f, width = len(sizes), max(sizes)
-
-    def logits(lengths: np.ndarray, values: np.ndarray) -> np.ndarray:
-        rows = lengths.shape[1]
-        kjt = KeyedJaggedTensor(
-            keys=list(teacher.sparse_features),
-            values=torch.from_numpy(values),
-            lengths=torch.from_numpy(lengths.reshape(-1).astype(np.int32)),
-            stride=rows,
-        )
-        batch = Batch(
-            dense_features=torch.zeros(rows, teacher.num_dense),
-            sparse_features=kjt,
-            labels=torch.zeros(rows),
-        )
-        return teacher.teacher_logits(batch).double().numpy()
-
-    rows = num_f * width
-    lengths = np.zeros((num_f, rows), dtype=np.int64)
-    values = []
-    for f, n in enumerate(sizes):
-        lengths[f, f * width : f * width + n] = 1
-        values.append(np.arange(n, dtype=np.int64))
-    effects = np.zeros((num_f, width))
-    single = logits(lengths, np.concatenate(values)).reshape(num_f, width)
-    empty = logits(np.zeros((num_f, 1), dtype=np.int64), np.zeros(0, dtype=np.int64))[0]
-    for f, n in enumerate(sizes):
-        effects[f, :n] = single[f, :n] - empty
-    return effects
-
-
-def pooled_effects(
-    offsets: np.ndarray, ids: np.ndarray, effects: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Sum and mean (0 for an empty list) of ``effects[ids]`` over each list of one feature,
-    lists given by Arrow-style ``offsets`` into ``ids``."""
-    lengths = np.diff(offsets)
-    segment = np.repeat(np.arange(len(lengths)), lengths)
-    sums = np.bincount(segment, weights=effects[ids], minlength=len(lengths))
-    return sums, sums / np.maximum(lengths, 1)
-
-
-def pooling_ceiling(data_path: str, teacher: SyntheticCriteo, rows: int) -> dict[str, float]:
-    """AUC / oracle AUC of the best logistic fit on the first ``rows`` rows of generated data
-    when the model is handed the teacher's exact per-id effects, pooled by sum or by mean over
-    each list, next to the dense features: the most a model pooling that way can reach."""
-    import pyarrow.parquet as pq
-    import torch
-
-    effects = teacher_id_effects(teacher)
-    files = sorted(glob.glob(os.path.join(data_path, "*.parquet")))
-    names = [f"dense_{j}" for j in range(teacher.num_dense)]
-    sparse = list(teacher.sparse_features)
-    table = pq.read_table(files[0], columns=[*names, *sparse, "label", "click_prob"])
-    table = table.slice(0, min(rows, table.num_rows))
-    dense = np.stack([table.column(c).to_numpy() for c in names], axis=1).astype(np.float64)
-    label = table.column("label").to_numpy().astype(np.float64)
-    prob = table.column("click_prob").to_numpy()
-    pooled: dict[str, list[np.ndarray]] = {"sum": [], "mean": []}
-    for f, name in enumerate(sparse):
-        col = table.column(name).combine_chunks()
-        offsets = col.offsets.to_numpy()
-        ids = col.values.to_numpy()[offsets[0] : offsets[-1]]
-        sums, means = pooled_effects(offsets - offsets[0], ids, effects[f])
-        pooled["sum"].append(sums)
-        pooled["mean"].append(means)
-    oracle = auc(prob, label)
-    out = {}
-    y = torch.from_numpy(label)
-    for kind, columns in pooled.items():
-        x = torch.from_numpy(np.concatenate([dense, np.stack(columns, axis=1)], axis=1))
-        w = torch.zeros(x.shape[1] + 1, dtype=torch.float64, requires_grad=True)
-        opt = torch.optim.LBFGS([w], max_iter=500, line_search_fn="strong_wolfe")
-
-        def loss(x: torch.Tensor = x, w: torch.Tensor = w, opt: Any = opt) -> torch.Tensor:
-            opt.zero_grad()
-            value = torch.nn.functional.binary_cross_entropy_with_logits(x @ w[1:] + w[0], y)
-            value.backward()
-            return value
-
-        opt.step(loss)
-        out[kind] = auc((x @ w[1:]).detach().numpy(), label) / oracle
-    return out
-
-
 def pooling_of(config: TrainConfig, model_factory: ModelFactory) -> str:
     """How the model that ``model_factory`` builds pools each id list (read from the model)."""
     import torch
@@ -278,7 +167,6 @@ def render(
     s: Summary,
     history: Sequence[IntervalMetrics],
     noise: tuple[float, float, int] | None,
-    ceiling: dict[str, float] | None,
 ) -> list[str]:
     """The verdicts, then one row per interval (markdown)."""
     interval_rows = config.log_every * config.scaling.world_size * config.data.batch_size
@@ -299,12 +187,6 @@ def render(
             f"- Sampling noise of one interval: the oracle's own AUC over {noise[2]} disjoint "
             f"chunks of {interval_rows:,} rows of this data is {noise[0]:.4f} +- {noise[1]:.4f} "
             f"(std), i.e. +- {noise[1] / s.oracle_auc:.3f} in the ratio."
-        )
-    if ceiling is not None:
-        lines.append(
-            "- What pooling allows: handed the teacher's exact per-id effects, the best logistic "
-            f"fit on the dense features plus sum-pooled lists reaches {ceiling['sum']:.3f} of the "
-            f"oracle AUC ({CEILING_ROWS:,} rows), on mean-pooled lists {ceiling['mean']:.3f}."
         )
     lines += [
         "",
@@ -362,14 +244,6 @@ def run(
         interval_rows = config.log_every * config.scaling.world_size * config.data.batch_size
         generated = bool(result.data.path) and os.path.isdir(path)
         noise = oracle_noise(path, interval_rows) if generated else None
-        teacher = SyntheticCriteo(
-            seed=config.seed, num_embeddings=max(t.num_embeddings for t in config.model.tables)
-        )
-        ceiling = (
-            pooling_ceiling(path, teacher, CEILING_ROWS)
-            if generated and config.data.source == "generated"
-            else None
-        )
     factory = (
         [] if model_factory is build_dlrm else [f"- Model built by `{model_factory.__qualname__}`."]
     )
@@ -378,13 +252,13 @@ def run(
             header("auc_vs_oracle", drop_options(argv, "--write"), started),
             *describe(config, pooling),
             *factory,
-            *render(config, summary, result.history, noise, ceiling),
+            *render(config, summary, result.history, noise),
         ]
     )
     print(block, flush=True)
     if a.write:
         replace_block(a.write, block, name="auc-vs-oracle", heading="## AUC against the oracle")
-    return {"summary": summary, "noise": noise, "ceiling": ceiling, "config": config}
+    return {"summary": summary, "noise": noise, "config": config}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

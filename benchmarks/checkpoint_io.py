@@ -2,24 +2,12 @@
 
     .venv/bin/python -m benchmarks.checkpoint_io [--tables 8] [--rows 600000] [--repeats 5]
 
-One rank process (a gang of one, gloo) builds a DLRM whose embedding tables and
-row-wise Adagrad state make a few hundred MB, trains one step, and then, in
-each of ``--repeats`` rounds, the methods taking turns:
-
-* **save**: :func:`raytrec.checkpoint.state.save_checkpoint` into ``--dir``,
-  the whole path: DCP's writer (``sync_files=True``), manifest, commit
-  marker, rename, keep-last-1;
-* **raw write**: the same number of bytes into files of the same sizes with
-  ``write`` + ``fsync`` (and the directory fsynced), from memory;
-* **load** / **raw read**, each twice: *cold* after the files were evicted
-  from the page cache with ``posix_fadvise(DONTNEED)`` (after an fsync, so
-  nothing dirty stays behind), and *warm* straight after. The load is
-  :func:`~raytrec.checkpoint.state.load_checkpoint` with all its checks and
-  its two copies (into fresh tensors, then into the live ones); the raw read
-  is ``readinto`` preallocated buffers.
-
-Each figure is bytes of the checkpoint's files (data files and DCP metadata)
-over wall time; the best round (least disturbed by other jobs) and the median are reported.
+One rank (a gang of one, gloo) holds a DLRM whose tables and row-wise Adagrad state make a few
+hundred MB. In each round, taking turns: ``save_checkpoint`` (the whole path: DCP's writer,
+manifest, commit marker, rename, keep-last-1) against ``write`` + ``fsync`` of the same bytes,
+and ``load_checkpoint`` (all its checks and copies) against ``readinto``, each cold (the files
+evicted from the page cache with ``posix_fadvise(DONTNEED)``) and warm. Figures are the
+checkpoint's bytes over wall time, best round and median.
 """
 
 from __future__ import annotations

@@ -5,24 +5,13 @@ and drains, how long does the real coordinator take from an observation to its d
 much CPU does it spend per interval, and do both grow no faster than the number of ranks? The
 goal: every decision under 50 ms at 4,096 ranks.
 
-The coordinator (:class:`actors.coordinator.Coordinator`, unchanged) drives the in-process fake
-worker group (:mod:`raytrec.elastic.fake`) with its manual clock, so only the control plane
-runs: no Ray, no processes, no training. The storm, in 40 steps of intervals of 2: a rank
-dies, a node dies, a rank hangs, a transient collective failure, a node marked draining, a
-user's drain request, a rank dies and another dies during that recovery; the job asks for a
-gang after each loss and heals it from a peer when it is placed (on the capacity the loss
-freed).
-
-Decision times are wall time, less the fake's own CPU time in between, from the observation to
-the decision value:
-
-- *loss*: the first failed call of the interval -> :func:`raytrec.elastic.policy.decide`;
-- *hang*: the heartbeat read -> :func:`raytrec.elastic.policy.find_hung_ranks` naming the rank
-  (and *heartbeat check*: every poll's read -> its verdict, mostly "none");
-- *heal*: the new gang's builds seen done -> :func:`raytrec.elastic.heal.failed_heals`, which
-  includes the join's sync, new generation and state broadcast;
-- *drain*: the draining nodes read -> :func:`raytrec.elastic.drain.decide_drain` giving gangs.
-
+The real coordinator (:class:`actors.coordinator.Coordinator`) drives the in-process fake worker
+group (:mod:`raytrec.elastic.fake`) on its manual clock: no Ray, no training. The storm, in 40
+steps: rank, node, hang, transient and drain faults, a user's drain request, and a loss during a
+recovery; each loss asks for a gang, healed from a peer when placed. Decision times (CPU time
+less the fake's) run from the observation to the decision value: a failed call to
+``policy.decide`` (*loss*), a heartbeat read to ``find_hung_ranks`` (*heartbeat check*), builds
+seen done to ``failed_heals`` (*heal*), draining nodes read to ``decide_drain`` (*drain*).
 Per interval: the coordinator's CPU time (``time.process_time``, less the fake's) between two
 history rows. Run::
 

@@ -4,17 +4,11 @@ through Ray Data (indexed against streaming reads).
     .venv/bin/python -m benchmarks.data_path --part kjt [--rows 8192] [--repeats 15]
     .venv/bin/python -m benchmarks.data_path --part parquet [--rows 262144] [--ranks 2]
 
-``--part kjt``: Criteo-shaped record batches (13 float32 dense columns, 26 ``list<int64>``
-columns of mean length ~2.7, a label and a row id) built once; with one torch thread it times,
-over all batches and the methods taking turns, :func:`raytrec.data.arrow_kjt.to_batch` (ids in
-range, ids that need the modulo, ``id_policy="hash"``) against a copy floor (``np.copy`` of
-every buffer the conversion reads) and a per-row Python collate. Each figure is the best pass
-in the thread's CPU time, so preemption by other jobs does not count.
-
-``--part parquet``: Criteo-shaped Parquet written once; ``--ranks`` rank actors drain one epoch,
-turning their shard's stream into torchrec batches as ranks do (no training), the two read modes
-taking turns. Per run: rows/s over all ranks (rows over the slowest rank's wall time) and the
-time to the first batch; then the cost of a replay (one batch read again by its id).
+``kjt``: with one torch thread, :func:`raytrec.data.arrow_kjt.to_batch` against a copy floor
+(``np.copy`` of every buffer it reads) and a per-row Python collate, the best pass in the thread's
+CPU time, the methods taking turns. ``parquet``: ``--ranks`` rank actors drain one epoch of
+Criteo-shaped Parquet into torchrec batches (no training), indexed and streaming reads taking
+turns; rows/s over the slowest rank's wall time, the time to the first batch, and a replay's cost.
 """
 
 from __future__ import annotations

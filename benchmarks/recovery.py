@@ -2,35 +2,27 @@
 
     .venv/bin/python -m benchmarks.recovery --write docs/fault_tolerance.md
 
-For each model size, job shape and repeat, one invocation runs the same job three times on one
-embedded Ray cluster (127.0.0.1):
+For each model size, job shape and repeat, three runs on one embedded Ray cluster. The last
+gang's last rank dies as it starts step S = ``--fail-step`` (``kill_rank@S``), with a checkpoint
+every ``--checkpoint-every`` steps and ``log_every=1``:
 
-1. **Survivors.** G gangs of L ranks, a checkpoint every ``--checkpoint-every`` steps, and job
-   rank G*L-1 (the last gang's last rank) killed as it starts step S = ``--fail-step``
-   (``kill_rank@S``: the process exits before training step S, so steps 1..S-1 are done). The
-   coordinator drops that gang, re-forms the survivors and replays the lost gang's uncommitted
-   batches; ``elastic.grow=False``, so the survivors go on alone. ``log_every=1``: every step
-   is a history row stamped with the coordinator's clock, the clock of the events.
-2. **Restart from checkpoint**, the usual way to recover the same job: every worker stopped, a
-   new job of the original shape started with ``resume_from_checkpoint`` = the last checkpoint
-   before the failure (step c, saved by run 1), which loads it, trains steps c+1..S-1 again and
-   then step S. The Ray cluster stays up, as it does when Ray Train restarts a worker group.
-3. **Survivors and a new gang.** Run 1 with ``elastic.grow=True``: the dropped gang's
-   resources are free at once, so the coordinator also places a new gang, which heals from a
-   live peer and joins at an interval boundary.
+1. **survivors**: the coordinator drops that gang, re-forms the others, which replay its
+   uncommitted batches and go on alone (``elastic.grow=False``);
+2. **restart from checkpoint**: a new job of the original shape resumes from the last checkpoint
+   before S (the Ray cluster stays up), redoes the lost steps and trains step S;
+3. **survivors and a new gang**: run 1 with ``elastic.grow=True``; a new gang is placed at once
+   on the freed resources, heals from a live peer and joins.
 
-Counted in seconds from the failure (the history row of step S-1): for the survivors, to their
-next completed step (detection -> ``rank_died``, re-forming -> ``generation_started``, the rest);
-for the restart, from calling ``fit`` (detection and stopping the old workers counted as 0, so a
-lower bound) to its row of step S, split into driver set-up, rank start, checkpoint load and
-redoing the lost steps; for the new gang, ``gang_requested`` -> ``gang_placed`` ->
-``gang_joined`` -> the first step with every gang.
+Survivors are timed from the failure (the row of step S-1) to their next completed step; the
+restart from calling ``fit`` to its row of step S (detection and stopping counted as 0, so a
+lower bound); the new gang from ``gang_requested`` to ``gang_joined`` and its first step.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import pathlib
@@ -349,55 +341,50 @@ def run_restart(
 
 
 def measure(
-    a: argparse.Namespace,
-    sizes: Sequence[tuple[int, ...]],
-    shapes: Sequence[tuple[int, ...]],
-    say: Callable[[str], None],
-    save: Callable[[list[Measurement], list[str]], None],
+    a: argparse.Namespace, sizes: list[tuple[int, ...]], shapes: list[tuple[int, ...]]
 ) -> tuple[list[Measurement], list[str]]:
-    """Both ways of recovering for every size, shape and repeat; a run that fails is reported
-    and the others go on."""
+    """Both ways of recovering for every size, shape and repeat, saved to ``--storage-path`` as
+    they come; a run that fails is reported and the others go on."""
     out: list[Measurement] = []
     failures: list[str] = []
+    raw = a.storage_path / f"results-{time.strftime('%Y%m%d-%H%M%S')}.json"
     if a.source == "parquet":
         for shape in shapes:
             write_parquet(a, shape, vocab=max(s[1] for s in sizes))
-    for repeat in range(a.repeats):
-        for size in sizes:
-            for shape in shapes:
-                where = f"repeat {repeat} | {label(size):<18} | {label(shape)}"
-                dirs: list[str] = []
-                try:
-                    survivors, checkpoint, run_dir = run_elastic(a, size, shape, grow=False)
-                    dirs.append(run_dir)
-                    restart, run_dir = run_restart(a, size, shape, checkpoint)
-                    dirs.append(run_dir)
-                    growing, _, run_dir = run_elastic(a, size, shape, grow=True)
-                    dirs.append(run_dir)
-                except Exception as e:  # reported, counted, and the next run goes on
-                    failures.append(f"{where}: {type(e).__name__}: {str(e)[:300]}")
-                    say(f"{where} | FAILED: {failures[-1]}")
-                    continue
-                finally:
-                    if not a.keep_runs:
-                        for d in dirs:
-                            shutil.rmtree(d, ignore_errors=True)
-                m = Measurement(
-                    size=label(size),
-                    shape=label(shape),
-                    repeat=repeat,
-                    survivors=survivors,
-                    restart=restart,
-                    growing=growing,
-                )
-                out.append(m)
-                save(out, failures)
-                say(
-                    f"{where} | survivors resume {survivors.resume_s:6.2f} s (detection "
-                    f"{survivors.detect_s:.2f}), {growing.resume_s:6.2f} s with a new gang | "
-                    f"restart {restart.total_s:6.2f} s | {m.ratio:5.1f}x, {m.ratio_growing:5.1f}x "
-                    f"| new gang joined {spread([growing.heal_join_s])} s"
-                )
+    for repeat, size, shape in itertools.product(range(a.repeats), sizes, shapes):
+        where = f"repeat {repeat} | {label(size)} | {label(shape)}"
+        dirs: list[str] = []
+        try:
+            survivors, checkpoint, run_dir = run_elastic(a, size, shape, grow=False)
+            dirs.append(run_dir)
+            restart, run_dir = run_restart(a, size, shape, checkpoint)
+            dirs.append(run_dir)
+            growing, _, run_dir = run_elastic(a, size, shape, grow=True)
+            dirs.append(run_dir)
+            m = Measurement(
+                size=label(size),
+                shape=label(shape),
+                repeat=repeat,
+                survivors=survivors,
+                restart=restart,
+                growing=growing,
+            )
+            out.append(m)
+            print(
+                f"{where} | survivors {survivors.resume_s:.2f} s, restart "
+                f"{restart.total_s:.2f} s: {m.ratio:.1f}x",
+                file=sys.stderr,
+                flush=True,
+            )
+        except Exception as e:  # reported, counted, and the next run goes on
+            failures.append(f"{where}: {type(e).__name__}: {str(e)[:300]}")
+            print(f"FAILED: {failures[-1]}", file=sys.stderr, flush=True)
+        finally:
+            for d in [] if a.keep_runs else dirs:
+                shutil.rmtree(d, ignore_errors=True)
+        runs = [dataclasses.asdict(m) for m in out]
+        raw.write_text(json.dumps({"runs": runs, "failed": failures}, indent=1))
+    print(f"raw measurements: {raw}", file=sys.stderr)
     return out, failures
 
 
@@ -522,19 +509,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     most = max((g[0] + 1) * g[1] for g in shapes)  # room for the new gang
     connect(num_cpus=most * a.cpus_per_rank + (os.cpu_count() or 2))
     a.storage_path.mkdir(parents=True, exist_ok=True)
-    raw = a.storage_path / f"results-{time.strftime('%Y%m%d-%H%M%S')}.json"
-
-    def say(text: str) -> None:
-        print(text, file=sys.stderr, flush=True)
-
-    def save(ms: list[Measurement], failures: list[str]) -> None:
-        record = {"argv": argv, "runs": [dataclasses.asdict(m) for m in ms], "failed": failures}
-        raw.write_text(json.dumps(record, indent=1))
-
-    ms, failures = measure(a, sizes, shapes, say, save)
-    save(ms, failures)
+    ms, failures = measure(a, sizes, shapes)
     if not ms:
-        say(f"every run failed: {failures}")
         return 1
     c = last_checkpoint_before(a.fail_step - 1, a.checkpoint_every)
     setup = (
@@ -553,7 +529,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
     )
     print(block)
-    say(f"raw measurements: {raw}")
     if a.write is not None:
         write_into(a.write, block, source=a.source)
     return 0

@@ -5,20 +5,15 @@ measured on a local Ray cluster.
     .venv/bin/python -m benchmarks.stragglers ray --rate 0 --straggler-seed 0
     .venv/bin/python -m benchmarks.stragglers ray --straggler-seed 0 --write docs/stragglers.md
 
-``sim``: seed 002's experiment on the clock model of :mod:`raytrec.sync.simulate`: 64 to 4,096
-workers at about 55 ms a step, 1 s stalls at 2% (64) or 1% per worker and step; speedup =
-simulated time of synchronous SGD / the schedule's, mean over ``--seeds`` straggler draws, read
-two ways: hosts of 4 (a gang of 4 averages every step, so a stall holds back its host) and per
-worker. Schedules in the seed's notation, in workers: ``2-8,4-32,8-64`` = groups of 8 every 2
-steps, 32 every 4, all 64 every 8.
+``sim``: seed 002's experiment (64 to 4,096 workers, 1 s stalls at 1-2% per worker and step) on
+the clock model of :mod:`raytrec.sync.simulate`: speedup over synchronous SGD, mean over
+``--seeds`` straggler draws, with hosts of 4 as one gang and per worker. Schedules in the seed's
+notation, in workers: ``2-8,4-32,8-64`` = groups of 8 every 2 steps, 32 every 4, all 64 every 8.
 
-``ray``: trains the same job with :func:`raytrec.fit` once per schedule (``--schedules``, group
-sizes in gangs) and straggler seed: ``--gangs`` single-rank gangs, every rank sleeping
-``--stall-s`` before a step with probability ``--rate``; every schedule meets the same stalls
-under one seed, so speedups and AUC gaps are paired per seed. Local and hierarchical runs
-average dense parameters with the schedule (``dense="with_schedule"``). Every run is saved to
-``--results``; the table is built from every saved run of the same settings, so invocations
-with other ``--straggler-seed`` add repeats, and one with ``--rate 0`` the time without stalls.
+``ray``: :func:`raytrec.fit` once per schedule (group sizes in gangs) and straggler seed, every rank
+sleeping ``--stall-s`` before a step with probability ``--rate``; speedups and AUC gaps are paired
+per seed. Runs are saved to ``--results`` and the table is built from every saved run of the
+same settings: another ``--straggler-seed`` adds a repeat, ``--rate 0`` the time without stalls.
 """
 
 from __future__ import annotations
@@ -107,7 +102,8 @@ def simulated(a: argparse.Namespace) -> str:
                 f"{max(h):.2f}) | {np.mean(w):.2f}x | {seed_figure(label, seed_range)} |"
             )
     return (
-        f"`{command('stragglers', ['sim', '--write', 'docs/stragglers.md'])}` ({a.steps} steps, "
+        f"Reproduce with `{command('stragglers', ['sim', '--write', 'docs/stragglers.md'])}` "
+        f"({a.steps} steps, "
         f"mean over {a.seeds} straggler seeds; the range is the min-max over seeds).\n\n"
         + "\n".join(lines)
     )
@@ -296,10 +292,12 @@ def on_ray(a: argparse.Namespace, argv: list[str]) -> str:
         )
     seeds = sorted({r.straggler_seed for r in runs})
     cmd = command("stragglers", drop_options(argv, "--straggler-seed", "--write", "--rate"))
+    each = " ".join(map(str, seeds))
     return (
-        f"```bash\nfor s in {' '.join(map(str, seeds))}; do {cmd} --rate 0 --straggler-seed $s; "
-        f"done\nfor s in {' '.join(map(str, seeds))}; do {cmd} --straggler-seed $s "
-        f"--write docs/stragglers.md; done\n```\n\nStraggler seeds {', '.join(map(str, seeds))}: "
+        "Reproduce with:\n\n```bash\n"
+        f"for s in {each}; do {cmd} --rate 0 --straggler-seed $s; done\n"
+        f"for s in {each}; do {cmd} --straggler-seed $s --write docs/stragglers.md; done\n```\n\n"
+        f"Straggler seeds {', '.join(map(str, seeds))}: "
         "median (min to max); speedups and AUC gaps paired per seed.\n\n" + "\n".join(lines)
     )
 

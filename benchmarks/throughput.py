@@ -3,27 +3,14 @@
     .venv/bin/python -m benchmarks.throughput [--repeats 20] [--gpu] [--write docs/benchmarks.md]
     .venv/bin/python -m benchmarks.throughput --turns [--rounds 40] [--window-s 12]
 
-Both sides train the same :class:`~raytrec.config.TrainConfig` (:func:`build_config`): the same
-DLRM, plan, optimizers, per-rank batch and :class:`~raytrec.data.synthetic.SyntheticCriteo`
-shards, one torch thread per rank (gloo; NCCL and one GPU per rank with ``--gpu``).
-
-* **torchrun + DMP**: ``torchrun --standalone -m benchmarks.throughput --torchrun-worker``:
-  TorchRec's ``DistributedModelParallel`` over all T ranks (DDP for the dense part), timed
-  inside the workers between two barriers, warmup excluded.
-* **raytrec GxL**: ``raytrec.fit`` with G gangs of L ranks on a local Ray cluster; timed from
-  its metrics history (the coordinator's ``elapsed_s`` from the last warmup interval to the
-  last one), so the per-interval Ray round trips count against it.
-
-In repeats (the default), each repeat runs torchrun (no Ray cluster up) and then every layout
-on a fresh local Ray cluster, in mirrored order every other repeat; each raytrec run is paired
-with the torchrun run of its repeat, and the median paired ratio gets a bootstrap 95% CI.
-
-With ``--turns`` both whole systems are up at once and take turns of ``--window-s`` seconds,
-torchrun first and last, the other side's every process stopped (SIGSTOP), which takes out the
-machine's drift between runs minutes apart. A window's rows/s comes from the side's own
-progress records (torchrun's rank 0 writes one every ``--log-every`` steps, raytrec's driver one
-per metrics row), on the whole intervals inside the window after ``--settle-s``; each raytrec
-window is compared with the mean of the torchrun windows before and after it.
+Both sides train the same job (:func:`build_config`), one torch thread per rank: torchrun's
+ranks run TorchRec's ``DistributedModelParallel`` over all T ranks, timed inside the workers
+between two barriers; raytrec's time is the coordinator's ``elapsed_s`` from the last warmup
+interval to the last one, Ray round trips included. In repeats, torchrun (no Ray cluster up) and
+each raytrec layout take turns, mirrored every other repeat, and each raytrec run is paired with
+its repeat's torchrun run. With ``--turns`` both whole systems stay up and take turns of
+``--window-s``, the other side's processes stopped (SIGSTOP); each raytrec window is compared
+with the torchrun windows before and after it, timed from each side's own progress records.
 """
 
 from __future__ import annotations
@@ -73,16 +60,6 @@ def parse_layout(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"layout {text!r} is not GxL, e.g. 2x1") from None
 
 
-def rank_niceness(text: str) -> int | None:
-    """``--rank-niceness``: an integer, or ``ray`` for Ray's default for workers (15)."""
-    if text == "ray":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer or 'ray'") from None
-
-
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.throughput",
@@ -103,7 +80,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--num-tables", type=int, default=26)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gpu", action="store_true", help="CUDA ranks on NCCL, one GPU per rank")
-    p.add_argument("--rank-niceness", type=rank_niceness, default=0, metavar="N|ray")
+    p.add_argument(
+        "--rank-niceness",
+        type=lambda x: None if x == "ray" else int(x),
+        default=0,
+        metavar="N|ray",
+        help="raytrec ranks' nice value; ray: Ray's 15",
+    )
+    p.add_argument("--read-ahead", choices=("auto", "background", "inline"), default="auto")
     p.add_argument("--repeats", type=int, default=3, help="runs of every configuration")
     p.add_argument("--turns", action="store_true", help="both systems up at once, taking turns")
     p.add_argument("--rounds", type=int, default=40, help="--turns: raytrec windows")
@@ -147,7 +131,7 @@ def build_config(a: argparse.Namespace, *, gang_size: int, steps: int, run_dir: 
             rank_niceness=a.rank_niceness,
         ),
         sync=SyncConfig(sync_every=a.sync_every),
-        data=DataConfig(batch_size=a.batch_size),
+        data=DataConfig(batch_size=a.batch_size, read_ahead=a.read_ahead),
         num_steps=steps,
         log_every=a.log_every,
         seed=a.seed,
