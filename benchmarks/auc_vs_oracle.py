@@ -128,7 +128,8 @@ def pooling_of(config: TrainConfig, model_factory: ModelFactory) -> str:
     import torch
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    model = model_factory(config.model, config.data.num_dense, torch.device("cpu"), config.seed)
+    dense = 13 if config.data.num_dense is None else config.data.num_dense
+    model = model_factory(config.model, dense, torch.device("cpu"), config.seed)
     kinds = {
         t.pooling.name.lower()
         for m in model.modules()
@@ -142,7 +143,7 @@ def describe(config: TrainConfig, pooling: str) -> list[str]:
     """The configuration facts that bear on the AUC, one line each (markdown)."""
     m, o, s, d = config.model, config.optimizer, config.scaling, config.data
     sizes = sorted({t.num_embeddings for t in m.tables})
-    rows = config.num_steps * s.world_size * d.batch_size
+    rows = (config.num_steps or 0) * s.world_size * d.batch_size
     return [
         f"- Model: {m.arch}, {len(m.tables)} tables x {'/'.join(f'{n:,}' for n in sizes)} ids x "
         f"dim {m.embedding_dim}, {pooling} pooling; dense arch {list(m.dense_arch_layers)}, "

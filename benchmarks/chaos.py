@@ -55,10 +55,7 @@ from raytrec.local_cluster import (
 
 HEADING = "## Chaos: node and rank losses on a local cluster"
 #: The full run and the short one (the cluster test's): faults in order.
-SCHEDULES = {
-    "full": ("rank", "node", "node", "node"),
-    "short": ("rank", "node"),
-}
+SCHEDULES = {"full": ("rank", "node", "node", "node"), "short": ("rank", "node")}
 STALL_TARGETS = {"loss": 3.0, "join": 1.0}
 
 

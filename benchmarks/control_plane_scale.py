@@ -38,19 +38,10 @@ import actors.growth
 import actors.recovery
 from benchmarks.common import add_write_arg, drop_options, header, replace_block
 from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
+from raytrec.elastic import fake_faults as ff
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.drain import request_drain
 from raytrec.elastic.fake import FakeWorkerGroup
-from raytrec.elastic.fake_faults import (
-    AtStep,
-    FakeShard,
-    Fault,
-    NodeDies,
-    NodeDrains,
-    RankDies,
-    RankFails,
-    RankHangs,
-)
 
 SHAPES = ((1024, 4), (4096, 4), (1024, 16), (4096, 16))  # (ranks, gang size)
 EVENTS = ("loss", "heartbeat check", "heal", "drain")
@@ -166,17 +157,17 @@ def timed_decisions(run: Run, group: TimedGroup) -> Iterator[None]:
             setattr(module, name, inner)
 
 
-def storm(gangs: int, g: int, run_dir: str) -> list[Fault]:
+def storm(gangs: int, g: int, run_dir: str) -> list[ff.Fault]:
     """The failures, heals and drains of one run (module doc); gang ``k`` is on node ``k``."""
     return [
-        RankDies(rank=1 * g + 1, step=5),
-        NodeDies(node=3, step=9),
-        RankHangs(rank=5 * g, step=13),
-        RankFails(rank=7 * g, step=17),
-        NodeDrains(node=9, step=21),
-        AtStep(step=25, action=lambda: request_drain(run_dir, gangs=1)),
-        RankDies(rank=11 * g + 2, step=29),
-        RankDies(rank=13 * g, on="recover"),
+        ff.RankDies(rank=1 * g + 1, step=5),
+        ff.NodeDies(node=3, step=9),
+        ff.RankHangs(rank=5 * g, step=13),
+        ff.RankFails(rank=7 * g, step=17),
+        ff.NodeDrains(node=9, step=21),
+        ff.AtStep(step=25, action=lambda: request_drain(run_dir, gangs=1)),
+        ff.RankDies(rank=11 * g + 2, step=29),
+        ff.RankDies(rank=13 * g, on="recover"),
     ]
 
 
@@ -204,11 +195,11 @@ def run_one(ranks: int, g: int) -> Run:
         )
         coordinator = actors.coordinator.Coordinator(
             cfg,
-            plan=None,  # type: ignore[arg-type]  # only the ranks read it
-            shards=[FakeShard(i) for i in range(ranks)],
+            plan=None,  # only the ranks read it
+            shards=[ff.FakeShard(i) for i in range(ranks)],
             num_dense=13,
             run_dir=run_dir,
-            new_shard=FakeShard,
+            new_shard=ff.FakeShard,
             group=group,
             clock=group.clock,
         )

@@ -113,8 +113,8 @@ def kjt(a: argparse.Namespace) -> str:
             assert torch.equal(t, u)
         assert torch.equal(x.sparse_features.values(), y.sparse_features.values())
 
-    def each(fn: Callable[[pa.RecordBatch], object]) -> Callable[[], None]:
-        return lambda: [fn(rb) for rb in rbs] and None
+    def each(fn: Callable[[pa.RecordBatch], object]) -> Callable[[], object]:
+        return lambda: [fn(rb) for rb in rbs]
 
     floor = "copy floor: np.copy of each buffer read"
     methods: list[tuple[str, Callable[[], object]]] = [  # the slow per-row collate last
@@ -190,12 +190,13 @@ def parquet(a: argparse.Namespace) -> str:
     from raytrec.data.parquet import ParquetSource
     from raytrec.data.synthetic import batch_id
 
-    @ray.remote(num_cpus=1)
-    class Rank:
+    class _Rank:
         def call(self, fn: Callable[..., Any], *args: Any) -> Any:
             return fn(*args)
 
-    def run(path: str, mode: str) -> dict[str, float]:
+    Rank: Any = ray.remote(num_cpus=1)(_Rank)
+
+    def run(path: str, mode: Any) -> dict[str, float]:
         source = ParquetSource(
             paths=path, spec=criteo_spec(VOCAB), read_mode=mode, read_concurrency=a.concurrency
         )
@@ -232,7 +233,7 @@ def parquet(a: argparse.Namespace) -> str:
                 for mode in ("streaming", "indexed")[:: 1 if r % 2 == 0 else -1]:
                     runs[mode].append(run(tmp, mode))
                     print(f"{mode:9s} {runs[mode][-1]['rows_per_s']:>10,.0f} rows/s", flush=True)
-            shard = ParquetSource(paths=tmp, spec=criteo_spec(VOCAB)).split(a.ranks)[0]
+            shard: Any = ParquetSource(paths=tmp, spec=criteo_spec(VOCAB)).split(a.ranks)[0]
             steps = shard.plan(a.batch_size).num_steps
             ids = [batch_id(k % a.ranks, (k * 7) % steps) for k in range(a.replays)]
             replay_s = ray.get(Rank.remote().call.remote(replay, shard, ids, a.batch_size))

@@ -288,8 +288,8 @@ def run_elastic(
     config = build_config(a, size, shape, faults=True, steps=steps, grow=grow)
     result = fit(config, shutdown_ray=False, on_progress=lambda _row: None)
     # Parquet: the survivors also train the lost gang's rows, in more steps than num_steps.
-    short = result.steps < config.num_steps if a.source == "parquet" else None
-    if (short if short is not None else result.steps != config.num_steps) or result.lost_batches:
+    short = result.steps < steps if a.source == "parquet" else result.steps != steps
+    if short or result.lost_batches:
         raise RuntimeError(
             f"elastic run ended at step {result.steps} of {config.num_steps} with "
             f"{result.lost_batches} lost batches: {result.events}"

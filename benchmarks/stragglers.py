@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -112,13 +113,13 @@ def simulated(a: argparse.Namespace) -> str:
 # -- on a local Ray cluster ----------------------------------------------------------------------
 
 
-def parse_schedules(text: str, *, gangs: int, sync_dense: str) -> list[tuple[str, SyncConfig]]:
+def parse_schedules(text: str, *, gangs: int, sync_dense: Any) -> list[tuple[str, SyncConfig]]:
     """``sync`` (first: the reference), ``local-N`` and hierarchies ``P-S,...,P-gangs``."""
     out: list[tuple[str, SyncConfig]] = []
     pending: list[tuple[int, int]] = []
     for item in (x.strip() for x in text.split(",")):
         if item == "sync" and not pending:
-            out.append(("synchronous", SyncConfig(sync_every=1, dense=sync_dense)))  # type: ignore[arg-type]
+            out.append(("synchronous", SyncConfig(sync_every=1, dense=sync_dense)))
         elif item.startswith("local-") and not pending:
             n = int(item.removeprefix("local-"))
             out.append((f"local SGD every {n}", SyncConfig(sync_every=n, dense="with_schedule")))
@@ -203,11 +204,9 @@ def measure(a: argparse.Namespace, schedules: list[tuple[str, SyncConfig]]) -> N
     )
     for repeat in range(a.repeats):
         seed = a.straggler_seed + repeat
-        stragglers = StragglerSpec(
-            rate=float(setup["rate"]),
-            stall_s=float(setup["stall_s"]),
-            seed=seed,  # type: ignore[arg-type]
-        )
+        rate, stall_s = setup["rate"], setup["stall_s"]
+        assert isinstance(rate, float) and isinstance(stall_s, float)
+        stragglers = StragglerSpec(rate=rate, stall_s=stall_s, seed=seed)
         k = repeat % len(schedules)  # rotated: the machine's drift spreads over schedules
         for label, sync in schedules[k:] + schedules[:k]:
             config = TrainConfig(

@@ -192,7 +192,7 @@ def torchrun_worker(a: argparse.Namespace) -> int:
         sharders=sharders(),
     )
     dense_cls = _DENSE_OPTIMIZERS[cfg.optimizer.dense]
-    kwargs = {"lr": cfg.optimizer.dense_lr, "eps": cfg.optimizer.eps}
+    kwargs: dict[str, Any] = {"lr": cfg.optimizer.dense_lr, "eps": cfg.optimizer.eps}
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())),
         lambda ps: dense_cls(ps, **kwargs),

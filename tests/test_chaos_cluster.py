@@ -2,8 +2,8 @@
 127.0.0.1 loses a rank (a new gang joins on the freed CPUs) and then a whole node (its raylet
 killed), and still trains every batch exactly once.
 
-Runs ``python -m benchmarks.chaos --short`` as a user would and reads what it measured from the job's
-own outputs (events, metrics rows, the ledger).
+Runs ``python -m benchmarks.chaos --short`` as a user would and reads what it measured from the
+job's own outputs (events, metrics rows, the ledger).
 """
 
 from __future__ import annotations
