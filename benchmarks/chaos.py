@@ -110,8 +110,7 @@ class RunDir:
 
 
 def rank_pids(node: WorkerNode) -> list[int]:
-    """The node's rank processes (their title is ``ray::RankWorker`` and the running method)."""
-    return sorted(session_pids(node.session, "ray::RankWorker"))
+    return sorted(session_pids(node.session, "ray::RankWorker"))  # title: class and method
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:

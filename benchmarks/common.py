@@ -80,14 +80,9 @@ def machine(*, gpu: bool = False) -> str:
     import ray
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    names = [x.split(":", 1)[1].strip() for x in info.splitlines() if x.startswith("model name")]
+    cpu = names[0] if names else platform.machine()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     device = f", GPU {torch.cuda.get_device_name(0)}" if gpu and torch.cuda.is_available() else ""
     return (
@@ -108,8 +103,7 @@ def header(module: str, argv: Sequence[str], started: float, *, gpu: bool = Fals
 
 def timed(fn: Callable[[], T]) -> tuple[T, float]:
     t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
+    return fn(), time.perf_counter() - t0
 
 
 def spread(values: Sequence[float | None], spec: str = ".2f") -> str:

@@ -14,6 +14,7 @@ turns; rows/s over the slowest rank's wall time, the time to the first batch, an
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import sys
@@ -26,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from benchmarks.common import add_write_arg, drop_options, header, replace_block
+from benchmarks.common import add_write_arg, drop_options, header, replace_block, timed
 from raytrec.data.source import Batch, BatchShard
 from raytrec.data.spec import FeatureSpec, criteo_spec
 from raytrec.data.synthetic import SyntheticCriteo
@@ -174,12 +175,8 @@ def drain(shard: BatchShard, batch_size: int) -> dict[str, float]:
 
 
 def replay(shard: BatchShard, ids: list[int], batch_size: int) -> list[float]:
-    out = []
-    for i in ids:
-        t = time.perf_counter()
-        shard.replay(i, batch_size)
-        out.append(time.perf_counter() - t)
-    return out
+    """Seconds to read each batch of ``ids`` again (in a rank actor)."""
+    return [timed(functools.partial(shard.replay, i, batch_size))[1] for i in ids]
 
 
 def parquet(a: argparse.Namespace) -> str:

@@ -400,20 +400,15 @@ def tables(
     """The comparison, then the parts of each way of recovering: median (min to max) per size
     and shape, in seconds from the failure (the restart's parts from calling ``fit``)."""
     groups = [
-        (s, g, [m for m in ms if m.size == label(s) and m.shape == label(g)])
-        for s in sizes
-        for g in shapes
+        (s, g, [m for m in ms if (m.size, m.shape) == (label(s), label(g))])
+        for s, g in itertools.product(sizes, shapes)
     ]
     out = []
     for title, columns in TABLES:
-        lines = [
-            title,
-            "",
-            "| model: tables x rows x dim | gangs x ranks | "
-            + " | ".join(c[0] for c in columns)
-            + " |",
-            "| --- | --- |" + " ---: |" * len(columns),
-        ]
+        heads = " | ".join(
+            ["model: tables x rows x dim", "gangs x ranks", *(c[0] for c in columns)]
+        )
+        lines = [title, "", f"| {heads} |", "| --- | --- |" + " ---: |" * len(columns)]
         for s, g, mine in groups:
             cells = [spread([get(m) for m in mine], spec) for _, get, spec in columns]
             if mine:

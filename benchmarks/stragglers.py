@@ -141,27 +141,18 @@ def parse_schedules(text: str, *, gangs: int, sync_dense: Any) -> list[tuple[str
     return out
 
 
+# The settings a run's numbers depend on, apart from the schedule and the stalls.
 SETUP = (
-    "gangs",
-    "data",
-    "steps",
-    "log_every",
-    "auc_intervals",
-    "batch_size",
-    "tables",
-    "rows_per_table",
-    "dim",
-    "sync_dense",
-    "seed",
-    "cpus_per_rank",
+    "gangs data steps log_every auc_intervals batch_size tables rows_per_table dim sync_dense seed"
 )
+SETUP_FIELDS = (*SETUP.split(), "cpus_per_rank")
 
 
 def setup_of(a: argparse.Namespace, *, stalls: bool = True) -> dict[str, object]:
     """The settings a run's numbers depend on, apart from the schedule and straggler seed."""
     on = stalls and a.rate > 0 and a.stall_s > 0
     return {
-        **{f: getattr(a, f) for f in SETUP},
+        **{f: getattr(a, f) for f in SETUP_FIELDS},
         "rate": a.rate if on else 0.0,
         "stall_s": a.stall_s if on else 0.0,
     }

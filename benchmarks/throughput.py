@@ -230,19 +230,10 @@ def torchrun_worker(a: argparse.Namespace) -> int:
 
 
 def torchrun_cmd(a: argparse.Namespace, argv: Sequence[str], *extra: str) -> list[str]:
-    exe = Path(sys.executable).with_name("torchrun")
-    launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    args = [x for x in argv if x != "--turns"]
-    return [
-        *launcher,
-        "--standalone",
-        f"--nproc-per-node={a.world_size}",
-        "-m",
-        "benchmarks.throughput",
-        *args,
-        "--torchrun-worker",
-        *extra,
-    ]
+    """``torchrun --standalone --nproc-per-node T -m benchmarks.throughput ARGS``"""
+    torchrun = f"-m torch.distributed.run --standalone --nproc-per-node={a.world_size} -m"
+    worker = [x for x in argv if x != "--turns"] + ["--torchrun-worker", *extra]
+    return [sys.executable, *torchrun.split(), "benchmarks.throughput", *worker]
 
 
 def child_env() -> dict[str, str]:
