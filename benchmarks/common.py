@@ -106,12 +106,12 @@ def timed(fn: Callable[[], T]) -> tuple[T, float]:
     return fn(), time.perf_counter() - t0
 
 
-def spread(values: Sequence[float | None], spec: str = ".2f") -> str:
-    """Median, with (min to max) when there are several; ``-`` when none was observed."""
+def spread(values: Sequence[float | None], spec: str = ".2f", unit: str = "") -> str:
+    """Median and its ``unit``, with (min to max) when there are several; ``-`` for none."""
     xs = [x for x in values if x is not None]
     if not xs:
         return "-"
-    mid = format(statistics.median(xs), spec)
+    mid = format(statistics.median(xs), spec) + unit
     return mid if len(xs) == 1 else f"{mid} ({min(xs):{spec}} to {max(xs):{spec}})"
 
 

@@ -272,13 +272,14 @@ def on_ray(a: argparse.Namespace, argv: list[str]) -> str:
         cost = statistics.median(t) - statistics.median(base) if base else None
         first = label == "synchronous"
         rates = [r.rows / r.train_s for r in mine]
-        speedup = spread([ref[r.straggler_seed].train_s / r.train_s for r in mine]) + "x"
-        gap = spread([100 * (r.auc / ref[r.straggler_seed].auc - 1) for r in mine], "+.2f")
+        speedup = spread([ref[r.straggler_seed].train_s / r.train_s for r in mine], unit="x")
+        gap = spread([100 * (r.auc / ref[r.straggler_seed].auc - 1) for r in mine], "+.2f", "%")
+        charged = spread([r.charged_s for r in mine], ".1f", " s")
         lines.append(
-            f"| {label} | {spread(t, '.1f')} s | {spread(rates, ',.0f')}"
-            f" | {'reference' if first else speedup} | {spread([r.charged_s for r in mine], '.1f')}"
-            f" s | {spread(base, '.1f')} s | {spread([cost], '.1f')} s "
-            f"| {spread([r.auc for r in mine], '.4f')} | {'reference' if first else gap + '%'} |"
+            f"| {label} | {spread(t, '.1f', ' s')} | {spread(rates, ',.0f')} "
+            f"| {'reference' if first else speedup} | {charged} | {spread(base, '.1f', ' s')} "
+            f"| {spread([cost], '.1f', ' s')} | {spread([r.auc for r in mine], '.4f')} "
+            f"| {'reference' if first else gap} |"
         )
     seeds = sorted({r.straggler_seed for r in runs})
     cmd = command("stragglers", drop_options(argv, "--straggler-seed", "--write", "--rate"))
