@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -461,6 +462,7 @@ def turns(a: argparse.Namespace, argv: Sequence[str]) -> str:
     ratios = [x / ((b + c) / 2) for x, b, c in zip(r, t, t[1:], strict=False) if x and b and c]
     if not ratios:
         raise RuntimeError(f"no round timed on both sides; records in {tmp}")
+    shutil.rmtree(tmp, ignore_errors=True)  # kept above, where the records explain a failure
     lo, hi = bootstrap_median_ci(ratios)
     t_ok, r_ok = [x for x in t if x], [x for x in r if x]
     return "\n".join(
