@@ -5,7 +5,7 @@
 #
 #   ./dev.sh train [args]   train on an embedded local Ray cluster (python -m jobs.train)
 #   ./dev.sh test  [args]   ruff, mypy and the test suite
-#   ./dev.sh bench NAME     run benchmarks/NAME.py
+#   ./dev.sh bench NAME     run a benchmark (python -m benchmarks.NAME; docs/benchmarks.md)
 #   ./dev.sh python ...     the project's interpreter
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -50,7 +50,7 @@ case "$cmd" in
       exec "$venv/bin/python" -m pytest -m "(cluster or multiprocess) and not long"
     fi
     exec "$venv/bin/python" -m pytest "$@" ;;
-  bench) setup; name="$1"; shift; exec "$venv/bin/python" "benchmarks/$name.py" "$@" ;;
+  bench) setup; name="$1"; shift; exec "$venv/bin/python" -m "benchmarks.$name" "$@" ;;
   python) setup; exec "$venv/bin/python" "$@" ;;
   setup) setup ;;
   *) echo "usage: ./dev.sh {train|test|bench NAME|python|setup} [args]" >&2; exit 2 ;;

@@ -1,8 +1,8 @@
 """Chaos on a multi-node local cluster: what losing nodes and ranks costs a submitted job.
 
-    .venv/bin/python benchmarks/chaos.py                       # 3 node losses, 1 rank kill
-    .venv/bin/python benchmarks/chaos.py --short               # 1 rank kill, 1 node loss
-    .venv/bin/python benchmarks/chaos.py --write docs/fault_tolerance.md
+    .venv/bin/python -m benchmarks.chaos                  # 1 rank kill, 3 node losses
+    .venv/bin/python -m benchmarks.chaos --short          # 1 rank kill, 1 node loss
+    .venv/bin/python -m benchmarks.chaos --write docs/fault_tolerance.md
 
 Starts a cluster of ``ray start`` processes on 127.0.0.1 (``raytrec.local_cluster``): a head
 node with no CPUs (the job's driver and coordinator) and ``--nodes`` worker nodes of one gang
@@ -17,25 +17,12 @@ node, whose new gang joins. A fault waits until both gangs have been training fo
 intervals. Everything ends by itself: the job runs ``--steps`` steps; the cluster is stopped
 and the job's run directory removed (``--keep-run`` keeps it).
 
-Reported from the job's own outputs (``events.jsonl``, ``metrics.jsonl``, ``summary.json``):
-
-- **detected after**: the kill to the job's first ``rank_died`` event for a rank on the killed
-  node (the job acts on it: the gang is dropped and the survivors re-form); for a node loss also
-  **node_died after**: the kill to the ``node_died`` event, once Ray's node table shows the node
-  dead (after Ray's health checks of the raylet), checked to carry the killed node's id. Events
-  carry the coordinator's clock; the harness's kill time is put on it with the offset
-  min(time the harness first saw a metrics row - the row's ``at``): upper bounds by the smallest
-  delay with which the driver (polling each second) wrote a row and the harness (polling each
-  0.1 s) saw it.
-- **survivors' stall**: at a loss or join event, the gap between the metrics rows just before
-  and just after it minus the time the later row's steps take at the run's normal pace (the
-  median seconds per step of the rows away from any event). With ``log_every`` small the
-  intervals are short, so this is the time the survivors trained nothing because of the event,
-  detection, re-forming, the sync and state broadcast, and the first batches included.
-- **to join**: a replacement's start (the node's ``ray start``, or the rank kill that freed its
-  CPUs) to its gang's ``gang_joined``; the survivors train meanwhile.
-- rows lost (``batches.lost``) and doubled (``committed - committed_distinct``), the job's state
-  and its final metrics.
+Reported from the job's own ``events.jsonl``, ``metrics.jsonl`` and ``summary.json``: per fault,
+the time to the job's ``rank_died`` (and for a node to ``node_died``), the survivors' stall at each
+loss and join (the gap between the metrics rows around it less the time their steps take at the
+run's normal pace), a replacement's start to its ``gang_joined``, and the batches lost or doubled.
+Event times are on the coordinator's clock; the kill time is put on it from when the harness first
+saw each metrics row, so the delays are upper bounds by that polling.
 """
 
 from __future__ import annotations
@@ -58,8 +45,7 @@ import threading
 import time
 from typing import Any
 
-from _docs import replace_block  # benchmarks/, the script's own folder
-
+from benchmarks.common import ROOT, add_write_arg, replace_block
 from raytrec.local_cluster import (
     LocalCluster,
     WorkerNode,
@@ -68,18 +54,11 @@ from raytrec.local_cluster import (
     stop_session,
 )
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-#: The docs block of each kind of data.
-MARKERS = {
-    "synthetic": ("<!-- chaos:begin -->", "<!-- chaos:end -->"),
-    "parquet": ("<!-- chaos-parquet:begin -->", "<!-- chaos-parquet:end -->"),
-}
+#: The docs block of each kind of data (its markers' name).
+BLOCKS = {"synthetic": "chaos", "parquet": "chaos-parquet"}
 HEADING = "## Chaos: node and rank losses on a local cluster"
 #: The full run and the short one (the cluster test's): faults in order.
-SCHEDULES = {
-    "full": ("rank", "node", "node", "node"),
-    "short": ("rank", "node"),
-}
+SCHEDULES = {"full": ("rank", "node", "node", "node"), "short": ("rank", "node")}
 STALL_TARGETS = {"loss": 3.0, "join": 1.0}
 #: The head's CPUs: with Parquet one, for Ray Data's read tasks (too few for a gang; the head is
 #: never killed).
@@ -139,8 +118,7 @@ class RunDir:
 
 
 def rank_pids(node: WorkerNode) -> list[int]:
-    """The node's rank processes (their title is ``ray::RankWorker`` and the running method)."""
-    return sorted(session_pids(node.session, "ray::RankWorker"))
+    return sorted(session_pids(node.session, "ray::RankWorker"))  # title: class and method
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
@@ -172,7 +150,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             rows = -(-a.steps * 2 * a.gang_size * BATCH_SIZE // EPOCHS)
             entrypoint += ["--set", "data.source=generated", "--set", f"data.generated_rows={rows}"]
             entrypoint += ["--set", f"data.epochs={EPOCHS}"]
-        cluster.submit(job, *entrypoint, cwd=str(REPO), runtime_env="examples/runtime_env.yaml")
+        cluster.submit(job, *entrypoint, cwd=str(ROOT), runtime_env="examples/runtime_env.yaml")
         run_dir = RunDir(storage)
         state = drive(a, cluster, job, run_dir, schedule, faults, started)
         logs = cluster.logs(job)
@@ -375,10 +353,9 @@ def describe(a: argparse.Namespace, out: dict[str, Any], report: dict[str, Any])
     argv = out["args"]["command"]
     return "\n".join(
         [
-            f"Measured by `benchmarks/chaos.py` on {a.date}, machine: {a.machine}, "
-            f"whole run {out['wall_s']:.0f} s:",
+            f"Measured on {a.date}, machine: {a.machine}, whole run {out['wall_s']:.0f} s:",
             "",
-            f"    .venv/bin/python benchmarks/chaos.py {argv}".rstrip(),
+            f"    .venv/bin/python -m benchmarks.chaos {argv}".rstrip(),
             "",
             f"- Cluster: `ray start` head ({HEAD_CPUS[a.data]} CPUs) + {a.nodes} worker nodes of "
             f"{a.gang_size} "
@@ -415,7 +392,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=900.0, help="stop the job after this")
     p.add_argument("--keep-run", action="store_true", help="keep the job's run directory")
     p.add_argument("--json", type=pathlib.Path, help="write the raw outputs and report here")
-    p.add_argument("--write", type=pathlib.Path, help="put the table into this docs page")
+    add_write_arg(p, "docs/fault_tolerance.md")
     p.add_argument(
         "--from-json", type=pathlib.Path, help="report a run saved with --json (runs nothing)"
     )
@@ -446,8 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     text = describe(a, out, report)
     print(text)
     if a.write:
-        begin, end = MARKERS[a.data]
-        replace_block(a.write, text, begin=begin, end=end, heading=HEADING)
+        replace_block(a.write, text, name=BLOCKS[a.data], heading=HEADING)
     return 0 if out["state"] == "SUCCEEDED" else 1
 
 

@@ -1,51 +1,33 @@
 """Checkpoint save and load throughput next to the raw write and read speed of the same bytes.
 
-    .venv/bin/python benchmarks/checkpoint_io.py [--tables 8] [--rows 600000] [--dim 16]
-        [--repeats 5] [--dir DIR] [--no-doc]
+    .venv/bin/python -m benchmarks.checkpoint_io [--tables 8] [--rows 600000] [--repeats 5]
 
-One rank process (a gang of one, gloo) builds a DLRM whose embedding tables and
-row-wise Adagrad state make a few hundred MB, trains one step, and then, in
-each of ``--repeats`` rounds, the methods taking turns:
-
-* **save**: :func:`raytrec.checkpoint.state.save_checkpoint` into ``--dir``,
-  the whole path: DCP's writer (``sync_files=True``), manifest, commit
-  marker, rename, keep-last-1;
-* **raw write**: the same number of bytes into files of the same sizes with
-  ``write`` + ``fsync`` (and the directory fsynced), from memory;
-* **load** / **raw read**, each twice: *cold* after the files were evicted
-  from the page cache with ``posix_fadvise(DONTNEED)`` (after an fsync, so
-  nothing dirty stays behind), and *warm* straight after. The load is
-  :func:`~raytrec.checkpoint.state.load_checkpoint` with all its checks and
-  its two copies (into fresh tensors, then into the live ones); the raw read
-  is ``readinto`` preallocated buffers.
-
-Each figure is bytes of the checkpoint's files (data files and DCP metadata)
-over wall time; the best round (least disturbed by other jobs) and the median are reported. The
-table is printed and written to the "Save and load throughput" section of
-``docs/checkpoints.md``.
+One rank (a gang of one, gloo) holds a DLRM whose tables and row-wise Adagrad state make a few
+hundred MB. In each round, taking turns: ``save_checkpoint`` (the whole path: DCP's writer,
+manifest, commit marker, rename, keep-last-1) against ``write`` + ``fsync`` of the same bytes,
+and ``load_checkpoint`` (all its checks and copies) against ``readinto``, each cold (the files
+evicted from the page cache with ``posix_fadvise(DONTNEED)``) and warm. Figures are the
+checkpoint's bytes over wall time, best round and median.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import shlex
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from _docs import replace_section  # benchmarks/, the script's own folder
 
+from benchmarks.common import add_write_arg, drop_options, header, replace_block, timed
 from raytrec._quiet import quiet_known_warnings
 from raytrec.checkpoint.layout import read_manifest
 from raytrec.checkpoint.state import load_checkpoint, save_checkpoint
@@ -62,9 +44,6 @@ from raytrec.engine.plan import apply_embedding_optimizer, make_plan
 from raytrec.engine.rank import RankEngine, RankSpec, StoreAddress
 from raytrec.model import build_dlrm
 
-ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "checkpoints.md"
-SECTION = "## Save and load throughput"
 NUM_DENSE = 13
 MB = 1e6
 
@@ -161,12 +140,6 @@ def raw_read(paths: Sequence[Path], buffers: dict[Path, bytearray]) -> None:
                 got += n
 
 
-def timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def one_round(
     engine: RankEngine,
     root: Path,
@@ -176,12 +149,11 @@ def one_round(
     times: dict[str, list[float]],
 ) -> dict[str, int]:
     """Save, raw write, then cold and warm load and raw read; returns the file sizes."""
-    t0 = time.perf_counter()
-    ref = save_checkpoint(engine, str(root), generation=0, num_to_keep=1)
-    times["save"].append(time.perf_counter() - t0)
+    ref, seconds = timed(lambda: save_checkpoint(engine, str(root), generation=0, num_to_keep=1))
+    times["save"].append(seconds)
     sizes = dict(read_manifest(ref.uri).files)
     ckpt_files = [Path(ref.uri) / n for n in sizes]
-    times["raw write"].append(timed(lambda: raw_write(raw_dir, sizes, payload)))
+    times["raw write"].append(timed(lambda: raw_write(raw_dir, sizes, payload))[1])
     raw_files = [raw_dir / n for n in sizes]
     buffers = {path: bytearray(path.stat().st_size) for path in raw_files}
     weights = engine.embedding_weights()
@@ -191,10 +163,10 @@ def one_round(
         with torch.no_grad():
             for w in weights:
                 w.zero_()  # the load must bring every table back
-        times[f"load {temp}"].append(timed(lambda: load_checkpoint(engine, ref)))
+        times[f"load {temp}"].append(timed(lambda: load_checkpoint(engine, ref))[1])
         for w, e in zip(weights, expected, strict=True):
             assert torch.equal(w, e), "the load did not restore the tables"
-        times[f"raw read {temp}"].append(timed(lambda: raw_read(raw_files, buffers)))
+        times[f"raw read {temp}"].append(timed(lambda: raw_read(raw_files, buffers))[1])
     return sizes
 
 
@@ -206,26 +178,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dir", default=None, help="where to write (default: a new temp directory)")
-    p.add_argument("--no-doc", action="store_true", help="do not touch docs/checkpoints.md")
+    add_write_arg(p, "docs/checkpoints.md")
     a = p.parse_args(argv)
     quiet_known_warnings()
     torch.set_num_threads(1)
     started = time.perf_counter()
     base = Path(a.dir or tempfile.mkdtemp(prefix="raytrec-ckpt-bench-"))
     base.mkdir(parents=True, exist_ok=True)
-    root, raw_dir = base / "checkpoints", base / "raw"
-
     engine = build_engine(a.tables, a.rows, a.dim)
     weights = engine.embedding_weights()
     expected = [w.clone() for w in weights]
-    payload = memoryview(weights[0].detach().numpy().view(np.uint8).reshape(-1))
-    times: dict[str, list[float]] = {
-        k: []
-        for k in ("save", "raw write", "load cold", "raw read cold", "load warm", "raw read warm")
-    }
+    payload = weights[0].detach().numpy().view(np.uint8).reshape(-1).data
+    names = ("save", "raw write", "load cold", "raw read cold", "load warm", "raw read warm")
+    times: dict[str, list[float]] = {k: [] for k in names}
     sizes: dict[str, int] = {}
     for _ in range(a.repeats):
-        sizes = one_round(engine, root, raw_dir, payload, expected, times)
+        sizes = one_round(engine, base / "checkpoints", base / "raw", payload, expected, times)
     total = sum(sizes.values())
     state_mb = sum(w.numel() * 4 for w in weights) / MB
     state_mb += sum(s.numel() * 4 for s in engine.embedding_optimizer_states()) / MB
@@ -238,7 +206,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         r = [total / MB / t for t in times[name]]
         return max(r), statistics.median(r)
 
-    pairs = [
+    lines = [
+        f"- {a.tables} tables x {a.rows:,} rows x dim {a.dim} with row-wise Adagrad state: "
+        f"{state_mb:.1f} MB of embedding state, written as {total / MB:.1f} MB in {len(sizes)} "
+        f"files; {a.repeats} rounds; files on the local disk of {os.uname().nodename!r}.",
+        "",
+        "| operation | best MB/s | median MB/s | raw operation | best MB/s | median MB/s "
+        "| best / raw best |",
+        "|---|---:|---:|---|---:|---:|---:|",
+    ]
+    for label, raw_label, key, raw in [
         ("save (save_checkpoint)", "raw write (write + fsync)", "save", "raw write"),
         (
             "load, cold cache (load_checkpoint)",
@@ -247,49 +224,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             "raw read cold",
         ),
         ("load, warm cache", "raw read, warm cache", "load warm", "raw read warm"),
-    ]
-    lines = [
-        "| operation | best MB/s | median MB/s | raw operation | best MB/s | median MB/s "
-        "| best / raw best |",
-        "|---|---:|---:|---|---:|---:|---:|",
-    ]
-    for label, raw_label, key, raw_key in pairs:
-        (best, median), (raw_best, raw_median) = rates(key), rates(raw_key)
+    ]:
+        (best, median), (raw_best, raw_median) = rates(key), rates(raw)
         lines.append(
             f"| {label} | {best:,.0f} | {median:,.0f} | {raw_label} | {raw_best:,.0f} | "
             f"{raw_median:,.0f} | {best / raw_best:.2f} |"
         )
-    table = "\n".join(lines)
-    print(f"checkpoint: {total / MB:.1f} MB in {len(sizes)} files; state {state_mb:.1f} MB")
-    print(table)
-    if a.no_doc:
-        return 0
-
-    cmd = shlex.join([".venv/bin/python", "benchmarks/checkpoint_io.py", *argv])
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    cpu = platform.processor() or platform.machine()
-    took = time.perf_counter() - started
-    text = f"""{SECTION}
-
-Generated by `benchmarks/checkpoint_io.py` on {date} (whole run {took:.0f} s).
-
-Command: `{cmd}`
-
-- Machine: {os.cpu_count()} CPU cores ({cpu}), shared with other jobs while it ran (load
-  average {load}); torch {torch.__version__}, one thread; files on the machine's local disk
-  (a virtio block device; its host may cache, so "cold" reads can beat the raw disk).
-- State: {a.tables} tables x {a.rows:,} rows x dim {a.dim} (float32) with row-wise Adagrad
-  state, plus a small dense part: {state_mb:.1f} MB of embedding state, written as
-  {total / MB:.1f} MB in {len(sizes)} files (a data file per rank of the writing gang, here
-  one rank, and DCP's `.metadata`).
-- {a.repeats} rounds, the methods taking turns; each figure is the checkpoint's bytes over
-  wall time, the best round (the least disturbed by the other jobs) and the median. Cold:
-  the files were evicted from the page cache (`posix_fadvise(DONTNEED)`) first.
-
-{table}
-"""
-    replace_section(DOC, text, heading=SECTION, title="# Checkpoints")
+    block = f"{header('checkpoint_io', drop_options(argv, '--write'), started)}\n" + "\n".join(
+        lines
+    )
+    print(block)
+    if a.write:
+        replace_block(a.write, block, name="checkpoint-io", heading="## Save and load throughput")
     return 0
 
 

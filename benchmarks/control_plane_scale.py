@@ -5,28 +5,17 @@ and drains, how long does the real coordinator take from an observation to its d
 much CPU does it spend per interval, and do both grow no faster than the number of ranks? The
 goal: every decision under 50 ms at 4,096 ranks.
 
-The coordinator (:class:`actors.coordinator.Coordinator`, unchanged) drives the in-process fake
-worker group (:mod:`raytrec.elastic.fake`) with its manual clock, so only the control plane
-runs: no Ray, no processes, no training. The storm, in 40 steps of intervals of 2: a rank
-dies, a node dies, a rank hangs, a transient collective failure, a node marked draining, a
-user's drain request, a rank dies and another dies during that recovery; the job asks for a
-gang after each loss and heals it from a peer when it is placed (on the capacity the loss
-freed).
-
-Decision times are wall time, less the fake's own CPU time in between, from the observation to
-the decision value:
-
-- *loss*: the first failed call of the interval -> :func:`raytrec.elastic.policy.decide`;
-- *hang*: the heartbeat read -> :func:`raytrec.elastic.policy.find_hung_ranks` naming the rank
-  (and *heartbeat check*: every poll's read -> its verdict, mostly "none");
-- *heal*: the new gang's builds seen done -> :func:`raytrec.elastic.heal.failed_heals`, which
-  includes the join's sync, new generation and state broadcast;
-- *drain*: the draining nodes read -> :func:`raytrec.elastic.drain.decide_drain` giving gangs.
-
+The real coordinator (:class:`actors.coordinator.Coordinator`) drives the in-process fake worker
+group (:mod:`raytrec.elastic.fake`) on its manual clock: no Ray, no training. The storm, in 40
+steps: rank, node, hang, transient and drain faults, a user's drain request, and a loss during a
+recovery; each loss asks for a gang, healed from a peer when placed. Decision times (CPU time
+less the fake's) run from the observation to the decision value: a failed call to
+``policy.decide`` (*loss*), a heartbeat read to ``find_hung_ranks`` (*heartbeat check*), builds
+seen done to ``failed_heals`` (*heal*), draining nodes read to ``decide_drain`` (*drain*).
 Per interval: the coordinator's CPU time (``time.process_time``, less the fake's) between two
 history rows. Run::
 
-    .venv/bin/python benchmarks/control_plane_scale.py --write docs/benchmarks.md
+    .venv/bin/python -m benchmarks.control_plane_scale --write docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -34,42 +23,26 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import gc
 import itertools
-import os
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
-
-from _docs import replace_section  # benchmarks/, the script's own folder
 
 import actors.coordinator
 import actors.drain
 import actors.growth
 import actors.recovery
+from benchmarks.common import add_write_arg, drop_options, header, replace_block
 from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
+from raytrec.elastic import fake_faults as ff
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.drain import request_drain
 from raytrec.elastic.fake import FakeWorkerGroup
-from raytrec.elastic.fake_faults import (
-    AtStep,
-    FakeShard,
-    Fault,
-    NodeDies,
-    NodeDrains,
-    RankDies,
-    RankFails,
-    RankHangs,
-)
 
-HERE = Path(__file__).resolve().parent
-SECTION = "## Control plane at scale, without Ray"
-COMMAND = ".venv/bin/python benchmarks/control_plane_scale.py --write docs/benchmarks.md"
 SHAPES = ((1024, 4), (4096, 4), (1024, 16), (4096, 16))  # (ranks, gang size)
 EVENTS = ("loss", "heartbeat check", "heal", "drain")
 
@@ -184,17 +157,17 @@ def timed_decisions(run: Run, group: TimedGroup) -> Iterator[None]:
             setattr(module, name, inner)
 
 
-def storm(gangs: int, g: int, run_dir: str) -> list[Fault]:
+def storm(gangs: int, g: int, run_dir: str) -> list[ff.Fault]:
     """The failures, heals and drains of one run (module doc); gang ``k`` is on node ``k``."""
     return [
-        RankDies(rank=1 * g + 1, step=5),
-        NodeDies(node=3, step=9),
-        RankHangs(rank=5 * g, step=13),
-        RankFails(rank=7 * g, step=17),
-        NodeDrains(node=9, step=21),
-        AtStep(step=25, action=lambda: request_drain(run_dir, gangs=1)),
-        RankDies(rank=11 * g + 2, step=29),
-        RankDies(rank=13 * g, on="recover"),
+        ff.RankDies(rank=1 * g + 1, step=5),
+        ff.NodeDies(node=3, step=9),
+        ff.RankHangs(rank=5 * g, step=13),
+        ff.RankFails(rank=7 * g, step=17),
+        ff.NodeDrains(node=9, step=21),
+        ff.AtStep(step=25, action=lambda: request_drain(run_dir, gangs=1)),
+        ff.RankDies(rank=11 * g + 2, step=29),
+        ff.RankDies(rank=13 * g, on="recover"),
     ]
 
 
@@ -222,11 +195,11 @@ def run_one(ranks: int, g: int) -> Run:
         )
         coordinator = actors.coordinator.Coordinator(
             cfg,
-            plan=None,  # type: ignore[arg-type]  # only the ranks read it
-            shards=[FakeShard(i) for i in range(ranks)],
+            plan=None,  # only the ranks read it
+            shards=[ff.FakeShard(i) for i in range(ranks)],
             num_dense=13,
             run_dir=run_dir,
-            new_shard=FakeShard,
+            new_shard=ff.FakeShard,
             group=group,
             clock=group.clock,
         )
@@ -287,54 +260,28 @@ def table(runs: list[Run]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", type=Path, help="the docs page to put the table in")
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="*", help="only these sizes")
+    add_write_arg(parser, "docs/benchmarks.md")
     a = parser.parse_args(argv)
     started = time.perf_counter()
     runs = []
     for ranks, g in SHAPES:
         if a.ranks and ranks not in a.ranks:
             continue
-        run = run_one(ranks, g)
-        runs.append(run)
+        runs.append(run := run_one(ranks, g))
         print(
             f"{ranks} ranks, gangs of {g}: {run.wall_s:.1f} s wall, coordinator CPU "
-            f"{run.cpu_s:.2f} s, fake {run.fake_cpu_s:.2f} s; generation {run.generation}; "
-            f"events {run.events}",
+            f"{run.cpu_s:.2f} s, fake {run.fake_cpu_s:.2f} s; events {run.events}",
             flush=True,
         )
-    text = table(runs)
-    big = [r for r in runs if r.ranks == 4096]
-    if big:
-        cpu = max(v for r in big for values in r.decisions.values() for v in values)
-        wall = max(v for r in big for values in r.decisions_wall.values() for v in values)
-        text += (
-            f"\n\nAt 4,096 ranks the slowest decision took {cpu:.0f} ms of CPU and {wall:.0f} ms "
-            f"of wall time (1-minute load average {os.getloadavg()[0]:.1f} on 2 cores at the end)."
-        )
-    print(text)
+    block = (
+        f"{header('control_plane_scale', drop_options(argv, '--write'), started)}\n{table(runs)}"
+    )
+    print(block)
     if a.write:
-        date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
-        section = f"""{SECTION}
-
-Measured by `benchmarks/control_plane_scale.py` on {date} (2-core CPU VM, whole run
-{time.perf_counter() - started:.0f} s):
-
-    {COMMAND}
-
-The real coordinator over the in-process fake worker group (no Ray), through a storm of losses,
-a hang, a transient failure, heals and drains in 40 steps. Decision times are the coordinator's
-CPU time in ms, median / max, from the observation to the decision value (the module docstring
-says which); the slowest one is also given in wall time, which on this shared machine includes
-waiting for a core. CPU per interval: the coordinator's own, median / max, recoveries and joins
-included. Goal: every decision under 50 ms at 4,096 ranks, costs growing no faster than the
-number of ranks (4x from 1,024 to 4,096).
-
-{text}
-"""
-        replace_section(a.write, section, heading=SECTION)
-        print(f"wrote {a.write}")
+        replace_block(a.write, block, name="control-plane-scale", heading="## Control plane")
     return 0
 
 

@@ -2,8 +2,8 @@
 127.0.0.1 loses a rank (a new gang joins on the freed CPUs) and then a whole node (its raylet
 killed), and still trains every batch exactly once.
 
-Runs ``benchmarks/chaos.py --short`` as a user would and reads what it measured from the job's
-own outputs (events, metrics rows, the ledger).
+Runs ``python -m benchmarks.chaos --short`` as a user would and reads what it measured from the
+job's own outputs (events, metrics rows, the ledger).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def test_job_survives_a_rank_kill_a_join_and_a_node_loss(tmp_path: pathlib.Path)
     out_file = tmp_path / "chaos.json"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(
-        [sys.executable, "benchmarks/chaos.py", "--short", "--json", str(out_file)],
+        [sys.executable, "-m", "benchmarks.chaos", "--short", "--json", str(out_file)],
         cwd=REPO,
         env=env,
         capture_output=True,

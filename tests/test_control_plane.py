@@ -452,20 +452,10 @@ def test_a_call_on_a_killed_rank_fails_with_rank_lost_in_the_ray_group(
 
 
 def test_the_scale_benchmark_measures_every_kind_of_decision() -> None:
-    # benchmarks/control_plane_scale.py's storm at 64 ranks: each decision it reports was taken.
-    import importlib.util
-    import pathlib
-    import sys
+    # The control-plane scale benchmark's storm at 64 ranks: each decision it reports was taken.
+    from benchmarks.control_plane_scale import run_one
 
-    root = pathlib.Path(__file__).resolve().parent.parent
-    sys.path.append(str(root / "benchmarks"))  # its _docs helper, as when run as a script
-    path = root / "benchmarks" / "control_plane_scale.py"
-    spec = importlib.util.spec_from_file_location("control_plane_scale", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["control_plane_scale"] = bench  # dataclasses look their module up by name
-    spec.loader.exec_module(bench)
-    run = bench.run_one(64, 4)
+    run = run_one(64, 4)
     assert set(run.decisions) == {"loss", "heartbeat check", "heal", "drain"}
     # A rank, a node, a hang, a transient failure, a rank, and one lost during that recovery.
     assert len(run.decisions["loss"]) == 6

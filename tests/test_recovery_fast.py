@@ -8,32 +8,14 @@ hand from them.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import pathlib
-import sys
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from benchmarks import recovery
+from benchmarks.common import drop_options, replace_block
 from raytrec.metrics import IntervalMetrics
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _load() -> ModuleType:
-    # As when run as a script: the benchmark's own folder is importable (benchmarks/_docs.py).
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.append(str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("recovery", ROOT / "benchmarks" / "recovery.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["recovery"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-recovery = _load()
 
 
 def row(step: int, at: float, *, gangs: int = 2, seconds: float = 0.04) -> IntervalMetrics:
@@ -151,20 +133,21 @@ def test_the_section_is_appended_once_then_replaced(tmp_path: pathlib.Path) -> N
     doc.write_text("# Title\n\nBody.\n")
     recovery.write_into(doc, "first")
     recovery.write_into(doc, "second")
-    text = doc.read_text()
-    assert text == (
-        f"# Title\n\nBody.\n\n{recovery.HEADING}\n\n{recovery.BEGIN}\nsecond\n{recovery.END}\n"
+    assert doc.read_text() == (
+        f"# Title\n\nBody.\n\n{recovery.HEADING} (synthetic data)\n\n"
+        "<!-- recovery:begin -->\nsecond\n<!-- recovery:end -->\n"
     )
 
 
-def test_a_section_is_replaced_up_to_the_next_heading(tmp_path: pathlib.Path) -> None:
-    from _docs import replace_block, replace_section
-
+def test_a_block_is_replaced_and_the_page_around_it_kept(tmp_path: pathlib.Path) -> None:
     doc = tmp_path / "page.md"
-    doc.write_text("# Page\n\n## Mine\n\nold\n\n## Theirs\n\nkept\n")
-    replace_section(doc, "## Mine\n\nnew\n", heading="## Mine")
-    assert doc.read_text() == "# Page\n\n## Mine\n\nnew\n\n## Theirs\n\nkept\n"
-    replace_section(doc, "## Later\n\nadded\n", heading="## Later")
-    assert doc.read_text() == "# Page\n\n## Mine\n\nnew\n\n## Theirs\n\nkept\n\n## Later\n\nadded\n"
-    with pytest.raises(SystemExit, match=r"no <!-- a --> \.\.\. <!-- b --> block"):
-        replace_block(doc, "x", begin="<!-- a -->", end="<!-- b -->")
+    doc.write_text("# Page\n\n<!-- mine:begin -->\nold\n<!-- mine:end -->\n\nkept\n")
+    replace_block(doc, "new\n", name="mine")
+    assert doc.read_text() == "# Page\n\n<!-- mine:begin -->\nnew\n<!-- mine:end -->\n\nkept\n"
+    with pytest.raises(SystemExit, match=r"no <!-- other:begin --> \.\.\. <!-- other:end -->"):
+        replace_block(doc, "x", name="other")
+
+
+def test_the_printed_command_leaves_out_where_it_was_written() -> None:
+    argv = ["--repeats", "2", "--write", "docs/x.md", "--source=parquet", "--write=y.md"]
+    assert drop_options(argv, "--write") == ["--repeats", "2", "--source=parquet"]

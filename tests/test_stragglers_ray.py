@@ -92,7 +92,7 @@ def test_hierarchy_with_stragglers_trains_and_ends_with_identical_replicas(
     seconds = train_s(result)
     # The stalls are real sleeps: the hierarchy cannot beat the stalls its own groups must wait
     # for. (That it beats synchronous SGD under the same stalls is a speed claim, measured side
-    # by side in benchmarks/stragglers_ray.py rather than timed here.)
+    # by side in `python -m benchmarks.stragglers ray` rather than timed here.)
     assert seconds >= charged_s(HIERARCHICAL)
     assert sum(m.steps for m in result.history) == STEPS
     assert result.steps == STEPS

@@ -1,4 +1,5 @@
-"""How ``benchmarks/throughput_turns.py`` times each side's windows from its progress records.
+"""How ``python -m benchmarks.throughput --turns`` times each side's windows from its progress
+records.
 
 The benchmark pauses and resumes two whole jobs; a window's rows/s must come from the records
 written while that side ran, with the interval that spans a pause, and the settling time after
@@ -7,32 +8,9 @@ a resume, left out. Checked here on records made up with known rates.
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load() -> ModuleType:
-    # As when run as a script: the benchmark's own folder is importable.
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.append(str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(
-        "turns", ROOT / "benchmarks" / "throughput_turns.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-turns = _load()
+from benchmarks import throughput as turns
 
 
 def records(
@@ -92,21 +70,3 @@ def test_a_window_with_too_few_records_is_not_timed() -> None:
     rates = turns.window_rates(recs, windows, rows_per_step=1, gap_s=5.0, settle_s=0.0)
     assert rates[0] == pytest.approx(100.0)
     assert rates[1] is None
-
-
-def test_an_arm_names_its_ranks_nice_value_and_interval_length() -> None:
-    arm = turns.Arm.parse("nice=ray,log_every=100")
-    assert arm == turns.Arm(nice="ray", log_every=100)
-    assert arm.driver_argv() == ["--rank-niceness=ray", "--log-every=100"]
-    assert arm.label == "ranks at Ray's nice 15, log_every 100"
-    assert turns.Arm.parse("nice=3").driver_argv() == ["--rank-niceness=3"]
-    assert turns.Arm.parse("").driver_argv() == []  # raytrec's defaults
-    for bad, match in [
-        ("nice", "expected KEY=VALUE"),
-        ("speed=2", "expected KEY=VALUE"),
-        ("nice=high", "'high': expected an integer or 'ray'"),
-        ("log_every=many", "log_every must be an integer"),
-        ("log_every=0", "log_every must be >= 1"),
-    ]:
-        with pytest.raises(argparse.ArgumentTypeError, match=match):
-            turns.Arm.parse(bad)

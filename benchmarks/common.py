@@ -1,0 +1,128 @@
+"""What the benchmarks share: the machine's description, medians and confidence intervals, the
+command that reproduces a run, and writing a result block into a docs page.
+
+A benchmark owns one block of a page, between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``;
+the prose around it is written by hand and left alone. The page is re-read right before writing
+and replaced atomically, so an edit of another part made meanwhile survives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import random
+import shlex
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+def replace_block(path: Path, block: str, *, name: str, heading: str | None = None) -> None:
+    """Replaces the block ``name`` of the page ``path`` by ``block``. A page without that block
+    gets it appended under ``heading`` as a new last section; without a heading it is refused
+    (the page says where the block goes)."""
+    begin, end = markers(name)
+    text = path.read_text() if path.exists() else ""
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        new = f"{head}{begin}\n{block.strip()}\n{end}{rest.split(end, 1)[1]}"
+    elif heading is not None:
+        new = f"{text.rstrip()}\n\n{heading}\n\n{begin}\n{block.strip()}\n{end}\n".lstrip()
+    else:
+        raise SystemExit(f"{path} has no {begin} ... {end} block to replace")
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(new)
+    os.replace(tmp, path)
+
+
+def add_write_arg(p: argparse.ArgumentParser, page: str) -> None:
+    p.add_argument(
+        "--write",
+        type=Path,
+        metavar="PAGE",
+        help=f"write the result block into this page (its page: {page}); without it, print only",
+    )
+
+
+def drop_options(argv: Sequence[str], *names: str) -> list[str]:
+    """``argv`` without the options ``names`` (``--name VALUE`` or ``--name=VALUE``)."""
+    out: list[str] = []
+    skip = False
+    for token in argv:
+        if not skip and token.split("=", 1)[0] not in names:
+            out.append(token)
+        skip = not skip and token in names
+    return out
+
+
+def command(module: str, argv: Sequence[str]) -> str:
+    """The command line that reproduces a run, as the docs show it."""
+    return shlex.join([".venv/bin/python", "-m", f"benchmarks.{module}", *argv])
+
+
+def stamp() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def machine(*, gpu: bool = False) -> str:
+    """One line: cores, CPU, load (the machine may be shared) and the stack's versions."""
+    import ray
+    import torch
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    names = [x.split(":", 1)[1].strip() for x in info.splitlines() if x.startswith("model name")]
+    cpu = names[0] if names else platform.machine()
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    device = f", GPU {torch.cuda.get_device_name(0)}" if gpu and torch.cuda.is_available() else ""
+    return (
+        f"{len(os.sched_getaffinity(0))} CPU cores ({cpu}){device}, load average {load} at the "
+        f"end; Python {platform.python_version()}, torch {torch.__version__}, ray {ray.__version__}"
+    )
+
+
+def header(module: str, argv: Sequence[str], started: float, *, gpu: bool = False) -> str:
+    """The first lines of a result block: when, on what, and the command that made it."""
+    took = time.perf_counter() - started
+    length = f"{took:.0f} s" if took < 600 else f"{took / 60:.0f} min"
+    return (
+        f"Measured on {stamp()} (whole run {length}); {machine(gpu=gpu)}.\n\n"
+        f"    {command(module, argv)}\n"
+    )
+
+
+def timed(fn: Callable[[], T]) -> tuple[T, float]:
+    t0 = time.perf_counter()
+    return fn(), time.perf_counter() - t0
+
+
+def spread(values: Sequence[float | None], spec: str = ".2f", unit: str = "") -> str:
+    """Median and its ``unit``, with (min to max) when there are several; ``-`` for none."""
+    xs = [x for x in values if x is not None]
+    if not xs:
+        return "-"
+    mid = format(statistics.median(xs), spec) + unit
+    return mid if len(xs) == 1 else f"{mid} ({min(xs):{spec}} to {max(xs):{spec}})"
+
+
+def bootstrap_median_ci(
+    values: Sequence[float], *, level: float = 0.95, resamples: int = 5000, seed: int = 0
+) -> tuple[float, float]:
+    """A percentile-bootstrap confidence interval for the median of ``values``: resampled with
+    replacement, the median of each resample, the middle ``level`` of those."""
+    rng = random.Random(seed)
+    medians = sorted(
+        statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)
+    )
+    tail = (1 - level) / 2
+    return medians[int(tail * resamples)], medians[min(resamples - 1, int((1 - tail) * resamples))]

@@ -1,0 +1,331 @@
+"""Straggler tolerance: synchronous against local and hierarchical SGD, simulated at scale and
+measured on a local Ray cluster.
+
+    .venv/bin/python -m benchmarks.stragglers sim --write docs/stragglers.md
+    .venv/bin/python -m benchmarks.stragglers ray --rate 0 --straggler-seed 0
+    .venv/bin/python -m benchmarks.stragglers ray --straggler-seed 0 --write docs/stragglers.md
+
+``sim``: the published experiment (Cruise and Meta: 64 to 4,096 workers, 1 s stalls at 1-2%
+per worker and step) on
+the clock model of :mod:`raytrec.sync.simulate`: speedup over synchronous SGD, mean over
+``--seeds`` straggler draws, with hosts of 4 as one gang and per worker. Schedules in the published
+notation, in workers: ``2-8,4-32,8-64`` = groups of 8 every 2 steps, 32 every 4, all 64 every 8.
+
+``ray``: :func:`raytrec.fit` once per schedule (group sizes in gangs) and straggler seed, every rank
+sleeping ``--stall-s`` before a step with probability ``--rate``; speedups and AUC gaps are paired
+per seed. Runs are saved to ``--results`` and the table is built from every saved run of the
+same settings: another ``--straggler-seed`` adds a repeat, ``--rate 0`` the time without stalls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import ROOT, add_write_arg, command, drop_options, replace_block, spread
+from raytrec.config import SyncConfig
+from raytrec.sync.schedule import plan_sync
+from raytrec.sync.simulate import CostModel, gang_stalls, simulate
+from raytrec.sync.stragglers import StragglerSpec
+
+# (workers, stall rate, hierarchical configurations, the seed's HSGD speedup range)
+SCALES = (
+    (64, 0.02, ("2-8,4-32,8-64", "4-32,8-64"), (2.08, 2.45)),
+    (128, 0.01, ("2-8,4-32,8-128", "4-32,8-128"), (2.57, 2.68)),
+    (256, 0.01, ("1-4,2-16,4-64,8-256", "2-8,4-64,8-256", "4-16,8-256"), (2.63, 3.25)),
+    (1024, 0.01, ("2-8,4-32,8-1024", "4-32,8-1024", "2-16,4-256,8-1024"), None),
+    (4096, 0.01, ("2-8,4-32,8-4096", "4-32,8-4096", "2-16,4-256,8-4096"), None),
+)
+# The clock model with no compute and free all-reduces: what remains is stall waiting.
+STALLS_ONLY = CostModel(step_s=1e-12, model_bytes=1e-12, hop_latency_s=0.0)
+
+
+def to_sync_config(spec: str, *, workers: int, gang_size: int) -> SyncConfig:
+    """Seed notation in workers -> a schedule in gangs of ``gang_size``; levels no larger than a
+    gang are dropped (it averages every step); the last level (all workers) is ``sync_every``."""
+    *lower, (top_period, top_size) = [tuple(int(x) for x in p.split("-")) for p in spec.split(",")]
+    if top_size != workers or any(s % gang_size for _, s in lower):
+        raise ValueError(f"{spec}: the last level must hold all {workers} workers, in whole gangs")
+    levels = tuple((p, s // gang_size) for p, s in lower if s > gang_size)
+    return SyncConfig(sync_every=top_period, levels=levels)
+
+
+def seed_figure(label: str, seed_range: tuple[float, float] | None) -> str:
+    if seed_range is None:
+        return "not published"
+    lo, hi = seed_range
+    return {
+        "local SGD every 2": f"lower bound of HSGD (<= {lo:.2f}x)",
+        "local SGD every 8": f"upper bound of HSGD (>= {hi:.2f}x)",
+    }.get(label, f"{lo:.2f}-{hi:.2f}x (HSGD range)" if label.startswith("HSGD") else "-")
+
+
+def simulated(a: argparse.Namespace) -> str:
+    lines = [
+        "| workers | stall rate | sync SGD step | schedule | speedup, hosts of 4 "
+        "| speedup, per worker | published (Cruise and Meta) |",
+        "| ---: | ---: | ---: | --- | ---: | ---: | --- |",
+    ]
+    cost = CostModel()
+    for workers, rate, hsgd, seed_range in SCALES:
+        labels = [(f"local SGD every {n}", f"{n}-{workers}") for n in (2, 4, 8)]
+        labels += [(f"HSGD {h}", h) for h in hsgd]
+        speed: dict[tuple[int, str], list[float]] = {}
+        step4 = []
+        for g in (4, 1):
+            gangs = workers // g
+            for seed in range(a.seeds):
+                spec = StragglerSpec(rate=rate, stall_s=1.0, seed=seed)
+                stalls = gang_stalls(spec, steps=a.steps, num_gangs=gangs, gang_size=g)
+
+                def seconds(cfg: SyncConfig, stalls: np.ndarray = stalls, g: int = g) -> float:
+                    plan = plan_sync(cfg, generation=0, live_gangs=range(stalls.shape[1]))
+                    return simulate(plan, stalls, cost, gang_size=g).seconds
+
+                base = seconds(SyncConfig(sync_every=1))
+                step4 += [base / a.steps] if g == 4 else []
+                for label, spec_ in labels:
+                    cfg = to_sync_config(spec_, workers=workers, gang_size=g)
+                    speed.setdefault((g, label), []).append(base / seconds(cfg))
+        for i, (label, _) in enumerate(labels):
+            lead = f"| {workers} | {100 * rate:.0f}% | {1e3 * np.mean(step4):.0f} ms"
+            h, w = speed[(4, label)], speed[(1, label)]
+            lines.append(
+                f"{lead if i == 0 else '| | | '} | {label} | {np.mean(h):.2f}x ({min(h):.2f}-"
+                f"{max(h):.2f}) | {np.mean(w):.2f}x | {seed_figure(label, seed_range)} |"
+            )
+    return (
+        f"Reproduce with `{command('stragglers', ['sim', '--write', 'docs/stragglers.md'])}` "
+        f"({a.steps} steps, "
+        f"mean over {a.seeds} straggler seeds; the range is the min-max over seeds).\n\n"
+        + "\n".join(lines)
+    )
+
+
+# -- on a local Ray cluster ----------------------------------------------------------------------
+
+
+def parse_schedules(text: str, *, gangs: int, sync_dense: Any) -> list[tuple[str, SyncConfig]]:
+    """``sync`` (first: the reference), ``local-N`` and hierarchies ``P-S,...,P-gangs``."""
+    out: list[tuple[str, SyncConfig]] = []
+    pending: list[tuple[int, int]] = []
+    for item in (x.strip() for x in text.split(",")):
+        if item == "sync" and not pending:
+            out.append(("synchronous", SyncConfig(sync_every=1, dense=sync_dense)))
+        elif item.startswith("local-") and not pending:
+            n = int(item.removeprefix("local-"))
+            out.append((f"local SGD every {n}", SyncConfig(sync_every=n, dense="with_schedule")))
+        else:
+            try:
+                period, size = (int(x) for x in item.split("-"))
+            except ValueError:
+                raise SystemExit(f"--schedules: {item!r} is not sync, local-N or P-S") from None
+            pending.append((period, size))
+            if size == gangs:
+                levels = tuple(pending[:-1])
+                cfg = SyncConfig(sync_every=period, levels=levels, dense="with_schedule")
+                out.append((f"HSGD {','.join(f'{p}-{s}' for p, s in pending)}", cfg))
+                pending = []
+    if pending or not out or out[0][0] != "synchronous":
+        raise SystemExit(
+            f"--schedules: start with sync; end each hierarchy with a level of {gangs}"
+        )
+    return out
+
+
+# The settings a run's numbers depend on, apart from the schedule and the stalls.
+SETUP = (
+    "gangs data steps log_every auc_intervals batch_size tables rows_per_table dim sync_dense seed"
+)
+SETUP_FIELDS = (*SETUP.split(), "cpus_per_rank")
+
+
+def setup_of(a: argparse.Namespace, *, stalls: bool = True) -> dict[str, object]:
+    """The settings a run's numbers depend on, apart from the schedule and straggler seed."""
+    on = stalls and a.rate > 0 and a.stall_s > 0
+    return {
+        **{f: getattr(a, f) for f in SETUP_FIELDS},
+        "rate": a.rate if on else 0.0,
+        "stall_s": a.stall_s if on else 0.0,
+    }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Run:
+    """One schedule's measurement under one straggler seed."""
+
+    setup: dict[str, object]
+    label: str
+    straggler_seed: int
+    train_s: float  # first step to last, summed over the coordinator's intervals
+    fit_s: float  # the whole fit() call, start-up and shutdown included
+    rows: int
+    auc: float  # mean AUC of the last intervals
+    oracle_auc: float | None
+    charged_s: float  # the clock model's stall waiting for this seed's stalls
+
+
+def load_runs(path: Path) -> list[Run]:
+    return [Run(**r) for r in json.loads(path.read_text())] if path.exists() else []
+
+
+def measure(a: argparse.Namespace, schedules: list[tuple[str, SyncConfig]]) -> None:
+    from raytrec import fit
+    from raytrec.cluster import connect
+    from raytrec.config import DataConfig, ModelConfig, ScalingConfig, TableConfig, TrainConfig
+
+    connect(num_cpus=a.gangs * a.cpus_per_rank + (os.cpu_count() or 2))
+    setup = setup_of(a)
+    tables = tuple(
+        TableConfig(
+            name=f"t_cat_{i}",
+            num_embeddings=a.rows_per_table,
+            embedding_dim=a.dim,
+            features=(f"cat_{i}",),
+        )
+        for i in range(a.tables)
+    )
+    for repeat in range(a.repeats):
+        seed = a.straggler_seed + repeat
+        rate, stall_s = setup["rate"], setup["stall_s"]
+        assert isinstance(rate, float) and isinstance(stall_s, float)
+        stragglers = StragglerSpec(rate=rate, stall_s=stall_s, seed=seed)
+        k = repeat % len(schedules)  # rotated: the machine's drift spreads over schedules
+        for label, sync in schedules[k:] + schedules[:k]:
+            config = TrainConfig(
+                model=ModelConfig(
+                    tables=tables, dense_arch_layers=(32, a.dim), over_arch_layers=(32, 1)
+                ),
+                scaling=ScalingConfig(
+                    num_workers=a.gangs, gang_size=1, cpus_per_rank=a.cpus_per_rank
+                ),
+                sync=sync,
+                data=DataConfig(batch_size=a.batch_size, source=a.data),
+                stragglers=stragglers,
+                num_steps=a.steps,
+                log_every=a.log_every,
+                seed=a.seed,
+                storage_path=str(a.results.parent),
+                name="stragglers",
+            )
+            started = time.perf_counter()
+            result = fit(config, shutdown_ray=False, on_progress=lambda _m: None)
+            h = result.history
+            rows = round(sum(m.samples_per_s * m.seconds for m in h))
+            aucs = [m.auc for m in h[-a.auc_intervals :]]
+            if rows != a.steps * a.gangs * a.batch_size or None in aucs:
+                raise RuntimeError(f"{label}: trained {rows} rows, AUCs {aucs}")
+            plan = plan_sync(sync, generation=0, live_gangs=range(a.gangs))
+            stalls = gang_stalls(stragglers, steps=a.steps, num_gangs=a.gangs, gang_size=1)
+            run = Run(
+                setup=setup,
+                label=label,
+                straggler_seed=seed,
+                rows=rows,
+                train_s=sum(m.seconds for m in h),
+                fit_s=time.perf_counter() - started,
+                auc=statistics.fmean(x for x in aucs if x is not None),
+                oracle_auc=result.oracle_auc,
+                charged_s=simulate(plan, stalls, STALLS_ONLY, gang_size=1).seconds,
+            )
+            runs = [
+                r
+                for r in load_runs(a.results)
+                if (r.setup, r.label, r.straggler_seed) != (setup, label, seed)
+            ] + [run]
+            a.results.parent.mkdir(parents=True, exist_ok=True)
+            a.results.write_text(json.dumps([dataclasses.asdict(r) for r in runs], indent=1))
+            print(f"seed {seed} | {label:<22} | {run.train_s:7.1f} s | AUC {run.auc:.4f}")
+
+
+def on_ray(a: argparse.Namespace, argv: list[str]) -> str:
+    schedules = parse_schedules(a.schedules, gangs=a.gangs, sync_dense=a.sync_dense)
+    if any(a.log_every % s.sync_every for _, s in schedules):
+        # Interval ends are job-wide barriers: off a job-wide sync they would add waiting.
+        raise SystemExit(f"--log-every={a.log_every} is not a multiple of every sync period")
+    if a.repeats:
+        measure(a, schedules)
+    saved = load_runs(a.results)
+    runs = [r for r in saved if r.setup == setup_of(a)]
+    quiet = [r for r in saved if r.setup == setup_of(a, stalls=False)]
+    ref = {r.straggler_seed: r for r in runs if r.label == "synchronous"}
+    lines = [
+        "| schedule | training time | rows/s | speedup | stall charged (clock model) "
+        "| training time without stalls | stall cost measured | AUC, last intervals "
+        "| AUC vs synchronous |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for label, _ in schedules:
+        mine = [r for r in runs if r.label == label and r.straggler_seed in ref]
+        if not mine:
+            continue
+        t = [r.train_s for r in mine]
+        base = [r.train_s for r in quiet if r.label == label]
+        cost = statistics.median(t) - statistics.median(base) if base else None
+        first = label == "synchronous"
+        rates = [r.rows / r.train_s for r in mine]
+        speedup = spread([ref[r.straggler_seed].train_s / r.train_s for r in mine], unit="x")
+        gap = spread([100 * (r.auc / ref[r.straggler_seed].auc - 1) for r in mine], "+.2f", "%")
+        charged = spread([r.charged_s for r in mine], ".1f", " s")
+        lines.append(
+            f"| {label} | {spread(t, '.1f', ' s')} | {spread(rates, ',.0f')} "
+            f"| {'reference' if first else speedup} | {charged} | {spread(base, '.1f', ' s')} "
+            f"| {spread([cost], '.1f', ' s')} | {spread([r.auc for r in mine], '.4f')} "
+            f"| {'reference' if first else gap} |"
+        )
+    seeds = sorted({r.straggler_seed for r in runs})
+    cmd = command("stragglers", drop_options(argv, "--straggler-seed", "--write", "--rate"))
+    each = " ".join(map(str, seeds))
+    return (
+        "Reproduce with:\n\n```bash\n"
+        f"for s in {each}; do {cmd} --rate 0 --straggler-seed $s; done\n"
+        f"for s in {each}; do {cmd} --straggler-seed $s --write docs/stragglers.md; done\n```\n\n"
+        f"Straggler seeds {', '.join(map(str, seeds))}: "
+        "median (min to max); speedups and AUC gaps paired per seed.\n\n" + "\n".join(lines)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("what", choices=("sim", "ray"), help="the clock model, or a local Ray cluster")
+    p.add_argument("--steps", type=int, help="steps per run (sim: 1000, ray: 256)")
+    p.add_argument("--seeds", type=int, default=5, help="sim: straggler draws averaged")
+    p.add_argument("--gangs", type=int, default=8, help="ray: single-rank gangs")
+    p.add_argument("--data", choices=("synthetic", "generated"), default="synthetic")
+    p.add_argument("--log-every", type=int, default=32, help="a multiple of every sync period")
+    p.add_argument("--auc-intervals", type=int, default=3, help="AUC: mean of the last K")
+    p.add_argument("--batch-size", type=int, default=128, help="rows per rank per step")
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--rows-per-table", type=int, default=500)
+    p.add_argument("--dim", type=int, default=8)
+    p.add_argument("--rate", type=float, default=0.05, help="stall probability per rank, step")
+    p.add_argument("--stall-s", type=float, default=1.0)
+    p.add_argument("--schedules", default="sync,local-2,local-4,local-8,2-2,4-4,8-8")
+    p.add_argument("--sync-dense", choices=("every_step", "with_schedule"), default="every_step")
+    p.add_argument("--repeats", type=int, default=1, help="straggler seeds (0: table only)")
+    p.add_argument("--seed", type=int, default=0, help="model and data seed")
+    p.add_argument("--straggler-seed", type=int, default=0)
+    p.add_argument("--cpus-per-rank", type=float, default=0.25)
+    p.add_argument("--results", type=Path, default=ROOT / "runs" / "stragglers" / "results.json")
+    add_write_arg(p, "docs/stragglers.md")
+    a = p.parse_args(argv)
+    a.steps = a.steps or (1000 if a.what == "sim" else 256)
+    block = simulated(a) if a.what == "sim" else on_ray(a, list(argv))
+    print(block)
+    if a.write:
+        replace_block(a.write, block, name="straggler_sim" if a.what == "sim" else "stragglers_ray")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

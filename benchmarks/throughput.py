@@ -1,0 +1,512 @@
+"""Training throughput: raytrec ``fit()`` against plain TorchRec DMP under ``torchrun``.
+
+    .venv/bin/python -m benchmarks.throughput [--repeats 20] [--gpu] [--write docs/benchmarks.md]
+    .venv/bin/python -m benchmarks.throughput --turns [--rounds 40] [--window-s 12]
+
+Both sides train the same job (:func:`build_config`), one torch thread per rank: torchrun's
+ranks run TorchRec's ``DistributedModelParallel`` over all T ranks, timed inside the workers
+between two barriers; raytrec's time is the coordinator's ``elapsed_s`` from the last warmup
+interval to the last one, Ray round trips included. In repeats, torchrun (no Ray cluster up) and
+each raytrec layout take turns, mirrored every other repeat, and each raytrec run is paired with
+its repeat's torchrun run. With ``--turns`` both whole systems stay up and take turns of
+``--window-s``, the other side's processes stopped (SIGSTOP); each raytrec window is compared
+with the torchrun windows before and after it, timed from each side's own progress records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import (
+    ROOT,
+    add_write_arg,
+    bootstrap_median_ci,
+    drop_options,
+    header,
+    replace_block,
+)
+from raytrec.config import (
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ScalingConfig,
+    ShardingConfig,
+    SyncConfig,
+    TrainConfig,
+    criteo_tables,
+)
+
+FOREVER = 10**8  # steps of a --turns job: this script stops it
+
+
+def parse_layout(text: str) -> tuple[int, int]:
+    g, _, l_ = text.lower().partition("x")
+    try:
+        return int(g), int(l_)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"layout {text!r} is not GxL, e.g. 2x1") from None
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.throughput",
+        description=(__doc__ or "").split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--world-size", type=int, default=2, help="T: ranks on both sides")
+    p.add_argument(
+        "--layouts", type=parse_layout, nargs="+", help="raytrec GxL (default 1xT, 2xT/2)"
+    )
+    p.add_argument("--steps", type=int, default=400, help="steps per run, warmup included")
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--log-every", type=int, default=25, help="raytrec's metrics interval")
+    p.add_argument("--sync-every", type=int, default=4, help="raytrec's embedding sync period")
+    p.add_argument("--batch-size", type=int, default=256, help="rows per rank per step")
+    p.add_argument("--num-embeddings", type=int, default=10_000, help="rows per table")
+    p.add_argument("--embedding-dim", type=int, default=16)
+    p.add_argument("--num-tables", type=int, default=26)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gpu", action="store_true", help="CUDA ranks on NCCL, one GPU per rank")
+    p.add_argument(
+        "--rank-niceness",
+        type=lambda x: None if x == "ray" else int(x),
+        default=0,
+        metavar="N|ray",
+        help="raytrec ranks' nice value; ray: Ray's 15",
+    )
+    p.add_argument("--read-ahead", choices=("auto", "background", "inline"), default="auto")
+    p.add_argument("--repeats", type=int, default=3, help="runs of every configuration")
+    p.add_argument("--turns", action="store_true", help="both systems up at once, taking turns")
+    p.add_argument("--rounds", type=int, default=40, help="--turns: raytrec windows")
+    p.add_argument("--window-s", type=float, default=12.0, help="--turns: seconds per turn")
+    p.add_argument("--settle-s", type=float, default=3.0, help="--turns: left out of a window")
+    p.add_argument("--timeout-s", type=float, default=900.0)
+    p.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--marks-file", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--driver", type=Path, help=argparse.SUPPRESS)
+    add_write_arg(p, "docs/benchmarks.md")
+    a = p.parse_args(argv)
+    t = a.world_size
+    a.layouts = a.layouts or [(1, t)] + ([(2, t // 2)] if t % 2 == 0 and not a.turns else [])
+    if any(g * l_ != t for g, l_ in a.layouts) or (a.turns and len(a.layouts) != 1):
+        p.error(f"every layout GxL needs G*L == --world-size {t} (one layout with --turns)")
+    if a.warmup_steps % a.log_every or (a.steps - a.warmup_steps) % a.log_every:
+        p.error("--warmup-steps and --steps - --warmup-steps must be multiples of --log-every")
+    if a.turns and (a.gpu or not 0 <= a.settle_s < a.window_s / 2):
+        p.error("--turns runs CPU ranks, with --settle-s below half of --window-s")
+    return a
+
+
+def build_config(a: argparse.Namespace, *, gang_size: int, steps: int, run_dir: str) -> TrainConfig:
+    """The job both sides train (the shape of ``python -m jobs.train``'s)."""
+    return TrainConfig(
+        model=ModelConfig(
+            tables=criteo_tables(
+                num_features=a.num_tables,
+                num_embeddings=a.num_embeddings,
+                embedding_dim=a.embedding_dim,
+            ),
+            dense_arch_layers=(64, a.embedding_dim),
+        ),
+        optimizer=OptimizerConfig(embedding="rowwise_adagrad", dense="adagrad"),
+        sharding=ShardingConfig(sharding_type="table_wise"),
+        scaling=ScalingConfig(
+            num_workers=a.world_size,
+            gang_size=gang_size,
+            use_gpu=a.gpu,
+            rank_niceness=a.rank_niceness,
+        ),
+        sync=SyncConfig(sync_every=a.sync_every),
+        data=DataConfig(batch_size=a.batch_size, read_ahead=a.read_ahead),
+        num_steps=steps,
+        log_every=a.log_every,
+        seed=a.seed,
+        storage_path=run_dir,
+        name="throughput",
+    )
+
+
+# -- the torchrun side ---------------------------------------------------------------------------
+
+
+def torchrun_worker(a: argparse.Namespace) -> int:
+    """One torchrun rank: DMP over the whole world, the step a raytrec rank runs (next batch,
+    forward, backward with the fused embedding update, dense optimizer step, read the loss)."""
+    import torch
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from raytrec._quiet import quiet_known_warnings
+    from raytrec.api import default_source
+    from raytrec.engine.plan import apply_embedding_optimizer, make_plan, sharders
+    from raytrec.engine.rank import _DENSE_OPTIMIZERS
+    from raytrec.model import build_dlrm
+
+    quiet_known_warnings()
+    torch.set_num_threads(1)  # what a CPU raytrec rank does (cpus_per_rank=1)
+    device = torch.device("cpu")
+    if a.gpu:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend="nccl" if a.gpu else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = build_config(a, gang_size=world, steps=a.steps, run_dir="unused")
+    source = default_source(cfg)
+    model = build_dlrm(cfg.model, source.dense_features, device, cfg.seed)
+    apply_embedding_optimizer(model, cfg.optimizer)
+    plan = [
+        None
+        if rank
+        else make_plan(
+            model,
+            gang_size=world,
+            device_type=device.type,
+            sharding=cfg.sharding,
+            tables=cfg.model.tables,
+            batch_size=cfg.data.batch_size,
+        )
+    ]
+    dist.broadcast_object_list(plan, src=0)  # every rank shards alike, as collective_plan does
+    dmp = DistributedModelParallel(
+        model,
+        ShardingEnv.from_process_group(dist.group.WORLD),
+        device,
+        plan=plan[0],
+        sharders=sharders(),
+    )
+    dense_cls = _DENSE_OPTIMIZERS[cfg.optimizer.dense]
+    kwargs: dict[str, Any] = {"lr": cfg.optimizer.dense_lr, "eps": cfg.optimizer.eps}
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda ps: dense_cls(ps, **kwargs),
+    )
+    batches = source.split(world)[rank].batches(cfg.data.batch_size)
+
+    def step() -> float:
+        loss, _ = dmp(next(batches).to(device))
+        loss.backward()
+        dense.step()
+        dense.zero_grad(set_to_none=False)
+        return float(loss.detach())
+
+    for _ in range(a.warmup_steps):
+        step()
+    dist.barrier()
+    marks = [time.perf_counter()]
+    measured = a.steps - a.warmup_steps
+    out = open(a.marks_file, "a") if a.marks_file and rank == 0 else None  # noqa: SIM115
+    for i in range(1, measured + 1):
+        step()
+        if i % a.log_every == 0:
+            marks.append(time.perf_counter())
+            if out is not None:
+                out.write(f"{i} {marks[-1]} {marks[-1]}\n")
+                out.flush()
+    dist.barrier()
+    seconds = time.perf_counter() - marks[0]
+    if rank == 0 and a.out:
+        intervals = [y - x for x, y in itertools.pairwise(marks)]
+        rows = measured * a.batch_size * world
+        a.out.write_text(json.dumps({"rows": rows, "seconds": seconds, "intervals": intervals}))
+    dist.destroy_process_group()
+    return 0
+
+
+def torchrun_cmd(a: argparse.Namespace, argv: Sequence[str], *extra: str) -> list[str]:
+    """``torchrun --standalone --nproc-per-node T -m benchmarks.throughput ARGS``"""
+    torchrun = f"-m torch.distributed.run --standalone --nproc-per-node={a.world_size} -m"
+    worker = [x for x in argv if x != "--turns"] + ["--torchrun-worker", *extra]
+    return [sys.executable, *torchrun.split(), "benchmarks.throughput", *worker]
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RAY_ADDRESS", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def run_torchrun(a: argparse.Namespace, argv: Sequence[str], tmp: Path) -> dict[str, Any]:
+    out = tmp / "torchrun.json"
+    cmd = torchrun_cmd(a, argv, f"--out={out}")
+    done = subprocess.run(
+        cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=a.timeout_s
+    )
+    if done.returncode or not out.exists():
+        raise RuntimeError(f"torchrun exited {done.returncode}:\n{done.stdout[-3000:]}")
+    return {"label": "torchrun + DMP", **json.loads(out.read_text())}
+
+
+# -- the raytrec side ----------------------------------------------------------------------------
+
+
+def run_raytrec(a: argparse.Namespace, layout: tuple[int, int], tmp: Path) -> dict[str, Any]:
+    from raytrec.api import fit
+
+    cfg = build_config(a, gang_size=layout[1], steps=a.steps, run_dir=str(tmp))
+    history = fit(cfg, shutdown_ray=False, on_progress=lambda _m: None).history
+    skip = a.warmup_steps // a.log_every
+    timed = history[skip:]
+    if history[skip - 1].step != a.warmup_steps or sum(m.steps for m in timed) != (
+        a.steps - a.warmup_steps
+    ):
+        raise RuntimeError(f"unexpected metrics history: {[m.step for m in history]}")
+    return {
+        "label": f"raytrec {layout[0]}x{layout[1]}",
+        "rows": sum(m.steps for m in timed) * a.world_size * a.batch_size,
+        "seconds": history[-1].elapsed_s - history[skip - 1].elapsed_s,
+        "intervals": [m.seconds for m in timed],
+        "idle": sum(m.idle_s or 0.0 for m in timed) / sum(m.seconds for m in timed),
+    }
+
+
+def repeats(a: argparse.Namespace, argv: Sequence[str]) -> str:
+    import ray
+
+    from raytrec.cluster import connect
+
+    runs: list[dict[str, Any]] = []
+    for r in range(a.repeats):
+        with tempfile.TemporaryDirectory(prefix="rt-throughput-") as tmp:
+            order: list[Any] = ["torchrun", *a.layouts]
+            for what in order if r % 2 == 0 else order[::-1]:  # mirrored (module doc)
+                if what == "torchrun":
+                    run = run_torchrun(a, argv, Path(tmp))
+                else:
+                    if not ray.is_initialized():
+                        connect(None, num_cpus=a.world_size)
+                    run = run_raytrec(a, what, Path(tmp))
+                    if what == a.layouts[-1 if r % 2 == 0 else 0]:
+                        ray.shutdown()
+                run |= {"repeat": r, "rows_per_s": run["rows"] / run["seconds"]}
+                runs.append(run)
+                print(f"repeat {r + 1}: {run['label']:<16} {run['rows_per_s']:>10,.0f} rows/s")
+    base = {x["repeat"]: x["rows_per_s"] for x in runs if x["label"] == "torchrun + DMP"}
+    lines = [
+        "| config | rows/s (median) | min - max | median interval rows/s | median over median "
+        "| median per-repeat ratio (95% CI) | per-repeat ratios |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for label in dict.fromkeys(x["label"] for x in runs):
+        mine = [x for x in runs if x["label"] == label]
+        rates = [x["rows_per_s"] for x in mine]
+        per = [x["rows"] / len(x["intervals"]) / s for x in mine for s in x["intervals"]]
+        ratio = f"**{statistics.median(rates) / statistics.median(base.values()):.3f}**"
+        paired = [x["rows_per_s"] / base[x["repeat"]] for x in mine]
+        lo, hi = bootstrap_median_ci(paired)
+        pair = f"**{statistics.median(paired):.3f}** ({lo:.3f} - {hi:.3f})"
+        listed = ", ".join(f"{p:.3f}" for p in paired)
+        if label.startswith("torchrun"):
+            ratio, pair, listed = "1 (baseline)", "-", "-"
+        lines.append(
+            f"| {label} | {statistics.median(rates):,.0f} | {min(rates):,.0f} - {max(rates):,.0f} "
+            f"| {statistics.median(per):,.0f} | {ratio} | {pair} | {listed} |"
+        )
+    return "\n".join(lines)
+
+
+# -- --turns: both systems up at once ------------------------------------------------------------
+
+
+def run_driver(a: argparse.Namespace) -> int:
+    """The raytrec job of ``--turns`` (a process of its own): writes 'step elapsed_s
+    perf_counter' per metrics row to ``--driver`` until it is stopped."""
+    from raytrec.api import fit
+
+    cfg = build_config(a, gang_size=a.layouts[0][1], steps=FOREVER, run_dir=str(a.driver.parent))
+    with open(a.driver, "a") as out:
+
+        def progress(m: Any) -> None:
+            out.write(f"{m.step} {m.elapsed_s} {time.perf_counter()}\n")
+            out.flush()
+
+        fit(cfg, on_progress=progress)
+    return 0
+
+
+class Side:
+    """One system: a process in a session of its own, and every process it starts."""
+
+    def __init__(self, cmd: list[str], records: Path) -> None:
+        import psutil
+
+        self.records, self.log = records, records.with_suffix(".log")
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env=child_env(),
+                start_new_session=True,
+            )
+        self.root = psutil.Process(self.proc.pid)
+        self.seen: dict[int, Any] = {}
+
+    def processes(self) -> list[Any]:
+        """Now and before: a stopped parent no longer lists a child that re-parented."""
+        with contextlib.suppress(Exception):
+            for q in [self.root, *self.root.children(recursive=True)]:
+                self.seen.setdefault(q.pid, q)
+        return [q for q in self.seen.values() if q.is_running()]
+
+    def signal(self, *sigs: int) -> None:
+        for q in self.processes():
+            for sig in sigs:
+                with contextlib.suppress(Exception):
+                    q.send_signal(sig)
+
+    def records_now(self) -> list[tuple[int, float, float]]:
+        text = self.records.read_text() if self.records.exists() else ""
+        return [(int(s), float(t), float(w)) for s, t, w in (x.split() for x in text.splitlines())]
+
+    def wait_for_step(self, step: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while max((r[0] for r in self.records_now()), default=0) < step:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"no step {step}:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    def stop_all(self) -> None:
+        import psutil
+
+        procs = self.processes()
+        self.signal(signal.SIGCONT, signal.SIGTERM)
+        _, alive = psutil.wait_procs(procs, timeout=15)
+        for q in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                q.kill()
+
+
+def window_rates(
+    records: list[tuple[int, float, float]],
+    windows: list[tuple[float, float]],
+    rows_per_step: int,
+    *,
+    gap_s: float,
+    settle_s: float,
+) -> list[float | None]:
+    """rows/s of each window ((start, end) in ``time.perf_counter``) from the records (step, t,
+    perf_counter at which the record was written or seen). Records closer than ``gap_s`` in
+    ``t`` are one stretch of running, assigned to the window most of its records were seen in;
+    its records in the first ``settle_s`` are left out (a side coming back from a pause)."""
+    out: list[float | None] = [None] * len(windows)
+    stretches: list[list[tuple[int, float, float]]] = []
+    for rec in records:
+        if not stretches or rec[1] - stretches[-1][-1][1] > gap_s:
+            stretches.append([])
+        stretches[-1].append(rec)
+    for run in stretches:
+        run = [r for r in run if r[1] >= run[0][1] + settle_s]
+        if len(run) < 3:  # too few whole intervals to time
+            continue
+        seen_at = statistics.median(r[2] for r in run)
+        for i, (start, end) in enumerate(windows):
+            if start <= seen_at <= end + gap_s:
+                out[i] = (run[-1][0] - run[0][0]) * rows_per_step / (run[-1][1] - run[0][1])
+                break
+    return out
+
+
+def turns(a: argparse.Namespace, argv: Sequence[str]) -> str:
+    tmp = Path(tempfile.mkdtemp(prefix="rt-turns-"))
+    forever = ["--steps", str(FOREVER + a.warmup_steps)]
+    torchrun = Side(torchrun_cmd(a, argv, *forever, f"--marks-file={tmp / 't.rec'}"), tmp / "t.rec")
+    sides = [torchrun]
+    windows: dict[int, list[tuple[float, float]]] = {0: [], 1: []}
+    try:
+        torchrun.wait_for_step(a.warmup_steps, a.timeout_s)
+        torchrun.signal(signal.SIGSTOP)
+        driver = [sys.executable, "-m", "benchmarks.throughput", *argv, f"--driver={tmp / 'r.rec'}"]
+        sides.append(Side(driver, tmp / "r.rec"))
+        sides[1].wait_for_step(a.warmup_steps, a.timeout_s)
+        sides[1].signal(signal.SIGSTOP)
+        for i in [0, 1] * a.rounds + [0]:
+            sides[i].signal(signal.SIGCONT)
+            start = time.perf_counter()
+            time.sleep(a.window_s)
+            sides[i].signal(signal.SIGSTOP)
+            windows[i].append((start, time.perf_counter()))
+            print(f"window {len(windows[0]) + len(windows[1])} of {2 * a.rounds + 1}", flush=True)
+    finally:
+        for side in sides:
+            side.stop_all()
+    t, r = (
+        window_rates(
+            side.records_now(),
+            windows[i],
+            a.world_size * a.batch_size,
+            gap_s=a.window_s / 2,
+            settle_s=a.settle_s,
+        )
+        for i, side in enumerate(sides)
+    )
+    ratios = [x / ((b + c) / 2) for x, b, c in zip(r, t, t[1:], strict=False) if x and b and c]
+    if not ratios:
+        raise RuntimeError(f"no round timed on both sides; records in {tmp}")
+    shutil.rmtree(tmp, ignore_errors=True)  # kept above, where the records explain a failure
+    lo, hi = bootstrap_median_ci(ratios)
+    t_ok, r_ok = [x for x in t if x], [x for x in r if x]
+    return "\n".join(
+        [
+            "| side | mean window rows/s | median window rows/s |",
+            "|---|---:|---:|",
+            f"| torchrun + DMP | {statistics.fmean(t_ok):,.0f} | {statistics.median(t_ok):,.0f} |",
+            f"| raytrec {a.layouts[0][0]}x{a.layouts[0][1]} | {statistics.fmean(r_ok):,.0f} "
+            f"| {statistics.median(r_ok):,.0f} |",
+            "",
+            f"raytrec / torchrun per round: median **{statistics.median(ratios):.3f}** (95% CI "
+            f"{lo:.3f} - {hi:.3f}), raytrec ahead in {sum(x > 1 for x in ratios)} of {len(ratios)} "
+            "rounds. Per-round ratios: " + ", ".join(f"{x:.3f}" for x in ratios) + ".",
+        ]
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parse_args(argv)
+    if a.torchrun_worker:
+        return torchrun_worker(a)
+    if a.driver:
+        return run_driver(a)
+    started = time.perf_counter()
+    kept = drop_options(argv, "--write")
+    table = turns(a, kept) if a.turns else repeats(a, kept)
+    shape = (
+        f"T = {a.world_size} ranks a side, batch {a.batch_size} per rank, DLRM {a.num_tables} "
+        f"tables x {a.num_embeddings:,} x {a.embedding_dim}, raytrec ranks at nice "
+        f"{'15 (Ray)' if a.rank_niceness is None else a.rank_niceness}; "
+        + (
+            f"{a.rounds} rounds of {a.window_s:g} s windows, {a.settle_s:g} s settling left out."
+            if a.turns
+            else f"{a.steps} steps per run, {a.warmup_steps} of warmup, {a.repeats} repeats."
+        )
+    )
+    block = f"{header('throughput', kept, started, gpu=a.gpu)}\n- {shape}\n\n{table}"
+    print(block)
+    if a.write:
+        name = "throughput-turns" if a.turns else "throughput-gpu" if a.gpu else "throughput-cpu"
+        replace_block(a.write, block, name=name, heading=f"## {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
