@@ -189,6 +189,9 @@ def drive(
     spare = len(cluster.nodes)  # names of replacement nodes go on from here
     dead: set[str] = set()
     full_since: int | None = None  # the first step at which both gangs trained again
+    # The generation at the last fault: rows of that generation or before are not "again" (a
+    # slow detection leaves rows of the old two gangs coming in after the kill).
+    fault_generation = -1
     ended: list[str] = []  # the job's final state, once `ray job status` shows one
     # The `ray` CLI takes seconds to start here: asked in a thread, so faults stay on time.
     waiter = threading.Thread(target=lambda: ended.append(cluster.wait(job, a.timeout_s)))
@@ -200,7 +203,7 @@ def drive(
             return cluster.wait(job, 180)
         run_dir.poll()
         rows = run_dir.rows
-        if rows and rows[-1]["gangs"] == 2:
+        if rows and rows[-1]["gangs"] == 2 and rows[-1]["generation"] > fault_generation:
             full_since = run_dir.step if full_since is None else full_since
         else:
             full_since = None
@@ -224,7 +227,7 @@ def drive(
             fault = Fault(kind, run_dir.step, kill_mono, node.name, node_id)
             faults.append(fault)
             print(f"[chaos] step {fault.step}: killed a {kind} on {node.name}", flush=True)
-            full_since = None
+            full_since, fault_generation = None, int(rows[-1]["generation"])
             if kind == "node":
                 dead.add(node.name)
                 stop_session(node.session, grace_s=2)  # what the node left (agents, workers)
