@@ -52,7 +52,7 @@ from typing import Any
 import psutil
 from _docs import replace_section
 from _torchrun_dmp import add_model_args, build_config, model_argv, rank_niceness
-from throughput_vs_torchrun import WORKER, Layout, bootstrap_median_ci
+from throughput_vs_torchrun import WORKER, GangShape, bootstrap_median_ci
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -114,7 +114,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--world-size", type=int, default=2, help="T: ranks on both sides")
-    p.add_argument("--layout", type=Layout.parse, default=None, help="raytrec GxL (default 1xT)")
+    p.add_argument("--layout", type=GangShape.parse, default=None, help="raytrec GxL (default 1xT)")
     p.add_argument(
         "--rounds", type=int, default=40, help="raytrec windows (torchrun gets one more)"
     )
@@ -149,7 +149,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rank-niceness", type=rank_niceness, default=0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.layout is None:
-        a.layout = Layout(gangs=1, gang_size=a.world_size)
+        a.layout = GangShape(gangs=1, gang_size=a.world_size)
     a.arms = a.arms or [Arm()]
     if len({arm.label for arm in a.arms}) < len(a.arms):
         p.error("--arm: the same arm twice")

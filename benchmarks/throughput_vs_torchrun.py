@@ -70,7 +70,7 @@ IN_RAY = "same worker in Ray actors"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Layout:
+class GangShape:
     """A raytrec job shape: ``gangs`` model copies of ``gang_size`` ranks each."""
 
     gangs: int
@@ -81,7 +81,7 @@ class Layout:
         return f"raytrec {self.gangs}x{self.gang_size}"
 
     @classmethod
-    def parse(cls, text: str) -> Layout:
+    def parse(cls, text: str) -> GangShape:
         g, _, l_ = text.lower().partition("x")
         try:
             return cls(gangs=int(g), gang_size=int(l_))
@@ -146,7 +146,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--sync-every", type=int, default=4, help="raytrec's embedding sync period")
     p.add_argument(
         "--layouts",
-        type=Layout.parse,
+        type=GangShape.parse,
         nargs="+",
         default=None,
         help="raytrec shapes GxL with G*L == T (default: 1xT, and 2x(T/2) when T is even)",
@@ -190,9 +190,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if t < 1:
         p.error("--world-size must be >= 1")
     if a.layouts is None:
-        a.layouts = [Layout(gangs=1, gang_size=t)]
+        a.layouts = [GangShape(gangs=1, gang_size=t)]
         if t % 2 == 0:
-            a.layouts.append(Layout(gangs=2, gang_size=t // 2))
+            a.layouts.append(GangShape(gangs=2, gang_size=t // 2))
     for lay in a.layouts:
         if lay.gangs * lay.gang_size != t:
             p.error(f"layout {lay.gangs}x{lay.gang_size} does not have --world-size={t} ranks")
@@ -359,7 +359,7 @@ def worker_measurement(label: str, repeat: int, out: Path, monitor: CpuMonitor) 
 # -- raytrec -------------------------------------------------------------------------------
 
 
-def run_raytrec(a: argparse.Namespace, lay: Layout, repeat: int, tmp: Path) -> Measurement:
+def run_raytrec(a: argparse.Namespace, lay: GangShape, repeat: int, tmp: Path) -> Measurement:
     from raytrec.api import fit
     from raytrec.metrics import IntervalMetrics
 

@@ -2,7 +2,7 @@
 
 ``fit`` validates everything it can on the driver (config, features against
 tables, the sharding plan, cluster capacity) before any rank actor starts,
-then hands the job to a coordinator actor and streams its progress.
+then hands the job to a coordinator actor and passes on its progress as it comes.
 """
 
 from __future__ import annotations
