@@ -64,6 +64,12 @@ def parser() -> argparse.ArgumentParser:
         help="override one key, value read as YAML, e.g. --set sync.sync_every=2 (repeatable)",
     )
     p.add_argument("--print-config", action="store_true", help="print the config and exit")
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show Ray's log records and the ranks' and Ray Data tasks' output, which "
+        "otherwise go only to logs/ in the run directory",
+    )
     shortcuts = p.add_argument_group("shortcuts (each sets config keys; --set wins)")
     flag = shortcuts.add_argument
     flag("--num-workers", type=int, help="scaling.num_workers: ranks in the job")
@@ -155,11 +161,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_config:
         sys.stdout.write(dump(config))
         return EXIT_OK
-    return train(config)
+    return train(config, verbose=args.verbose)
 
 
-def train(config: TrainConfig) -> int:
-    """Trains ``config`` with progress on the console and in the run directory."""
+def train(config: TrainConfig, *, verbose: bool = False) -> int:
+    """Trains ``config`` with progress on the console and in the run directory (``verbose``:
+    Ray's and the workers' own output on the console too, not only in ``logs/`` there)."""
     from raytrec.api import TrainingStopped, fit
     from raytrec.data.arrow_kjt import BadInputError
     from raytrec.data.spec import SpecError
@@ -169,7 +176,7 @@ def train(config: TrainConfig) -> int:
     reporter = ProgressReporter(config.num_steps, title=config.name)
     result: Any = None
     try:
-        result = fit(config, on_progress=reporter)
+        result = fit(config, on_progress=reporter, verbose=verbose)
     except (ConfigError, SpecError) as e:
         print(f"raytrec: configuration error: {_one_line(e)}", file=sys.stderr)
         return EXIT_CONFIG

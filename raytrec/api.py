@@ -2,7 +2,7 @@
 
 ``fit`` validates everything it can on the driver (config, features against
 tables, the sharding plan, cluster capacity) before any rank actor starts,
-then hands the job to a coordinator actor and streams its progress.
+then hands the job to a coordinator actor and passes on its progress as it comes.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from raytrec.errors import EarlyStopped, JobFailedError
 from raytrec.metrics import IntervalMetrics
 from raytrec.model import ModelFactory, build_train_model
 from raytrec.progress import ProgressReporter
+from raytrec.run_logs import RunLogs
 from raytrec.summary import ledger_lines, write_ledger
 
 __all__ = ["CoordinatorDied", "Result", "TrainingStopped", "default_source", "fit"]
@@ -172,6 +173,7 @@ def fit(
     shutdown_ray: bool | None = None,
     resume_from_checkpoint: str | ray.train.Checkpoint | None = None,
     eval_source: str | None = None,
+    verbose: bool = False,
 ) -> Result:
     """Trains ``config`` on Ray and returns the metrics history and the final state.
 
@@ -184,7 +186,40 @@ def fit(
     was trained is saved first). ``config.num_steps=None`` trains every batch of
     ``config.data.epochs`` passes over Parquet data; ``Result.config.num_steps`` holds the steps
     that came to.
+
+    The console shows raytrec's progress, events, summary and errors; Ray's own log records and
+    what the ranks and Ray Data's tasks print go to ``logs/`` in the run directory
+    (:mod:`raytrec.run_logs`), and also to the console with ``verbose=True``. Like
+    ``on_progress``, this is about where the run is watched from, not what it trains, so it is
+    an argument here rather than a key of ``config``.
     """
+    with RunLogs(verbose=verbose) as logs:
+        return _fit(
+            config,
+            source=source,
+            model_factory=model_factory,
+            ray_address=ray_address,
+            on_progress=on_progress,
+            shutdown_ray=shutdown_ray,
+            resume_from_checkpoint=resume_from_checkpoint,
+            eval_source=eval_source,
+            logs=logs,
+        )
+
+
+def _fit(
+    config: TrainConfig,
+    *,
+    source: BatchSource | None,
+    model_factory: ModelFactory,
+    ray_address: str | None,
+    on_progress: Callable[[IntervalMetrics], None] | None,
+    shutdown_ray: bool | None,
+    resume_from_checkpoint: str | ray.train.Checkpoint | None,
+    eval_source: str | None,
+    logs: RunLogs,
+) -> Result:
+    quiet_known_warnings()
     resume = (
         resume_from_checkpoint.path
         if isinstance(resume_from_checkpoint, ray.train.Checkpoint)
@@ -204,6 +239,7 @@ def fit(
     data_cpus = os.cpu_count() or 2
     need_cpus = config.scaling.world_size * config.scaling.cpus_per_rank + data_cpus
     started = connect(ray_address, num_cpus=need_cpus)
+    logs.connected()
     try:
         # Before any data is generated or any actor started: a job the cluster can never hold.
         ray_data = (
@@ -249,6 +285,7 @@ def fit(
             os.path.join(config.storage_path, f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         )
         os.makedirs(run_dir, exist_ok=True)
+        logs.open(run_dir)
         reporter = on_progress or ProgressReporter(num_steps, title=config.name)
         if isinstance(reporter, ProgressReporter) and reporter.total_steps is None:
             reporter.total_steps = num_steps  # a reporter made before the length was known
@@ -440,7 +477,6 @@ def _indexed_resume_shards(uri: str, config: TrainConfig, source: BatchSource) -
 
 
 def _plan(config: TrainConfig, num_dense: int, model_factory: ModelFactory) -> Any:
-    quiet_known_warnings()
     model = model_factory(config.model, num_dense, torch.device("cpu"), config.seed)
     apply_embedding_optimizer(model, config.optimizer)
     return make_plan(

@@ -34,12 +34,6 @@ class PlacementSpec:
     strategy: str  # "STRICT_PACK" for one bundle, "PACK" for several
     ranks: tuple[tuple[int, ...], ...]  # ranks[b]: the job ranks placed in bundle b
 
-    def bundle_of(self, rank: int) -> int:
-        for b, ranks in enumerate(self.ranks):
-            if rank in ranks:
-                return b
-        raise KeyError(f"rank {rank} is not in placement group {self.name}")
-
 
 def rank_resources(*, cpus_per_rank: float, use_gpu: bool) -> dict[str, float]:
     res = {"CPU": float(cpus_per_rank)}

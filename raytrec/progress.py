@@ -1,9 +1,9 @@
-"""What the driver shows and records while a job trains, from the stream of metrics rows.
+"""What the driver shows and records while a job trains, from its metrics rows as they come.
 
 :class:`ProgressReporter` is the ``on_progress`` callback of :func:`raytrec.fit`. Each
 :class:`~raytrec.metrics.IntervalMetrics` row (one per ``log_every`` steps) goes to:
 
-- the console: a tqdm progress bar (steps, samples/s, loss, time left) when the stream is a
+- the console: a tqdm progress bar (steps, samples/s, loss, time left) when the console is a
   terminal, or one plain line per interval when it is not (``ray job submit`` logs, notebooks,
   files), so logs never fill with carriage returns;
 - ``metrics.jsonl`` in the run directory: one JSON object per interval with every field of the
@@ -162,15 +162,15 @@ class ProgressReporter:
         total_steps: int | None,
         *,
         run_dir: str | None = None,
-        stream: TextIO | None = None,
+        console: TextIO | None = None,
         tty: bool | None = None,
         tensorboard: bool = True,
         plot: bool = True,
         title: str = "",
     ) -> None:
         self.total_steps = total_steps  # None: fit sets it once the data's length is known
-        self.stream = stream if stream is not None else sys.stdout
-        isatty = getattr(self.stream, "isatty", None)
+        self.console = console if console is not None else sys.stdout
+        isatty = getattr(self.console, "isatty", None)
         self.tty = tty if tty is not None else bool(isatty and isatty())
         self.tensorboard = tensorboard
         self.plot = plot
@@ -203,7 +203,7 @@ class ProgressReporter:
         print(
             f"[raytrec] run directory: {run_dir} (python -m jobs.drain {run_dir} --gangs 1 "
             "gives a gang back)",
-            file=self.stream,
+            file=self.console,
             flush=True,
         )
 
@@ -225,7 +225,7 @@ class ProgressReporter:
         total = self.total_steps if self.total_steps is not None else int(row["step"])
         line = format_line(row, total, earlier=self.rows[:-1])
         if not self.tty:
-            print(line, file=self.stream, flush=True)
+            print(line, file=self.console, flush=True)
             return
         from tqdm import tqdm
 
@@ -234,7 +234,7 @@ class ProgressReporter:
             # would count the cluster's start-up.
             self._bar = tqdm(
                 total=total,
-                file=self.stream,
+                file=self.console,
                 dynamic_ncols=True,
                 bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} steps [{elapsed}{postfix}]",
             )
@@ -246,7 +246,7 @@ class ProgressReporter:
             left = time_left(self.rows[-PACE_WINDOW - 1 :], total)
             postfix["left"] = _duration(left)
         self._bar.set_postfix(postfix, refresh=False)
-        self._bar.write(line, file=self.stream)
+        self._bar.write(line, file=self.console)
 
     def _record(self, row: dict[str, Any]) -> None:
         assert self._file is not None
@@ -264,9 +264,9 @@ class ProgressReporter:
         :mod:`raytrec.elastic.events`) as a line, and appends it to ``events.jsonl``."""
         line = format_event(event)
         if self._bar is not None:
-            self._bar.write(line, file=self.stream)
+            self._bar.write(line, file=self.console)
         else:
-            print(line, file=self.stream, flush=True)
+            print(line, file=self.console, flush=True)
         if self.run_dir is not None:
             with open(os.path.join(self.run_dir, EVENTS_FILE), "a") as f:
                 f.write(json.dumps(dict(event), default=_json_value) + "\n")

@@ -42,7 +42,7 @@ def test_epochs_alone_set_the_length_of_a_shuffled_job(
         storage_path=str(tmp_path / "runs"),
     )
     out = io.StringIO()
-    reporter = ProgressReporter(None, stream=out, tty=False, tensorboard=False, plot=False)
+    reporter = ProgressReporter(None, console=out, tty=False, tensorboard=False, plot=False)
     result = fit(config, on_progress=reporter, shutdown_ray=False)
 
     assert result.steps == result.config.num_steps == 2 * 8

@@ -169,7 +169,9 @@ def test_bad_configuration_fails_before_any_rank_starts(tmp_path: str) -> None:
     assert ray.is_initialized() == was_running
 
 
-def test_main_job_streams_parquet_through_ray_data(local_ray: None, tmp_path: str) -> None:
+def test_main_job_streams_parquet_through_ray_data(
+    local_ray: None, tmp_path: str, capfd: pytest.CaptureFixture[str]
+) -> None:
     import json
 
     from jobs.train import main
@@ -190,7 +192,16 @@ def test_main_job_streams_parquet_through_ray_data(local_ray: None, tmp_path: st
     argv += ["--batch-size", "128", "--steps", "16", "--log-every", "8"]
     argv += ["--num-embeddings", "1000", "--storage-path", runs]
     assert main(argv) == 0
+    terminal = capfd.readouterr()
     (run_dir,) = os.listdir(runs)
+    # The terminal shows raytrec's lines; the ranks' Ray Data execution plans are in the run's
+    # logs/ (and the torch warnings of the ranks and read tasks would be too).
+    assert "[raytrec] done: 16 steps" in terminal.out, terminal.out
+    for line in (terminal.out + terminal.err).splitlines():
+        assert line.startswith("[raytrec]") or not line.strip(), line
+    with open(os.path.join(runs, run_dir, "logs", "workers.log")) as f:
+        workers = f.read()
+    assert "(RankWorker pid=" in workers and "Execution plan of Dataset" in workers, workers
     with open(os.path.join(runs, run_dir, "metrics.json")) as f:
         history = json.load(f)
     assert [m["step"] for m in history] == [8, 16]

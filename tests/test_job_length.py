@@ -85,6 +85,6 @@ def test_a_reporter_can_start_without_a_total() -> None:
     import io
 
     out = io.StringIO()
-    reporter = ProgressReporter(None, stream=out, tty=False, tensorboard=False, plot=False)
+    reporter = ProgressReporter(None, console=out, tty=False, tensorboard=False, plot=False)
     reporter({"step": 10, "end_step": 40, "loss": 0.5})  # a row names the job's end step
     assert reporter.total_steps == 40 and "10/40" in out.getvalue()

@@ -26,7 +26,7 @@ from raytrec.config import (
 )
 from raytrec.data.arrow_kjt import BadInputError, to_batch
 from raytrec.data.from_config import parquet_spec, synthetic_source
-from raytrec.data.preprocess import layout_of, preprocess
+from raytrec.data.preprocess import internal_columns_of, preprocess
 from raytrec.engine.plan import apply_embedding_optimizer, make_plan, table_constraints
 from raytrec.model import DeepFM, build_model, build_train_model
 from raytrec.serving.export import export, load_exported, load_program, make_batch, score
@@ -302,7 +302,7 @@ def test_weights_follow_their_ids_into_the_kjt() -> None:
     # The preprocessing's internal layout carries the weights through.
     spec = parquet_spec(job())
     again, _ = to_batch(
-        preprocess(table, spec=spec, on_bad_rows="error"), layout_of(spec).rank_spec
+        preprocess(table, spec=spec, on_bad_rows="error"), internal_columns_of(spec).rank_spec
     )
     assert torch.equal(again.sparse_features.weights(), kjt.weights())
     assert torch.equal(again.sparse_features.values(), kjt.values())

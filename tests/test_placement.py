@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from raytrec.placement import placement_specs, rank_resources
+from raytrec.placement import PlacementSpec, placement_specs, rank_resources
 from raytrec.topology import Layout, Topology
+
+
+def bundle_of(spec: PlacementSpec, rank: int) -> int:
+    (bundle,) = [b for b, ranks in enumerate(spec.ranks) if rank in ranks]
+    return bundle
 
 
 def test_across_hosts_places_each_gang_in_its_own_group() -> None:
@@ -14,7 +19,7 @@ def test_across_hosts_places_each_gang_in_its_own_group() -> None:
     assert [s.ranks for s in specs] == [((0, 1, 2, 3),), ((4, 5, 6, 7),)]
     assert specs[0].bundles == ({"CPU": 8.0, "GPU": 4.0},)
     assert {s.strategy for s in specs} == {"STRICT_PACK"}
-    assert specs[1].bundle_of(6) == 0
+    assert bundle_of(specs[1], 6) == 0
 
 
 def test_a_gang_spanning_hosts_gets_one_bundle_per_host() -> None:
@@ -36,4 +41,4 @@ def test_within_host_places_replica_groups_together() -> None:
     (spec,) = placement_specs(topo, per_rank={"CPU": 1.0})
     assert spec.ranks == ((0, 1, 2, 3), (4, 5, 6, 7))
     for group in topo.replica_groups:
-        assert len({spec.bundle_of(r) for r in group}) == 1
+        assert len({bundle_of(spec, r) for r in group}) == 1

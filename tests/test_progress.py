@@ -104,7 +104,7 @@ def test_scalars_are_the_numeric_fields_but_the_step() -> None:
 def test_plain_lines_file_tensorboard_and_plot(tmp_path: pathlib.Path) -> None:
     rows = metrics_rows()
     stream = io.StringIO()
-    reporter = ProgressReporter(TOTAL, run_dir=str(tmp_path), stream=stream, tty=False)
+    reporter = ProgressReporter(TOTAL, run_dir=str(tmp_path), console=stream, tty=False)
     for row in rows:
         reporter(row)
     plot = reporter.close(events=[{"step": 25, "kind": "rank_lost", "rank": 1}])
@@ -141,7 +141,7 @@ def test_rows_before_the_run_directory_are_written_when_it_is_known(
     tmp_path: pathlib.Path,
 ) -> None:
     rows = metrics_rows(3)
-    reporter = ProgressReporter(TOTAL, stream=io.StringIO(), tty=False, tensorboard=False)
+    reporter = ProgressReporter(TOTAL, console=io.StringIO(), tty=False, tensorboard=False)
     reporter(rows[0])
     reporter(rows[1])
     reporter.start(str(tmp_path))
@@ -162,7 +162,7 @@ def test_fields_added_to_the_metrics_later_are_recorded(tmp_path: pathlib.Path) 
         elapsed_s: float
         recall_at_10: float
 
-    reporter = ProgressReporter(20, run_dir=str(tmp_path), stream=io.StringIO(), plot=False)
+    reporter = ProgressReporter(20, run_dir=str(tmp_path), console=io.StringIO(), plot=False)
     reporter(Row(step=10, loss=0.5, elapsed_s=2.0, recall_at_10=0.25))
     reporter({"step": 20, "loss": 0.4, "elapsed_s": 4.0, "recall_at_10": 0.5})
     assert reporter.close() is None
@@ -176,7 +176,7 @@ def test_fields_added_to_the_metrics_later_are_recorded(tmp_path: pathlib.Path) 
 
 def test_terminal_gets_a_progress_bar(tmp_path: pathlib.Path) -> None:
     stream = io.StringIO()
-    reporter = ProgressReporter(TOTAL, stream=stream, tty=True, tensorboard=False, plot=False)
+    reporter = ProgressReporter(TOTAL, console=stream, tty=True, tensorboard=False, plot=False)
     for row in metrics_rows():
         reporter(row)
     reporter.close()
@@ -207,7 +207,7 @@ def test_close_marks_given_events_and_derives_generation_changes(
             return {"kind": "rank_died", "step": self.step, "job_rank": self.job_rank}
 
     rows = metrics_rows()  # generation 0 until step 20, then 1
-    reporter = ProgressReporter(TOTAL, run_dir=str(tmp_path), stream=io.StringIO(), tty=False)
+    reporter = ProgressReporter(TOTAL, run_dir=str(tmp_path), console=io.StringIO(), tty=False)
     for row in rows:
         reporter(row)
     reporter.close(events=[RankDied(step=25, job_rank=1)])
@@ -220,7 +220,7 @@ def test_close_marks_given_events_and_derives_generation_changes(
 
     # Given generation events, none are derived from the rows.
     drawn.clear()
-    other = ProgressReporter(TOTAL, run_dir=str(tmp_path / "b"), stream=io.StringIO(), tty=False)
+    other = ProgressReporter(TOTAL, run_dir=str(tmp_path / "b"), console=io.StringIO(), tty=False)
     for row in rows:
         other(row)
     other.close(events=[{"step": 22, "kind": "generation_started", "generation": 1}])
@@ -229,7 +229,7 @@ def test_close_marks_given_events_and_derives_generation_changes(
 
 def test_events_are_shown_as_they_come_and_written_to_events_jsonl(tmp_path: pathlib.Path) -> None:
     stream = io.StringIO()
-    reporter = ProgressReporter(TOTAL, run_dir=str(tmp_path), stream=stream, tty=False)
+    reporter = ProgressReporter(TOTAL, run_dir=str(tmp_path), console=stream, tty=False)
     rows = metrics_rows()
     died = {"kind": "rank_died", "at": 12.34, "step": 20, "job_rank": 3, "cause": "x" * 200}
     reshared = {"kind": "data_reshared", "at": 13.0, "step": 20, "ranks": 2, "end_step": 48}

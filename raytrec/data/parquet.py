@@ -76,7 +76,7 @@ from raytrec.data.preprocess import (
     PATH,
     EpochConsumption,
     EpochLog,
-    layout_of,
+    internal_columns_of,
     take_marked,
 )
 from raytrec.data.preprocess import (
@@ -238,7 +238,7 @@ class ParquetSource(BatchSource):
             return self._indexed(fs, infos, num_shards)
         total = sum(i.rows for i in infos)
         padding = -total % num_shards
-        layout = layout_of(self.spec)
+        layout = internal_columns_of(self.spec)
         spec, on_bad_rows = self.spec, self.on_bad_rows
 
         def preprocess(table: pa.Table) -> pa.Table:

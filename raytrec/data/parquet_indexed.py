@@ -73,7 +73,7 @@ from raytrec.data.preprocess import (
     EpochConsumption,
     EpochLog,
     find_bad_input,
-    layout_of,
+    internal_columns_of,
     preprocess_rows,
     take_marked,
 )
@@ -140,7 +140,7 @@ class IndexedParquetShard(BatchShard):
     @property
     def spec(self) -> FeatureSpec:
         """The internal layout's spec, which the rank converts with."""
-        return layout_of(self.source_spec).rank_spec
+        return internal_columns_of(self.source_spec).rank_spec
 
     def plan(self, batch_size: int) -> BatchPlan:
         """The job's assignment of rows for batches of ``batch_size`` rows (at most)."""

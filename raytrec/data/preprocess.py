@@ -3,7 +3,7 @@
 On Ray Data's workers, :func:`preprocess` runs :func:`~raytrec.data.arrow_kjt.to_batch` with the
 user's spec, so id policies (modulo, hash, bucketizing, strict range checks) and bad-value checks
 (NaN or inf floats, negative or out-of-range ids, nulls inside lists) are the same code as
-everywhere else, and writes the result back as Arrow in a fixed internal layout (:class:`Layout`:
+everywhere else, and writes the result back as Arrow in fixed columns (:class:`InternalColumns`:
 ``__rt_*`` columns, ids already in range). A rank then converts with a *strict* spec, whose check
 is one ``max`` per feature: the cheap path. An error raised on a worker names the file (from the
 ``path`` column), the column and the row (:func:`locate`); the rank finds the original
@@ -40,10 +40,10 @@ __all__ = [
     "ROW_GROUP",
     "EpochConsumption",
     "EpochLog",
-    "Layout",
+    "InternalColumns",
     "RowIdRanges",
     "find_bad_input",
-    "layout_of",
+    "internal_columns_of",
     "locate",
     "preprocess",
     "preprocess_rows",
@@ -148,7 +148,7 @@ class EpochLog:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class InternalColumns:
     """The internal Arrow layout between the pipeline and the ranks (fixed column names, so no
     user column can collide), and the strict spec that converts it."""
 
@@ -156,8 +156,8 @@ class Layout:
     rank_spec: FeatureSpec
 
     @staticmethod
-    def of(spec: FeatureSpec) -> Layout:
-        """Prefer :func:`layout_of`, which caches."""
+    def of(spec: FeatureSpec) -> InternalColumns:
+        """Prefer :func:`internal_columns_of`, which caches."""
         rank_spec = FeatureSpec(
             dense=tuple(f"__rt_dense_{j}" for j in range(spec.num_dense)),
             sparse=tuple(
@@ -173,7 +173,7 @@ class Layout:
             labels=tuple(f"__rt_label_{j}" for j in range(len(spec.labels))),
             row_id=None if spec.row_id is None else "__rt_row_id",
         )
-        return Layout(source=spec, rank_spec=rank_spec)
+        return InternalColumns(source=spec, rank_spec=rank_spec)
 
     def to_arrow(self, batch: Batch, report: ConversionReport) -> pa.Table:
         """A converted batch in the internal layout, no row marked."""
@@ -233,8 +233,8 @@ def _weights_of(f: Feature) -> str | None:
 
 
 @functools.lru_cache(maxsize=16)
-def layout_of(spec: FeatureSpec) -> Layout:
-    return Layout.of(spec)
+def internal_columns_of(spec: FeatureSpec) -> InternalColumns:
+    return InternalColumns.of(spec)
 
 
 def preprocess(table: pa.Table, *, spec: FeatureSpec, on_bad_rows: OnBadRows) -> pa.Table:
@@ -248,7 +248,7 @@ def preprocess_rows(
 ) -> tuple[pa.Table, np.ndarray | None]:
     """:func:`preprocess`, and which input row each output row came from (None: the same row,
     as when no row was bad)."""
-    layout = layout_of(spec)
+    layout = internal_columns_of(spec)
     try:
         batch, report = to_batch(table, spec, on_bad_rows=on_bad_rows)
     except BadInputError as e:

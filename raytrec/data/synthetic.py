@@ -201,7 +201,7 @@ class SyntheticCriteo(BatchSource):
         sizes = np.asarray(self.embedding_sizes, dtype=np.float64)
         id_mass = 1.0 - (sizes + 1.0) ** (1.0 - self.zipf_alpha)
 
-        # The teacher is fixed by seed alone. The 4th seed word is nonzero so these streams never
+        # The teacher is fixed by seed alone. The 4th seed word is nonzero so its random draws never
         # coincide with a shard's [seed, r, s] (SeedSequence treats trailing zeros as absent).
         rng = np.random.default_rng([self.seed, 0, 0, 1])
         loc = np.linspace(-1.0, 4.0, self.num_dense)

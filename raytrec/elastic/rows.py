@@ -89,9 +89,6 @@ class RowRanges:
                 out.append((start, b))
         return RowRanges(tuple(out))
 
-    def intersection(self, other: RowRanges) -> RowRanges:
-        return self.difference(self.difference(other))
-
     def __repr__(self) -> str:
         return f"RowRanges({list(self.ranges)})"
 

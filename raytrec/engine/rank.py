@@ -133,7 +133,7 @@ class RankSpec:
 
 
 def embedding_seed(seed: int, gang_rank: int) -> int:
-    """The seed of the embedding shards a rank initialises: one stream per place in a gang,
+    """The seed of the embedding shards a rank initialises: one seed per place in a gang,
     none equal to the dense layers' (``seed`` itself)."""
     return seed * 1_000_003 + gang_rank + 1
 
@@ -205,7 +205,7 @@ class RankEngine:
                 sharders=sharders(),
             )
         if cfg.model.dropout:
-            # Dropout draws its masks from the global generator: one stream per job rank, from
+            # Dropout draws its masks from the global generator: one seed per job rank, from
             # the job's seed, so that a run with dropout reproduces too.
             torch.manual_seed(dropout_seed(cfg.seed, spec.rank))
         dense_cls = _DENSE_OPTIMIZERS[cfg.optimizer.dense]

@@ -100,7 +100,7 @@ class SimResult:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
+class _LevelGroups:
     """A level's groups as a permutation of gangs and segment starts, for reduceat."""
 
     order: npt.NDArray[np.int64]
@@ -126,11 +126,11 @@ def simulate(
         raise ConfigError(
             f"the plan's live gangs must be 0..{num_gangs - 1} to match the stalls' columns"
         )
-    layouts = []
+    level_groups = []
     for level in plan.levels:
         sizes = np.array([len(g) for g in level.groups], dtype=np.int64)
-        layouts.append(
-            _Layout(
+        level_groups.append(
+            _LevelGroups(
                 order=np.array([g for group in level.groups for g in group], dtype=np.int64),
                 starts=np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64),
                 sizes=sizes,
@@ -146,12 +146,12 @@ def simulate(
         if decision.level is None:
             continue
         syncs[decision.level] += 1
-        lay = layouts[decision.level]
-        latest = np.maximum.reduceat(clock[lay.order], lay.starts)
+        groups = level_groups[decision.level]
+        latest = np.maximum.reduceat(clock[groups.order], groups.starts)
         if decision.period == 1 and decision.level == plan.top:
             paid = np.full_like(latest, cost.gradient_sync_s)
         else:
-            paid = lay.cost
-        clock[lay.order] = np.repeat(latest + paid, lay.sizes)
+            paid = groups.cost
+        clock[groups.order] = np.repeat(latest + paid, groups.sizes)
         sync_s += float(paid.max())
     return SimResult(seconds=float(clock.max()), syncs_per_level=tuple(syncs), sync_seconds=sync_s)

@@ -1,0 +1,189 @@
+"""What a run prints besides raytrec's own lines goes to the run directory's ``logs/``.
+
+The terminal shows raytrec's progress, events, summary and errors. While :func:`raytrec.fit`
+runs, the rest goes to files instead, unless ``verbose``:
+
+- ``logs/driver.log``: the driver's Ray log records (connecting, token authentication, Ray
+  Data's execution plans); records at ERROR or above still show on the terminal;
+- ``logs/workers.log``: what every rank, coordinator and Ray Data task writes to stdout or
+  stderr (Ray forwards it to the driver), each line prefixed as Ray prints it,
+  ``(RankWorker pid=123)``. Ray's own error reports (a worker killed, out of memory) are not
+  worker output and still show.
+
+With ``verbose`` the terminal shows everything as Ray prints it, and the files are written too.
+Lines that come before the run directory exists (Ray starting, data being generated) are kept
+and written once it is named.
+
+Worker output is taken from Ray's driver-side dispatcher of forwarded worker lines
+(``ray._private.ray_logging``, Ray's version is pinned in requirements/base.lock); with another
+Ray, where it moved, the terminal shows that output as Ray prints it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, TextIO
+
+__all__ = ["DRIVER_LOG", "LOG_DIR", "WORKERS_LOG", "RunLogs"]
+
+LOG_DIR = "logs"
+DRIVER_LOG = "driver.log"
+WORKERS_LOG = "workers.log"
+
+#: The driver's loggers whose console output moves to ``driver.log`` (neither propagates).
+RAY_LOGGERS = ("ray", "ray.data")
+#: Ray's name for its handler that prints forwarded worker lines on the driver.
+_RAY_PRINT = "ray_print_logs"
+_OURS = "raytrec_run_logs"
+#: Lines kept before the run directory exists, at most.
+_KEPT = 20_000
+
+
+class _Sink:
+    """Text kept in memory until a file is named, then appended to it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: list[str] = []
+        self._file: TextIO | None = None
+
+    def write(self, text: str) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.write(text)
+                self._file.flush()
+            elif len(self._kept) < _KEPT:
+                self._kept.append(text)
+
+    def open(self, path: str) -> None:
+        with self._lock:
+            self._file = open(path, "a")  # noqa: SIM115 (closed in close)
+            self._file.write("".join(self._kept))
+            self._file.flush()
+            self._kept.clear()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+class _SinkHandler(logging.Handler):
+    def __init__(self, sink: _Sink) -> None:
+        super().__init__(logging.INFO)
+        self.sink = sink
+        self.setFormatter(
+            logging.Formatter("%(asctime)s\t%(levelname)s %(filename)s:%(lineno)s -- %(message)s")
+        )
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.sink.write(self.format(record) + "\n")
+        except Exception:
+            self.handleError(record)
+
+
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
+
+
+def worker_line(data: Mapping[str, Any], line: str) -> str:
+    """A forwarded worker line as Ray prints it: ``(RankWorker pid=123, ip=10.0.0.2) text``."""
+    pid = data.get("pid")
+    if pid in ("raylet", "autoscaler"):
+        return f"({pid}) {line}"
+    name = data.get("actor_name") or data.get("task_name")
+    where = f"{name} pid={pid}" if name else f"pid={pid}"
+    ip = data.get("ip")
+    if ip and ip != data.get("localhost"):
+        where += f", ip={ip}"
+    return f"({where}) {line}"
+
+
+def _dispatcher() -> Any:
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher
+    except ImportError:
+        return None
+    return (
+        global_worker_stdstream_dispatcher
+        if hasattr(global_worker_stdstream_dispatcher, "handlers")
+        else None
+    )
+
+
+class RunLogs:
+    """Routes a run's Ray and worker output to files (module doc). Enter before Ray is
+    connected, call :meth:`connected` once it is and :meth:`open` once the run directory is
+    named; leaving restores the terminal as it was."""
+
+    def __init__(self, *, verbose: bool = False) -> None:
+        self.verbose = verbose
+        self.dir: str | None = None
+        self._driver, self._workers = _Sink(), _Sink()
+        self._handler = _SinkHandler(self._driver)
+        self._filtered: list[logging.Handler] = []
+        self._ray_print: tuple[str, Callable[[Any], None]] | None = None
+
+    def __enter__(self) -> RunLogs:
+        import ray.data  # noqa: F401  (sets up the "ray.data" logger's handlers)
+
+        for name in RAY_LOGGERS:
+            logger = logging.getLogger(name)
+            logger.addHandler(self._handler)
+            if self.verbose:
+                continue
+            for h in logger.handlers:
+                if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+                    h.addFilter(_errors_only)
+                    self._filtered.append(h)
+        self.connected()
+        return self
+
+    def connected(self) -> None:
+        """Takes the worker lines Ray forwards to this driver (once Ray is connected)."""
+        dispatcher = _dispatcher()
+        if dispatcher is None or any(name == _OURS for name, _ in dispatcher.handlers):
+            return
+        if not self.verbose:
+            self._ray_print = next((p for p in dispatcher.handlers if p[0] == _RAY_PRINT), None)
+            if self._ray_print is None:  # Ray does not forward worker output (log_to_driver off)
+                return
+            dispatcher.remove_handler(_RAY_PRINT)
+        dispatcher.add_handler(_OURS, self._on_worker_lines)
+
+    def _on_worker_lines(self, data: Mapping[str, Any]) -> None:
+        lines = data.get("lines", [])
+        if data.get("pid") == "autoscaler":  # its events only, as Ray prints them
+            from ray._private.worker import filter_autoscaler_events
+
+            lines = list(filter_autoscaler_events(lines))
+        self._workers.write("".join(worker_line(data, line) + "\n" for line in lines))
+
+    def open(self, run_dir: str) -> str:
+        """Writes to ``<run_dir>/logs/`` from now on (and what came before); returns it."""
+        self.dir = os.path.join(run_dir, LOG_DIR)
+        os.makedirs(self.dir, exist_ok=True)
+        self._driver.open(os.path.join(self.dir, DRIVER_LOG))
+        self._workers.open(os.path.join(self.dir, WORKERS_LOG))
+        return self.dir
+
+    def __exit__(self, *_: Any) -> None:
+        dispatcher = _dispatcher()
+        if dispatcher is not None:
+            dispatcher.remove_handler(_OURS)
+            # Ray's handler goes back only while Ray is connected (ray.shutdown drops it).
+            import ray
+
+            if self._ray_print is not None and ray.is_initialized():
+                dispatcher.add_handler(*self._ray_print)
+        for name in RAY_LOGGERS:
+            logging.getLogger(name).removeHandler(self._handler)
+        for h in self._filtered:
+            h.removeFilter(_errors_only)
+        self._driver.close()
+        self._workers.close()
