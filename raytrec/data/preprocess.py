@@ -224,7 +224,7 @@ class Layout:
         lengths = np.empty(len(self.sparse) * rows, dtype=np.int32)
         ids: list[list[np.ndarray]] = []
         for k, name in enumerate(self.sparse):
-            ids.append(_lists(table.column(name), lengths[k * rows : (k + 1) * rows]))
+            ids.append(_lists(table.column(name), lengths[k * rows : (k + 1) * rows], np.int64))
         offset_per_key = [0, *itertools.accumulate(sum(map(len, f)) for f in ids)]
         values = np.empty(offset_per_key[-1], dtype=np.int64)
         for k, parts in enumerate(ids):
@@ -236,7 +236,7 @@ class Layout:
             for k, column in enumerate(self.weights):
                 if column is not None:
                     out = weights[offset_per_key[k] : offset_per_key[k + 1]]
-                    _concat_into(_lists(table.column(column), scratch), out)
+                    _concat_into(_lists(table.column(column), scratch, np.float32), out)
         row_ids = None
         if self.row_id is not None:
             row_ids = np.asarray(table.column(self.row_id).to_numpy(), dtype=np.int64)
@@ -285,19 +285,28 @@ def _flat_into(column: pa.ChunkedArray, out: np.ndarray) -> None:
     _concat_into([np.asarray(c.flatten().to_numpy()) for c in column.chunks], out)
 
 
-def _lists(column: pa.ChunkedArray, lengths: np.ndarray) -> list[np.ndarray]:
+def _lists(column: pa.ChunkedArray, lengths: np.ndarray, dtype: type) -> list[np.ndarray]:
     """Writes a list column's lengths into ``lengths`` and returns its items, chunk by chunk, as
-    views of the Arrow buffers (the layout has no nulls)."""
-    parts, at = [], 0
+    views of the Arrow buffers (the layout has no nulls). Read from the buffers: a rank does this
+    for every feature of every batch, and pyarrow's accessors cost more than the copy."""
+    parts: list[np.ndarray] = []
+    at = 0
     for chunk in column.chunks:
-        if not len(chunk):
+        n = len(chunk)
+        if not n:
             continue
-        # offsets respect the chunk's slice but are not rebased: its items are values[o[0]:o[-1]].
-        offsets = chunk.offsets.to_numpy()
-        np.subtract(offsets[1:], offsets[:-1], out=lengths[at : at + len(chunk)])
-        at += len(chunk)
+        if not isinstance(chunk, pa.ListArray):  # 32-bit offsets, as encode writes them
+            raise TypeError(f"expected list<...> with int32 offsets, got {chunk.type}")
+        # The chunk's offsets, from its slice's first row on (not rebased to 0).
+        offsets = np.frombuffer(chunk.buffers()[1], np.int32, n + 1, chunk.offset * 4)
+        np.subtract(offsets[1:], offsets[:-1], out=lengths[at : at + n])
+        at += n
         start, stop = int(offsets[0]), int(offsets[-1])
-        parts.append(np.asarray(chunk.values.slice(start, stop - start).to_numpy()))
+        items = chunk.values  # the whole child (its own offset kept), not the chunk's slice of it
+        size = np.dtype(dtype).itemsize
+        parts.append(
+            np.frombuffer(items.buffers()[1], dtype, stop - start, (items.offset + start) * size)
+        )
     return parts
 
 
