@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     source = SyntheticCriteo(mean_length=3.0, num_embeddings=NUM_EMBEDDINGS)
     rbs = [make_record_batch(source, s, a.rows) for s in range(a.batches)]
     spec = criteo_spec(num_embeddings=NUM_EMBEDDINGS)
-    spec_mod = criteo_spec(num_embeddings=97)  # every feature has ids >= 97: modulo runs
+    spec_mod = criteo_spec(num_embeddings=97, id_policy="modulo")  # ids >= 97: modulo runs
     spec_hash = criteo_spec(num_embeddings=NUM_EMBEDDINGS, id_policy="hash")
     bufs = [buffers(rb, spec) for rb in rbs]
     mib = sum(b.nbytes for bs in bufs for b in bs) / a.batches / 2**20
