@@ -301,9 +301,7 @@ def test_weights_follow_their_ids_into_the_kjt() -> None:
         np.testing.assert_allclose(jt.weights().numpy(), want, rtol=1e-6)
     # The preprocessing's internal layout carries the weights through.
     spec = parquet_spec(job())
-    again, _ = to_batch(
-        preprocess(table, spec=spec, on_bad_rows="error"), internal_columns_of(spec).rank_spec
-    )
+    again, _ = internal_columns_of(spec).decode(preprocess(table, spec=spec, on_bad_rows="error"))
     assert torch.equal(again.sparse_features.weights(), kjt.weights())
     assert torch.equal(again.sparse_features.values(), kjt.values())
 

@@ -8,6 +8,10 @@ still in cache; the common case (all ids already in range) costs one ``max`` ove
 Bad data (a NaN feature, a negative id, a null inside a list, a weights list whose length is not
 its ids list's, a non-finite weight, ...) raises :class:`BadInputError`
 naming file, column and row, or with ``on_bad_rows="skip"`` drops the row and counts the reason.
+
+:func:`convert` does all of that into NumPy :class:`Arrays`; :func:`as_batch` wraps them as
+tensors, the ``KeyedJaggedTensor`` among them. A Parquet pipeline's workers stop after the first
+and write Arrow; its ranks build the tensors (:mod:`raytrec.data.preprocess`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,15 @@ from raytrec.data.spec import (
     SparseFeature,
 )
 
-__all__ = ["BadInputError", "ConversionReport", "to_batch", "validate_schema"]
+__all__ = [
+    "Arrays",
+    "BadInputError",
+    "ConversionReport",
+    "as_batch",
+    "convert",
+    "to_batch",
+    "validate_schema",
+]
 
 OnBadRows: TypeAlias = Literal["error", "skip"]
 _U64 = np.uint64
@@ -440,6 +452,43 @@ def _bucketize(
     return np.searchsorted(np.asarray(f.boundaries), x, side="right")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Arrays:
+    """A converted batch as NumPy arrays, before any tensor: what :func:`as_batch` wraps.
+
+    ``dense`` float32 ``[B, num_dense]``; ``labels`` float32 ``[B]`` (or ``[B, n]``); ``values``
+    int64 and ``lengths`` int32, key-major (feature ``k``'s ids are
+    ``values[offset_per_key[k]:offset_per_key[k + 1]]``, its lengths
+    ``lengths[k * B:(k + 1) * B]``); ``weights`` float32 aligned with ``values``, or None."""
+
+    keys: tuple[str, ...]
+    dense: np.ndarray
+    labels: np.ndarray
+    values: np.ndarray
+    lengths: np.ndarray
+    offset_per_key: list[int]
+    weights: np.ndarray | None
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.dense.shape[0])
+
+
+def as_batch(arrays: Arrays) -> Batch:
+    """The ``Batch`` of ``arrays``, sharing their memory: the one place a KJT is built."""
+    offsets = arrays.offset_per_key
+    kjt = KeyedJaggedTensor(
+        keys=list(arrays.keys),
+        values=torch.from_numpy(arrays.values),
+        weights=None if arrays.weights is None else torch.from_numpy(arrays.weights),
+        lengths=torch.from_numpy(arrays.lengths),
+        stride=arrays.num_rows,
+        length_per_key=[b - a for a, b in itertools.pairwise(offsets)],
+        offset_per_key=offsets,
+    )
+    return Batch(torch.from_numpy(arrays.dense), kjt, torch.from_numpy(arrays.labels))
+
+
 def to_batch(
     data: pa.Table | pa.RecordBatch,
     spec: FeatureSpec,
@@ -456,8 +505,21 @@ def to_batch(
     precomputed; float32 ``weights`` when any feature has a weights column, 1 for the others).
     ``row_offset`` is the absolute index of ``data``'s first row, for error messages. Raises
     :class:`BadInputError`, or with ``on_bad_rows="skip"`` drops rows holding a bad value and
-    counts them in the report.
+    counts them in the report. :func:`convert` and then :func:`as_batch`.
     """
+    arrays, report = convert(data, spec, file=file, row_offset=row_offset, on_bad_rows=on_bad_rows)
+    return as_batch(arrays), report
+
+
+def convert(
+    data: pa.Table | pa.RecordBatch,
+    spec: FeatureSpec,
+    *,
+    file: str | None = None,
+    row_offset: int = 0,
+    on_bad_rows: OnBadRows = "error",
+) -> tuple[Arrays, ConversionReport]:
+    """:func:`to_batch`'s checks and id policies, with the result as NumPy :class:`Arrays`."""
     if on_bad_rows not in ("error", "skip"):
         raise ValueError(f"on_bad_rows must be 'error' or 'skip', got {on_bad_rows!r}")
     if row_offset < 0:
@@ -502,27 +564,25 @@ def to_batch(
             out[:] = raw
 
     if rows.skip and rows.skipped:  # rare: convert the good rows again, which cannot fail
-        batch, kept = to_batch(data.filter(pa.array(~rows.bad)), spec, file=file)
+        arrays, kept = convert(data.filter(pa.array(~rows.bad)), spec, file=file)
         where = {reason: np.flatnonzero(mask) for reason, mask in rows.first_reason.items()}
         report = dataclasses.replace(
             kept, rows_in=num_rows, skipped=dict(rows.skipped), skipped_rows=where
         )
-        return batch, report
-    kjt_weights = None
+        return arrays, report
+    all_weights = None
     if spec.is_weighted:  # one weight per id; 1 for the features without a weights column
-        w = np.ones(offset_per_key[-1], dtype=np.float32)
+        all_weights = np.ones(offset_per_key[-1], dtype=np.float32)
         for k, fw in weights.items():
-            w[offset_per_key[k] : offset_per_key[k + 1]] = fw
-        kjt_weights = torch.from_numpy(w)
-    kjt = KeyedJaggedTensor(
-        keys=list(spec.sparse_names),
-        values=torch.from_numpy(values),
-        weights=kjt_weights,
-        lengths=torch.from_numpy(lengths),
-        stride=num_rows,
-        length_per_key=length_per_key,
+            all_weights[offset_per_key[k] : offset_per_key[k + 1]] = fw
+    arrays = Arrays(
+        keys=spec.sparse_names,
+        dense=dense,
+        labels=labels,
+        values=values,
+        lengths=lengths,
         offset_per_key=offset_per_key,
+        weights=all_weights,
     )
-    batch = Batch(torch.from_numpy(dense), kjt, torch.from_numpy(labels))  # fields in order
     report = ConversionReport(rows_in=num_rows, rows_out=num_rows, skipped={}, row_ids=row_ids)
-    return batch, report
+    return arrays, report

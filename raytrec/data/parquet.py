@@ -22,7 +22,8 @@ streaming mode it then builds one pipeline for the whole job::
       -> streaming_split(n, equal=True)       # one DataIterator per rank
 
 ``preprocess`` (:mod:`raytrec.data.preprocess`, shared by both modes) checks and converts on the
-workers and writes a fixed internal layout that ranks convert cheaply; an error names the file,
+workers and writes a fixed internal layout from which a rank builds its batches' tensors, the
+``KeyedJaggedTensor`` among them, with one copy and no check; an error names the file,
 column and row (by its ``row_id`` when the spec has one, else by its index in the block), and the
 rank re-raises it as the original :class:`~raytrec.data.arrow_kjt.BadInputError`.
 
@@ -68,7 +69,7 @@ import ray
 import ray.data
 import ray.exceptions
 
-from raytrec.data.arrow_kjt import BadInputError, OnBadRows, to_batch
+from raytrec.data.arrow_kjt import BadInputError, OnBadRows
 from raytrec.data.arrow_kjt import validate_schema as _validate_schema
 from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.preprocess import (
@@ -271,7 +272,7 @@ class ParquetSource(BatchSource):
                 iterator=it,
                 index=rank,
                 num_shards=num_shards,
-                spec=layout.rank_spec,
+                spec=self.spec,
                 epochs=self.epochs,
                 on_bad_rows=self.on_bad_rows,
                 prefetch_batches=self.prefetch_batches,
@@ -357,7 +358,7 @@ class ParquetShard(BatchShard):
     """One rank's share of a :class:`ParquetSource`: a picklable wrapper of the rank's
     ``DataIterator`` from ``streaming_split``, built by :meth:`ParquetSource.split`.
 
-    ``spec`` is the internal layout's (strict, already in range); ``rows_per_epoch`` counts every
+    ``spec`` is the source's (the pipeline applied it); ``rows_per_epoch`` counts every
     row this shard receives per epoch, padding and bad rows included: the same for every shard.
     Not replayable: its batches have no ids (``read_mode="indexed"`` gives them ids).
     """
@@ -438,17 +439,16 @@ class ParquetShard(BatchShard):
             log.complete = True
 
     def _convert(self, table: pa.Table, log: EpochLog) -> Batch | None:
-        table = take_marked(table, log, row_id=self.spec.row_id)
+        layout = internal_columns_of(self.spec)
+        table = take_marked(table, log, row_id=layout.row_id)
         if table.num_rows == 0:
             return None
-        batch, report = to_batch(table, self.spec, on_bad_rows=self.on_bad_rows)
-        for reason, count in report.skipped.items():  # never, as the pipeline checked: but count
-            log.skipped[reason] = log.skipped.get(reason, 0) + count
+        batch, row_ids = layout.decode(table)  # checked in the pipeline: nothing can be bad
         log.batches += 1
-        log.rows += report.rows_out
-        self.last_row_ids = report.row_ids
-        if report.row_ids is not None:
-            log.ids.add(report.row_ids)
+        log.rows += table.num_rows
+        self.last_row_ids = row_ids
+        if row_ids is not None:
+            log.ids.add(row_ids)
         return batch
 
 

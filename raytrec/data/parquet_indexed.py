@@ -19,7 +19,8 @@ of at most 16,384 rows, so memory stays bounded whatever the row group size) and
 row's step, and for error messages its file, row group and index in the file.
 ``read_concurrency`` bounds the tasks in flight per rank (the read-ahead); Ray Data schedules
 them on the CPUs left beside the ranks. The rank regroups the blocks by step (a batch can span
-two row groups, so two blocks), drops and counts rows marked as bad, and converts.
+two row groups, so two blocks), drops and counts rows marked as bad, and builds the batch from
+the layout the workers wrote (the only conversion on the rank).
 
 :meth:`IndexedParquetShard.replay` runs the same read function and preprocessing on one batch's
 rows in the rank's own process (a pipeline's start-up would cost more than one batch), so a
@@ -52,7 +53,7 @@ import ray.exceptions
 from ray.data import ReadTask
 from ray.data.block import BlockMetadata
 
-from raytrec.data.arrow_kjt import BadInputError, OnBadRows, to_batch
+from raytrec.data.arrow_kjt import BadInputError, OnBadRows
 from raytrec.data.handover import read_while_starting
 from raytrec.data.parquet_gather import Gather
 from raytrec.data.parquet_plan import (
@@ -72,6 +73,7 @@ from raytrec.data.preprocess import (
     ROW_GROUP,
     EpochConsumption,
     EpochLog,
+    InternalColumns,
     find_bad_input,
     internal_columns_of,
     preprocess_rows,
@@ -138,9 +140,9 @@ class IndexedParquetShard(BatchShard):
             )
 
     @property
-    def spec(self) -> FeatureSpec:
-        """The internal layout's spec, which the rank converts with."""
-        return internal_columns_of(self.source_spec).rank_spec
+    def columns(self) -> InternalColumns:
+        """The internal layout the pipeline writes and the rank reads its batches from."""
+        return internal_columns_of(self.source_spec)
 
     def plan(self, batch_size: int) -> BatchPlan:
         """The job's assignment of rows for batches of ``batch_size`` rows (at most)."""
@@ -247,7 +249,9 @@ class IndexedParquetShard(BatchShard):
                 for step, rows in cutter.feed(block):
                     epoch = stream_epoch(stream, step)
                     if epoch != self.current_epoch:
-                        self._log.append(EpochLog(epoch, has_ids=self.spec.row_id is not None))
+                        self._log.append(
+                            EpochLog(epoch, has_ids=self.source_spec.row_id is not None)
+                        )
                         self.current_epoch = epoch
                     log = self._log[-1]
                     batch, self.last_row_ids = self._convert(
@@ -326,15 +330,16 @@ class IndexedParquetShard(BatchShard):
     ) -> tuple[Batch, np.ndarray | None]:
         """Batch ``step`` of stream ``sid``'s rows (internal layout, marked rows included) as a
         batch, logged in ``log``; and the batch's row ids."""
-        kept = take_marked(rows, log, row_id=self.spec.row_id)
+        layout = self.columns
+        kept = take_marked(rows, log, row_id=layout.row_id)
         if kept.num_rows == 0:
             raise _no_rows_left(plan.stream_pieces(stream, step, step + 1), sid, step, rows)
-        batch, report = to_batch(kept, self.spec)  # checked on the worker: cannot fail here
+        batch, row_ids = layout.decode(kept)  # checked on the worker: nothing can be bad
         log.batches += 1
-        log.rows += report.rows_out
-        if report.row_ids is not None:
-            log.ids.add(report.row_ids)
-        return batch, report.row_ids
+        log.rows += kept.num_rows
+        if row_ids is not None:
+            log.ids.add(row_ids)
+        return batch, row_ids
 
 
 def read(fs: pafs.FileSystem, unit: Read, columns: Sequence[str]) -> Iterator[pa.Table]:

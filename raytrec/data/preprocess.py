@@ -1,12 +1,14 @@
 """The CPU stage both Parquet read modes share, and what a rank does with its output.
 
-On Ray Data's workers, :func:`preprocess` runs :func:`~raytrec.data.arrow_kjt.to_batch` with the
-user's spec, so id policies (modulo, hash, bucketizing, strict range checks) and bad-value checks
-(NaN or inf floats, negative or out-of-range ids, nulls inside lists) are the same code as
-everywhere else, and writes the result back as Arrow in fixed columns (:class:`InternalColumns`:
-``__rt_*`` columns, ids already in range). A rank then converts with a *strict* spec, whose check
-is one ``max`` per feature: the cheap path. An error raised on a worker names the file (from the
-``path`` column), the column and the row (:func:`locate`); the rank finds the original
+One conversion per row: on Ray Data's workers, :func:`preprocess` runs
+:func:`~raytrec.data.arrow_kjt.convert` with the user's spec, so id policies (modulo, hash,
+vocabularies, bucketizing, strict range checks) and bad-value checks (NaN or inf floats, negative
+or out-of-range ids, nulls inside lists) are the same code as everywhere else, and writes its
+arrays as Arrow in fixed internal columns (:class:`InternalColumns`: ``__rt_*`` columns, ids
+already in range). A rank builds its batch's ``KeyedJaggedTensor`` from them
+(:meth:`InternalColumns.decode`): one copy of each buffer, nothing checked again. An error raised
+on a worker names the file (from the ``path`` column), the column and the row (:func:`locate`);
+the rank finds the original
 :class:`~raytrec.data.arrow_kjt.BadInputError` inside Ray's wrappers (:func:`find_bad_input`).
 
 With ``on_bad_rows="skip"`` a bad row is not removed on the worker but comes out marked (a
@@ -22,13 +24,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray.exceptions
 
-from raytrec.data.arrow_kjt import BadInputError, ConversionReport, OnBadRows, to_batch
+from raytrec.data.arrow_kjt import (
+    Arrays,
+    BadInputError,
+    ConversionReport,
+    OnBadRows,
+    as_batch,
+    convert,
+)
 from raytrec.data.source import Batch
 from raytrec.data.spec import Feature, FeatureSpec, SparseFeature
 
@@ -58,6 +68,9 @@ ROW_GROUP = "__rt_row_group"
 # The marker column of the internal layout: null for a row to train on, else why it is dropped.
 DROP = "__rt_drop"
 PADDING = "padding"
+# The internal layout's dense features and labels: one fixed-size list per row each.
+DENSE = "__rt_dense"
+LABELS = "__rt_labels"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -149,87 +162,160 @@ class EpochLog:
 
 @dataclasses.dataclass(frozen=True)
 class InternalColumns:
-    """The internal Arrow layout between the pipeline and the ranks (fixed column names, so no
-    user column can collide), and the strict spec that converts it."""
+    """The internal Arrow layout between the pipeline and the ranks: fixed ``__rt_*`` column
+    names (no user column can collide), values already checked and in range.
+
+    Dense features and labels are one ``fixed_size_list<float32>`` column each (a row's
+    ``dense_features`` and labels), feature ``k``'s ids a ``list<int64>`` column and its weights,
+    when it has some, a ``list<float32>`` column; the row id an int64 column; :data:`DROP` the
+    marker. A pipeline worker writes it from :func:`~raytrec.data.arrow_kjt.convert`'s arrays
+    (:meth:`encode`), a rank reads it into a batch (:meth:`decode`), with no check left to do."""
 
     source: FeatureSpec
-    rank_spec: FeatureSpec
+    sparse: tuple[str, ...]
+    weights: tuple[str | None, ...]
+    row_id: str | None
 
     @staticmethod
     def of(spec: FeatureSpec) -> InternalColumns:
         """Prefer :func:`internal_columns_of`, which caches."""
-        rank_spec = FeatureSpec(
-            dense=tuple(f"__rt_dense_{j}" for j in range(spec.num_dense)),
-            sparse=tuple(
-                SparseFeature(
-                    name=f.name,
-                    column=f"__rt_sparse_{k}",
-                    num_embeddings=f.num_embeddings,
-                    id_policy="strict",  # ids are in range already: one max check per feature
-                    weights=None if _weights_of(f) is None else f"__rt_weights_{k}",
-                )
+        return InternalColumns(
+            source=spec,
+            sparse=tuple(f"__rt_sparse_{k}" for k in range(len(spec.sparse))),
+            weights=tuple(
+                None if _weights_of(f) is None else f"__rt_weights_{k}"
                 for k, f in enumerate(spec.sparse)
             ),
-            labels=tuple(f"__rt_label_{j}" for j in range(len(spec.labels))),
             row_id=None if spec.row_id is None else "__rt_row_id",
         )
-        return InternalColumns(source=spec, rank_spec=rank_spec)
 
-    def to_arrow(self, batch: Batch, report: ConversionReport) -> pa.Table:
-        """A converted batch in the internal layout, no row marked."""
-        spec = self.rank_spec
-        rows = batch.dense_features.shape[0]
-        # Transposed once, so each column is one contiguous row: pa.array without a copy.
-        dense = np.ascontiguousarray(batch.dense_features.numpy().T)
-        columns: dict[str, pa.Array] = {
-            name: pa.array(dense[j], pa.float32()) for j, name in enumerate(spec.dense)
-        }
-        kjt = batch.sparse_features
-        values, lengths = kjt.values().numpy(), kjt.lengths().numpy()
-        offset_per_key = kjt.offset_per_key()
-        for k, f in enumerate(spec.sparse):
+    def encode(self, arrays: Arrays, report: ConversionReport) -> pa.Table:
+        """A converted batch in this layout, no row marked (the arrays' memory, not a copy)."""
+        rows = arrays.num_rows
+        columns: dict[str, pa.Array] = {}
+        if self.source.num_dense:
+            columns[DENSE] = _rows_of(arrays.dense.reshape(-1), self.source.num_dense)
+        columns[LABELS] = _rows_of(arrays.labels.reshape(-1), len(self.source.labels))
+        ends = arrays.offset_per_key
+        for k, (ids, weights) in enumerate(zip(self.sparse, self.weights, strict=True)):
             offsets = np.zeros(rows + 1, dtype=np.int32)
-            np.cumsum(lengths[k * rows : (k + 1) * rows], out=offsets[1:])
-            child = values[offset_per_key[k] : offset_per_key[k + 1]]
-            columns[f.source_column] = pa.ListArray.from_arrays(
-                pa.array(offsets, pa.int32()), pa.array(child, pa.int64())
-            )
-            weights = _weights_of(f)
+            np.cumsum(arrays.lengths[k * rows : (k + 1) * rows], out=offsets[1:])
+            list_offsets = pa.array(offsets, pa.int32())
+            child = pa.array(arrays.values[ends[k] : ends[k + 1]], pa.int64())
+            columns[ids] = pa.ListArray.from_arrays(list_offsets, child)
             if weights is not None:
-                w = kjt.weights().numpy()[offset_per_key[k] : offset_per_key[k + 1]]
-                columns[weights] = pa.ListArray.from_arrays(
-                    pa.array(offsets, pa.int32()), pa.array(w, pa.float32())
-                )
-        labels = batch.labels.numpy().reshape(rows, len(spec.labels)).T
-        for j, name in enumerate(spec.labels):
-            columns[name] = pa.array(np.ascontiguousarray(labels[j]), pa.float32())
-        if spec.row_id is not None:
-            columns[spec.row_id] = pa.array(report.row_ids, pa.int64())
+                assert arrays.weights is not None  # a weighted spec's arrays have weights
+                w = pa.array(arrays.weights[ends[k] : ends[k + 1]], pa.float32())
+                columns[weights] = pa.ListArray.from_arrays(list_offsets, w)
+        if self.row_id is not None:
+            columns[self.row_id] = pa.array(report.row_ids, pa.int64())
         columns[DROP] = pa.nulls(rows, pa.string())
         return pa.table(columns)
 
+    def decode(self, table: pa.Table) -> tuple[Batch, np.ndarray | None]:
+        """The batch of ``table`` (this layout, marked rows already taken out by
+        :func:`take_marked`; any chunking) and its row ids. Each buffer is copied once, into
+        the batch's own tensors."""
+        spec, rows = self.source, table.num_rows
+        dense = np.empty((rows, spec.num_dense), dtype=np.float32)
+        if spec.num_dense:
+            _flat_into(table.column(DENSE), dense.reshape(-1))
+        labels = np.empty((rows, len(spec.labels)), dtype=np.float32)
+        _flat_into(table.column(LABELS), labels.reshape(-1))
+        lengths = np.empty(len(self.sparse) * rows, dtype=np.int32)
+        ids: list[list[np.ndarray]] = []
+        for k, name in enumerate(self.sparse):
+            ids.append(_lists(table.column(name), lengths[k * rows : (k + 1) * rows], np.int64))
+        offset_per_key = [0, *itertools.accumulate(sum(map(len, f)) for f in ids)]
+        values = np.empty(offset_per_key[-1], dtype=np.int64)
+        for k, parts in enumerate(ids):
+            _concat_into(parts, values[offset_per_key[k] : offset_per_key[k + 1]])
+        weights = None
+        if spec.is_weighted:  # weight 1 for the features without a weights column
+            weights = np.ones(offset_per_key[-1], dtype=np.float32)
+            scratch = np.empty(rows, dtype=np.int32)  # the ids' lengths again: not needed
+            for k, column in enumerate(self.weights):
+                if column is not None:
+                    out = weights[offset_per_key[k] : offset_per_key[k + 1]]
+                    _concat_into(_lists(table.column(column), scratch, np.float32), out)
+        row_ids = None
+        if self.row_id is not None:
+            row_ids = np.asarray(table.column(self.row_id).to_numpy(), dtype=np.int64)
+        arrays = Arrays(
+            keys=spec.sparse_names,
+            dense=dense,
+            labels=labels.reshape(rows) if len(spec.labels) == 1 else labels,
+            values=values,
+            lengths=lengths,
+            offset_per_key=offset_per_key,
+            weights=weights,
+        )
+        return as_batch(arrays), row_ids
+
     def neutral_rows(self, n: int, row_ids: pa.Array | None, drop: pa.Array) -> pa.Table:
         """``n`` rows marked ``drop``: zeros and empty lists (valid, never trained on)."""
-        spec = self.rank_spec
-        zeros = pa.array(np.zeros(n, dtype=np.float32), pa.float32())
-        empty = pa.ListArray.from_arrays(
-            pa.array(np.zeros(n + 1, dtype=np.int32), pa.int32()), pa.array([], pa.int64())
-        )
-        columns: dict[str, pa.Array] = dict.fromkeys(spec.dense, zeros)
-        columns.update((f.source_column, empty) for f in spec.sparse)
-        no_weights = pa.ListArray.from_arrays(
-            pa.array(np.zeros(n + 1, dtype=np.int32), pa.int32()), pa.array([], pa.float32())
-        )
-        columns.update((w, no_weights) for w in map(_weights_of, spec.sparse) if w is not None)
-        columns.update(dict.fromkeys(spec.labels, zeros))
-        if spec.row_id is not None:
-            columns[spec.row_id] = row_ids if row_ids is not None else pa.nulls(n, pa.int64())
+        spec = self.source
+        columns: dict[str, pa.Array] = {}
+        if spec.num_dense:
+            columns[DENSE] = _rows_of(np.zeros(n * spec.num_dense, np.float32), spec.num_dense)
+        columns[LABELS] = _rows_of(np.zeros(n * len(spec.labels), np.float32), len(spec.labels))
+        no_lists = pa.array(np.zeros(n + 1, dtype=np.int32), pa.int32())
+        empty = pa.ListArray.from_arrays(no_lists, pa.array([], pa.int64()))
+        no_weights = pa.ListArray.from_arrays(no_lists, pa.array([], pa.float32()))
+        for ids, weights in zip(self.sparse, self.weights, strict=True):  # encode's order
+            columns[ids] = empty
+            if weights is not None:
+                columns[weights] = no_weights
+        if self.row_id is not None:
+            columns[self.row_id] = row_ids if row_ids is not None else pa.nulls(n, pa.int64())
         columns[DROP] = drop
         return pa.table(columns)
 
 
 def _weights_of(f: Feature) -> str | None:
     return f.weights if isinstance(f, SparseFeature) else None
+
+
+def _rows_of(flat: np.ndarray, width: int) -> pa.FixedSizeListArray:
+    """``flat`` (row-major ``[n, width]`` float32) as ``n`` lists of ``width`` values."""
+    return pa.FixedSizeListArray.from_arrays(pa.array(flat, pa.float32()), width)
+
+
+def _flat_into(column: pa.ChunkedArray, out: np.ndarray) -> None:
+    """A fixed-size-list column's values, row after row, copied into ``out``."""
+    _concat_into([np.asarray(c.flatten().to_numpy()) for c in column.chunks], out)
+
+
+def _lists(column: pa.ChunkedArray, lengths: np.ndarray, dtype: type) -> list[np.ndarray]:
+    """Writes a list column's lengths into ``lengths`` and returns its items, chunk by chunk, as
+    views of the Arrow buffers (the layout has no nulls). Read from the buffers: a rank does this
+    for every feature of every batch, and pyarrow's accessors cost more than the copy."""
+    parts: list[np.ndarray] = []
+    at = 0
+    for chunk in column.chunks:
+        n = len(chunk)
+        if not n:
+            continue
+        if not isinstance(chunk, pa.ListArray):  # 32-bit offsets, as encode writes them
+            raise TypeError(f"expected list<...> with int32 offsets, got {chunk.type}")
+        # The chunk's offsets, from its slice's first row on (not rebased to 0).
+        offsets = np.frombuffer(chunk.buffers()[1], np.int32, n + 1, chunk.offset * 4)
+        np.subtract(offsets[1:], offsets[:-1], out=lengths[at : at + n])
+        at += n
+        start, stop = int(offsets[0]), int(offsets[-1])
+        items = chunk.values  # the whole child (its own offset kept), not the chunk's slice of it
+        size = np.dtype(dtype).itemsize
+        parts.append(
+            np.frombuffer(items.buffers()[1], dtype, stop - start, (items.offset + start) * size)
+        )
+    return parts
+
+
+def _concat_into(parts: list[np.ndarray], out: np.ndarray) -> None:
+    if len(parts) == 1:
+        np.copyto(out, parts[0])
+    elif parts:
+        np.concatenate(parts, out=out)
 
 
 @functools.lru_cache(maxsize=16)
@@ -250,10 +336,10 @@ def preprocess_rows(
     as when no row was bad)."""
     layout = internal_columns_of(spec)
     try:
-        batch, report = to_batch(table, spec, on_bad_rows=on_bad_rows)
+        arrays, report = convert(table, spec, on_bad_rows=on_bad_rows)
     except BadInputError as e:
         raise locate(e, table, spec) from None
-    out = layout.to_arrow(batch, report)
+    out = layout.encode(arrays, report)
     if not report.skipped_rows:
         return out, None
     index = np.concatenate(list(report.skipped_rows.values()))
