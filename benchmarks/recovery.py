@@ -72,10 +72,11 @@ from raytrec.config import (
     ScalingConfig,
     SyncConfig,
     TableConfig,
+    TestingConfig,
     TrainConfig,
 )
 from raytrec.elastic.config import ElasticConfig
-from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
+from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.metrics import IntervalMetrics
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -355,7 +356,7 @@ def build_config(
             poll_s=0.2,
         ),
         checkpoint=CheckpointConfig(every_n_steps=a.checkpoint_every, num_to_keep=None),
-        faults=FaultConfig(faults=(kill,) if faults else ()),
+        testing=TestingConfig(faults=(kill,) if faults else ()),
         num_steps=steps,
         log_every=1,
         seed=a.seed,

@@ -70,6 +70,7 @@ from raytrec.config import (
     ScalingConfig,
     SyncConfig,
     TableConfig,
+    TestingConfig,
     TrainConfig,
 )
 from raytrec.metrics import IntervalMetrics
@@ -158,7 +159,7 @@ def build_config(
         scaling=ScalingConfig(num_workers=a.gangs, gang_size=1, cpus_per_rank=a.cpus_per_rank),
         sync=schedule.sync,
         data=DataConfig(batch_size=a.batch_size, source=a.data),
-        stragglers=stragglers,
+        testing=TestingConfig(stragglers=stragglers),
         num_steps=a.steps,
         log_every=a.log_every,
         seed=a.seed,

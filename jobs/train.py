@@ -28,7 +28,7 @@ from raytrec.config import ConfigError, TrainConfig
 from raytrec.config_file import Override, dump, load_config
 
 # This job's defaults where they differ from the config classes' defaults.
-JOB_DEFAULTS: tuple[Override, ...] = (
+JOB_DEFAULTS: tuple[tuple[str, Any], ...] = (
     ("num_steps", 1000),
     ("log_every", 25),
     ("optimizer.embedding", "rowwise_adagrad"),
