@@ -43,6 +43,7 @@ __all__ = [
     "join_key",
     "root",
     "validate",
+    "yaml_flow",
 ]
 
 T = TypeVar("T")
@@ -157,6 +158,12 @@ def _section(cls: type[BaseModel]) -> str:
     return ""
 
 
+def yaml_flow(value: Any) -> str:
+    """A plain value as one line of YAML: ``20``, ``[64, 16]``, ``null``."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=1000)
+    return text.removesuffix("\n...\n").strip()
+
+
 def _show(value: Any) -> str:
     """A value in an error message: strings quoted, everything else as YAML flow text."""
     if isinstance(value, str):
@@ -164,10 +171,9 @@ def _show(value: Any) -> str:
     if isinstance(value, BaseModel):
         value = value.model_dump(mode="json")
     try:
-        text = yaml.safe_dump(value, default_flow_style=True, width=1000)
+        return yaml_flow(value)
     except yaml.YAMLError:
         return repr(value)
-    return text.removesuffix("\n...\n").strip()
 
 
 def _issue(err: ErrorDetails, cls: type[BaseModel], prefix: str) -> str:

@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel
 
 from raytrec.config import TrainConfig
-from raytrec.config_base import ConfigError, join_key, validate
+from raytrec.config_base import ConfigError, join_key, validate, yaml_flow
 
 __all__ = [
     "Override",
@@ -161,12 +161,6 @@ def _assign(node: Any, parts: list[Part], value: Any, path: str) -> None:
             raise ConfigError(f"{child} is not set; set it whole first: {child}=[...]")
         node[part] = {}
     _assign(node[part], rest, value, child)
-
-
-def yaml_flow(value: Any) -> str:
-    """A plain value as one line of YAML: ``20``, ``[64, 16]``, ``null``."""
-    text = yaml.safe_dump(value, default_flow_style=True, width=1000)
-    return text.removesuffix("\n...\n").strip()
 
 
 def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
