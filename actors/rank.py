@@ -144,7 +144,7 @@ class RankWorker:
         start)."""
         self.engine.broadcast_state(src=src)
         spec = self.spec
-        if not self._heal_corrupted and spec.config.faults.corrupts_heal(
+        if not self._heal_corrupted and spec.config.testing.fault_plan.corrupts_heal(
             self.engine.step, rank=spec.rank, gang=spec.gang
         ):
             # An injected fault (tests of the coordinator's heal check): one weight is off.
@@ -343,12 +343,14 @@ class RankWorker:
         """Carries out the injected faults and stalls due before ``step``; returns seconds slept."""
         cfg, spec = self.spec.config, self.spec
         slept = 0.0
-        if cfg.stragglers is not None:
-            slept += cfg.stragglers.stall_seconds(step, spec.rank)
+        if cfg.testing.stragglers is not None:
+            slept += cfg.testing.stragglers.stall_seconds(step, spec.rank)
         # A node target names a host of the job's initial layout (job rank // ranks_per_host);
         # ranks that join later sit on hosts beyond it.
         host = spec.rank // (cfg.scaling.ranks_per_host or cfg.scaling.gang_size)
-        for fault in cfg.faults.for_rank(step, rank=spec.rank, gang=spec.gang, node=host):
+        for fault in cfg.testing.fault_plan.for_rank(
+            step, rank=spec.rank, gang=spec.gang, node=host
+        ):
             if fault.kind is FaultKind.KILL_RANK:
                 os._exit(1)  # a crash: no cleanup, no goodbye
             if fault.kind is FaultKind.HANG_RANK:

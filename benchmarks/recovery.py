@@ -43,11 +43,12 @@ from raytrec.config import (
     ModelConfig,
     ScalingConfig,
     SyncConfig,
+    TestingConfig,
     TrainConfig,
     criteo_tables,
 )
 from raytrec.elastic.config import ElasticConfig
-from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
+from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.metrics import IntervalMetrics
 
 HEADING = "## Recovery time: survivors against restart from checkpoint"
@@ -270,7 +271,7 @@ def build_config(
             poll_s=0.2,
         ),
         checkpoint=CheckpointConfig(every_n_steps=a.checkpoint_every, num_to_keep=None),
-        faults=FaultConfig(faults=(kill,) if faults else ()),
+        testing=TestingConfig(faults=(kill,) if faults else ()),
         num_steps=steps,
         log_every=1,
         seed=a.seed,

@@ -181,7 +181,14 @@ def load_runs(path: Path) -> list[Run]:
 def measure(a: argparse.Namespace, schedules: list[tuple[str, SyncConfig]]) -> None:
     from raytrec import fit
     from raytrec.cluster import connect
-    from raytrec.config import DataConfig, ModelConfig, ScalingConfig, TableConfig, TrainConfig
+    from raytrec.config import (
+        DataConfig,
+        ModelConfig,
+        ScalingConfig,
+        TableConfig,
+        TestingConfig,
+        TrainConfig,
+    )
 
     connect(num_cpus=a.gangs * a.cpus_per_rank + (os.cpu_count() or 2))
     setup = setup_of(a)
@@ -210,7 +217,7 @@ def measure(a: argparse.Namespace, schedules: list[tuple[str, SyncConfig]]) -> N
                 ),
                 sync=sync,
                 data=DataConfig(batch_size=a.batch_size, source=a.data),
-                stragglers=stragglers,
+                testing=TestingConfig(stragglers=stragglers),
                 num_steps=a.steps,
                 log_every=a.log_every,
                 seed=a.seed,

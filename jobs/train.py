@@ -6,10 +6,9 @@ it runs on that cluster; this is also the entry point for
 job's driver). See docs/job_submission.md.
 
 The configuration is resolved in this order, later wins: the config classes' defaults, this
-job's defaults (1000 steps, a line every 25, row-wise Adagrad, a held-out split evaluated every
-200 steps), ``--config FILE`` (YAML, keys as
-in docs/configuration.md), the shortcut flags below, then ``--set KEY=VALUE`` (repeatable).
-``--print-config`` prints the result as YAML and exits.
+job's own defaults (listed below), ``--config FILE`` (YAML, keys as in docs/configuration.md),
+the shortcut flags, then ``--set KEY=VALUE`` (repeatable). ``--print-config`` prints the
+result as YAML and exits.
 
 Exit codes: 0 success, 2 configuration error, 3 bad input data, 4 stopped on request (SIGTERM,
 SIGINT or ``ray job stop``: the job stopped at its next interval boundary, synced, checkpointed
@@ -25,10 +24,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from raytrec.config import ConfigError, TrainConfig
+from raytrec.config_base import yaml_flow
 from raytrec.config_file import Override, dump, load_config
 
-# This job's defaults where they differ from the config classes' defaults.
-JOB_DEFAULTS: tuple[Override, ...] = (
+# This job's defaults where they differ from the config classes' defaults: the one place the
+# command line departs from them (listed in --help and docs/configuration.md).
+JOB_DEFAULTS: tuple[tuple[str, Any], ...] = (
     ("num_steps", 1000),
     ("log_every", 25),
     ("optimizer.embedding", "rowwise_adagrad"),
@@ -52,6 +53,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jobs.train",
         description=__doc__,
+        epilog="this job's own defaults:\n"
+        + "\n".join(f"  {key}={yaml_flow(value)}" for key, value in JOB_DEFAULTS),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", metavar="FILE", help="YAML config file (docs/configuration.md)")
@@ -78,7 +81,7 @@ def parser() -> argparse.ArgumentParser:
     flag("--log-every", type=int, help="log_every")
     flag("--batch-size", type=int, help="data.batch_size: rows per rank per step")
     flag("--sync-every", type=int, help="sync.sync_every")
-    flag("--arch", help="model.arch: dlrm or dlrm_dcn")
+    flag("--arch", help="model.arch: dlrm, dlrm_dcn, deepfm or two_tower")
     flag("--sharding-type", help="sharding.sharding_type")
     flag("--embedding-optimizer", help="optimizer.embedding")
     flag("--num-embeddings", type=int, help="model.tables[*].num_embeddings: rows per table")

@@ -229,7 +229,7 @@ def _fit(
         _check_checkpoint(resume, config)
     config = config.replace(storage_path=resolve_storage_path(config.storage_path))
     if eval_source is not None:
-        config = config.replace(eval=dataclasses.replace(config.eval, path=eval_source))
+        config = config.replace(eval=config.eval.replace(path=eval_source))
     _check_eval_is_there(config)
     if source is not None:  # a source of the caller's: checked before Ray is touched
         validate_features(config.model, source.sparse_features)
@@ -256,9 +256,7 @@ def _fit(
             validate_features(config.model, source.sparse_features)
             if config.eval.path is None and info.held_out_path is not None:
                 # Generated data's held-out split is what the job evaluates on.
-                config = config.replace(
-                    eval=dataclasses.replace(config.eval, path=info.held_out_path)
-                )
+                config = config.replace(eval=config.eval.replace(path=info.held_out_path))
         shards_of_plan = config.scaling.world_size
         if resume is not None:
             shards_of_plan = _indexed_resume_shards(resume, config, source) or shards_of_plan

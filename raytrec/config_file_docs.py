@@ -1,38 +1,26 @@
-"""The configuration reference (``docs/configuration.md``), generated from the config classes.
+"""The configuration reference (``docs/configuration.md``), generated from the models' JSON schema.
 
-Every key under :class:`~raytrec.config.TrainConfig`, found by walking the dataclasses as
-:mod:`raytrec.config_file` does, with its type, default, allowed values and description. A
-field's description is written next to it in the config class: ``metadata={"doc": ...}``, a
-trailing ``#`` comment, ``#:`` comment lines above it, or a docstring line (or bullet) that
-starts with the field's name in double backquotes and a colon. ``tests/test_config_docs.py``
-fails when the committed reference differs from :func:`reference_markdown`.
+Every key under :class:`~raytrec.config.TrainConfig`, read from ``model_json_schema()``: its
+type, default, allowed values and description (the docstring under the field). A section is a
+nested config class, introduced by its class docstring. ``tests/test_config_docs.py`` fails
+when the committed reference differs from :func:`reference_markdown`.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
-import io
 import re
-import textwrap
-import tokenize
-from collections.abc import Iterator
-from typing import Any, get_type_hints
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from pydantic import BaseModel
 
 from raytrec.config import TrainConfig
-from raytrec.config_file import (
-    allowed_values,
-    describe,
-    init_fields,
-    is_config_class,
-    join_key,
-    sequence_item,
-    strip_optional,
-    yaml_text,
-)
+from raytrec.config_base import join_key, yaml_flow
 
 __all__ = ["REFERENCE_COMMAND", "KeyDoc", "config_keys", "reference_markdown"]
+
+Schema = dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,121 +28,145 @@ class KeyDoc:
     """One settable key of the config tree, as the reference lists it."""
 
     key: str  # e.g. "scaling.gang_size", "model.tables[].name"
-    section: str  # the config class's path: "" for the top level, "model.tables[]"
     type: str
     default: str  # as written in YAML; "required" when there is none
-    allowed: tuple[str, ...]  # as written in YAML; empty for open types (int, string, ...)
+    allowed: str  # the values or bounds a value must keep to; "" for any of its type
     doc: str
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SectionDoc:
-    path: str
-    cls: type
+    path: str  # "" for the top level, "model.tables[]" for the items of a list
+    title: str  # the config class's name
+    doc: str
     keys: tuple[KeyDoc, ...]
 
 
-def _field_comments(cls: type) -> dict[str, str]:
-    """Each field's documentation: ``metadata["doc"]``, its ``#`` comments, or its docstring entry.
+class _Walker:
+    def __init__(self, schema: Schema) -> None:
+        self.defs: dict[str, Schema] = schema.get("$defs", {})
 
-    Written next to the field as a trailing comment or as ``#:`` lines above it; docstring
-    lines (or bullets) that start with a field's name in double backquotes and a colon are
-    read too.
-    """
-    docs: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in (inspect.getdoc(cls) or "").splitlines():
-        m = re.match(r"^(?:[-*]\s+)?``(\w+)``\s*:\s*(.*)$", line.strip())
-        if m:
-            current = docs.setdefault(m.group(1), [])
-            current.append(m.group(2))
-        elif current is not None and line.strip() and not line.lstrip().startswith(("- ", "* ")):
-            current.append(line.strip())
-        else:
-            current = None
-    found = {name: " ".join(" ".join(words).split()) for name, words in docs.items()}
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        source = ""
-    comments: dict[int, str] = {}
-    try:
-        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-            if tok.type == tokenize.COMMENT:
-                comments[tok.start[0]] = tok.string
-    except (tokenize.TokenError, SyntaxError):
-        pass
-    lines = source.splitlines()
-    tree = ast.parse(source) if source else None
-    body = tree.body[0].body if tree and isinstance(tree.body[0], ast.ClassDef) else []
-    for node in body:
-        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
-            continue
-        target = node.target.id
-        end = node.end_lineno or node.lineno
-        trailing = [
-            comments[n].lstrip("#").strip()
-            for n in range(node.lineno, end + 1)
-            if n in comments and not lines[n - 1].lstrip().startswith("#")
-        ]
-        above: list[str] = []
-        n = node.lineno - 1
-        while n in comments and lines[n - 1].lstrip().startswith("#:"):
-            above.insert(0, comments[n][2:].strip())
-            n -= 1
-        text = " ".join(above + trailing)
-        if text:
-            found[target] = text
-    for name, f in init_fields(cls).items():
-        if "doc" in f.metadata:
-            found[name] = str(f.metadata["doc"])
-    return found
+    def resolve(self, s: Schema) -> Schema:
+        """``s`` with its ``$ref`` filled in; the field's own keys (description, default) win."""
+        if "$ref" not in s:
+            return s
+        target = self.resolve(self.defs[s["$ref"].rsplit("/", 1)[-1]])
+        return {**target, **{k: v for k, v in s.items() if k != "$ref"}}
+
+    def members(self, s: Schema) -> list[Schema]:
+        """A union's members other than null, resolved; ``[s]`` for anything else."""
+        options = s.get("anyOf", [s])
+        return [self.resolve(m) for m in options if m.get("type") != "null"]
+
+    def section(self, s: Schema) -> Schema | None:
+        """The config class a field holds (alone, optional, or as list items), if any."""
+        for member in s.get("anyOf", [s]):
+            member = member.get("items", member) if member.get("type") == "array" else member
+            if "$ref" in member:
+                target = self.resolve({"$ref": member["$ref"]})
+                if "properties" in target:
+                    return target
+        return None
+
+    def type_text(self, s: Schema) -> str:
+        s = self.resolve(s)
+        if "anyOf" in s:
+            return " or ".join(dict.fromkeys(self.type_text(m) for m in s["anyOf"]))
+        if "enum" in s:
+            return " or ".join(dict.fromkeys(_yaml_type(v) for v in s["enum"]))
+        if s.get("type") == "array":
+            if "prefixItems" in s:
+                return "[" + ", ".join(self.type_text(i) for i in s["prefixItems"]) + "]"
+            return f"list of {self.type_text(s.get('items', {}))}"
+        if "properties" in s:
+            return "mapping"
+        if s.get("type") == "object":
+            values = s.get("additionalProperties")
+            return f"mapping of string to {self.type_text(values)}" if values else "mapping"
+        names = {"integer": "int", "number": "float", "boolean": "bool", "string": "string"}
+        kind = str(s.get("type", "any"))
+        return names.get(kind, kind)
+
+    def allowed(self, s: Schema) -> str:
+        """The values or bounds a value keeps to, as the reference shows them; "" for any."""
+        s = self.resolve(s)
+        if "anyOf" in s:
+            members = self.members(s)
+            parts = [self.allowed(m) for m in members]
+            if all("enum" in m or m.get("type") == "boolean" for m in members):
+                parts.append("`null`")  # a closed set of values: null is one of them
+            return ", ".join(p for p in parts if p)
+        if "enum" in s:
+            return ", ".join(f"`{yaml_flow(v)}`" for v in s["enum"])
+        if s.get("type") == "boolean":
+            return "`true`, `false`"
+        if "prefixItems" in s:
+            return "[" + ", ".join(self.allowed(i) or "any" for i in s["prefixItems"]) + "]"
+        words = {"exclusiveMinimum": ">", "minimum": ">=", "exclusiveMaximum": "<", "maximum": "<="}
+        bounds = [f"{word} {s[key]}" for key, word in words.items() if key in s]
+        if s.get("minLength") or s.get("minItems") == 1:
+            bounds.append("non-empty")
+        elif s.get("minItems"):
+            bounds.append(f"at least {s['minItems']} entries")
+        inner = s.get("items") or s.get("additionalProperties")
+        if isinstance(inner, dict) and "properties" not in self.resolve(inner):
+            each = self.allowed(inner)
+            if each:
+                bounds.append(f"each {each}")
+        return ", ".join(bounds)
 
 
-def _default_text(f: dataclasses.Field[Any]) -> str:
-    if f.default is not dataclasses.MISSING:
-        return yaml_text(f.default)
-    if f.default_factory is not dataclasses.MISSING:
-        value = f.default_factory()
-        if isinstance(value, tuple | list) and value and is_config_class(type(value[0])):
-            return f"{len(value)} entries from {getattr(f.default_factory, '__name__', '')}()"
-        return yaml_text(value)
-    return "required"
+def _yaml_type(value: Any) -> str:
+    return {bool: "bool", int: "int", float: "float", str: "string"}.get(type(value), "null")
 
 
-def _sections(cls: type, path: str = "") -> Iterator[SectionDoc]:
-    hints = get_type_hints(cls)
-    comments = _field_comments(cls)
+def _default_text(s: Schema) -> str:
+    if "default" not in s:
+        return "required"
+    value = s["default"]
+    if isinstance(value, list) and value and isinstance(value[0], dict):
+        return f"{len(value)} entries"
+    return yaml_flow(value)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _sections(w: _Walker, s: Schema, path: str, title: str) -> Iterator[SectionDoc]:
     keys: list[KeyDoc] = []
-    nested: list[tuple[str, type]] = []
-    for name, f in init_fields(cls).items():
-        hint = hints[name]
-        inner = strip_optional(hint)
-        if is_config_class(inner):
-            nested.append((join_key(path, name), inner))
-            continue
-        item = sequence_item(inner)
-        if item is not None and is_config_class(item):
-            nested.append((join_key(path, name) + "[]", item))
-        choices = allowed_values(hint)
+    nested: list[tuple[str, Schema]] = []
+    for name, prop in s.get("properties", {}).items():
+        key = join_key(path, name)
+        inner = w.section(prop)
+        resolved = w.resolve(prop)
+        if inner is not None:
+            many = any(m.get("type") == "array" for m in w.members(resolved))
+            nested.append((key + ("[]" if many else ""), inner))
+            if "properties" in resolved:  # always present: a section, not a key
+                continue
         keys.append(
             KeyDoc(
-                key=join_key(path, name),
-                section=path,
-                type=describe(hint),
-                default=_default_text(f),
-                allowed=tuple(yaml_text(c) for c in choices) if choices is not None else (),
-                doc=comments.get(name, ""),
+                key=key,
+                type=w.type_text(resolved),
+                default=_default_text(resolved),
+                allowed=w.allowed(resolved),
+                doc=_one_line(resolved.get("description", "")),
             )
         )
-    yield SectionDoc(path=path, cls=cls, keys=tuple(keys))
+    yield SectionDoc(path=path, title=title, doc=s.get("description", ""), keys=tuple(keys))
     for child_path, child in nested:
-        yield from _sections(child, child_path)
+        yield from _sections(w, child, child_path, child.get("title", ""))
 
 
-def config_keys(cls: type = TrainConfig) -> list[KeyDoc]:
+def _all_sections(cls: type[BaseModel]) -> list[SectionDoc]:
+    schema = cls.model_json_schema()
+    return list(_sections(_Walker(schema), schema, "", schema.get("title", cls.__name__)))
+
+
+def config_keys(cls: type[BaseModel] = TrainConfig) -> list[KeyDoc]:
     """Every settable key under ``cls``, section by section."""
-    return [k for s in _sections(cls) for k in s.keys]
+    return [k for s in _all_sections(cls) for k in s.keys]
 
 
 def _markdown_text(text: str) -> str:
@@ -170,8 +182,11 @@ def _cell(text: str) -> str:
 REFERENCE_COMMAND = "python -m jobs.config_reference > docs/configuration.md"
 
 
-def reference_markdown(cls: type = TrainConfig) -> str:
-    """``docs/configuration.md``: every key with its type, default, allowed values and doc."""
+def reference_markdown(
+    cls: type[BaseModel] = TrainConfig, job_defaults: Sequence[tuple[str, Any]] = ()
+) -> str:
+    """``docs/configuration.md``: every key with its type, default, allowed values and doc, and
+    the ``job_defaults`` with which ``python -m jobs.train`` departs from the defaults."""
     out = [
         "# Configuration reference",
         "",
@@ -182,17 +197,30 @@ def reference_markdown(cls: type = TrainConfig) -> str:
         "(`python -m jobs.train --config FILE`). Keys left out take the defaults listed here; "
         "`--set KEY=VALUE` (repeatable) overrides one key after the file, the value read as "
         "YAML (`--set scaling.num_workers=8`, `--set model.dense_arch_layers=[64,16]`, "
-        "`--set 'model.tables[*].num_embeddings=5000'`). An unknown key or a value of the "
-        "wrong type fails before anything starts, naming the key, the value and what is "
-        "allowed. `python -m jobs.train --print-config` prints the resolved configuration.",
+        "`--set 'model.tables[*].num_embeddings=5000'`). An unknown key or a wrong value "
+        "fails before anything starts, naming the key, the value and what is allowed. "
+        "`python -m jobs.train --print-config` prints the resolved configuration. The "
+        "`testing` section is for tests and benchmarks only.",
         "",
     ]
-    for section in _sections(cls):
+    if job_defaults:
+        out += [
+            "## The job's own defaults",
+            "",
+            "`python -m jobs.train` starts from these values where they differ from the "
+            "classes' defaults (a 1000-step job on generated data with a held-out split); the "
+            "config file, the shortcut flags and `--set` override them.",
+            "",
+            "| key | value |",
+            "| --- | --- |",
+            *(f"| `{key}` | `{_cell(yaml_flow(value))}` |" for key, value in job_defaults),
+            "",
+        ]
+    for section in _all_sections(cls):
         title = f"`{section.path}`" if section.path else "Top level"
-        out += [f"## {title}: {section.cls.__name__}", ""]
-        doc = inspect.getdoc(section.cls)
-        if doc:
-            out += [_markdown_text(doc), ""]
+        out += [f"## {title}: {section.title}", ""]
+        if section.doc:
+            out += [_markdown_text(section.doc), ""]
         if not section.keys:
             continue
         out += [
@@ -201,9 +229,8 @@ def reference_markdown(cls: type = TrainConfig) -> str:
         ]
         for k in section.keys:
             default = f"`{k.default}`" if k.default != "required" else "required"
-            allowed = ", ".join(f"`{a}`" for a in k.allowed)
             out.append(
-                f"| `{k.key}` | {_cell(k.type)} | {_cell(default)} | {_cell(allowed)} | "
+                f"| `{k.key}` | {_cell(k.type)} | {_cell(default)} | {_cell(k.allowed)} | "
                 f"{_cell(k.doc)} |"
             )
         out.append("")

@@ -1,6 +1,6 @@
 """Fault-injection doubles for tests and demos on a simulated multi-node Ray cluster.
 
-Rank faults (kill, hang, slow) are carried out by the rank itself, from ``TrainConfig.faults``.
+Rank faults (kill, hang, slow) are carried out by the rank itself, from ``testing.faults``.
 Removing a node needs the cluster object, which only the test or demo holds:
 :class:`NodeRemover` is an ``on_progress`` callback for :func:`raytrec.fit` that removes, once
 the job has trained a given number of steps, the node of ``ray.cluster_utils.Cluster`` that runs

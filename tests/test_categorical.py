@@ -160,8 +160,8 @@ def test_the_model_spec_carries_the_vocabulary() -> None:
     ("data", "columns", "message"),
     [
         ({"num_dense": 3}, {"dense": ("a",)}, "leave num_dense out"),
-        ({}, {"categorical": {"f": "onehot"}}, r"categorical\['f'\]='onehot'"),
-        ({}, {"label": ""}, "data.columns.label must be a column name"),
+        ({}, {"categorical": {"f": "onehot"}}, r"categorical.f='onehot': must be 'vocabulary'"),
+        ({}, {"label": ""}, "data.columns.label='': must have at least 1 character"),
     ],
 )
 def test_bad_column_settings_are_named(

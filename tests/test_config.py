@@ -46,8 +46,8 @@ def test_defaults_are_valid_and_consistent() -> None:
             r"\[1, 2, 3, 6\]",
         ),
         (2, 4, r"scaling.gang_size=4 is larger than scaling.num_workers=2"),
-        (0, 1, r"scaling.num_workers must be a positive integer, got 0"),
-        (4, -2, r"scaling.gang_size must be a positive integer, got -2"),
+        (0, 1, r"scaling.num_workers=0: must be greater than 0"),
+        (4, -2, r"scaling.gang_size=-2: must be greater than 0"),
     ],
 )
 def test_gang_size_must_divide_the_world(workers: int, gang: int, match: str) -> None:
@@ -56,9 +56,9 @@ def test_gang_size_must_divide_the_world(workers: int, gang: int, match: str) ->
 
 
 def test_layout_and_backend_are_checked() -> None:
-    with pytest.raises(ConfigError, match=r"scaling.layout='diagonal' is not one of"):
-        ScalingConfig(layout="diagonal")
-    with pytest.raises(ConfigError, match=r"scaling.backend='mpi' is not one of 'auto'"):
+    with pytest.raises(ConfigError, match=r"scaling.layout='diagonal': must be 'replicas_within"):
+        ScalingConfig(layout="diagonal")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"scaling.backend='mpi': must be 'auto', 'gloo' or"):
         ScalingConfig(backend="mpi")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"backend='nccl' needs scaling.use_gpu=True"):
         ScalingConfig(backend="nccl")
@@ -69,7 +69,7 @@ def test_layout_and_backend_are_checked() -> None:
 
 @pytest.mark.parametrize("value", [-1, 20, 2.5, True, "0"])
 def test_rank_niceness_is_a_nice_increment_or_none(value: object) -> None:
-    with pytest.raises(ConfigError, match=r"scaling.rank_niceness=.* allowed: an integer from 0"):
+    with pytest.raises(ConfigError, match=r"scaling.rank_niceness=.*: must be"):
         ScalingConfig(rank_niceness=value)  # type: ignore[arg-type]
 
 
@@ -86,7 +86,7 @@ def test_rank_niceness_reaches_the_rank_actors_runtime_env() -> None:
 
 def test_unknown_sharding_type_names_the_allowed_ones() -> None:
     with pytest.raises(
-        ConfigError, match=r"sharding.sharding_type='diagonal_wise' is not one of 'table_wise'"
+        ConfigError, match=r"sharding.sharding_type='diagonal_wise': must be 'table_wise'"
     ):
         ShardingConfig(sharding_type="diagonal_wise")  # type: ignore[arg-type]
 
@@ -111,11 +111,13 @@ def test_fused_adam_is_refused_on_cpu_with_fbgemms_reason() -> None:
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
-        ({"num_embeddings": 0}, r"tables\[t\].num_embeddings must be a positive integer, got 0"),
-        ({"embedding_dim": 0}, r"tables\[t\].embedding_dim must be a positive integer, got 0"),
-        ({"num_embeddings": True}, r"num_embeddings must be a positive integer, got True"),
-        ({"features": ()}, r"tables\[t\].features must name at least one feature"),
-        ({"name": ""}, r"table name must be a non-empty string"),
+        ({"num_embeddings": 0}, r"tables\[\].num_embeddings=0: must be greater than 0"),
+        ({"embedding_dim": 0}, r"tables\[\].embedding_dim=0: must be greater than 0"),
+        ({"num_embeddings": True}, r"num_embeddings=true: must be a valid integer"),
+        ({"num_embeddings": "10"}, r"num_embeddings='10': must be a valid integer"),
+        ({"features": ()}, r"tables\[\].features=\[\]: must have at least 1 item"),
+        ({"name": ""}, r"tables\[\].name='': must have at least 1 character"),
+        ({"pooling": "mean", "weighted": True}, r"tables\[\]: weighted=True needs pooling='sum'"),
     ],
 )
 def test_bad_tables(kw: dict, match: str) -> None:
@@ -136,8 +138,8 @@ def test_model_checks_tables_together() -> None:
     with pytest.raises(ConfigError, match=r"dense_arch_layers\[-1\]=8 must equal .*=4"):
         ModelConfig(tables=(a,), dense_arch_layers=(8,))
     with pytest.raises(ConfigError, match=r"over_arch_layers\[-1\]=2 must be 1"):
-        ModelConfig(tables=(a,), dense_arch_layers=(4,), over_arch_layers=(2,))
-    with pytest.raises(ConfigError, match=r"model.arch='transformer' is not one of 'dlrm'"):
+        ModelConfig(tables=(a,), dense_arch_layers=(4,), over_arch_layers=(8, 2))
+    with pytest.raises(ConfigError, match=r"model.arch='transformer': must be 'dlrm'"):
         ModelConfig(arch="transformer")  # type: ignore[arg-type]
 
 
@@ -151,18 +153,25 @@ def test_a_feature_that_no_table_serves() -> None:
 
 
 def test_other_fields() -> None:
-    with pytest.raises(ConfigError, match=r"sync.sync_every must be a positive integer, got 0"):
+    with pytest.raises(ConfigError, match=r"sync.sync_every=0: must be greater than 0"):
         SyncConfig(sync_every=0)
-    with pytest.raises(ConfigError, match=r"data.batch_size must be a positive integer"):
+    with pytest.raises(ConfigError, match=r"data.batch_size=-1: must be greater than 0"):
         DataConfig(batch_size=-1)
-    with pytest.raises(ConfigError, match=r"optimizer.embedding_lr must be a positive number"):
+    with pytest.raises(ConfigError, match=r"optimizer.embedding_lr=0.0: must be greater than 0"):
         OptimizerConfig(embedding_lr=0.0)
-    with pytest.raises(ConfigError, match=r"optimizer.dense='lbfgs' is not one of"):
+    with pytest.raises(ConfigError, match=r"optimizer.eps=.nan: must be a finite number"):
+        OptimizerConfig(eps=float("nan"))
+    with pytest.raises(ConfigError, match=r"optimizer.dense='lbfgs': must be 'sgd', 'adagrad'"):
         OptimizerConfig(dense="lbfgs")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match=r"num_steps must be a positive integer"):
+    with pytest.raises(ConfigError, match=r"num_steps=0: must be greater than 0"):
         TrainConfig(num_steps=0)
-    with pytest.raises(ConfigError, match=r"scaling must be a ScalingConfig"):
-        TrainConfig(scaling={"num_workers": 4})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"scaling=4: must be a mapping"):
+        TrainConfig(scaling=4)  # type: ignore[arg-type]
+    # A section given as a mapping is validated like one read from YAML.
+    as_dict = TrainConfig(scaling={"num_workers": 6})  # type: ignore[arg-type]
+    assert as_dict == TrainConfig(scaling=ScalingConfig(num_workers=6))
+    with pytest.raises(ConfigError, match=r"scaling.gang_size=4 does not divide"):
+        TrainConfig(scaling={"gang_size": 4, "num_workers": 6})  # type: ignore[arg-type]
 
 
 def test_read_ahead_auto_uses_a_thread_on_gpu_ranks_only() -> None:
@@ -185,3 +194,44 @@ def test_table_names_torchrec_cannot_hold_are_refused() -> None:
     assert attributes == RESERVED_TABLE_NAMES
     with pytest.raises(ConfigError, match="table name 'items' cannot be used"):
         TableConfig(name="items", num_embeddings=4, embedding_dim=4, features=("item",))
+
+
+def test_unknown_keys_and_scalars_of_the_wrong_type_are_refused() -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown key 'scaling.gang_sise' \(did you mean 'scaling.gang_size'\?\); allowed "
+        r"keys under 'scaling': num_workers, gang_size, ranks_per_host",
+    ):
+        ScalingConfig(gang_sise=2)  # type: ignore[call-arg]
+    with pytest.raises(ConfigError, match=r"scaling.use_gpu='yes': must be a valid boolean"):
+        ScalingConfig(use_gpu="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"scaling.use_gpu=1: must be a valid boolean"):
+        ScalingConfig(use_gpu=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^name=12: must be a valid string$"):
+        TrainConfig(name=12)  # type: ignore[arg-type]
+    # Every problem is named, not only the first.
+    with pytest.raises(ConfigError, match=r"num_workers=0: .*; scaling.cpus_per_rank=-1"):
+        ScalingConfig(num_workers=0, cpus_per_rank=-1)
+    # An int is a float; a list is a tuple; an enum's value is the enum.
+    scaling = ScalingConfig(cpus_per_rank=2, layout="replicas_within_host")  # type: ignore[arg-type]
+    assert scaling.cpus_per_rank == 2.0 and isinstance(scaling.cpus_per_rank, float)
+    assert scaling.layout is Layout.REPLICAS_WITHIN_HOST
+    assert SyncConfig(levels=[[2, 2]], sync_every=4).levels == ((2, 2),)  # type: ignore[arg-type]
+
+
+def test_configs_are_frozen_values_that_pickle_and_replace() -> None:
+    import pickle
+
+    import pydantic
+
+    cfg = TrainConfig(num_steps=5, scaling=ScalingConfig(num_workers=2, gang_size=1))
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        cfg.num_steps = 6  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+    assert hash(cfg.scaling) == hash(ScalingConfig(num_workers=2, gang_size=1))
+    assert cfg.replace(num_steps=6) == TrainConfig(
+        num_steps=6, scaling=ScalingConfig(num_workers=2, gang_size=1)
+    )
+    assert cfg.replace(num_steps=6) != cfg
+    with pytest.raises(ConfigError, match=r"scaling.gang_size=3 is larger than"):
+        cfg.scaling.replace(gang_size=3)

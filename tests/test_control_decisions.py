@@ -216,7 +216,7 @@ def test_a_missing_score_is_no_improvement() -> None:
 def test_early_stopping_needs_periodic_evaluations() -> None:
     with pytest.raises(ConfigError, match=r"early_stopping_patience needs eval\.every_n_steps"):
         EvalConfig(early_stopping_patience=2)
-    with pytest.raises(ConfigError, match=r"eval\.early_stopping_metric='auc' is not one of"):
+    with pytest.raises(ConfigError, match=r"eval\.early_stopping_metric='auc': must be 'eval_auc'"):
         EvalConfig(every_n_steps=4, early_stopping_patience=2, early_stopping_metric="auc")  # type: ignore[arg-type]
 
 

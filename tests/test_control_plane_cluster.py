@@ -47,12 +47,13 @@ from raytrec.config import (
     ModelConfig,
     ScalingConfig,
     SyncConfig,
+    TestingConfig,
     TrainConfig,
     criteo_tables,
 )
 from raytrec.data.generate import write_synthetic_parquet
 from raytrec.elastic.config import ElasticConfig
-from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
+from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.metrics import IntervalMetrics
 from raytrec.model import build_dlrm
 from raytrec.testing import (
@@ -90,7 +91,7 @@ def test_every_rank_hung_is_found_by_the_heartbeat_rule(cluster: Cluster, tmp_pa
         tmp_path,
         elastic=elastic,
         checkpoint=CheckpointConfig(every_n_steps=25, num_to_keep=1),
-        faults=FaultConfig(
+        testing=TestingConfig(
             faults=(
                 FaultSpec(kind=FaultKind.HANG_RANK, step=40, gang=0),
                 FaultSpec(kind=FaultKind.HANG_RANK, step=40, gang=1),
@@ -129,7 +130,7 @@ def test_a_heal_that_does_not_match_its_peer_is_dropped_and_placed_again(
             resource_wait_s=120,
             poll_s=0.2,
         ),
-        faults=FaultConfig(
+        testing=TestingConfig(
             faults=(
                 FaultSpec(kind=FaultKind.KILL_RANK, step=5, rank=1),
                 # Gang 2 is the first replacement: its copy of the peer's state is corrupted.
@@ -207,7 +208,7 @@ def test_a_gang_drained_mid_epoch_gives_back_its_rows_and_none_is_lost_or_double
         data=DataConfig(batch_size=32, source="parquet", path=data_dir),
         elastic=ElasticConfig(step_timeout_s=30, collective_timeout_s=10, poll_s=0.2),
         # Slow steps, so the request (made by the driver once it sees step 4) lands mid-epoch.
-        faults=FaultConfig(
+        testing=TestingConfig(
             faults=(FaultSpec(kind=FaultKind.SLOW_RANK, step=5, rank=0, stall_s=0.5, steps=8),)
         ),
         num_steps=12,
@@ -253,7 +254,7 @@ def test_a_node_marked_for_removal_gives_its_gang_back(two_nodes: Cluster, tmp_p
         tmp_path,
         elastic=ElasticConfig(step_timeout_s=30, collective_timeout_s=10, poll_s=0.2),
         # Slow steps, so the drain (marked by the driver once it sees step 4) lands mid-run.
-        faults=FaultConfig(
+        testing=TestingConfig(
             faults=(FaultSpec(kind=FaultKind.SLOW_RANK, step=5, rank=0, stall_s=0.5, steps=8),)
         ),
         num_steps=16,
@@ -305,7 +306,7 @@ def test_the_rendezvous_listens_on_loopback_and_hides_the_jobs_keys(
     config = small_job(
         tmp_path,
         elastic=ElasticConfig(step_timeout_s=30, collective_timeout_s=10, poll_s=0.2),
-        faults=FaultConfig(
+        testing=TestingConfig(
             faults=(FaultSpec(kind=FaultKind.SLOW_RANK, step=5, rank=0, stall_s=0.3, steps=4),)
         ),
         num_steps=12,

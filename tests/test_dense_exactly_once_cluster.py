@@ -44,11 +44,12 @@ from raytrec.config import (
     ScalingConfig,
     SyncConfig,
     TableConfig,
+    TestingConfig,
     TrainConfig,
 )
 from raytrec.data.synthetic import SyntheticCriteo, split_batch_id
 from raytrec.elastic.config import ElasticConfig
-from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
+from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.model import embedding_bag_configs
 from raytrec.testing import NodeRemover, simulated_cluster
 
@@ -238,7 +239,7 @@ def test_a_rank_death_leaves_every_row_in_the_model_once(
     config = counting_job(
         tmp_path,
         sync=SyncConfig(sync_every=SYNC_EVERY, dense=dense),  # type: ignore[arg-type]
-        faults=FaultConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=7, rank=1),)),
+        testing=TestingConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=7, rank=1),)),
     )
     result = fit(
         config,
@@ -272,7 +273,7 @@ def test_a_node_loss_leaves_every_row_in_the_model_once(two_nodes: Cluster, tmp_
         tmp_path,
         scaling=ScalingConfig(num_workers=4, gang_size=2),
         # Slow steps, so the removal (done by the driver once it sees step 4) lands mid-run.
-        faults=FaultConfig(
+        testing=TestingConfig(
             faults=(FaultSpec(kind=FaultKind.SLOW_RANK, step=5, rank=0, stall_s=0.4, steps=6),)
         ),
     )

@@ -21,12 +21,13 @@ from raytrec.config import (
     ModelConfig,
     ScalingConfig,
     SyncConfig,
+    TestingConfig,
     TrainConfig,
     criteo_tables,
 )
 from raytrec.data.synthetic import split_batch_id
 from raytrec.elastic.config import ElasticConfig
-from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
+from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.testing import NodeRemover, simulated_cluster
 
 pytestmark = pytest.mark.cluster
@@ -79,7 +80,7 @@ def test_three_failures_and_growth_in_one_run(cluster: Cluster, tmp_path: str) -
             resource_wait_s=60,
             poll_s=0.2,
         ),
-        faults=FaultConfig(
+        testing=TestingConfig(
             faults=(
                 FaultSpec(kind=FaultKind.KILL_RANK, step=5, rank=1),
                 FaultSpec(kind=FaultKind.HANG_RANK, step=13, rank=2),

@@ -9,9 +9,16 @@ import pytest
 import ray
 
 from raytrec.api import CoordinatorDied, fit
-from raytrec.config import DataConfig, ModelConfig, ScalingConfig, TrainConfig, criteo_tables
+from raytrec.config import (
+    DataConfig,
+    ModelConfig,
+    ScalingConfig,
+    TestingConfig,
+    TrainConfig,
+    criteo_tables,
+)
 from raytrec.elastic.config import ElasticConfig
-from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
+from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.errors import JobFailedError
 from raytrec.metrics import IntervalMetrics
 from raytrec.testing import running_coordinator
@@ -45,7 +52,7 @@ def test_replicas_within_host_losing_a_host_without_a_checkpoint_fails_clearly(
     cfg = config(
         str(tmp_path),
         scaling=WITHIN_HOST,
-        faults=FaultConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=5, node=0),)),
+        testing=TestingConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=5, node=0),)),
     )
     # No checkpoint configured: the message says one would have allowed a rebuild.
     with pytest.raises(
@@ -64,7 +71,7 @@ def test_replicas_within_host_losing_one_rank_drops_its_gang_and_goes_on(
     cfg = config(
         str(tmp_path),
         scaling=WITHIN_HOST,
-        faults=FaultConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=5, rank=0),)),
+        testing=TestingConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=5, rank=0),)),
     )
     result = fit(cfg, shutdown_ray=False)
     kinds = [e["kind"] for e in result.events]
@@ -87,11 +94,11 @@ def test_losing_the_coordinator_fails_the_job_instead_of_hanging(
             killed.append(row.step)
 
     # Slowed from step 5 on, so the kill (by the driver, once it sees step 4) lands mid-run.
-    slow = FaultConfig(
+    slow = TestingConfig(
         faults=(FaultSpec(kind=FaultKind.SLOW_RANK, step=5, rank=0, stall_s=1.0, steps=10),)
     )
     with pytest.raises(CoordinatorDied, match="coordinator actor died"):
-        fit(config(str(tmp_path), faults=slow), on_progress=kill_at_step_4, shutdown_ray=False)
+        fit(config(str(tmp_path), testing=slow), on_progress=kill_at_step_4, shutdown_ray=False)
     # It is gone, not restarted or left half alive.
     with pytest.raises(RuntimeError, match="expected one running raytrec coordinator, found 0"):
         running_coordinator()

@@ -68,7 +68,7 @@ def test_generated_data_needs_its_size_without_num_steps() -> None:
     # Sized from num_steps as before when generated_rows is None.
     by_steps = TrainConfig(num_steps=10, data=DataConfig(source="generated", epochs=2))
     assert generated_rows(by_steps) == 5 * 4 * 256
-    with pytest.raises(ConfigError, match=r"data.generated_rows must be a positive integer"):
+    with pytest.raises(ConfigError, match=r"data.generated_rows=0: must be greater than 0"):
         DataConfig(generated_rows=0)
 
 
@@ -77,7 +77,7 @@ def test_config_files_and_overrides_take_null(tmp_path: pathlib.Path) -> None:
     file.write_text("num_steps: null\ndata: {source: parquet, path: /x, epochs: 3}\n")
     assert load_config(str(file)).num_steps is None
     assert load_config(None, [parse_override("num_steps=null")]).num_steps is None
-    with pytest.raises(ConfigError, match=r"num_steps must be a positive integer"):
+    with pytest.raises(ConfigError, match=r"num_steps=0: must be greater than 0"):
         TrainConfig(num_steps=0)
 
 

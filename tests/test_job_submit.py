@@ -209,7 +209,7 @@ def test_ray_job_stop_stops_at_a_boundary_with_a_checkpoint(
         "checkpoint.every_n_steps=200",
         # Slow steps: the job is still training when it is stopped.
         "--set",
-        "faults.faults=[{kind: slow_rank, step: 1, rank: 0, stall_s: 0.2, steps: 400}]",
+        "testing.faults=[{kind: slow_rank, step: 1, rank: 0, stall_s: 0.2, steps: 400}]",
     )
     deadline = time.monotonic() + 180
     while "[raytrec] step      8/400" not in job_logs(cluster, "raytrec-stop"):

@@ -98,7 +98,7 @@ def test_per_table_dims_only_where_the_arch_allows_them() -> None:
 
 
 def test_weights_need_sum_pooling_in_every_table() -> None:
-    with pytest.raises(ConfigError, match=r"tables\[t\].weighted=True needs tables\[t\].pooling"):
+    with pytest.raises(ConfigError, match=r"tables\[\]: weighted=True needs pooling='sum'"):
         TableConfig(
             name="t", num_embeddings=4, embedding_dim=4, features=("a",), weighted=True,
             pooling="mean",
@@ -125,7 +125,7 @@ def test_zero_dense_columns_only_for_deepfm() -> None:
             job(model, num_dense=0)
         with pytest.raises(ConfigError, match=rf"model.arch='{arch}' needs dense features"):
             build_model(model, 0, CPU, 0)  # a source of the caller's with no dense features
-    with pytest.raises(ConfigError, match=r"data.num_dense must be a non-negative integer"):
+    with pytest.raises(ConfigError, match=r"data.num_dense=-1: must be greater than or equal to 0"):
         DataConfig(num_dense=-1)
 
 
@@ -150,12 +150,12 @@ def test_per_table_sharding_types_are_checked_for_the_cpu() -> None:
         ConfigError, match=r"model.tables\[t\].sharding_types='row_wise' has no CPU"
     ):
         job(model)
-    with pytest.raises(ConfigError, match=r"tables\[t\].sharding_types\[0\]='diagonal' is not one"):
+    with pytest.raises(ConfigError, match=r"tables\[\].sharding_types\[0\]='diagonal': must be"):
         TableConfig(
             name="t", num_embeddings=4, embedding_dim=4, features=("a",),
             sharding_types=("diagonal",),  # type: ignore[arg-type]
         )  # fmt: skip
-    with pytest.raises(ConfigError, match=r"tables\[t\].min_partition must be a positive"):
+    with pytest.raises(ConfigError, match=r"tables\[\].min_partition=0: must be greater than 0"):
         TableConfig(name="t", num_embeddings=4, embedding_dim=4, features=("a",), min_partition=0)
 
 

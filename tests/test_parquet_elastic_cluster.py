@@ -17,12 +17,13 @@ from raytrec.config import (
     ModelConfig,
     ScalingConfig,
     SyncConfig,
+    TestingConfig,
     TrainConfig,
     criteo_tables,
 )
 from raytrec.data.generate import write_synthetic_parquet
 from raytrec.elastic.config import ElasticConfig
-from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
+from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.testing import NodeRemover, committed_row_ids, simulated_cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.long]
@@ -58,7 +59,7 @@ def test_a_lost_node_s_rows_go_to_the_survivor_then_to_the_gang_that_joins(
         ),
         # Slow steps from step 5 on, so the node removal below (done by the driver once it
         # sees step 6) lands while the job is still training.
-        faults=FaultConfig(
+        testing=TestingConfig(
             faults=(FaultSpec(kind=FaultKind.SLOW_RANK, step=5, rank=0, stall_s=1.0, steps=6),)
         ),
         num_steps=20,  # one epoch

@@ -16,6 +16,7 @@ from raytrec.config import (
     ModelConfig,
     ScalingConfig,
     SyncConfig,
+    TestingConfig,
     TrainConfig,
     criteo_tables,
 )
@@ -24,7 +25,7 @@ from raytrec.data.generate import write_synthetic_parquet
 from raytrec.data.parquet import IndexedParquetShard, ParquetSource
 from raytrec.data.synthetic import batch_id, split_batch_id
 from raytrec.elastic.config import ElasticConfig
-from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
+from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.testing import committed_row_ids
 
 pytestmark = pytest.mark.cluster
@@ -53,7 +54,7 @@ def test_a_lost_gang_s_rows_are_trained_by_the_survivors_exactly_once_over_the_e
             min_gangs=1, grow=False, step_timeout_s=60, collective_timeout_s=10, poll_s=0.2
         ),
         # Rank 1 dies as it starts step 7: it trained 5 and 6 after the job-wide sync of step 4.
-        faults=FaultConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=7, rank=1),)),
+        testing=TestingConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=7, rank=1),)),
         num_steps=EPOCH_STEPS,  # one whole epoch: 2 ranks x 19 batches of at most 32 rows
         log_every=2,
         storage_path=str(tmp_path),

@@ -30,12 +30,13 @@ from raytrec.config import (
     ModelConfig,
     ScalingConfig,
     SyncConfig,
+    TestingConfig,
     TrainConfig,
     criteo_tables,
 )
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.control import Boundary, intervals_to_queue
-from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
+from raytrec.elastic.faults import FaultKind, FaultSpec
 
 # -- when the coordinator may queue an interval ---------------------------------------------
 
@@ -180,7 +181,7 @@ def test_a_survivor_trains_the_queued_interval_and_every_batch_counts_once(
         sync=SyncConfig(sync_every=8, dense="with_schedule"),
         data=DataConfig(batch_size=32),
         elastic=ElasticConfig(collective_timeout_s=10, step_timeout_s=60, poll_s=0.2),
-        faults=FaultConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=4, rank=2),)),
+        testing=TestingConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=4, rank=2),)),
         num_steps=16,
         log_every=2,
         storage_path=str(tmp_path),

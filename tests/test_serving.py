@@ -8,7 +8,6 @@ compared with a DLRM built independently from TorchRec's constructors and the st
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -410,7 +409,7 @@ def test_a_model_trained_with_dropout_exports_and_scores_without_it(
 ) -> None:
     """Dropout adds no state and is off in eval: the export, its program and plain TorchRec
     score alike."""
-    noisy = TrainConfig(model=dataclasses.replace(CONFIG.model, dropout=0.3))
+    noisy = TrainConfig(model=CONFIG.model.replace(dropout=0.3))
     model = trained_like_model()  # built without dropout: its state is the same either way
     dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "final"), no_dist=True)
     write_model_spec(str(tmp_path / "final"), ModelSpec.for_config(noisy, NUM_DENSE))

@@ -39,7 +39,7 @@ def test_sigterm_stops_at_the_next_boundary_with_a_checkpoint(tmp_path: pathlib.
         "--set",
         "checkpoint.every_n_steps=200",
         "--set",
-        "faults.faults=[{kind: slow_rank, step: 1, rank: 0, stall_s: 0.2, steps: 400}]",
+        "testing.faults=[{kind: slow_rank, step: 1, rank: 0, stall_s: 0.2, steps: 400}]",
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     job = subprocess.Popen(

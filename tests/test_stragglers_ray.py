@@ -20,6 +20,7 @@ from raytrec.config import (
     ModelConfig,
     ScalingConfig,
     SyncConfig,
+    TestingConfig,
     TrainConfig,
     criteo_tables,
 )
@@ -82,7 +83,7 @@ def test_hierarchy_with_stragglers_trains_and_ends_with_identical_replicas(
         scaling=ScalingConfig(num_workers=GANGS, gang_size=1, cpus_per_rank=0.25),
         sync=HIERARCHICAL,
         data=DataConfig(batch_size=32, source="synthetic"),
-        stragglers=STRAGGLERS,
+        testing=TestingConfig(stragglers=STRAGGLERS),
         num_steps=STEPS,
         log_every=8,
         storage_path=str(tmp_path),

@@ -23,13 +23,14 @@ from raytrec.config import (
     ModelConfig,
     ScalingConfig,
     SyncConfig,
+    TestingConfig,
     TrainConfig,
     criteo_tables,
 )
 from raytrec.data.generate import write_synthetic_parquet
 from raytrec.data.synthetic import batch_id
 from raytrec.elastic.config import ElasticConfig
-from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
+from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.testing import NodeRemover, committed_row_ids, simulated_cluster
 
 pytestmark = pytest.mark.cluster
@@ -87,7 +88,7 @@ def test_a_lost_host_with_every_copy_of_a_shard_is_rebuilt_from_the_checkpoint(
         # Slows the job down from step 11 on, so the node removal below (done by the driver
         # once it sees step 10) lands while the job trains. The rebuilt ranks have new job
         # ranks, so the slowdown ends with the loss.
-        faults=FaultConfig(
+        testing=TestingConfig(
             faults=(FaultSpec(kind=FaultKind.SLOW_RANK, step=11, rank=0, stall_s=1.0, steps=6),)
         ),
         num_steps=16,

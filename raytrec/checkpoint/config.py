@@ -23,7 +23,7 @@ import math
 from collections.abc import Sequence
 from typing import Literal, get_args
 
-from raytrec.errors import ConfigError
+from raytrec.config_base import ConfigModel, PositiveFloat, PositiveInt
 
 __all__ = [
     "CHECKPOINTS_DIRNAME",
@@ -42,70 +42,35 @@ CHECKPOINTS_DIRNAME = "checkpoints"
 
 #: The metrics a checkpoint can be ranked by: the interval row's fields
 #: (raytrec.metrics.IntervalMetrics) at the step it was saved.
-SCORE_ATTRIBUTES: tuple[str, ...] = ("eval_auc", "eval_ne", "eval_log_loss", "loss", "auc", "ne")
+ScoreAttribute = Literal["eval_auc", "eval_ne", "eval_log_loss", "loss", "auc", "ne"]
+SCORE_ATTRIBUTES: tuple[str, ...] = get_args(ScoreAttribute)
 
 ScoreOrder = Literal["max", "min"]
 
 
-def _optional_positive_int(field: str, value: object) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"checkpoint.{field} must be None or a positive integer, got {value!r}")
+class CheckpointConfig(ConfigModel):
+    """Checkpoint triggers and retention."""
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CheckpointConfig:
-    """Checkpoint triggers and retention.
-
-    - ``num_to_keep``: how many committed checkpoints to keep (None keeps all), as in
-      ``ray.train.CheckpointConfig``: the newest K, or with ``checkpoint_score_attribute`` the
-      best K by that metric, and the newest one besides (what a rebuild after a total loss or a
-      resume starts from).
-    - ``checkpoint_score_attribute``: the metric that ranks checkpoints, one of
-      :data:`SCORE_ATTRIBUTES` (``eval_auc``, ``eval_ne``, ``eval_log_loss``: the held-out
-      evaluation at the checkpoint's step; ``loss``, ``auc``, ``ne``: the training interval's).
-      Ranked by an evaluation metric, a checkpoint is also saved at every evaluation, and one
-      saved where none ran ranks last. ``Result.best_checkpoints`` lists them, best first.
-    - ``checkpoint_score_order``: ``"max"`` (the default, as in Ray Train) or ``"min"``.
-    - ``every_n_steps`` / ``every_minutes``: save once that many steps / minutes have passed
-      since the last save (or the start), at the next sync boundary; None disables a trigger.
-    - ``checkpoint_at_end``: also save after the last step.
-    """
-
-    num_to_keep: int | None = None
-    checkpoint_score_attribute: str | None = None
+    num_to_keep: PositiveInt | None = None
+    """How many committed checkpoints to keep (null keeps all), as in
+    `ray.train.CheckpointConfig`: the newest K, or with `checkpoint_score_attribute` the best K
+    by that metric, and the newest one besides (what a rebuild after a total loss or a resume
+    starts from)."""
+    checkpoint_score_attribute: ScoreAttribute | None = None
+    """The metric that ranks checkpoints: `eval_auc`, `eval_ne`, `eval_log_loss` (the held-out
+    evaluation at the checkpoint's step) or `loss`, `auc`, `ne` (the training interval's).
+    Ranked by an evaluation metric, a checkpoint is also saved at every evaluation, and one
+    saved where none ran ranks last. `Result.best_checkpoints` lists them, best first."""
     checkpoint_score_order: ScoreOrder = "max"
-    every_n_steps: int | None = None
-    every_minutes: float | None = None
+    """Whether a higher (`max`, as in Ray Train) or lower (`min`) score is better."""
+    every_n_steps: PositiveInt | None = None
+    """Save once this many steps have passed since the last save (or the start), at the next
+    sync boundary; null: no step trigger."""
+    every_minutes: PositiveFloat | None = None
+    """Save once this many minutes have passed since the last save (or the start), at the next
+    sync boundary; null: no time trigger."""
     checkpoint_at_end: bool = False
-
-    def __post_init__(self) -> None:
-        _optional_positive_int("num_to_keep", self.num_to_keep)
-        _optional_positive_int("every_n_steps", self.every_n_steps)
-        m = self.every_minutes
-        if m is not None and (
-            isinstance(m, bool) or not isinstance(m, int | float) or not math.isfinite(m) or m <= 0
-        ):
-            raise ConfigError(
-                f"checkpoint.every_minutes must be None or a positive finite number, got {m!r}"
-            )
-        attribute = self.checkpoint_score_attribute
-        if attribute is not None and attribute not in SCORE_ATTRIBUTES:
-            raise ConfigError(
-                f"checkpoint.checkpoint_score_attribute must be None or one of "
-                f"{', '.join(SCORE_ATTRIBUTES)}, got {attribute!r}"
-            )
-        if self.checkpoint_score_order not in get_args(ScoreOrder):
-            raise ConfigError(
-                "checkpoint.checkpoint_score_order must be 'max' or 'min', "
-                f"got {self.checkpoint_score_order!r}"
-            )
-        if not isinstance(self.checkpoint_at_end, bool):
-            raise ConfigError(
-                "checkpoint.checkpoint_at_end must be True or False, "
-                f"got {self.checkpoint_at_end!r}"
-            )
+    """Also save after the last step."""
 
     @property
     def periodic(self) -> bool:

@@ -153,10 +153,10 @@ def fit_vocabularies(config: TrainConfig, path: str) -> dict[str, tuple[str, ...
         return {}
     sizes = {f: t.num_embeddings for t in config.model.tables for f in t.features}
     # Listing the files takes a layout; the one without categories will do.
-    plain = dataclasses.replace(columns, categorical={})
+    plain = columns.replace(categorical={})
     listing = ParquetSource(
         paths=path,
-        spec=parquet_spec(config.replace(data=dataclasses.replace(config.data, columns=plain))),
+        spec=parquet_spec(config.replace(data=config.data.replace(columns=plain))),
     )
     counts = count_categories(*listing.list_files(), wanted)
     return {
@@ -192,7 +192,7 @@ def source_from_config(
     else:
         path, oracle = generate(config)
         # Generated ids span the largest table; a smaller table folds them into its rows.
-        config = config.replace(data=dataclasses.replace(data, id_policy="modulo"))
+        config = config.replace(data=data.replace(id_policy="modulo"))
         if data.generated_held_out_rows:
             held_path, held_oracle = generate_held_out(config, path)
     source = ParquetSource(

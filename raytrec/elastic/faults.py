@@ -18,12 +18,22 @@ ranks ask :meth:`FaultConfig.for_rank`, the coordinator asks :meth:`FaultConfig.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from raytrec.errors import ConfigError
+from pydantic import model_validator
+
+from raytrec.config_base import (
+    ConfigError,
+    ConfigModel,
+    Lax,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Seq,
+    validate,
+)
 
 __all__ = ["FaultConfig", "FaultKind", "FaultSpec"]
 
@@ -42,61 +52,51 @@ _TARGETS = ("rank", "gang", "node")
 _FIELDS = ("kind", "step", "rank", "gang", "node", "stall_s", "steps")
 
 
-def _index(field: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{field} must be a non-negative integer, got {value!r}")
+class FaultSpec(ConfigModel):
+    """One injected fault: which rank or node fails how, at which step."""
 
+    kind: Lax[FaultKind]
+    """`kill_rank` (the rank's process exits), `remove_node` (the node and every rank on it go
+    away), `hang_rank` (the rank stops making progress), `slow_rank` (the rank stalls `stall_s`
+    seconds in each of `steps` steps) or `corrupt_heal` (the rank's first heal from a peer at or
+    after `step` leaves one weight off by one)."""
+    step: NonNegativeInt
+    """The step before which a rank carries the fault out (`kill_rank` at 16 dies after 15
+    completed steps)."""
+    rank: NonNegativeInt | None = None
+    """Target: one job rank."""
+    gang: NonNegativeInt | None = None
+    """Target: every rank of this gang id."""
+    node: NonNegativeInt | None = None
+    """Target: every rank on this host of the job's initial layout; the only target of
+    `remove_node`."""
+    stall_s: PositiveFloat | None = None
+    """`slow_rank` only: seconds of stall per affected step."""
+    steps: PositiveInt = 1
+    """`slow_rank` only: how many consecutive steps, from `step` on, are slowed."""
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FaultSpec:
-    """One injected fault; see the module doc for the kinds and targets."""
-
-    kind: FaultKind
-    step: int
-    rank: int | None = None
-    gang: int | None = None
-    node: int | None = None
-    #: slow_rank only: seconds of stall per affected step.
-    stall_s: float | None = None
-    #: slow_rank only: how many consecutive steps, from ``step`` on, are slowed.
-    steps: int = 1
-
-    def __post_init__(self) -> None:
-        allowed = ", ".join(repr(k.value) for k in FaultKind)
-        try:
-            object.__setattr__(self, "kind", FaultKind(self.kind))
-        except ValueError:
-            raise ConfigError(f"fault.kind={self.kind!r} is not one of {allowed}") from None
-        _index(f"{self.kind}.step", self.step)
+    @model_validator(mode="after")
+    def _one_target(self) -> FaultSpec:
         set_targets = [t for t in _TARGETS if getattr(self, t) is not None]
+        given = ", ".join(f"{t}={getattr(self, t)!r}" for t in set_targets)
         if self.kind is FaultKind.REMOVE_NODE:
             if set_targets != ["node"]:
                 raise ConfigError(
-                    f"remove_node targets a node: set node and neither rank nor gang, got "
-                    f"{', '.join(f'{t}={getattr(self, t)!r}' for t in set_targets) or 'no target'}"
+                    "remove_node targets a node: set node and neither rank nor gang, got "
+                    f"{given or 'no target'}"
                 )
         elif len(set_targets) != 1:
             raise ConfigError(
-                f"{self.kind} needs exactly one target of rank, gang, node; got "
-                f"{', '.join(f'{t}={getattr(self, t)!r}' for t in set_targets) or 'none'}"
+                f"{self.kind} needs exactly one target of rank, gang, node; got {given or 'none'}"
             )
-        for t in set_targets:
-            _index(f"{self.kind}.{t}", getattr(self, t))
         if self.kind is FaultKind.SLOW_RANK:
-            s = self.stall_s
-            if isinstance(s, bool) or not isinstance(s, int | float) or not s > 0:
-                raise ConfigError(
-                    f"slow_rank.stall_s must be a positive number of seconds, got {s!r}"
-                )
-            if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
-                raise ConfigError(f"slow_rank.steps must be an integer >= 1, got {self.steps!r}")
-        else:
-            if self.stall_s is not None:
-                raise ConfigError(
-                    f"{self.kind}.stall_s={self.stall_s!r} is only allowed for slow_rank"
-                )
-            if self.steps != 1:
-                raise ConfigError(f"{self.kind}.steps={self.steps!r} is only allowed for slow_rank")
+            if self.stall_s is None:
+                raise ConfigError("slow_rank needs stall_s, a positive number of seconds")
+        elif self.stall_s is not None:
+            raise ConfigError(f"{self.kind}.stall_s={self.stall_s!r} is only allowed for slow_rank")
+        elif self.steps != 1:
+            raise ConfigError(f"{self.kind}.steps={self.steps!r} is only allowed for slow_rank")
+        return self
 
     @property
     def target(self) -> tuple[str, int]:
@@ -117,12 +117,7 @@ class FaultSpec:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> FaultSpec:
-        unknown = sorted(set(raw) - set(_FIELDS))
-        if unknown:
-            raise ConfigError(f"fault has unknown keys {unknown}; allowed: {list(_FIELDS)}")
-        if "kind" not in raw or "step" not in raw:
-            raise ConfigError(f"fault needs 'kind' and 'step', got {dict(raw)!r}")
-        return cls(**dict(raw))
+        return validate(cls, raw)
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
@@ -158,21 +153,15 @@ def _number(text: str, key: str, value: str) -> int | float:
         raise ConfigError(f"fault {text!r}: {key}={value.strip()!r} is not a number") from None
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FaultConfig:
+class FaultConfig(ConfigModel):
     """A plan of faults, in the order given."""
 
-    faults: tuple[FaultSpec, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "faults", tuple(self.faults))
-        for i, f in enumerate(self.faults):
-            if not isinstance(f, FaultSpec):
-                raise ConfigError(f"faults[{i}] must be a FaultSpec, got {f!r}")
+    faults: Seq[FaultSpec] = ()
+    """The faults."""
 
     @classmethod
     def from_dicts(cls, raw: Iterable[Mapping[str, Any]]) -> FaultConfig:
-        return cls(faults=tuple(_at(i, FaultSpec.from_dict, r) for i, r in enumerate(raw)))
+        return validate(cls, {"faults": list(raw)})
 
     @classmethod
     def parse(cls, texts: str | Sequence[str]) -> FaultConfig:

@@ -111,7 +111,7 @@ def decide_total_loss(
     if point is None:
         if checkpoint.periodic:
             triggers = ", ".join(
-                f"checkpoint.{k}={getattr(checkpoint, k)}"
+                f"checkpoint.{k}={getattr(checkpoint, k):g}"
                 for k in ("every_n_steps", "every_minutes")
                 if getattr(checkpoint, k) is not None
             )

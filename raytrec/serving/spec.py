@@ -19,7 +19,8 @@ from typing import Any
 
 from raytrec.checkpoint.layout import filesystem
 from raytrec.config import ModelConfig, TrainConfig
-from raytrec.config_file import from_dict, to_dict
+from raytrec.config_base import validate
+from raytrec.config_file import to_dict
 from raytrec.data.spec import (
     BucketizedFeature,
     CategoricalFeature,
@@ -75,7 +76,7 @@ class ModelSpec:
         from raytrec.data.from_config import parquet_spec
 
         if config.data.columns.dense is None and config.data.num_dense != num_dense:
-            config = config.replace(data=dataclasses.replace(config.data, num_dense=num_dense))
+            config = config.replace(data=config.data.replace(num_dense=num_dense))
         features = parquet_spec(config)
         return ModelSpec(model=config.model, num_dense=num_dense, features=features)
 
@@ -112,7 +113,7 @@ class ModelSpec:
             )
         try:
             return ModelSpec(
-                model=from_dict(ModelConfig, doc["model"], path="model"),
+                model=validate(ModelConfig, doc["model"]),
                 num_dense=int(doc["num_dense"]),
                 features=_features_from_dict(doc["features"]),
             )

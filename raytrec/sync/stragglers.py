@@ -18,13 +18,12 @@ Modes:
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Literal, get_args
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from raytrec.errors import ConfigError
+from raytrec.config_base import ConfigModel, NonNegativeFloat, NonNegativeInt, Probability
 
 __all__ = ["StragglerMode", "StragglerSpec", "uniform_draws"]
 
@@ -53,34 +52,20 @@ def uniform_draws(seed: int, step: int, ranks: npt.ArrayLike) -> npt.NDArray[np.
     return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StragglerSpec:
+class StragglerSpec(ConfigModel):
     """Injected stalls: ``rate`` per (step, rank), ``stall_s`` seconds each."""
 
-    rate: float
-    stall_s: float
+    rate: Probability
+    """The probability that a rank stalls at a step."""
+    stall_s: NonNegativeFloat
+    """Seconds of each stall."""
     mode: StragglerMode = "transient"
-    rank: int = 0  # the one rank that stalls in persistent mode
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for field in ("rate", "stall_s"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ConfigError(f"stragglers.{field} must be a number, got {value!r}")
-        if not 0.0 <= self.rate <= 1.0:
-            raise ConfigError(f"stragglers.rate={self.rate!r} must be in [0, 1]")
-        if self.stall_s < 0:
-            raise ConfigError(f"stragglers.stall_s={self.stall_s!r} must be >= 0 seconds")
-        if self.mode not in get_args(StragglerMode):
-            allowed = ", ".join(map(repr, get_args(StragglerMode)))
-            raise ConfigError(f"stragglers.mode={self.mode!r} is not one of {allowed}")
-        for field in ("rank", "seed"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(
-                    f"stragglers.{field} must be a non-negative integer, got {value!r}"
-                )
+    """`transient`: every rank stalls independently at every step; `persistent`: only `rank`
+    ever stalls, as a degraded host would."""
+    rank: NonNegativeInt = 0
+    """The one rank that stalls in `persistent` mode."""
+    seed: NonNegativeInt = 0
+    """Seeds the draws: the same seed stalls the same ranks at the same steps."""
 
     def stalls(self, step: int, ranks: npt.ArrayLike) -> npt.NDArray[np.float64]:
         """Seconds each of ``ranks`` stalls at ``step`` (vectorised :meth:`stall_seconds`)."""
