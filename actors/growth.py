@@ -184,7 +184,7 @@ class GangGrowth:
         )
         gangs = tuple(self._verify_heals(gangs, peer=peer))
         new_ranks = [r for g in gangs for r in g.job_ranks]
-        self.job.streams.reshare(self.job._ranks_in_gang_order(), joining=new_ranks)
+        fresh = self.job.streams.reshare(self.job._ranks_in_gang_order(), joining=new_ranks)
         self.joining = set()
         for g in gangs:
             self.job.events.append(
@@ -200,13 +200,14 @@ class GangGrowth:
                     generation=self.job.membership.generation,
                 )
             )
-        # Ranks given a new share have nothing read yet (the others read ahead already).
-        ready = self.job._live_ranks() if reshare else new_ranks
+        # Ranks given a new stream have nothing read yet (the others read ahead already).
+        ready = fresh if reshare else new_ranks
         n = min(self.job.cfg.log_every, self.job.end_step - self.job.step)
         self.job._call(ready, RankWorker.prepare, n)
-        # Every rank holds n now when all were given a new share; else the others hold what
+        # Every rank holds n now when all were given a new stream; else the others hold what
         # they held (nothing, right after a recovery: they prepare before the next interval).
-        self.job._ready = n if reshare else min(self.job._ready, n)
+        everyone = set(ready) >= set(self.job._live_ranks())
+        self.job._ready = n if everyone else min(self.job._ready, n)
 
     def _verify_heals(self, gangs: Sequence[Gang], *, peer: int) -> list[Gang]:
         """Compares each joined gang's state with the peer it healed from, before any

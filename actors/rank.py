@@ -30,6 +30,8 @@ import torch
 from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.cluster import pin_collectives_to
 from raytrec.data.feed import BatchFeed, DataExhausted
+from raytrec.data.parquet_indexed import IndexedParquetShard
+from raytrec.data.parquet_plan import Stream
 from raytrec.data.source import Batch, BatchShard
 from raytrec.elastic.faults import FaultKind
 from raytrec.elastic.report import RankInfo, RankReport, TrainedBatch
@@ -195,6 +197,15 @@ class RankWorker:
         self._open_feed()
         if replay:
             self.replay(replay, embedding_only)
+
+    def set_streams(self, streams: dict[int, Stream]) -> None:
+        """The job's table of re-shared streams after a join that left this rank's stream
+        running (its own now ends sooner): what it reads goes on as it was; replays of any
+        batch of those streams read the table."""
+        shard = self.shard
+        if not isinstance(shard, IndexedParquetShard):
+            raise TypeError(f"a {type(shard).__name__} has no table of streams")
+        self.shard = shard.with_stream(shard.index, streams)
 
     def replay(self, batch_ids: list[int], embedding_only: list[int] | None = None) -> int:
         """Queues the batches ``batch_ids`` (a lost gang's uncommitted ones) ahead of this

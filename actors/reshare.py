@@ -33,6 +33,7 @@ from actors.rank import RankWorker
 from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.parquet_plan import (
     Stream,
+    hand_off,
     recut,
     remaining_rows,
     stream_length,
@@ -104,16 +105,22 @@ class DataStreams:
         self.job = job
         self.table = table
 
-    def reshare(self, ranks: Sequence[int], *, joining: Sequence[int] = ()) -> bool:
-        """Cuts the rows no rank has trained among ``ranks`` (gang order; ``joining``: those of
-        them that join now and are not booked yet) and hands every one its new stream, after
-        the replays queued for it (read again: a new stream starts a new feed). False when
-        nothing was re-shared (the source cannot be, or every live rank already has as many
-        batches left and no rows are orphaned): queued replays are then still to be sent."""
+    def reshare(self, ranks: Sequence[int], *, joining: Sequence[int] = ()) -> list[int]:
+        """Shares the rows no rank has trained among ``ranks`` (gang order; ``joining``: those
+        of them that join now and are not booked yet); returns the ranks given a new stream.
+
+        At a join where the others have as many batches left and no rows are orphaned, they
+        keep reading their streams, cut short, and the joining ranks get the rows of their ends
+        (:func:`~raytrec.data.parquet_plan.hand_off`): only the joining ranks are returned.
+        Otherwise every row left is cut again among all of ``ranks`` and every one is given its
+        new stream, after the replays queued for it (read again: a new stream starts a new
+        feed). Empty when nothing was re-shared (the source cannot be, or every live rank
+        already has as many batches left and no rows are orphaned): queued replays are then
+        still to be sent."""
         table = self.table
         streams = self.job.accounting.streams
         if table is None or streams is None:
-            return False
+            return []
         remaining: dict[int, list[tuple[int, int]]] = {}
 
         def add(sid: int, at: int) -> None:
@@ -138,7 +145,9 @@ class DataStreams:
             # Every row left is some live rank's, and all have as many batches left: their
             # streams stay as they are (and so do the ids of the batches still to come).
             self.job.end_step = self.job.step + left.pop()
-            return False
+            return []
+        if joining and not orphaned and self._hand_off(ranks, joining):
+            return list(joining)
         shared = recut(remaining, queued=queued, batch_size=table.batch_size)
         ids = table.add(shared.streams)
         # Every old stream's rows are given out: none is continued where it stopped.
@@ -174,6 +183,44 @@ class DataStreams:
                 batches=batches,
                 end_step=self.job.end_step,
                 left_over=shared.left_over,
+            )
+        )
+        return list(ranks)
+
+    def _hand_off(self, ranks: Sequence[int], joining: Sequence[int]) -> bool:
+        """The join of :meth:`reshare` that leaves the others' streams running; False when the
+        rows left do not allow it."""
+        table, streams = self.table, self.job.accounting.streams
+        assert table is not None and streams is not None
+        staying = [r for r in ranks if r not in joining]
+        positions = {r: streams.position(r) for r in staying}
+        plan = hand_off(
+            [(table.stream(sid), at, len(q)) for sid, at, q in positions.values()],
+            joining=len(joining),
+            batch_size=table.batch_size,
+        )
+        if plan is None:
+            return False
+        for (sid, _, _), stream in zip(positions.values(), plan.kept, strict=True):
+            table.made[sid] = stream  # the same batches, ending sooner
+        new_stream = dict(zip(joining, table.add(plan.streams), strict=True))
+        for r, sid in new_stream.items():
+            self.job.accounting.add_rank(r, shard=sid, step=self.job.step)
+        # The others learn the new streams (any rank may have to replay any batch).
+        self.job._call(staying, RankWorker.set_streams, dict(table.made))
+        self.job._call_by_rank(
+            list(joining), RankWorker.set_shard, lambda r: (table.shard(new_stream[r]), [], [])
+        )
+        self.job.end_step = self.job.step + plan.batches
+        self.job.events.append(
+            DataReshared(
+                at=self.job._now(),
+                step=self.job.step,
+                ranks=len(joining),
+                rows=plan.rows,
+                batches=plan.batches,
+                end_step=self.job.end_step,
+                handed_off=True,
             )
         )
         return True

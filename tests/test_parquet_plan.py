@@ -11,6 +11,7 @@ from raytrec.data.parquet_plan import (
     Part,
     Piece,
     Stream,
+    hand_off,
     recut,
     remaining_rows,
     stream_batch_size,
@@ -276,6 +277,59 @@ def test_rows_left_are_shared_once_and_every_rank_ends_at_the_same_step(seed: in
         train(s, 0, stream_length(s))
     for epoch, h in enumerate(hits):
         assert (np.cumsum(h)[: plan.rows_per_epoch] == 1).all(), f"epoch {epoch}"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_join_hands_off_the_ends_of_the_survivors_streams(seed: int) -> None:
+    """Survivors in lockstep (as many batches left, replays counted) keep their streams' next
+    batches unchanged; joining ranks get the rest: every rank ends at the same step, batches
+    hold 1..B rows, every row of every epoch is trained once, and the survivors keep more than
+    a recut of everything would move."""
+    rng = np.random.default_rng(seed)
+    batch = int(rng.integers(3, 40))
+    plan = random_plan(
+        rng, files=8, max_groups=3, max_rows=300, num_shards=4, batch_size=batch, epochs=2
+    )
+    streams = [plan.stream(r) for r in range(4)]
+    hits = [np.zeros(plan.rows_per_epoch + 1, dtype=np.int64) for _ in range(plan.epochs)]
+
+    def train(stream: Stream, k0: int, k1: int) -> None:
+        for k in range(k0, k1):
+            assert 1 <= stream_batch_size(stream, k) <= batch
+            for a, b in stream_rows(plan, stream, k, k + 1):
+                hits[stream_epoch(stream, k)][a] += 1
+                hits[stream_epoch(stream, k)][b] -= 1
+
+    at = int(rng.integers(0, plan.num_steps // 2))
+    for s in streams:
+        train(s, 0, at)
+    joining = int(rng.integers(1, 5))
+    handoff = hand_off([(s, at, 0) for s in streams], joining=joining, batch_size=batch)
+    assert handoff is not None
+    k = handoff.batches
+    assert k < plan.num_steps - at  # the survivors gave some batches away
+    for old, kept in zip(streams, handoff.kept, strict=True):
+        assert stream_length(kept) == at + k
+        assert plan.stream_pieces(kept, 0, at + k) == plan.stream_pieces(old, 0, at + k)
+        train(kept, at, at + k)
+    assert [stream_length(s) for s in handoff.streams] == [k] * joining
+    for s in handoff.streams:
+        train(s, 0, k)
+    for epoch, h in enumerate(hits):
+        assert (np.cumsum(h)[: plan.rows_per_epoch] == 1).all(), f"epoch {epoch}"
+
+
+def test_a_hand_off_needs_survivors_in_lockstep_and_rows_enough() -> None:
+    plan = BatchPlan(paths=("a",), row_groups=((40,),), num_shards=2, batch_size=4, epochs=1)
+    s0, s1 = plan.stream(0), plan.stream(1)  # 5 batches of 4 rows each
+    assert hand_off([(s0, 0, 0), (s1, 1, 0)], joining=1, batch_size=4) is None  # uneven
+    # One batch left each: 2 batches' rows cannot give a third rank a batch and keep one each.
+    assert hand_off([(s0, 4, 0), (s1, 4, 0)], joining=1, batch_size=4) is None
+    # A survivor with replays queued keeps at least those.
+    handoff = hand_off([(s0, 3, 2), (s1, 1, 0)], joining=2, batch_size=4)
+    assert handoff is not None and handoff.batches == 2
+    assert stream_length(handoff.kept[0]) == 3 and stream_length(handoff.kept[1]) == 3
+    assert handoff.rows == 2 * 4 + 2 * 4
 
 
 def test_recut_cannot_fill_a_batch_per_rank_from_too_few_rows() -> None:

@@ -19,7 +19,7 @@ from raytrec.data.generate import write_synthetic_parquet
 from raytrec.data.parquet import IndexedParquetShard, ParquetSource
 from raytrec.data.parquet_plan import stream_length
 from raytrec.data.spec import criteo_spec
-from raytrec.data.synthetic import batch_id
+from raytrec.data.synthetic import batch_id, split_batch_id
 from raytrec.elastic.accounting import BatchAccounting
 from raytrec.elastic.events import DataReshared, EventLog
 from raytrec.elastic.report import RankReport
@@ -46,16 +46,32 @@ class Job:
             self._read(r, shard)
         self.trained: list[tuple[int, int]] = []  # (rank, batch id)
         self.last_sync = 0
+        self.reopened: list[int] = []  # ranks given a new stream, in order
 
     def _now(self) -> float:
         return time.monotonic()
 
     def _call_by_rank(self, ranks: list[int], method: Any, args_of: Any) -> list[Any]:
         assert method is RankWorker.set_shard
+        self.reopened += ranks
         for r in ranks:
             shard, replay, embedding_only = args_of(r)
             assert embedding_only == []  # nothing here reached the dense parameters before
             self._read(r, shard, replay)
+        return [None] * len(ranks)
+
+    def _call(self, ranks: list[int], method: Any, streams: dict[int, Any]) -> list[Any]:
+        """The others at a join that hands off their streams' ends: they read on; the
+        coordinator will not ask them for the batches beyond their stream's new end."""
+        assert method is RankWorker.set_streams
+        for r in ranks:
+            sid, _, _ = self.accounting.streams.position(r)  # type: ignore[union-attr]
+            end = stream_length(streams[sid])
+            self.feeds[r] = collections.deque(
+                i
+                for i in self.feeds[r]
+                if split_batch_id(i)[0] != sid or split_batch_id(i)[1] < end
+            )
         return [None] * len(ranks)
 
     def _read(self, rank: int, shard: IndexedParquetShard, replay: Sequence[int] = ()) -> None:
@@ -141,12 +157,19 @@ def test_a_loss_and_a_join_leave_every_row_of_the_job_trained_once(
     assert len(job.feeds[0]) == len(job.feeds[1]) == job.end_step - job.step
     assert job.end_step > STEPS  # the survivors train the lost rank's rows too
     job.train(3)
-    # Rank 7 joins (not booked yet): all three are given a share of what is left.
+    # Rank 7 joins (not booked yet): it is given the ends of the others' streams, which go on.
     job.accounting.add_gangs([7])
     job.feeds[7] = collections.deque()
-    assert job.streams.reshare([0, 1, 7], joining=[7])
+    before = {r: list(job.feeds[r]) for r in (0, 1)}
+    job.reopened = []
+    assert job.streams.reshare([0, 1, 7], joining=[7]) == [7]
+    assert job.reopened == [7]
     assert len({len(f) for f in job.feeds.values()}) == 1
     assert job.end_step - job.step == len(job.feeds[7])
+    for r in (0, 1):  # the same batches next, fewer of them
+        assert list(job.feeds[r]) == before[r][: len(job.feeds[r])] and job.feeds[r]
+    (_, handoff) = job.events.of(DataReshared)
+    assert handoff.handed_off and handoff.ranks == 1
     job.train(job.end_step - job.step)
     assert all(not f for f in job.feeds.values())
     job.accounting.commit(sorted(job.feeds))

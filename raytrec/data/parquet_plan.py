@@ -33,11 +33,13 @@ from raytrec.data.parquet_gather import Gather, gather, window_permutation
 
 __all__ = [
     "BatchPlan",
+    "Handoff",
     "Part",
     "Piece",
     "Read",
     "Recut",
     "Stream",
+    "hand_off",
     "recut",
     "remaining_rows",
     "stream_batch_size",
@@ -45,6 +47,7 @@ __all__ = [
     "stream_length",
     "streams_from_json",
     "streams_to_json",
+    "truncated",
 ]
 
 _CACHED_EPOCHS = 4  # epoch orders kept: a rank reads one epoch at a time, replays are recent
@@ -271,6 +274,113 @@ def _slice_runs(
         lo = min(hi, int(ends[i]))
         i += 1
     return tuple(out)
+
+
+def truncated(stream: Stream, k: int) -> Stream:
+    """The first ``k`` batches of ``stream`` (each batch the same rows as in ``stream``)."""
+    out: list[Part] = []
+    for part in stream:
+        if k <= 0:
+            break
+        out.append(dataclasses.replace(part, count=min(part.count, k)))
+        k -= part.count
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Handoff:
+    """:func:`hand_off`'s answer. ``kept[i]``: survivor ``i``'s stream, cut short (its first
+    batches are unchanged, so the survivor goes on reading it); ``streams[j]``: joining rank
+    ``j``'s new stream; every rank has ``batches`` batches to train from now (replays counted);
+    ``rows``: the rows handed to the joining ranks."""
+
+    kept: tuple[Stream, ...]
+    streams: tuple[Stream, ...]
+    batches: int
+    rows: int
+
+
+def hand_off(
+    survivors: Sequence[tuple[Stream, int, int]], *, joining: int, batch_size: int
+) -> Handoff | None:
+    """Shares the rows left with ``joining`` new ranks by cutting the survivors' streams short.
+
+    ``survivors[i]``: (stream, the next batch the survivor reads in it, replays queued ahead of
+    it). Where :func:`recut` deals every row out again (and every rank then opens a new stream),
+    here each survivor keeps reading its own stream and trains only its first ``K`` batches
+    from now (replays counted); the rows of the survivors' batches beyond that go to the joining
+    ranks, cut into exactly ``K`` batches each of at most ``batch_size`` rows, epoch by epoch.
+    So every rank finishes the data at the same step, and a survivor's data pipeline goes on
+    undisturbed. The rows a joining rank gets come from the ends of the survivors' streams, of
+    later epochs when those streams span several: epochs overlap after a join, and every row of
+    every epoch is still trained once.
+
+    ``K`` is the smallest count for which the rows handed off fit. None when this cannot be
+    done: survivors with different numbers of batches left, or too few rows left to give every
+    joining rank as many batches as the survivors keep.
+    """
+    if joining < 1 or not survivors:
+        return None
+    left = {q + stream_length(s) - at for s, at, q in survivors}
+    if len(left) != 1:
+        return None
+    (total,) = left
+    low = max(
+        max(q for _, _, q in survivors), -(-len(survivors) * total // (len(survivors) + joining))
+    )
+    for k in range(max(low, 1), total):
+        tails: dict[int, list[tuple[int, int]]] = {}
+        for s, at, q in survivors:
+            for epoch, runs in remaining_rows(s, at + k - q).items():
+                tails.setdefault(epoch, []).extend(runs)
+        rows = sum(b - a for runs in tails.values() for a, b in runs)
+        if rows < joining * k:
+            return None  # a larger k only hands off fewer rows
+        streams = _cut_exactly(tails, ranks=joining, batches=k, batch_size=batch_size)
+        if streams is not None:
+            kept = tuple(truncated(s, at + k - q) for s, at, q in survivors)
+            return Handoff(kept=kept, streams=streams, batches=k, rows=rows)
+    return None
+
+
+def _cut_exactly(
+    rows: Mapping[int, Sequence[tuple[int, int]]], *, ranks: int, batches: int, batch_size: int
+) -> tuple[Stream, ...] | None:
+    """``rows`` (epoch -> ranges) cut into ``ranks * batches`` batches of 1 to ``batch_size``
+    rows, epoch by epoch in order; rank ``i`` takes batches ``i*batches .. (i+1)*batches - 1``.
+    None when they do not fit."""
+    epochs = [(e, _merged(rows[e])) for e in sorted(rows)]
+    epochs = [(e, runs) for e, runs in epochs if runs]
+    sizes = [sum(b - a for a, b in runs) for _, runs in epochs]
+    want = ranks * batches
+    counts = [-(-n // batch_size) for n in sizes]  # the fewest batches each epoch needs
+    if sum(counts) > want or sum(sizes) < want:
+        return None
+    for i, n in enumerate(sizes):  # the other batches, to the epochs in order, as rows allow
+        more = min(n - counts[i], want - sum(counts))
+        counts[i] += more
+    streams: list[list[Part]] = [[] for _ in range(ranks)]
+    first = 0  # the job-wide index of the epoch's first batch
+    for (epoch, runs), n, cut in zip(epochs, sizes, counts, strict=True):
+        ends = np.cumsum([b - a for a, b in runs])
+        for i in range(ranks):
+            j0 = max(i * batches, first) - first
+            j1 = min((i + 1) * batches, first + cut) - first
+            if j1 <= j0:
+                continue
+            lo, hi = j0 * n // cut, j1 * n // cut
+            if not j1 - j0 <= hi - lo <= (j1 - j0) * batch_size:
+                return None
+            part = Part(
+                epoch=epoch,
+                runs=_slice_runs(runs, ends, lo, hi),
+                total=hi - lo,
+                cut=j1 - j0,
+                count=j1 - j0,
+            )
+            streams[i].append(part)
+        first += cut
+    return tuple(tuple(s) for s in streams)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

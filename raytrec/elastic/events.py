@@ -174,7 +174,9 @@ class DataReshared(Event):
     """The rows no rank had trained yet were cut again among the live ranks (after a gang was
     lost or joined): every rank now has ``batches`` more to train (``queued`` of them replays of
     a lost gang's uncommitted batches), so the job's data ends at ``end_step``. ``left_over``:
-    rows of an epoch too few to give every rank a batch (not trained)."""
+    rows of an epoch too few to give every rank a batch (not trained). ``handed_off``: a join
+    where the live ranks kept reading their streams, cut short, and the ``ranks`` joining ranks
+    were given the ``rows`` of their ends."""
 
     kind: ClassVar[str] = "data_reshared"
     ranks: int
@@ -182,6 +184,7 @@ class DataReshared(Event):
     batches: int
     end_step: int
     left_over: int = 0
+    handed_off: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
