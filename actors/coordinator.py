@@ -8,26 +8,19 @@ recording one metrics row per interval.
 
 Elasticity, at interval granularity:
 
-- **Loss.** A rank actor that dies (its process, or its node) fails its interval call at once; a
-  hung rank is the one still running after its peers' collectives gave up. The coordinator kills
-  what is left of every gang that lost a rank, aborts the survivors' replica planes (so their
-  blocked collectives fail now, not after the timeout), collects from each survivor what it
-  trained (``recover``), and starts a new generation: a replica plane among the survivors, the
-  sync schedule recomputed for them, and a job-wide sync that makes every replica identical. The
-  batches the lost gang trained since its last sync go back to the survivors
-  (:class:`~raytrec.elastic.ledger.DataLedger`, :class:`~raytrec.elastic.streams.RankStreams`).
-- **Growth.** With ``elastic.grow``, the coordinator keeps one pending placement group per gang
-  it could still add (up to ``elastic.max_gangs``): on an autoscaling cluster that pending demand
-  is what adds nodes. A gang whose group becomes ready is built in the background while the live
-  gangs train, and joins at the first interval boundary after it is built: a job-wide sync among
-  the live gangs, a new generation including it, and a broadcast of the full state (shards,
-  optimizer state, dense state, step) from a live peer gang (:mod:`actors.growth`).
-- **Too few gangs.** Below ``elastic.min_gangs`` training pauses until placements come back, for
-  at most ``elastic.resource_wait_s``, then the job fails with a message saying so.
-- **Total loss.** When some shard has no live copy left, the job is rebuilt at its initial shape
-  from its last checkpoint (:mod:`raytrec.elastic.rollback` decides, and plans where each rebuilt
-  rank reads), with its step, data streams and batch accounting rewound to it; without a
-  checkpoint it fails.
+- **Loss** (:mod:`actors.recovery`). A dead rank fails its interval call at once; a hung one
+  finishes no step for ``elastic.step_timeout_s``. The gangs that lost a rank are dropped, the
+  survivors' replica planes aborted, what they trained collected, and a new generation formed
+  among them; the lost gang's unsynced batches go back to them.
+- **Growth** (:mod:`actors.growth`). One pending placement group per gang the job could still
+  add; a gang whose group is ready is built in the background and joins at the next boundary,
+  healed from a live peer.
+- **Drains** (:mod:`actors.drain`) give gangs back at a boundary, without losing a row.
+- **Total loss** (:mod:`actors.total_loss`). When some shard has no live copy left, the job is
+  rebuilt from its last checkpoint; without one it fails.
+
+The decisions are pure functions of :mod:`raytrec.elastic`; this class and its parts gather
+what they need and carry them out.
 
 Every failure, generation, heal and resize is an event (:mod:`raytrec.elastic.events`) with its
 time and step, returned in the run summary.
@@ -60,24 +53,12 @@ from raytrec.data.source import BatchShard
 from raytrec.data.spec import FeatureSpec
 from raytrec.data.synthetic import batch_id
 from raytrec.elastic.accounting import BatchAccounting
-from raytrec.elastic.control import (
-    Boundary,
-    intervals_to_queue,
-)
-from raytrec.elastic.events import (
-    EventLog,
-    GenerationStarted,
-)
+from raytrec.elastic.control import Boundary, intervals_to_queue
+from raytrec.elastic.events import EventLog, GenerationStarted
 from raytrec.elastic.heal import replicas_disagree
 from raytrec.elastic.membership import Membership
 from raytrec.elastic.report import RankInfo, RankReport, RunSummary
-from raytrec.elastic.workers import (
-    Clock,
-    RankCallError,
-    RankFailed,
-    SystemClock,
-    WorkerGroup,
-)
+from raytrec.elastic.workers import Clock, RankCallError, RankFailed, SystemClock, WorkerGroup
 from raytrec.engine.rank import RENDEZVOUS_TIMEOUT_S, StoreAddress
 from raytrec.errors import ConfigError, EarlyStopped, JobFailedError, StopRequested
 from raytrec.evaluation import EvalPlan
