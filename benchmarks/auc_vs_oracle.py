@@ -11,13 +11,11 @@ noise), the share of rank time spent waiting for data, and rows trained per seco
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import glob
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -25,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import add_write_arg, drop_options, header, replace_block
+from benchmarks.common import parse, parser, publish
 from jobs.train import build_config
 from raytrec.config import TrainConfig
 from raytrec.data.generate import auc
@@ -209,8 +207,7 @@ def run(
     """Parses ``argv``, trains the configuration, prints the report; returns what it measured."""
     from raytrec.api import fit
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p = parser(__doc__, "auc_vs_oracle", "docs/benchmarks.md")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -221,9 +218,7 @@ def run(
     )
     p.add_argument("--storage-path", help="where runs and data go (default: a temporary dir)")
     p.add_argument("--tail", type=int, default=4, help="intervals averaged for the tail AUC")
-    add_write_arg(p, "docs/benchmarks.md")
-    a = p.parse_args(argv)
-    started = time.perf_counter()
+    a = parse(p, argv)
     with tempfile.TemporaryDirectory(prefix="raytrec-auc-") as tmp:
         job_argv = ["--storage-path", a.storage_path or tmp]
         for kv in a.overrides:
@@ -238,7 +233,7 @@ def run(
             result.history,
             oracle_auc=result.oracle_auc,
             first_batch_s=result.first_batch_s,
-            wall_s=time.perf_counter() - started,
+            wall_s=time.perf_counter() - a.started,
             tail=a.tail,
         )
         path = str(result.data.path)
@@ -248,17 +243,8 @@ def run(
     factory = (
         [] if model_factory is build_dlrm else [f"- Model built by `{model_factory.__qualname__}`."]
     )
-    block = "\n".join(
-        [
-            header("auc_vs_oracle", drop_options(argv, "--write"), started),
-            *describe(config, pooling),
-            *factory,
-            *render(config, summary, result.history, noise),
-        ]
-    )
-    print(block, flush=True)
-    if a.write:
-        replace_block(a.write, block, name="auc-vs-oracle", heading="## AUC against the oracle")
+    body = [*describe(config, pooling), *factory, *render(config, summary, result.history, noise)]
+    publish(a, "\n".join(body), name="auc-vs-oracle", heading="## AUC against the oracle")
     return {"summary": summary, "noise": noise, "config": config}
 
 

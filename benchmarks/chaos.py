@@ -43,9 +43,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.common import ROOT, add_write_arg, replace_block
+from benchmarks.common import ROOT, command, parse, parser, replace_block
 from raytrec.local_cluster import (
     LocalCluster,
     WorkerNode,
@@ -353,12 +354,11 @@ def describe(a: argparse.Namespace, out: dict[str, Any], report: dict[str, Any])
             f"median survivors' stall at {label} {_s(value)} s (target < {target:.0f} s: "
             f"{'met' if met else '**missed**'})"
         )
-    argv = out["args"]["command"]
     return "\n".join(
         [
             f"Measured on {a.date}, machine: {a.machine}, whole run {out['wall_s']:.0f} s:",
             "",
-            f"    .venv/bin/python -m benchmarks.chaos {argv}".rstrip(),
+            f"    {out['args']['command']}",
             "",
             f"- Cluster: `ray start` head ({HEAD_CPUS[a.data]} CPUs) + {a.nodes} worker nodes of "
             f"{a.gang_size} "
@@ -377,8 +377,8 @@ def describe(a: argparse.Namespace, out: dict[str, Any], report: dict[str, Any])
     )
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = parser(__doc__, "chaos", "docs/fault_tolerance.md")
     p.add_argument("--short", dest="schedule", action="store_const", const="short", default="full")
     p.add_argument(
         "--data",
@@ -395,19 +395,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=900.0, help="stop the job after this")
     p.add_argument("--keep-run", action="store_true", help="keep the job's run directory")
     p.add_argument("--json", type=pathlib.Path, help="write the raw outputs and report here")
-    add_write_arg(p, "docs/fault_tolerance.md")
     p.add_argument(
         "--from-json", type=pathlib.Path, help="report a run saved with --json (runs nothing)"
     )
     p.add_argument("--machine", default="2-core CPU VM")
     p.add_argument("--date", default=datetime.date.today().isoformat())
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     if a.steps is None:
         a.steps = 3500 if a.schedule == "short" else 14000
     return a
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     if a.from_json:
         out = json.loads(a.from_json.read_text())["out"]
@@ -416,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         out = run(a)
         keys = ("nodes", "gang_size", "steps", "log_every", "data")
         out["args"] = {k: getattr(a, k) for k in keys}
-        out["args"] |= {"command": " ".join(sys.argv[1:])}
+        out["args"] |= {"command": command(a, "--json")}
     report = analyse(out) if out["rows"] else {"marks": []}
     if a.json:
         a.json.write_text(json.dumps({"out": out, "report": report}, indent=1, default=str))

@@ -12,13 +12,10 @@ checkpoint's bytes over wall time, best round and median.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -27,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import add_write_arg, drop_options, header, replace_block, timed
+from benchmarks.common import parse, parser, publish, timed
 from raytrec._quiet import quiet_known_warnings
 from raytrec.checkpoint.layout import read_manifest
 from raytrec.checkpoint.state import load_checkpoint, save_checkpoint
@@ -171,18 +168,15 @@ def one_round(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p = parser(__doc__, "checkpoint_io", "docs/checkpoints.md")
     p.add_argument("--tables", type=int, default=8)
     p.add_argument("--rows", type=int, default=600_000, help="rows per table")
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dir", default=None, help="where to write (default: a new temp directory)")
-    add_write_arg(p, "docs/checkpoints.md")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     quiet_known_warnings()
     torch.set_num_threads(1)
-    started = time.perf_counter()
     base = Path(a.dir or tempfile.mkdtemp(prefix="raytrec-ckpt-bench-"))
     base.mkdir(parents=True, exist_ok=True)
     engine = build_engine(a.tables, a.rows, a.dim)
@@ -230,12 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"| {label} | {best:,.0f} | {median:,.0f} | {raw_label} | {raw_best:,.0f} | "
             f"{raw_median:,.0f} | {best / raw_best:.2f} |"
         )
-    block = f"{header('checkpoint_io', drop_options(argv, '--write'), started)}\n" + "\n".join(
-        lines
-    )
-    print(block)
-    if a.write:
-        replace_block(a.write, block, name="checkpoint-io", heading="## Save and load throughput")
+    publish(a, "\n".join(lines), name="checkpoint-io", heading="## Save and load throughput")
     return 0
 
 

@@ -20,7 +20,6 @@ history rows. Run::
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import gc
@@ -29,14 +28,14 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import actors.coordinator
 import actors.drain
 import actors.growth
 import actors.recovery
-from benchmarks.common import add_write_arg, drop_options, header, replace_block
+from benchmarks.common import parse, parser, publish
 from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
 from raytrec.elastic import fake_faults as ff
 from raytrec.elastic.config import ElasticConfig
@@ -259,13 +258,10 @@ def table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="*", help="only these sizes")
-    add_write_arg(parser, "docs/benchmarks.md")
-    a = parser.parse_args(argv)
-    started = time.perf_counter()
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser(__doc__, "control_plane_scale", "docs/benchmarks.md")
+    p.add_argument("--ranks", type=int, nargs="*", help="only these sizes")
+    a = parse(p, argv)
     runs = []
     for ranks, g in SHAPES:
         if a.ranks and ranks not in a.ranks:
@@ -276,12 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{run.cpu_s:.2f} s, fake {run.fake_cpu_s:.2f} s; events {run.events}",
             flush=True,
         )
-    block = (
-        f"{header('control_plane_scale', drop_options(argv, '--write'), started)}\n{table(runs)}"
-    )
-    print(block)
-    if a.write:
-        replace_block(a.write, block, name="control-plane-scale", heading="## Control plane")
+    publish(a, table(runs), name="control-plane-scale", heading="## Control plane")
     return 0
 
 

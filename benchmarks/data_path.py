@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from benchmarks.common import add_write_arg, drop_options, header, replace_block, timed
+from benchmarks.common import parse, parser, publish, timed
 from raytrec.data.source import Batch, BatchShard
 from raytrec.data.spec import FeatureSpec, criteo_spec
 from raytrec.data.synthetic import SyntheticCriteo
@@ -265,8 +265,7 @@ def parquet(a: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p = parser(__doc__, "data_path", "docs/benchmarks.md (kjt), docs/data.md (parquet)")
     p.add_argument("--part", choices=("kjt", "parquet"), required=True)
     p.add_argument("--rows", type=int, help="rows per record batch (kjt: 8192) or in all (262144)")
     p.add_argument("--batches", type=int, default=4, help="kjt: record batches per pass")
@@ -279,17 +278,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--concurrency", type=int, default=2, help="indexed: read tasks per rank")
     p.add_argument("--replays", type=int, default=20)
-    add_write_arg(p, "docs/benchmarks.md (kjt), docs/data.md (parquet)")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     is_kjt = a.part == "kjt"
     a.rows = a.rows or (8192 if is_kjt else 262_144)
     a.repeats = a.repeats or (15 if is_kjt else 3)
-    started = time.perf_counter()
     table = kjt(a) if is_kjt else parquet(a)
-    block = f"{header('data_path', drop_options(argv, '--write'), started)}\n{table}"
-    print(block)
-    if a.write:
-        replace_block(a.write, block, name=f"data-path-{a.part}", heading=f"## {a.part}")
+    publish(a, table, name=f"data-path-{a.part}", heading=f"## {a.part}")
     return 0
 
 

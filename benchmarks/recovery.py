@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from benchmarks.common import ROOT, add_write_arg, drop_options, header, replace_block, spread
+from benchmarks.common import ROOT, header, parse, parser, replace_block, spread
 from raytrec import fit
 from raytrec.checkpoint.config import CheckpointConfig, checkpoint_root
 from raytrec.checkpoint.layout import CheckpointStore
@@ -467,8 +467,8 @@ def write_into(path: pathlib.Path, block: str, *, source: str = "synthetic") -> 
     replace_block(path, block, name=name, heading=f"{HEADING} ({source} data)")
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = parser(__doc__, "recovery", "docs/fault_tolerance.md")
     p.add_argument("--sizes", default="26x10000x16,26x100000x32", help="TABLESxROWSxDIM,...")
     p.add_argument("--shapes", default="2x2,3x1", help="GANGSxRANKS,... (at least 2 gangs)")
     p.add_argument("--batch-size", type=int, default=256, help="rows per rank per step")
@@ -484,8 +484,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--step-timeout-s", type=float, default=120.0)
     p.add_argument("--storage-path", type=pathlib.Path, default=ROOT / "runs" / "recovery")
     p.add_argument("--keep-runs", action="store_true", help="keep the jobs' run directories")
-    add_write_arg(p, "docs/fault_tolerance.md")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     c = last_checkpoint_before(a.fail_step - 1, a.checkpoint_every)
     if c < 1 or c == a.fail_step - 1 or a.steps_after < 2 * a.sync_every + 1:
         p.error(
@@ -496,12 +495,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
     a = parse_args(argv)
     sizes = [parse_dims(x, 3) for x in a.sizes.split(",")]
     shapes = [parse_dims(x, 2) for x in a.shapes.split(",")]
     load_start = os.getloadavg()[0]
-    started = time.perf_counter()
     most = max((g[0] + 1) * g[1] for g in shapes)  # room for the new gang
     connect(num_cpus=most * a.cpus_per_rank + (os.cpu_count() or 2))
     a.storage_path.mkdir(parents=True, exist_ok=True)
@@ -517,13 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{load_start:.1f} at the start."
         + "".join(f"\n- failed, not in the tables: {f}" for f in failures)
     )
-    block = "\n\n".join(
-        [
-            header("recovery", drop_options(argv, "--write"), started),
-            setup,
-            tables(ms, sizes, shapes),
-        ]
-    )
+    block = f"{header(a)}\n{setup}\n\n{tables(ms, sizes, shapes)}"
     print(block)
     if a.write is not None:
         write_into(a.write, block, source=a.source)

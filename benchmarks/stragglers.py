@@ -24,14 +24,14 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.common import ROOT, add_write_arg, command, drop_options, replace_block, spread
+from benchmarks.common import ROOT, command, parse, parser, replace_block, spread
 from raytrec.config import SyncConfig
 from raytrec.sync.schedule import plan_sync
 from raytrec.sync.simulate import CostModel, gang_stalls, simulate
@@ -104,10 +104,9 @@ def simulated(a: argparse.Namespace) -> str:
                 f"{max(h):.2f}) | {np.mean(w):.2f}x | {seed_figure(label, seed_range)} |"
             )
     return (
-        f"Reproduce with `{command('stragglers', ['sim', '--write', 'docs/stragglers.md'])}` "
-        f"({a.steps} steps, "
-        f"mean over {a.seeds} straggler seeds; the range is the min-max over seeds).\n\n"
-        + "\n".join(lines)
+        "Reproduce with `.venv/bin/python -m benchmarks.stragglers sim --write docs/stragglers.md` "
+        f"({a.steps} steps, mean over {a.seeds} straggler seeds; the range is the min-max over "
+        "seeds).\n\n" + "\n".join(lines)
     )
 
 
@@ -254,7 +253,7 @@ def measure(a: argparse.Namespace, schedules: list[tuple[str, SyncConfig]]) -> N
             print(f"seed {seed} | {label:<22} | {run.train_s:7.1f} s | AUC {run.auc:.4f}")
 
 
-def on_ray(a: argparse.Namespace, argv: list[str]) -> str:
+def on_ray(a: argparse.Namespace) -> str:
     schedules = parse_schedules(a.schedules, gangs=a.gangs, sync_dense=a.sync_dense)
     if any(a.log_every % s.sync_every for _, s in schedules):
         # Interval ends are job-wide barriers: off a job-wide sync they would add waiting.
@@ -290,7 +289,7 @@ def on_ray(a: argparse.Namespace, argv: list[str]) -> str:
             f"| {'reference' if first else gap} |"
         )
     seeds = sorted({r.straggler_seed for r in runs})
-    cmd = command("stragglers", drop_options(argv, "--straggler-seed", "--write", "--rate"))
+    cmd = command(a, "--straggler-seed", "--rate")
     each = " ".join(map(str, seeds))
     return (
         "Reproduce with:\n\n```bash\n"
@@ -301,9 +300,8 @@ def on_ray(a: argparse.Namespace, argv: list[str]) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser(__doc__, "stragglers", "docs/stragglers.md")
     p.add_argument("what", choices=("sim", "ray"), help="the clock model, or a local Ray cluster")
     p.add_argument("--steps", type=int, help="steps per run (sim: 1000, ray: 256)")
     p.add_argument("--seeds", type=int, default=5, help="sim: straggler draws averaged")
@@ -324,10 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--straggler-seed", type=int, default=0)
     p.add_argument("--cpus-per-rank", type=float, default=0.25)
     p.add_argument("--results", type=Path, default=ROOT / "runs" / "stragglers" / "results.json")
-    add_write_arg(p, "docs/stragglers.md")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     a.steps = a.steps or (1000 if a.what == "sim" else 256)
-    block = simulated(a) if a.what == "sim" else on_ray(a, list(argv))
+    block = simulated(a) if a.what == "sim" else on_ray(a)
     print(block)
     if a.write:
         replace_block(a.write, block, name="straggler_sim" if a.what == "sim" else "stragglers_ray")

@@ -31,14 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (
-    ROOT,
-    add_write_arg,
-    bootstrap_median_ci,
-    drop_options,
-    header,
-    replace_block,
-)
+from benchmarks.common import ROOT, bootstrap_median_ci, parse, parser, publish
 from raytrec.config import (
     DataConfig,
     ModelConfig,
@@ -61,12 +54,9 @@ def parse_layout(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"layout {text!r} is not GxL, e.g. 2x1") from None
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.throughput",
-        description=(__doc__ or "").split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    p = parser(__doc__, "throughput", "docs/benchmarks.md", formatter_class=defaults)
     p.add_argument("--world-size", type=int, default=2, help="T: ranks on both sides")
     p.add_argument(
         "--layouts", type=parse_layout, nargs="+", help="raytrec GxL (default 1xT, 2xT/2)"
@@ -99,8 +89,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--marks-file", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--driver", type=Path, help=argparse.SUPPRESS)
-    add_write_arg(p, "docs/benchmarks.md")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     t = a.world_size
     a.layouts = a.layouts or [(1, t)] + ([(2, t // 2)] if t % 2 == 0 and not a.turns else [])
     if any(g * l_ != t for g, l_ in a.layouts) or (a.turns and len(a.layouts) != 1):
@@ -481,15 +470,12 @@ def turns(a: argparse.Namespace, argv: Sequence[str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
     a = parse_args(argv)
     if a.torchrun_worker:
         return torchrun_worker(a)
     if a.driver:
         return run_driver(a)
-    started = time.perf_counter()
-    kept = drop_options(argv, "--write")
-    table = turns(a, kept) if a.turns else repeats(a, kept)
+    table = turns(a, a.argv) if a.turns else repeats(a, a.argv)
     shape = (
         f"T = {a.world_size} ranks a side, batch {a.batch_size} per rank, DLRM {a.num_tables} "
         f"tables x {a.num_embeddings:,} x {a.embedding_dim}, raytrec ranks at nice "
@@ -500,11 +486,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             else f"{a.steps} steps per run, {a.warmup_steps} of warmup, {a.repeats} repeats."
         )
     )
-    block = f"{header('throughput', kept, started, gpu=a.gpu)}\n- {shape}\n\n{table}"
-    print(block)
-    if a.write:
-        name = "throughput-turns" if a.turns else "throughput-gpu" if a.gpu else "throughput-cpu"
-        replace_block(a.write, block, name=name, heading=f"## {name}")
+    name = "throughput-turns" if a.turns else "throughput-gpu" if a.gpu else "throughput-cpu"
+    publish(a, f"- {shape}\n\n{table}", name=name, heading=f"## {name}", gpu=a.gpu)
     return 0
 
 
