@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from raytrec.config import ModelConfig, criteo_tables
+
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
@@ -122,6 +124,16 @@ def publish(
     print(block)
     if a.write:
         replace_block(a.write, block, name=name, heading=heading)
+
+
+def dlrm(tables: int, rows: int, dim: int, width: int = 64) -> ModelConfig:
+    """A DLRM over ``tables`` Criteo-style tables of ``rows`` x ``dim``, its dense arch
+    (``width``, ``dim``) and its over arch (``width``, 1)."""
+    return ModelConfig(
+        tables=criteo_tables(num_features=tables, num_embeddings=rows, embedding_dim=dim),
+        dense_arch_layers=(width, dim),
+        over_arch_layers=(width, 1),
+    )
 
 
 def timed(fn: Callable[[], T]) -> tuple[T, float]:
