@@ -72,6 +72,17 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Na
     return a
 
 
+def dims(text: str, n: int) -> tuple[int, ...]:
+    """``text`` as ``n`` positive integers joined by x: ``"2x1"``, ``"26x10000x16"``."""
+    try:
+        out = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        out = ()
+    if len(out) != n or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {n} positive integers joined by x")
+    return out
+
+
 def drop_options(argv: Sequence[str], *names: str) -> list[str]:
     """``argv`` without the options ``names`` (``--name VALUE`` or ``--name=VALUE``)."""
     out: list[str] = []
