@@ -1,28 +1,14 @@
 """Chaos on a multi-node local cluster: what losing nodes and ranks costs a submitted job.
 
-    .venv/bin/python -m benchmarks.chaos                  # 1 rank kill, 3 node losses
-    .venv/bin/python -m benchmarks.chaos --short          # 1 rank kill, 1 node loss
-    .venv/bin/python -m benchmarks.chaos --write docs/fault_tolerance.md
+    .venv/bin/python -m benchmarks.chaos [--short] [--data parquet] [--write PAGE]
 
-Starts a cluster of ``ray start`` processes on 127.0.0.1 (``raytrec.local_cluster``): a head
-node with no CPUs (the job's driver and coordinator) and ``--nodes`` worker nodes of one gang
-each, every node with its own ports, temporary directory and process session. Submits
-``python -m jobs.train`` with ``ray job submit`` (2 gangs x 2 ranks, synthetic data or with
-``--data parquet`` Parquet read by index, a checkpoint every 50 steps) and, following the steps
-in the run directory's ``metrics.jsonl``, carries out its schedule: a **rank kill** SIGKILLs one
-``ray::RankWorker`` process (its gang is dropped; the freed CPUs take a new gang, which joins),
-a **node loss** SIGKILLs a worker node's
-raylet (then ends what the node left) and, unless it is the last fault, starts a replacement
-node, whose new gang joins. A fault waits until both gangs have been training for two
-intervals. Everything ends by itself: the job runs ``--steps`` steps; the cluster is stopped
-and the job's run directory removed (``--keep-run`` keeps it).
-
-Reported from the job's own ``events.jsonl``, ``metrics.jsonl`` and ``summary.json``: per fault,
-the time to the job's ``rank_died`` (and for a node to ``node_died``), the survivors' stall at each
-loss and join (the gap between the metrics rows around it less the time their steps take at the
-run's normal pace), a replacement's start to its ``gang_joined``, and the batches lost or doubled.
-Event times are on the coordinator's clock; the kill time is put on it from when the harness first
-saw each metrics row, so the delays are upper bounds by that polling.
+``python -m jobs.train`` (2 gangs x 2 ranks) on ``ray start`` nodes on 127.0.0.1 loses a rank
+(SIGKILL; a new gang joins on the freed CPUs), then nodes (the raylet SIGKILLed; a replacement
+node but after the last, whose gang joins), each once both gangs have trained two intervals.
+Reported from the job's events, metrics rows and summary: the time to ``rank_died`` and
+``node_died``, the survivors' stall at each loss and join (the gap between the rows around it
+less their steps at the normal pace) and the batches lost or doubled. Kill times are put on the
+coordinator's clock from when each row was first seen: the delays are upper bounds.
 """
 
 from __future__ import annotations
@@ -39,20 +25,14 @@ import pathlib
 import shutil
 import signal
 import statistics
-import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.common import ROOT, add_write_arg, replace_block
-from raytrec.local_cluster import (
-    LocalCluster,
-    WorkerNode,
-    local_cluster,
-    session_pids,
-    stop_session,
-)
+import raytrec.local_cluster as lc
+from benchmarks.common import ROOT, command, parse, parser, replace_block
 
 #: The docs block of each kind of data (its markers' name).
 BLOCKS = {"synthetic": "chaos", "parquet": "chaos-parquet"}
@@ -86,14 +66,16 @@ class RunDir:
         self.rows: list[dict[str, Any]] = []
         self.seen: list[float] = []
 
-    def poll(self) -> None:
+    def read(self, name: str) -> str:
+        """The file ``name`` of the run directory; "" while there is none."""
         if self.path is None:
             found = glob.glob(os.path.join(self.storage, "*", "metrics.jsonl"))
-            if not found:
-                return
-            self.path = os.path.dirname(found[0])
-        with open(os.path.join(self.path, "metrics.jsonl")) as f:
-            lines = f.read().splitlines()
+            self.path = os.path.dirname(found[0]) if found else None
+        path = pathlib.Path(self.path or self.storage, name)
+        return path.read_text() if self.path is not None and path.exists() else ""
+
+    def poll(self) -> None:
+        lines = self.read("metrics.jsonl").splitlines()
         now = time.monotonic()
         for line in lines[len(self.rows) :]:
             try:
@@ -101,12 +83,6 @@ class RunDir:
             except json.JSONDecodeError:
                 break  # half written: read again next time
             self.seen.append(now)
-
-    def events(self) -> list[dict[str, Any]]:
-        if self.path is None or not os.path.exists(os.path.join(self.path, "events.jsonl")):
-            return []
-        with open(os.path.join(self.path, "events.jsonl")) as f:
-            return [json.loads(x) for x in f.read().splitlines() if x.strip()]
 
     @property
     def step(self) -> int:
@@ -117,8 +93,8 @@ class RunDir:
         return min(s - float(r["at"]) for s, r in zip(self.seen, self.rows, strict=True))
 
 
-def rank_pids(node: WorkerNode) -> list[int]:
-    return sorted(session_pids(node.session, "ray::RankWorker"))  # title: class and method
+def rank_pids(node: lc.WorkerNode) -> list[int]:
+    return sorted(lc.session_pids(node.session, "ray::RankWorker"))  # title: class and method
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
@@ -126,7 +102,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     faults: list[Fault] = []
     schedule = SCHEDULES[a.schedule]
     started = time.monotonic()
-    with local_cluster(head_cpus=HEAD_CPUS[a.data], temp_prefix="rtch-") as cluster:
+    with lc.local_cluster(head_cpus=HEAD_CPUS[a.data], temp_prefix="rtch-") as cluster:
         with concurrent.futures.ThreadPoolExecutor(a.nodes) as pool:
             names = [f"n{i}" for i in range(a.nodes)]
             list(pool.map(lambda name: cluster.add_node(name, num_cpus=a.gang_size), names))
@@ -154,11 +130,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         run_dir = RunDir(storage)
         state = drive(a, cluster, job, run_dir, schedule, faults, started)
         logs = cluster.logs(job)
-    summary = {}
-    if run_dir.path and os.path.exists(os.path.join(run_dir.path, "summary.json")):
-        with open(os.path.join(run_dir.path, "summary.json")) as f:
-            summary = json.load(f)
-    events = run_dir.events()
+    summary = json.loads(run_dir.read("summary.json") or "{}")
+    events = [json.loads(x) for x in run_dir.read("events.jsonl").splitlines() if x.strip()]
     if not a.keep_run:  # what the report needs is read; checkpoints and the model go
         shutil.rmtree(storage, ignore_errors=True)
     return {
@@ -177,7 +150,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
 def drive(
     a: argparse.Namespace,
-    cluster: LocalCluster,
+    cluster: lc.LocalCluster,
     job: str,
     run_dir: RunDir,
     schedule: tuple[str, ...],
@@ -230,7 +203,7 @@ def drive(
             full_since, fault_generation = None, int(rows[-1]["generation"])
             if kind == "node":
                 dead.add(node.name)
-                stop_session(node.session, grace_s=2)  # what the node left (agents, workers)
+                lc.stop_session(node.session, grace_s=2)  # what the node left (agents, workers)
                 if len(faults) < len(schedule):  # a replacement, except after the last fault
                     fault.replacement_mono = time.monotonic()
                     cluster.add_node(f"n{spare}", num_cpus=a.gang_size)
@@ -238,9 +211,6 @@ def drive(
         time.sleep(0.1)
     run_dir.poll()
     return ended[0]
-
-
-# --- the report -------------------------------------------------------------------------------
 
 
 def analyse(out: dict[str, Any]) -> dict[str, Any]:
@@ -328,41 +298,28 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def medians(report: dict[str, Any]) -> dict[str, float | None]:
-    out: dict[str, float | None] = {}
-    for kind in ("loss", "join"):
-        stalls = [m["stall_s"] for m in report["marks"] if m["type"] == kind and "stall_s" in m]
-        out[kind] = statistics.median(stalls) if stalls else None
-    return out
-
-
-DATA = {
-    "synthetic": "synthetic data",
-    "parquet": f"Parquet read by index through Ray Data ({EPOCHS} epochs)",
-}
-
-
 def describe(a: argparse.Namespace, out: dict[str, Any], report: dict[str, Any]) -> str:
     final = report["final"] or {}
-    med = medians(report)
+    data = "synthetic data"
+    if a.data == "parquet":
+        data = f"Parquet read by index through Ray Data ({EPOCHS} epochs)"
     verdicts = []
     for kind, label in (("loss", "a loss"), ("join", "a join")):
-        value, target = med[kind], STALL_TARGETS[kind]
+        stalls = [m["stall_s"] for m in report["marks"] if m["type"] == kind and "stall_s" in m]
+        value, target = statistics.median(stalls) if stalls else None, STALL_TARGETS[kind]
         met = value is not None and value < target
         verdicts.append(
             f"median survivors' stall at {label} {_s(value)} s (target < {target:.0f} s: "
             f"{'met' if met else '**missed**'})"
         )
-    argv = out["args"]["command"]
     return "\n".join(
         [
             f"Measured on {a.date}, machine: {a.machine}, whole run {out['wall_s']:.0f} s:",
             "",
-            f"    .venv/bin/python -m benchmarks.chaos {argv}".rstrip(),
+            f"    {out['args']['command']}",
             "",
             f"- Cluster: `ray start` head ({HEAD_CPUS[a.data]} CPUs) + {a.nodes} worker nodes of "
-            f"{a.gang_size} "
-            f"CPUs on 127.0.0.1; job: 2 gangs x {a.gang_size} ranks, {DATA[a.data]}, "
+            f"{a.gang_size} CPUs on 127.0.0.1; job: 2 gangs x {a.gang_size} ranks, {data}, "
             f"`examples/configs/local_cpu.yaml`, {a.steps} steps, `log_every={a.log_every}`, "
             f"a checkpoint every 50 steps; normal pace {report['step_s']:.3f} s/step.",
             f"- Job {out['state'].lower()}; rows lost: {report['lost']} batches, doubled: "
@@ -377,15 +334,10 @@ def describe(a: argparse.Namespace, out: dict[str, Any], report: dict[str, Any])
     )
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = parser(__doc__, "chaos", "docs/fault_tolerance.md")
     p.add_argument("--short", dest="schedule", action="store_const", const="short", default="full")
-    p.add_argument(
-        "--data",
-        choices=("synthetic", "parquet"),
-        default="synthetic",
-        help="rows made in each rank, or Parquet read by index through Ray Data",
-    )
+    p.add_argument("--data", choices=("synthetic", "parquet"), default="synthetic")
     p.add_argument("--nodes", type=int, default=2, help="worker nodes at the start")
     p.add_argument("--gang-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="default: 14000, 3500 with --short")
@@ -395,19 +347,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=900.0, help="stop the job after this")
     p.add_argument("--keep-run", action="store_true", help="keep the job's run directory")
     p.add_argument("--json", type=pathlib.Path, help="write the raw outputs and report here")
-    add_write_arg(p, "docs/fault_tolerance.md")
-    p.add_argument(
-        "--from-json", type=pathlib.Path, help="report a run saved with --json (runs nothing)"
-    )
+    p.add_argument("--from-json", type=pathlib.Path, help="report a run saved with --json")
     p.add_argument("--machine", default="2-core CPU VM")
     p.add_argument("--date", default=datetime.date.today().isoformat())
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     if a.steps is None:
         a.steps = 3500 if a.schedule == "short" else 14000
     return a
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     if a.from_json:
         out = json.loads(a.from_json.read_text())["out"]
@@ -416,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         out = run(a)
         keys = ("nodes", "gang_size", "steps", "log_every", "data")
         out["args"] = {k: getattr(a, k) for k in keys}
-        out["args"] |= {"command": " ".join(sys.argv[1:])}
+        out["args"] |= {"command": command(a, "--json")}
     report = analyse(out) if out["rows"] else {"marks": []}
     if a.json:
         a.json.write_text(json.dumps({"out": out, "report": report}, indent=1, default=str))
@@ -431,4 +380,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

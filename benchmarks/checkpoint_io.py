@@ -2,23 +2,19 @@
 
     .venv/bin/python -m benchmarks.checkpoint_io [--tables 8] [--rows 600000] [--repeats 5]
 
-One rank (a gang of one, gloo) holds a DLRM whose tables and row-wise Adagrad state make a few
-hundred MB. In each round, taking turns: ``save_checkpoint`` (the whole path: DCP's writer,
-manifest, commit marker, rename, keep-last-1) against ``write`` + ``fsync`` of the same bytes,
-and ``load_checkpoint`` (all its checks and copies) against ``readinto``, each cold (the files
-evicted from the page cache with ``posix_fadvise(DONTNEED)``) and warm. Figures are the
+One rank (gloo) holds a DLRM whose tables and row-wise Adagrad state make a few hundred MB. Each
+round, taking turns: ``save_checkpoint`` (DCP's writer, manifest, commit marker, rename,
+keep-last-1) against ``write`` + ``fsync`` of the same bytes, and ``load_checkpoint`` against
+``readinto``, cold (files evicted with ``posix_fadvise(DONTNEED)``) and warm. Figures: the
 checkpoint's bytes over wall time, best round and median.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -27,47 +23,31 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import add_write_arg, drop_options, header, replace_block, timed
+from benchmarks.common import dlrm, parse, parser, publish, timed
 from raytrec._quiet import quiet_known_warnings
+from raytrec.api import _plan
 from raytrec.checkpoint.layout import read_manifest
 from raytrec.checkpoint.state import load_checkpoint, save_checkpoint
-from raytrec.config import (
-    DataConfig,
-    ModelConfig,
-    OptimizerConfig,
-    ScalingConfig,
-    TrainConfig,
-    criteo_tables,
-)
+from raytrec.config import DataConfig, OptimizerConfig, ScalingConfig, TrainConfig
 from raytrec.data.synthetic import SyntheticCriteo
-from raytrec.engine.plan import apply_embedding_optimizer, make_plan
 from raytrec.engine.rank import RankEngine, RankSpec, StoreAddress
 from raytrec.model import build_dlrm
 
 NUM_DENSE = 13
 MB = 1e6
+ROWS = [  # of the table: (operation, its timing, the raw operation, its timing)
+    ("save (save_checkpoint)", "save", "raw write (write + fsync)", "raw write"),
+    ("load, cold cache (load_checkpoint)", "load cold", "raw read, cold cache", "raw read cold"),
+    ("load, warm cache", "load warm", "raw read, warm cache", "raw read warm"),
+]
 
 
 def build_engine(tables: int, rows: int, dim: int) -> RankEngine:
     config = TrainConfig(
-        model=ModelConfig(
-            tables=criteo_tables(num_features=tables, num_embeddings=rows, embedding_dim=dim),
-            dense_arch_layers=(64, dim),
-            over_arch_layers=(64, 1),
-        ),
+        model=dlrm(tables, rows, dim),
         optimizer=OptimizerConfig(embedding="rowwise_adagrad", dense="adagrad"),
         scaling=ScalingConfig(num_workers=1, gang_size=1),
         data=DataConfig(batch_size=256),
-    )
-    model = build_dlrm(config.model, NUM_DENSE, torch.device("cpu"), config.seed)
-    apply_embedding_optimizer(model, config.optimizer)
-    plan = make_plan(
-        model,
-        gang_size=1,
-        device_type="cpu",
-        sharding=config.sharding,
-        tables=config.model.tables,
-        batch_size=config.data.batch_size,
     )
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
     spec = RankSpec(
@@ -76,7 +56,7 @@ def build_engine(tables: int, rows: int, dim: int) -> RankEngine:
         gang_rank=0,
         gang_size=1,
         config=config,
-        plan=plan,
+        plan=_plan(config, NUM_DENSE, build_dlrm),
         num_dense=NUM_DENSE,
         store=StoreAddress(host="127.0.0.1", port=store.port),
     )
@@ -100,14 +80,6 @@ def evict(paths: Sequence[Path]) -> None:
             os.close(fd)
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def raw_write(directory: Path, sizes: dict[str, int], payload: memoryview) -> list[Path]:
     if directory.exists():
         shutil.rmtree(directory)
@@ -124,7 +96,11 @@ def raw_write(directory: Path, sizes: dict[str, int], payload: memoryview) -> li
             f.flush()
             os.fsync(f.fileno())
         paths.append(path)
-    fsync_dir(directory)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return paths
 
 
@@ -171,26 +147,22 @@ def one_round(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p = parser(__doc__, "checkpoint_io", "docs/checkpoints.md")
     p.add_argument("--tables", type=int, default=8)
     p.add_argument("--rows", type=int, default=600_000, help="rows per table")
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dir", default=None, help="where to write (default: a new temp directory)")
-    add_write_arg(p, "docs/checkpoints.md")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     quiet_known_warnings()
     torch.set_num_threads(1)
-    started = time.perf_counter()
     base = Path(a.dir or tempfile.mkdtemp(prefix="raytrec-ckpt-bench-"))
     base.mkdir(parents=True, exist_ok=True)
     engine = build_engine(a.tables, a.rows, a.dim)
     weights = engine.embedding_weights()
     expected = [w.clone() for w in weights]
     payload = weights[0].detach().numpy().view(np.uint8).reshape(-1).data
-    names = ("save", "raw write", "load cold", "raw read cold", "load warm", "raw read warm")
-    times: dict[str, list[float]] = {k: [] for k in names}
+    times: dict[str, list[float]] = {k: [] for row in ROWS for k in row[1::2]}
     sizes: dict[str, int] = {}
     for _ in range(a.repeats):
         sizes = one_round(engine, base / "checkpoints", base / "raw", payload, expected, times)
@@ -215,27 +187,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "| best / raw best |",
         "|---|---:|---:|---|---:|---:|---:|",
     ]
-    for label, raw_label, key, raw in [
-        ("save (save_checkpoint)", "raw write (write + fsync)", "save", "raw write"),
-        (
-            "load, cold cache (load_checkpoint)",
-            "raw read, cold cache",
-            "load cold",
-            "raw read cold",
-        ),
-        ("load, warm cache", "raw read, warm cache", "load warm", "raw read warm"),
-    ]:
+    for label, key, raw_label, raw in ROWS:
         (best, median), (raw_best, raw_median) = rates(key), rates(raw)
         lines.append(
             f"| {label} | {best:,.0f} | {median:,.0f} | {raw_label} | {raw_best:,.0f} | "
             f"{raw_median:,.0f} | {best / raw_best:.2f} |"
         )
-    block = f"{header('checkpoint_io', drop_options(argv, '--write'), started)}\n" + "\n".join(
-        lines
-    )
-    print(block)
-    if a.write:
-        replace_block(a.write, block, name="checkpoint-io", heading="## Save and load throughput")
+    publish(a, "\n".join(lines), name="checkpoint-io", heading="## Save and load throughput")
     return 0
 
 

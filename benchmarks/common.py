@@ -1,5 +1,5 @@
-"""What the benchmarks share: the machine's description, medians and confidence intervals, the
-command that reproduces a run, and writing a result block into a docs page.
+"""What the benchmarks share: parsing, the command that reproduces a run, the machine's
+description, medians and confidence intervals, and writing a result block into a docs page.
 
 A benchmark owns one block of a page, between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``;
 the prose around it is written by hand and left alone. The page is re-read right before writing
@@ -15,24 +15,23 @@ import platform
 import random
 import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from raytrec.config import ModelConfig, criteo_tables
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
-
-
-def markers(name: str) -> tuple[str, str]:
-    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
 
 
 def replace_block(path: Path, block: str, *, name: str, heading: str | None = None) -> None:
     """Replaces the block ``name`` of the page ``path`` by ``block``. A page without that block
     gets it appended under ``heading`` as a new last section; without a heading it is refused
     (the page says where the block goes)."""
-    begin, end = markers(name)
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     text = path.read_text() if path.exists() else ""
     if begin in text and end in text:
         head, rest = text.split(begin, 1)
@@ -46,13 +45,42 @@ def replace_block(path: Path, block: str, *, name: str, heading: str | None = No
     os.replace(tmp, path)
 
 
-def add_write_arg(p: argparse.ArgumentParser, page: str) -> None:
+def parser(doc: str | None, module: str, page: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """The parser of ``benchmarks.<module>``, described by its module doc's first paragraph, with
+    ``--write``; its namespace holds ``module`` (for :func:`publish`)."""
+    p = argparse.ArgumentParser(
+        prog=f"python -m benchmarks.{module}",
+        description=(doc or "").split("\n\n")[0],
+        **kwargs,
+    )
+    p.set_defaults(module=module)
     p.add_argument(
         "--write",
         type=Path,
         metavar="PAGE",
         help=f"write the result block into this page (its page: {page}); without it, print only",
     )
+    return p
+
+
+def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parses ``argv`` (default: the command line), kept less ``--write`` as ``argv`` (what runs
+    it again); ``started``: now."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = p.parse_args(argv)
+    a.argv, a.started = drop_options(argv, "--write"), time.perf_counter()
+    return a
+
+
+def dims(text: str, n: int) -> tuple[int, ...]:
+    """``text`` as ``n`` positive integers joined by x: ``"2x1"``, ``"26x10000x16"``."""
+    try:
+        out = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        out = ()
+    if len(out) != n or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {n} positive integers joined by x")
+    return out
 
 
 def drop_options(argv: Sequence[str], *names: str) -> list[str]:
@@ -66,13 +94,11 @@ def drop_options(argv: Sequence[str], *names: str) -> list[str]:
     return out
 
 
-def command(module: str, argv: Sequence[str]) -> str:
-    """The command line that reproduces a run, as the docs show it."""
-    return shlex.join([".venv/bin/python", "-m", f"benchmarks.{module}", *argv])
-
-
-def stamp() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+def command(a: argparse.Namespace, *dropped: str) -> str:
+    """The command line that reproduces the run ``a``, as the docs show it, less the options
+    ``dropped``."""
+    argv = drop_options(a.argv, *dropped)
+    return shlex.join([".venv/bin/python", "-m", f"benchmarks.{a.module}", *argv])
 
 
 def machine(*, gpu: bool = False) -> str:
@@ -91,13 +117,33 @@ def machine(*, gpu: bool = False) -> str:
     )
 
 
-def header(module: str, argv: Sequence[str], started: float, *, gpu: bool = False) -> str:
-    """The first lines of a result block: when, on what, and the command that made it."""
-    took = time.perf_counter() - started
+def header(a: argparse.Namespace, *, gpu: bool = False) -> str:
+    """The first lines of the result block of the run ``a``: when, on what, and the command that
+    made it."""
+    took = time.perf_counter() - a.started
     length = f"{took:.0f} s" if took < 600 else f"{took / 60:.0f} min"
-    return (
-        f"Measured on {stamp()} (whole run {length}); {machine(gpu=gpu)}.\n\n"
-        f"    {command(module, argv)}\n"
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return f"Measured on {stamp} (whole run {length}); {machine(gpu=gpu)}.\n\n    {command(a)}\n"
+
+
+def publish(
+    a: argparse.Namespace, body: str, *, name: str, heading: str | None = None, gpu: bool = False
+) -> None:
+    """Prints the result block (:func:`header`, then ``body``) and writes it as the block
+    ``name`` of the page ``--write`` names (see :func:`replace_block`)."""
+    block = f"{header(a, gpu=gpu)}\n{body}"
+    print(block)
+    if a.write:
+        replace_block(a.write, block, name=name, heading=heading)
+
+
+def dlrm(tables: int, rows: int, dim: int, width: int = 64) -> ModelConfig:
+    """A DLRM over ``tables`` Criteo-style tables of ``rows`` x ``dim``, its dense arch
+    (``width``, ``dim``) and its over arch (``width``, 1)."""
+    return ModelConfig(
+        tables=criteo_tables(num_features=tables, num_embeddings=rows, embedding_dim=dim),
+        dense_arch_layers=(width, dim),
+        over_arch_layers=(width, 1),
     )
 
 

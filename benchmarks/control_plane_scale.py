@@ -1,26 +1,18 @@
-"""How the coordinator's decisions and CPU time grow with the number of ranks.
-
-Question: at 1,024 and 4,096 ranks (gangs of 4 and of 16), through a storm of failures, heals
-and drains, how long does the real coordinator take from an observation to its decision, how
-much CPU does it spend per interval, and do both grow no faster than the number of ranks? The
-goal: every decision under 50 ms at 4,096 ranks.
-
-The real coordinator (:class:`actors.coordinator.Coordinator`) drives the in-process fake worker
-group (:mod:`raytrec.elastic.fake`) on its manual clock: no Ray, no training. The storm, in 40
-steps: rank, node, hang, transient and drain faults, a user's drain request, and a loss during a
-recovery; each loss asks for a gang, healed from a peer when placed. Decision times (CPU time
-less the fake's) run from the observation to the decision value: a failed call to
-``policy.decide`` (*loss*), a heartbeat read to ``find_hung_ranks`` (*heartbeat check*), builds
-seen done to ``failed_heals`` (*heal*), draining nodes read to ``decide_drain`` (*drain*).
-Per interval: the coordinator's CPU time (``time.process_time``, less the fake's) between two
-history rows. Run::
+"""How the coordinator's decisions and CPU time grow with the number of ranks (no Ray).
 
     .venv/bin/python -m benchmarks.control_plane_scale --write docs/benchmarks.md
+
+The real coordinator drives the fake worker group (:mod:`raytrec.elastic.fake`) on its manual
+clock at 1,024 and 4,096 ranks through 40 steps of faults, heals and drains (:func:`storm`). A
+decision's time (CPU time less the fake's) runs from the observation to the decision: a failed
+call to ``policy.decide`` (*loss*), a heartbeat read to ``find_hung_ranks`` (*heartbeat check*),
+builds seen done to ``failed_heals`` (*heal*), draining nodes read to ``decide_drain`` (*drain*);
+the CPU per interval is between two history rows, less the fake's.
 """
 
 from __future__ import annotations
 
-import argparse
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -29,14 +21,14 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import actors.coordinator
 import actors.drain
 import actors.growth
 import actors.recovery
-from benchmarks.common import add_write_arg, drop_options, header, replace_block
+from benchmarks.common import parse, parser, publish
 from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
 from raytrec.elastic import fake_faults as ff
 from raytrec.elastic.config import ElasticConfig
@@ -48,15 +40,13 @@ EVENTS = ("loss", "heartbeat check", "heal", "drain")
 
 
 class TimedGroup(FakeWorkerGroup):
-    """The fake group, noting when the coordinator last observed something (wall time, and the
-    fake's CPU time then)."""
+    """The fake group, noting when the coordinator last observed something: (wall time, CPU
+    time, the fake's CPU time)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.failed_at: tuple[float, float, float] | None = None  # the first failed call
-        self.progress_at = (0.0, 0.0, 0.0)
-        self.builds_at = (0.0, 0.0, 0.0)
-        self.draining_at = (0.0, 0.0, 0.0)
+        self.progress_at = self.builds_at = self.draining_at = (0.0, 0.0, 0.0)
 
     def _now(self) -> tuple[float, float, float]:
         return time.perf_counter(), time.process_time(), self.cpu_s
@@ -98,9 +88,7 @@ class Run:
     cpu_s: float = 0.0  # the coordinator's, whole run
     fake_cpu_s: float = 0.0
     wall_s: float = 0.0
-    steps: int = 0
-    generation: int = 0
-    events: dict[str, int] = dataclasses.field(default_factory=dict)
+    events: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     # (CPU time, the fake's CPU time) at each history row: one per interval.
     rows: list[tuple[float, float]] = dataclasses.field(default_factory=list)
 
@@ -108,9 +96,8 @@ class Run:
         wall, cpu, fake = since
         fake_s = group.cpu_s - fake
         self.decisions.setdefault(event, []).append(1e3 * (time.process_time() - cpu - fake_s))
-        self.decisions_wall.setdefault(event, []).append(
-            1e3 * (time.perf_counter() - wall - fake_s)
-        )
+        wall_ms = 1e3 * (time.perf_counter() - wall - fake_s)
+        self.decisions_wall.setdefault(event, []).append(wall_ms)
 
 
 @contextlib.contextmanager
@@ -157,7 +144,7 @@ def timed_decisions(run: Run, group: TimedGroup) -> Iterator[None]:
             setattr(module, name, inner)
 
 
-def storm(gangs: int, g: int, run_dir: str) -> list[ff.Fault]:
+def storm(g: int, run_dir: str) -> list[ff.Fault]:
     """The failures, heals and drains of one run (module doc); gang ``k`` is on node ``k``."""
     return [
         ff.RankDies(rank=1 * g + 1, step=5),
@@ -190,9 +177,7 @@ def run_one(ranks: int, g: int) -> Run:
             log_every=2,
             storage_path=run_dir,
         )
-        group = TimedGroup(
-            nodes=gangs + 2, cpus_per_node=g, faults=storm(gangs, g, run_dir), build_s=0.5
-        )
+        group = TimedGroup(nodes=gangs + 2, cpus_per_node=g, faults=storm(g, run_dir), build_s=0.5)
         coordinator = actors.coordinator.Coordinator(
             cfg,
             plan=None,  # only the ranks read it
@@ -209,13 +194,9 @@ def run_one(ranks: int, g: int) -> Run:
         run.wall_s = time.perf_counter() - wall0
         run.fake_cpu_s = group.cpu_s
         run.cpu_s = time.process_time() - cpu0 - group.cpu_s
-    rows = run.rows
-    run.interval_cpu_ms = [
-        1e3 * ((c1 - c0) - (f1 - f0)) for (c0, f0), (c1, f1) in itertools.pairwise(rows)
-    ]
-    run.steps, run.generation = summary.steps, summary.generation
-    for e in summary.events:
-        run.events[e["kind"]] = run.events.get(e["kind"], 0) + 1
+    pairs = itertools.pairwise(run.rows)
+    run.interval_cpu_ms = [1e3 * ((c1 - c0) - (f1 - f0)) for (c0, f0), (c1, f1) in pairs]
+    run.events.update(e["kind"] for e in summary.events)
     assert summary.lost_batches == 0 and summary.steps >= 40
     return run
 
@@ -259,13 +240,10 @@ def table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="*", help="only these sizes")
-    add_write_arg(parser, "docs/benchmarks.md")
-    a = parser.parse_args(argv)
-    started = time.perf_counter()
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser(__doc__, "control_plane_scale", "docs/benchmarks.md")
+    p.add_argument("--ranks", type=int, nargs="*", help="only these sizes")
+    a = parse(p, argv)
     runs = []
     for ranks, g in SHAPES:
         if a.ranks and ranks not in a.ranks:
@@ -273,15 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(run := run_one(ranks, g))
         print(
             f"{ranks} ranks, gangs of {g}: {run.wall_s:.1f} s wall, coordinator CPU "
-            f"{run.cpu_s:.2f} s, fake {run.fake_cpu_s:.2f} s; events {run.events}",
+            f"{run.cpu_s:.2f} s, fake {run.fake_cpu_s:.2f} s; events {dict(run.events)}",
             flush=True,
         )
-    block = (
-        f"{header('control_plane_scale', drop_options(argv, '--write'), started)}\n{table(runs)}"
-    )
-    print(block)
-    if a.write:
-        replace_block(a.write, block, name="control-plane-scale", heading="## Control plane")
+    publish(a, table(runs), name="control-plane-scale", heading="## Control plane")
     return 0
 
 

@@ -4,11 +4,11 @@ through Ray Data (indexed against streaming reads).
     .venv/bin/python -m benchmarks.data_path --part kjt [--rows 8192] [--repeats 15]
     .venv/bin/python -m benchmarks.data_path --part parquet [--rows 262144] [--ranks 2]
 
-``kjt``: with one torch thread, :func:`raytrec.data.arrow_kjt.to_batch` against a copy floor
-(``np.copy`` of every buffer it reads) and a per-row Python collate, the best pass in the thread's
-CPU time, the methods taking turns. ``parquet``: ``--ranks`` rank actors drain one epoch of
-Criteo-shaped Parquet into torchrec batches (no training), indexed and streaming reads taking
-turns; rows/s over the slowest rank's wall time, the time to the first batch, and a replay's cost.
+``kjt``: :func:`raytrec.data.arrow_kjt.to_batch` against a copy floor (``np.copy`` of every
+buffer it reads) and a per-row Python collate, the best pass in the thread's CPU time.
+``parquet``: ``--ranks`` rank actors drain an epoch of Parquet into torchrec batches; rows/s over
+the slowest rank's wall time, the time to the first batch, and a replay's cost. Modes and
+methods take turns.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import argparse
 import functools
 import math
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -27,7 +26,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from benchmarks.common import add_write_arg, drop_options, header, replace_block, timed
+from benchmarks.common import parse, parser, publish, timed
+from raytrec.data.generate import batch_to_table
 from raytrec.data.source import Batch, BatchShard
 from raytrec.data.spec import FeatureSpec, criteo_spec
 from raytrec.data.synthetic import SyntheticCriteo
@@ -35,26 +35,11 @@ from raytrec.data.synthetic import SyntheticCriteo
 VOCAB = 100_000
 
 
-# -- Arrow to KeyedJaggedTensor ------------------------------------------------------------------
-
-
 def make_record_batch(source: SyntheticCriteo, step: int, rows: int) -> pa.RecordBatch:
+    """A synthetic batch as Criteo-shaped Parquet holds it (the teacher's column left out)."""
     batch = source.make_batch(0, step, rows)
-    lengths = batch.sparse_features.lengths().numpy().reshape(source.num_sparse, rows)
-    values = batch.sparse_features.values().numpy()
-    cols: dict[str, pa.Array] = {
-        f"dense_{j}": pa.array(batch.dense_features[:, j].numpy()) for j in range(13)
-    }
-    start = 0
-    for f in range(source.num_sparse):
-        offsets = np.zeros(rows + 1, dtype=np.int32)
-        np.cumsum(lengths[f], out=offsets[1:])
-        ids = pa.array(values[start : start + int(offsets[-1])])
-        cols[f"cat_{f}"] = pa.ListArray.from_arrays(pa.array(offsets), ids)
-        start += int(offsets[-1])
-    cols["label"] = pa.array(batch.labels.numpy())
-    cols["row_id"] = pa.array(np.arange(step * rows, (step + 1) * rows, dtype=np.int64))
-    return pa.RecordBatch.from_pydict(cols)
+    table = batch_to_table(batch, row_id_start=step * rows, click_prob=np.zeros(rows))
+    return table.drop_columns(["click_prob"]).to_batches()[0]
 
 
 def buffers(rb: pa.RecordBatch, spec: FeatureSpec) -> list[np.ndarray]:
@@ -102,9 +87,7 @@ def kjt(a: argparse.Namespace) -> str:
     source = SyntheticCriteo(mean_length=3.0, num_embeddings=VOCAB)
     rbs = [make_record_batch(source, s, a.rows) for s in range(a.batches)]
     spec = criteo_spec(num_embeddings=VOCAB)
-    spec_mod = criteo_spec(
-        num_embeddings=97, id_policy="modulo"
-    )  # every feature has ids >= 97: the modulo runs
+    spec_mod = criteo_spec(num_embeddings=97, id_policy="modulo")  # ids >= 97 in every feature
     spec_hash = criteo_spec(num_embeddings=VOCAB, id_policy="hash")
     bufs = [buffers(rb, spec) for rb in rbs]
     id_views = [[rb.column(f"cat_{f}").values.to_numpy() for f in range(26)] for rb in rbs]
@@ -161,9 +144,6 @@ def kjt(a: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-# -- Parquet through Ray Data --------------------------------------------------------------------
-
-
 def drain(shard: BatchShard, batch_size: int) -> dict[str, float]:
     """A rank's feed: every batch of the shard, converted (runs in a rank actor)."""
     torch.set_num_threads(1)
@@ -199,12 +179,8 @@ def parquet(a: argparse.Namespace) -> str:
         )
         actors = [Rank.remote() for _ in range(a.ranks)]
         ray.get([r.__ray_ready__.remote() for r in actors])  # started before the clock
-        res = ray.get(
-            [
-                r.call.remote(drain, s, a.batch_size)
-                for r, s in zip(actors, source.split(a.ranks), strict=True)
-            ]
-        )
+        pairs = zip(actors, source.split(a.ranks), strict=True)
+        res = ray.get([r.call.remote(drain, s, a.batch_size) for r, s in pairs])
         for r in actors:
             ray.kill(r)
         rows = sum(x["rows"] for x in res)
@@ -215,12 +191,7 @@ def parquet(a: argparse.Namespace) -> str:
     runs: dict[str, list[dict[str, float]]] = {"streaming": [], "indexed": []}
     with tempfile.TemporaryDirectory() as tmp:
         write_synthetic_parquet(
-            tmp,
-            rows=a.rows,
-            files=a.files,
-            row_groups_per_file=a.row_groups,
-            seed=0,
-            num_embeddings=VOCAB,
+            tmp, rows=a.rows, files=a.files, row_groups_per_file=a.row_groups, num_embeddings=VOCAB
         )
         connect(num_cpus=a.ranks + a.data_cpus)
         ray.data.DataContext.get_current().enable_progress_bars = False
@@ -265,8 +236,7 @@ def parquet(a: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p = parser(__doc__, "data_path", "docs/benchmarks.md (kjt), docs/data.md (parquet)")
     p.add_argument("--part", choices=("kjt", "parquet"), required=True)
     p.add_argument("--rows", type=int, help="rows per record batch (kjt: 8192) or in all (262144)")
     p.add_argument("--batches", type=int, default=4, help="kjt: record batches per pass")
@@ -279,19 +249,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--concurrency", type=int, default=2, help="indexed: read tasks per rank")
     p.add_argument("--replays", type=int, default=20)
-    add_write_arg(p, "docs/benchmarks.md (kjt), docs/data.md (parquet)")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     is_kjt = a.part == "kjt"
     a.rows = a.rows or (8192 if is_kjt else 262_144)
     a.repeats = a.repeats or (15 if is_kjt else 3)
-    started = time.perf_counter()
     table = kjt(a) if is_kjt else parquet(a)
-    block = f"{header('data_path', drop_options(argv, '--write'), started)}\n{table}"
-    print(block)
-    if a.write:
-        replace_block(a.write, block, name=f"data-path-{a.part}", heading=f"## {a.part}")
+    publish(a, table, name=f"data-path-{a.part}", heading=f"## {a.part}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -2,14 +2,13 @@
 
     .venv/bin/python -m benchmarks.recovery --write docs/fault_tolerance.md
 
-For each model size, job shape and repeat, three runs on one embedded Ray cluster. The last
+For each model size, job shape and repeat, three runs on one embedded Ray cluster; the last
 gang's last rank dies as it starts step S = ``--fail-step`` (``kill_rank@S``), with a checkpoint
 every ``--checkpoint-every`` steps and ``log_every=1``:
 
-1. **survivors**: the coordinator drops that gang, re-forms the others, which replay its
-   uncommitted batches and go on alone (``elastic.grow=False``);
+1. **survivors**: the others re-form, replay its uncommitted batches and go on alone;
 2. **restart from checkpoint**: a new job of the original shape resumes from the last checkpoint
-   before S (the Ray cluster stays up), redoes the lost steps and trains step S;
+   before S, redoes the lost steps and trains step S;
 3. **survivors and a new gang**: run 1 with ``elastic.grow=True``; a new gang is placed at once
    on the freed resources, heals from a live peer and joins.
 
@@ -24,29 +23,22 @@ import argparse
 import dataclasses
 import itertools
 import json
+import operator
 import os
 import pathlib
 import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.common import ROOT, add_write_arg, drop_options, header, replace_block, spread
+from benchmarks.common import ROOT, dims, dlrm, header, parse, parser, replace_block, spread
 from raytrec import fit
 from raytrec.checkpoint.config import CheckpointConfig, checkpoint_root
 from raytrec.checkpoint.layout import CheckpointStore
 from raytrec.cluster import connect
-from raytrec.config import (
-    DataConfig,
-    ModelConfig,
-    ScalingConfig,
-    SyncConfig,
-    TestingConfig,
-    TrainConfig,
-    criteo_tables,
-)
+from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TestingConfig, TrainConfig
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.metrics import IntervalMetrics
@@ -54,23 +46,8 @@ from raytrec.metrics import IntervalMetrics
 HEADING = "## Recovery time: survivors against restart from checkpoint"
 
 
-def parse_dims(text: str, n: int) -> tuple[int, ...]:
-    """``"26x10000x16"`` (a model: tables x rows x dim) or ``"2x2"`` (a shape: gangs x ranks,
-    at least 2 gangs, so that one survives)."""
-    try:
-        dims = tuple(int(x) for x in text.lower().split("x"))
-    except ValueError:
-        dims = ()
-    if len(dims) != n or min(dims) < 1 or (n == 2 and dims[0] < 2):
-        raise SystemExit(f"{text!r} is not TABLESxROWSxDIM, or GANGSxRANKS with 2 gangs or more")
-    return dims
-
-
 def label(dims: Sequence[int]) -> str:
     return " x ".join(f"{d:,}" for d in dims)
-
-
-# -- what the events and rows say (pure) ------------------------------------------------------
 
 
 def _first(events: Sequence[dict[str, Any]], kind: str, *, after: float = -1.0) -> dict[str, Any]:
@@ -87,29 +64,21 @@ def _row(rows: Sequence[IntervalMetrics], step: int) -> IntervalMetrics:
     raise ValueError(f"no history row for step {step}: rows {[r.step for r in rows]}")
 
 
-def steady_step_s(rows: Sequence[IntervalMetrics], *, through: int) -> float:
-    """Median seconds of one step over the rows of steps 2..``through`` (the first carries the
-    data pipeline's start)."""
-    times = [r.seconds / r.steps for r in rows if 2 <= r.step <= through]
-    if not times:
-        raise ValueError(f"no rows between steps 2 and {through}")
-    return statistics.median(times)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ElasticTimings:
     """The elastic run's recovery, in seconds from the failure (the row of ``last_done``)."""
 
-    step_s: float  # one step before the failure (median)
+    step_s: float  # one step before the failure (median of steps 2.., the first starts data)
     detect_s: float  # -> rank_died
     reform_s: float  # rank_died -> the survivors' generation_started
     resume_s: float  # -> the survivors' next completed step
     resumed_step: int
-    heal_start_s: float | None  # gang_requested -> gang_placed (placement, actors, DMP build)
-    heal_transfer_s: float | None  # gang_placed -> gang_joined (sync, generation, broadcast)
-    heal_join_s: float | None  # gang_requested -> gang_joined
-    heal_step_s: float | None  # gang_requested -> first completed step with every gang
-    survivors_gap_s: float | None  # last step before the join -> first step with every gang
+    # None where no new gang joined within the run:
+    heal_start_s: float | None = None  # gang_requested -> gang_placed (placement, actors, build)
+    heal_transfer_s: float | None = None  # gang_placed -> gang_joined (sync, generation, broadcast)
+    heal_join_s: float | None = None  # gang_requested -> gang_joined
+    heal_step_s: float | None = None  # gang_requested -> first completed step with every gang
+    survivors_gap_s: float | None = None  # last step before the join -> first with every gang
 
 
 def elastic_timings(
@@ -127,45 +96,29 @@ def elastic_timings(
     resumed = next((r for r in rows if r.at > died["at"]), None)
     if resumed is None:
         raise ValueError(f"no completed step after the rank died at t={died['at']:g}")
-    heal: dict[str, float | None] = dict.fromkeys(("start", "transfer", "join", "step", "gap"))
+    timings = ElasticTimings(
+        step_s=statistics.median(r.seconds / r.steps for r in rows if 2 <= r.step <= last_done),
+        detect_s=died["at"] - failed.at,
+        reform_s=reformed["at"] - died["at"],
+        resume_s=resumed.at - failed.at,
+        resumed_step=resumed.step,
+    )
     try:
         requested = _first(events, "gang_requested", after=died["at"])
         placed = _first(events, "gang_placed", after=requested["at"])
         joined = _first(events, "gang_joined", after=placed["at"])
     except ValueError:
-        pass  # no new gang joined within the run: reported as not observed
-    else:
-        heal.update(
-            start=placed["at"] - requested["at"],
-            transfer=joined["at"] - placed["at"],
-            join=joined["at"] - requested["at"],
-        )
-        full = next((r for r in rows if r.at > joined["at"] and r.gangs == full_gangs), None)
-        before = [r for r in rows if r.at < joined["at"]]  # at least the failure's row
-        if full is not None:
-            heal["step"] = full.at - requested["at"]
-            heal["gap"] = full.at - before[-1].at
-    return ElasticTimings(
-        step_s=steady_step_s(rows, through=last_done),
-        detect_s=died["at"] - failed.at,
-        reform_s=reformed["at"] - died["at"],
-        resume_s=resumed.at - failed.at,
-        resumed_step=resumed.step,
-        heal_start_s=heal["start"],
-        heal_transfer_s=heal["transfer"],
-        heal_join_s=heal["join"],
-        heal_step_s=heal["step"],
-        survivors_gap_s=heal["gap"],
+        return timings  # no new gang joined within the run: reported as not observed
+    full = next((r for r in rows if r.at > joined["at"] and r.gangs == full_gangs), None)
+    before = [r for r in rows if r.at < joined["at"]]  # at least the failure's row
+    return dataclasses.replace(
+        timings,
+        heal_start_s=placed["at"] - requested["at"],
+        heal_transfer_s=joined["at"] - placed["at"],
+        heal_join_s=joined["at"] - requested["at"],
+        heal_step_s=None if full is None else full.at - requested["at"],
+        survivors_gap_s=None if full is None else full.at - before[-1].at,
     )
-
-
-def clock_zero(arrivals: Sequence[tuple[float, float]]) -> float:
-    """The coordinator clock's zero on the driver's clock, from (driver arrival, row ``at``)
-    pairs: a row arrives no sooner than it is made, so the smallest difference is an upper
-    bound, off by that row's polling delay."""
-    if not arrivals:
-        raise ValueError("no rows arrived")
-    return min(arrival - at for arrival, at in arrivals)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -191,13 +144,15 @@ def restart_timings(
     *,
     last_done: int,
 ) -> RestartTimings:
-    """Reads the restarted job's parts out of its events, rows and the rows' arrival times
-    (seconds after calling ``fit``); ``last_done`` as in :func:`elastic_timings`."""
+    """Reads the restarted job's parts out of its events, rows and the rows' (arrival time on the
+    driver's clock, in seconds after calling ``fit``; ``at``); ``last_done`` as in
+    :func:`elastic_timings`. The coordinator clock's zero on the driver's clock is the smallest
+    arrival - ``at`` (a row arrives no sooner than it is made): an upper bound by its polling."""
     started = _first(events, "generation_started")
     restored = _first(events, "checkpoint_restored", after=started["at"])
     last_lost, beyond = _row(rows, last_done), _row(rows, last_done + 1)
     return RestartTimings(
-        setup_s=clock_zero(arrivals),
+        setup_s=min(arrival - at for arrival, at in arrivals),
         start_s=started["at"],
         load_s=restored["at"] - started["at"],
         redo_s=last_lost.at - restored["at"],
@@ -206,7 +161,7 @@ def restart_timings(
     )
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True)
 class Measurement:
     """One size, shape and repeat: the three runs."""
 
@@ -233,9 +188,6 @@ def last_checkpoint_before(last_done: int, every: int) -> int:
     return (last_done // every) * every
 
 
-# -- the runs ----------------------------------------------------------------------------------
-
-
 def build_config(
     a: argparse.Namespace,
     size: tuple[int, ...],
@@ -248,20 +200,15 @@ def build_config(
     """The job every run recovers; ``faults`` adds the killed rank, ``grow`` the new gang.
     With ``--source parquet`` it reads the shape's Parquet data (:func:`parquet_dir`) by
     index."""
-    data = DataConfig(batch_size=a.batch_size)
-    if a.source == "parquet":
-        data = DataConfig(
-            batch_size=a.batch_size, source="parquet", path=str(parquet_dir(a, shape))
-        )
-    tables = criteo_tables(num_features=size[0], num_embeddings=size[1], embedding_dim=size[2])
+    path = str(parquet_dir(a, shape)) if a.source == "parquet" else None
     kill = FaultSpec(kind=FaultKind.KILL_RANK, step=a.fail_step, rank=shape[0] * shape[1] - 1)
     return TrainConfig(
-        model=ModelConfig(tables=tables, dense_arch_layers=(64, size[2])),
+        model=dlrm(*size),
         scaling=ScalingConfig(
             num_workers=shape[0] * shape[1], gang_size=shape[1], cpus_per_rank=a.cpus_per_rank
         ),
         sync=SyncConfig(sync_every=a.sync_every),
-        data=data,
+        data=DataConfig(batch_size=a.batch_size, source=a.source, path=path),
         elastic=ElasticConfig(
             min_gangs=1,
             max_gangs=shape[0],
@@ -275,15 +222,15 @@ def build_config(
         num_steps=steps,
         log_every=1,
         seed=a.seed,
-        storage_path=str(a.storage_path),
+        storage_path=str(a.storage_path / "jobs"),
         name="recovery",
     )
 
 
 def run_elastic(
     a: argparse.Namespace, size: tuple[int, ...], shape: tuple[int, ...], *, grow: bool
-) -> tuple[ElasticTimings, str, str]:
-    """An elastic run; returns its timings, the checkpoint before the failure and its run dir."""
+) -> tuple[ElasticTimings, str]:
+    """An elastic run; returns its timings and the checkpoint before the failure."""
     # Alone, the survivors need up to sync_every steps to replay the lost gang's batches.
     steps = a.fail_step + (a.steps_after if grow else 2 * a.sync_every + 1)
     config = build_config(a, size, shape, faults=True, steps=steps, grow=grow)
@@ -303,7 +250,7 @@ def run_elastic(
     ref = next((c for c in store.committed() if c.step == wanted), None)
     if ref is None:
         raise RuntimeError(f"no checkpoint of step {wanted} in {store.root}")
-    return timings, ref.uri, result.run_dir
+    return timings, ref.uri
 
 
 def parquet_dir(a: argparse.Namespace, shape: tuple[int, ...]) -> pathlib.Path:
@@ -326,7 +273,7 @@ def write_parquet(a: argparse.Namespace, shape: tuple[int, ...], vocab: int) -> 
 
 def run_restart(
     a: argparse.Namespace, size: tuple[int, ...], shape: tuple[int, ...], checkpoint: str
-) -> tuple[RestartTimings, str]:
+) -> RestartTimings:
     """A fresh job of the original shape resumes from ``checkpoint`` and trains through the
     step the failure interrupted."""
     config = build_config(a, size, shape, faults=False, steps=a.fail_step)
@@ -337,72 +284,46 @@ def run_restart(
         arrivals.append((time.perf_counter() - called, row.at))
 
     result = fit(config, shutdown_ray=False, on_progress=arrived, resume_from_checkpoint=checkpoint)
-    timings = restart_timings(result.events, result.history, arrivals, last_done=a.fail_step - 1)
-    return timings, result.run_dir
+    return restart_timings(result.events, result.history, arrivals, last_done=a.fail_step - 1)
 
 
-def measure(
-    a: argparse.Namespace, sizes: list[tuple[int, ...]], shapes: list[tuple[int, ...]]
-) -> tuple[list[Measurement], list[str]]:
+def measure(a: argparse.Namespace) -> tuple[list[Measurement], list[str]]:
     """Both ways of recovering for every size, shape and repeat, saved to ``--storage-path`` as
     they come; a run that fails is reported and the others go on."""
     out: list[Measurement] = []
     failures: list[str] = []
     raw = a.storage_path / f"results-{time.strftime('%Y%m%d-%H%M%S')}.json"
     if a.source == "parquet":
-        for shape in shapes:
-            write_parquet(a, shape, vocab=max(s[1] for s in sizes))
-    for repeat, size, shape in itertools.product(range(a.repeats), sizes, shapes):
+        for shape in a.shapes:
+            write_parquet(a, shape, vocab=max(s[1] for s in a.sizes))
+    for repeat, size, shape in itertools.product(range(a.repeats), a.sizes, a.shapes):
         where = f"repeat {repeat} | {label(size)} | {label(shape)}"
-        dirs: list[str] = []
         try:
-            survivors, checkpoint, run_dir = run_elastic(a, size, shape, grow=False)
-            dirs.append(run_dir)
-            restart, run_dir = run_restart(a, size, shape, checkpoint)
-            dirs.append(run_dir)
-            growing, _, run_dir = run_elastic(a, size, shape, grow=True)
-            dirs.append(run_dir)
-            m = Measurement(
-                size=label(size),
-                shape=label(shape),
-                repeat=repeat,
-                survivors=survivors,
-                restart=restart,
-                growing=growing,
-            )
+            survivors, checkpoint = run_elastic(a, size, shape, grow=False)
+            restart = run_restart(a, size, shape, checkpoint)
+            growing, _ = run_elastic(a, size, shape, grow=True)
+            m = Measurement(label(size), label(shape), repeat, survivors, restart, growing)
             out.append(m)
-            print(
-                f"{where} | survivors {survivors.resume_s:.2f} s, restart "
-                f"{restart.total_s:.2f} s: {m.ratio:.1f}x",
-                file=sys.stderr,
-                flush=True,
-            )
+            took = f"survivors {survivors.resume_s:.2f} s, restart {restart.total_s:.2f} s"
+            print(f"{where} | {took}: {m.ratio:.1f}x", file=sys.stderr, flush=True)
         except Exception as e:  # reported, counted, and the next run goes on
             failures.append(f"{where}: {type(e).__name__}: {str(e)[:300]}")
             print(f"FAILED: {failures[-1]}", file=sys.stderr, flush=True)
         finally:
-            for d in [] if a.keep_runs else dirs:
-                shutil.rmtree(d, ignore_errors=True)
+            if not a.keep_runs:  # the three jobs' run directories
+                shutil.rmtree(a.storage_path / "jobs", ignore_errors=True)
         runs = [dataclasses.asdict(m) for m in out]
         raw.write_text(json.dumps({"runs": runs, "failed": failures}, indent=1))
     print(f"raw measurements: {raw}", file=sys.stderr)
     return out, failures
 
 
-# -- the report --------------------------------------------------------------------------------
-
-
-Column = tuple[str, Callable[[Measurement], float | None], str]
-
-
-def tables(
-    ms: Sequence[Measurement], sizes: Sequence[tuple[int, ...]], shapes: Sequence[tuple[int, ...]]
-) -> str:
+def tables(ms: Sequence[Measurement], a: argparse.Namespace) -> str:
     """The comparison, then the parts of each way of recovering: median (min to max) per size
     and shape, in seconds from the failure (the restart's parts from calling ``fit``)."""
     groups = [
         (s, g, [m for m in ms if (m.size, m.shape) == (label(s), label(g))])
-        for s, g in itertools.product(sizes, shapes)
+        for s, g in itertools.product(a.sizes, a.shapes)
     ]
     out = []
     for title, columns in TABLES:
@@ -411,51 +332,49 @@ def tables(
         )
         lines = [title, "", f"| {heads} |", "| --- | --- |" + " ---: |" * len(columns)]
         for s, g, mine in groups:
-            cells = [spread([get(m) for m in mine], spec) for _, get, spec in columns]
+            get = [(operator.attrgetter(path), spec) for _, path, spec in columns]
+            cells = [spread([value(m) for m in mine], spec) for value, spec in get]
             if mine:
                 lines.append(f"| {label(s)} | {label(g)} | " + " | ".join(cells) + " |")
         out.append("\n".join(lines))
     return "\n\n".join(out)
 
 
-TABLES: list[tuple[str, list[Column]]] = [
+# (title, [(column, attribute of a Measurement, format)]) of each table
+TABLES = [
     (
         "Survivors against restart from checkpoint (seconds from the failure):",
         [
-            ("step", lambda m: m.survivors.step_s, ".3f"),
-            ("survivors resume", lambda m: m.survivors.resume_s, ".2f"),
-            ("restart from checkpoint", lambda m: m.restart.total_s, ".2f"),
-            ("restart / survivors", lambda m: m.ratio, ".1f"),
-            ("survivors resume, new gang placed at once", lambda m: m.growing.resume_s, ".2f"),
-            ("restart / survivors, new gang", lambda m: m.ratio_growing, ".1f"),
-            ("new gang joined", lambda m: m.growing.heal_join_s, ".2f"),
-            ("first step with every gang", lambda m: m.growing.heal_step_s, ".2f"),
+            ("step", "survivors.step_s", ".3f"),
+            ("survivors resume", "survivors.resume_s", ".2f"),
+            ("restart from checkpoint", "restart.total_s", ".2f"),
+            ("restart / survivors", "ratio", ".1f"),
+            ("survivors resume, new gang placed at once", "growing.resume_s", ".2f"),
+            ("restart / survivors, new gang", "ratio_growing", ".1f"),
+            ("new gang joined", "growing.heal_join_s", ".2f"),
+            ("first step with every gang", "growing.heal_step_s", ".2f"),
         ],
     ),
     (
         "Survivors, alone and with a new gang placed at once (seconds from the failure):",
         [
-            ("detection", lambda m: m.survivors.detect_s, ".2f"),
-            ("re-forming", lambda m: m.survivors.reform_s, ".2f"),
-            ("detection, new gang", lambda m: m.growing.detect_s, ".2f"),
-            ("re-forming, new gang", lambda m: m.growing.reform_s, ".2f"),
-            (
-                "survivors' longest gap while the new gang joins",
-                lambda m: m.growing.survivors_gap_s,
-                ".2f",
-            ),
-            ("new gang: start and build", lambda m: m.growing.heal_start_s, ".2f"),
-            ("new gang: sync and state broadcast", lambda m: m.growing.heal_transfer_s, ".2f"),
+            ("detection", "survivors.detect_s", ".2f"),
+            ("re-forming", "survivors.reform_s", ".2f"),
+            ("detection, new gang", "growing.detect_s", ".2f"),
+            ("re-forming, new gang", "growing.reform_s", ".2f"),
+            ("survivors' longest gap while the new gang joins", "growing.survivors_gap_s", ".2f"),
+            ("new gang: start and build", "growing.heal_start_s", ".2f"),
+            ("new gang: sync and state broadcast", "growing.heal_transfer_s", ".2f"),
         ],
     ),
     (
         "Restart from checkpoint (seconds from calling `fit`):",
         [
-            ("driver set-up", lambda m: m.restart.setup_s, ".2f"),
-            ("rank start and build", lambda m: m.restart.start_s, ".2f"),
-            ("checkpoint load", lambda m: m.restart.load_s, ".2f"),
-            ("redo lost steps", lambda m: m.restart.redo_s, ".2f"),
-            ("step S", lambda m: m.restart.step_s, ".2f"),
+            ("driver set-up", "restart.setup_s", ".2f"),
+            ("rank start and build", "restart.start_s", ".2f"),
+            ("checkpoint load", "restart.load_s", ".2f"),
+            ("redo lost steps", "restart.redo_s", ".2f"),
+            ("step S", "restart.step_s", ".2f"),
         ],
     ),
 ]
@@ -467,8 +386,8 @@ def write_into(path: pathlib.Path, block: str, *, source: str = "synthetic") -> 
     replace_block(path, block, name=name, heading=f"{HEADING} ({source} data)")
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = parser(__doc__, "recovery", "docs/fault_tolerance.md")
     p.add_argument("--sizes", default="26x10000x16,26x100000x32", help="TABLESxROWSxDIM,...")
     p.add_argument("--shapes", default="2x2,3x1", help="GANGSxRANKS,... (at least 2 gangs)")
     p.add_argument("--batch-size", type=int, default=256, help="rows per rank per step")
@@ -484,9 +403,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--step-timeout-s", type=float, default=120.0)
     p.add_argument("--storage-path", type=pathlib.Path, default=ROOT / "runs" / "recovery")
     p.add_argument("--keep-runs", action="store_true", help="keep the jobs' run directories")
-    add_write_arg(p, "docs/fault_tolerance.md")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     c = last_checkpoint_before(a.fail_step - 1, a.checkpoint_every)
+    try:
+        a.sizes = [dims(x, 3) for x in a.sizes.split(",")]
+        a.shapes = [dims(x, 2) for x in a.shapes.split(",")]
+    except argparse.ArgumentTypeError as e:
+        p.error(str(e))
+    if min(gangs for gangs, _ in a.shapes) < 2:
+        p.error("--shapes: at least 2 gangs, so that one survives")
     if c < 1 or c == a.fail_step - 1 or a.steps_after < 2 * a.sync_every + 1:
         p.error(
             "--fail-step must come at least two steps after a checkpoint (so that completed "
@@ -496,16 +421,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
     a = parse_args(argv)
-    sizes = [parse_dims(x, 3) for x in a.sizes.split(",")]
-    shapes = [parse_dims(x, 2) for x in a.shapes.split(",")]
     load_start = os.getloadavg()[0]
-    started = time.perf_counter()
-    most = max((g[0] + 1) * g[1] for g in shapes)  # room for the new gang
+    most = max((g[0] + 1) * g[1] for g in a.shapes)  # room for the new gang
     connect(num_cpus=most * a.cpus_per_rank + (os.cpu_count() or 2))
     a.storage_path.mkdir(parents=True, exist_ok=True)
-    ms, failures = measure(a, sizes, shapes)
+    ms, failures = measure(a)
     if not ms:
         return 1
     c = last_checkpoint_before(a.fail_step - 1, a.checkpoint_every)
@@ -517,13 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{load_start:.1f} at the start."
         + "".join(f"\n- failed, not in the tables: {f}" for f in failures)
     )
-    block = "\n\n".join(
-        [
-            header("recovery", drop_options(argv, "--write"), started),
-            setup,
-            tables(ms, sizes, shapes),
-        ]
-    )
+    block = f"{header(a)}\n{setup}\n\n{tables(ms, a)}"
     print(block)
     if a.write is not None:
         write_into(a.write, block, source=a.source)

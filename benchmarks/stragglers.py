@@ -5,16 +5,12 @@ measured on a local Ray cluster.
     .venv/bin/python -m benchmarks.stragglers ray --rate 0 --straggler-seed 0
     .venv/bin/python -m benchmarks.stragglers ray --straggler-seed 0 --write docs/stragglers.md
 
-``sim``: the published experiment (Cruise and Meta: 64 to 4,096 workers, 1 s stalls at 1-2%
-per worker and step) on
-the clock model of :mod:`raytrec.sync.simulate`: speedup over synchronous SGD, mean over
-``--seeds`` straggler draws, with hosts of 4 as one gang and per worker. Schedules in the published
-notation, in workers: ``2-8,4-32,8-64`` = groups of 8 every 2 steps, 32 every 4, all 64 every 8.
-
-``ray``: :func:`raytrec.fit` once per schedule (group sizes in gangs) and straggler seed, every rank
-sleeping ``--stall-s`` before a step with probability ``--rate``; speedups and AUC gaps are paired
-per seed. Runs are saved to ``--results`` and the table is built from every saved run of the
-same settings: another ``--straggler-seed`` adds a repeat, ``--rate 0`` the time without stalls.
+``sim``: Cruise and Meta's published experiment on the clock model of :mod:`raytrec.sync.simulate`,
+schedules in workers (``2-8,4-32,8-64``: groups of 8 every 2 steps, 32 every 4, all 64 every 8).
+``ray``: :func:`raytrec.fit` per schedule (sizes in gangs) and straggler seed, every rank sleeping
+``--stall-s`` before a step with probability ``--rate``; speedups and AUC gaps paired per seed.
+The table is built from every run saved to ``--results`` with the same settings: another
+``--straggler-seed`` adds a repeat, ``--rate 0`` the time without stalls.
 """
 
 from __future__ import annotations
@@ -24,14 +20,14 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.common import ROOT, add_write_arg, command, drop_options, replace_block, spread
+from benchmarks.common import ROOT, command, dlrm, parse, parser, replace_block, spread
 from raytrec.config import SyncConfig
 from raytrec.sync.schedule import plan_sync
 from raytrec.sync.simulate import CostModel, gang_stalls, simulate
@@ -104,14 +100,10 @@ def simulated(a: argparse.Namespace) -> str:
                 f"{max(h):.2f}) | {np.mean(w):.2f}x | {seed_figure(label, seed_range)} |"
             )
     return (
-        f"Reproduce with `{command('stragglers', ['sim', '--write', 'docs/stragglers.md'])}` "
-        f"({a.steps} steps, "
-        f"mean over {a.seeds} straggler seeds; the range is the min-max over seeds).\n\n"
-        + "\n".join(lines)
+        "Reproduce with `.venv/bin/python -m benchmarks.stragglers sim --write docs/stragglers.md` "
+        f"({a.steps} steps, mean over {a.seeds} straggler seeds; the range is the min-max over "
+        "seeds).\n\n" + "\n".join(lines)
     )
-
-
-# -- on a local Ray cluster ----------------------------------------------------------------------
 
 
 def parse_schedules(text: str, *, gangs: int, sync_dense: Any) -> list[tuple[str, SyncConfig]]:
@@ -181,26 +173,10 @@ def load_runs(path: Path) -> list[Run]:
 def measure(a: argparse.Namespace, schedules: list[tuple[str, SyncConfig]]) -> None:
     from raytrec import fit
     from raytrec.cluster import connect
-    from raytrec.config import (
-        DataConfig,
-        ModelConfig,
-        ScalingConfig,
-        TableConfig,
-        TestingConfig,
-        TrainConfig,
-    )
+    from raytrec.config import DataConfig, ScalingConfig, TestingConfig, TrainConfig
 
     connect(num_cpus=a.gangs * a.cpus_per_rank + (os.cpu_count() or 2))
     setup = setup_of(a)
-    tables = tuple(
-        TableConfig(
-            name=f"t_cat_{i}",
-            num_embeddings=a.rows_per_table,
-            embedding_dim=a.dim,
-            features=(f"cat_{i}",),
-        )
-        for i in range(a.tables)
-    )
     for repeat in range(a.repeats):
         seed = a.straggler_seed + repeat
         rate, stall_s = setup["rate"], setup["stall_s"]
@@ -209,9 +185,7 @@ def measure(a: argparse.Namespace, schedules: list[tuple[str, SyncConfig]]) -> N
         k = repeat % len(schedules)  # rotated: the machine's drift spreads over schedules
         for label, sync in schedules[k:] + schedules[:k]:
             config = TrainConfig(
-                model=ModelConfig(
-                    tables=tables, dense_arch_layers=(32, a.dim), over_arch_layers=(32, 1)
-                ),
+                model=dlrm(a.tables, a.rows_per_table, a.dim, width=32),
                 scaling=ScalingConfig(
                     num_workers=a.gangs, gang_size=1, cpus_per_rank=a.cpus_per_rank
                 ),
@@ -244,17 +218,15 @@ def measure(a: argparse.Namespace, schedules: list[tuple[str, SyncConfig]]) -> N
                 oracle_auc=result.oracle_auc,
                 charged_s=simulate(plan, stalls, STALLS_ONLY, gang_size=1).seconds,
             )
-            runs = [
-                r
-                for r in load_runs(a.results)
-                if (r.setup, r.label, r.straggler_seed) != (setup, label, seed)
-            ] + [run]
+            key = (setup, label, seed)  # replaces a saved run of the same key
+            runs = [r for r in load_runs(a.results) if (r.setup, r.label, r.straggler_seed) != key]
+            saved = [dataclasses.asdict(r) for r in [*runs, run]]
             a.results.parent.mkdir(parents=True, exist_ok=True)
-            a.results.write_text(json.dumps([dataclasses.asdict(r) for r in runs], indent=1))
+            a.results.write_text(json.dumps(saved, indent=1))
             print(f"seed {seed} | {label:<22} | {run.train_s:7.1f} s | AUC {run.auc:.4f}")
 
 
-def on_ray(a: argparse.Namespace, argv: list[str]) -> str:
+def on_ray(a: argparse.Namespace) -> str:
     schedules = parse_schedules(a.schedules, gangs=a.gangs, sync_dense=a.sync_dense)
     if any(a.log_every % s.sync_every for _, s in schedules):
         # Interval ends are job-wide barriers: off a job-wide sync they would add waiting.
@@ -290,7 +262,7 @@ def on_ray(a: argparse.Namespace, argv: list[str]) -> str:
             f"| {'reference' if first else gap} |"
         )
     seeds = sorted({r.straggler_seed for r in runs})
-    cmd = command("stragglers", drop_options(argv, "--straggler-seed", "--write", "--rate"))
+    cmd = command(a, "--straggler-seed", "--rate")
     each = " ".join(map(str, seeds))
     return (
         "Reproduce with:\n\n```bash\n"
@@ -301,9 +273,8 @@ def on_ray(a: argparse.Namespace, argv: list[str]) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser(__doc__, "stragglers", "docs/stragglers.md")
     p.add_argument("what", choices=("sim", "ray"), help="the clock model, or a local Ray cluster")
     p.add_argument("--steps", type=int, help="steps per run (sim: 1000, ray: 256)")
     p.add_argument("--seeds", type=int, default=5, help="sim: straggler draws averaged")
@@ -324,10 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--straggler-seed", type=int, default=0)
     p.add_argument("--cpus-per-rank", type=float, default=0.25)
     p.add_argument("--results", type=Path, default=ROOT / "runs" / "stragglers" / "results.json")
-    add_write_arg(p, "docs/stragglers.md")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     a.steps = a.steps or (1000 if a.what == "sim" else 256)
-    block = simulated(a) if a.what == "sim" else on_ray(a, list(argv))
+    block = simulated(a) if a.what == "sim" else on_ray(a)
     print(block)
     if a.write:
         replace_block(a.write, block, name="straggler_sim" if a.what == "sim" else "stragglers_ray")

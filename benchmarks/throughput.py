@@ -3,14 +3,11 @@
     .venv/bin/python -m benchmarks.throughput [--repeats 20] [--gpu] [--write docs/benchmarks.md]
     .venv/bin/python -m benchmarks.throughput --turns [--rounds 40] [--window-s 12]
 
-Both sides train the same job (:func:`build_config`), one torch thread per rank: torchrun's
-ranks run TorchRec's ``DistributedModelParallel`` over all T ranks, timed inside the workers
-between two barriers; raytrec's time is the coordinator's ``elapsed_s`` from the last warmup
-interval to the last one, Ray round trips included. In repeats, torchrun (no Ray cluster up) and
-each raytrec layout take turns, mirrored every other repeat, and each raytrec run is paired with
-its repeat's torchrun run. With ``--turns`` both whole systems stay up and take turns of
-``--window-s``, the other side's processes stopped (SIGSTOP); each raytrec window is compared
-with the torchrun windows before and after it, timed from each side's own progress records.
+Both train :func:`build_config`'s job, one torch thread per rank: torchrun timed in its workers
+between two barriers, raytrec by its coordinator's ``elapsed_s`` after the warmup (Ray's round
+trips included). Repeats take turns, mirrored every other repeat, each raytrec run paired with
+its repeat's torchrun run. ``--turns`` keeps both up, taking turns of ``--window-s`` (the other
+one SIGSTOPped); each raytrec window is compared with the torchrun windows around it.
 """
 
 from __future__ import annotations
@@ -31,45 +28,26 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (
-    ROOT,
-    add_write_arg,
-    bootstrap_median_ci,
-    drop_options,
-    header,
-    replace_block,
-)
+from benchmarks.common import ROOT, bootstrap_median_ci, dims, dlrm, parse, parser, publish
 from raytrec.config import (
     DataConfig,
-    ModelConfig,
     OptimizerConfig,
     ScalingConfig,
     ShardingConfig,
     SyncConfig,
     TrainConfig,
-    criteo_tables,
 )
+from raytrec.local_cluster import session_pids, stop_session
 
 FOREVER = 10**8  # steps of a --turns job: this script stops it
 
 
-def parse_layout(text: str) -> tuple[int, int]:
-    g, _, l_ = text.lower().partition("x")
-    try:
-        return int(g), int(l_)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"layout {text!r} is not GxL, e.g. 2x1") from None
-
-
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.throughput",
-        description=(__doc__ or "").split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    p = parser(__doc__, "throughput", "docs/benchmarks.md", formatter_class=defaults)
     p.add_argument("--world-size", type=int, default=2, help="T: ranks on both sides")
     p.add_argument(
-        "--layouts", type=parse_layout, nargs="+", help="raytrec GxL (default 1xT, 2xT/2)"
+        "--layouts", type=lambda t: dims(t, 2), nargs="+", help="raytrec GxL (1xT, 2xT/2)"
     )
     p.add_argument("--steps", type=int, default=400, help="steps per run, warmup included")
     p.add_argument("--warmup-steps", type=int, default=50)
@@ -99,8 +77,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--marks-file", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--driver", type=Path, help=argparse.SUPPRESS)
-    add_write_arg(p, "docs/benchmarks.md")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     t = a.world_size
     a.layouts = a.layouts or [(1, t)] + ([(2, t // 2)] if t % 2 == 0 and not a.turns else [])
     if any(g * l_ != t for g, l_ in a.layouts) or (a.turns and len(a.layouts) != 1):
@@ -115,14 +92,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def build_config(a: argparse.Namespace, *, gang_size: int, steps: int, run_dir: str) -> TrainConfig:
     """The job both sides train (the shape of ``python -m jobs.train``'s)."""
     return TrainConfig(
-        model=ModelConfig(
-            tables=criteo_tables(
-                num_features=a.num_tables,
-                num_embeddings=a.num_embeddings,
-                embedding_dim=a.embedding_dim,
-            ),
-            dense_arch_layers=(64, a.embedding_dim),
-        ),
+        model=dlrm(a.num_tables, a.num_embeddings, a.embedding_dim),
         optimizer=OptimizerConfig(embedding="rowwise_adagrad", dense="adagrad"),
         sharding=ShardingConfig(sharding_type="table_wise"),
         scaling=ScalingConfig(
@@ -141,9 +111,6 @@ def build_config(a: argparse.Namespace, *, gang_size: int, steps: int, run_dir: 
     )
 
 
-# -- the torchrun side ---------------------------------------------------------------------------
-
-
 def torchrun_worker(a: argparse.Namespace) -> int:
     """One torchrun rank: DMP over the whole world, the step a raytrec rank runs (next batch,
     forward, backward with the fused embedding update, dense optimizer step, read the loss)."""
@@ -155,9 +122,9 @@ def torchrun_worker(a: argparse.Namespace) -> int:
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     from raytrec._quiet import quiet_known_warnings
-    from raytrec.api import default_source
-    from raytrec.engine.plan import apply_embedding_optimizer, make_plan, sharders
-    from raytrec.engine.rank import _DENSE_OPTIMIZERS
+    from raytrec.api import _plan, default_source
+    from raytrec.engine.plan import apply_embedding_optimizer, sharders
+    from raytrec.engine.rank import _DENSE_OPTIMIZERS, dense_optimizer_kwargs
     from raytrec.model import build_dlrm
 
     quiet_known_warnings()
@@ -172,32 +139,14 @@ def torchrun_worker(a: argparse.Namespace) -> int:
     source = default_source(cfg)
     model = build_dlrm(cfg.model, source.dense_features, device, cfg.seed)
     apply_embedding_optimizer(model, cfg.optimizer)
-    plan = [
-        None
-        if rank
-        else make_plan(
-            model,
-            gang_size=world,
-            device_type=device.type,
-            sharding=cfg.sharding,
-            tables=cfg.model.tables,
-            batch_size=cfg.data.batch_size,
-        )
-    ]
+    plan = [None if rank else _plan(cfg, source.dense_features, build_dlrm)]
     dist.broadcast_object_list(plan, src=0)  # every rank shards alike, as collective_plan does
-    dmp = DistributedModelParallel(
-        model,
-        ShardingEnv.from_process_group(dist.group.WORLD),
-        device,
-        plan=plan[0],
-        sharders=sharders(),
-    )
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    dmp = DistributedModelParallel(model, env, device, plan=plan[0], sharders=sharders())
     dense_cls = _DENSE_OPTIMIZERS[cfg.optimizer.dense]
-    kwargs: dict[str, Any] = {"lr": cfg.optimizer.dense_lr, "eps": cfg.optimizer.eps}
-    dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())),
-        lambda ps: dense_cls(ps, **kwargs),
-    )
+    kwargs = dense_optimizer_kwargs(cfg.optimizer)
+    params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    dense = KeyedOptimizerWrapper(params, lambda ps: dense_cls(ps, **kwargs))
     batches = source.split(world)[rank].batches(cfg.data.batch_size)
 
     def step() -> float:
@@ -230,10 +179,10 @@ def torchrun_worker(a: argparse.Namespace) -> int:
     return 0
 
 
-def torchrun_cmd(a: argparse.Namespace, argv: Sequence[str], *extra: str) -> list[str]:
+def torchrun_cmd(a: argparse.Namespace, *extra: str) -> list[str]:
     """``torchrun --standalone --nproc-per-node T -m benchmarks.throughput ARGS``"""
     torchrun = f"-m torch.distributed.run --standalone --nproc-per-node={a.world_size} -m"
-    worker = [x for x in argv if x != "--turns"] + ["--torchrun-worker", *extra]
+    worker = [x for x in a.argv if x != "--turns"] + ["--torchrun-worker", *extra]
     return [sys.executable, *torchrun.split(), "benchmarks.throughput", *worker]
 
 
@@ -244,18 +193,15 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_torchrun(a: argparse.Namespace, argv: Sequence[str], tmp: Path) -> dict[str, Any]:
+def run_torchrun(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     out = tmp / "torchrun.json"
-    cmd = torchrun_cmd(a, argv, f"--out={out}")
+    cmd = torchrun_cmd(a, f"--out={out}")
     done = subprocess.run(
         cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=a.timeout_s
     )
     if done.returncode or not out.exists():
         raise RuntimeError(f"torchrun exited {done.returncode}:\n{done.stdout[-3000:]}")
     return {"label": "torchrun + DMP", **json.loads(out.read_text())}
-
-
-# -- the raytrec side ----------------------------------------------------------------------------
 
 
 def run_raytrec(a: argparse.Namespace, layout: tuple[int, int], tmp: Path) -> dict[str, Any]:
@@ -265,20 +211,18 @@ def run_raytrec(a: argparse.Namespace, layout: tuple[int, int], tmp: Path) -> di
     history = fit(cfg, shutdown_ray=False, on_progress=lambda _m: None).history
     skip = a.warmup_steps // a.log_every
     timed = history[skip:]
-    if history[skip - 1].step != a.warmup_steps or sum(m.steps for m in timed) != (
-        a.steps - a.warmup_steps
-    ):
+    steps = sum(m.steps for m in timed)
+    if history[skip - 1].step != a.warmup_steps or steps != a.steps - a.warmup_steps:
         raise RuntimeError(f"unexpected metrics history: {[m.step for m in history]}")
     return {
         "label": f"raytrec {layout[0]}x{layout[1]}",
-        "rows": sum(m.steps for m in timed) * a.world_size * a.batch_size,
+        "rows": steps * a.world_size * a.batch_size,
         "seconds": history[-1].elapsed_s - history[skip - 1].elapsed_s,
         "intervals": [m.seconds for m in timed],
-        "idle": sum(m.idle_s or 0.0 for m in timed) / sum(m.seconds for m in timed),
     }
 
 
-def repeats(a: argparse.Namespace, argv: Sequence[str]) -> str:
+def repeats(a: argparse.Namespace) -> str:
     import ray
 
     from raytrec.cluster import connect
@@ -289,7 +233,7 @@ def repeats(a: argparse.Namespace, argv: Sequence[str]) -> str:
             order: list[Any] = ["torchrun", *a.layouts]
             for what in order if r % 2 == 0 else order[::-1]:  # mirrored (module doc)
                 if what == "torchrun":
-                    run = run_torchrun(a, argv, Path(tmp))
+                    run = run_torchrun(a, Path(tmp))
                 else:
                     if not ray.is_initialized():
                         connect(None, num_cpus=a.world_size)
@@ -323,9 +267,6 @@ def repeats(a: argparse.Namespace, argv: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-# -- --turns: both systems up at once ------------------------------------------------------------
-
-
 def run_driver(a: argparse.Namespace) -> int:
     """The raytrec job of ``--turns`` (a process of its own): writes 'step elapsed_s
     perf_counter' per metrics row to ``--driver`` until it is stopped."""
@@ -346,8 +287,6 @@ class Side:
     """One system: a process in a session of its own, and every process it starts."""
 
     def __init__(self, cmd: list[str], records: Path) -> None:
-        import psutil
-
         self.records, self.log = records, records.with_suffix(".log")
         with open(self.log, "w") as f:
             self.proc = subprocess.Popen(
@@ -358,21 +297,12 @@ class Side:
                 env=child_env(),
                 start_new_session=True,
             )
-        self.root = psutil.Process(self.proc.pid)
-        self.seen: dict[int, Any] = {}
 
-    def processes(self) -> list[Any]:
-        """Now and before: a stopped parent no longer lists a child that re-parented."""
-        with contextlib.suppress(Exception):
-            for q in [self.root, *self.root.children(recursive=True)]:
-                self.seen.setdefault(q.pid, q)
-        return [q for q in self.seen.values() if q.is_running()]
-
-    def signal(self, *sigs: int) -> None:
-        for q in self.processes():
-            for sig in sigs:
-                with contextlib.suppress(Exception):
-                    q.send_signal(sig)
+    def signal(self, sig: int) -> None:
+        """Signals every process of the session (a child that re-parented included)."""
+        for pid in session_pids(self.proc.pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
 
     def records_now(self) -> list[tuple[int, float, float]]:
         text = self.records.read_text() if self.records.exists() else ""
@@ -386,14 +316,8 @@ class Side:
             time.sleep(0.2)
 
     def stop_all(self) -> None:
-        import psutil
-
-        procs = self.processes()
-        self.signal(signal.SIGCONT, signal.SIGTERM)
-        _, alive = psutil.wait_procs(procs, timeout=15)
-        for q in alive:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                q.kill()
+        self.signal(signal.SIGCONT)  # a stopped process would not see the SIGTERM
+        stop_session(self.proc.pid, grace_s=15)
 
 
 def window_rates(
@@ -426,17 +350,18 @@ def window_rates(
     return out
 
 
-def turns(a: argparse.Namespace, argv: Sequence[str]) -> str:
+def turns(a: argparse.Namespace) -> str:
     tmp = Path(tempfile.mkdtemp(prefix="rt-turns-"))
+    t_rec, r_rec = tmp / "t.rec", tmp / "r.rec"  # each side's progress records
     forever = ["--steps", str(FOREVER + a.warmup_steps)]
-    torchrun = Side(torchrun_cmd(a, argv, *forever, f"--marks-file={tmp / 't.rec'}"), tmp / "t.rec")
+    torchrun = Side(torchrun_cmd(a, *forever, f"--marks-file={t_rec}"), t_rec)
     sides = [torchrun]
     windows: dict[int, list[tuple[float, float]]] = {0: [], 1: []}
     try:
         torchrun.wait_for_step(a.warmup_steps, a.timeout_s)
         torchrun.signal(signal.SIGSTOP)
-        driver = [sys.executable, "-m", "benchmarks.throughput", *argv, f"--driver={tmp / 'r.rec'}"]
-        sides.append(Side(driver, tmp / "r.rec"))
+        driver = [sys.executable, "-m", "benchmarks.throughput", *a.argv, f"--driver={r_rec}"]
+        sides.append(Side(driver, r_rec))
         sides[1].wait_for_step(a.warmup_steps, a.timeout_s)
         sides[1].signal(signal.SIGSTOP)
         for i in [0, 1] * a.rounds + [0]:
@@ -449,15 +374,10 @@ def turns(a: argparse.Namespace, argv: Sequence[str]) -> str:
     finally:
         for side in sides:
             side.stop_all()
+    gap_s, per_step = a.window_s / 2, a.world_size * a.batch_size
     t, r = (
-        window_rates(
-            side.records_now(),
-            windows[i],
-            a.world_size * a.batch_size,
-            gap_s=a.window_s / 2,
-            settle_s=a.settle_s,
-        )
-        for i, side in enumerate(sides)
+        window_rates(s.records_now(), windows[i], per_step, gap_s=gap_s, settle_s=a.settle_s)
+        for i, s in enumerate(sides)
     )
     ratios = [x / ((b + c) / 2) for x, b, c in zip(r, t, t[1:], strict=False) if x and b and c]
     if not ratios:
@@ -481,15 +401,12 @@ def turns(a: argparse.Namespace, argv: Sequence[str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
     a = parse_args(argv)
     if a.torchrun_worker:
         return torchrun_worker(a)
     if a.driver:
         return run_driver(a)
-    started = time.perf_counter()
-    kept = drop_options(argv, "--write")
-    table = turns(a, kept) if a.turns else repeats(a, kept)
+    table = turns(a) if a.turns else repeats(a)
     shape = (
         f"T = {a.world_size} ranks a side, batch {a.batch_size} per rank, DLRM {a.num_tables} "
         f"tables x {a.num_embeddings:,} x {a.embedding_dim}, raytrec ranks at nice "
@@ -500,11 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             else f"{a.steps} steps per run, {a.warmup_steps} of warmup, {a.repeats} repeats."
         )
     )
-    block = f"{header('throughput', kept, started, gpu=a.gpu)}\n- {shape}\n\n{table}"
-    print(block)
-    if a.write:
-        name = "throughput-turns" if a.turns else "throughput-gpu" if a.gpu else "throughput-cpu"
-        replace_block(a.write, block, name=name, heading=f"## {name}")
+    name = "throughput-turns" if a.turns else "throughput-gpu" if a.gpu else "throughput-cpu"
+    publish(a, f"- {shape}\n\n{table}", name=name, heading=f"## {name}", gpu=a.gpu)
     return 0
 
 
