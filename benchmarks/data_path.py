@@ -2,7 +2,7 @@
 through Ray Data (indexed against streaming reads).
 
     .venv/bin/python -m benchmarks.data_path --part kjt [--rows 8192] [--repeats 15]
-    .venv/bin/python -m benchmarks.data_path --part parquet [--rows 262144] [--ranks 2]
+    .venv/bin/python -m benchmarks.data_path --part parquet [--rows 1048576] [--ranks 2]
 
 ``kjt``: :func:`raytrec.data.arrow_kjt.to_batch` against a copy floor (``np.copy`` of every
 buffer it reads) and a per-row Python collate, the best pass in the thread's CPU time.
@@ -238,7 +238,7 @@ def parquet(a: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser(__doc__, "data_path", "docs/benchmarks.md (kjt), docs/data.md (parquet)")
     p.add_argument("--part", choices=("kjt", "parquet"), required=True)
-    p.add_argument("--rows", type=int, help="rows per record batch (kjt: 8192) or in all (262144)")
+    p.add_argument("--rows", type=int, help="rows per record batch (kjt: 8192) or in all (1048576)")
     p.add_argument("--batches", type=int, default=4, help="kjt: record batches per pass")
     p.add_argument("--repeats", type=int, help="kjt: timed passes (15); parquet: epochs (3)")
     p.add_argument("--row-repeats", type=int, default=2, help="kjt: passes of the per-row collate")
@@ -251,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--replays", type=int, default=20)
     a = parse(p, argv)
     is_kjt = a.part == "kjt"
-    a.rows = a.rows or (8192 if is_kjt else 262_144)
+    a.rows = a.rows or (8192 if is_kjt else 1_048_576)
     a.repeats = a.repeats or (15 if is_kjt else 3)
     table = kjt(a) if is_kjt else parquet(a)
     publish(a, table, name=f"data-path-{a.part}", heading=f"## {a.part}")
