@@ -224,9 +224,7 @@ def table(runs: list[Run]) -> str:
             + f" | {slowest:.1f} | {ms(r.interval_cpu_ms)} | {r.cpu_s:.2f} s |"
         )
     for g in sorted({r.gang_size for r in runs}):
-        small, big = by.get((1024, g)), by.get((4096, g))
-        if small is None or big is None:
-            continue
+        small, big = by[(1024, g)], by[(4096, g)]
         cells = []
         for e in EVENTS:
             a, b = small.decisions.get(e), big.decisions.get(e)
@@ -241,13 +239,9 @@ def table(runs: list[Run]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = parser(__doc__, "control_plane_scale", "docs/benchmarks.md")
-    p.add_argument("--ranks", type=int, nargs="*", help="only these sizes")
-    a = parse(p, argv)
+    a = parse(parser(__doc__, "control_plane_scale", "docs/benchmarks.md"), argv)
     runs = []
     for ranks, g in SHAPES:
-        if a.ranks and ranks not in a.ranks:
-            continue
         runs.append(run := run_one(ranks, g))
         print(
             f"{ranks} ranks, gangs of {g}: {run.wall_s:.1f} s wall, coordinator CPU "
