@@ -309,9 +309,8 @@ def measure(a: argparse.Namespace) -> tuple[list[Measurement], list[str]]:
         except Exception as e:  # reported, counted, and the next run goes on
             failures.append(f"{where}: {type(e).__name__}: {str(e)[:300]}")
             print(f"FAILED: {failures[-1]}", file=sys.stderr, flush=True)
-        finally:
-            if not a.keep_runs:  # the three jobs' run directories
-                shutil.rmtree(a.storage_path / "jobs", ignore_errors=True)
+        finally:  # the three jobs' run directories
+            shutil.rmtree(a.storage_path / "jobs", ignore_errors=True)
         runs = [dataclasses.asdict(m) for m in out]
         raw.write_text(json.dumps({"runs": runs, "failed": failures}, indent=1))
     print(f"raw measurements: {raw}", file=sys.stderr)
@@ -402,7 +401,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--collective-timeout-s", type=float, default=10.0)
     p.add_argument("--step-timeout-s", type=float, default=120.0)
     p.add_argument("--storage-path", type=pathlib.Path, default=ROOT / "runs" / "recovery")
-    p.add_argument("--keep-runs", action="store_true", help="keep the jobs' run directories")
     a = parse(p, argv)
     c = last_checkpoint_before(a.fail_step - 1, a.checkpoint_every)
     try:
