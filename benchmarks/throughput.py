@@ -349,16 +349,17 @@ def turns(a: argparse.Namespace) -> str:
     tmp = Path(tempfile.mkdtemp(prefix="rt-turns-"))
     t_rec, r_rec = tmp / "t.rec", tmp / "r.rec"  # each side's progress records
     forever = ["--steps", str(FOREVER + a.warmup_steps)]
-    torchrun = Side(torchrun_cmd(a, *forever, f"--marks-file={t_rec}"), t_rec)
-    sides = [torchrun]
+    commands = [
+        (torchrun_cmd(a, *forever, f"--marks-file={t_rec}"), t_rec),
+        ([sys.executable, "-m", "benchmarks.throughput", *a.argv, f"--driver={r_rec}"], r_rec),
+    ]
+    sides: list[Side] = []
     windows: dict[int, list[tuple[float, float]]] = {0: [], 1: []}
     try:
-        torchrun.wait_for_step(a.warmup_steps, a.timeout_s)
-        torchrun.signal(signal.SIGSTOP)
-        driver = [sys.executable, "-m", "benchmarks.throughput", *a.argv, f"--driver={r_rec}"]
-        sides.append(Side(driver, r_rec))
-        sides[1].wait_for_step(a.warmup_steps, a.timeout_s)
-        sides[1].signal(signal.SIGSTOP)
+        for cmd, records in commands:  # each up and past its warmup, then stopped
+            sides.append(Side(cmd, records))
+            sides[-1].wait_for_step(a.warmup_steps, a.timeout_s)
+            sides[-1].signal(signal.SIGSTOP)
         for i in [0, 1] * a.rounds + [0]:
             sides[i].signal(signal.SIGCONT)
             start = time.perf_counter()
