@@ -173,13 +173,11 @@ class Measurement:
     growing: ElasticTimings  # the survivors while a new gang is placed, healed and joined
 
     @property
-    def ratio(self) -> float:
-        """How many times sooner the survivors resumed than the restarted job."""
+    def ratio(self) -> float:  # how many times sooner the survivors resumed than the restart
         return self.restart.total_s / self.survivors.resume_s
 
     @property
-    def ratio_growing(self) -> float:
-        """The same, with a new gang placed at once."""
+    def ratio_growing(self) -> float:  # the same, with a new gang placed at once
         return self.restart.total_s / self.growing.resume_s
 
 
