@@ -34,8 +34,6 @@ from typing import Any
 import raytrec.local_cluster as lc
 from benchmarks.common import ROOT, command, parse, parser, replace_block
 
-#: The docs block of each kind of data (its markers' name).
-BLOCKS = {"synthetic": "chaos", "parquet": "chaos-parquet"}
 HEADING = "## Chaos: node and rank losses on a local cluster"
 #: The full run and the short one (the cluster test's): faults in order.
 SCHEDULES = {"full": ("rank", "node", "node", "node"), "short": ("rank", "node")}
@@ -364,7 +362,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = describe(a, out, report)
     print(text)
     if a.write:
-        replace_block(a.write, text, name=BLOCKS[a.data], heading=HEADING)
+        name = "chaos" if a.data == "synthetic" else f"chaos-{a.data}"
+        replace_block(a.write, text, name=name, heading=HEADING)
     return 0 if out["state"] == "SUCCEEDED" else 1
 
 
