@@ -45,12 +45,10 @@ SCALES = (
 STALLS_ONLY = CostModel(step_s=1e-12, model_bytes=1e-12, hop_latency_s=0.0)
 
 
-def to_sync_config(spec: str, *, workers: int, gang_size: int) -> SyncConfig:
+def to_sync_config(spec: str, *, gang_size: int) -> SyncConfig:
     """Seed notation in workers -> a schedule in gangs of ``gang_size``; levels no larger than a
     gang are dropped (it averages every step); the last level (all workers) is ``sync_every``."""
-    *lower, (top_period, top_size) = [tuple(int(x) for x in p.split("-")) for p in spec.split(",")]
-    if top_size != workers or any(s % gang_size for _, s in lower):
-        raise ValueError(f"{spec}: the last level must hold all {workers} workers, in whole gangs")
+    *lower, (top_period, _) = [tuple(int(x) for x in p.split("-")) for p in spec.split(",")]
     levels = tuple((p, s // gang_size) for p, s in lower if s > gang_size)
     return SyncConfig(sync_every=top_period, levels=levels)
 
@@ -90,7 +88,7 @@ def simulated(a: argparse.Namespace) -> str:
                 base = seconds(SyncConfig(sync_every=1))
                 step4 += [base / a.steps] if g == 4 else []
                 for label, spec_ in labels:
-                    cfg = to_sync_config(spec_, workers=workers, gang_size=g)
+                    cfg = to_sync_config(spec_, gang_size=g)
                     speed.setdefault((g, label), []).append(base / seconds(cfg))
         for i, (label, _) in enumerate(labels):
             lead = f"| {workers} | {100 * rate:.0f}% | {1e3 * np.mean(step4):.0f} ms"
