@@ -32,9 +32,8 @@ TARGET_WAIT = 0.05
 
 
 def oracle_noise(data_path: str, chunk_rows: int) -> tuple[float, float, int]:
-    """Mean and standard deviation of the oracle's AUC (the teacher's click probabilities in
-    generated Parquet, in row order) over whole consecutive chunks of ``chunk_rows`` rows, and
-    the number of chunks."""
+    """Mean, standard deviation and number of the oracle's AUCs (the teacher's click probabilities
+    in generated Parquet, in row order) over whole consecutive chunks of ``chunk_rows`` rows."""
     import pyarrow.parquet as pq
 
     files = sorted(glob.glob(os.path.join(data_path, "*.parquet")))

@@ -38,8 +38,7 @@ HEADING = "## Chaos: node and rank losses on a local cluster"
 #: The full run and the short one (the cluster test's): faults in order.
 SCHEDULES = {"full": ("rank", "node", "node", "node"), "short": ("rank", "node")}
 STALL_TARGETS = {"loss": 3.0, "join": 1.0}
-#: The head's CPUs: with Parquet one, for Ray Data's read tasks (too few for a gang; the head is
-#: never killed).
+#: The head's CPUs (never killed): with Parquet one, for Ray Data's read tasks (too few for a gang).
 HEAD_CPUS = {"synthetic": 0, "parquet": 1}
 #: examples/configs/local_cpu.yaml's batch size, and the passes over the rows with --data parquet.
 BATCH_SIZE, EPOCHS = 128, 4

@@ -195,9 +195,8 @@ def build_config(
     steps: int,
     grow: bool = False,
 ) -> TrainConfig:
-    """The job every run recovers; ``faults`` adds the killed rank, ``grow`` the new gang.
-    With ``--source parquet`` it reads the shape's Parquet data (:func:`parquet_dir`) by
-    index."""
+    """The job every run recovers; ``faults`` adds the killed rank, ``grow`` the new gang; with
+    ``--source parquet`` it reads the shape's Parquet data by index."""
     path = str(parquet_dir(a, shape)) if a.source == "parquet" else None
     kill = FaultSpec(kind=FaultKind.KILL_RANK, step=a.fail_step, rank=shape[0] * shape[1] - 1)
     return TrainConfig(
@@ -272,8 +271,7 @@ def write_parquet(a: argparse.Namespace, shape: tuple[int, ...], vocab: int) -> 
 def run_restart(
     a: argparse.Namespace, size: tuple[int, ...], shape: tuple[int, ...], checkpoint: str
 ) -> RestartTimings:
-    """A fresh job of the original shape resumes from ``checkpoint`` and trains through the
-    step the failure interrupted."""
+    """A fresh job of the original shape resumes from ``checkpoint`` and trains through step S."""
     config = build_config(a, size, shape, faults=False, steps=a.fail_step)
     arrivals: list[tuple[float, float]] = []
     called = time.perf_counter()
@@ -316,8 +314,7 @@ def measure(a: argparse.Namespace) -> tuple[list[Measurement], list[str]]:
 
 
 def tables(ms: Sequence[Measurement], a: argparse.Namespace) -> str:
-    """The comparison, then the parts of each way of recovering: median (min to max) per size
-    and shape, in seconds from the failure (the restart's parts from calling ``fit``)."""
+    """:data:`TABLES`, median (min to max) per size and shape."""
     groups = [
         (s, g, [m for m in ms if (m.size, m.shape) == (label(s), label(g))])
         for s, g in itertools.product(a.sizes, a.shapes)
