@@ -160,8 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for _ in range(a.repeats):
         sizes = one_round(engine, base / "checkpoints", base / "raw", payload, expected, times)
     total = sum(sizes.values())
-    state_mb = sum(w.numel() * 4 for w in weights) / MB
-    state_mb += sum(s.numel() * 4 for s in engine.embedding_optimizer_states()) / MB
+    state_mb = sum(t.numel() * 4 for t in [*weights, *engine.embedding_optimizer_states()]) / MB
     engine.close()
     shutil.rmtree(base, ignore_errors=True)
 

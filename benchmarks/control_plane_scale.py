@@ -41,8 +41,7 @@ EVENTS = ("loss", "heartbeat check", "heal", "drain")
 
 
 class TimedGroup(FakeWorkerGroup):
-    """The fake group, noting when the coordinator last observed something: (wall time, CPU
-    time, the fake's CPU time)."""
+    """The fake group, noting (wall, CPU, the fake's CPU time) when the coordinator observes."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -199,9 +198,7 @@ def run_one(ranks: int, g: int) -> Run:
 
 
 def ms(values: list[float]) -> str:
-    if not values:
-        return "-"
-    return f"{statistics.median(values):.1f} / {max(values):.1f}"
+    return f"{statistics.median(values):.1f} / {max(values):.1f}" if values else "-"
 
 
 def table(runs: list[Run]) -> str:
