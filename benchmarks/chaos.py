@@ -34,14 +34,11 @@ from typing import Any
 import raytrec.local_cluster as lc
 from benchmarks.common import ROOT, command, parse, parser, replace_block
 
-#: The docs block of each kind of data (its markers' name).
-BLOCKS = {"synthetic": "chaos", "parquet": "chaos-parquet"}
 HEADING = "## Chaos: node and rank losses on a local cluster"
 #: The full run and the short one (the cluster test's): faults in order.
 SCHEDULES = {"full": ("rank", "node", "node", "node"), "short": ("rank", "node")}
 STALL_TARGETS = {"loss": 3.0, "join": 1.0}
-#: The head's CPUs: with Parquet one, for Ray Data's read tasks (too few for a gang; the head is
-#: never killed).
+#: The head's CPUs (never killed): with Parquet one, for Ray Data's read tasks (too few for a gang).
 HEAD_CPUS = {"synthetic": 0, "parquet": 1}
 #: examples/configs/local_cpu.yaml's batch size, and the passes over the rows with --data parquet.
 BATCH_SIZE, EPOCHS = 128, 4
@@ -132,13 +129,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         logs = cluster.logs(job)
     summary = json.loads(run_dir.read("summary.json") or "{}")
     events = [json.loads(x) for x in run_dir.read("events.jsonl").splitlines() if x.strip()]
-    if not a.keep_run:  # what the report needs is read; checkpoints and the model go
-        shutil.rmtree(storage, ignore_errors=True)
+    shutil.rmtree(storage, ignore_errors=True)  # what the report needs is read
     return {
         "state": state.split("\n", 1)[0],
         "status": state,
         "logs_tail": logs[-6000:],
-        "run_dir": run_dir.path if a.keep_run else None,
         "faults": [dataclasses.asdict(f) for f in faults],
         "rows": run_dir.rows,
         "events": events,
@@ -316,7 +311,7 @@ def describe(a: argparse.Namespace, out: dict[str, Any], report: dict[str, Any])
         [
             f"Measured on {a.date}, machine: {a.machine}, whole run {out['wall_s']:.0f} s:",
             "",
-            f"    {out['args']['command']}",
+            f"    {command(a, '--json')}",
             "",
             f"- Cluster: `ray start` head ({HEAD_CPUS[a.data]} CPUs) + {a.nodes} worker nodes of "
             f"{a.gang_size} CPUs on 127.0.0.1; job: 2 gangs x {a.gang_size} ranks, {data}, "
@@ -345,9 +340,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--first-step", type=int, default=10, help="no fault before this step")
     p.add_argument("--collective-timeout-s", type=float, default=10.0)
     p.add_argument("--timeout-s", type=float, default=900.0, help="stop the job after this")
-    p.add_argument("--keep-run", action="store_true", help="keep the job's run directory")
     p.add_argument("--json", type=pathlib.Path, help="write the raw outputs and report here")
-    p.add_argument("--from-json", type=pathlib.Path, help="report a run saved with --json")
     p.add_argument("--machine", default="2-core CPU VM")
     p.add_argument("--date", default=datetime.date.today().isoformat())
     a = parse(p, argv)
@@ -358,14 +351,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
-    if a.from_json:
-        out = json.loads(a.from_json.read_text())["out"]
-        a.__dict__.update(out["args"])
-    else:
-        out = run(a)
-        keys = ("nodes", "gang_size", "steps", "log_every", "data")
-        out["args"] = {k: getattr(a, k) for k in keys}
-        out["args"] |= {"command": command(a, "--json")}
+    out = run(a)
     report = analyse(out) if out["rows"] else {"marks": []}
     if a.json:
         a.json.write_text(json.dumps({"out": out, "report": report}, indent=1, default=str))
@@ -375,7 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = describe(a, out, report)
     print(text)
     if a.write:
-        replace_block(a.write, text, name=BLOCKS[a.data], heading=HEADING)
+        name = "chaos" if a.data == "synthetic" else f"chaos-{a.data}"
+        replace_block(a.write, text, name=name, heading=HEADING)
     return 0 if out["state"] == "SUCCEEDED" else 1
 
 

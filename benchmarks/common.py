@@ -28,9 +28,8 @@ T = TypeVar("T")
 
 
 def replace_block(path: Path, block: str, *, name: str, heading: str | None = None) -> None:
-    """Replaces the block ``name`` of the page ``path`` by ``block``. A page without that block
-    gets it appended under ``heading`` as a new last section; without a heading it is refused
-    (the page says where the block goes)."""
+    """Replaces the block ``name`` of the page ``path`` by ``block``; a page without it gets it
+    appended under ``heading`` as a new last section (refused without a heading)."""
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     text = path.read_text() if path.exists() else ""
     if begin in text and end in text:
@@ -64,8 +63,7 @@ def parser(doc: str | None, module: str, page: str, **kwargs: Any) -> argparse.A
 
 
 def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """Parses ``argv`` (default: the command line), kept less ``--write`` as ``argv`` (what runs
-    it again); ``started``: now."""
+    """Parses ``argv`` (default: the command line), kept less ``--write``; ``started``: now."""
     argv = list(sys.argv[1:] if argv is None else argv)
     a = p.parse_args(argv)
     a.argv, a.started = drop_options(argv, "--write"), time.perf_counter()
@@ -95,8 +93,7 @@ def drop_options(argv: Sequence[str], *names: str) -> list[str]:
 
 
 def command(a: argparse.Namespace, *dropped: str) -> str:
-    """The command line that reproduces the run ``a``, as the docs show it, less the options
-    ``dropped``."""
+    """The command line that reproduces the run ``a``, less the options ``dropped``."""
     argv = drop_options(a.argv, *dropped)
     return shlex.join([".venv/bin/python", "-m", f"benchmarks.{a.module}", *argv])
 
@@ -118,8 +115,7 @@ def machine(*, gpu: bool = False) -> str:
 
 
 def header(a: argparse.Namespace, *, gpu: bool = False) -> str:
-    """The first lines of the result block of the run ``a``: when, on what, and the command that
-    made it."""
+    """The result block's first lines: when, on what, and the command that made it."""
     took = time.perf_counter() - a.started
     length = f"{took:.0f} s" if took < 600 else f"{took / 60:.0f} min"
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -129,8 +125,7 @@ def header(a: argparse.Namespace, *, gpu: bool = False) -> str:
 def publish(
     a: argparse.Namespace, body: str, *, name: str, heading: str | None = None, gpu: bool = False
 ) -> None:
-    """Prints the result block (:func:`header`, then ``body``) and writes it as the block
-    ``name`` of the page ``--write`` names (see :func:`replace_block`)."""
+    """Prints the result block (:func:`header`, ``body``) and writes it into ``--write``'s page."""
     block = f"{header(a, gpu=gpu)}\n{body}"
     print(block)
     if a.write:
@@ -138,8 +133,7 @@ def publish(
 
 
 def dlrm(tables: int, rows: int, dim: int, width: int = 64) -> ModelConfig:
-    """A DLRM over ``tables`` Criteo-style tables of ``rows`` x ``dim``, its dense arch
-    (``width``, ``dim``) and its over arch (``width``, 1)."""
+    """A DLRM over ``tables`` Criteo-style tables of ``rows`` x ``dim``, its MLPs ``width`` wide."""
     return ModelConfig(
         tables=criteo_tables(num_features=tables, num_embeddings=rows, embedding_dim=dim),
         dense_arch_layers=(width, dim),

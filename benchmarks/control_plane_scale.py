@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+from unittest import mock
 
 import actors.coordinator
 import actors.drain
@@ -40,8 +41,7 @@ EVENTS = ("loss", "heartbeat check", "heal", "drain")
 
 
 class TimedGroup(FakeWorkerGroup):
-    """The fake group, noting when the coordinator last observed something: (wall time, CPU
-    time, the fake's CPU time)."""
+    """The fake group, noting (wall, CPU, the fake's CPU time) when the coordinator observes."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -80,10 +80,10 @@ class TimedGroup(FakeWorkerGroup):
 class Run:
     ranks: int
     gang_size: int
-    # Event -> decision times in ms: CPU time of this process, and wall time; both less the
-    # fake's CPU time in between.
+    # Event -> decision times in ms (CPU time of this process), and the slowest in wall time;
+    # both less the fake's CPU time in between.
     decisions: dict[str, list[float]] = dataclasses.field(default_factory=dict)
-    decisions_wall: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    slowest_wall_ms: float = 0.0
     interval_cpu_ms: list[float] = dataclasses.field(default_factory=list)
     cpu_s: float = 0.0  # the coordinator's, whole run
     fake_cpu_s: float = 0.0
@@ -97,12 +97,13 @@ class Run:
         fake_s = group.cpu_s - fake
         self.decisions.setdefault(event, []).append(1e3 * (time.process_time() - cpu - fake_s))
         wall_ms = 1e3 * (time.perf_counter() - wall - fake_s)
-        self.decisions_wall.setdefault(event, []).append(wall_ms)
+        self.slowest_wall_ms = max(self.slowest_wall_ms, wall_ms)
 
 
 @contextlib.contextmanager
 def timed_decisions(run: Run, group: TimedGroup) -> Iterator[None]:
     """Wraps the pure decisions where the coordinator's parts call them."""
+    patches = contextlib.ExitStack()
 
     def wrap(module: Any, name: str, after: Callable[[Any], None]) -> None:
         inner = getattr(module, name)
@@ -112,8 +113,7 @@ def timed_decisions(run: Run, group: TimedGroup) -> Iterator[None]:
             after(value)
             return value
 
-        saved.append((module, name, inner))
-        setattr(module, name, timed)
+        patches.enter_context(mock.patch.object(module, name, timed))
 
     def on_decide(_value: Any) -> None:
         if group.failed_at is not None:
@@ -127,21 +127,17 @@ def timed_decisions(run: Run, group: TimedGroup) -> Iterator[None]:
         if value is not None and value.gangs:
             run.note("drain", group.draining_at, group)
 
-    saved: list[tuple[Any, str, Any]] = []
-    wrap(actors.recovery, "decide", on_decide)
-    wrap(actors.recovery, "find_hung_ranks", on_hung)
-    wrap(actors.growth, "failed_heals", lambda _v: run.note("heal", group.builds_at, group))
-    wrap(actors.drain, "decide_drain", on_drain)
-    wrap(
-        actors.coordinator,
-        "aggregate_interval",
-        lambda _v: run.rows.append((time.process_time(), group.cpu_s)),
-    )
-    try:
+    with patches:
+        wrap(actors.recovery, "decide", on_decide)
+        wrap(actors.recovery, "find_hung_ranks", on_hung)
+        wrap(actors.growth, "failed_heals", lambda _v: run.note("heal", group.builds_at, group))
+        wrap(actors.drain, "decide_drain", on_drain)
+        wrap(
+            actors.coordinator,
+            "aggregate_interval",
+            lambda _v: run.rows.append((time.process_time(), group.cpu_s)),
+        )
         yield
-    finally:
-        for module, name, inner in saved:
-            setattr(module, name, inner)
 
 
 def storm(g: int, run_dir: str) -> list[ff.Fault]:
@@ -202,9 +198,7 @@ def run_one(ranks: int, g: int) -> Run:
 
 
 def ms(values: list[float]) -> str:
-    if not values:
-        return "-"
-    return f"{statistics.median(values):.1f} / {max(values):.1f}"
+    return f"{statistics.median(values):.1f} / {max(values):.1f}" if values else "-"
 
 
 def table(runs: list[Run]) -> str:
@@ -217,16 +211,13 @@ def table(runs: list[Run]) -> str:
     ]
     for r in runs:
         cells = [ms(r.decisions.get(e, [])) for e in EVENTS]
-        slowest = max(v for values in r.decisions_wall.values() for v in values)
         lines.append(
             f"| {r.ranks:,} ({r.ranks // r.gang_size} x {r.gang_size}) | "
             + " | ".join(cells)
-            + f" | {slowest:.1f} | {ms(r.interval_cpu_ms)} | {r.cpu_s:.2f} s |"
+            + f" | {r.slowest_wall_ms:.1f} | {ms(r.interval_cpu_ms)} | {r.cpu_s:.2f} s |"
         )
     for g in sorted({r.gang_size for r in runs}):
-        small, big = by.get((1024, g)), by.get((4096, g))
-        if small is None or big is None:
-            continue
+        small, big = by[(1024, g)], by[(4096, g)]
         cells = []
         for e in EVENTS:
             a, b = small.decisions.get(e), big.decisions.get(e)
@@ -241,13 +232,9 @@ def table(runs: list[Run]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = parser(__doc__, "control_plane_scale", "docs/benchmarks.md")
-    p.add_argument("--ranks", type=int, nargs="*", help="only these sizes")
-    a = parse(p, argv)
+    a = parse(parser(__doc__, "control_plane_scale", "docs/benchmarks.md"), argv)
     runs = []
     for ranks, g in SHAPES:
-        if a.ranks and ranks not in a.ranks:
-            continue
         runs.append(run := run_one(ranks, g))
         print(
             f"{ranks} ranks, gangs of {g}: {run.wall_s:.1f} s wall, coordinator CPU "

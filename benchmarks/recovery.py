@@ -173,13 +173,11 @@ class Measurement:
     growing: ElasticTimings  # the survivors while a new gang is placed, healed and joined
 
     @property
-    def ratio(self) -> float:
-        """How many times sooner the survivors resumed than the restarted job."""
+    def ratio(self) -> float:  # how many times sooner the survivors resumed than the restart
         return self.restart.total_s / self.survivors.resume_s
 
     @property
-    def ratio_growing(self) -> float:
-        """The same, with a new gang placed at once."""
+    def ratio_growing(self) -> float:  # the same, with a new gang placed at once
         return self.restart.total_s / self.growing.resume_s
 
 
@@ -197,9 +195,8 @@ def build_config(
     steps: int,
     grow: bool = False,
 ) -> TrainConfig:
-    """The job every run recovers; ``faults`` adds the killed rank, ``grow`` the new gang.
-    With ``--source parquet`` it reads the shape's Parquet data (:func:`parquet_dir`) by
-    index."""
+    """The job every run recovers; ``faults`` adds the killed rank, ``grow`` the new gang; with
+    ``--source parquet`` it reads the shape's Parquet data by index."""
     path = str(parquet_dir(a, shape)) if a.source == "parquet" else None
     kill = FaultSpec(kind=FaultKind.KILL_RANK, step=a.fail_step, rank=shape[0] * shape[1] - 1)
     return TrainConfig(
@@ -274,8 +271,7 @@ def write_parquet(a: argparse.Namespace, shape: tuple[int, ...], vocab: int) -> 
 def run_restart(
     a: argparse.Namespace, size: tuple[int, ...], shape: tuple[int, ...], checkpoint: str
 ) -> RestartTimings:
-    """A fresh job of the original shape resumes from ``checkpoint`` and trains through the
-    step the failure interrupted."""
+    """A fresh job of the original shape resumes from ``checkpoint`` and trains through step S."""
     config = build_config(a, size, shape, faults=False, steps=a.fail_step)
     arrivals: list[tuple[float, float]] = []
     called = time.perf_counter()
@@ -309,9 +305,8 @@ def measure(a: argparse.Namespace) -> tuple[list[Measurement], list[str]]:
         except Exception as e:  # reported, counted, and the next run goes on
             failures.append(f"{where}: {type(e).__name__}: {str(e)[:300]}")
             print(f"FAILED: {failures[-1]}", file=sys.stderr, flush=True)
-        finally:
-            if not a.keep_runs:  # the three jobs' run directories
-                shutil.rmtree(a.storage_path / "jobs", ignore_errors=True)
+        finally:  # the three jobs' run directories
+            shutil.rmtree(a.storage_path / "jobs", ignore_errors=True)
         runs = [dataclasses.asdict(m) for m in out]
         raw.write_text(json.dumps({"runs": runs, "failed": failures}, indent=1))
     print(f"raw measurements: {raw}", file=sys.stderr)
@@ -319,8 +314,7 @@ def measure(a: argparse.Namespace) -> tuple[list[Measurement], list[str]]:
 
 
 def tables(ms: Sequence[Measurement], a: argparse.Namespace) -> str:
-    """The comparison, then the parts of each way of recovering: median (min to max) per size
-    and shape, in seconds from the failure (the restart's parts from calling ``fit``)."""
+    """:data:`TABLES`, median (min to max) per size and shape."""
     groups = [
         (s, g, [m for m in ms if (m.size, m.shape) == (label(s), label(g))])
         for s, g in itertools.product(a.sizes, a.shapes)
@@ -402,7 +396,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--collective-timeout-s", type=float, default=10.0)
     p.add_argument("--step-timeout-s", type=float, default=120.0)
     p.add_argument("--storage-path", type=pathlib.Path, default=ROOT / "runs" / "recovery")
-    p.add_argument("--keep-runs", action="store_true", help="keep the jobs' run directories")
     a = parse(p, argv)
     c = last_checkpoint_before(a.fail_step - 1, a.checkpoint_every)
     try:

@@ -45,12 +45,10 @@ SCALES = (
 STALLS_ONLY = CostModel(step_s=1e-12, model_bytes=1e-12, hop_latency_s=0.0)
 
 
-def to_sync_config(spec: str, *, workers: int, gang_size: int) -> SyncConfig:
+def to_sync_config(spec: str, *, gang_size: int) -> SyncConfig:
     """Seed notation in workers -> a schedule in gangs of ``gang_size``; levels no larger than a
     gang are dropped (it averages every step); the last level (all workers) is ``sync_every``."""
-    *lower, (top_period, top_size) = [tuple(int(x) for x in p.split("-")) for p in spec.split(",")]
-    if top_size != workers or any(s % gang_size for _, s in lower):
-        raise ValueError(f"{spec}: the last level must hold all {workers} workers, in whole gangs")
+    *lower, (top_period, _) = [tuple(int(x) for x in p.split("-")) for p in spec.split(",")]
     levels = tuple((p, s // gang_size) for p, s in lower if s > gang_size)
     return SyncConfig(sync_every=top_period, levels=levels)
 
@@ -90,7 +88,7 @@ def simulated(a: argparse.Namespace) -> str:
                 base = seconds(SyncConfig(sync_every=1))
                 step4 += [base / a.steps] if g == 4 else []
                 for label, spec_ in labels:
-                    cfg = to_sync_config(spec_, workers=workers, gang_size=g)
+                    cfg = to_sync_config(spec_, gang_size=g)
                     speed.setdefault((g, label), []).append(base / seconds(cfg))
         for i, (label, _) in enumerate(labels):
             lead = f"| {workers} | {100 * rate:.0f}% | {1e3 * np.mean(step4):.0f} ms"
@@ -134,18 +132,14 @@ def parse_schedules(text: str, *, gangs: int, sync_dense: Any) -> list[tuple[str
     return out
 
 
-# The settings a run's numbers depend on, apart from the schedule and the stalls.
-SETUP = (
-    "gangs data steps log_every auc_intervals batch_size tables rows_per_table dim sync_dense seed"
-)
-SETUP_FIELDS = (*SETUP.split(), "cpus_per_rank")
+SETUP = "gangs data steps log_every auc_intervals batch_size tables rows_per_table dim sync_dense"
 
 
-def setup_of(a: argparse.Namespace, *, stalls: bool = True) -> dict[str, object]:
+def setup_of(a: argparse.Namespace, *, stalls: bool = True) -> dict[str, Any]:
     """The settings a run's numbers depend on, apart from the schedule and straggler seed."""
     on = stalls and a.rate > 0 and a.stall_s > 0
     return {
-        **{f: getattr(a, f) for f in SETUP_FIELDS},
+        **{f: getattr(a, f) for f in (*SETUP.split(), "seed", "cpus_per_rank")},
         "rate": a.rate if on else 0.0,
         "stall_s": a.stall_s if on else 0.0,
     }
@@ -155,7 +149,7 @@ def setup_of(a: argparse.Namespace, *, stalls: bool = True) -> dict[str, object]
 class Run:
     """One schedule's measurement under one straggler seed."""
 
-    setup: dict[str, object]
+    setup: dict[str, Any]
     label: str
     straggler_seed: int
     train_s: float  # first step to last, summed over the coordinator's intervals
@@ -177,53 +171,47 @@ def measure(a: argparse.Namespace, schedules: list[tuple[str, SyncConfig]]) -> N
 
     connect(num_cpus=a.gangs * a.cpus_per_rank + (os.cpu_count() or 2))
     setup = setup_of(a)
-    for repeat in range(a.repeats):
-        seed = a.straggler_seed + repeat
-        rate, stall_s = setup["rate"], setup["stall_s"]
-        assert isinstance(rate, float) and isinstance(stall_s, float)
-        stragglers = StragglerSpec(rate=rate, stall_s=stall_s, seed=seed)
-        k = repeat % len(schedules)  # rotated: the machine's drift spreads over schedules
-        for label, sync in schedules[k:] + schedules[:k]:
-            config = TrainConfig(
-                model=dlrm(a.tables, a.rows_per_table, a.dim, width=32),
-                scaling=ScalingConfig(
-                    num_workers=a.gangs, gang_size=1, cpus_per_rank=a.cpus_per_rank
-                ),
-                sync=sync,
-                data=DataConfig(batch_size=a.batch_size, source=a.data),
-                testing=TestingConfig(stragglers=stragglers),
-                num_steps=a.steps,
-                log_every=a.log_every,
-                seed=a.seed,
-                storage_path=str(a.results.parent),
-                name="stragglers",
-            )
-            started = time.perf_counter()
-            result = fit(config, shutdown_ray=False, on_progress=lambda _m: None)
-            h = result.history
-            rows = round(sum(m.samples_per_s * m.seconds for m in h))
-            aucs = [m.auc for m in h[-a.auc_intervals :]]
-            if rows != a.steps * a.gangs * a.batch_size or None in aucs:
-                raise RuntimeError(f"{label}: trained {rows} rows, AUCs {aucs}")
-            plan = plan_sync(sync, generation=0, live_gangs=range(a.gangs))
-            stalls = gang_stalls(stragglers, steps=a.steps, num_gangs=a.gangs, gang_size=1)
-            run = Run(
-                setup=setup,
-                label=label,
-                straggler_seed=seed,
-                rows=rows,
-                train_s=sum(m.seconds for m in h),
-                fit_s=time.perf_counter() - started,
-                auc=statistics.fmean(x for x in aucs if x is not None),
-                oracle_auc=result.oracle_auc,
-                charged_s=simulate(plan, stalls, STALLS_ONLY, gang_size=1).seconds,
-            )
-            key = (setup, label, seed)  # replaces a saved run of the same key
-            runs = [r for r in load_runs(a.results) if (r.setup, r.label, r.straggler_seed) != key]
-            saved = [dataclasses.asdict(r) for r in [*runs, run]]
-            a.results.parent.mkdir(parents=True, exist_ok=True)
-            a.results.write_text(json.dumps(saved, indent=1))
-            print(f"seed {seed} | {label:<22} | {run.train_s:7.1f} s | AUC {run.auc:.4f}")
+    seed = a.straggler_seed
+    stragglers = StragglerSpec(rate=setup["rate"], stall_s=setup["stall_s"], seed=seed)
+    stalls = gang_stalls(stragglers, steps=a.steps, num_gangs=a.gangs, gang_size=1)
+    for label, sync in schedules:
+        config = TrainConfig(
+            model=dlrm(a.tables, a.rows_per_table, a.dim, width=32),
+            scaling=ScalingConfig(num_workers=a.gangs, gang_size=1, cpus_per_rank=a.cpus_per_rank),
+            sync=sync,
+            data=DataConfig(batch_size=a.batch_size, source=a.data),
+            testing=TestingConfig(stragglers=stragglers),
+            num_steps=a.steps,
+            log_every=a.log_every,
+            seed=a.seed,
+            storage_path=str(a.results.parent),
+            name="stragglers",
+        )
+        started = time.perf_counter()
+        result = fit(config, shutdown_ray=False, on_progress=lambda _m: None)
+        h = result.history
+        rows = round(sum(m.samples_per_s * m.seconds for m in h))
+        aucs = [m.auc for m in h[-a.auc_intervals :]]
+        if rows != a.steps * a.gangs * a.batch_size or None in aucs:
+            raise RuntimeError(f"{label}: trained {rows} rows, AUCs {aucs}")
+        plan = plan_sync(sync, generation=0, live_gangs=range(a.gangs))
+        run = Run(
+            setup=setup,
+            label=label,
+            straggler_seed=seed,
+            rows=rows,
+            train_s=sum(m.seconds for m in h),
+            fit_s=time.perf_counter() - started,
+            auc=statistics.fmean(x for x in aucs if x is not None),
+            oracle_auc=result.oracle_auc,
+            charged_s=simulate(plan, stalls, STALLS_ONLY, gang_size=1).seconds,
+        )
+        key = (setup, label, seed)  # replaces a saved run of the same key
+        runs = [r for r in load_runs(a.results) if (r.setup, r.label, r.straggler_seed) != key]
+        saved = [dataclasses.asdict(r) for r in [*runs, run]]
+        a.results.parent.mkdir(parents=True, exist_ok=True)
+        a.results.write_text(json.dumps(saved, indent=1))
+        print(f"seed {seed} | {label:<22} | {run.train_s:7.1f} s | AUC {run.auc:.4f}")
 
 
 def on_ray(a: argparse.Namespace) -> str:
@@ -231,8 +219,7 @@ def on_ray(a: argparse.Namespace) -> str:
     if any(a.log_every % s.sync_every for _, s in schedules):
         # Interval ends are job-wide barriers: off a job-wide sync they would add waiting.
         raise SystemExit(f"--log-every={a.log_every} is not a multiple of every sync period")
-    if a.repeats:
-        measure(a, schedules)
+    measure(a, schedules)
     saved = load_runs(a.results)
     runs = [r for r in saved if r.setup == setup_of(a)]
     quiet = [r for r in saved if r.setup == setup_of(a, stalls=False)]
@@ -290,7 +277,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--stall-s", type=float, default=1.0)
     p.add_argument("--schedules", default="sync,local-2,local-4,local-8,2-2,4-4,8-8")
     p.add_argument("--sync-dense", choices=("every_step", "with_schedule"), default="every_step")
-    p.add_argument("--repeats", type=int, default=1, help="straggler seeds (0: table only)")
     p.add_argument("--seed", type=int, default=0, help="model and data seed")
     p.add_argument("--straggler-seed", type=int, default=0)
     p.add_argument("--cpus-per-rank", type=float, default=0.25)

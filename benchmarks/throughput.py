@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, bootstrap_median_ci, dims, dlrm, parse, parser, publish
+from benchmarks.common import ROOT, bootstrap_median_ci, dlrm, parse, parser, publish
 from raytrec.config import (
     DataConfig,
     OptimizerConfig,
@@ -45,10 +45,7 @@ FOREVER = 10**8  # steps of a --turns job: this script stops it
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     defaults = argparse.ArgumentDefaultsHelpFormatter
     p = parser(__doc__, "throughput", "docs/benchmarks.md", formatter_class=defaults)
-    p.add_argument("--world-size", type=int, default=2, help="T: ranks on both sides")
-    p.add_argument(
-        "--layouts", type=lambda t: dims(t, 2), nargs="+", help="raytrec GxL (1xT, 2xT/2)"
-    )
+    p.add_argument("--world-size", type=int, default=2, help="T: ranks a side; raytrec 1xT, 2xT/2")
     p.add_argument("--steps", type=int, default=400, help="steps per run, warmup included")
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--log-every", type=int, default=25, help="raytrec's metrics interval")
@@ -79,9 +76,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--driver", type=Path, help=argparse.SUPPRESS)
     a = parse(p, argv)
     t = a.world_size
-    a.layouts = a.layouts or [(1, t)] + ([(2, t // 2)] if t % 2 == 0 and not a.turns else [])
-    if any(g * l_ != t for g, l_ in a.layouts) or (a.turns and len(a.layouts) != 1):
-        p.error(f"every layout GxL needs G*L == --world-size {t} (one layout with --turns)")
+    a.layouts = [(1, t)] + ([(2, t // 2)] if t % 2 == 0 and not a.turns else [])
     if a.warmup_steps % a.log_every or (a.steps - a.warmup_steps) % a.log_every:
         p.error("--warmup-steps and --steps - --warmup-steps must be multiples of --log-every")
     if a.turns and (a.gpu or not 0 <= a.settle_s < a.window_s / 2):
@@ -354,16 +349,17 @@ def turns(a: argparse.Namespace) -> str:
     tmp = Path(tempfile.mkdtemp(prefix="rt-turns-"))
     t_rec, r_rec = tmp / "t.rec", tmp / "r.rec"  # each side's progress records
     forever = ["--steps", str(FOREVER + a.warmup_steps)]
-    torchrun = Side(torchrun_cmd(a, *forever, f"--marks-file={t_rec}"), t_rec)
-    sides = [torchrun]
+    commands = [
+        (torchrun_cmd(a, *forever, f"--marks-file={t_rec}"), t_rec),
+        ([sys.executable, "-m", "benchmarks.throughput", *a.argv, f"--driver={r_rec}"], r_rec),
+    ]
+    sides: list[Side] = []
     windows: dict[int, list[tuple[float, float]]] = {0: [], 1: []}
     try:
-        torchrun.wait_for_step(a.warmup_steps, a.timeout_s)
-        torchrun.signal(signal.SIGSTOP)
-        driver = [sys.executable, "-m", "benchmarks.throughput", *a.argv, f"--driver={r_rec}"]
-        sides.append(Side(driver, r_rec))
-        sides[1].wait_for_step(a.warmup_steps, a.timeout_s)
-        sides[1].signal(signal.SIGSTOP)
+        for cmd, records in commands:  # each up and past its warmup, then stopped
+            sides.append(Side(cmd, records))
+            sides[-1].wait_for_step(a.warmup_steps, a.timeout_s)
+            sides[-1].signal(signal.SIGSTOP)
         for i in [0, 1] * a.rounds + [0]:
             sides[i].signal(signal.SIGCONT)
             start = time.perf_counter()
