@@ -118,8 +118,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         ]  # fmt: skip
         if a.data == "parquet":
             # Parquet written once by the job (the synthetic teacher's rows), read by index in
-            # EPOCHS passes: a loss or a join shares the rows left again, and every rank then
-            # reads a new stream through a new Ray Data pipeline.
+            # EPOCHS passes: a loss gives every survivor a new stream (a new Ray Data pipeline).
             rows = -(-a.steps * 2 * a.gang_size * BATCH_SIZE // EPOCHS)
             entrypoint += ["--set", "data.source=generated", "--set", f"data.generated_rows={rows}"]
             entrypoint += ["--set", f"data.epochs={EPOCHS}"]
@@ -129,7 +128,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         logs = cluster.logs(job)
     summary = json.loads(run_dir.read("summary.json") or "{}")
     events = [json.loads(x) for x in run_dir.read("events.jsonl").splitlines() if x.strip()]
-    shutil.rmtree(storage, ignore_errors=True)  # what the report needs is read
+    if not a.keep_run:  # what the report needs is read
+        shutil.rmtree(storage, ignore_errors=True)
     return {
         "state": state.split("\n", 1)[0],
         "status": state,
@@ -341,6 +341,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--collective-timeout-s", type=float, default=10.0)
     p.add_argument("--timeout-s", type=float, default=900.0, help="stop the job after this")
     p.add_argument("--json", type=pathlib.Path, help="write the raw outputs and report here")
+    p.add_argument("--keep-run", action="store_true", help="keep the run directory, /tmp/rtchaos-*")
     p.add_argument("--machine", default="2-core CPU VM")
     p.add_argument("--date", default=datetime.date.today().isoformat())
     a = parse(p, argv)
