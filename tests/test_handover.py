@@ -107,3 +107,25 @@ def test_a_pipeline_that_ends_before_the_rows_read_in_process_is_an_error() -> N
 
     with pytest.raises(RuntimeError, match="ended 95 rows before"):
         rows(read_while_starting(in_process(), gate.start))
+
+
+def test_the_head_is_read_in_process_while_the_pipeline_of_the_rest_starts() -> None:
+    """A pipeline that delivers while the head is read takes over right after it: none of the
+    rest is read in process, and the pipeline skips nothing."""
+    gate = Gate(tables([20, 80])[1:])  # the pipeline reads rows 20.. only
+    read_here: list[int] = []
+
+    def head() -> Iterator[pa.Table]:
+        yield pa.table({"x": ROWS[:10]})
+        gate.open.set()
+        assert gate.handed.wait(timeout=10)
+        yield pa.table({"x": ROWS[10:20]})
+
+    def rest_in_process() -> Iterator[pa.Table]:
+        for t in tables([20, 40, 40])[1:]:
+            read_here.append(t.num_rows)
+            yield t
+
+    got = rows(read_while_starting(rest_in_process(), gate.start, head=head()))
+    assert got == ROWS and read_here == []
+    assert gate.closed.wait(timeout=5)

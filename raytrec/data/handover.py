@@ -6,20 +6,21 @@ its first read task has run, and that can take seconds (a new worker process imp
 the preprocessing before its first row) and on a loaded machine tens of seconds: every rank of
 the job would wait for it at the first step after a loss or a join.
 
-:func:`read_while_starting` covers that time. It starts the pipeline on a thread and, until the
-pipeline's first block arrives, reads the same rows in the rank's own process with the same
-read and preprocessing functions (as a replayed batch is read). Both produce the same rows in
-the same order, so once the pipeline has a block ready it skips the rows already read in process
-and goes on from there. The pipeline starts at the stream's start rather than where the
-handover happens (which is not known when it starts): what it skips is what the rank trained
-while it started.
+:func:`read_while_starting` covers that time. It starts the pipeline on a thread, gives the
+stream's first read (its ``head``) from the rank's own process, and, until the pipeline's first
+block arrives, goes on reading the pipeline's rows in process too, with the same read and
+preprocessing functions (as a replayed batch is read). Both produce the same rows in the same
+order, so once the pipeline has a block ready it skips the rows already read in process and
+goes on from there. The pipeline starts after the head rather than where the handover happens
+(which is not known when it starts): it reads nothing twice when it starts within the head's
+time, and otherwise skips what the rank read after the head.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import pyarrow as pa
 
@@ -45,13 +46,15 @@ def read_while_starting(
     in_process: Iterator[pa.Table],
     start_pipeline: Callable[[], Iterator[pa.Table]],
     *,
+    head: Iterable[pa.Table] = (),
     name: str = "raytrec-pipeline-start",
 ) -> Iterator[pa.Table]:
-    """The tables of ``in_process`` until the pipeline that ``start_pipeline`` returns (started
-    on a thread now) has its first block, then the pipeline's, from the first row not yet
-    given out. Both must give the same rows in the same order (module doc); a pipeline that
-    ends before the rows read in process is an error. Closing the returned generator stops the
-    pipeline's thread at its next block."""
+    """The tables of ``head``, then those of ``in_process`` until the pipeline that
+    ``start_pipeline`` returns (started on a thread now) has its first block, then the
+    pipeline's, from the first row not yet given out. ``in_process`` and the pipeline must give
+    the same rows in the same order (module doc); a pipeline that ends before the rows read in
+    process is an error. Closing the returned generator stops the pipeline's thread at its next
+    block."""
     ready: queue.Queue[pa.Table | _End | _Failed] = queue.Queue(maxsize=_READY_BLOCKS)
     stop = threading.Event()
 
@@ -83,16 +86,18 @@ def read_while_starting(
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()  # now, not at the first row asked for
-    return _read(in_process, ready, stop)
+    return _read(head, in_process, ready, stop)
 
 
 def _read(
+    head: Iterable[pa.Table],
     in_process: Iterator[pa.Table],
     ready: queue.Queue[pa.Table | _End | _Failed],
     stop: threading.Event,
 ) -> Iterator[pa.Table]:
-    given = 0  # rows given out from the in-process reads
+    given = 0  # rows given out from the in-process reads of the pipeline's rows
     try:
+        yield from head
         while ready.empty():
             try:
                 table = next(in_process)

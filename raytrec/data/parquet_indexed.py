@@ -273,16 +273,24 @@ class IndexedParquetShard(BatchShard):
             return iter(())
         pieces = plan.stream_reads(stream, start_step, length)
         columns = self.source_spec.required_columns()
-        in_process = (
-            self._preprocess(table)
-            for piece in pieces
-            for table in read(self.filesystem, piece, columns)
+
+        def in_process(reads: list[Read]) -> Iterator[pa.Table]:
+            return (
+                self._preprocess(table)
+                for piece in reads
+                for table in read(self.filesystem, piece, columns)
+            )
+
+        if self.in_process or len(pieces) == 1:
+            return in_process(pieces)
+        # The first read in this process while the pipeline of the others starts (it takes
+        # seconds), and more until it delivers: a rank given a new stream trains at once.
+        rest = pieces[1:]
+        return read_while_starting(
+            in_process(rest),
+            functools.partial(self._ray_pipeline, rest),
+            head=in_process(pieces[:1]),
         )
-        if self.in_process:
-            return in_process
-        # The first rows in this process until the pipeline delivers (a new pipeline takes
-        # seconds to start): a rank given a new stream at a loss or a join trains at once.
-        return read_while_starting(in_process, functools.partial(self._ray_pipeline, pieces))
 
     def _ray_pipeline(self, pieces: list[Read]) -> Iterator[pa.Table]:
         """The preprocessed blocks of ``pieces``, in order, read by a Ray Data pipeline."""
