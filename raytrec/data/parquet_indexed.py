@@ -89,6 +89,9 @@ __all__ = ["IndexedParquetShard", "read", "read_gather", "read_piece"]
 STEP = "__rt_step"
 # Rows per decoded record batch, so per block: bounds a read task's memory (~16 MB of Criteo rows).
 _READ_ROWS = 16_384
+#: Rows per table of a new stream's first read, in the rank's process: its first batches are
+#: ready after that many rows are read and preprocessed, not a whole _READ_ROWS table.
+_HEAD_ROWS = 2_048
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
@@ -274,11 +277,11 @@ class IndexedParquetShard(BatchShard):
         pieces = plan.stream_reads(stream, start_step, length)
         columns = self.source_spec.required_columns()
 
-        def in_process(reads: list[Read]) -> Iterator[pa.Table]:
+        def in_process(reads: list[Read], rows: int = _READ_ROWS) -> Iterator[pa.Table]:
             return (
                 self._preprocess(table)
                 for piece in reads
-                for table in read(self.filesystem, piece, columns)
+                for table in read(self.filesystem, piece, columns, rows=rows)
             )
 
         if self.in_process or len(pieces) == 1:
@@ -289,7 +292,7 @@ class IndexedParquetShard(BatchShard):
         return read_while_starting(
             in_process(rest),
             functools.partial(self._ray_pipeline, rest),
-            head=in_process(pieces[:1]),
+            head=in_process(pieces[:1], rows=_HEAD_ROWS),
         )
 
     def _ray_pipeline(self, pieces: list[Read]) -> Iterator[pa.Table]:
@@ -350,38 +353,45 @@ class IndexedParquetShard(BatchShard):
         return batch, row_ids
 
 
-def read(fs: pafs.FileSystem, unit: Read, columns: Sequence[str]) -> Iterator[pa.Table]:
-    """The rows of a piece or a gather, as :func:`read_piece` and :func:`read_gather` give them."""
+def read(
+    fs: pafs.FileSystem, unit: Read, columns: Sequence[str], *, rows: int = _READ_ROWS
+) -> Iterator[pa.Table]:
+    """The rows of a piece or a gather, as :func:`read_piece` and :func:`read_gather` give them,
+    in tables of at most ``rows`` rows."""
     if isinstance(unit, Gather):
-        return read_gather(fs, unit, columns)
-    return read_piece(fs, unit, columns)
+        return read_gather(fs, unit, columns, rows=rows)
+    return read_piece(fs, unit, columns, rows=rows)
 
 
-def read_gather(fs: pafs.FileSystem, unit: Gather, columns: Sequence[str]) -> Iterator[pa.Table]:
+def read_gather(
+    fs: pafs.FileSystem, unit: Gather, columns: Sequence[str], *, rows: int = _READ_ROWS
+) -> Iterator[pa.Table]:
     """The rows of ``unit`` in its order, with each row's step and place (as
-    :func:`read_piece`), in tables of at most ``_READ_ROWS`` rows. Holds the rows of its reads
-    at once: at most one shuffle window."""
+    :func:`read_piece`), in tables of at most ``rows`` rows. Holds the rows of its reads at
+    once: at most one shuffle window."""
     tables = []
     for r in unit.reads:
         piece = Piece(r.path, r.row_group, r.start, r.stop, r.file_row, 0, (r.rows,))
         tables += [t.drop_columns([STEP]) for t in read_piece(fs, piece, columns)]
     # Each file's path is its own one-value dictionary: one dictionary for the take.
-    rows = pa.concat_tables(tables).unify_dictionaries().take(pa.array(unit.take))
-    rows = rows.append_column(STEP, pa.array(unit.steps()))
-    for start in range(0, rows.num_rows, _READ_ROWS):
-        yield rows.slice(start, _READ_ROWS)
+    taken = pa.concat_tables(tables).unify_dictionaries().take(pa.array(unit.take))
+    taken = taken.append_column(STEP, pa.array(unit.steps()))
+    for start in range(0, taken.num_rows, rows):
+        yield taken.slice(start, rows)
 
 
-def read_piece(fs: pafs.FileSystem, piece: Piece, columns: Sequence[str]) -> Iterator[pa.Table]:
+def read_piece(
+    fs: pafs.FileSystem, piece: Piece, columns: Sequence[str], *, rows: int = _READ_ROWS
+) -> Iterator[pa.Table]:
     """The rows of ``piece`` with the columns ``columns``, and for each row its step, file, row
-    group and index in the file; in tables of at most ``_READ_ROWS`` rows."""
+    group and index in the file; in tables of at most ``rows`` rows."""
     steps = np.repeat(np.arange(piece.step, piece.step + len(piece.counts)), piece.counts)
     try:
         with fs.open_input_file(piece.path) as f:
             reader = pq.ParquetFile(f)
             at = 0  # the row group's row where the next record batch starts
             for rb in reader.iter_batches(
-                batch_size=_READ_ROWS,
+                batch_size=rows,
                 row_groups=[piece.row_group],
                 columns=list(columns),
                 use_threads=False,  # one task per CPU: Ray Data already runs them in parallel
