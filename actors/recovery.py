@@ -20,7 +20,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from actors.rank import RankWorker
-from raytrec.elastic.control import retry_transient, survivors_apart
+from raytrec.elastic.control import group_broke, retry_transient, survivors_apart
 from raytrec.elastic.dense import settle_failed_step
 from raytrec.elastic.events import FailedStepSettled, GangDropped, HangDetected, RankDied
 from raytrec.elastic.policy import (
@@ -240,6 +240,14 @@ class FailureRecovery:
             except RankLost as e:
                 out.dead[r] = e.cause
         if not out.failed:
+            if isinstance(error, RankFailed) and group_broke(error.cause):
+                # Every rank lives, but a collective of the re-forming failed: which gang's
+                # process group is unusable is not known, so none is trusted. Every gang
+                # counts as lost: a total loss (rebuilt from the last checkpoint, or a clear
+                # failure without one).
+                lost = f"a collective failed while the job re-formed, every rank alive ({error})"
+                out.dead = {r: lost for r in self.job._live_ranks()}
+                return out
             if not isinstance(error, RankLost):
                 raise error  # nobody died: a real error of its own
             # An actor outside the membership died (a gang that was starting): re-form as is.

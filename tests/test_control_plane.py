@@ -23,12 +23,14 @@ from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
 from raytrec.data.synthetic import batch_id, split_batch_id
 from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.control import group_broke
 from raytrec.elastic.drain import request_drain
 from raytrec.elastic.fake import FakeWorkerGroup
 from raytrec.elastic.fake_faults import (
     AtStep,
     FakeShard,
     Fault,
+    GroupBreaks,
     HealCorrupted,
     NodeDies,
     NodeDrains,
@@ -409,6 +411,34 @@ def test_a_rank_lost_during_recovery_starts_it_over(tmp_path: Any) -> None:
         4: "ActorDiedError: the rank's process exited",
     }
     assert sorted(j.group.killed) == [2, 5]  # the lost gangs' other ranks are ended too
+
+
+def test_a_group_that_breaks_while_the_job_re_forms_is_a_total_loss(tmp_path: Any) -> None:
+    """Every rank lives, but the re-forming's dense broadcast fails as a gloo pair closed after
+    a timeout does: no gang's groups can be trusted, so the job is rebuilt from its checkpoint
+    (and without one it fails saying why), never left with an unusable group."""
+    faults = (RankDies(rank=3, step=5), GroupBreaks(rank=4, on="broadcast_dense"))
+    j = job(tmp_path, *faults, checkpoint=CheckpointConfig(every_n_steps=4))
+    summary = j.run()
+    [loss] = events(summary, "total_loss")
+    assert loss["checkpoint_step"] == 4 and loss["lost_gangs"] == [0, 2]
+    died = {e["job_rank"]: e["cause"] for e in events(summary, "rank_died")}
+    assert "pair closure" in died[4] and "every rank alive" in died[0]
+    assert summary.steps == 16 and len(gangs_of(summary)) == 3
+    assert_exactly_once(summary, j.group)
+
+    j = job(tmp_path / "no-checkpoint", *faults)
+    with pytest.raises(JobFailedError, match="cannot go on without a checkpoint"):
+        j.coordinator.run()
+
+
+def test_which_errors_say_a_process_group_broke() -> None:
+    gloo = "[third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"
+    assert group_broke(RuntimeError(gloo))
+    assert group_broke(RuntimeError("Application timeout caused pair closure"))
+    assert group_broke(TimeoutError("a collective timed out"))
+    assert not group_broke(ValueError("bad row 12 in part-0.parquet"))
+    assert not group_broke(RuntimeError("shape mismatch in the dense arch"))
 
 
 def test_a_hung_rank_stays_lost_when_its_recovery_starts_over(tmp_path: Any) -> None:

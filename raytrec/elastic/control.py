@@ -14,6 +14,7 @@ without a cluster.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "Proceed",
     "Wait",
     "gangs_to_request",
+    "group_broke",
     "intervals_to_queue",
     "placement_decision",
     "resources_decision",
@@ -149,6 +151,22 @@ def retry_transient(failures_in_a_row: int, *, limit: int, errors: Sequence[str]
         f"collectives failed {failures_in_a_row} times in a row with every rank alive; last "
         f"errors: {list(errors)[:2]}"
     )
+
+
+#: What gloo and NCCL say when a process group can no longer be used: a peer's connection
+#: was reset or closed, or a collective timed out (gloo then closes the pair for good).
+_BROKEN_GROUP = re.compile(
+    r"gloo|nccl|pair closure|connection (reset|closed|refused)|timed? ?out", re.IGNORECASE
+)
+
+
+def group_broke(cause: BaseException) -> bool:
+    """Whether a rank's own error says a process group it collects over failed (its transport
+    or a timeout), rather than a fault of the call itself. A re-forming whose collective
+    fails that way, with every rank alive, cannot tell which gang's group is unusable."""
+    if isinstance(cause, TimeoutError | ConnectionError):
+        return True
+    return isinstance(cause, RuntimeError) and bool(_BROKEN_GROUP.search(str(cause)))
 
 
 def survivors_apart(

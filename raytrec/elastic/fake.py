@@ -260,6 +260,9 @@ class FakeWorkerGroup:
             for f in self._faults
             if isinstance(f, fake_faults.RankDies) and f.on is not None
         }
+        self._breaks = {
+            (f.rank, f.on): f for f in self._faults if isinstance(f, fake_faults.GroupBreaks)
+        }
         self._timed: list[tuple[float, Callable[[], object]]] = []  # (when, what), to fire
         self._pending: list[FakePlacement] = []
         self._ranks: dict[int, _Rank] = {}
@@ -331,8 +334,18 @@ class FakeWorkerGroup:
             if fault is not None:  # it dies at this call
                 self._faults.remove(fault)
                 self._kill(rank, "ActorDiedError: the rank's process exited", at=now)
+        broke = [self._breaks.pop((r.spec.rank, name), None) for r in states]
         if name == "train":
             out = self._train(states, args_of, **kwargs)
+        elif name in _COLLECTIVES and any(broke):
+            for f in broke:
+                if f is not None:
+                    self._faults.remove(f)
+            error = RuntimeError("Application timeout caused pair closure")
+            out = {
+                r.spec.rank: _Future(r.spec.rank, now, error=RankFailed(r.spec.rank, error))
+                for r in states
+            }
         elif name in _COLLECTIVES:
             out = self._collective(name, states, args_of, kwargs)
         else:

@@ -25,6 +25,7 @@ __all__ = [
     "AtStep",
     "FakeShard",
     "Fault",
+    "GroupBreaks",
     "HealCorrupted",
     "ManualClock",
     "NodeDies",
@@ -48,6 +49,15 @@ class RankDies:
     rank: int
     step: int | None = None
     on: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupBreaks:
+    """Rank ``rank``'s first ``on`` call (a collective, e.g. ``"broadcast_dense"``) fails on
+    every rank taking part, as a gloo pair closed after a timeout does; every rank lives."""
+
+    rank: int
+    on: str
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -115,7 +125,17 @@ class NodesJoin:
     count: int = 1
 
 
-Fault = RankDies | NodeDies | RankHangs | RankFails | SlowRank | NodeDrains | HealCorrupted | AtStep
+Fault = (
+    RankDies
+    | GroupBreaks
+    | NodeDies
+    | RankHangs
+    | RankFails
+    | SlowRank
+    | NodeDrains
+    | HealCorrupted
+    | AtStep
+)
 
 
 # -- the clock --------------------------------------------------------------------------------
