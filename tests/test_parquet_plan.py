@@ -233,6 +233,27 @@ def test_recut_of_whole_epochs_is_the_plan_s_own_cut() -> None:
         assert plan.stream_pieces(stream, 0, plan.num_steps) == plan.pieces(rank, 0, plan.num_steps)
 
 
+class RowHits:
+    """How often each row of each epoch of ``plan`` was in a trained batch of at most ``batch``
+    rows (one difference array per epoch)."""
+
+    def __init__(self, plan: BatchPlan, batch: int) -> None:
+        self.plan, self.batch = plan, batch
+        self.hits = [np.zeros(plan.rows_per_epoch + 1, dtype=np.int64) for _ in range(plan.epochs)]
+
+    def train(self, stream: Stream, k0: int, k1: int) -> None:
+        for k in range(k0, k1):
+            assert 1 <= stream_batch_size(stream, k) <= self.batch
+            epoch = stream_epoch(stream, k)
+            for a, b in stream_rows(self.plan, stream, k, k + 1):
+                self.hits[epoch][a] += 1
+                self.hits[epoch][b] -= 1
+
+    def assert_each_once(self) -> None:
+        for epoch, h in enumerate(self.hits):
+            assert (np.cumsum(h)[: self.plan.rows_per_epoch] == 1).all(), f"epoch {epoch}"
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_rows_left_are_shared_once_and_every_rank_ends_at_the_same_step(seed: int) -> None:
     """Ranks stop at random places of their streams (some lost, some queueing replays); the
@@ -245,16 +266,8 @@ def test_rows_left_are_shared_once_and_every_rank_ends_at_the_same_step(seed: in
         rng, files=8, max_groups=3, max_rows=300, num_shards=6, batch_size=batch, epochs=2
     )
     streams = [plan.stream(r) for r in range(6)]
-    hits = [np.zeros(plan.rows_per_epoch + 1, dtype=np.int64) for _ in range(plan.epochs)]
-
-    def train(stream: Stream, k0: int, k1: int) -> None:
-        for k in range(k0, k1):
-            size = stream_batch_size(stream, k)
-            assert 1 <= size <= batch
-            epoch = stream_epoch(stream, k)
-            for a, b in stream_rows(plan, stream, k, k + 1):
-                hits[epoch][a] += 1
-                hits[epoch][b] -= 1
+    rows = RowHits(plan, batch)
+    train = rows.train
 
     for _ in range(2):  # two membership changes
         taken = [int(rng.integers(0, stream_length(s) + 1)) for s in streams]
@@ -275,30 +288,22 @@ def test_rows_left_are_shared_once_and_every_rank_ends_at_the_same_step(seed: in
         assert sum(sum(p.total for p in s) for s in streams) == plan_rows
     for s in streams:
         train(s, 0, stream_length(s))
-    for epoch, h in enumerate(hits):
-        assert (np.cumsum(h)[: plan.rows_per_epoch] == 1).all(), f"epoch {epoch}"
+    rows.assert_each_once()
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_a_join_hands_off_the_ends_of_the_survivors_streams(seed: int) -> None:
     """Survivors in lockstep (as many batches left, replays counted) keep their streams' next
-    batches unchanged; joining ranks get the rest: every rank ends at the same step, batches
-    hold 1..B rows, every row of every epoch is trained once, and the survivors keep more than
-    a recut of everything would move."""
+    batches unchanged and give some away; joining ranks get the rest: every rank ends at the
+    same step, batches hold 1..B rows, and every row of every epoch is trained once."""
     rng = np.random.default_rng(seed)
     batch = int(rng.integers(3, 40))
     plan = random_plan(
         rng, files=8, max_groups=3, max_rows=300, num_shards=4, batch_size=batch, epochs=2
     )
     streams = [plan.stream(r) for r in range(4)]
-    hits = [np.zeros(plan.rows_per_epoch + 1, dtype=np.int64) for _ in range(plan.epochs)]
-
-    def train(stream: Stream, k0: int, k1: int) -> None:
-        for k in range(k0, k1):
-            assert 1 <= stream_batch_size(stream, k) <= batch
-            for a, b in stream_rows(plan, stream, k, k + 1):
-                hits[stream_epoch(stream, k)][a] += 1
-                hits[stream_epoch(stream, k)][b] -= 1
+    rows = RowHits(plan, batch)
+    train = rows.train
 
     at = int(rng.integers(0, plan.num_steps // 2))
     for s in streams:
@@ -315,8 +320,7 @@ def test_a_join_hands_off_the_ends_of_the_survivors_streams(seed: int) -> None:
     assert [stream_length(s) for s in handoff.streams] == [k] * joining
     for s in handoff.streams:
         train(s, 0, k)
-    for epoch, h in enumerate(hits):
-        assert (np.cumsum(h)[: plan.rows_per_epoch] == 1).all(), f"epoch {epoch}"
+    rows.assert_each_once()
 
 
 def test_a_hand_off_needs_survivors_in_lockstep_and_rows_enough() -> None:
