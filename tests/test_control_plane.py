@@ -439,6 +439,7 @@ def test_which_errors_say_a_process_group_broke() -> None:
     assert group_broke(TimeoutError("a collective timed out"))
     assert not group_broke(ValueError("bad row 12 in part-0.parquet"))
     assert not group_broke(RuntimeError("shape mismatch in the dense arch"))
+    assert not group_broke(RuntimeError("the runtime output of table t_cat_0 is empty"))
 
 
 def test_a_hung_rank_stays_lost_when_its_recovery_starts_over(tmp_path: Any) -> None:

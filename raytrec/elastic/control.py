@@ -156,7 +156,7 @@ def retry_transient(failures_in_a_row: int, *, limit: int, errors: Sequence[str]
 #: What gloo and NCCL say when a process group can no longer be used: a peer's connection
 #: was reset or closed, or a collective timed out (gloo then closes the pair for good).
 _BROKEN_GROUP = re.compile(
-    r"gloo|nccl|pair closure|connection (reset|closed|refused)|timed? ?out", re.IGNORECASE
+    r"\b(gloo|nccl|pair closure|connection (reset|closed|refused)|timed? ?out)\b", re.IGNORECASE
 )
 
 
