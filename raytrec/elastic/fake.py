@@ -334,7 +334,7 @@ class FakeWorkerGroup:
             if fault is not None:  # it dies at this call
                 self._faults.remove(fault)
                 self._kill(rank, "ActorDiedError: the rank's process exited", at=now)
-        broke = [self._breaks.pop((r.spec.rank, name), None) for r in states]
+        broke = [self._breaks.pop((r.spec.rank, name), None) for r in states if self._breaks]
         if name == "train":
             out = self._train(states, args_of, **kwargs)
         elif name in _COLLECTIVES and any(broke):
