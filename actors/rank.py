@@ -35,7 +35,7 @@ from raytrec.data.parquet_plan import Stream
 from raytrec.data.source import Batch, BatchShard
 from raytrec.elastic.faults import FaultKind
 from raytrec.elastic.report import RankInfo, RankReport, TrainedBatch
-from raytrec.engine.rank import RankEngine, RankSpec
+from raytrec.engine.rank import RankEngine, RankSpec, StepInput
 from raytrec.rec_metrics import RankMetrics
 from raytrec.sync.schedule import SyncPlan
 
@@ -95,7 +95,7 @@ class RankWorker:
         self._feed: BatchFeed[Item] | None = None
         self._lock = threading.Lock()
         self._trained: list[TrainedBatch] = []  # (step, batch id) not yet reported
-        self._losses: list[float] = []
+        self._losses: list[torch.Tensor] = []  # each step's loss, read at the report
         self._order = IntervalOrder()
         self._last_end: float | None = None  # when the last train call ended (perf_counter)
         self._heartbeat: threading.Thread | None = None
@@ -153,6 +153,7 @@ class RankWorker:
             self._heal_corrupted = True
             with torch.no_grad():
                 self.engine.embedding_weights()[0].view(-1)[0] += 1.0
+            self.engine.embeddings_written()
 
     def broadcast_dense(self, src: int, gang_src: int = 0) -> None:
         self.engine.broadcast_dense(src=src, gang_src=gang_src)
@@ -256,35 +257,49 @@ class RankWorker:
 
     def _train(self, num_steps: int, ready_steps: int, *, started: float) -> RankReport:
         assert self._feed is not None, "build() first"
-        engine = self.engine
-        sync_s = stall_s = 0.0
+        feed, engine = self._feed, self.engine
+        stall_s = 0.0
         # Waits for data since the last interval (a pipeline started again at a membership
         # change, say) belong to this interval: in its time as in its data wait, so that the
         # wait stays a share of the rank's time.
-        carried = self._feed.wait_s
+        carried = feed.wait_s
         data_s = carried
-        self._feed.wait_s = 0.0
+        feed.wait_s = 0.0
         self.metrics.reset()
         rows = 0
-        for _ in range(num_steps):
-            stall_s += self._inject(engine.step + 1)
-            batch_id, batch = self._feed.take()
-            with self._lock:
-                self._trained.append((engine.step + 1, batch_id))
-            rows += int(batch.labels.shape[0])
+
+        def take() -> StepInput:
+            batch_id, batch = feed.take()
             dense = batch_id is None or batch_id not in self._embedding_only
-            if batch_id is not None:
-                self._embedding_only.discard(batch_id)
-            loss = engine.train_step(batch, dense=dense)
+            return StepInput(batch, dense=dense, tag=batch_id)
+
+        def begin(item: StepInput) -> None:
+            # The step of this batch begins: from here on it counts as trained (its embedding
+            # update may happen before anything else can fail).
+            nonlocal stall_s, rows
+            step = engine.step + 1
+            stall_s += self._inject(step)
             with self._lock:
-                self._losses.append(loss)
-            assert engine.last_output is not None
-            self.metrics.update(*engine.last_output)
-            decision = engine.decide(engine.step)
-            if decision.due:
-                t2 = time.perf_counter()
-                engine.sync(decision)
-                sync_s += time.perf_counter() - t2
+                self._trained.append((step, item.tag))
+            rows += int(item.batch.labels.shape[0])
+            if item.tag is not None:
+                self._embedding_only.discard(item.tag)
+
+        synced = engine.sync_seconds
+        try:
+            for loss in engine.train_steps(take, num_steps, begin):
+                with self._lock:
+                    self._losses.append(loss)
+                assert engine.last_output is not None
+                self.metrics.update(*engine.last_output)
+        except BaseException:
+            # Batches a pipeline took ahead and never started go back to the feed's front, to
+            # be trained next (or re-read, if the job re-shares the rows left).
+            unstarted = engine.unstarted()
+            if unstarted:
+                feed.push_front([(i.tag, i.batch) for i in unstarted])
+            raise
+        sync_s = engine.sync_seconds - synced
         stop: BaseException | None = None
         if ready_steps:
             try:
@@ -312,7 +327,8 @@ class RankWorker:
         with self._lock:
             trained, self._trained = self._trained, []
             losses, self._losses = self._losses, []
-        return trained, losses
+        # One read of the device for the interval's losses (each step's stays where it was made).
+        return trained, torch.stack(losses).tolist() if losses else []
 
     def _beat(self) -> None:
         """The heartbeat: every ``elastic.poll_s / 2`` seconds, the step count goes to the job's

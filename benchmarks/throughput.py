@@ -2,12 +2,22 @@
 
     .venv/bin/python -m benchmarks.throughput [--repeats 20] [--gpu] [--write docs/benchmarks.md]
     .venv/bin/python -m benchmarks.throughput --turns [--rounds 40] [--window-s 12]
+    .venv/bin/python -m benchmarks.throughput --pipeline [--batch-sizes 512,4096,16384] [--dcn]
 
 Both train :func:`build_config`'s job, one torch thread per rank: torchrun timed in its workers
 between two barriers, raytrec by its coordinator's ``elapsed_s`` after the warmup (Ray's round
 trips included). Repeats take turns, mirrored every other repeat, each raytrec run paired with
 its repeat's torchrun run. ``--turns`` keeps both up, taking turns of ``--window-s`` (the other
 one SIGSTOPped); each raytrec window is compared with the torchrun windows around it.
+
+``--pipeline`` (one GPU) compares the pipelined step: in one process, in turns, raytrec's rank
+engine (``RankEngine.train_steps``, the loop a rank actor runs, with
+``train_pipeline='sparse_dist'``, its losses and metric states read every ``--log-every`` steps
+as a rank reports them) against plain TorchRec (``DistributedModelParallel`` stepped by
+``TrainPipelineSparseDist``, its loss read every ``--log-every`` steps), on the same plan and
+the same batches, made on the CPU beforehand, at each of ``--batch-sizes``. ``--dcn`` adds the
+MLPerf DLRM-DCNv2 shapes (26 Criteo tables of dimension 128, the largest capped at
+``--dcn-cap`` rows, those over ``--uvm-rows`` rows UVM-cached) at ``--dcn-batch`` rows.
 """
 
 from __future__ import annotations
@@ -70,6 +80,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--window-s", type=float, default=12.0, help="--turns: seconds per turn")
     p.add_argument("--settle-s", type=float, default=3.0, help="--turns: left out of a window")
     p.add_argument("--timeout-s", type=float, default=900.0)
+    p.add_argument("--pipeline", action="store_true", help="one GPU: the pipelined step, in turns")
+    p.add_argument(
+        "--batch-sizes",
+        type=lambda x: tuple(int(b) for b in x.split(",")),
+        default=(512, 4096, 16384),
+        help="--pipeline: rows per step, comma-separated",
+    )
+    p.add_argument("--dcn", action="store_true", help="--pipeline: also the MLPerf DCNv2 shapes")
+    p.add_argument("--dcn-cap", type=int, default=40_000_000, help="--dcn: rows of the largest")
+    p.add_argument("--uvm-rows", type=int, default=1_000_000, help="--dcn: UVM-cache larger ones")
+    p.add_argument("--cache-load-factor", type=float, default=0.2, help="--dcn: of UVM tables")
+    p.add_argument("--dcn-batch", type=int, default=8192, help="--dcn: rows per step")
     p.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--marks-file", type=Path, help=argparse.SUPPRESS)
@@ -396,10 +418,189 @@ def turns(a: argparse.Namespace) -> str:
     )
 
 
+#: The MLPerf DLRM-DCNv2 (Criteo 1TB) tables' rows, as its reference caps them at 40 million.
+MLPERF_ROWS = (
+    40_000_000, 39_060, 17_295, 7_424, 20_265, 3, 7_122, 1_543, 63, 40_000_000, 3_067_956,
+    405_282, 10, 2_209, 11_938, 155, 4, 976, 14, 40_000_000, 40_000_000, 40_000_000, 590_152,
+    12_973, 108, 36,
+)  # fmt: skip
+
+
+def pipeline_config(a: argparse.Namespace, batch_size: int, *, dcn: bool) -> TrainConfig:
+    """One GPU rank with the pipeline: the throughput job's model, or MLPerf's DCNv2 shapes."""
+    import torch
+
+    from raytrec.model_config import ModelConfig, criteo_tables
+
+    # Without a GPU the same comparison runs on a CPU rank (a check of this script, no more).
+    cfg = build_config(a, gang_size=1, steps=a.steps, run_dir="unused").replace(
+        scaling=ScalingConfig(num_workers=1, gang_size=1, use_gpu=torch.cuda.is_available()),
+        data=DataConfig(batch_size=batch_size),
+        train_pipeline="sparse_dist",
+    )
+    if not dcn:
+        return cfg
+    uvm = {"compute_kernel": "fused_uvm_caching", "cache_load_factor": a.cache_load_factor}
+    rows = [min(n, a.dcn_cap) for n in MLPERF_ROWS]
+    tables = tuple(
+        t.model_copy(update=uvm) if t.num_embeddings > a.uvm_rows else t
+        for t in criteo_tables(num_embeddings=rows, embedding_dim=128)
+    )
+    model = ModelConfig(
+        arch="dlrm_dcn", tables=tables, dense_arch_layers=(512, 256, 128),
+        over_arch_layers=(1024, 1024, 512, 256, 1), dcn_num_layers=3, dcn_low_rank_dim=512,
+    )  # fmt: skip
+    return cfg.replace(model=model)
+
+
+def pipeline_side(
+    side: str, cfg: TrainConfig, plan: Any, batches: list[Any], a: argparse.Namespace
+) -> float:
+    """Samples per second of one side over ``a.steps - a.warmup_steps`` steps."""
+    import torch
+    import torch.distributed as dist
+
+    from raytrec.engine.rank import RankEngine, RankSpec, StepInput, StoreAddress
+    from raytrec.rec_metrics import RankMetrics
+
+    gpu = cfg.scaling.use_gpu
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    stream = itertools.cycle(batches)
+    intervals = (a.steps - a.warmup_steps) // a.log_every
+    num_dense = batches[0].dense_features.shape[1]
+    if side == "raytrec":
+        spec = RankSpec(
+            rank=0, gang=0, gang_rank=0, gang_size=1, config=cfg, plan=plan, num_dense=num_dense,
+            store=StoreAddress(host="127.0.0.1", port=store.port),
+        )  # fmt: skip
+        engine = RankEngine(spec)
+        engine.build()
+        engine.join_replica_plane(generation=0, member_rank=0, size=1)
+        trained: list[tuple[int, Any]] = []
+
+        def take() -> StepInput:
+            return StepInput(next(stream))
+
+        def begin(item: StepInput) -> None:
+            trained.append((engine.step + 1, item.tag))
+
+        def interval() -> None:
+            metrics, losses = RankMetrics(), []
+            for loss in engine.train_steps(take, a.log_every, begin):
+                losses.append(loss)
+                assert engine.last_output is not None
+                metrics.update(*engine.last_output)
+            torch.stack(losses).tolist()
+            metrics.state()
+            trained.clear()
+
+        close = engine.close
+    else:
+        from torchrec.distributed.model_parallel import DistributedModelParallel
+        from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
+        from torchrec.distributed.types import ShardingEnv
+        from torchrec.optim.keyed import KeyedOptimizerWrapper
+        from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+        from raytrec.engine.plan import apply_embedding_optimizer, sharders
+        from raytrec.engine.rank import _DENSE_OPTIMIZERS, dense_optimizer_kwargs
+        from raytrec.model import build_train_model
+
+        if gpu:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if gpu else "gloo", store=store, rank=0, world_size=1)
+        model = build_train_model(cfg.model, num_dense, device, cfg.seed)
+        apply_embedding_optimizer(model, cfg.optimizer)
+        env = ShardingEnv.from_process_group(dist.group.WORLD)
+        dmp = DistributedModelParallel(model, env, device, plan=plan, sharders=sharders())
+        dense_cls, kwargs = (
+            _DENSE_OPTIMIZERS[cfg.optimizer.dense],
+            dense_optimizer_kwargs(cfg.optimizer),
+        )
+        params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+        dense = KeyedOptimizerWrapper(params, lambda ps: dense_cls(ps, **kwargs))
+        pipeline = TrainPipelineSparseDist(dmp, dense, device, execute_all_batches=True)
+
+        def interval() -> None:
+            for _ in range(a.log_every):
+                loss, _, _ = pipeline.progress(stream)
+            float(loss)
+
+        close = dist.destroy_process_group
+    try:
+        for _ in range(a.warmup_steps // a.log_every):
+            interval()
+        sync()
+        started = time.perf_counter()
+        for _ in range(intervals):
+            interval()
+        sync()
+        return intervals * a.log_every * cfg.data.batch_size / (time.perf_counter() - started)
+    finally:
+        close()
+        if gpu:
+            torch.cuda.empty_cache()
+
+
+def pipeline_runs(a: argparse.Namespace) -> str:
+    """Each configuration's sides in turns (mirrored every other repeat), as a table."""
+    import torch
+
+    from raytrec.api import _plan, default_source
+    from raytrec.model import build_train_model
+
+    gpu = torch.cuda.is_available()
+    memory = torch.cuda.get_device_properties(0).total_memory if gpu else 2**40
+    configs = [(f"{b:,}", pipeline_config(a, b, dcn=False)) for b in a.batch_sizes]
+    if a.dcn:
+        configs.append((f"DCNv2 {a.dcn_batch:,}", pipeline_config(a, a.dcn_batch, dcn=True)))
+    lines = [
+        "| model, rows per step | TorchRec + pipeline samples/s | raytrec 1x1 + pipeline "
+        "samples/s | median / median | per-repeat ratios |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for label, cfg in configs:
+        cfg = cfg.replace(sharding=cfg.sharding.replace(device_memory_gib=memory / 2**30))
+        source = default_source(cfg)
+        batches = list(itertools.islice(source.split(1)[0].batches(cfg.data.batch_size), 16))
+        batches = [b.pin_memory() if gpu else b for b in batches]
+        plan = _plan(cfg, source.dense_features, build_train_model)
+        got: dict[str, list[float]] = {"plain": [], "raytrec": []}
+        for r in range(a.repeats):
+            for side in ("raytrec", "plain") if r % 2 == 0 else ("plain", "raytrec"):
+                got[side].append(pipeline_side(side, cfg, plan, batches, a))
+                print(f"{label} {side}: {got[side][-1]:,.0f} samples/s", flush=True)
+        plain, ours = statistics.median(got["plain"]), statistics.median(got["raytrec"])
+        ratios = ", ".join(
+            f"{x / y:.3f}" for x, y in zip(got["raytrec"], got["plain"], strict=True)
+        )
+        lines.append(
+            f"| {label} | {plain:,.0f} | {ours:,.0f} | **{ours / plain:.3f}** | {ratios} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     if a.torchrun_worker:
         return torchrun_worker(a)
+    if a.pipeline:
+        shape = (
+            f"One GPU, {a.steps} steps per run ({a.warmup_steps} of warmup), {a.repeats} repeats "
+            f"in turns; DLRM {a.num_tables} tables x {a.num_embeddings:,} x {a.embedding_dim}"
+            + (
+                f"; DCNv2: largest tables capped at {a.dcn_cap:,} rows, those over "
+                f"{a.uvm_rows:,} rows UVM-cached (load factor {a.cache_load_factor:g})"
+                if a.dcn
+                else ""
+            )
+        )
+        table = pipeline_runs(a)
+        publish(a, f"- {shape}.\n\n{table}", name="throughput-pipeline",
+                heading="## throughput-pipeline", gpu=True)  # fmt: skip
+        return 0
     if a.driver:
         return run_driver(a)
     table = turns(a) if a.turns else repeats(a)

@@ -484,7 +484,36 @@ def _plan(config: TrainConfig, num_dense: int, model_factory: ModelFactory) -> A
         sharding=config.sharding,
         tables=config.model.tables,
         batch_size=config.data.batch_size,
+        device_memory=_device_memory(config),
     )
+
+
+#: How long the driver waits for a GPU of the cluster to say how much memory it has.
+_DEVICE_MEMORY_WAIT_S = 120.0
+
+
+def _device_memory(config: TrainConfig) -> int | None:
+    """The device memory per GPU rank the plan may fill: ``sharding.device_memory_gib``, else
+    what a GPU says (the driver's own, or one a one-GPU Ray task sees); None on CPU ranks."""
+    if not config.scaling.use_gpu:
+        return None
+    if config.sharding.device_memory_gib is not None:
+        return int(config.sharding.device_memory_gib * 2**30)
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    probe = ray.remote(num_gpus=1, num_cpus=0)(_gpu_memory).remote()
+    try:
+        return int(ray.get(probe, timeout=_DEVICE_MEMORY_WAIT_S))
+    except ray.exceptions.GetTimeoutError:
+        ray.cancel(probe, force=True)
+        raise ConfigError(
+            f"no GPU of the cluster said how much memory it has within "
+            f"{_DEVICE_MEMORY_WAIT_S:.0f} s; set sharding.device_memory_gib"
+        ) from None
+
+
+def _gpu_memory() -> int:
+    return int(torch.cuda.get_device_properties(0).total_memory)
 
 
 def _drive(

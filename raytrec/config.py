@@ -35,6 +35,7 @@ from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.faults import FaultConfig, FaultSpec
 from raytrec.model_config import (
     RESERVED_TABLE_NAMES,
+    UVM_KERNELS,
     WEIGHTS_SUFFIX,
     ModelConfig,
     ShardingType,
@@ -71,6 +72,7 @@ DenseSync = Literal["every_step", "with_schedule"]
 
 # What TorchRec 1.8's planner offers a CPU compute device (checked on gloo).
 CPU_SHARDING_TYPES: tuple[str, ...] = ("table_wise", "column_wise")
+TrainPipelineName = Literal["auto", "off", "sparse_dist", "semi_sync"]
 CPU_EMBEDDING_OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "rowwise_adagrad")
 # The fused embedding optimizers whose FBGEMM kernels take a weight decay (EXACT_SGD and
 # EXACT_ADAGRAD ignore it).
@@ -119,6 +121,11 @@ class ShardingConfig(ConfigModel):
     sharding_type: ShardingType = "table_wise"
     """The sharding type of every table without its own `sharding_types`; CPU ranks take
     `table_wise` and `column_wise`."""
+    device_memory_gib: PositiveFloat | None = None
+    """The device memory per GPU rank that TorchRec's planner may fill (its `Topology.hbm_cap`),
+    in GiB; null: the GPU's own memory, read from a GPU of the cluster before any rank starts.
+    The planner refuses a plan that does not fit: keep the largest tables in host memory with
+    `model.tables[*].compute_kernel`."""
 
 
 class ScalingConfig(ConfigModel):
@@ -356,6 +363,13 @@ class TrainConfig(ConfigModel):
     """Steps every rank trains; null: every batch of `data.epochs` passes over Parquet data
     (`data.source` `parquet` or `generated`), worked out from the files before training. The
     endless synthetic source needs it set."""
+    train_pipeline: TrainPipelineName = "auto"
+    """How a rank runs its steps: `sparse_dist` is TorchRec's `TrainPipelineSparseDist` (the next
+    batch's copy to the device and its input all-to-all overlap this batch's forward and
+    backward); `semi_sync` is `TrainPipelineSemiSync` (also the next batch's embedding lookup,
+    one step stale); `off` runs each step on its own. The pipeline is drained at every replica
+    sync and at the end of every interval, so checkpoints, evaluations, drains and membership
+    changes see no batch in flight. `auto`: `sparse_dist` on GPU ranks, `off` on CPU ranks."""
     log_every: PositiveInt = 20
     """Steps per interval: a metrics row (and a progress line) every this many steps."""
     seed: NonNegativeInt = 0
@@ -401,6 +415,13 @@ class TrainConfig(ConfigModel):
                 f"mode'); on CPU use one of {', '.join(map(repr, CPU_EMBEDDING_OPTIMIZERS))}, "
                 "or set scaling.use_gpu=True"
             )
+        for t in self.model.tables:
+            if t.compute_kernel in UVM_KERNELS:
+                raise ConfigError(
+                    f"model.tables[{t.name}].compute_kernel={t.compute_kernel!r} cannot run on "
+                    "CPU ranks: UVM is GPU memory mapped from the host; CPU ranks keep every "
+                    "table in RAM with compute_kernel='fused', or set scaling.use_gpu=True"
+                )
         if self.optimizer.embedding_weight_decay:
             raise ConfigError(
                 f"optimizer.embedding_weight_decay={self.optimizer.embedding_weight_decay!r} "
@@ -426,6 +447,13 @@ class TrainConfig(ConfigModel):
             else default
             for t in self.model.tables
         ]
+
+    @property
+    def resolved_pipeline(self) -> str:
+        """``train_pipeline`` resolved: ``sparse_dist``, ``semi_sync`` or ``off``."""
+        if self.train_pipeline == "auto":
+            return "sparse_dist" if self.scaling.use_gpu else "off"
+        return self.train_pipeline
 
     @property
     def feed_in_background(self) -> bool:

@@ -23,7 +23,7 @@ from torch import nn
 from torchrec.models.deepfm import FMInteractionArch
 from torchrec.models.deepfm import SparseArch as DeepFMSparseArch
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DenseArch, DLRMTrain, OverArch
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.modules.mlp import MLP, Perceptron
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -53,6 +53,7 @@ def embedding_bag_configs(cfg: ModelConfig) -> list[EmbeddingBagConfig]:
             embedding_dim=t.embedding_dim,
             feature_names=list(t.features),
             pooling=PoolingType[t.pooling.upper()],
+            data_type=DataType[t.precision.upper()],
         )
         for t in cfg.tables
     ]

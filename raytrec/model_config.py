@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Literal
 
-from annotated_types import Ge, Lt, MinLen
+from annotated_types import Ge, Gt, Le, Lt, MinLen
 from pydantic import field_validator, model_validator
 
 from raytrec.config_base import (
@@ -19,12 +19,20 @@ from raytrec.config_base import (
     Seq,
 )
 
-__all__ = ["ModelConfig", "TableConfig", "criteo_tables"]
+__all__ = ["UVM_KERNELS", "ModelConfig", "TableConfig", "criteo_tables"]
 
 ModelArch = Literal["dlrm", "dlrm_dcn", "deepfm", "two_tower"]
 TwoTowerLoss = Literal["in_batch_softmax", "logistic"]
 ShardingType = Literal["table_wise", "column_wise", "row_wise", "table_row_wise"]
 PoolingName = Literal["sum", "mean"]
+#: FBGEMM's fused kernels TorchRec's planner may place a table with: ``fused`` keeps the table in
+#: device memory (HBM on a GPU, RAM on a CPU rank); ``fused_uvm_caching`` keeps it in host memory
+#: mapped into the GPU (UVM) with a cache of its hottest rows in HBM; ``fused_uvm`` reads it from
+#: UVM on every lookup. The UVM kernels exist on GPU ranks only.
+ComputeKernel = Literal["fused", "fused_uvm_caching", "fused_uvm"]
+UVM_KERNELS: tuple[str, ...] = ("fused_uvm_caching", "fused_uvm")
+#: The precision of a table's weights; FBGEMM keeps the fused optimizer's state in fp32 either way.
+EmbeddingPrecision = Literal["fp32", "fp16"]
 Layers = Annotated[Seq[PositiveInt], MinLen(1)]
 
 #: Architectures whose interaction needs one embedding_dim for every table: DLRM's dot products
@@ -85,6 +93,16 @@ class TableConfig(ConfigModel):
     pooling_factor: PositiveFloat | None = None
     """The mean number of ids per row the planner assumes for each of the table's features when
     it balances ranks (`ParameterConstraints.pooling_factors`); null: TorchRec's default (1.0)."""
+    compute_kernel: ComputeKernel = "fused"
+    """Where the table lives (`ParameterConstraints.compute_kernels`): `fused` in device memory;
+    `fused_uvm_caching` in host memory with its hottest rows cached in HBM, for tables larger
+    than HBM; `fused_uvm` in host memory, no cache. The UVM kernels need `scaling.use_gpu`."""
+    cache_load_factor: Annotated[float, Gt(0), Le(1)] | None = None
+    """With `fused_uvm_caching`: the share of the table's rows the HBM cache holds
+    (`CacheParams.load_factor`); null: TorchRec's default (0.2)."""
+    precision: EmbeddingPrecision = "fp32"
+    """The precision of the table's weights (`EmbeddingBagConfig.data_type`): `fp16` halves their
+    memory; the fused optimizer's state stays fp32 and replica syncs average in fp32."""
 
     @field_validator("name")
     @classmethod
@@ -96,6 +114,16 @@ class TableConfig(ConfigModel):
                 "'t_items')"
             )
         return name
+
+    @model_validator(mode="after")
+    def _cache_needs_caching(self) -> TableConfig:
+        if self.cache_load_factor is not None and self.compute_kernel != "fused_uvm_caching":
+            raise ConfigError(
+                f"model.tables[{self.name}].cache_load_factor={self.cache_load_factor!r} needs "
+                f"compute_kernel='fused_uvm_caching' (got {self.compute_kernel!r}): only that "
+                "kernel has a cache"
+            )
+        return self
 
     @model_validator(mode="after")
     def _weights_need_sum(self) -> TableConfig:

@@ -80,6 +80,9 @@ def test_dump_and_load_round_trip(tmp_path: pathlib.Path) -> None:
         "sharding_types": None,
         "min_partition": None,
         "pooling_factor": None,
+        "compute_kernel": "fused",
+        "cache_load_factor": None,
+        "precision": "fp32",
     }
     assert plain["sync"]["levels"] == [[2, 2]]
     loaded = load_config(write(tmp_path, text))

@@ -224,11 +224,17 @@ def one_node() -> Iterator[Cluster]:
 
 
 @pytest.mark.parametrize(
-    ("dense", "failed_step"),
-    [("every_step", 7), pytest.param("with_schedule", 8, marks=pytest.mark.long)],
+    ("dense", "failed_step", "pipeline"),
+    [
+        ("every_step", 7, "off"),
+        # TorchRec's train pipeline: both ranks hold step 8's batch in flight when rank 1 dies
+        # at step 7; the survivor's goes back to its feed, the lost rank's is replayed.
+        ("every_step", 7, "sparse_dist"),
+        pytest.param("with_schedule", 8, "off", marks=pytest.mark.long),
+    ],
 )
 def test_a_rank_death_leaves_every_row_in_the_model_once(
-    one_node: Cluster, tmp_path: str, dense: str, failed_step: int
+    one_node: Cluster, tmp_path: str, dense: str, failed_step: int, pipeline: str
 ) -> None:
     # Rank 1 exits as it starts step 7. Dense gradients averaged every step: its batches of
     # steps 5 and 6 reached the survivor's dense parameters through the all-reduce, its
@@ -240,6 +246,7 @@ def test_a_rank_death_leaves_every_row_in_the_model_once(
         tmp_path,
         sync=SyncConfig(sync_every=SYNC_EVERY, dense=dense),  # type: ignore[arg-type]
         testing=TestingConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=7, rank=1),)),
+        train_pipeline=pipeline,
     )
     result = fit(
         config,

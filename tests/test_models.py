@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -20,6 +21,8 @@ from raytrec.config import (
     ConfigError,
     DataConfig,
     ModelConfig,
+    OptimizerConfig,
+    ScalingConfig,
     ShardingConfig,
     TableConfig,
     TrainConfig,
@@ -204,6 +207,62 @@ def test_constraints_map_onto_torchrec() -> None:
     shards = plan["b"].sharding_spec.shards  # type: ignore[index]
     assert sorted(s.shard_sizes[1] for s in shards) == [64] * 4
     assert {s.placement.rank() for s in shards} == {0, 1}
+
+
+def test_kernels_and_precision_reach_the_planner_and_the_tables() -> None:
+    big = TableConfig(
+        name="big",
+        num_embeddings=4_000_000,
+        embedding_dim=64,
+        features=("a",),
+        compute_kernel="fused_uvm_caching",
+        cache_load_factor=0.1,
+    )
+    half = TableConfig(name="small", num_embeddings=100, embedding_dim=64, features=("b",),
+                       precision="fp16")  # fmt: skip
+    got = table_constraints((big, half), ShardingConfig())
+    assert got["big"].compute_kernels == ["fused_uvm_caching"]
+    assert got["big"].cache_params is not None and got["big"].cache_params.load_factor == 0.1
+    assert got["small"].compute_kernels == ["fused"] and got["small"].cache_params is None
+    model = ModelConfig(tables=(big, half), dense_arch_layers=(8, 64))
+    quiet_known_warnings()
+    module = build_train_model(model, 3, CPU, 0)
+    ebc = module.model.sparse_arch.embedding_bag_collection
+    assert [c.data_type.name for c in ebc.embedding_bag_configs()] == ["FP32", "FP16"]
+    apply_embedding_optimizer(module, OptimizerConfig())
+
+    def plan(tables: tuple[TableConfig, ...], gib: float) -> dict[str, Any]:
+        return make_plan(
+            module, gang_size=1, device_type="cuda", sharding=ShardingConfig(), tables=tables,
+            batch_size=512, device_memory=int(gib * 2**30),
+        ).plan["model.sparse_arch.embedding_bag_collection"]  # type: ignore[return-value]  # fmt: skip
+
+    # The 1 GiB table fits a 1 GiB budget only in host memory, with a tenth of it cached.
+    cached = plan((big, half), 1.0)
+    assert cached["big"].compute_kernel == "fused_uvm_caching"
+    assert cached["big"].cache_params.load_factor == 0.1
+    assert cached["small"].compute_kernel == "fused"
+    in_hbm = big.model_copy(update={"compute_kernel": "fused", "cache_load_factor": None})
+    with pytest.raises(ConfigError, match=r"within 1.00 GiB of device memory per rank .*"
+                       r"compute_kernel='fused_uvm_caching'.*insufficient storage"):  # fmt: skip
+        plan((in_hbm, half), 1.0)
+    assert plan((in_hbm, half), 8.0)["big"].compute_kernel == "fused"
+
+
+def test_uvm_kernels_are_refused_on_cpu_ranks_and_a_cache_needs_one() -> None:
+    uvm = TableConfig(name="t", num_embeddings=4, embedding_dim=4, features=("a",),
+                      compute_kernel="fused_uvm")  # fmt: skip
+    model = ModelConfig(arch="deepfm", tables=(uvm,))
+    with pytest.raises(
+        ConfigError, match=r"model.tables\[t\].compute_kernel='fused_uvm' cannot run on CPU "
+        r"ranks: .*compute_kernel='fused', or set scaling.use_gpu=True",
+    ):  # fmt: skip
+        job(model)
+    assert job(model, scaling=ScalingConfig(use_gpu=True)).model == model
+    with pytest.raises(ConfigError, match=r"cache_load_factor=0.5 needs compute_kernel="
+                       r"'fused_uvm_caching' \(got 'fused'\)"):  # fmt: skip
+        TableConfig(name="t", num_embeddings=4, embedding_dim=4, features=("a",),
+                    cache_load_factor=0.5)  # fmt: skip
 
 
 # -- the DeepFM module --------------------------------------------------------------------------

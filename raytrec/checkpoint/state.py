@@ -495,6 +495,7 @@ def load_checkpoint(
                 else:
                     live_state[name] = fresh
         _set_rng_state(targets.rng, engine.device)
+    engine.embeddings_written()
     engine.step = manifest.step
     return LoadedCheckpoint(
         uri=uri,

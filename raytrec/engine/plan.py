@@ -22,7 +22,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from torchrec.distributed.planner.constants import POOLING_FACTOR
 from torchrec.distributed.planner.types import ParameterConstraints, PlannerError
-from torchrec.distributed.types import ModuleSharder, ShardingPlan
+from torchrec.distributed.types import CacheParams, ModuleSharder, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from raytrec.config import ConfigError, OptimizerConfig, ShardingConfig, TableConfig
@@ -79,14 +79,20 @@ def table_constraints(
     tables: Sequence[TableConfig], sharding: ShardingConfig
 ) -> dict[str, ParameterConstraints]:
     """TorchRec's planner constraints for each table: its own ``sharding_types`` (else
-    ``sharding.sharding_type``), ``min_partition`` and ``pooling_factor``; always FBGEMM's
-    fused kernel, whose in-backward optimizer state the replica syncs average."""
+    ``sharding.sharding_type``), ``min_partition``, ``pooling_factor`` and FBGEMM kernel
+    (``compute_kernel``, with the cache's ``cache_load_factor``). Every kernel allowed is a
+    fused one, whose in-backward optimizer state the replica syncs average."""
     return {
         t.name: ParameterConstraints(
             sharding_types=list(t.sharding_types or (sharding.sharding_type,)),
-            compute_kernels=[EmbeddingComputeKernel.FUSED.value],
+            compute_kernels=[EmbeddingComputeKernel(t.compute_kernel).value],
             min_partition=t.min_partition,
             pooling_factors=[t.pooling_factor or POOLING_FACTOR] * len(t.features),
+            cache_params=(
+                None
+                if t.cache_load_factor is None
+                else CacheParams(load_factor=t.cache_load_factor)
+            ),
         )
         for t in tables
     }
@@ -100,14 +106,17 @@ def make_plan(
     sharding: ShardingConfig,
     tables: Sequence[TableConfig],
     batch_size: int,
+    device_memory: int | None = None,
 ) -> ShardingPlan:
     """Plans ``model`` for ``gang_size`` ranks within each table's constraints
-    (:func:`table_constraints`)."""
+    (:func:`table_constraints`); ``device_memory``: the bytes of device memory per rank the
+    plan may fill (the planner's HBM capacity; None: TorchRec's default)."""
     planner = EmbeddingShardingPlanner(
         topology=Topology(
             world_size=gang_size,
             compute_device=device_type,
             local_world_size=gang_size,
+            hbm_cap=device_memory if device_type == "cuda" else None,
         ),
         batch_size=batch_size,
         constraints=table_constraints(tables, sharding),
@@ -120,7 +129,14 @@ def make_plan(
         choices = f"sharding.sharding_type={sharding.sharding_type!r}" + (
             f" (per table: {', '.join(own)})" if own else ""
         )
+        memory = ""
+        if device_memory is not None and device_type == "cuda":
+            memory = (
+                f" within {device_memory / 2**30:.2f} GiB of device memory per rank (tables "
+                "larger than that can live in host memory: model.tables[*].compute_kernel="
+                "'fused_uvm_caching')"
+            )
         raise ConfigError(
             f"{choices}: TorchRec's planner found no plan for {gang_size} {device_type} "
-            f"rank(s): {first_line}"
+            f"rank(s){memory}: {first_line}"
         ) from e

@@ -31,8 +31,11 @@ tests drive it with plain processes on gloo.
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -67,6 +70,7 @@ __all__ = [
     "RENDEZVOUS_TIMEOUT_S",
     "RankEngine",
     "RankSpec",
+    "StepInput",
     "StoreAddress",
     "dense_optimizer_kwargs",
 ]
@@ -132,6 +136,17 @@ class RankSpec:
         return ModelSpec(model=self.config.model, num_dense=self.num_dense, features=self.features)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepInput:
+    """One step's batch for :meth:`RankEngine.run_steps`: the batch (on the CPU), whether its
+    dense gradient counts (``dense=False``: a replay whose dense gradient is already in the
+    model) and the caller's name for it (a batch id)."""
+
+    batch: Batch
+    dense: bool = True
+    tag: Any = None
+
+
 def embedding_seed(seed: int, gang_rank: int) -> int:
     """The seed of the embedding shards a rank initialises: one seed per place in a gang,
     none equal to the dense layers' (``seed`` itself)."""
@@ -163,6 +178,13 @@ class RankEngine:
         # False while a batch trains whose dense gradient is already in the model (a replay):
         # the hooks below make its dense gradient zero before the gang's DDP averages it.
         self._dense_grad_on = True
+        # TorchRec's train pipeline (cfg.resolved_pipeline), made at the first pipelined step;
+        # the inputs it has taken and not yet started, oldest first; and run_steps' callback.
+        self._pipeline: Any = None
+        self._taken: deque[StepInput] = deque()
+        self._on_start: Callable[[StepInput], None] | None = None
+        self._last_loss = torch.zeros(())
+        self.sync_seconds = 0.0  # spent in train_steps' syncs
 
     # -- construction -------------------------------------------------------
 
@@ -267,8 +289,19 @@ class RankEngine:
     # -- state views ----------------------------------------------------------
 
     def embedding_weights(self) -> list[torch.Tensor]:
-        """Views of this rank's embedding shards (one per local table shard)."""
+        """Views of this rank's embedding shards (one per local table shard), holding their true
+        contents: a UVM-cached table's cache is written back first. Whoever writes into them
+        calls :meth:`embeddings_written` afterwards."""
+        for tbe in self._tbes:
+            tbe.flush()  # FBGEMM's write-back cache; nothing to do for a table without one
         return [w for tbe in self._tbes for w in tbe.split_embedding_weights()]
+
+    def embeddings_written(self) -> None:
+        """After the tables' contents were overwritten (a sync, a heal, a checkpoint load): a
+        UVM-cached table's cache no longer holds what its rows hold, so it is emptied and the
+        next lookups read the rows from UVM."""
+        for tbe in self._tbes:
+            tbe.reset_cache_states()
 
     def embedding_optimizer_states(self) -> list[torch.Tensor]:
         """Views of the fused optimizer state (Adagrad sums, Adam moments, ...)."""
@@ -302,21 +335,131 @@ class RankEngine:
         finally:
             self._dense_grad_on = True
         self.last_output = (logits.detach(), labels.detach())
+        self._begin_dense_update()
+        return float(loss.detach())
+
+    def train_steps(
+        self,
+        take: Callable[[], StepInput],
+        num_steps: int,
+        on_start: Callable[[StepInput], None],
+    ) -> Iterator[torch.Tensor]:
+        """Trains ``num_steps`` steps on the inputs ``take()`` gives, syncing with the replicas
+        after every step the schedule says (:meth:`decide`); yields each step's loss.
+
+        The steps run in segments that end at each sync due and at ``num_steps`` (each one
+        :meth:`run_steps`), so a train pipeline holds no batch in flight at a sync, nor when
+        this returns. Seconds spent syncing add up in ``sync_seconds``.
+        """
+        left = num_steps
+        while left:
+            n = next((k for k in range(1, left) if self.decide(self.step + k).due), left)
+            yield from self.run_steps((take() for _ in range(n)), on_start)
+            left -= n
+            decision = self.decide(self.step)
+            if decision.due:
+                started = time.perf_counter()
+                self.sync(decision)
+                self.sync_seconds += time.perf_counter() - started
+
+    def run_steps(
+        self, inputs: Iterable[StepInput], on_start: Callable[[StepInput], None]
+    ) -> Iterator[torch.Tensor]:
+        """Trains every input, in order; yields each step's loss (a detached scalar tensor, left
+        on the device: reading it waits for the step) as the step ends.
+
+        ``on_start(input)`` is called as each step begins (from then on its embedding update
+        may happen, so the step counts: :meth:`abandon_failed_step`). With a train pipeline
+        (``cfg.resolved_pipeline``) up to two inputs beyond the current one are taken from
+        ``inputs`` ahead of their steps, and are copied and input-distributed while the current
+        one trains; once ``inputs`` ends, the pipeline runs what it holds and is empty when the
+        last loss is yielded. If a step fails, the inputs taken but not started are
+        :meth:`unstarted` (nothing of them reached the model) and the pipeline is emptied.
+        """
+        if self.cfg.resolved_pipeline == "off":
+            for item in inputs:
+                on_start(item)
+                yield torch.tensor(self.train_step(item.batch, dense=item.dense))
+            return
+        pipeline = self._pipeline or self._make_pipeline()
+        self._taken.clear()
+
+        def batches() -> Iterator[Batch]:
+            for item in inputs:
+                self._taken.append(item)
+                yield item.batch
+
+        source = batches()  # a new iterator: the pipeline starts filling again from it
+        self._on_start = on_start
+        try:
+            while True:
+                try:
+                    _, logits, labels = pipeline.progress(source)
+                except StopIteration:
+                    return
+                self.last_output = (logits, labels)
+                yield self._last_loss
+        except BaseException:
+            pipeline.reset()  # the in-flight batches are dropped here (unstarted() names them)
+            raise
+        finally:
+            self._on_start = None
+
+    def unstarted(self) -> list[StepInput]:
+        """The inputs :meth:`run_steps` took ahead and never started, oldest first (empty
+        unless a pipelined step failed)."""
+        return list(self._taken)
+
+    def _make_pipeline(self) -> Any:
+        from torchrec.distributed.train_pipeline.train_pipelines import (
+            TrainPipelineSemiSync,
+            TrainPipelineSparseDist,
+        )
+
+        cls = (
+            TrainPipelineSemiSync
+            if self.cfg.resolved_pipeline == "semi_sync"
+            else TrainPipelineSparseDist
+        )
+        self._pipeline = cls(
+            self.model,
+            optimizer=cast(torch.optim.Optimizer, _PipelineSteps(self)),
+            device=self.device,
+            execute_all_batches=True,
+            custom_model_fwd=self._pipelined_forward,
+        )
+        return self._pipeline
+
+    def _pipelined_forward(self, batch: Any) -> tuple[torch.Tensor, Any]:
+        """The pipeline's forward of its oldest batch: the step of the oldest input taken."""
+        item = self._taken.popleft()
+        if self._on_start is not None:
+            self._on_start(item)
+        self._dense_grad_on = item.dense
+        loss, output = self.model(batch)
+        self._last_loss = loss.detach()
+        return loss, output
+
+    def _begin_dense_update(self) -> None:
         # FBGEMM updated the embeddings inside backward: from here on the step has happened,
         # whatever becomes of the dense update (see abandon_failed_step).
+        self._dense_grad_on = True
         self._step_in_flight = True
         self._average_dense_grads()
         self.dense_optimizer.step()
         self.dense_optimizer.zero_grad(set_to_none=False)
         self.step += 1
         self._step_in_flight = False
-        return float(loss.detach())
 
     def score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's logits and the labels on this rank's local batch, in eval mode and under
         ``torch.no_grad()``: no backward, so no embedding or dense update. Every rank of the
         gang scores a batch at once (the forward is sharded)."""
         batch = batch.to(self.device)
+        if self._pipeline is not None:
+            # The pipeline's rewritten forwards read inputs it distributed; it attaches again
+            # (rewriting them anew) at its next step.
+            self._pipeline.detach()
         self.model.eval()
         try:
             with torch.no_grad():
@@ -424,6 +567,7 @@ class RankEngine:
             if optimizer_state:
                 tensors += self.dense_optimizer_state()
         plane.average_(tensors)
+        self.embeddings_written()
 
     def _plane_for(self, decision: SyncDecision) -> ReplicaPlane:
         """This rank's group at the decision's level, checked against the decision's groups."""
@@ -493,6 +637,7 @@ class RankEngine:
             self.embedding_weights() + self.embedding_optimizer_states() + self.dense_state(),
             src=src,
         )
+        self.embeddings_written()
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -501,6 +646,23 @@ class RankEngine:
         self.sync_plan = None
         self.levels = None
         self._store = None
+
+
+class _PipelineSteps:
+    """What a TorchRec train pipeline takes as its optimizer: its ``step()`` is the end of a
+    raytrec step (the dense update, averaged over the replica group per ``sync.dense``, and the
+    step count), its ``zero_grad()`` the dense optimizer's. The embedding update is FBGEMM's,
+    inside backward, as in :meth:`RankEngine.train_step`."""
+
+    def __init__(self, engine: RankEngine) -> None:
+        self._engine = engine
+        self.param_groups = engine.dense_optimizer.param_groups  # SemiSync checks them
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        self._engine.dense_optimizer.zero_grad(set_to_none=False)
+
+    def step(self, closure: Any = None) -> None:
+        self._engine._begin_dense_update()
 
 
 def _fused_tables(model: nn.Module) -> list[SplitTableBatchedEmbeddingBagsCodegen]:

@@ -125,9 +125,13 @@ class ReplicaPlane:
             return
 
         def mean(flat: torch.Tensor) -> None:
-            # Gloo has no AVG reduction: sum, then divide.
-            self._wait(self.pg.allreduce([flat]))
-            flat.div_(self.size)
+            # Half-precision tables (fp16 weights) are summed in fp32, so the mean loses no more
+            # than its own rounding. Gloo has no AVG reduction: sum, then divide.
+            wide = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
+            self._wait(self.pg.allreduce([wide]))
+            wide.div_(self.size)
+            if wide is not flat:
+                flat.copy_(wide)
 
         in_place_flat(tensors, mean)
 

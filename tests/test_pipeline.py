@@ -1,0 +1,162 @@
+"""The pipelined step (TorchRec's train pipeline under raytrec's 2D sync) on CPU ranks (gloo).
+
+A 2 x 2 job trains the same batches with ``train_pipeline='off'`` and ``'sparse_dist'``:
+
+* every loss and every final tensor (each rank's table shards and their optimizer state, the
+  dense parameters) agree within ``torch.testing.assert_close``'s float32 tolerances, across
+  syncs every 3 steps (the pipeline is drained at each);
+* a step that fails in its dense all-reduce with two batches in flight (an injected replica
+  plane failure) counts as started, the two in flight are named unstarted and untouched, and
+  once they are trained first after the failed step is settled, every batch has been trained
+  exactly once and the state equals the synchronous engine's under the same failure.
+
+The same pipeline on one GPU (CUDA streams, NCCL) is tests/test_gpu_large.py's; on Ray, with a
+rank killed while batches are in flight, tests/test_elastic_cluster.py's pipelined case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from gloo_job import engine_for, make_plan_for, run_gang_job
+from test_engine_2d import NUM_DENSE, SOURCE, job_config
+
+from raytrec.config import ScalingConfig
+from raytrec.data.source import Batch
+from raytrec.engine.rank import RankEngine, RankSpec, StepInput
+
+pytestmark = pytest.mark.multiprocess
+
+G, L = 2, 2
+STEPS = 10
+FAIL_AT = 4  # the step whose dense all-reduce fails: the first of a segment (sync_every=3)
+CONFIG = job_config(
+    embedding="rowwise_adagrad", sync_every=3, scaling=ScalingConfig(num_workers=G * L, gang_size=L)
+)
+RUNS = [(p, fail) for fail in (False, True) for p in ("off", "sparse_dist")]
+
+
+class InjectedFailure(RuntimeError):
+    pass
+
+
+def _fail_dense_update_at(engine: RankEngine, step: int) -> None:
+    """Makes the dense all-reduce of step ``step`` fail once, after backward (where a replica
+    plane failure strikes: the embedding update has happened)."""
+    average = engine._average_dense_grads
+    failed = False
+
+    def failing() -> None:
+        nonlocal failed
+        if engine.step + 1 == step and not failed:
+            failed = True
+            raise InjectedFailure(f"replica plane failed at step {step}")
+        average()
+
+    engine._average_dense_grads = failing  # type: ignore[method-assign]
+
+
+def _state(engine: RankEngine) -> list[np.ndarray]:
+    return [
+        t.detach().cpu().float().numpy().copy()
+        for t in engine.embedding_weights() + engine.embedding_optimizer_states()
+    ] + [t.detach().cpu().float().numpy().copy() for t in engine.dense_state()]
+
+
+def _train(engine: RankEngine, batches: list[Batch], *, fail: bool) -> dict[str, Any]:
+    inputs = [StepInput(b, tag=i) for i, b in enumerate(batches)]
+    queue = list(inputs)
+    started: list[int] = []
+    losses: list[float] = []
+    report: dict[str, Any] = {}
+    if fail:
+        _fail_dense_update_at(engine, FAIL_AT)
+
+    def take() -> StepInput:
+        return queue.pop(0)
+
+    def begin(item: StepInput) -> None:
+        started.append(item.tag)
+
+    try:
+        losses += [float(x) for x in engine.train_steps(take, STEPS, begin)]
+    except InjectedFailure:
+        unstarted = engine.unstarted()
+        report["unstarted"] = [i.tag for i in unstarted]
+        report["started_at_failure"] = list(started)
+        # What the rank actor does: the failed step counts, its dense update is settled, and
+        # the unstarted batches go back to the front of the feed.
+        assert engine.abandon_failed_step()
+        engine.settle_failed_step(finish=True)
+        queue[:0] = unstarted
+        losses += [float(x) for x in engine.train_steps(take, STEPS - engine.step, begin)]
+    report.update(started=started, losses=losses, state=_state(engine), step=engine.step)
+    if engine._pipeline is not None:
+        report["pipelined_modules"] = len(engine._pipeline._pipelined_modules)
+    return report
+
+
+def pipeline_job(spec: RankSpec, stores: list[Any]) -> dict[tuple[str, bool], Any]:
+    torch.manual_seed(0)
+    batches = list(itertools.islice(SOURCE.split(G * L)[spec.rank].batches(8), STEPS))
+    out = {}
+    for (pipeline, fail), store in zip(RUNS, [spec.store, *stores], strict=True):
+        config = CONFIG.replace(train_pipeline=pipeline)
+        run = dataclasses.replace(spec, config=config, store=store)
+        with engine_for(run) as engine:
+            out[pipeline, fail] = _train(engine, batches, fail=fail)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[int, dict[tuple[str, bool], Any]]:
+    return run_gang_job(
+        pipeline_job,
+        num_gangs=G,
+        gang_size=L,
+        config=CONFIG,
+        plan=make_plan_for(CONFIG, NUM_DENSE),
+        num_dense=NUM_DENSE,
+        extra_stores=len(RUNS) - 1,
+    )
+
+
+def _assert_same_run(a: dict[str, Any], b: dict[str, Any]) -> None:
+    torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]))
+    assert len(a["state"]) == len(b["state"])
+    for x, y in zip(a["state"], b["state"], strict=True):
+        torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(y))
+
+
+def test_pipelined_steps_train_what_synchronous_steps_train(
+    results: dict[int, dict[tuple[str, bool], Any]],
+) -> None:
+    for rank, runs in results.items():
+        sync, piped = runs["off", False], runs["sparse_dist", False]
+        assert piped["pipelined_modules"] == 1, "the sharded EBC's input dist is pipelined"
+        assert sync["started"] == piped["started"] == list(range(STEPS)), rank
+        assert sync["step"] == piped["step"] == STEPS
+        _assert_same_run(sync, piped)
+        assert len(piped["losses"]) == STEPS
+
+
+def test_a_failed_step_leaves_its_in_flight_batches_unstarted(
+    results: dict[int, dict[tuple[str, bool], Any]],
+) -> None:
+    for rank, runs in results.items():
+        sync, piped = runs["off", True], runs["sparse_dist", True]
+        # The failed step (batch FAIL_AT - 1) began; the pipeline held the next two, which
+        # nothing trained; the synchronous engine holds none.
+        assert piped["started_at_failure"] == list(range(FAIL_AT)), rank
+        assert piped["unstarted"] == [FAIL_AT, FAIL_AT + 1], rank
+        assert sync["unstarted"] == []
+        # Trained afterwards, first: every batch once, in order.
+        assert sync["started"] == piped["started"] == list(range(STEPS)), rank
+        _assert_same_run(sync, piped)
+        # The failure changed the run (its step's dense update came after the settle).
+        assert piped["step"] == STEPS
