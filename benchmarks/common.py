@@ -100,8 +100,14 @@ def command(a: argparse.Namespace, *dropped: str) -> str:
 
 def machine(*, gpu: bool = False) -> str:
     """One line: cores, CPU, load (the machine may be shared) and the stack's versions."""
-    import ray
+    from importlib.metadata import PackageNotFoundError, version
+
     import torch
+
+    try:
+        ray = f"ray {version('ray')}"
+    except PackageNotFoundError:  # a GPU host's run of a benchmark that needs no Ray
+        ray = "no ray"
 
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     names = [x.split(":", 1)[1].strip() for x in info.splitlines() if x.startswith("model name")]
@@ -110,7 +116,7 @@ def machine(*, gpu: bool = False) -> str:
     device = f", GPU {torch.cuda.get_device_name(0)}" if gpu and torch.cuda.is_available() else ""
     return (
         f"{len(os.sched_getaffinity(0))} CPU cores ({cpu}){device}, load average {load} at the "
-        f"end; Python {platform.python_version()}, torch {torch.__version__}, ray {ray.__version__}"
+        f"end; Python {platform.python_version()}, torch {torch.__version__}, {ray}"
     )
 
 

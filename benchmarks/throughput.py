@@ -92,6 +92,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--uvm-rows", type=int, default=1_000_000, help="--dcn: UVM-cache larger ones")
     p.add_argument("--cache-load-factor", type=float, default=0.2, help="--dcn: of UVM tables")
     p.add_argument("--dcn-batch", type=int, default=8192, help="--dcn: rows per step")
+    p.add_argument("--dcn-repeats", type=int, default=2, help="--dcn: runs of each side")
     p.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--marks-file", type=Path, help=argparse.SUPPRESS)
@@ -548,27 +549,28 @@ def pipeline_runs(a: argparse.Namespace) -> str:
     """Each configuration's sides in turns (mirrored every other repeat), as a table."""
     import torch
 
-    from raytrec.api import _plan, default_source
+    from raytrec.data.from_config import synthetic_source
+    from raytrec.engine.plan import job_plan
     from raytrec.model import build_train_model
 
     gpu = torch.cuda.is_available()
     memory = torch.cuda.get_device_properties(0).total_memory if gpu else 2**40
-    configs = [(f"{b:,}", pipeline_config(a, b, dcn=False)) for b in a.batch_sizes]
+    configs = [(f"{b:,}", pipeline_config(a, b, dcn=False), a.repeats) for b in a.batch_sizes]
     if a.dcn:
-        configs.append((f"DCNv2 {a.dcn_batch:,}", pipeline_config(a, a.dcn_batch, dcn=True)))
+        dcn = pipeline_config(a, a.dcn_batch, dcn=True)
+        configs.append((f"DCNv2, {a.dcn_batch:,}", dcn, a.dcn_repeats))
     lines = [
         "| model, rows per step | TorchRec + pipeline samples/s | raytrec 1x1 + pipeline "
         "samples/s | median / median | per-repeat ratios |",
         "|---|---:|---:|---:|---|",
     ]
-    for label, cfg in configs:
-        cfg = cfg.replace(sharding=cfg.sharding.replace(device_memory_gib=memory / 2**30))
-        source = default_source(cfg)
+    for label, cfg, repeats in configs:
+        source = synthetic_source(cfg)
         batches = list(itertools.islice(source.split(1)[0].batches(cfg.data.batch_size), 16))
         batches = [b.pin_memory() if gpu else b for b in batches]
-        plan = _plan(cfg, source.dense_features, build_train_model)
+        plan = job_plan(cfg, source.dense_features, build_train_model, device_memory=memory)
         got: dict[str, list[float]] = {"plain": [], "raytrec": []}
-        for r in range(a.repeats):
+        for r in range(repeats):
             for side in ("raytrec", "plain") if r % 2 == 0 else ("plain", "raytrec"):
                 got[side].append(pipeline_side(side, cfg, plan, batches, a))
                 print(f"{label} {side}: {got[side][-1]:,.0f} samples/s", flush=True)
@@ -592,7 +594,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"in turns; DLRM {a.num_tables} tables x {a.num_embeddings:,} x {a.embedding_dim}"
             + (
                 f"; DCNv2: largest tables capped at {a.dcn_cap:,} rows, those over "
-                f"{a.uvm_rows:,} rows UVM-cached (load factor {a.cache_load_factor:g})"
+                f"{a.uvm_rows:,} rows UVM-cached (load factor {a.cache_load_factor:g}), "
+                f"{a.dcn_repeats} repeats"
                 if a.dcn
                 else ""
             )

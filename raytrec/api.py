@@ -44,7 +44,7 @@ from raytrec.data.length import data_steps, endless_refusal, resolve_num_steps
 from raytrec.data.parquet import ParquetSource
 from raytrec.data.source import BatchSource
 from raytrec.data.synthetic import SyntheticCriteo
-from raytrec.engine.plan import apply_embedding_optimizer, make_plan
+from raytrec.engine.plan import job_plan
 from raytrec.errors import EarlyStopped, JobFailedError
 from raytrec.metrics import IntervalMetrics
 from raytrec.model import ModelFactory, build_train_model
@@ -475,17 +475,7 @@ def _indexed_resume_shards(uri: str, config: TrainConfig, source: BatchSource) -
 
 
 def _plan(config: TrainConfig, num_dense: int, model_factory: ModelFactory) -> Any:
-    model = model_factory(config.model, num_dense, torch.device("cpu"), config.seed)
-    apply_embedding_optimizer(model, config.optimizer)
-    return make_plan(
-        model,
-        gang_size=config.scaling.gang_size,
-        device_type="cuda" if config.scaling.use_gpu else "cpu",
-        sharding=config.sharding,
-        tables=config.model.tables,
-        batch_size=config.data.batch_size,
-        device_memory=_device_memory(config),
-    )
+    return job_plan(config, num_dense, model_factory, device_memory=_device_memory(config))
 
 
 #: How long the driver waits for a GPU of the cluster to say how much memory it has.

@@ -367,7 +367,8 @@ class TrainConfig(ConfigModel):
     """How a rank runs its steps: `sparse_dist` is TorchRec's `TrainPipelineSparseDist` (the next
     batch's copy to the device and its input all-to-all overlap this batch's forward and
     backward); `semi_sync` is `TrainPipelineSemiSync` (also the next batch's embedding lookup,
-    one step stale); `off` runs each step on its own. The pipeline is drained at every replica
+    one step stale, after TorchRec's 900 synchronous batches; GPU ranks only); `off` runs each
+    step on its own. The pipeline is drained at every replica
     sync and at the end of every interval, so checkpoints, evaluations, drains and membership
     changes see no batch in flight. `auto`: `sparse_dist` on GPU ranks, `off` on CPU ranks."""
     log_every: PositiveInt = 20
@@ -414,6 +415,12 @@ class TrainConfig(ConfigModel):
                 "FBGEMM's CPU kernels refuse it ('Optimizer adam is not supported in CPU "
                 f"mode'); on CPU use one of {', '.join(map(repr, CPU_EMBEDDING_OPTIMIZERS))}, "
                 "or set scaling.use_gpu=True"
+            )
+        if self.train_pipeline == "semi_sync":
+            raise ConfigError(
+                "train_pipeline='semi_sync' cannot run on CPU ranks: TorchRec's "
+                "TrainPipelineSemiSync records its batches on CUDA streams; on CPU use 'off' or "
+                "'sparse_dist', or set scaling.use_gpu=True"
             )
         for t in self.model.tables:
             if t.compute_kernel in UVM_KERNELS:

@@ -4,7 +4,8 @@
 tasks), shared by every cluster test that needs no particular cluster shape. It starts with the
 first module that asks for it and stays up; a module that needs a cluster of its own
 (``raytrec.testing.simulated_cluster``) shuts it down first. The modules that use it run first,
-so it starts once per session.
+so it starts once per session. Ray is imported only where a test uses it, so the modules that
+need none (the gloo engine tests, the GPU tests) run where Ray is not installed.
 """
 
 from __future__ import annotations
@@ -14,15 +15,16 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-import ray
-
-from raytrec.cluster import connect
 
 LOCAL_CPUS = 5
 
 
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
+    import ray
+
+    from raytrec.cluster import connect
+
     if not ray.is_initialized():
         connect(num_cpus=LOCAL_CPUS)
         ray.data.DataContext.get_current().enable_progress_bars = False
@@ -38,7 +40,8 @@ _EXIT_STATUS = pytest.StashKey[int]()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if ray.is_initialized():
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
         ray.shutdown()
     session.config.stash[_EXIT_STATUS] = int(exitstatus)
 

@@ -227,6 +227,12 @@ def large_worker(
     out["hbm_into_uvm"] = (from_hbm["saved"], _load((*uvm, next(s)), from_hbm["uri"]))
     out["fp16"] = _fp16(spec, plans["fp16"], next(s))
     out["pipelined"] = _pipelined(spec, plans["pipelined"], [next(s) for _ in RUNS])
+    semi = _engine(spec, PIPELINED.replace(train_pipeline="semi_sync"), plans["pipelined"], next(s))
+    try:
+        batches = list(itertools.islice(SOURCE.split(1)[0].batches(8), STEPS))
+        out["semi_sync"] = _train(semi, batches, fail=False)
+    finally:
+        semi.close()
     return out
 
 
@@ -250,7 +256,7 @@ def job() -> dict[str, Any]:
             plan=plans["uvm"],
             num_dense=NUM_DENSE,
             timeout_s=600.0,
-            extra_stores=7 + len(RUNS),
+            extra_stores=8 + len(RUNS),
             plans=plans,
             root=root,
         )
@@ -317,3 +323,9 @@ def test_a_failure_with_batches_in_flight_counts_every_batch_once(job: dict[str,
     assert piped["unstarted"] == [FAIL_AT, FAIL_AT + 1]
     assert plain["started"] == piped["started"] == list(range(STEPS))
     _assert_same_run(plain, piped)
+
+
+def test_the_semi_sync_pipeline_trains_every_batch_once(job: dict[str, Any]) -> None:
+    run = job["result"]["semi_sync"]
+    assert run["started"] == list(range(STEPS))
+    assert all(np.isfinite(run["losses"])) and run["step"] == STEPS

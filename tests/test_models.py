@@ -249,6 +249,16 @@ def test_kernels_and_precision_reach_the_planner_and_the_tables() -> None:
     assert plan((in_hbm, half), 8.0)["big"].compute_kernel == "fused"
 
 
+def test_train_pipeline_resolves_per_device_and_semi_sync_needs_a_gpu() -> None:
+    assert job().resolved_pipeline == "off"
+    assert job(train_pipeline="sparse_dist").resolved_pipeline == "sparse_dist"
+    assert job(scaling=ScalingConfig(use_gpu=True)).resolved_pipeline == "sparse_dist"
+    with pytest.raises(ConfigError, match=r"train_pipeline='semi_sync' cannot run on CPU ranks"):
+        job(train_pipeline="semi_sync")
+    gpu = job(train_pipeline="semi_sync", scaling=ScalingConfig(use_gpu=True))
+    assert gpu.resolved_pipeline == "semi_sync"
+
+
 def test_uvm_kernels_are_refused_on_cpu_ranks_and_a_cache_needs_one() -> None:
     uvm = TableConfig(name="t", num_embeddings=4, embedding_dim=4, features=("a",),
                       compute_kernel="fused_uvm")  # fmt: skip

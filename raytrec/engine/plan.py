@@ -10,7 +10,7 @@ starts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,11 +25,12 @@ from torchrec.distributed.planner.types import ParameterConstraints, PlannerErro
 from torchrec.distributed.types import CacheParams, ModuleSharder, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from raytrec.config import ConfigError, OptimizerConfig, ShardingConfig, TableConfig
+from raytrec.config import ConfigError, OptimizerConfig, ShardingConfig, TableConfig, TrainConfig
 
 __all__ = [
     "apply_embedding_optimizer",
     "embedding_optimizer_kwargs",
+    "job_plan",
     "make_plan",
     "sharders",
     "table_constraints",
@@ -140,3 +141,25 @@ def make_plan(
             f"{choices}: TorchRec's planner found no plan for {gang_size} {device_type} "
             f"rank(s){memory}: {first_line}"
         ) from e
+
+
+def job_plan(
+    config: TrainConfig,
+    num_dense: int,
+    model_factory: Callable[..., nn.Module],
+    *,
+    device_memory: int | None = None,
+) -> ShardingPlan:
+    """The job's plan: its model (tables on ``meta``, nothing allocated) planned for one gang of
+    ``scaling.gang_size`` ranks on their device, within ``device_memory`` bytes per GPU rank."""
+    model = model_factory(config.model, num_dense, torch.device("cpu"), config.seed)
+    apply_embedding_optimizer(model, config.optimizer)
+    return make_plan(
+        model,
+        gang_size=config.scaling.gang_size,
+        device_type="cuda" if config.scaling.use_gpu else "cpu",
+        sharding=config.sharding,
+        tables=config.model.tables,
+        batch_size=config.data.batch_size,
+        device_memory=device_memory,
+    )
