@@ -15,8 +15,8 @@ engine (``RankEngine.train_steps``, the loop a rank actor runs, with
 ``train_pipeline='sparse_dist'``, its losses and metric states read every ``--log-every`` steps
 as a rank reports them) against plain TorchRec (``DistributedModelParallel`` stepped by
 ``TrainPipelineSparseDist``, its loss read every ``--log-every`` steps), on the same plan and
-the same batches, made on the CPU beforehand, at each of ``--batch-sizes``. ``--dcn`` adds the
-MLPerf DLRM-DCNv2 shapes (26 Criteo tables of dimension 128, the largest capped at
+the same batches, made on the CPU beforehand, at each of ``--batch-sizes``. ``--dcn`` runs the
+MLPerf DLRM-DCNv2 shapes instead (26 Criteo tables of dimension 128, the largest capped at
 ``--dcn-cap`` rows, those over ``--uvm-rows`` rows UVM-cached) at ``--dcn-batch`` rows.
 """
 
@@ -87,12 +87,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=(512, 4096, 16384),
         help="--pipeline: rows per step, comma-separated",
     )
-    p.add_argument("--dcn", action="store_true", help="--pipeline: also the MLPerf DCNv2 shapes")
+    p.add_argument("--dcn", action="store_true", help="--pipeline: the MLPerf DCNv2 shapes instead")
     p.add_argument("--dcn-cap", type=int, default=40_000_000, help="--dcn: rows of the largest")
     p.add_argument("--uvm-rows", type=int, default=1_000_000, help="--dcn: UVM-cache larger ones")
     p.add_argument("--cache-load-factor", type=float, default=0.2, help="--dcn: of UVM tables")
     p.add_argument("--dcn-batch", type=int, default=8192, help="--dcn: rows per step")
-    p.add_argument("--dcn-repeats", type=int, default=2, help="--dcn: runs of each side")
     p.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--marks-file", type=Path, help=argparse.SUPPRESS)
@@ -555,22 +554,21 @@ def pipeline_runs(a: argparse.Namespace) -> str:
 
     gpu = torch.cuda.is_available()
     memory = torch.cuda.get_device_properties(0).total_memory if gpu else 2**40
-    configs = [(f"{b:,}", pipeline_config(a, b, dcn=False), a.repeats) for b in a.batch_sizes]
+    configs = [(f"DLRM, {b:,}", pipeline_config(a, b, dcn=False)) for b in a.batch_sizes]
     if a.dcn:
-        dcn = pipeline_config(a, a.dcn_batch, dcn=True)
-        configs.append((f"DCNv2, {a.dcn_batch:,}", dcn, a.dcn_repeats))
+        configs = [(f"DCNv2, {a.dcn_batch:,}", pipeline_config(a, a.dcn_batch, dcn=True))]
     lines = [
         "| model, rows per step | TorchRec + pipeline samples/s | raytrec 1x1 + pipeline "
         "samples/s | median / median | per-repeat ratios |",
         "|---|---:|---:|---:|---|",
     ]
-    for label, cfg, repeats in configs:
+    for label, cfg in configs:
         source = synthetic_source(cfg)
         batches = list(itertools.islice(source.split(1)[0].batches(cfg.data.batch_size), 16))
         batches = [b.pin_memory() if gpu else b for b in batches]
         plan = job_plan(cfg, source.dense_features, build_train_model, device_memory=memory)
         got: dict[str, list[float]] = {"plain": [], "raytrec": []}
-        for r in range(repeats):
+        for r in range(a.repeats):
             for side in ("raytrec", "plain") if r % 2 == 0 else ("plain", "raytrec"):
                 got[side].append(pipeline_side(side, cfg, plan, batches, a))
                 print(f"{label} {side}: {got[side][-1]:,.0f} samples/s", flush=True)
@@ -589,20 +587,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.torchrun_worker:
         return torchrun_worker(a)
     if a.pipeline:
+        model = (
+            f"DCNv2, the largest tables capped at {a.dcn_cap:,} rows, those over {a.uvm_rows:,} "
+            f"rows UVM-cached (load factor {a.cache_load_factor:g})"
+            if a.dcn
+            else f"DLRM {a.num_tables} tables x {a.num_embeddings:,} x {a.embedding_dim}"
+        )
         shape = (
             f"One GPU, {a.steps} steps per run ({a.warmup_steps} of warmup), {a.repeats} repeats "
-            f"in turns; DLRM {a.num_tables} tables x {a.num_embeddings:,} x {a.embedding_dim}"
-            + (
-                f"; DCNv2: largest tables capped at {a.dcn_cap:,} rows, those over "
-                f"{a.uvm_rows:,} rows UVM-cached (load factor {a.cache_load_factor:g}), "
-                f"{a.dcn_repeats} repeats"
-                if a.dcn
-                else ""
-            )
+            f"in turns; {model}"
         )
         table = pipeline_runs(a)
-        publish(a, f"- {shape}.\n\n{table}", name="throughput-pipeline",
-                heading="## throughput-pipeline", gpu=True)  # fmt: skip
+        name = "throughput-pipeline-dcn" if a.dcn else "throughput-pipeline"
+        publish(a, f"- {shape}.\n\n{table}", name=name, heading=f"## {name}", gpu=True)
         return 0
     if a.driver:
         return run_driver(a)

@@ -347,13 +347,13 @@ class RankEngine:
         """Trains ``num_steps`` steps on the inputs ``take()`` gives, syncing with the replicas
         after every step the schedule says (:meth:`decide`); yields each step's loss.
 
-        The steps run in segments that end at each sync due and at ``num_steps`` (each one
-        :meth:`run_steps`), so a train pipeline holds no batch in flight at a sync, nor when
-        this returns. Seconds spent syncing add up in ``sync_seconds``.
+        The steps run in segments that end at each sync due with another gang and at
+        ``num_steps`` (each one :meth:`run_steps`), so a train pipeline holds no batch in flight
+        at a sync, nor when this returns. Seconds spent syncing add up in ``sync_seconds``.
         """
         left = num_steps
         while left:
-            n = next((k for k in range(1, left) if self.decide(self.step + k).due), left)
+            n = next((k for k in range(1, left) if self._syncs_at(self.step + k)), left)
             yield from self.run_steps((take() for _ in range(n)), on_start)
             left -= n
             decision = self.decide(self.step)
@@ -361,6 +361,17 @@ class RankEngine:
                 started = time.perf_counter()
                 self.sync(decision)
                 self.sync_seconds += time.perf_counter() - started
+
+    def _syncs_at(self, step: int) -> bool:
+        """Whether the sync due after ``step`` averages with another gang (a group of one, such
+        as a job of one gang, has nothing to average: its pipeline need not drain)."""
+        decision = self.decide(step)
+        if not decision.due:
+            return False
+        if self.sync_plan is None:  # job-wide, on the generation's replica plane
+            assert self.replica is not None
+            return self.replica.size > 1
+        return len(decision.group_of(self.spec.gang)) > 1
 
     def run_steps(
         self, inputs: Iterable[StepInput], on_start: Callable[[StepInput], None]
