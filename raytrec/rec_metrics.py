@@ -71,29 +71,48 @@ class RankMetrics:
         self._logits.append(logits)
         self._labels.append(labels)
         self._kept += logits.numel()
+        if self._kept >= _FOLD_AT * self.auc_window:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Folds the rows beyond the AUC window (the oldest) into the NE sums, all at once and
+        where the rows are (a GPU's sums stay on it): no device sync, and a step pays for it only
+        once in every few windows."""
+        old_logits, old_labels = [], []
         while self._kept - self._logits[0].numel() >= self.auc_window:  # keep the newest rows
             self._kept -= self._logits[0].numel()
-            self._ne += _ne_sums(self._logits.pop(0), self._labels.pop(0))[0]
+            old_logits.append(self._logits.pop(0))
+            old_labels.append(self._labels.pop(0))
+        if old_logits:
+            sums = _ne_sums(torch.cat(old_logits), torch.cat(old_labels))[0]
+            self._ne = self._ne.to(sums.device) + sums
 
     def state(self) -> dict[str, Any]:
         """The interval's states as numpy (picklable, small) for the coordinator."""
+        if self._logits:
+            self._fold()
         if not self._logits:
             empty = np.zeros(0, np.float32)
             return {"ne": self._ne.numpy().copy(), "preds": empty, "labels": empty, "rows": 0}
         logits, labels = torch.cat(self._logits), torch.cat(self._labels)
         sums, preds = _ne_sums(logits, labels)
         return {
-            "ne": (self._ne + sums).numpy(),
-            "preds": (preds[0] if self.exact_preds else preds[0].float()).numpy(),
+            "ne": (self._ne.to(sums.device) + sums).cpu().numpy(),
+            "preds": (preds[0] if self.exact_preds else preds[0].float()).cpu().numpy(),
             "labels": labels.float().cpu().numpy(),
             "rows": self.rows,
         }
 
 
+#: Rows kept, in AUC windows, before the oldest beyond the window are folded into the NE sums.
+_FOLD_AT = 4
+
+
 def _ne_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows' NE sums (float64, in ``_NE_KEYS`` order) and their predictions ``[1, N]``."""
-    preds = torch.sigmoid(logits.double().cpu()).reshape(1, -1)
-    labels64 = labels.double().cpu().reshape(1, -1)
+    """The rows' NE sums (float64, in ``_NE_KEYS`` order) and their predictions ``[1, N]``, on
+    the rows' device."""
+    preds = torch.sigmoid(logits.double()).reshape(1, -1)
+    labels64 = labels.double().reshape(1, -1)
     states = get_ne_states(labels64, preds, torch.ones_like(preds), _ETA)
     return torch.cat([states[k] for k in _NE_KEYS]), preds
 

@@ -175,9 +175,9 @@ class RankEngine:
         self.last_output: tuple[torch.Tensor, torch.Tensor] | None = None
         self._step_in_flight = False
         self._holding_failed_step = False  # dense gradients of a failed step kept, not applied
-        # False while a batch trains whose dense gradient is already in the model (a replay):
-        # the hooks below make its dense gradient zero before the gang's DDP averages it.
-        self._dense_grad_on = True
+        # While a batch trains whose dense gradient is already in the model (a replay): hooks
+        # that make its dense gradient zero (_set_dense_grads).
+        self._mask_hooks: list[Any] = []
         # TorchRec's train pipeline (cfg.resolved_pipeline), made at the first pipelined step;
         # the inputs it has taken and not yet started, oldest first; and run_steps' callback.
         self._pipeline: Any = None
@@ -237,14 +237,22 @@ class RankEngine:
             self.dense_params, lambda ps: dense_cls(ps, **dense_kwargs)
         )
         self._tbes = _fused_tables(self.model)
-        for p in self.dense_params.values():
-            p.register_hook(self._mask_dense_grad)
 
-    def _mask_dense_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
-        # A tensor hook runs before the gradient is accumulated, so DDP (whose hooks run after
-        # accumulation) averages a zero for this rank's batch: every rank of the gang still
-        # applies the same dense update, and the other ranks' batches keep their weight.
-        return None if self._dense_grad_on else torch.zeros_like(grad)
+    def _set_dense_grads(self, on: bool) -> None:
+        """Whether the dense gradient of the batch training now counts. While it does not, a
+        hook on every dense parameter makes its gradient zero: a tensor hook runs before the
+        gradient is accumulated, so DDP (whose hooks run after accumulation) averages a zero
+        for this rank's batch; every rank of the gang still applies the same dense update, and
+        the other ranks' batches keep their weight. The hooks exist only then (each costs every
+        backward a Python call)."""
+        if on and self._mask_hooks:
+            for hook in self._mask_hooks:
+                hook.remove()
+            self._mask_hooks = []
+        elif not on and not self._mask_hooks:
+            self._mask_hooks = [
+                p.register_hook(torch.zeros_like) for p in self.dense_params.values()
+            ]
 
     def join_replica_plane(self, *, generation: int, member_rank: int, size: int) -> None:
         """(Re)builds this rank's replica group for ``generation``.
@@ -329,11 +337,11 @@ class RankEngine:
         """
         batch = batch.to(self.device)
         loss, (_, logits, labels) = self.model(batch)
-        self._dense_grad_on = dense
+        self._set_dense_grads(dense)
         try:
             loss.backward()
         finally:
-            self._dense_grad_on = True
+            self._set_dense_grads(True)
         self.last_output = (logits.detach(), labels.detach())
         self._begin_dense_update()
         return float(loss.detach())
@@ -446,7 +454,7 @@ class RankEngine:
         item = self._taken.popleft()
         if self._on_start is not None:
             self._on_start(item)
-        self._dense_grad_on = item.dense
+        self._set_dense_grads(item.dense)
         loss, output = self.model(batch)
         self._last_loss = loss.detach()
         return loss, output
@@ -454,7 +462,7 @@ class RankEngine:
     def _begin_dense_update(self) -> None:
         # FBGEMM updated the embeddings inside backward: from here on the step has happened,
         # whatever becomes of the dense update (see abandon_failed_step).
-        self._dense_grad_on = True
+        self._set_dense_grads(True)
         self._step_in_flight = True
         self._average_dense_grads()
         self.dense_optimizer.step()
@@ -670,7 +678,9 @@ class _PipelineSteps:
         self.param_groups = engine.dense_optimizer.param_groups  # SemiSync checks them
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        self._engine.dense_optimizer.zero_grad(set_to_none=False)
+        # Nothing to do: every step ends with the gradients zeroed (RankEngine's dense update),
+        # and a failed step's gradients must stay for settle_failed_step.
+        pass
 
     def step(self, closure: Any = None) -> None:
         self._engine._begin_dense_update()
