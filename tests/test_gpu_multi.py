@@ -1,0 +1,107 @@
+"""What needs two or more GPUs: NCCL replica groups of two, gangs of two GPU ranks.
+
+Skipped unless the host has at least 2 CUDA devices (4 for the 2 x 2 job); run with
+``pytest -m gpu tests/test_gpu_multi.py`` (docs/gpu.md). Each rank is a spawned process that
+sees only its own GPU (``CUDA_VISIBLE_DEVICES``, as Ray sets it for a rank actor) and trains on
+NCCL. For each layout, tests/test_pipeline.py's scenario runs with ``train_pipeline='off'`` and
+``'sparse_dist'``, with and without a failed step holding batches in flight:
+
+* the pipelined runs train what the synchronous ones train (``torch.testing.assert_close``);
+* every batch is trained exactly once, the failed step's in-flight batches left unstarted;
+* after the last sync, rank k of every gang holds the same shards (the replica groups' NCCL
+  average and the gangs' NCCL all-to-alls agree).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import torch  # noqa: F401 (the skip conditions below are evaluated in this namespace)
+from gloo_job import run_gang_job
+from test_engine_2d import NUM_DENSE, SOURCE, job_config
+from test_pipeline import FAIL_AT, RUNS, STEPS, _assert_same_run, _train
+
+from raytrec.config import ScalingConfig, TrainConfig
+from raytrec.engine.plan import job_plan
+from raytrec.engine.rank import RankEngine, RankSpec
+from raytrec.model import build_train_model
+
+# Conditions as strings: pytest evaluates them when it collects, in its own process. The rank
+# processes import this module too, and must not touch CUDA before they pick their GPU.
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif("torch.cuda.device_count() < 2", reason="needs 2 CUDA devices"),
+]
+
+LAYOUTS = [
+    (2, 1),  # an NCCL replica group of two gangs of one
+    (1, 2),  # one gang of two GPU ranks: NCCL all-to-alls
+    pytest.param((2, 2), marks=pytest.mark.skipif(
+        "torch.cuda.device_count() < 4", reason="needs 4 CUDA devices")),
+]  # fmt: skip
+
+
+def config_for(num_gangs: int, gang_size: int) -> TrainConfig:
+    scaling = ScalingConfig(num_workers=num_gangs * gang_size, gang_size=gang_size, use_gpu=True)
+    return job_config(embedding="rowwise_adagrad", sync_every=3, scaling=scaling)
+
+
+def multi_gpu_job(spec: RankSpec, stores: list[Any]) -> dict[Any, Any]:
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.rank)  # before this process touches CUDA
+    world = spec.config.scaling.world_size
+    batches = list(itertools.islice(SOURCE.split(world)[spec.rank].batches(8), STEPS))
+    out = {}
+    for (pipeline, fail), store in zip(RUNS, [spec.store, *stores], strict=True):
+        run = dataclasses.replace(
+            spec, config=spec.config.replace(train_pipeline=pipeline), store=store
+        )
+        engine = RankEngine(run)
+        try:
+            engine.build()
+            engine.join_replica_plane(
+                generation=0, member_rank=spec.gang, size=spec.config.scaling.num_gangs
+            )
+            report = _train(engine, batches, fail=fail)
+            engine.sync()  # one more job-wide sync: every replica group identical
+            shards = [
+                t.detach().cpu().float().numpy()
+                for t in engine.embedding_weights() + engine.embedding_optimizer_states()
+            ]
+            out[pipeline, fail] = report | {"synced": shards, "device": str(engine.device)}
+        finally:
+            engine.close()
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pipelined_2d_training_on_several_gpus(layout: tuple[int, int]) -> None:
+    num_gangs, gang_size = layout
+    config = config_for(num_gangs, gang_size)
+    results = run_gang_job(
+        multi_gpu_job,
+        num_gangs=num_gangs,
+        gang_size=gang_size,
+        config=config,
+        plan=job_plan(config, NUM_DENSE, build_train_model),
+        num_dense=NUM_DENSE,
+        timeout_s=600.0,
+        extra_stores=len(RUNS) - 1,
+    )
+    for rank, runs in results.items():
+        assert runs["off", False]["device"] == "cuda:0"
+        for fail in (False, True):
+            plain, piped = runs["off", fail], runs["sparse_dist", fail]
+            assert plain["started"] == piped["started"] == list(range(STEPS)), (rank, fail)
+            _assert_same_run(plain, piped)
+        assert runs["sparse_dist", True]["unstarted"] == [FAIL_AT, FAIL_AT + 1]
+    for rank in results:
+        peer = (rank + gang_size) % (num_gangs * gang_size)  # same shard, the next gang
+        for key in RUNS:
+            mine, theirs = results[rank][key]["synced"], results[peer][key]["synced"]
+            for a, b in zip(mine, theirs, strict=True):
+                np.testing.assert_array_equal(a, b)
