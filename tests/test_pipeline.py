@@ -5,6 +5,8 @@ A 2 x 2 job trains the same batches with ``train_pipeline='off'`` and ``'sparse_
 * every loss and every final tensor (each rank's table shards and their optimizer state, the
   dense parameters) agree within ``torch.testing.assert_close``'s float32 tolerances, across
   syncs every 3 steps (the pipeline is drained at each);
+* an evaluation's forward between intervals (outside the pipeline) scores alike, and the
+  pipelined steps after it still agree;
 * a step that fails in its dense all-reduce with two batches in flight (an injected replica
   plane failure) counts as started, the two in flight are named unstarted and untouched, and
   once they are trained first after the failed step is settled, every batch has been trained
@@ -101,6 +103,14 @@ def _train(engine: RankEngine, batches: list[Batch], *, fail: bool) -> dict[str,
     return report
 
 
+def _score_then_train(engine: RankEngine, batches: list[Batch]) -> dict[str, Any]:
+    """An evaluation between intervals (a forward outside the pipeline), then more steps."""
+    logits = engine.score(batches[0])[0].detach().cpu().numpy().copy()
+    queue = [StepInput(b, tag=i) for i, b in enumerate(batches[:3])]
+    losses = [float(x) for x in engine.train_steps(lambda: queue.pop(0), 3, lambda _: None)]
+    return {"logits": logits, "losses": losses, "state": _state(engine)}
+
+
 def pipeline_job(spec: RankSpec, stores: list[Any]) -> dict[tuple[str, bool], Any]:
     torch.manual_seed(0)
     batches = list(itertools.islice(SOURCE.split(G * L)[spec.rank].batches(8), STEPS))
@@ -110,6 +120,8 @@ def pipeline_job(spec: RankSpec, stores: list[Any]) -> dict[tuple[str, bool], An
         run = dataclasses.replace(spec, config=config, store=store)
         with engine_for(run) as engine:
             out[pipeline, fail] = _train(engine, batches, fail=fail)
+            if not fail:
+                out[pipeline, fail]["then"] = _score_then_train(engine, batches)
     return out
 
 
@@ -143,6 +155,12 @@ def test_pipelined_steps_train_what_synchronous_steps_train(
         assert sync["step"] == piped["step"] == STEPS
         _assert_same_run(sync, piped)
         assert len(piped["losses"]) == STEPS
+        # An evaluation detaches the pipeline from the model; the next steps attach it again.
+        then_sync, then_piped = sync["then"], piped["then"]
+        torch.testing.assert_close(
+            torch.from_numpy(then_sync["logits"]), torch.from_numpy(then_piped["logits"])
+        )
+        _assert_same_run(then_sync, then_piped)
 
 
 def test_a_failed_step_leaves_its_in_flight_batches_unstarted(
