@@ -249,6 +249,24 @@ def test_kernels_and_precision_reach_the_planner_and_the_tables() -> None:
     assert plan((in_hbm, half), 8.0)["big"].compute_kernel == "fused"
 
 
+def test_the_planners_budget_is_the_configured_or_the_gpus_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from types import SimpleNamespace
+
+    from raytrec import api
+
+    assert api._device_memory(job()) is None  # CPU ranks: no device memory to plan within
+    gpu = ScalingConfig(use_gpu=True)
+    budget = ShardingConfig(device_memory_gib=2.5)
+    assert api._device_memory(job(scaling=gpu, sharding=budget)) == int(2.5 * 2**30)
+    # Unset: what the driver's GPU says (without one, a one-GPU Ray task asks a GPU node).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    props = SimpleNamespace(total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: props)
+    assert api._device_memory(job(scaling=gpu)) == 80 * 2**30
+
+
 def test_train_pipeline_resolves_per_device_and_semi_sync_needs_a_gpu() -> None:
     assert job().resolved_pipeline == "off"
     assert job(train_pipeline="sparse_dist").resolved_pipeline == "sparse_dist"
