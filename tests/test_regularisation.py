@@ -10,8 +10,8 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocati
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     ComputeDevice,
     SplitTableBatchedEmbeddingBagsCodegen,
+    WeightDecayMode,
 )
-from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
 from torch import nn
 from torchrec.models.dlrm import DLRMTrain
 from torchrec.modules.embedding_modules import EmbeddingBagCollection

@@ -54,7 +54,8 @@ def embedding_optimizer_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
     if cfg.embedding != "sgd":
         kwargs["eps"] = cfg.eps
     if cfg.embedding_weight_decay:
-        from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
+        # Where FBGEMM 1.6 (torch 2.11) and 1.8 (torch 2.13) both export it.
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
 
         kwargs["weight_decay"] = cfg.embedding_weight_decay
         # Row-wise Adagrad takes L2 or decoupled decay; L2 is torch's weight_decay. FBGEMM's
