@@ -446,6 +446,7 @@ class RankWorker:
 
         from raytrec.serving.spec import write_model_spec
 
+        self.engine.write_back_caches()
         dcp.save(self.engine.model.state_dict(), checkpoint_id=path)
         if self.spec.gang_rank == 0:  # what rebuilds the model outside the job (raytrec.export)
             write_model_spec(path, self.spec.model_spec())

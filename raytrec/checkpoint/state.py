@@ -120,7 +120,10 @@ def _set_rng_state(state: Mapping[str, torch.Tensor], device: torch.device) -> N
 
 
 def _training_state(engine: RankEngine) -> dict[str, Any]:
-    """The DCP state dict of one rank; every tensor in it is a view of live state."""
+    """The DCP state dict of one rank; every tensor in it is a view of live state (a UVM-cached
+    table's rows written back first: TorchRec's state dict hook does it too, this does not rely
+    on it)."""
+    engine.write_back_caches()
     return {
         "model": engine.model.state_dict(),
         "embedding_optimizer": engine.model.fused_optimizer.state_dict(),

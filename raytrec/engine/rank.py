@@ -300,9 +300,14 @@ class RankEngine:
         """Views of this rank's embedding shards (one per local table shard), holding their true
         contents: a UVM-cached table's cache is written back first. Whoever writes into them
         calls :meth:`embeddings_written` afterwards."""
-        for tbe in self._tbes:
-            tbe.flush()  # FBGEMM's write-back cache; nothing to do for a table without one
+        self.write_back_caches()
         return [w for tbe in self._tbes for w in tbe.split_embedding_weights()]
+
+    def write_back_caches(self) -> None:
+        """Writes the rows a UVM-cached table's cache holds back to UVM (FBGEMM's write-back
+        cache; nothing to do for a table without one), so the tables hold their true contents."""
+        for tbe in self._tbes:
+            tbe.flush()
 
     def embeddings_written(self) -> None:
         """After the tables' contents were overwritten (a sync, a heal, a checkpoint load): a
