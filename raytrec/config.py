@@ -69,10 +69,10 @@ DenseOptimizer = Literal["sgd", "adagrad", "adam"]
 Backend = Literal["auto", "gloo", "nccl"]
 EvalMetric = Literal["eval_auc", "eval_ne", "eval_log_loss"]
 DenseSync = Literal["every_step", "with_schedule"]
+TrainPipelineName = Literal["auto", "off", "sparse_dist", "semi_sync"]
 
 # What TorchRec 1.8's planner offers a CPU compute device (checked on gloo).
 CPU_SHARDING_TYPES: tuple[str, ...] = ("table_wise", "column_wise")
-TrainPipelineName = Literal["auto", "off", "sparse_dist", "semi_sync"]
 CPU_EMBEDDING_OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "rowwise_adagrad")
 # The fused embedding optimizers whose FBGEMM kernels take a weight decay (EXACT_SGD and
 # EXACT_ADAGRAD ignore it).
@@ -368,9 +368,9 @@ class TrainConfig(ConfigModel):
     batch's copy to the device and its input all-to-all overlap this batch's forward and
     backward); `semi_sync` is `TrainPipelineSemiSync` (also the next batch's embedding lookup,
     one step stale, after TorchRec's 900 synchronous batches; GPU ranks only); `off` runs each
-    step on its own. The pipeline is drained at every replica
-    sync and at the end of every interval, so checkpoints, evaluations, drains and membership
-    changes see no batch in flight. `auto`: `sparse_dist` on GPU ranks, `off` on CPU ranks."""
+    step on its own. The pipeline is drained at every replica sync with another gang and at the
+    end of every interval, so checkpoints, evaluations, drains and membership changes see no
+    batch in flight. `auto`: `sparse_dist` on GPU ranks, `off` on CPU ranks."""
     log_every: PositiveInt = 20
     """Steps per interval: a metrics row (and a progress line) every this many steps."""
     seed: NonNegativeInt = 0

@@ -46,7 +46,8 @@ class RankMetrics:
     :meth:`update` runs every step, so it only keeps references to the step's logits and labels
     (left on their device: no copy or device sync per step); the sigmoid, the NE sums and the
     copy to the host happen once per interval, over all its rows at once, in :meth:`state`.
-    Rows that fall out of the AUC window are folded into the NE sums as they leave.
+    Rows that fall out of the AUC window are folded into the NE sums on their device, a few
+    windows' worth at a time (:meth:`_fold`).
     """
 
     def __init__(self, *, auc_window: int = 1 << 16, exact_preds: bool = False) -> None:

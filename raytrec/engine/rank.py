@@ -340,6 +340,10 @@ class RankEngine:
         (a replayed batch whose dense gradient already reached the dense parameters). The step
         still takes part in every collective, so it is a step like any other for the job.
         """
+        return float(self._train_step(batch, dense=dense))
+
+    def _train_step(self, batch: Batch, *, dense: bool) -> torch.Tensor:
+        """:meth:`train_step`, its loss left on the device (a detached scalar)."""
         batch = batch.to(self.device)
         loss, (_, logits, labels) = self.model(batch)
         self._set_dense_grads(dense)
@@ -349,7 +353,7 @@ class RankEngine:
             self._set_dense_grads(True)
         self.last_output = (logits.detach(), labels.detach())
         self._begin_dense_update()
-        return float(loss.detach())
+        return loss.detach()
 
     def train_steps(
         self,
@@ -403,7 +407,7 @@ class RankEngine:
         if self.cfg.resolved_pipeline == "off":
             for item in inputs:
                 on_start(item)
-                yield torch.tensor(self.train_step(item.batch, dense=item.dense))
+                yield self._train_step(item.batch, dense=item.dense)
             return
         pipeline = self._pipeline or self._make_pipeline()
         self._taken.clear()
@@ -675,8 +679,8 @@ class RankEngine:
 class _PipelineSteps:
     """What a TorchRec train pipeline takes as its optimizer: its ``step()`` is the end of a
     raytrec step (the dense update, averaged over the replica group per ``sync.dense``, and the
-    step count), its ``zero_grad()`` the dense optimizer's. The embedding update is FBGEMM's,
-    inside backward, as in :meth:`RankEngine.train_step`."""
+    step count); its ``zero_grad()`` does nothing, the step having zeroed the gradients. The
+    embedding update is FBGEMM's, inside backward, as in :meth:`RankEngine.train_step`."""
 
     def __init__(self, engine: RankEngine) -> None:
         self._engine = engine
