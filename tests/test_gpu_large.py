@@ -35,7 +35,7 @@ from test_pipeline import FAIL_AT, RUNS, STEPS, _assert_same_run, _train
 from torchrec.distributed.types import ShardingPlan
 
 from raytrec.config import ConfigError, ScalingConfig, ShardingConfig, TrainConfig
-from raytrec.engine.plan import apply_embedding_optimizer, make_plan
+from raytrec.engine.plan import job_plan
 from raytrec.engine.rank import RankEngine, RankSpec, StoreAddress
 from raytrec.engine.replica_plane import ReplicaPlane
 from raytrec.model import build_train_model
@@ -76,18 +76,10 @@ PIPELINED = job_config(embedding="rowwise_adagrad", sync_every=3, scaling=ONE_GP
 
 
 def plan_for(config: TrainConfig) -> ShardingPlan:
-    model = build_train_model(config.model, NUM_DENSE, torch.device("cpu"), config.seed)
-    apply_embedding_optimizer(model, config.optimizer)
+    """The job's plan for one GPU, within ``sharding.device_memory_gib`` when it is set."""
     budget = config.sharding.device_memory_gib
-    return make_plan(
-        model,
-        gang_size=1,
-        device_type="cuda",
-        sharding=config.sharding,
-        tables=config.model.tables,
-        batch_size=BATCH,
-        device_memory=None if budget is None else int(budget * 2**30),
-    )
+    memory = None if budget is None else int(budget * 2**30)
+    return job_plan(config, NUM_DENSE, build_train_model, device_memory=memory)
 
 
 # -- rank side ------------------------------------------------------------------------------

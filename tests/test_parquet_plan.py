@@ -254,19 +254,25 @@ class RowHits:
             assert (np.cumsum(h)[: self.plan.rows_per_epoch] == 1).all(), f"epoch {epoch}"
 
 
+def _random_streams(
+    seed: int, *, num_shards: int
+) -> tuple[np.random.Generator, int, BatchPlan, list[Stream], RowHits]:
+    """A random 2-epoch plan over 8 files, its shards' streams and a row counter for it."""
+    rng = np.random.default_rng(seed)
+    batch = int(rng.integers(3, 40))
+    plan = random_plan(
+        rng, files=8, max_groups=3, max_rows=300, num_shards=num_shards, batch_size=batch, epochs=2
+    )
+    return rng, batch, plan, [plan.stream(r) for r in range(num_shards)], RowHits(plan, batch)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_rows_left_are_shared_once_and_every_rank_ends_at_the_same_step(seed: int) -> None:
     """Ranks stop at random places of their streams (some lost, some queueing replays); the
     rows none trained are cut again among the survivors, and again after a second change: over
     the epochs every row is in exactly one trained batch, batches hold 1..B rows, and all
     survivors have as many batches left (replays counted)."""
-    rng = np.random.default_rng(seed)
-    batch = int(rng.integers(3, 40))
-    plan = random_plan(
-        rng, files=8, max_groups=3, max_rows=300, num_shards=6, batch_size=batch, epochs=2
-    )
-    streams = [plan.stream(r) for r in range(6)]
-    rows = RowHits(plan, batch)
+    rng, batch, _, streams, rows = _random_streams(seed, num_shards=6)
     train = rows.train
 
     for _ in range(2):  # two membership changes
@@ -296,13 +302,7 @@ def test_a_join_hands_off_the_ends_of_the_survivors_streams(seed: int) -> None:
     """Survivors in lockstep (as many batches left, replays counted) keep their streams' next
     batches unchanged and give some away; joining ranks get the rest: every rank ends at the
     same step, batches hold 1..B rows, and every row of every epoch is trained once."""
-    rng = np.random.default_rng(seed)
-    batch = int(rng.integers(3, 40))
-    plan = random_plan(
-        rng, files=8, max_groups=3, max_rows=300, num_shards=4, batch_size=batch, epochs=2
-    )
-    streams = [plan.stream(r) for r in range(4)]
-    rows = RowHits(plan, batch)
+    rng, batch, plan, streams, rows = _random_streams(seed, num_shards=4)
     train = rows.train
 
     at = int(rng.integers(0, plan.num_steps // 2))
