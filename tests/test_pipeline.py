@@ -176,5 +176,5 @@ def test_a_failed_step_leaves_its_in_flight_batches_unstarted(
         # Trained afterwards, first: every batch once, in order.
         assert sync["started"] == piped["started"] == list(range(STEPS)), rank
         _assert_same_run(sync, piped)
-        # The failure changed the run (its step's dense update came after the settle).
+        # The failed step counted: the run still ends at STEPS steps, none of them taken twice.
         assert piped["step"] == STEPS
