@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +91,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dcn-cap", type=int, default=40_000_000, help="--dcn: rows of the largest")
     p.add_argument("--uvm-rows", type=int, default=1_000_000, help="--dcn: UVM-cache larger ones")
     p.add_argument("--cache-load-factor", type=float, default=0.2, help="--dcn: of UVM tables")
+    p.add_argument(
+        "--uvm-precision", choices=("fp32", "fp16"), default="fp32", help="--dcn: of UVM tables"
+    )
     p.add_argument("--dcn-batch", type=int, default=8192, help="--dcn: rows per step")
+    p.add_argument(
+        "--run-s",
+        type=float,
+        default=0.0,
+        help="--pipeline: time whole intervals until this many seconds have passed "
+        "(at least --steps - --warmup-steps steps)",
+    )
     p.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--marks-file", type=Path, help=argparse.SUPPRESS)
@@ -440,7 +450,11 @@ def pipeline_config(a: argparse.Namespace, batch_size: int, *, dcn: bool) -> Tra
     )
     if not dcn:
         return cfg
-    uvm = {"compute_kernel": "fused_uvm_caching", "cache_load_factor": a.cache_load_factor}
+    uvm = {
+        "compute_kernel": "fused_uvm_caching",
+        "cache_load_factor": a.cache_load_factor,
+        "precision": a.uvm_precision,
+    }
     rows = [min(n, a.dcn_cap) for n in MLPERF_ROWS]
     tables = tuple(
         t.model_copy(update=uvm) if t.num_embeddings > a.uvm_rows else t
@@ -455,8 +469,10 @@ def pipeline_config(a: argparse.Namespace, batch_size: int, *, dcn: bool) -> Tra
 
 def pipeline_side(
     side: str, cfg: TrainConfig, plan: Any, batches: list[Any], a: argparse.Namespace
-) -> float:
-    """Samples per second of one side over ``a.steps - a.warmup_steps`` steps."""
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """One side, built: ``(interval, close)``. ``interval()`` trains ``a.log_every`` steps and
+    reads what that side reads at an interval's end. Build raytrec's side first when both are up:
+    plain TorchRec's then shares its process group (one rank: nothing to communicate)."""
     import torch
     import torch.distributed as dist
 
@@ -465,12 +481,10 @@ def pipeline_side(
 
     gpu = cfg.scaling.use_gpu
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
-    sync = torch.cuda.synchronize if gpu else (lambda: None)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     stream = itertools.cycle(batches)
-    intervals = (a.steps - a.warmup_steps) // a.log_every
     num_dense = batches[0].dense_features.shape[1]
     if side == "raytrec":
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         spec = RankSpec(
             rank=0, gang=0, gang_rank=0, gang_size=1, config=cfg, plan=plan, num_dense=num_dense,
             store=StoreAddress(host="127.0.0.1", port=store.port),
@@ -496,56 +510,83 @@ def pipeline_side(
             metrics.state()
             trained.clear()
 
-        close = engine.close
-    else:
-        from torchrec.distributed.model_parallel import DistributedModelParallel
-        from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
-        from torchrec.distributed.types import ShardingEnv
-        from torchrec.optim.keyed import KeyedOptimizerWrapper
-        from torchrec.optim.optimizers import in_backward_optimizer_filter
+        def close() -> None:
+            engine.close()
+            store.set("closed", "1")  # the store's server (this object) lives until here
 
-        from raytrec.engine.plan import apply_embedding_optimizer, sharders
-        from raytrec.engine.rank import _DENSE_OPTIMIZERS, dense_optimizer_kwargs
-        from raytrec.model import build_train_model
+        return interval, close
 
-        if gpu:
-            torch.cuda.set_device(device)
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from raytrec.engine.plan import apply_embedding_optimizer, sharders
+    from raytrec.engine.rank import _DENSE_OPTIMIZERS, dense_optimizer_kwargs
+    from raytrec.model import build_train_model
+
+    if gpu:
+        torch.cuda.set_device(device)
+    own_group = not dist.is_initialized()
+    if own_group:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         dist.init_process_group("nccl" if gpu else "gloo", store=store, rank=0, world_size=1)
-        model = build_train_model(cfg.model, num_dense, device, cfg.seed)
-        apply_embedding_optimizer(model, cfg.optimizer)
-        env = ShardingEnv.from_process_group(dist.group.WORLD)
-        dmp = DistributedModelParallel(model, env, device, plan=plan, sharders=sharders())
-        dense_cls, kwargs = (
-            _DENSE_OPTIMIZERS[cfg.optimizer.dense],
-            dense_optimizer_kwargs(cfg.optimizer),
-        )
-        params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
-        dense = KeyedOptimizerWrapper(params, lambda ps: dense_cls(ps, **kwargs))
-        pipeline = TrainPipelineSparseDist(dmp, dense, device, execute_all_batches=True)
+    model = build_train_model(cfg.model, num_dense, device, cfg.seed)
+    apply_embedding_optimizer(model, cfg.optimizer)
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    dmp = DistributedModelParallel(model, env, device, plan=plan, sharders=sharders())
+    dense_cls, kwargs = (
+        _DENSE_OPTIMIZERS[cfg.optimizer.dense],
+        dense_optimizer_kwargs(cfg.optimizer),
+    )
+    params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    dense = KeyedOptimizerWrapper(params, lambda ps: dense_cls(ps, **kwargs))
+    pipeline = TrainPipelineSparseDist(dmp, dense, device, execute_all_batches=True)
 
-        def interval() -> None:
-            for _ in range(a.log_every):
-                loss, _, _ = pipeline.progress(stream)
-            float(loss)
+    def plain_interval() -> None:
+        for _ in range(a.log_every):
+            loss, _, _ = pipeline.progress(stream)
+        float(loss)
 
-        close = dist.destroy_process_group
-    try:
-        for _ in range(a.warmup_steps // a.log_every):
+    def plain_close() -> None:
+        if own_group:
+            dist.destroy_process_group()
+
+    return plain_interval, plain_close
+
+
+def timed_intervals(
+    sides: dict[str, Callable[[], None]], a: argparse.Namespace, sync: Callable[[], None]
+) -> dict[str, list[float]]:
+    """Seconds of each side's timed intervals, the sides taking turns an interval at a time
+    (mirrored every other round), after the warmup; at least ``a.steps - a.warmup_steps`` steps
+    a side, and more whole rounds until ``a.run_s`` seconds a side have passed."""
+    for _ in range(a.warmup_steps // a.log_every):
+        for interval in sides.values():
             interval()
-        sync()
-        started = time.perf_counter()
-        for _ in range(intervals):
-            interval()
-        sync()
-        return intervals * a.log_every * cfg.data.batch_size / (time.perf_counter() - started)
-    finally:
-        close()
-        if gpu:
-            torch.cuda.empty_cache()
+    sync()
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    rounds, started = 0, time.perf_counter()
+    while rounds < (
+        a.steps - a.warmup_steps
+    ) // a.log_every or time.perf_counter() - started < a.run_s * len(sides):
+        for name in list(sides)[:: 1 if rounds % 2 == 0 else -1]:
+            t0 = time.perf_counter()
+            sides[name]()
+            sync()
+            seconds[name].append(time.perf_counter() - t0)
+        rounds += 1
+    return seconds
 
 
 def pipeline_runs(a: argparse.Namespace) -> str:
-    """Each configuration's sides in turns (mirrored every other repeat), as a table."""
+    """Each configuration on both sides, as a table. Both sides are up at once and take turns an
+    interval at a time, so that drift of the machine's speed falls on both alike; with ``--dcn``
+    two models do not fit at once, so each side trains alone, the sides in turns (mirrored every
+    other repeat), each one freed before the next is built."""
+    import gc
+
     import torch
 
     from raytrec.data.from_config import synthetic_source
@@ -553,33 +594,90 @@ def pipeline_runs(a: argparse.Namespace) -> str:
     from raytrec.model import build_train_model
 
     gpu = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
     memory = torch.cuda.get_device_properties(0).total_memory if gpu else 2**40
     configs = [(f"DLRM, {b:,}", pipeline_config(a, b, dcn=False)) for b in a.batch_sizes]
     if a.dcn:
         configs = [(f"DCNv2, {a.dcn_batch:,}", pipeline_config(a, a.dcn_batch, dcn=True))]
+        # FBGEMM keeps UVM tables in CUDA managed memory; asking for more of it than the GPU has
+        # free can hang the GPU on some drivers, so this benchmark does not (fp16 halves it).
+        managed = sum(
+            t.num_embeddings * t.embedding_dim * (2 if t.precision == "fp16" else 4)
+            for t in configs[0][1].model.tables
+            if t.compute_kernel != "fused"
+        )
+        free = torch.cuda.mem_get_info()[0] if gpu else 2**40
+        if managed > free * (1 - a.cache_load_factor):
+            raise SystemExit(
+                f"--dcn: the UVM tables take {managed / 2**30:.1f} GiB of managed memory, more "
+                f"than the GPU's free {free / 2**30:.1f} GiB less their cache: lower --dcn-cap "
+                "or use --uvm-precision fp16"
+            )
+    sides = ("raytrec", "plain")  # raytrec's first: see pipeline_side
     lines = [
         "| model, rows per step | TorchRec + pipeline samples/s | raytrec 1x1 + pipeline "
-        "samples/s | median / median | per-repeat ratios |",
-        "|---|---:|---:|---:|---|",
+        "samples/s | raytrec / TorchRec | paired ratio: median (95% CI) | per-repeat ratios |",
+        "|---|---:|---:|---:|---:|---|",
     ]
     for label, cfg in configs:
         source = synthetic_source(cfg)
         batches = list(itertools.islice(source.split(1)[0].batches(cfg.data.batch_size), 16))
         batches = [b.pin_memory() if gpu else b for b in batches]
         plan = job_plan(cfg, source.dense_features, build_train_model, device_memory=memory)
-        got: dict[str, list[float]] = {"plain": [], "raytrec": []}
+        rows = a.log_every * cfg.data.batch_size
+        seconds: dict[str, list[float]] = {side: [] for side in sides}
+        paired, per_repeat = [], []
         for r in range(a.repeats):
-            for side in ("raytrec", "plain") if r % 2 == 0 else ("plain", "raytrec"):
-                got[side].append(pipeline_side(side, cfg, plan, batches, a))
-                print(f"{label} {side}: {got[side][-1]:,.0f} samples/s", flush=True)
-        plain, ours = statistics.median(got["plain"]), statistics.median(got["raytrec"])
-        ratios = ", ".join(
-            f"{x / y:.3f}" for x, y in zip(got["raytrec"], got["plain"], strict=True)
-        )
+            got: dict[str, list[float]] = {}
+            if a.dcn:
+                for side in sides[:: 1 if r % 2 == 0 else -1]:
+                    interval, close = pipeline_side(side, cfg, plan, batches, a)
+                    try:
+                        got |= timed_intervals({side: interval}, a, sync)
+                    finally:
+                        close()
+                        _free(gc, torch)
+                paired.append(sum(got["plain"]) / sum(got["raytrec"]))
+            else:
+                built = {side: pipeline_side(side, cfg, plan, batches, a) for side in sides}
+                try:
+                    got = timed_intervals({s: f for s, (f, _) in built.items()}, a, sync)
+                finally:
+                    for _, close in reversed(built.values()):
+                        close()
+                    _free(gc, torch)
+                paired += [x / y for x, y in zip(got["plain"], got["raytrec"], strict=True)]
+            per_repeat.append(sum(got["plain"]) / sum(got["raytrec"]))
+            for side in sides:
+                seconds[side] += got[side]
+            print(
+                f"{label} repeat {r}: "
+                + ", ".join(f"{s} {rows * len(got[s]) / sum(got[s]):,.0f}" for s in sides)
+                + " samples/s",
+                flush=True,
+            )
+        rate = {side: rows * len(seconds[side]) / sum(seconds[side]) for side in sides}
+        if len(paired) > 2:
+            low, high = bootstrap_median_ci(paired)
+            bracket = f"{low:.3f} - {high:.3f}"
+        else:  # too few pairs for an interval: their range
+            bracket = f"range {min(paired):.3f} - {max(paired):.3f}"
         lines.append(
-            f"| {label} | {plain:,.0f} | {ours:,.0f} | **{ours / plain:.3f}** | {ratios} |"
+            f"| {label} | {rate['plain']:,.0f} | {rate['raytrec']:,.0f} | "
+            f"**{rate['raytrec'] / rate['plain']:.3f}** | "
+            f"{statistics.median(paired):.3f} ({bracket}) | "
+            + ", ".join(f"{x:.3f}" for x in per_repeat)
+            + " |"
         )
     return "\n".join(lines)
+
+
+def _free(gc: Any, torch: Any) -> None:
+    """Frees a side's model before the next is built (its pipeline and engine refer to each
+    other, so only the collector frees them): two DCNv2 models of 40M-row tables do not fit."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -589,13 +687,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.pipeline:
         model = (
             f"DCNv2, the largest tables capped at {a.dcn_cap:,} rows, those over {a.uvm_rows:,} "
-            f"rows UVM-cached (load factor {a.cache_load_factor:g})"
+            f"rows UVM-cached ({a.uvm_precision}, load factor {a.cache_load_factor:g})"
             if a.dcn
             else f"DLRM {a.num_tables} tables x {a.num_embeddings:,} x {a.embedding_dim}"
         )
+        timed = f", or more, to {a.run_s:g} s a side" if a.run_s else ""
+        order = (
+            "each side built alone, the sides in turns; paired: the repeats"
+            if a.dcn
+            else f"both sides up, taking turns of one {a.log_every}-step interval; paired: "
+            "the intervals"
+        )
         shape = (
-            f"One GPU, {a.steps} steps per run ({a.warmup_steps} of warmup), {a.repeats} repeats "
-            f"in turns; {model}"
+            f"One GPU, {a.repeats} repeats of {a.steps} steps a side ({a.warmup_steps} of "
+            f"warmup{timed}), {order}; {model}"
         )
         table = pipeline_runs(a)
         name = "throughput-pipeline-dcn" if a.dcn else "throughput-pipeline"
