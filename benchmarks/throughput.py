@@ -632,6 +632,9 @@ def pipeline_runs(a: argparse.Namespace) -> str:
             if a.dcn:
                 for side in sides[:: 1 if r % 2 == 0 else -1]:
                     interval, close = pipeline_side(side, cfg, plan, batches, a)
+                    if gpu:  # the UVM tables' caches are in here, their rows are not
+                        held = torch.cuda.memory_allocated() / 2**30
+                        print(f"{label} {side}: {held:.1f} GiB allocated on the GPU", flush=True)
                     try:
                         got |= timed_intervals({side: interval}, a, sync)
                     finally:
