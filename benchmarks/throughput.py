@@ -10,20 +10,24 @@ trips included). Repeats take turns, mirrored every other repeat, each raytrec r
 its repeat's torchrun run. ``--turns`` keeps both up, taking turns of ``--window-s`` (the other
 one SIGSTOPped); each raytrec window is compared with the torchrun windows around it.
 
-``--pipeline`` (one GPU) compares the pipelined step: in one process, in turns, raytrec's rank
-engine (``RankEngine.train_steps``, the loop a rank actor runs, with
+``--pipeline`` (one GPU) compares the pipelined step: in one process, both up and taking turns
+an interval at a time (:func:`pipeline_runs`), raytrec's rank engine
+(``RankEngine.train_steps``, the loop a rank actor runs, with
 ``train_pipeline='sparse_dist'``, its losses and metric states read every ``--log-every`` steps
 as a rank reports them) against plain TorchRec (``DistributedModelParallel`` stepped by
 ``TrainPipelineSparseDist``, its loss read every ``--log-every`` steps), on the same plan and
 the same batches, made on the CPU beforehand, at each of ``--batch-sizes``. ``--dcn`` runs the
 MLPerf DLRM-DCNv2 shapes instead (26 Criteo tables of dimension 128, the largest capped at
 ``--dcn-cap`` rows, those over ``--uvm-rows`` rows UVM-cached) at ``--dcn-batch`` rows.
+``--profile DIR`` adds one untimed interval of each side under ``torch.profiler``: where their
+time differs, printed, and their traces.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import itertools
 import json
 import os
@@ -101,6 +105,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=0.0,
         help="--pipeline: time whole intervals until this many seconds have passed "
         "(at least --steps - --warmup-steps steps)",
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="--pipeline: also profile one interval of each side per size (first repeat; not "
+        "timed) and print where their time differs; Chrome traces into DIR",
     )
     p.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -645,6 +656,8 @@ def pipeline_runs(a: argparse.Namespace) -> str:
                 built = {side: pipeline_side(side, cfg, plan, batches, a) for side in sides}
                 try:
                     got = timed_intervals({s: f for s, (f, _) in built.items()}, a, sync)
+                    if a.profile is not None and r == 0:
+                        profile_sides({s: f for s, (f, _) in built.items()}, label, a.profile)
                 finally:
                     for _, close in reversed(built.values()):
                         close()
@@ -673,6 +686,47 @@ def pipeline_runs(a: argparse.Namespace) -> str:
             + " |"
         )
     return "\n".join(lines)
+
+
+def profile_sides(sides: dict[str, Callable[[], None]], label: str, out: Path) -> None:
+    """One interval of each side under ``torch.profiler``: a gzipped Chrome trace of each into
+    ``out``, and printed, each side's totals and the operators and kernels whose own time
+    differs most (device time on a GPU, else CPU time)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    out.mkdir(parents=True, exist_ok=True)
+    own: dict[str, dict[str, tuple[float, int]]] = {}
+    for name, interval in sides.items():
+        with profile(activities=activities) as prof:
+            interval()
+            if gpu:
+                torch.cuda.synchronize()
+        trace = out / f"{label.lower().replace(',', '').replace(' ', '-')}-{name}.json"
+        prof.export_chrome_trace(str(trace))
+        with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+            shutil.copyfileobj(raw, packed)  # Perfetto opens .json.gz
+        trace.unlink()
+        own[name] = {
+            e.key: (
+                (getattr(e, "self_device_time_total", 0) if gpu else e.self_cpu_time_total) / 1e3,
+                e.count,
+            )
+            for e in prof.key_averages()
+        }
+        launches = sum(c for k, (_, c) in own[name].items() if "LaunchKernel" in k)
+        total = sum(t for t, _ in own[name].values())
+        print(f"{label} {name}: {total:.1f} ms own time, {launches} kernel launches", flush=True)
+    ours, plain = own["raytrec"], own["plain"]
+    keys = sorted(
+        set(ours) | set(plain),
+        key=lambda k: -abs(ours.get(k, (0, 0))[0] - plain.get(k, (0, 0))[0]),
+    )
+    for k in keys[:15]:
+        (t1, c1), (t0, c0) = ours.get(k, (0.0, 0)), plain.get(k, (0.0, 0))
+        print(f"  {k[:70]:70s} raytrec {t1:8.2f} ms x{c1:<5d} plain {t0:8.2f} ms x{c0}")
 
 
 def _free(gc: Any, torch: Any) -> None:
