@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import gzip
 import itertools
 import json
@@ -124,6 +125,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--warmup-steps and --steps - --warmup-steps must be multiples of --log-every")
     if a.turns and (a.gpu or not 0 <= a.settle_s < a.window_s / 2):
         p.error("--turns runs CPU ranks, with --settle-s below half of --window-s")
+    if a.profile is not None and (not a.pipeline or a.dcn):
+        p.error("--profile compares the two sides up at once: --pipeline without --dcn")
     return a
 
 
@@ -596,8 +599,6 @@ def pipeline_runs(a: argparse.Namespace) -> str:
     interval at a time, so that drift of the machine's speed falls on both alike; with ``--dcn``
     two models do not fit at once, so each side trains alone, the sides in turns (mirrored every
     other repeat), each one freed before the next is built."""
-    import gc
-
     import torch
 
     from raytrec.data.from_config import synthetic_source
@@ -650,7 +651,7 @@ def pipeline_runs(a: argparse.Namespace) -> str:
                         got |= timed_intervals({side: interval}, a, sync)
                     finally:
                         close()
-                        _free(gc, torch)
+                        _free()
                 paired.append(sum(got["plain"]) / sum(got["raytrec"]))
             else:
                 built = {side: pipeline_side(side, cfg, plan, batches, a) for side in sides}
@@ -661,7 +662,7 @@ def pipeline_runs(a: argparse.Namespace) -> str:
                 finally:
                     for _, close in reversed(built.values()):
                         close()
-                    _free(gc, torch)
+                    _free()
                 paired += [x / y for x, y in zip(got["plain"], got["raytrec"], strict=True)]
             per_repeat.append(sum(got["plain"]) / sum(got["raytrec"]))
             for side in sides:
@@ -729,9 +730,11 @@ def profile_sides(sides: dict[str, Callable[[], None]], label: str, out: Path) -
         print(f"  {k[:70]:70s} raytrec {t1:8.2f} ms x{c1:<5d} plain {t0:8.2f} ms x{c0}")
 
 
-def _free(gc: Any, torch: Any) -> None:
+def _free() -> None:
     """Frees a side's model before the next is built (its pipeline and engine refer to each
     other, so only the collector frees them): two DCNv2 models of 40M-row tables do not fit."""
+    import torch
+
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
