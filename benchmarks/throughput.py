@@ -32,6 +32,7 @@ import gzip
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -651,6 +652,7 @@ def pipeline_runs(a: argparse.Namespace) -> str:
                         got |= timed_intervals({side: interval}, a, sync)
                     finally:
                         close()
+                        del interval, close  # the last references to this side's model
                         _free()
                 paired.append(sum(got["plain"]) / sum(got["raytrec"]))
             else:
@@ -660,8 +662,9 @@ def pipeline_runs(a: argparse.Namespace) -> str:
                     if a.profile is not None and r == 0:
                         profile_sides({s: f for s, (f, _) in built.items()}, label, a.profile)
                 finally:
-                    for _, close in reversed(built.values()):
-                        close()
+                    for side in reversed(sides):
+                        built[side][1]()  # close
+                    del built  # the last references to the two models
                     _free()
                 paired += [x / y for x, y in zip(got["plain"], got["raytrec"], strict=True)]
             per_repeat.append(sum(got["plain"]) / sum(got["raytrec"]))
@@ -691,43 +694,58 @@ def pipeline_runs(a: argparse.Namespace) -> str:
 
 def profile_sides(sides: dict[str, Callable[[], None]], label: str, out: Path) -> None:
     """One interval of each side under ``torch.profiler``: a gzipped Chrome trace of each into
-    ``out``, and printed, each side's totals and the operators and kernels whose own time
-    differs most (device time on a GPU, else CPU time)."""
+    ``out``, and printed, each side's wall time and totals, and the operators and kernels whose
+    own time differs most: device time on a GPU, and CPU time (what a loop bound by its host
+    spends)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     gpu = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     out.mkdir(parents=True, exist_ok=True)
-    own: dict[str, dict[str, tuple[float, int]]] = {}
+    own: dict[str, dict[str, tuple[float, float, int]]] = {}
     for name, interval in sides.items():
         with profile(activities=activities) as prof:
+            started = time.perf_counter()
             interval()
             if gpu:
                 torch.cuda.synchronize()
+            wall = (time.perf_counter() - started) * 1e3
         trace = out / f"{label.lower().replace(',', '').replace(' ', '-')}-{name}.json"
         prof.export_chrome_trace(str(trace))
         with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
             shutil.copyfileobj(raw, packed)  # Perfetto opens .json.gz
         trace.unlink()
-        own[name] = {
-            e.key: (
-                (getattr(e, "self_device_time_total", 0) if gpu else e.self_cpu_time_total) / 1e3,
-                e.count,
+        own[name] = {}
+        for e in prof.key_averages():
+            key = re.sub(r"^## (.*) \d+ ##$", r"## \1 ##", e.key)  # "## forward 152 ##"
+            device, host, count = own[name].get(key, (0.0, 0.0, 0))
+            own[name][key] = (
+                device + getattr(e, "self_device_time_total", 0) / 1e3,
+                host + e.self_cpu_time_total / 1e3,
+                count + e.count,
             )
-            for e in prof.key_averages()
-        }
-        launches = sum(c for k, (_, c) in own[name].items() if "LaunchKernel" in k)
-        total = sum(t for t, _ in own[name].values())
-        print(f"{label} {name}: {total:.1f} ms own time, {launches} kernel launches", flush=True)
+        launches = sum(c for k, (_, _, c) in own[name].items() if "LaunchKernel" in k)
+        device = sum(t for t, _, _ in own[name].values())
+        host = sum(t for _, t, _ in own[name].values())
+        print(
+            f"{label} {name}: {wall:.1f} ms wall (profiled), {host:.1f} ms own CPU time, "
+            f"{device:.1f} ms own device time, {launches} kernel launches",
+            flush=True,
+        )
     ours, plain = own["raytrec"], own["plain"]
-    keys = sorted(
-        set(ours) | set(plain),
-        key=lambda k: -abs(ours.get(k, (0, 0))[0] - plain.get(k, (0, 0))[0]),
-    )
-    for k in keys[:15]:
-        (t1, c1), (t0, c0) = ours.get(k, (0.0, 0)), plain.get(k, (0.0, 0))
-        print(f"  {k[:70]:70s} raytrec {t1:8.2f} ms x{c1:<5d} plain {t0:8.2f} ms x{c0}")
+    for what, i in (("device", 0), ("CPU", 1))[0 if gpu else 1 :]:
+        print(f"{label}: own {what} time, largest differences", flush=True)
+        keys = sorted(
+            set(ours) | set(plain),
+            key=lambda k: -abs(ours.get(k, (0, 0, 0))[i] - plain.get(k, (0, 0, 0))[i]),
+        )
+        for k in keys[:15]:
+            (t1, c1), (t0, c0) = (
+                (side.get(k, (0.0, 0.0, 0))[i], side.get(k, (0.0, 0.0, 0))[2])
+                for side in (ours, plain)
+            )
+            print(f"  {k[:70]:70s} raytrec {t1:8.2f} ms x{c1:<5d} plain {t0:8.2f} ms x{c0}")
 
 
 def _free() -> None:
@@ -758,8 +776,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             else f"both sides up, taking turns of one {a.log_every}-step interval; paired: "
             "the intervals"
         )
+        import torch
+
+        rank = "One GPU" if torch.cuda.is_available() else "One CPU rank (no GPU here)"
         shape = (
-            f"One GPU, {a.repeats} repeats of {a.steps} steps a side ({a.warmup_steps} of "
+            f"{rank}, {a.repeats} repeats of {a.steps} steps a side ({a.warmup_steps} of "
             f"warmup{timed}), {order}; {model}"
         )
         table = pipeline_runs(a)
