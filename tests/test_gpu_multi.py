@@ -1,7 +1,9 @@
 """What needs two or more GPUs: NCCL replica groups of two, gangs of two GPU ranks.
 
-Skipped unless the host has at least 2 CUDA devices (4 for the 2 x 2 job); run with
-``pytest -m gpu tests/test_gpu_multi.py`` (docs/gpu.md). Each rank is a spawned process that
+The GPU cases are skipped unless the host has at least 2 CUDA devices (4 for the 2 x 2 job);
+run them with ``pytest -m gpu tests/test_gpu_multi.py`` (docs/gpu.md). The same test with CPU
+ranks on gloo (2 x 2) runs everywhere, so that this code keeps up with the engine where CI
+cannot reach a GPU. Each rank is a spawned process that
 sees only its own GPU (``CUDA_VISIBLE_DEVICES``, as Ray sets it for a rank actor) and trains on
 NCCL. For each layout, tests/test_pipeline.py's scenario runs with ``train_pipeline='off'`` and
 ``'sparse_dist'``, with and without a failed step holding batches in flight:
@@ -31,28 +33,31 @@ from raytrec.engine.plan import job_plan
 from raytrec.engine.rank import RankEngine, RankSpec
 from raytrec.model import build_train_model
 
-# Conditions as strings: pytest evaluates them when it collects, in its own process. The rank
-# processes import this module too, and must not touch CUDA before they pick their GPU.
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif("torch.cuda.device_count() < 2", reason="needs 2 CUDA devices"),
+
+def gpus(n: int) -> pytest.MarkDecorator:
+    # A condition as a string: pytest evaluates it when it collects, in its own process. The
+    # rank processes import this module too, and must not touch CUDA before they pick their GPU.
+    return pytest.mark.skipif(f"torch.cuda.device_count() < {n}", reason=f"needs {n} CUDA devices")
+
+
+CASES = [
+    # an NCCL replica group of two gangs of one
+    pytest.param((2, 1), True, marks=[pytest.mark.gpu, gpus(2)], id="gpu-2x1"),
+    # one gang of two GPU ranks: NCCL all-to-alls
+    pytest.param((1, 2), True, marks=[pytest.mark.gpu, gpus(2)], id="gpu-1x2"),
+    pytest.param((2, 2), True, marks=[pytest.mark.gpu, gpus(4)], id="gpu-2x2"),
+    pytest.param((2, 2), False, marks=pytest.mark.multiprocess, id="cpu-2x2"),
 ]
 
-LAYOUTS = [
-    (2, 1),  # an NCCL replica group of two gangs of one
-    (1, 2),  # one gang of two GPU ranks: NCCL all-to-alls
-    pytest.param((2, 2), marks=pytest.mark.skipif(
-        "torch.cuda.device_count() < 4", reason="needs 4 CUDA devices")),
-]  # fmt: skip
 
-
-def config_for(num_gangs: int, gang_size: int) -> TrainConfig:
-    scaling = ScalingConfig(num_workers=num_gangs * gang_size, gang_size=gang_size, use_gpu=True)
+def config_for(num_gangs: int, gang_size: int, *, use_gpu: bool) -> TrainConfig:
+    scaling = ScalingConfig(num_workers=num_gangs * gang_size, gang_size=gang_size, use_gpu=use_gpu)
     return job_config(embedding="rowwise_adagrad", sync_every=3, scaling=scaling)
 
 
 def multi_gpu_job(spec: RankSpec, stores: list[Any]) -> dict[Any, Any]:
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.rank)  # before this process touches CUDA
+    if spec.config.scaling.use_gpu:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.rank)  # before this process touches CUDA
     world = spec.config.scaling.world_size
     batches = list(itertools.islice(SOURCE.split(world)[spec.rank].batches(8), STEPS))
     out = {}
@@ -78,10 +83,10 @@ def multi_gpu_job(spec: RankSpec, stores: list[Any]) -> dict[Any, Any]:
     return out
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_pipelined_2d_training_on_several_gpus(layout: tuple[int, int]) -> None:
+@pytest.mark.parametrize(("layout", "use_gpu"), CASES)
+def test_pipelined_2d_training_on_several_ranks(layout: tuple[int, int], use_gpu: bool) -> None:
     num_gangs, gang_size = layout
-    config = config_for(num_gangs, gang_size)
+    config = config_for(num_gangs, gang_size, use_gpu=use_gpu)
     results = run_gang_job(
         multi_gpu_job,
         num_gangs=num_gangs,
@@ -93,7 +98,7 @@ def test_pipelined_2d_training_on_several_gpus(layout: tuple[int, int]) -> None:
         extra_stores=len(RUNS) - 1,
     )
     for rank, runs in results.items():
-        assert runs["off", False]["device"] == "cuda:0"
+        assert runs["off", False]["device"] == ("cuda:0" if use_gpu else "cpu")
         for fail in (False, True):
             plain, piped = runs["off", fail], runs["sparse_dist", fail]
             assert plain["started"] == piped["started"] == list(range(STEPS)), (rank, fail)
