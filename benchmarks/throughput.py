@@ -698,6 +698,7 @@ def profile_sides(sides: dict[str, Callable[[], None]], label: str, out: Path) -
     own time differs most: device time on a GPU, and CPU time (what a loop bound by its host
     spends)."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     gpu = torch.cuda.is_available()
@@ -717,20 +718,29 @@ def profile_sides(sides: dict[str, Callable[[], None]], label: str, out: Path) -
             shutil.copyfileobj(raw, packed)  # Perfetto opens .json.gz
         trace.unlink()
         own[name] = {}
+        # The kernels' and copies' own events: a CPU operator's device time is its kernels'
+        # again, so the total counts only these.
+        device = (
+            sum(
+                e.self_device_time_total
+                for e in prof.key_averages()
+                if e.device_type != DeviceType.CPU
+            )
+            / 1e3
+        )
         for e in prof.key_averages():
             key = re.sub(r"^## (.*) \d+ ##$", r"## \1 ##", e.key)  # "## forward 152 ##"
-            device, host, count = own[name].get(key, (0.0, 0.0, 0))
+            on_device, on_host, count = own[name].get(key, (0.0, 0.0, 0))
             own[name][key] = (
-                device + getattr(e, "self_device_time_total", 0) / 1e3,
-                host + e.self_cpu_time_total / 1e3,
+                on_device + e.self_device_time_total / 1e3,
+                on_host + e.self_cpu_time_total / 1e3,
                 count + e.count,
             )
         launches = sum(c for k, (_, _, c) in own[name].items() if "LaunchKernel" in k)
-        device = sum(t for t, _, _ in own[name].values())
         host = sum(t for _, t, _ in own[name].values())
         print(
             f"{label} {name}: {wall:.1f} ms wall (profiled), {host:.1f} ms own CPU time, "
-            f"{device:.1f} ms own device time, {launches} kernel launches",
+            f"{device:.1f} ms in kernels and copies, {launches} kernel launches",
             flush=True,
         )
     ours, plain = own["raytrec"], own["plain"]
@@ -763,6 +773,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.torchrun_worker:
         return torchrun_worker(a)
     if a.pipeline:
+        import torch
+
         model = (
             f"DCNv2, the largest tables capped at {a.dcn_cap:,} rows, those over {a.uvm_rows:,} "
             f"rows UVM-cached ({a.uvm_precision}, load factor {a.cache_load_factor:g})"
@@ -776,8 +788,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             else f"both sides up, taking turns of one {a.log_every}-step interval; paired: "
             "the intervals"
         )
-        import torch
-
         rank = "One GPU" if torch.cuda.is_available() else "One CPU rank (no GPU here)"
         shape = (
             f"{rank}, {a.repeats} repeats of {a.steps} steps a side ({a.warmup_steps} of "
