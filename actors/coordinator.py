@@ -132,12 +132,15 @@ class Coordinator:
         self.first_batch_s = 0.0
         self.events = EventLog()
         self._t0 = self.clock.monotonic()
+        self._started = self.clock.perf_counter()  # run() sets it again as it starts
         self._history: list[IntervalMetrics] = []
         self._lock = threading.Lock()
         self._store_address: StoreAddress | None = None
         replayable = all(s.replayable for s in shards)
         self._stream_id = batch_id if replayable else None
-        self.accounting = BatchAccounting(self.membership.gang_ids, stream_id=self._stream_id)
+        self.accounting = BatchAccounting(
+            self.membership.gang_ids, stream_id=self._stream_id, batch_size=config.data.batch_size
+        )
         self._stop = threading.Event()  # a stop was asked for (request_stop)
         self._seq = 0  # the last train call's number
         self._ready = 0  # batches every live rank holds prepared beyond the job's step
@@ -221,7 +224,7 @@ class Coordinator:
         saved like a finished one (``RunSummary.stopped_by`` says why).
         """
         clock = self.clock
-        started = clock.perf_counter()
+        self._started = clock.perf_counter()
         ranks = self.start()
         stopped_by: BaseException | None = None
         every = self.cfg.log_every
@@ -264,21 +267,39 @@ class Coordinator:
                     f"than num_steps={self.num_steps} (every row was trained once); lower "
                     "num_steps or raise data.epochs"
                 )
+        return self._summary(final=final, digests=digests, stopped_by=stopped_by, ranks=ranks)
+
+    def summary_so_far(self) -> RunSummary:
+        """What the job committed up to now, for a job whose :meth:`run` raised: its history,
+        events, committed batches and rows and last checkpoint (what it can resume from); no
+        final model or replica check."""
+        return self._summary(final=None, digests={}, stopped_by=None, ranks=[])
+
+    def _summary(
+        self,
+        *,
+        final: str | None,
+        digests: dict[int, dict[str, str]],
+        stopped_by: BaseException | None,
+        ranks: list[RankInfo],
+    ) -> RunSummary:
+        acc = self.accounting
         return RunSummary(
             history=self.progress(),
             final_state_path=final,
             steps=self.step,
-            wall_s=clock.perf_counter() - started,
+            wall_s=self.clock.perf_counter() - self._started,
             ranks=ranks,
             digests=digests,
             stopped_by=stopped_by,
             first_batch_s=self.first_batch_s,
             events=self.event_dicts(),
             generation=self.membership.generation,
-            committed_batches=self.accounting.committed(),
-            committed_count=self.accounting.committed_count(),
-            replayed_batches=self.accounting.replayed(),
-            lost_batches=self.accounting.lost_batches + self.accounting.replay_pending(),
+            committed_batches=acc.committed(),
+            committed_count=acc.committed_count(),
+            committed_rows=acc.committed_rows if self._stream_id is not None else None,
+            replayed_batches=acc.replayed(),
+            lost_batches=acc.lost_batches + acc.replay_pending(),
             checkpoint=self.checkpoints.last,
             reshared_streams=None if self.streams.table is None else self.streams.table.to_json(),
         )

@@ -95,6 +95,7 @@ class RankWorker:
         self._feed: BatchFeed[Item] | None = None
         self._lock = threading.Lock()
         self._trained: list[TrainedBatch] = []  # (step, batch id) not yet reported
+        self._short: list[tuple[int, int]] = []  # (batch id, rows) of those short of a batch
         self._losses: list[torch.Tensor] = []  # each step's loss, read at the report
         self._order = IntervalOrder()
         self._last_end: float | None = None  # when the last train call ended (perf_counter)
@@ -267,6 +268,7 @@ class RankWorker:
         feed.wait_s = 0.0
         self.metrics.reset()
         rows = 0
+        batch_size = self.spec.config.data.batch_size
 
         def take() -> StepInput:
             batch_id, batch = feed.take()
@@ -279,9 +281,12 @@ class RankWorker:
             nonlocal stall_s, rows
             step = engine.step + 1
             stall_s += self._inject(step)
+            n = int(item.batch.labels.shape[0])
             with self._lock:
                 self._trained.append((step, item.tag))
-            rows += int(item.batch.labels.shape[0])
+                if item.tag is not None and n != batch_size:
+                    self._short.append((item.tag, n))
+            rows += n
             if item.tag is not None:
                 self._embedding_only.discard(item.tag)
 
@@ -307,13 +312,14 @@ class RankWorker:
             except Exception as e:  # bad input or the end of the data: the caller decides
                 stop = e
             self._feed.wait_s = 0.0
-        trained, losses = self._take_log()
+        trained, losses, short = self._take_log()
         return RankReport(
             rank=self.spec.rank,
             step=engine.step,
             losses=tuple(losses),
             trained=tuple(trained),
             rows=rows,
+            short=short,
             seconds=time.perf_counter() - started + carried,
             data_wait_s=data_s,
             sync_s=sync_s,
@@ -323,12 +329,15 @@ class RankWorker:
             ready=self._feed.buffered(),
         )
 
-    def _take_log(self) -> tuple[list[TrainedBatch], list[float]]:
+    def _take_log(
+        self,
+    ) -> tuple[list[TrainedBatch], list[float], tuple[tuple[int, int], ...]]:
         with self._lock:
             trained, self._trained = self._trained, []
             losses, self._losses = self._losses, []
+            short, self._short = tuple(self._short), []
         # One read of the device for the interval's losses (each step's stays where it was made).
-        return trained, torch.stack(losses).tolist() if losses else []
+        return trained, torch.stack(losses).tolist() if losses else [], short
 
     def _beat(self) -> None:
         """The heartbeat: every ``elastic.poll_s / 2`` seconds, the step count goes to the job's
@@ -357,12 +366,13 @@ class RankWorker:
         step count, and whether this rank holds the failed step's dense update, not applied
         (the coordinator settles it once the job has re-formed: :meth:`settle_failed_step`)."""
         abandoned = self.engine.abandon_failed_step()
-        trained, losses = self._take_log()
+        trained, losses, short = self._take_log()
         return RankReport(
             rank=self.spec.rank,
             step=self.engine.step,
             trained=tuple(trained),
             losses=tuple(losses),
+            short=short,
             abandoned_dense_update=abandoned,
         )
 

@@ -248,7 +248,10 @@ class DataStreams:
             snapshot["streams"], num_ranks=len(order), spare_shards=spare, step=step
         )
         self.job.accounting = BatchAccounting.rewound(
-            snapshot, gang_ids=gang_ids, stream_id=self.job._stream_id
+            snapshot,
+            gang_ids=gang_ids,
+            stream_id=self.job._stream_id,
+            batch_size=self.job.cfg.data.batch_size,
         )
         return dict(zip(order, plan, strict=True))
 

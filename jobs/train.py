@@ -10,10 +10,14 @@ job's own defaults (listed below), ``--config FILE`` (YAML, keys as in docs/conf
 the shortcut flags, then ``--set KEY=VALUE`` (repeatable). ``--print-config`` prints the
 result as YAML and exits.
 
-Exit codes: 0 success, 2 configuration error, 3 bad input data, 4 stopped on request (SIGTERM,
-SIGINT or ``ray job stop``: the job stopped at its next interval boundary, synced, checkpointed
-when checkpoints are configured, with its model and metrics saved; a second signal stops at
-once, 130), 1 any other failure.
+Exit codes: 0 success, 2 configuration error (also a cluster that never held the job's gangs
+within ``elastic.resource_wait_s``), 3 bad input data, 4 stopped on request (SIGTERM, SIGINT or
+``ray job stop``: the job stopped at its next interval boundary, synced, checkpointed when
+checkpoints are configured, with its model and metrics saved; a second signal stops at once,
+130), 1 the job failed (it cannot go on: a shard lost every copy with no checkpoint, too few
+gangs for too long, ranks lost over and over, or a defect). Whatever ended a job that had
+started, its ``summary.json`` is written, and the last line names why, the checkpoint to resume
+from and the ledger.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 from raytrec.config import ConfigError, TrainConfig
 from raytrec.config_base import yaml_flow
 from raytrec.config_file import Override, dump, load_config
+from raytrec.errors import JobFailedError
 
 # This job's defaults where they differ from the config classes' defaults: the one place the
 # command line departs from them (listed in --help and docs/configuration.md).
@@ -47,6 +52,7 @@ JOB_DEFAULTS: tuple[tuple[str, Any], ...] = (
 )
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 3, 4
+EXIT_INTERRUPTED = 130
 
 
 def parser() -> argparse.ArgumentParser:
@@ -154,6 +160,21 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+def _where(e: BaseException) -> str:
+    """For a job that had started (its result travels with the error): the checkpoint to
+    resume from and its ledger."""
+    result = getattr(e, "result", None)
+    if result is None:
+        return ""
+    from raytrec.summary import SUMMARY_FILE
+
+    resume = result.checkpoint.path if result.checkpoint is not None else None
+    return (
+        f"; resume from checkpoint: {resume or 'none (no checkpoint was saved)'}; "
+        f"ledger: {result.run_dir}/{SUMMARY_FILE}"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -181,7 +202,7 @@ def train(config: TrainConfig, *, verbose: bool = False) -> int:
     try:
         result = fit(config, on_progress=reporter, verbose=verbose)
     except (ConfigError, SpecError) as e:
-        print(f"raytrec: configuration error: {_one_line(e)}", file=sys.stderr)
+        print(f"raytrec: configuration error: {_one_line(e)}{_where(e)}", file=sys.stderr)
         return EXIT_CONFIG
     except BadInputError as e:
         print(f"raytrec: bad input: {_one_line(e)}", file=sys.stderr)
@@ -199,9 +220,14 @@ def train(config: TrainConfig, *, verbose: bool = False) -> int:
         bad = isinstance(e.cause, BadInputError)
         print(f"raytrec: {'bad input' if bad else 'error'}: {_one_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT if bad else EXIT_FAILED
-    except KeyboardInterrupt:
-        print("raytrec: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        print(f"raytrec: interrupted{_where(e)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except JobFailedError as e:
+        # fit wrote the ledger (summary.json) and printed its lines: the last line says why
+        # the job ended and what to resume from.
+        print(f"raytrec: failed: {_one_line(e)}{_where(e)}", file=sys.stderr)
+        return EXIT_FAILED
     except Exception as e:
         import traceback
 

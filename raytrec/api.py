@@ -78,6 +78,8 @@ class Result:
     committed_count: int = 0
     replayed_batches: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     lost_batches: int = 0
+    # Rows the committed batches hold, with multiplicity (None: the source names no batches).
+    committed_rows: int | None = None
     checkpoint: ray.train.Checkpoint | None = None  # the last checkpoint saved (Ray Train's type)
     # The checkpoints kept, each with the metrics of its step: best first by
     # checkpoint.checkpoint_score_attribute when one is set, else newest first (Ray Train's
@@ -110,13 +112,13 @@ class Result:
         """The AUC of the data's own click probabilities (generated data only): the ceiling."""
         return self.data.oracle_auc
 
-    def ledger(self, *, stopped: str | None = None) -> dict[str, Any]:
+    def ledger(self, *, stopped: str | None = None, failed: str | None = None) -> dict[str, Any]:
         """The run's ledger (also in the run directory as ``summary.json``): steps, rows,
         committed, replayed and lost batches, failures by kind, generations, the replica
         check, final and best metrics, and where every artifact is (raytrec.summary)."""
         from raytrec.summary import ledger
 
-        return ledger(self, stopped=stopped)
+        return ledger(self, stopped=stopped, failed=failed)
 
     def metrics_dataframe(self) -> Any:
         import pandas as pd
@@ -307,9 +309,15 @@ def _fit(
             evaluation=evaluation,
             features=features,
         )
+        seen = _Seen(reporter, reporter.event if isinstance(reporter, ProgressReporter) else None)
+        failure: BaseException | None = None
         try:
-            on_event = reporter.event if isinstance(reporter, ProgressReporter) else None
-            summary = _drive(coordinator, reporter, on_event)
+            summary = _drive(coordinator, seen.row, seen.event)
+        except BaseException as e:
+            # Whatever ended the job, its ledger is written: what it committed, why it ended,
+            # and the checkpoint to resume from (asked of the coordinator while it lives).
+            failure = _job_failure(e)
+            summary = _summary_after(coordinator, seen, wait_s=5 if _interrupted(e) else 60)
         finally:
             # The coordinator may already be gone; it is killed below regardless.
             with contextlib.suppress(Exception):
@@ -321,29 +329,11 @@ def _fit(
     finally:
         if shutdown_ray if shutdown_ray is not None else started:
             ray.shutdown()
-    result = Result(
-        config=config,
-        history=summary.history,
-        final_state_path=summary.final_state_path,
-        run_dir=run_dir,
-        steps=summary.steps,
-        wall_s=summary.wall_s,
-        state_digests=summary.digests,
-        data=info,
-        first_batch_s=summary.first_batch_s,
-        events=summary.events,
-        generation=summary.generation,
-        committed_batches=summary.committed_batches,
-        committed_count=summary.committed_count,
-        replayed_batches=summary.replayed_batches,
-        lost_batches=summary.lost_batches,
-        reshared_streams=summary.reshared_streams,
-        checkpoint=None if summary.checkpoint is None else ray.train.Checkpoint(summary.checkpoint),
-        best_checkpoints=best_checkpoints(run_dir, config.checkpoint),
-        stopped_early=str(summary.stopped_by)
-        if isinstance(summary.stopped_by, EarlyStopped)
-        else None,
-    )
+    if failure is not None:
+        result = _result(config, summary, run_dir, info)
+        _close_failed(result, failure, reporter, own_reporter=on_progress is None)
+        raise failure
+    result = _result(config, summary, run_dir, info)
     with open(os.path.join(run_dir, "metrics.json"), "w") as f:
         json.dump([m.to_dict() for m in result.history], f, indent=1)
     if on_progress is None and isinstance(reporter, ProgressReporter):
@@ -360,6 +350,34 @@ def _fit(
     if stopped is not None:
         raise TrainingStopped(stopped, result) from stopped
     return result
+
+
+def _result(config: TrainConfig, summary: Any, run_dir: str, info: DataInfo) -> Result:
+    """The :class:`Result` of the coordinator's :class:`RunSummary`."""
+    return Result(
+        config=config,
+        history=summary.history,
+        final_state_path=summary.final_state_path,
+        run_dir=run_dir,
+        steps=summary.steps,
+        wall_s=summary.wall_s,
+        state_digests=summary.digests,
+        data=info,
+        first_batch_s=summary.first_batch_s,
+        events=summary.events,
+        generation=summary.generation,
+        committed_batches=summary.committed_batches,
+        committed_count=summary.committed_count,
+        committed_rows=summary.committed_rows,
+        replayed_batches=summary.replayed_batches,
+        lost_batches=summary.lost_batches,
+        reshared_streams=summary.reshared_streams,
+        checkpoint=None if summary.checkpoint is None else ray.train.Checkpoint(summary.checkpoint),
+        best_checkpoints=best_checkpoints(run_dir, config.checkpoint),
+        stopped_early=str(summary.stopped_by)
+        if isinstance(summary.stopped_by, EarlyStopped)
+        else None,
+    )
 
 
 def _vocabularies_of(checkpoint: str | None) -> dict[str, tuple[str, ...]] | None:
@@ -506,6 +524,103 @@ def _gpu_memory() -> int:
     return int(torch.cuda.get_device_properties(0).total_memory)
 
 
+class _Seen:
+    """Passes the job's metrics rows and events on, keeping them: the driver's own record of a
+    job whose coordinator died."""
+
+    def __init__(
+        self,
+        on_row: Callable[[IntervalMetrics], None],
+        on_event: Callable[[dict[str, Any]], None] | None,
+    ) -> None:
+        self.rows: list[IntervalMetrics] = []
+        self.events: list[dict[str, Any]] = []
+        self._on_row, self._on_event = on_row, on_event
+        self.started = time.perf_counter()
+
+    def row(self, row: IntervalMetrics) -> None:
+        self.rows.append(row)
+        self._on_row(row)
+
+    def event(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+        if self._on_event is not None:
+            self._on_event(event)
+
+
+def _interrupted(e: BaseException) -> bool:
+    return isinstance(e, KeyboardInterrupt)
+
+
+def _job_failure(e: BaseException) -> BaseException:
+    """The exception ``fit`` raises for what ended the job: raytrec's own errors and an
+    interrupt as they are; anything else (a defect) as a :class:`JobFailedError` naming it."""
+    if isinstance(e, JobFailedError | ConfigError | KeyboardInterrupt):
+        return e
+    cause = getattr(e, "cause", None) if isinstance(e, ray.exceptions.RayTaskError) else e
+    what = f"{type(cause).__name__}: {cause}" if cause is not None else str(e)
+    failure = JobFailedError(
+        f"the job's coordinator failed with {' '.join(what.split())[:500]} (a defect: its "
+        "traceback is in error.txt in the run directory)"
+    )
+    failure.__cause__ = e
+    return failure
+
+
+def _summary_after(coordinator: Any, seen: _Seen, *, wait_s: float) -> Any:
+    """The coordinator's :meth:`~actors.coordinator.Coordinator.summary_so_far`, or, when it
+    cannot answer (it died), what the driver saw: the metrics rows and events, no committed
+    batches."""
+    from raytrec.elastic.report import RunSummary
+
+    with contextlib.suppress(Exception):
+        return ray.get(coordinator.summary_so_far.remote(), timeout=wait_s)
+    return RunSummary(
+        history=list(seen.rows),
+        final_state_path=None,
+        steps=seen.rows[-1].step if seen.rows else 0,
+        wall_s=time.perf_counter() - seen.started,
+        ranks=[],
+        digests={},
+        events=list(seen.events),
+        committed_rows=None,
+    )
+
+
+def _close_failed(
+    result: Result, failure: BaseException, reporter: Any, *, own_reporter: bool
+) -> None:
+    """Writes a failed job's ledger (``summary.json``, with why it ended and the checkpoint to
+    resume from), its metrics and the traceback of a defect, and prints the ledger's lines;
+    ``failure`` gets the result (``failure.result``)."""
+    import traceback
+
+    from raytrec.checkpoint.config import checkpoint_root
+    from raytrec.checkpoint.layout import CheckpointStore
+
+    if result.checkpoint is None:
+        # The coordinator could not say: the newest checkpoint committed on disk.
+        with contextlib.suppress(Exception):
+            ref = CheckpointStore(checkpoint_root(result.run_dir)).latest()
+            if ref is not None:
+                result = dataclasses.replace(result, checkpoint=ray.train.Checkpoint(ref.uri))
+    with open(os.path.join(result.run_dir, "metrics.json"), "w") as f:
+        json.dump([m.to_dict() for m in result.history], f, indent=1)
+    if failure.__cause__ is not None and not isinstance(failure, KeyboardInterrupt):
+        with open(os.path.join(result.run_dir, "error.txt"), "w") as f:
+            f.write("".join(traceback.format_exception(failure.__cause__)))
+    reason = "interrupted" if _interrupted(failure) else f"{type(failure).__name__}: {failure}"
+    ledger = result.ledger(failed=" ".join(reason.split()))
+    write_ledger(ledger)
+    if isinstance(reporter, ProgressReporter):
+        if own_reporter:
+            reporter.close(events=result.events)  # metrics file, TensorBoard and the plot
+        for line in ledger_lines(ledger):
+            print(line, flush=True)
+    # The run's result travels with the exception (JobFailedError.result, ConfigError.result).
+    failure.result = result  # type: ignore[attr-defined]
+
+
 def _drive(
     coordinator: Any,
     on_progress: Callable[[IntervalMetrics], None],
@@ -597,5 +712,5 @@ def _release_placement_groups(prefix: str) -> None:
                 ray.util.remove_placement_group(get_placement_group(name))
 
 
-class CoordinatorDied(RuntimeError):
+class CoordinatorDied(JobFailedError):
     """The coordinator actor is gone; the job cannot continue (see docs/fault_tolerance.md)."""

@@ -19,7 +19,14 @@ from raytrec.progress import EVENTS_FILE, METRICS_FILE, PLOT_FILE, TENSORBOARD_D
 if TYPE_CHECKING:
     from raytrec.api import Result
 
-__all__ = ["FAILURE_KINDS", "SUMMARY_FILE", "ledger", "ledger_lines", "write_ledger"]
+__all__ = [
+    "FAILURE_KINDS",
+    "SUMMARY_FILE",
+    "failure_line",
+    "ledger",
+    "ledger_lines",
+    "write_ledger",
+]
 
 SUMMARY_FILE = "summary.json"
 _EVAL_KEYS = ("eval_auc", "eval_ne", "eval_log_loss", "eval_rows")
@@ -57,8 +64,11 @@ def _best(history: Sequence[Any], key: str, *, higher: bool) -> dict[str, Any] |
     return {"value": getattr(pick, key), "step": pick.step}
 
 
-def ledger(result: Result, *, stopped: str | None = None) -> dict[str, Any]:
-    """The ledger of ``result`` as a JSON-ready dict; ``stopped``: why the job ended early."""
+def ledger(
+    result: Result, *, stopped: str | None = None, failed: str | None = None
+) -> dict[str, Any]:
+    """The ledger of ``result`` as a JSON-ready dict; ``stopped``: why the job ended early
+    with its model saved; ``failed``: why it ended without one."""
     history = result.history
     kinds = collections.Counter(e.get("kind") for e in result.events)
     distinct = sum(b - a for a, b in result.committed_batches)
@@ -79,15 +89,24 @@ def ledger(result: Result, *, stopped: str | None = None) -> dict[str, Any]:
         if result.best_checkpoints and result.config.checkpoint.checkpoint_score_attribute
         else None,
     }
+    stepped = sum(m.rows for m in history)
     return {
         "name": result.config.name,
+        "ended": "failed" if failed else "stopped" if stopped else "finished",
         "steps": result.steps,
         "num_steps": result.config.num_steps,
         "stopped": stopped,
+        "failed": failed,
         "stopped_early": result.stopped_early,
+        # The checkpoint a failed or stopped job resumes from (fit(resume_from_checkpoint=...)).
+        "resume_from": artifacts["checkpoint"],
         "wall_s": round(result.wall_s, 3),
         "rows": {
-            "trained": sum(m.rows for m in history),
+            # Rows in the model: those of the committed batches, counted with multiplicity
+            # (for a source that names no batches, the rows the ranks stepped through).
+            "trained": stepped if result.committed_rows is None else result.committed_rows,
+            # Rows the ranks stepped through in reported intervals, replays included.
+            "stepped": stepped,
             "per_epoch": result.data.rows_per_epoch,
             "epochs": result.config.data.epochs if result.data.kind != "synthetic" else None,
         },
@@ -150,6 +169,7 @@ def ledger_lines(summary: Mapping[str, Any], *, prefix: str = "[raytrec]") -> li
     art = summary["artifacts"]
     early = [f"{prefix} {summary['stopped_early']}"] if summary.get("stopped_early") else []
     best = summary["artifacts"].get("best_checkpoint")
+    failed = [f"{prefix} {failure_line(summary)}"] if summary.get("failed") else []
     return [
         *early,
         f"{prefix} ledger: {summary['steps']} of {summary['num_steps']} steps, "
@@ -161,7 +181,17 @@ def ledger_lines(summary: Mapping[str, Any], *, prefix: str = "[raytrec]") -> li
         f"{prefix} final {metrics}; model: {art['final_model']}; checkpoint: "
         f"{art['checkpoint']}; summary: {art['summary']}",
         *([f"{prefix} best checkpoint: {best}"] if best else []),
+        *failed,
     ]
+
+
+def failure_line(summary: Mapping[str, Any]) -> str:
+    """One line for a failed job: why, where it was, and the checkpoint to resume from."""
+    resume = summary.get("resume_from") or "none (no checkpoint was saved: the job starts over)"
+    return (
+        f"failed at step {summary['steps']} of {summary['num_steps']}: {summary['failed']}; "
+        f"resume from checkpoint: {resume}; ledger: {summary['artifacts']['summary']}"
+    )
 
 
 def write_ledger(summary: Mapping[str, Any]) -> str:

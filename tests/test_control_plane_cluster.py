@@ -240,6 +240,7 @@ def test_a_gang_drained_mid_epoch_gives_back_its_rows_and_none_is_lost_or_double
             trained += [int(x) for x in f.read().split()]
     assert sorted(trained) == list(range(rows))  # every row once, as the ranks saw it
     assert sorted(committed_row_ids(result, paths).tolist()) == list(range(rows))  # the ledger
+    assert result.ledger()["rows"]["trained"] == rows  # its rows figure, after a loss too
     assert result.lost_batches == 0 and result.steps > 12  # the survivor took the rows left
 
 

@@ -3,6 +3,7 @@ final commit (pure)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -279,3 +280,58 @@ def test_a_snapshot_is_refused_between_syncs() -> None:
     train(acc, ranks, {r: [stream_id(r, 0)] for r in range(4)}, first=1, last_sync=0, gangs=GANGS)
     with pytest.raises(LedgerError, match=r"sync boundary, but gangs \[0, 1\] have pending"):
         acc.snapshot([0, 1, 2, 3])
+
+
+def test_committed_rows_count_short_batches_and_replays_once_each() -> None:
+    """The ledger's rows: a batch's rows are counted when it commits, a short one's as the rank
+    reported them; a lost gang's uncommitted batches count only when their replay commits."""
+    acc = BatchAccounting(GANGS, stream_id=stream_id, batch_size=10)
+    for r in range(4):
+        acc.add_rank(r, shard=r, step=0)
+    reports = [report(r, range(1, 4), [stream_id(r, k) for k in range(3)]) for r in range(4)]
+    # Rank 0's second batch and rank 2's third hold 7 and 4 rows.
+    reports[0] = dataclasses.replace(reports[0], short=((stream_id(0, 1), 7),))
+    reports[2] = dataclasses.replace(reports[2], short=((stream_id(2, 2), 4),))
+    acc.record(
+        reports,
+        gang_of=gang_of,
+        live_gangs=[0, 1],
+        last_sync_step=0,
+        is_job_wide_sync=every_second_step,
+    )
+    assert acc.committed_rows == 8 * 10 - 3  # steps 1-2 of 4 ranks; rank 0's short batch
+    lost = acc.lost_rank_reports([2, 3], fail_step=3)
+    acc.record(
+        lost,
+        gang_of=gang_of,
+        live_gangs=[0, 1],
+        last_sync_step=2,
+        is_job_wide_sync=every_second_step,
+        completed_through=2,
+    )
+    replay = acc.drop([1], [0], ranks_of=lambda g: GANGS[g])
+    acc.commit([0])
+    assert acc.committed_rows == 97  # gang 0's step 3 too; not gang 1's (replayed)
+    replays = [
+        dataclasses.replace(
+            report(r, range(4, 6), [replay[r][0], stream_id(r, 3)]),
+            short=((stream_id(2, 2), 4),) if replay[r][0] == stream_id(2, 2) else (),
+        )
+        for r in (0, 1)
+    ]
+    acc.record(
+        replays,
+        gang_of=gang_of,
+        live_gangs=[0],
+        last_sync_step=3,
+        is_job_wide_sync=every_second_step,
+    )
+    acc.commit([0])
+    # Every committed batch: 14 of them, one short by 3 rows and one by 6.
+    assert acc.committed_count() == 14
+    assert acc.committed_rows == 14 * 10 - 3 - 6
+    # A checkpoint's snapshot keeps the figure.
+    back = BatchAccounting.rewound(
+        acc.snapshot([0, 1]), gang_ids=[0], stream_id=stream_id, batch_size=10
+    )
+    assert back.committed_rows == acc.committed_rows

@@ -5,6 +5,10 @@ other copies of its shard live on its host, so its gang is dropped and the job g
 
 from __future__ import annotations
 
+import json
+import os
+from typing import Any
+
 import pytest
 import ray
 
@@ -21,9 +25,19 @@ from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.errors import JobFailedError
 from raytrec.metrics import IntervalMetrics
+from raytrec.summary import SUMMARY_FILE
 from raytrec.testing import running_coordinator
 
 pytestmark = pytest.mark.cluster
+
+
+def read_summary(error: BaseException) -> dict[str, Any]:
+    """The summary.json of the run whose ``fit`` raised ``error`` (its result travels with it)."""
+    result = error.result  # type: ignore[attr-defined]
+    with open(os.path.join(result.run_dir, SUMMARY_FILE)) as f:
+        summary: dict[str, Any] = json.load(f)
+    assert summary == json.loads(json.dumps(result.ledger(failed=summary["failed"])))
+    return summary
 
 
 def config(tmp: str, **changes: object) -> TrainConfig:
@@ -60,8 +74,15 @@ def test_replicas_within_host_losing_a_host_without_a_checkpoint_fails_clearly(
         match=r"replicas_within_host.*cannot go on without a checkpoint, and none is configured: "
         r"with checkpoint.every_n_steps or checkpoint.every_minutes set, the job would have been "
         r"rebuilt from its last checkpoint automatically",
-    ):
+    ) as failed:
         fit(cfg, shutdown_ray=False)
+    # Its ledger is written all the same: why it ended, what it had committed, no checkpoint.
+    summary = read_summary(failed.value)
+    assert summary["ended"] == "failed" and "cannot go on without a checkpoint" in summary["failed"]
+    assert summary["resume_from"] is None and summary["failures"]["rank_died"] >= 1
+    # Steps 1-4 of both gangs, synced every step: committed before the loss at step 5.
+    assert summary["batches"]["committed"] >= 8 and summary["rows"]["trained"] >= 8 * 32
+    assert summary["batches"]["committed"] * 32 == summary["rows"]["trained"]
 
 
 @pytest.mark.long
@@ -97,8 +118,12 @@ def test_losing_the_coordinator_fails_the_job_instead_of_hanging(
     slow = TestingConfig(
         faults=(FaultSpec(kind=FaultKind.SLOW_RANK, step=5, rank=0, stall_s=1.0, steps=10),)
     )
-    with pytest.raises(CoordinatorDied, match="coordinator actor died"):
+    with pytest.raises(CoordinatorDied, match="coordinator actor died") as failed:
         fit(config(str(tmp_path), testing=slow), on_progress=kill_at_step_4, shutdown_ray=False)
+    # The driver writes the ledger from what it saw: the rows up to the kill.
+    summary = read_summary(failed.value)
+    assert summary["ended"] == "failed" and "coordinator actor died" in summary["failed"]
+    assert summary["steps"] >= 4 and summary["final"]["step"] == summary["steps"]
     # It is gone, not restarted or left half alive.
     with pytest.raises(RuntimeError, match="expected one running raytrec coordinator, found 0"):
         running_coordinator()

@@ -54,3 +54,4 @@ def test_epochs_alone_set_the_length_of_a_shuffled_job(
     # Every row trained once per epoch: twice, through the Ray Data pipeline's gathers.
     ids = committed_row_ids(result, data.paths)
     assert collections.Counter(collections.Counter(ids.tolist()).values()) == {2: 512}
+    assert result.ledger()["rows"]["trained"] == len(ids)  # the ledger's rows: the model's

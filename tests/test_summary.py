@@ -109,3 +109,28 @@ def test_the_replica_check_fails_on_any_differing_copy(tmp_path: str) -> None:
     dense = {**AGREE, 4: {"shards": "a", "dense": "e"}}
     assert ledger(result(tmp_path, dense))["replica_check"]["passed"] is False
     assert "FAILED" in ledger_lines(ledger(result(tmp_path, dense)))[1]
+
+
+def test_rows_trained_are_the_rows_of_the_committed_batches(tmp_path: str) -> None:
+    """With a source that names its batches, the figure is the committed batches' rows (a
+    failed interval's rows are in the model too, though no metrics row counted them)."""
+    import dataclasses
+
+    done = dataclasses.replace(result(tmp_path, AGREE), committed_rows=1500)
+    summary = ledger(done)
+    assert summary["rows"]["trained"] == 1500 and summary["rows"]["stepped"] == 1408
+    assert "1,500 rows trained" in ledger_lines(summary)[0]
+
+
+def test_a_failed_job_s_ledger_says_why_and_what_to_resume_from(tmp_path: str) -> None:
+    summary = ledger(result(tmp_path, {}), failed="JobFailedError: shard 1 lost every copy")
+    assert summary["ended"] == "failed" and summary["stopped"] is None
+    assert summary["resume_from"].endswith("checkpoint_0000000012")
+    last = ledger_lines(summary)[-1]
+    assert last.startswith("[raytrec] failed at step 12 of 12: JobFailedError: shard 1 lost")
+    assert "resume from checkpoint: " in last and last.endswith("summary.json")
+    import dataclasses
+
+    bare = dataclasses.replace(result(tmp_path, {}), checkpoint=None)
+    assert "resume from checkpoint: none" in ledger_lines(ledger(bare, failed="x"))[-1]
+    assert ledger(result(tmp_path, AGREE))["ended"] == "finished"

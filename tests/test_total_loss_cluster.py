@@ -147,3 +147,4 @@ def test_a_lost_host_with_every_copy_of_a_shard_is_rebuilt_from_the_checkpoint(
     assert result.lost_batches == 0
     if source == "parquet":  # and in rows: the epoch's, each once
         assert sorted(committed_row_ids(result, paths).tolist()) == list(range(ROWS))
+        assert result.ledger()["rows"]["trained"] == ROWS  # rebuilt from a checkpoint too

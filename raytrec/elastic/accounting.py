@@ -46,8 +46,14 @@ class BatchAccounting:
         gang_ids: Iterable[int],
         *,
         stream_id: Callable[[int, int], int] | None,
+        batch_size: int = 0,
     ) -> None:
         self.ledger = DataLedger(_ID_SPACE, gang_ids)
+        # Rows of the committed batches, counted with multiplicity: ``batch_size`` a batch, less
+        # what the ranks reported missing from a short one (RankReport.short).
+        self.batch_size = batch_size
+        self.committed_rows = 0
+        self._short: dict[int, int] = {}  # uncommitted batch id -> rows it lacks
         self.streams = RankStreams(stream_id) if stream_id is not None else None
         self.reported_step: dict[int, int] = {}  # job rank -> step of its last report
         self.lost_batches = 0
@@ -104,6 +110,7 @@ class BatchAccounting:
         return {
             **self.ledger.snapshot(),
             "lost_batches": self.lost_batches,
+            "committed_rows": self.committed_rows,
             "streams": streams,
             # At a sync boundary nothing is pending: these are unread replays.
             "dense_applied": sorted(self._dense_applied),
@@ -116,13 +123,18 @@ class BatchAccounting:
         *,
         gang_ids: Iterable[int],
         stream_id: Callable[[int, int], int] | None,
+        batch_size: int = 0,
     ) -> BatchAccounting:
         """The accounting of ``snapshot`` for a rebuilt job of gangs ``gang_ids`` that has no
         ranks yet: add them with :meth:`add_rank`, then place them with :meth:`resume_rank`.
         Every stream of the snapshot counts as stopped where it was until a rank continues it."""
-        acc = cls((), stream_id=stream_id)
+        acc = cls((), stream_id=stream_id, batch_size=batch_size)
         acc.ledger.rewind(snapshot, gang_ids)
         acc.lost_batches = int(snapshot["lost_batches"])
+        # A checkpoint written before rows were counted: its batches taken as full ones.
+        acc.committed_rows = int(
+            snapshot.get("committed_rows", acc.ledger.committed_rows(0) * batch_size)
+        )
         acc._dense_applied = {int(i) for i in snapshot.get("dense_applied", ())}
         streams = snapshot["streams"]
         if acc.streams is not None and streams is not None:
@@ -167,6 +179,8 @@ class BatchAccounting:
                 bucket = before if last_sync is not None and step <= last_sync else after
                 bucket.setdefault(gang, []).append(batch)
             self.reported_step[rank] = rep.step
+            for batch, rows in rep.short:
+                self._short[batch] = self.batch_size - rows
         for gang, ids in before.items():
             self.ledger.consume(gang, 0, RowRanges.from_ids(ids))
         if last_sync is not None:
@@ -202,6 +216,7 @@ class BatchAccounting:
             for batch in self.ledger.pending(g).get(0, RowRanges()):
                 self._trained_at.pop(batch, None)
                 self._dense_applied.discard(batch)
+                self.committed_rows += self.batch_size - self._short.pop(batch, 0)
         self.ledger.commit(live_gangs)
 
     def drop(

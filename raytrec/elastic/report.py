@@ -33,6 +33,9 @@ class RankReport:
     trained: tuple[TrainedBatch, ...] = ()
     losses: tuple[float, ...] = ()
     rows: int = 0
+    # ``(batch id, rows)`` of the trained batches holding fewer rows than the job's batch size
+    # (a stream's last batch, rows skipped as bad): the ledger counts committed rows exactly.
+    short: tuple[tuple[int, int], ...] = ()
     seconds: float = 0.0  # the rank's time in the call (its own clock)
     data_wait_s: float = 0.0
     sync_s: float = 0.0
@@ -86,6 +89,9 @@ class RunSummary:
     # (committed), counted with multiplicity, and those handed to survivors for replay.
     committed_batches: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     committed_count: int = 0
+    # The rows the committed batches hold, counted with multiplicity (None: the source names
+    # no batches, so nothing is committed by id).
+    committed_rows: int | None = None
     replayed_batches: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     lost_batches: int = 0  # uncommitted batches of lost gangs that could not be replayed
     checkpoint: str | None = None  # the last checkpoint this run saved
