@@ -74,6 +74,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--print-config", action="store_true", help="print the config and exit")
     p.add_argument(
+        "--resume-from",
+        metavar="CHECKPOINT",
+        help="start from a saved checkpoint (a directory or URI, e.g. the one a failed or "
+        "stopped job's last line names); the job may have another number of gangs, gang size "
+        "or sharding plan",
+    )
+    p.add_argument(
         "--verbose",
         action="store_true",
         help="also show Ray's log records and the ranks' and Ray Data tasks' output, which "
@@ -185,12 +192,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_config:
         sys.stdout.write(dump(config))
         return EXIT_OK
-    return train(config, verbose=args.verbose)
+    return train(config, verbose=args.verbose, resume_from=args.resume_from)
 
 
-def train(config: TrainConfig, *, verbose: bool = False) -> int:
+def train(config: TrainConfig, *, verbose: bool = False, resume_from: str | None = None) -> int:
     """Trains ``config`` with progress on the console and in the run directory (``verbose``:
-    Ray's and the workers' own output on the console too, not only in ``logs/`` there)."""
+    Ray's and the workers' own output on the console too, not only in ``logs/`` there),
+    from the checkpoint ``resume_from`` when one is given."""
     from raytrec.api import TrainingStopped, fit
     from raytrec.data.arrow_kjt import BadInputError
     from raytrec.data.spec import SpecError
@@ -200,7 +208,9 @@ def train(config: TrainConfig, *, verbose: bool = False) -> int:
     reporter = ProgressReporter(config.num_steps, title=config.name)
     result: Any = None
     try:
-        result = fit(config, on_progress=reporter, verbose=verbose)
+        result = fit(
+            config, on_progress=reporter, verbose=verbose, resume_from_checkpoint=resume_from
+        )
     except (ConfigError, SpecError) as e:
         print(f"raytrec: configuration error: {_one_line(e)}{_where(e)}", file=sys.stderr)
         return EXIT_CONFIG
