@@ -35,6 +35,12 @@ _SERVING = {
 }
 
 
+def __dir__() -> list[str]:
+    # The public API is loaded lazily (below), so dir(), help() and a notebook's completion
+    # would otherwise see none of it.
+    return sorted({*__all__, *(n for n in globals() if n.startswith("__"))})
+
+
 def __getattr__(name: str) -> Any:
     # Importing raytrec.config or raytrec.topology must not pull in torch, Ray
     # and the actors; the API is loaded on first use.

@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import ray
@@ -52,7 +52,14 @@ from raytrec.progress import ProgressReporter
 from raytrec.run_logs import RunLogs
 from raytrec.summary import ledger_lines, write_ledger
 
-__all__ = ["CoordinatorDied", "Result", "TrainingStopped", "default_source", "fit"]
+__all__ = [
+    "CoordinatorDied",
+    "KeptCheckpoint",
+    "Result",
+    "TrainingStopped",
+    "default_source",
+    "fit",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,9 +91,7 @@ class Result:
     # The checkpoints kept, each with the metrics of its step: best first by
     # checkpoint.checkpoint_score_attribute when one is set, else newest first (Ray Train's
     # Result.best_checkpoints).
-    best_checkpoints: list[tuple[ray.train.Checkpoint, dict[str, float]]] = dataclasses.field(
-        default_factory=list
-    )
+    best_checkpoints: list[KeptCheckpoint] = dataclasses.field(default_factory=list)
     stopped_early: str | None = None  # why early stopping ended the job (eval.early_stopping_*)
     # Parquet read by index: the streams made when the rows left were shared again among the
     # ranks after a membership change (the ids of committed batches name them), as JSON; None
@@ -429,9 +434,31 @@ def _check_eval_is_there(config: TrainConfig) -> None:
         )
 
 
-def best_checkpoints(
-    run_dir: str, config: CheckpointConfig
-) -> list[tuple[ray.train.Checkpoint, dict[str, float]]]:
+@dataclasses.dataclass(frozen=True)
+class KeptCheckpoint:
+    """A checkpoint the run kept: where it is, the step it was saved at and that step's
+    metrics (the training interval's, and the held-out evaluation's when one ran). Unpacks as
+    Ray Train's ``(checkpoint, metrics)`` pair: ``best, metrics = result.best_checkpoints[0]``."""
+
+    checkpoint: ray.train.Checkpoint
+    step: int
+    metrics: dict[str, float]
+
+    @property
+    def path(self) -> str:
+        return str(self.checkpoint.path)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.checkpoint, self.metrics))
+
+    def __getitem__(self, index: int) -> Any:
+        return (self.checkpoint, self.metrics)[index]
+
+    def __len__(self) -> int:
+        return 2
+
+
+def best_checkpoints(run_dir: str, config: CheckpointConfig) -> list[KeptCheckpoint]:
     """The run's committed checkpoints with the metrics of their step: best first by
     ``config.checkpoint_score_attribute``, else newest first."""
     from raytrec.checkpoint.config import checkpoint_root, ranked
@@ -445,9 +472,10 @@ def best_checkpoints(
     else:
         order = ranked(saved, config.checkpoint_score_order)
     return [
-        (
-            ray.train.Checkpoint(refs[c.name].uri),
-            dict(read_manifest(refs[c.name].uri).extra.get("metrics", {})),
+        KeptCheckpoint(
+            checkpoint=ray.train.Checkpoint(refs[c.name].uri),
+            step=refs[c.name].step,
+            metrics=dict(read_manifest(refs[c.name].uri).extra.get("metrics", {})),
         )
         for c in order
     ]

@@ -85,7 +85,7 @@ def ledger(
         "final_model": result.final_state_path,
         "checkpoint": None if result.checkpoint is None else result.checkpoint.path,
         # The best kept checkpoint by checkpoint.checkpoint_score_attribute (None: not ranked).
-        "best_checkpoint": result.best_checkpoints[0][0].path
+        "best_checkpoint": result.best_checkpoints[0].path
         if result.best_checkpoints and result.config.checkpoint.checkpoint_score_attribute
         else None,
     }

@@ -137,3 +137,6 @@ def test_the_best_checkpoint_by_eval_is_kept_and_early_stopping_ends_the_job(
     assert best_uri.path == saved[[4, 8, 12, 16].index(worst)]
     assert best_metrics["eval_auc"] == pytest.approx(by_step[worst])
     assert result.ledger()["artifacts"]["best_checkpoint"] == best_uri.path
+    # One typed object: the step it was saved at, its metrics, its path.
+    best = result.best_checkpoints[0]
+    assert (best.step, best.path, best.metrics) == (worst, best_uri.path, best_metrics)
