@@ -94,7 +94,11 @@ def parser() -> argparse.ArgumentParser:
     flag("--log-every", type=int, help="log_every")
     flag("--batch-size", type=int, help="data.batch_size: rows per rank per step")
     flag("--sync-every", type=int, help="sync.sync_every")
-    flag("--arch", help="model.arch: dlrm, dlrm_dcn, deepfm or two_tower")
+    flag(
+        "--arch",
+        help="model.arch: dlrm, dlrm_dcn, deepfm or two_tower (two_tower: the user tower "
+        "over the first half of the tables' features unless model.user_features is set)",
+    )
     flag("--sharding-type", help="sharding.sharding_type")
     flag("--embedding-optimizer", help="optimizer.embedding")
     flag("--num-embeddings", type=int, help="model.tables[*].num_embeddings: rows per table")
@@ -151,11 +155,22 @@ def shortcut_overrides(args: argparse.Namespace) -> list[Override]:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    return load_config(
-        args.config,
-        [*shortcut_overrides(args), *args.overrides],
-        defaults=JOB_DEFAULTS,
-    )
+    overrides = [*shortcut_overrides(args), *args.overrides]
+    if args.arch == "two_tower" and not any(
+        o.split("=", 1)[0].strip() == "model.user_features" for o in args.overrides
+    ):
+        # A two-tower model needs its user tower's features, which --arch alone cannot say:
+        # the first half of the tables' features (of the config without the shortcut), so the
+        # shortcut trains on the job's own data; --set model.user_features=[...] chooses.
+        others = [(k, v) for k, v in shortcut_overrides(args) if k != "model.arch"]
+        base = load_config(args.config, [*others, *args.overrides], defaults=JOB_DEFAULTS)
+        if not base.model.user_features:
+            features = list(base.model.features)
+            overrides.insert(
+                len(overrides) - len(args.overrides),
+                ("model.user_features", features[: max(1, len(features) // 2)]),
+            )
+    return load_config(args.config, overrides, defaults=JOB_DEFAULTS)
 
 
 def build_config(argv: Sequence[str] | None = None) -> TrainConfig:

@@ -426,3 +426,36 @@ def test_a_model_trained_with_dropout_exports_and_scores_without_it(
     assert torch.equal(ours, score(loaded, batch))  # no dropout at scoring
     assert torch.allclose(ours, theirs.reshape(-1), atol=1e-6, rtol=0)
     assert torch.allclose(torch.sigmoid(from_program.reshape(-1).double()), ours, atol=1e-6)
+
+
+def test_export_and_load_print_nothing(saved: dict[str, object], tmp_path: Path) -> None:
+    """In a fresh process, as a user runs them: exporting, loading and calling the program
+    print no warning or notice of the stack (TorchRec's non-strict to_dict warning on the root
+    logger, torch.fx's is_fx_tracing notice) and no log record at all."""
+    import subprocess
+    import sys
+    import textwrap
+
+    root = saved["root"]
+    assert isinstance(root, Path)
+    script = textwrap.dedent(
+        f"""
+        import logging, torch
+        logging.basicConfig()  # as Ray and notebooks do: every record reaches stderr
+        from raytrec.serving.export import example_batch, export, load_exported, load_program
+        export({str(root / "final_model")!r}, {str(tmp_path / "quiet")!r})
+        model, info = load_exported({str(tmp_path / "quiet")!r})
+        program = load_program({str(tmp_path / "quiet")!r})
+        batch = example_batch(info.spec)
+        with torch.no_grad():
+            program(batch.dense_features, batch.sparse_features)
+            model(batch.dense_features, batch.sparse_features)
+        print("exported and scored")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "exported and scored"
+    assert done.stderr == "", done.stderr

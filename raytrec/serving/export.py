@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import posixpath
 import re
@@ -86,12 +87,49 @@ class ExportedModel:
     program_error: str | None = None  # why there is no program, when one was asked for
 
 
+class _DropRecords(logging.Filter):
+    """Drops log records whose message starts with one of ``starts``."""
+
+    def __init__(self, *starts: str) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.starts)
+
+
+#: Notices of the pinned stack that an export or a load prints and that say nothing a user can
+#: act on: TorchRec's KeyedJaggedTensor warns (on the root logger) whenever ``to_dict`` is traced
+#: by a non-strict ``torch.export`` (the cost it means, once per export, is in docs/serving.md),
+#: and torch.fx's ``is_fx_tracing`` deprecation notice (logged by its own module's logger).
+_EXPORT_NOTICES = _DropRecords("Trying to non-strict torch.export KJT to_dict")
+_FX_NOTICES = _DropRecords("is_fx_tracing will return true")
+
+
 @contextmanager
 def _quiet() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Please use DTensor instead", category=Warning)
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=Warning)
-        yield
+    root, fx = logging.getLogger(), logging.getLogger("torch.fx._symbolic_trace")
+    root.addFilter(_EXPORT_NOTICES)
+    fx.addFilter(_FX_NOTICES)
+    # torch.fx logs its notice once per process (lru_cache), from whichever call asks first,
+    # a model's forward too: asked here, while it is filtered, it is spent.
+    import torch.fx._symbolic_trace as symbolic_trace
+
+    notice = getattr(symbolic_trace, "is_fx_tracing_warning", None)
+    try:
+        if notice is not None:
+            notice()
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=".*Please use DTensor instead", category=Warning
+            )
+            warnings.filterwarnings(
+                "ignore", message="torch.distributed is disabled", category=Warning
+            )
+            yield
+    finally:
+        root.removeFilter(_EXPORT_NOTICES)
+        fx.removeFilter(_FX_NOTICES)
 
 
 def _location(checkpoint: Any) -> tuple[str, TrainConfig | None]:
@@ -324,7 +362,8 @@ def load_exported(path: str | os.PathLike[str]) -> tuple[nn.Module, ExportedMode
     doc = _read_doc(out)
     spec = ModelSpec.from_dict(doc["spec"], where=_in(out, MODEL_JSON))
     state = torch.load(_in(out, STATE_FILE), map_location="cpu", weights_only=True)
-    model = build_model(spec, state, where=out)
+    with _quiet():
+        model = build_model(spec, state, where=out)
     source = doc["source"]
     info = ExportedModel(
         path=out,
@@ -348,7 +387,7 @@ def load_model(path: str | os.PathLike[str]) -> nn.Module:
 
 def load_program(path: str | os.PathLike[str]) -> nn.Module:
     """``model.pt2`` of an export as a callable module: ``(dense, kjt) -> logits``."""
-    with torch.serialization.safe_globals([KeyedJaggedTensor]):
+    with _quiet(), torch.serialization.safe_globals([KeyedJaggedTensor]):
         return torch.export.load(_in(os.fspath(path), PROGRAM_FILE)).module()
 
 
