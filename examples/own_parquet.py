@@ -9,7 +9,12 @@ files while it trains, keeps the best checkpoint by held-out AUC, and stops earl
 stops improving; the best checkpoint is exported and scores new rows, an unseen user included,
 in this process without Ray.
 
+With ``--model deepfm`` the log has no numeric columns at all (only ids: string users, string
+tags, integer items) and the model is a DeepFM (``columns.dense: []``), which needs none; DLRM
+needs dense columns and refuses such data, naming DeepFM.
+
     ./dev.sh python examples/own_parquet.py --out /tmp/own_parquet
+    ./dev.sh python examples/own_parquet.py --out /tmp/own_deepfm --model deepfm
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
@@ -25,8 +31,11 @@ import pyarrow.parquet as pq
 USERS, ITEMS, TAGS = 300, 200, 40
 
 
-def write_click_log(directory: str, *, rows: int, files: int, seed: int) -> None:
-    """A click log whose clicks follow a hidden per-user, per-item and per-tag taste."""
+def write_click_log(
+    directory: str, *, rows: int, files: int, seed: int, dense: bool = True
+) -> None:
+    """A click log whose clicks follow a hidden per-user, per-item and per-tag taste (and age,
+    with ``dense``: then it has ``age`` and ``price`` columns too)."""
     rng = np.random.default_rng(1234)  # the taste: the same for every split
     user_taste, item_taste, tag_taste = (rng.normal(0, 1.2, n) for n in (USERS, ITEMS, TAGS))
     rng = np.random.default_rng(seed)
@@ -42,23 +51,23 @@ def write_click_log(directory: str, *, rows: int, files: int, seed: int) -> None
             user_taste[users]
             + item_taste[items - 1]
             + np.array([tag_taste[t].sum() for t in tags])
-            - 0.02 * (age - 40)
+            - (0.02 * (age - 40) if dense else 0.0)
         )
         clicked = (rng.random(per_file) < 1 / (1 + np.exp(-logit))).astype(np.int8)
-        table = pa.table(
-            {
-                "user": [f"u{u}" for u in users],
-                "item": items,
-                "tags": [[f"tag-{t}" for t in ts] for ts in tags],
-                "age": age,
-                "price": price,
-                "clicked": clicked,
-            }
-        )
+        columns: dict[str, object] = {
+            "user": [f"u{u}" for u in users],
+            "item": items,
+            "tags": [[f"tag-{t}" for t in ts] for ts in tags],
+        }
+        if dense:
+            columns |= {"age": age, "price": price}
+        table = pa.table({**columns, "clicked": clicked})
         pq.write_table(table, os.path.join(directory, f"part-{k}.parquet"), row_group_size=1024)
 
 
-def config(out: str, *, steps: int) -> object:
+def config(out: str, *, steps: int, model: Literal["dlrm", "deepfm"] = "dlrm") -> object:
+    """The job: ``model`` ``dlrm`` over ids and the two numeric columns, or ``deepfm`` over ids
+    alone (no dense columns)."""
     from raytrec.checkpoint.config import CheckpointConfig
     from raytrec.config import (
         ColumnsConfig,
@@ -81,6 +90,7 @@ def config(out: str, *, steps: int) -> object:
                 ),
                 TableConfig(name="t_tags", num_embeddings=64, embedding_dim=8, features=("tags",)),
             ),
+            arch=model,
             dense_arch_layers=(16, 8),
             over_arch_layers=(16, 1),
         ),
@@ -93,7 +103,7 @@ def config(out: str, *, steps: int) -> object:
             columns=ColumnsConfig(
                 label="clicked",
                 row_id=None,
-                dense=("age", "price"),
+                dense=("age", "price") if model == "dlrm" else (),
                 categorical={"user": "vocabulary", "tags": "hash"},
             ),
         ),
@@ -104,7 +114,7 @@ def config(out: str, *, steps: int) -> object:
         num_steps=steps,
         log_every=10,
         storage_path=os.path.join(out, "runs"),
-        name="own-parquet",
+        name=f"own-parquet-{model}",
     )
 
 
@@ -113,24 +123,33 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
     parser.add_argument("--out", default="runs/own_parquet", help="data, runs and the export")
     parser.add_argument("--rows", type=int, default=24_000, help="training rows")
     parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument(
+        "--model", choices=("dlrm", "deepfm"), default="dlrm", help="deepfm: no dense columns"
+    )
     args = parser.parse_args(argv)
+    dense = args.model == "dlrm"
 
     import raytrec
     from raytrec.serving.export import load_exported, score
 
-    write_click_log(os.path.join(args.out, "train"), rows=args.rows, files=6, seed=1)
-    write_click_log(os.path.join(args.out, "held_out"), rows=args.rows // 4, files=2, seed=2)
-    result = raytrec.fit(config(args.out, steps=args.steps))  # type: ignore[arg-type]
+    log = {"rows": args.rows, "files": 6, "seed": 1, "dense": dense}
+    write_click_log(os.path.join(args.out, "train"), **log)
+    log = {"rows": args.rows // 4, "files": 2, "seed": 2, "dense": dense}
+    write_click_log(os.path.join(args.out, "held_out"), **log)
+    job = config(args.out, steps=args.steps, model=args.model)
+    result = raytrec.fit(job)  # type: ignore[arg-type]
 
-    best, metrics = result.best_checkpoints[0]
-    print(f"best checkpoint: {best.path} (held-out AUC {metrics['eval_auc']:.4f})")
+    best = result.best_checkpoints[0]
+    auc = best.metrics["eval_auc"]
+    print(f"best checkpoint: {best.path}, step {best.step} (held-out AUC {auc:.4f})")
     if result.stopped_early:
         print(result.stopped_early)
-    exported = raytrec.export(best, os.path.join(args.out, "exported"))
+    exported = raytrec.export(best.checkpoint, os.path.join(args.out, "exported"))
     model, info = load_exported(exported.path)  # one process, no Ray
+    numbers = [{"age": 30.0, "price": 9.5}, {"age": 55.0, "price": 3.0}] if dense else [{}, {}]
     new_rows = [
-        {"user": "u7", "item": 12, "tags": ["tag-3"], "age": 30.0, "price": 9.5},
-        {"user": "someone-new", "item": 200, "tags": [], "age": 55.0, "price": 3.0},
+        {"user": "u7", "item": 12, "tags": ["tag-3"], **numbers[0]},
+        {"user": "someone-new", "item": 200, "tags": [], **numbers[1]},
     ]
     batch, _ = raytrec.make_batch(new_rows, info.spec)
     scores = score(model, batch).tolist()

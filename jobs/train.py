@@ -162,8 +162,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         # A two-tower model needs its user tower's features, which --arch alone cannot say:
         # the first half of the tables' features (of the config without the shortcut), so the
         # shortcut trains on the job's own data; --set model.user_features=[...] chooses.
-        others = [(k, v) for k, v in shortcut_overrides(args) if k != "model.arch"]
-        base = load_config(args.config, [*others, *args.overrides], defaults=JOB_DEFAULTS)
+        others = [
+            o
+            for o in shortcut_overrides(args)
+            if not (isinstance(o, tuple) and o[0] == "model.arch")
+        ]
+        base: TrainConfig = load_config(
+            args.config, [*others, *args.overrides], defaults=JOB_DEFAULTS
+        )
         if not base.model.user_features:
             features = list(base.model.features)
             overrides.insert(
@@ -245,6 +251,9 @@ def train(config: TrainConfig, *, verbose: bool = False, resume_from: str | None
         bad = isinstance(e.cause, BadInputError)
         print(f"raytrec: {'bad input' if bad else 'error'}: {_one_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT if bad else EXIT_FAILED
+    except StopRequested as e:  # a signal before training started: nothing was trained
+        print(f"[raytrec] {_one_line(e)}; nothing was trained{_where(e)}")
+        return EXIT_STOPPED
     except KeyboardInterrupt as e:
         print(f"raytrec: interrupted{_where(e)}", file=sys.stderr)
         return EXIT_INTERRUPTED

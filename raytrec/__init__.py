@@ -1,8 +1,8 @@
 """raytrec: elastic 2D sparse-parallel training of TorchRec models on Ray.
 
 The public entry point is :func:`fit`; configs live in :mod:`raytrec.config`. After training,
-:func:`export`, :func:`load_model`, :func:`make_batch`, :func:`evaluate` and :func:`predict`
-(:mod:`raytrec.serving`) score the trained model outside the job.
+:func:`export`, :func:`load_model`, :func:`make_batch`, :func:`score`, :func:`evaluate` and
+:func:`predict` (:mod:`raytrec.serving`) score the trained model outside the job.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ __all__ = [
     "load_model",
     "make_batch",
     "predict",
+    "score",
 ]
 
 if TYPE_CHECKING:
     from raytrec.api import Result, fit
     from raytrec.elastic.drain import request_drain as drain
     from raytrec.serving.evaluate import evaluate, predict
-    from raytrec.serving.export import export, load_model, make_batch
+    from raytrec.serving.export import export, load_model, make_batch, score
 
 _SERVING = {
     "evaluate": "raytrec.serving.evaluate",
@@ -32,6 +33,7 @@ _SERVING = {
     "export": "raytrec.serving.export",
     "load_model": "raytrec.serving.export",
     "make_batch": "raytrec.serving.export",
+    "score": "raytrec.serving.export",
 }
 
 

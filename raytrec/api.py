@@ -45,7 +45,7 @@ from raytrec.data.parquet import ParquetSource
 from raytrec.data.source import BatchSource
 from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.plan import job_plan
-from raytrec.errors import EarlyStopped, JobFailedError
+from raytrec.errors import EarlyStopped, JobFailedError, StopRequested
 from raytrec.metrics import IntervalMetrics
 from raytrec.model import ModelFactory, build_train_model
 from raytrec.progress import ProgressReporter
@@ -200,7 +200,7 @@ def fit(
     ``on_progress``, this is about where the run is watched from, not what it trains, so it is
     an argument here rather than a key of ``config``.
     """
-    with RunLogs(verbose=verbose) as logs:
+    with RunLogs(verbose=verbose) as logs, _StopOnSignal() as stop:
         return _fit(
             config,
             source=source,
@@ -211,6 +211,7 @@ def fit(
             resume_from_checkpoint=resume_from_checkpoint,
             eval_source=eval_source,
             logs=logs,
+            stop=stop,
         )
 
 
@@ -225,6 +226,7 @@ def _fit(
     resume_from_checkpoint: str | ray.train.Checkpoint | None,
     eval_source: str | None,
     logs: RunLogs,
+    stop: _StopOnSignal,
 ) -> Result:
     quiet_known_warnings()
     resume = (
@@ -245,7 +247,19 @@ def _fit(
     # tasks need CPUs of their own, or the embedded cluster deadlocks.
     data_cpus = os.cpu_count() or 2
     need_cpus = config.scaling.world_size * config.scaling.cpus_per_rank + data_cpus
-    started = connect(ray_address, num_cpus=need_cpus)
+    connected_before = ray.is_initialized()
+    try:
+        started = connect(ray_address, num_cpus=need_cpus)
+    except BaseException as e:
+        if not connected_before:
+            with contextlib.suppress(Exception):
+                ray.shutdown()  # stopped while Ray started: what it started is shut down whole
+        if isinstance(e, SystemExit):
+            # ray.init puts in a SIGTERM handler of its own, which exits (sys.exit) at once.
+            raise StopRequested("stopped on request (signal 15) before training started") from None
+        raise
+    finally:
+        stop.restore()  # our handler again, in place of Ray's
     logs.connected()
     try:
         # Before any data is generated or any actor started: a job the cluster can never hold.
@@ -317,7 +331,7 @@ def _fit(
         seen = _Seen(reporter, reporter.event if isinstance(reporter, ProgressReporter) else None)
         failure: BaseException | None = None
         try:
-            summary = _drive(coordinator, seen.row, seen.event)
+            summary = _drive(coordinator, seen.row, seen.event, stop)
         except BaseException as e:
             # Whatever ended the job, its ledger is written: what it committed, why it ended,
             # and the checkpoint to resume from (asked of the coordinator while it lives).
@@ -583,7 +597,7 @@ def _interrupted(e: BaseException) -> bool:
 def _job_failure(e: BaseException) -> BaseException:
     """The exception ``fit`` raises for what ended the job: raytrec's own errors and an
     interrupt as they are; anything else (a defect) as a :class:`JobFailedError` naming it."""
-    if isinstance(e, JobFailedError | ConfigError | KeyboardInterrupt):
+    if isinstance(e, JobFailedError | ConfigError | KeyboardInterrupt | StopRequested):
         return e
     cause = getattr(e, "cause", None) if isinstance(e, ray.exceptions.RayTaskError) else e
     what = f"{type(cause).__name__}: {cause}" if cause is not None else str(e)
@@ -638,7 +652,11 @@ def _close_failed(
         with open(os.path.join(result.run_dir, "error.txt"), "w") as f:
             f.write("".join(traceback.format_exception(failure.__cause__)))
     reason = "interrupted" if _interrupted(failure) else f"{type(failure).__name__}: {failure}"
-    ledger = result.ledger(failed=" ".join(reason.split()))
+    reason = " ".join(reason.split())
+    if isinstance(failure, StopRequested):
+        ledger = result.ledger(stopped=reason)
+    else:
+        ledger = result.ledger(failed=reason)
     write_ledger(ledger)
     if isinstance(reporter, ProgressReporter):
         if own_reporter:
@@ -652,25 +670,33 @@ def _close_failed(
 def _drive(
     coordinator: Any,
     on_progress: Callable[[IntervalMetrics], None],
-    on_event: Callable[[dict[str, Any]], None] | None = None,
+    on_event: Callable[[dict[str, Any]], None] | None,
+    stop: _StopOnSignal,
 ) -> Any:
     """Runs the job, passing on its metrics rows (and, with ``on_event``, its events) as they
     come; returns the coordinator's summary. The first SIGTERM or SIGINT (``ray job stop``,
     Ctrl-C) asks the job to stop at its next interval boundary; a second one stops at once."""
     run_ref = coordinator.run.remote()
-    with _StopOnSignal() as stop:
-        return _follow(coordinator, run_ref, on_progress, on_event, stop)
+    stop.training = True  # from here on, a signal stops at a boundary (and stays so)
+    return _follow(coordinator, run_ref, on_progress, on_event, stop)
 
 
 class _StopOnSignal:
-    """While the job runs in the main thread: the first SIGTERM/SIGINT sets ``asked``, the
-    second raises KeyboardInterrupt (the job is then killed). Elsewhere it does nothing."""
+    """SIGTERM and SIGINT while ``fit`` runs in the main thread (elsewhere it does nothing).
+
+    Before training (Ray starting, data being written, ranks being placed) a signal raises
+    :class:`StopRequested` there, and ``fit`` unwinds: an embedded cluster it started is shut
+    down whole. While training, the first signal sets ``asked`` (the job stops at its next
+    interval boundary) and the second raises KeyboardInterrupt (the job is killed)."""
 
     def __init__(self) -> None:
         self.asked = False
+        self.training = False
         self._saved: dict[int, Any] = {}
 
     def _handle(self, signum: int, _frame: Any) -> None:
+        if not self.training:
+            raise StopRequested(f"stopped on request (signal {signum}) before training started")
         if self.asked:
             raise KeyboardInterrupt(f"signal {signum} again: stopping at once")
         self.asked = True
@@ -679,6 +705,11 @@ class _StopOnSignal:
             "(send it again to stop at once)",
             flush=True,
         )
+
+    def restore(self) -> None:
+        """Takes the signals back (after a library, Ray's driver, installed its own)."""
+        for sig in self._saved:
+            signal.signal(sig, self._handle)
 
     def __enter__(self) -> _StopOnSignal:
         if threading.current_thread() is threading.main_thread():

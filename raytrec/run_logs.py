@@ -21,17 +21,20 @@ Ray, where it moved, the terminal shows that output as Ray prints it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TextIO
 
-__all__ = ["DRIVER_LOG", "LOG_DIR", "WORKERS_LOG", "RunLogs"]
+__all__ = ["DRIVER_LOG", "LOG_DIR", "NATIVE_LOG", "WORKERS_LOG", "RunLogs", "native_stderr_to"]
 
 LOG_DIR = "logs"
 DRIVER_LOG = "driver.log"
 WORKERS_LOG = "workers.log"
+NATIVE_LOG = "native.log"
 
 #: The driver's loggers whose console output moves to ``driver.log`` (neither propagates).
 RAY_LOGGERS = ("ray", "ray.data")
@@ -166,11 +169,15 @@ class RunLogs:
 
     def open(self, run_dir: str) -> str:
         """Writes to ``<run_dir>/logs/`` from now on (and what came before); returns it."""
-        self.dir = os.path.join(run_dir, LOG_DIR)
-        os.makedirs(self.dir, exist_ok=True)
-        self._driver.open(os.path.join(self.dir, DRIVER_LOG))
-        self._workers.open(os.path.join(self.dir, WORKERS_LOG))
-        return self.dir
+        return self.open_dir(os.path.join(run_dir, LOG_DIR))
+
+    def open_dir(self, path: str) -> str:
+        """Like :meth:`open`, into the folder ``path`` itself."""
+        self.dir = path
+        os.makedirs(path, exist_ok=True)
+        self._driver.open(os.path.join(path, DRIVER_LOG))
+        self._workers.open(os.path.join(path, WORKERS_LOG))
+        return path
 
     def __exit__(self, *_: Any) -> None:
         dispatcher = _dispatcher()
@@ -187,3 +194,48 @@ class RunLogs:
             h.removeFilter(_errors_only)
         self._driver.close()
         self._workers.close()
+
+
+@contextlib.contextmanager
+def native_stderr_to(path: str) -> Iterator[None]:
+    """While it lasts, what Ray's native code writes to this process's stderr (its core
+    worker's log lines, e.g. a warning about every Ray Data actor it starts) goes to ``path``;
+    Python's ``sys.stderr`` (raytrec's lines, progress bars, log handlers that wrote to it,
+    tracebacks) still reaches the terminal.
+
+    Ray's native logging writes to file descriptor 2 and has no switch for one process alone:
+    the descriptor is pointed at the file, and Python's stream at a copy of the terminal's."""
+    old = sys.stderr
+    try:
+        old.flush()
+        fd = old.fileno()
+    except (AttributeError, OSError, ValueError):  # no real descriptor (a notebook's stream)
+        fd = None
+    if fd != 2:
+        yield  # Python's stderr is not descriptor 2: native lines do not mix with it
+        return
+    saved = os.dup(2)
+    terminal = os.fdopen(os.dup(saved), "w", buffering=1, errors="backslashreplace")
+    moved = [
+        h
+        for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+        if isinstance(logger, logging.Logger)
+        for h in logger.handlers
+        if isinstance(h, logging.StreamHandler) and h.stream is old
+    ]
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 2)
+    os.close(log)
+    sys.stderr = terminal
+    for h in moved:
+        h.setStream(terminal)
+    try:
+        yield
+    finally:
+        terminal.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        sys.stderr = old
+        for h in moved:
+            h.setStream(old)
+        terminal.close()

@@ -70,3 +70,31 @@ def test_own_columns_to_a_model_that_scores_new_rows(
     kjt = raytrec.make_batch(new, info.spec)[0].sparse_features
     assert kjt["user"].values().tolist() == [0]
     assert np.isfinite(out["scores"]).all() and torch.is_tensor(kjt.values())
+
+
+def test_own_columns_without_dense_ones_train_a_deepfm(
+    local_ray: None, tmp_path: pathlib.Path
+) -> None:
+    """The same example with ``--model deepfm``: a log of ids only (string users and tags,
+    integer items; no numeric column at all) trains a DeepFM with ``columns.dense: []``, and its
+    export scores rows of ids alone as ``raytrec.evaluate`` scores them."""
+    spec = importlib.util.spec_from_file_location("own_parquet", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    out = example.main(
+        ["--out", str(tmp_path), "--rows", "6144", "--steps", "20", "--model", "deepfm"]
+    )
+    held = pq.read_table(sorted((tmp_path / "held_out").glob("*.parquet")))
+    assert held.column_names == ["user", "item", "tags", "clicked"]  # no dense column
+    result = out["result"]
+    assert result.config.model.arch == "deepfm" and result.config.data.columns.dense == ()
+    best = result.best_checkpoints[0]
+    model, info = load_exported(out["export"].path)
+    assert info.spec.num_dense == 0
+    scores = score(model, raytrec.make_batch(held, info.spec)[0]).numpy()
+    evaluated = raytrec.evaluate(best.checkpoint, str(tmp_path / "held_out"))
+    assert roc_auc(held["clicked"].to_numpy(), scores) == pytest.approx(evaluated.auc, abs=1e-6)
+    assert evaluated.auc == pytest.approx(best.metrics["eval_auc"], abs=1e-6)
+    assert evaluated.auc > 0.55  # it learned the users', items' and tags' tastes
+    assert np.isfinite(out["scores"]).all()

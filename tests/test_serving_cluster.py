@@ -112,3 +112,41 @@ def test_evaluate_and_predict_agree_with_closed_form(run: dict[str, object]) -> 
     assert metrics.log_loss == pytest.approx(log_loss, abs=1e-6)
     assert metrics.auc == pytest.approx(auc(p, y), abs=1e-6)
     assert 0.0 < metrics.auc < 1.0 and metrics.ne is not None
+
+
+def test_the_predict_command_prints_one_line_and_writes_the_scores(
+    run: dict[str, object], tmp_path: Path
+) -> None:
+    """``python -m jobs.predict`` as a user runs it (its own embedded cluster, output not a
+    terminal): one line on stdout, nothing on stderr (Ray's lines, Ray Data's progress bars and
+    its actors' native warnings go to the predictions' ``_logs/``), and the same scores as
+    :func:`predict`'s dataset."""
+    import os
+    import subprocess
+    import sys
+
+    result, held_out = run["result"], run["held_out"]
+    assert isinstance(result, Result) and result.checkpoint is not None
+    out = tmp_path / "predictions"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    command = [sys.executable, "-m", "jobs.predict", result.checkpoint.path, str(held_out)]
+    done = subprocess.run(
+        [*command, str(out), "--workers", "1", "--batch-size", "128"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    [line] = done.stdout.splitlines()
+    assert line.startswith(f"[raytrec] predicted {HELD_OUT} rows with the model (step 8) in ")
+    assert line.endswith(f"Ray's output: {out}/_logs")
+    assert {"driver.log", "workers.log", "native.log"} <= set(os.listdir(out / "_logs"))
+    written = pq.read_table(out).to_pandas().sort_values("row_id")
+    lazy = predict(result.checkpoint, str(held_out), batch_size=128, num_workers=2)
+    expected = lazy.to_pandas().sort_values("row_id")
+    assert written["row_id"].tolist() == expected["row_id"].tolist()
+    assert np.allclose(written["score"], expected["score"], atol=1e-7)

@@ -16,8 +16,11 @@ nothing is trained.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,11 +35,19 @@ from raytrec.data.arrow_kjt import BadInputError, to_batch
 from raytrec.data.parquet import ParquetFileInfo, ParquetSource
 from raytrec.data.spec import FeatureSpec
 from raytrec.rec_metrics import RankMetrics, merge_metric_states
-from raytrec.serving.export import build_model, exported, load_exported, make_batch, score
+from raytrec.run_logs import NATIVE_LOG, RunLogs, native_stderr_to
+from raytrec.serving.export import (
+    build_model,
+    exported,
+    load_exported,
+    make_batch,
+    quiet_notices,
+    score,
+)
 from raytrec.serving.spec import ModelSpec
 from raytrec.two_tower import TwoTower
 
-__all__ = ["EvalMetrics", "evaluate", "predict", "recall_at_k"]
+__all__ = ["EvalMetrics", "Predictions", "evaluate", "predict", "recall_at_k"]
 
 Source = str | os.PathLike[str] | Sequence[str] | DataConfig | ParquetSource
 
@@ -156,15 +167,31 @@ def recall_at_k(
     return {k: hits[k] / len(queries) for k in ks}
 
 
+class _ModelCopy:
+    """The model to score with, held for the scoring actors (a Ray actor of no CPU). Handed
+    to them as constructor arguments in Ray's object store, the model could not be fetched
+    again by an actor that Ray Data restarts once the driver's copy is gone (Ray says so for
+    every such actor); an actor handle is a small argument, and the copy lives as long as the
+    dataset that refers to it."""
+
+    def __init__(self, model: tuple[dict[str, Any], dict[str, torch.Tensor], str]) -> None:
+        self.model = model
+
+    def get(self) -> tuple[dict[str, Any], dict[str, torch.Tensor], str]:
+        return self.model
+
+
 class _Scorer:
     """A Ray Data callable class: builds the model once per actor, then scores Arrow batches."""
 
-    def __init__(self, model: list[Any], features: FeatureSpec) -> None:
-        # ``model`` holds the object-store ref of (spec, state dict, where): fetched here, once.
+    def __init__(self, model: Any, features: FeatureSpec) -> None:
+        # ``model``: the handle of a _ModelCopy holding (spec, state dict, where); fetched
+        # here, once (again by an actor Ray Data restarts, while the copy lives).
         torch.set_num_threads(1)  # one CPU per actor
-        spec_doc, state, where = ray.get(model[0])
+        spec_doc, state, where = ray.get(model.get.remote())
         spec = ModelSpec.from_dict(spec_doc, where=where)
-        self.model = build_model(spec, state, where=where)
+        with quiet_notices():
+            self.model = build_model(spec, state, where=where)
         self.features = features
 
     def __call__(self, table: pa.Table) -> pa.Table:
@@ -181,33 +208,122 @@ def predict(
     checkpoint: Any,
     source: Source,
     *,
+    output: str | os.PathLike[str] | None = None,
     config: TrainConfig | None = None,
     features: FeatureSpec | None = None,
     batch_size: int = 4096,
     num_workers: int | None = None,
     ray_address: str | None = None,
+    verbose: bool = False,
 ) -> Any:
-    """A Ray Dataset with one row per input row: ``row_id`` (when the layout has one),
-    ``label`` and ``score`` (the model's click probability), in no particular order.
+    """Scores every row of ``source``: one output row per input row, ``row_id`` (when the
+    layout has one), ``label`` and ``score`` (the model's click probability), in no particular
+    order.
+
+    With ``output`` (a new directory), the predictions are written there as Parquet and a
+    :class:`Predictions` is returned; Ray's and Ray Data's own output goes to
+    ``<output>/_logs/`` (unless ``verbose``), progress bars show on a terminal only, and one
+    line says what was scored and where. Without it, the return is a lazy Ray Dataset (scored
+    when consumed, with Ray Data's own output).
 
     Scored by ``num_workers`` actors of 1 CPU each (default: the cluster's CPUs less one, at
     least 1) with Ray Data; connects to Ray (``ray_address``, ``RAY_ADDRESS`` or an embedded
-    local cluster) when not connected. The dataset is lazy: it is scored when consumed.
+    local cluster) when not connected.
     """
+    if output is None:
+        with RunLogs(verbose=verbose):  # connecting is quiet; the dataset runs later
+            return _scored(
+                checkpoint, source, config, features, batch_size, num_workers, ray_address
+            )[0]
+    out = os.fspath(output)
+    if os.path.exists(out) and os.listdir(out):
+        raise FileExistsError(f"predict: the output directory {out} is not empty")
+    started = time.perf_counter()
+    logs_dir = os.path.join(out, LOGS)
+    os.makedirs(logs_dir, exist_ok=True)
+    native = (
+        contextlib.nullcontext()
+        if verbose
+        else native_stderr_to(os.path.join(logs_dir, NATIVE_LOG))
+    )
+    context = ray.data.DataContext.get_current()
+    bars = context.enable_progress_bars
+    # Progress bars on a terminal only (Ray Data draws them whatever stderr is).
+    context.enable_progress_bars = verbose or sys.stderr.isatty()
+    try:
+        with RunLogs(verbose=verbose) as logs, native:
+            logs.open_dir(logs_dir)
+            data, info = _scored(
+                checkpoint, source, config, features, batch_size, num_workers, ray_address
+            )
+            logs.connected()  # Ray is connected now: its forwarded worker lines go to the file
+            data.write_parquet(out)
+    finally:
+        context.enable_progress_bars = bars
+    files = sorted(f for f in os.listdir(out) if f.endswith(".parquet"))
+    rows = sum(pq.ParquetFile(os.path.join(out, f)).metadata.num_rows for f in files)
+    done = Predictions(
+        path=out,
+        rows=rows,
+        files=len(files),
+        step=info.step,
+        seconds=time.perf_counter() - started,
+        logs=logs_dir,
+    )
+    print(done.line(), flush=True)
+    return done
+
+
+#: Where :func:`predict` puts Ray's output beside the predictions (a name Parquet readers skip).
+LOGS = "_logs"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Predictions:
+    """What :func:`predict` wrote with ``output``: Parquet files of ``row_id``, ``label`` and
+    ``score``."""
+
+    path: str
+    rows: int
+    files: int
+    step: int | None  # the step of the model scored, when its checkpoint says
+    seconds: float
+    logs: str
+
+    def line(self) -> str:
+        step = "" if self.step is None else f" (step {self.step})"
+        return (
+            f"[raytrec] predicted {self.rows:,} rows with the model{step} in "
+            f"{self.seconds:.1f}s: {self.path} ({self.files} Parquet file(s): row_id, label, "
+            f"score); Ray's output: {self.logs}"
+        )
+
+
+def _scored(
+    checkpoint: Any,
+    source: Source,
+    config: TrainConfig | None,
+    features: FeatureSpec | None,
+    batch_size: int,
+    num_workers: int | None,
+    ray_address: str | None,
+) -> tuple[Any, Any]:
+    """The lazy dataset of scores, and the export's description."""
     with exported(checkpoint, config=config) as path:
         model, info = load_exported(path)
     # Checked on the driver, so a bad file fails here, named, before any worker starts.
     parquet, _ = _parquet(source, features or info.spec.features)
     connect(ray_address)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    ref = ray.put((info.spec.to_dict(), state, info.path))
+    copy = ray.remote(num_cpus=0)(_ModelCopy).remote((info.spec.to_dict(), state, info.path))
     if num_workers is None:
         num_workers = max(1, int(ray.cluster_resources().get("CPU", 2)) - 1)
-    return parquet.dataset().map_batches(
+    dataset = parquet.dataset().map_batches(
         _Scorer,
-        fn_constructor_kwargs={"model": [ref], "features": parquet.spec},
+        fn_constructor_kwargs={"model": copy, "features": parquet.spec},
         batch_size=batch_size,
         batch_format="pyarrow",
-        concurrency=num_workers,
+        compute=ray.data.ActorPoolStrategy(size=num_workers),
         num_cpus=1,
     )
+    return dataset, info

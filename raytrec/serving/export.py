@@ -56,6 +56,7 @@ __all__ = [
     "load_exported",
     "load_model",
     "make_batch",
+    "quiet_notices",
     "read_unsharded_state",
     "score",
 ]
@@ -107,7 +108,8 @@ _FX_NOTICES = _DropRecords("is_fx_tracing will return true")
 
 
 @contextmanager
-def _quiet() -> Iterator[None]:
+def quiet_notices() -> Iterator[None]:
+    """While it lasts, the pinned stack's notices above and its known warnings are not shown."""
     root, fx = logging.getLogger(), logging.getLogger("torch.fx._symbolic_trace")
     root.addFilter(_EXPORT_NOTICES)
     fx.addFilter(_FX_NOTICES)
@@ -187,7 +189,7 @@ def read_unsharded_state(uri: str) -> tuple[dict[str, torch.Tensor], int | None,
             state[key] = torch.empty(list(entry.size), dtype=entry.properties.dtype)
     if not state:
         raise CheckpointError(f"{uri} holds no tensors under {prefix!r}: not a DLRMTrain model")
-    with _quiet():
+    with quiet_notices():
         try:
             # Each full-size target gathers every saved shard that overlaps it.
             dcp.load(state, storage_reader=storage_reader(uri), no_dist=True)
@@ -333,7 +335,7 @@ def _write_program(model: nn.Module, spec: ModelSpec, file: str) -> None:
     from torch.fx.experimental import _config as fx_config
 
     oblivious = fx_config.patch(backed_size_oblivious=True)  # type: ignore[attr-defined]
-    with _quiet(), torch.no_grad(), oblivious:
+    with quiet_notices(), torch.no_grad(), oblivious:
         program = torch.export.export(
             model,
             (batch.dense_features, batch.sparse_features),
@@ -362,7 +364,7 @@ def load_exported(path: str | os.PathLike[str]) -> tuple[nn.Module, ExportedMode
     doc = _read_doc(out)
     spec = ModelSpec.from_dict(doc["spec"], where=_in(out, MODEL_JSON))
     state = torch.load(_in(out, STATE_FILE), map_location="cpu", weights_only=True)
-    with _quiet():
+    with quiet_notices():
         model = build_model(spec, state, where=out)
     source = doc["source"]
     info = ExportedModel(
@@ -387,7 +389,7 @@ def load_model(path: str | os.PathLike[str]) -> nn.Module:
 
 def load_program(path: str | os.PathLike[str]) -> nn.Module:
     """``model.pt2`` of an export as a callable module: ``(dense, kjt) -> logits``."""
-    with _quiet(), torch.serialization.safe_globals([KeyedJaggedTensor]):
+    with quiet_notices(), torch.serialization.safe_globals([KeyedJaggedTensor]):
         return torch.export.load(_in(os.fspath(path), PROGRAM_FILE)).module()
 
 
