@@ -54,6 +54,7 @@ from raytrec.data.spec import FeatureSpec
 from raytrec.data.synthetic import batch_id
 from raytrec.elastic.accounting import BatchAccounting
 from raytrec.elastic.control import Boundary, intervals_to_queue
+from raytrec.elastic.drain import stop_requested
 from raytrec.elastic.events import EventLog, GenerationStarted
 from raytrec.elastic.heal import replicas_disagree
 from raytrec.elastic.membership import Membership
@@ -326,7 +327,7 @@ class Coordinator:
                     if stop is not None and self._ready < n:
                         stopped_by = stop  # bad input, or the end of the data, in what is next
                         break
-                    if self._stop.is_set():
+                    if self._stop_asked():
                         stopped_by = StopRequested(f"stopped on request at step {self.step}")
                         break
                     self.nodes.report_late_deaths()
@@ -421,7 +422,7 @@ class Coordinator:
             depth=self._depth,
             ready=self._ready,
             work_at_boundary=bool(self.growth.pending or self.growth.building)
-            or self._stop.is_set()
+            or self._stop_asked()
             or self.drains.decision(take=False) is not None,
             live_gangs=self.membership.num_gangs,
             min_gangs=self.elastic.min_gangs,
@@ -430,6 +431,13 @@ class Coordinator:
         for start, n in intervals_to_queue(boundary, end, len(inflight), self._work_due):
             after = inflight[-1].seq if inflight else None
             inflight.append(self._dispatch(start, n, after=after))
+
+    def _stop_asked(self) -> bool:
+        """Whether the job was asked to stop: :meth:`request_stop` (the driver's signal), or
+        ``raytrec.stop`` from another process (a file in the run directory)."""
+        if not self._stop.is_set() and stop_requested(self.run_dir):
+            self._stop.set()
+        return self._stop.is_set()
 
     def _work_due(self, step: int) -> bool:
         """Whether a checkpoint or an evaluation is due at the boundary at ``step``."""

@@ -7,12 +7,15 @@ program, unless ``--no-program``) and ``model.json`` (the model spec). A model s
 its spec (``model_spec.json``) needs the job's config: ``--config FILE`` and ``--set KEY=VALUE``
 as for ``jobs.train``. See docs/serving.md.
 
-Exit codes: 0 exported, 2 a bad checkpoint, config or path.
+Exit codes: 0 exported, 2 a bad checkpoint, config or path, 130 stopped by SIGINT or SIGTERM
+(the export directory is then incomplete: ``model.json``, written last, is missing, and nothing
+reads it as an export).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -29,6 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-program", action="store_true", help="write no model.pt2")
     args = p.parse_args(argv)
     quiet_known_warnings()
+    signal.signal(signal.SIGTERM, _interrupt)
     from raytrec.checkpoint.errors import CheckpointError
     from raytrec.config_file import load_config
     from raytrec.serving.export import export
@@ -39,6 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CheckpointError, ConfigError, FileExistsError) as e:
         print(f"raytrec: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("raytrec: interrupted", file=sys.stderr)
+        return 130
     step = "" if exported.step is None else f" (step {exported.step})"
     program = ", model.pt2" if exported.program is not None else ""
     if exported.program_error is not None:
@@ -48,6 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{exported.path}: model.pt, model.json{program}"
     )
     return 0
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 if __name__ == "__main__":

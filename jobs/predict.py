@@ -7,12 +7,15 @@
 Ray's own output goes to ``OUTPUT/_logs/`` (``--verbose`` shows it); one line says what was
 scored. See docs/serving.md.
 
-Exit codes: 0 scored, 2 a bad checkpoint, config or path, 3 bad input data, 130 interrupted.
+Exit codes: 0 scored, 2 a bad checkpoint, config or path, 3 bad input data, 130 stopped by
+SIGINT or SIGTERM (an embedded cluster it started is shut down; the output holds what was
+written by then).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -32,6 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--verbose", action="store_true", help="show Ray's own output too")
     args = p.parse_args(argv)
     quiet_known_warnings()
+    signal.signal(signal.SIGTERM, _interrupt)
     from raytrec.checkpoint.errors import CheckpointError
     from raytrec.config_file import load_config
     from raytrec.data.arrow_kjt import BadInputError
@@ -55,10 +59,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BadInputError as e:
         print(f"raytrec: bad input: {' '.join(str(e).split())}", file=sys.stderr)
         return 3
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):  # SystemExit: Ray's own SIGTERM handler
         print("raytrec: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 if __name__ == "__main__":

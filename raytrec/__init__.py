@@ -19,11 +19,13 @@ __all__ = [
     "make_batch",
     "predict",
     "score",
+    "stop",
 ]
 
 if TYPE_CHECKING:
     from raytrec.api import Result, fit
     from raytrec.elastic.drain import request_drain as drain
+    from raytrec.elastic.drain import request_stop as stop
     from raytrec.serving.evaluate import evaluate, predict
     from raytrec.serving.export import export, load_model, make_batch, score
 
@@ -50,6 +52,10 @@ def __getattr__(name: str) -> Any:
         from raytrec.elastic.drain import request_drain
 
         return request_drain
+    if name == "stop":
+        from raytrec.elastic.drain import request_stop
+
+        return request_stop
     if name in _SERVING:
         import importlib
 

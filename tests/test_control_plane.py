@@ -24,7 +24,7 @@ from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
 from raytrec.data.synthetic import batch_id, split_batch_id
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.control import group_broke
-from raytrec.elastic.drain import request_drain
+from raytrec.elastic.drain import request_drain, request_stop
 from raytrec.elastic.fake import FakeWorkerGroup
 from raytrec.elastic.fake_faults import (
     AtStep,
@@ -42,7 +42,7 @@ from raytrec.elastic.fake_faults import (
 )
 from raytrec.elastic.report import RunSummary
 from raytrec.elastic.workers import NODE_DIED, RankLost
-from raytrec.errors import JobFailedError
+from raytrec.errors import JobFailedError, StopRequested
 
 BUILD_S = 1.0  # the fake's build time: training starts then
 STEP_S = 0.1
@@ -349,6 +349,19 @@ def test_a_user_drain_gives_back_the_newest_gang(tmp_path: Any) -> None:
     assert "giving back gangs [2], 2 left (at most 2 from now on)" in drained["reason"]
     assert gangs_of(summary) == [0, 1] and summary.generation == 1
     assert not replayed(summary) and "gang_requested" not in kinds(summary)
+
+
+def test_a_stop_request_from_another_process_stops_at_the_next_boundary(tmp_path: Any) -> None:
+    """``raytrec.stop(run_dir)`` (a file in the run directory) stops the job as a first
+    SIGTERM does: at the next interval boundary, synced and saved, every batch once."""
+    run_dir = str(tmp_path)
+    stop = AtStep(step=5, action=lambda: request_stop(run_dir))
+    summary = job(tmp_path, stop).run()
+    assert isinstance(summary.stopped_by, StopRequested)
+    # Asked as step 5 ends, the interval of steps 5-6 running and 7-8 queued behind it: the
+    # first boundary with nothing in flight is step 8.
+    assert summary.steps == 8 and str(summary.stopped_by) == "stopped on request at step 8"
+    assert summary.final_state_path is not None
 
 
 def test_a_lower_max_gangs_gives_back_the_gangs_above_it_for_good(tmp_path: Any) -> None:

@@ -33,6 +33,8 @@ __all__ = ["REQUEST_FILE", "Drain", "DrainRequest", "decide_drain", "read_reques
 
 #: The file in a run directory through which a user asks a running job to give gangs back.
 REQUEST_FILE = "drain_request.json"
+#: Its presence asks the job in the run directory to stop at its next interval boundary.
+STOP_FILE = "stop_request"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -151,6 +153,23 @@ def request_drain(run_dir: str, *, gangs: int = 0, max_gangs: int | None = None)
         json.dump({"gangs": request.gangs, "max_gangs": request.max_gangs}, f)
     os.replace(tmp, path)  # the job never reads half a file
     return path
+
+
+def request_stop(run_dir: str) -> str:
+    """Asks the job running in ``run_dir`` to stop at its next interval boundary, as a first
+    SIGTERM does (it syncs, checkpoints when checkpoints are configured and saves its model);
+    returns the request file's path. For a job in another thread or process."""
+    if not os.path.isdir(run_dir):
+        raise ConfigError(f"stop: {run_dir} is not a run directory")
+    path = os.path.join(run_dir, STOP_FILE)
+    with open(path, "w") as f:
+        f.write("stop at the next interval boundary\n")
+    return path
+
+
+def stop_requested(run_dir: str) -> bool:
+    """Whether :func:`request_stop` asked the job in ``run_dir`` to stop."""
+    return os.path.exists(os.path.join(run_dir, STOP_FILE))
 
 
 def read_request(path: str, *, remove: bool) -> DrainRequest:

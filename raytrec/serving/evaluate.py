@@ -246,6 +246,7 @@ def predict(
         if verbose
         else native_stderr_to(os.path.join(logs_dir, NATIVE_LOG))
     )
+    connected = ray.is_initialized()
     context = ray.data.DataContext.get_current()
     bars = context.enable_progress_bars
     # Progress bars on a terminal only (Ray Data draws them whatever stderr is).
@@ -260,6 +261,8 @@ def predict(
             data.write_parquet(out)
     finally:
         context.enable_progress_bars = bars
+        if not connected and ray.is_initialized():
+            ray.shutdown()  # an embedded cluster this call started goes with it, however it ends
     files = sorted(f for f in os.listdir(out) if f.endswith(".parquet"))
     rows = sum(pq.ParquetFile(os.path.join(out, f)).metadata.num_rows for f in files)
     done = Predictions(
