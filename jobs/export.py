@@ -39,22 +39,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         config = load_config(args.config, args.set) if args.config or args.set else None
-        exported = export(args.checkpoint, args.path, config=config, program=not args.no_program)
+        export(args.checkpoint, args.path, config=config, program=not args.no_program)
     except (CheckpointError, ConfigError, FileExistsError) as e:
         print(f"raytrec: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("raytrec: interrupted", file=sys.stderr)
         return 130
-    step = "" if exported.step is None else f" (step {exported.step})"
-    program = ", model.pt2" if exported.program is not None else ""
-    if exported.program_error is not None:
-        program = f"; no model.pt2: {exported.program_error}"
-    print(
-        f"[raytrec] exported {exported.source_kind} {exported.source}{step} to "
-        f"{exported.path}: model.pt, model.json{program}"
-    )
-    return 0
+    return 0  # export() printed its one line
 
 
 def _interrupt(signum: int, _frame: object) -> None:

@@ -457,5 +457,9 @@ def test_export_and_load_print_nothing(saved: dict[str, object], tmp_path: Path)
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=240, check=False
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "exported and scored"
+    exported, scored = done.stdout.splitlines()  # export's own line, then the script's
+    assert exported.startswith("[raytrec] exported final_model ") and exported.endswith(
+        "model.pt, model.json, model.pt2"
+    )
+    assert scored == "exported and scored"
     assert done.stderr == "", done.stderr

@@ -68,6 +68,23 @@ class EvalMetrics:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def line(self, source: Any) -> str:
+        """The metrics in one line, naming what was scored."""
+        step = "" if self.step is None else f" (step {self.step})"
+        numbers = ", ".join(
+            f"{name} {value:.4f}"
+            for name, value in (("AUC", self.auc), ("NE", self.ne), ("log loss", self.log_loss))
+            if value is not None
+        )
+        recall = (
+            ""
+            if not self.recall_at_k
+            else "; " + ", ".join(f"recall@{k} {v:.4f}" for k, v in self.recall_at_k.items())
+        )
+        where = source if isinstance(source, str | os.PathLike) else type(source).__name__
+        scored = f"{self.rows:,} rows of {where}"
+        return f"[raytrec] evaluated the model{step} on {scored}: {numbers}{recall}"
+
 
 def _parquet(source: Source, features: FeatureSpec) -> tuple[ParquetSource, list[ParquetFileInfo]]:
     """The source as a :class:`ParquetSource` and its files, checked (readable, with rows, the
@@ -100,6 +117,7 @@ def evaluate(
     features: FeatureSpec | None = None,
     batch_size: int = 8192,
     recall_at: Sequence[int] = (1, 10, 100),
+    quiet: bool = False,
 ) -> EvalMetrics:
     """AUC, NE and log loss of the model in ``checkpoint`` over every row of ``source``
     (Parquet paths, a :class:`DataConfig` with a path, or a
@@ -107,7 +125,8 @@ def evaluate(
 
     ``features``: the row layout, if not the one the model was trained with (its spec's);
     ``config``: for a model saved without its spec (see :func:`~raytrec.serving.export.export`).
-    ``recall_at``: the k of recall@k, for a two-tower model.
+    ``recall_at``: the k of recall@k, for a two-tower model. Prints one line with the metrics
+    (not with ``quiet``).
     """
     with exported(checkpoint, config=config) as path:
         model, info = load_exported(path)
@@ -137,7 +156,7 @@ def evaluate(
     if towers:
         users, items, labels = (torch.cat(t) for t in zip(*towers, strict=True))
         recall = recall_at_k(users, items, labels, ks=recall_at)
-    return EvalMetrics(
+    done = EvalMetrics(
         auc=merged.auc,
         ne=merged.ne,
         log_loss=merged.log_loss,
@@ -145,6 +164,9 @@ def evaluate(
         step=info.step,
         recall_at_k=recall,
     )
+    if not quiet:
+        print(done.line(source), flush=True)
+    return done
 
 
 def recall_at_k(

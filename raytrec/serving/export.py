@@ -87,6 +87,17 @@ class ExportedModel:
     program: str | None  # model.pt2's path, or None
     program_error: str | None = None  # why there is no program, when one was asked for
 
+    def line(self) -> str:
+        """What was exported where, in one line."""
+        step = "" if self.step is None else f" (step {self.step})"
+        program = ", model.pt2" if self.program is not None else ""
+        if self.program_error is not None:
+            program = f"; no model.pt2: {self.program_error}"
+        return (
+            f"[raytrec] exported {self.source_kind} {self.source}{step} to {self.path}: "
+            f"model.pt, model.json{program}"
+        )
+
 
 class _DropRecords(logging.Filter):
     """Drops log records whose message starts with one of ``starts``."""
@@ -253,8 +264,10 @@ def export(
     *,
     config: TrainConfig | None = None,
     program: bool = True,
+    quiet: bool = False,
 ) -> ExportedModel:
-    """Writes the model in ``checkpoint`` unsharded into the new directory ``path``.
+    """Writes the model in ``checkpoint`` unsharded into the new directory ``path``, and
+    prints one line saying what it wrote where (not with ``quiet``).
 
     ``checkpoint``: a checkpoint directory or URI (``Result.checkpoint``, a
     ``ray.train.Checkpoint``, or ``checkpoint_<step>`` under a run's ``checkpoints/``), a final
@@ -290,7 +303,7 @@ def export(
     }
     with open(_in(out, MODEL_JSON), "w") as f:  # last: a directory without it is no export
         json.dump(doc, f, indent=1)
-    return ExportedModel(
+    done = ExportedModel(
         path=out,
         spec=spec,
         step=step,
@@ -299,6 +312,9 @@ def export(
         program=program_path,
         program_error=program_error,
     )
+    if not quiet:
+        print(done.line(), flush=True)
+    return done
 
 
 def _in(directory: str, name: str) -> str:
@@ -438,7 +454,7 @@ def exported(checkpoint: Any, *, config: TrainConfig | None = None) -> Iterator[
         return
     tmp = tempfile.mkdtemp(prefix="raytrec-export-")
     try:
-        export(checkpoint, os.path.join(tmp, "model"), config=config, program=False)
+        export(checkpoint, os.path.join(tmp, "model"), config=config, program=False, quiet=True)
         yield os.path.join(tmp, "model")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
