@@ -243,6 +243,7 @@ def _fit(
     if source is not None:  # a source of the caller's: checked before Ray is touched
         validate_features(config.model, source.sparse_features)
     _check_length_known(config, source)
+    _check_gpus_here(config, ray_address)
     # Ranks hold their CPUs for the whole job; Ray Data's read and preprocessing
     # tasks need CPUs of their own, or the embedded cluster deadlocks.
     data_cpus = os.cpu_count() or 2
@@ -426,6 +427,18 @@ def _check_length_known(config: TrainConfig, source: BatchSource | None) -> None
         raise ConfigError(endless_refusal(f"the source {type(source).__name__}"))
     if source is None and config.data.source == "synthetic":
         raise ConfigError(endless_refusal("data.source='synthetic' (rows made in each rank)"))
+
+
+def _check_gpus_here(config: TrainConfig, ray_address: str | None) -> None:
+    """A GPU job with no cluster to join runs on an embedded cluster of this machine: refused
+    before Ray starts when this machine has no GPU."""
+    embedded = not ray.is_initialized() and not (ray_address or os.environ.get("RAY_ADDRESS"))
+    if config.scaling.use_gpu and embedded and torch.cuda.device_count() == 0:
+        raise ConfigError(
+            "scaling.use_gpu=True (--gpu) needs GPUs, and this machine has none: without "
+            "RAY_ADDRESS the job runs on an embedded cluster of this machine; drop --gpu, or "
+            "set RAY_ADDRESS to a cluster with GPU nodes"
+        )
 
 
 def _check_eval_is_there(config: TrainConfig) -> None:
