@@ -188,10 +188,10 @@ def autoscaler_hides_node_types() -> bool:
 
 
 def _gcs_address() -> str:
-    try:
-        return str(ray.get_runtime_context().gcs_address)
-    except Exception:  # not connected: the message says so
+    # Not get_runtime_context() unconnected: it would start a Ray instance to answer.
+    if not ray.is_initialized():
         return "(not connected)"
+    return str(ray.get_runtime_context().gcs_address)
 
 
 def node_shapes(
