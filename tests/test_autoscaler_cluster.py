@@ -204,6 +204,7 @@ def worker_nodes() -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.cluster
+@pytest.mark.timeout(480)  # 200-230 s measured on the loaded 2-core machine
 def test_the_job_grows_onto_nodes_the_autoscaler_adds_and_gives_a_preempted_one_back(
     autoscaler: AutoscalingCluster, tmp_path: Any
 ) -> None:
