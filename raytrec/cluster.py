@@ -10,7 +10,9 @@ token here: ranks on a small machine share its cores.
 from __future__ import annotations
 
 import collections
+import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +28,7 @@ __all__ = [
     "COORDINATOR_PREFIX",
     "ClusterStateError",
     "autoscaler_hides_node_types",
+    "autoscaling_in_status",
     "bind_to_loopback",
     "cluster_shapes",
     "connect",
@@ -162,16 +165,14 @@ def read_cluster_config() -> autoscaler_pb2.ClusterConfig | None:
 def autoscaler_hides_node_types() -> bool:
     """Whether an autoscaler runs on the cluster without having published its node types: then
     what it may add is not known before the job asks for it. Ray 2.60's autoscalers publish
-    none: version 1 writes its status (with an ``autoscaler_report`` only when it runs with a
-    config) under ``__autoscaling_status``, version 2 sets its flag in the GCS; both are Ray's
-    internal keys. Raises :class:`ClusterStateError` when the GCS cannot be read."""
+    none. Raises :class:`ClusterStateError` when the GCS cannot be read."""
     import ray._raylet
     from ray._private import ray_constants
 
     try:
-        gcs = ray._raylet.GcsClient(address=_gcs_address())
         if read_cluster_config() is not None:
             return False
+        gcs = ray._raylet.GcsClient(address=_gcs_address())
         v2 = gcs.internal_kv_get(
             ray._raylet.GCS_AUTOSCALER_V2_ENABLED_KEY.encode(),
             namespace=ray._raylet.GCS_AUTOSCALER_STATE_NAMESPACE.encode(),
@@ -184,7 +185,28 @@ def autoscaler_hides_node_types() -> bool:
             f"could not read whether the cluster runs an autoscaler (its status in the GCS at "
             f"{_gcs_address()}): {type(e).__name__}: {e}"
         ) from e
-    return v2 == b"1" or (status is not None and b'"autoscaler_report"' in status)
+    return v2 == b"1" or autoscaling_in_status(status)
+
+
+#: The node type Ray's monitor gives each node of a fixed cluster (its read-only provider).
+_READ_ONLY_NODE_TYPE = re.compile(r"node_[0-9a-f]{56}")
+
+
+def autoscaling_in_status(status: bytes | None) -> bool:
+    """Whether the status Ray's monitor (autoscaler version 1) writes to the GCS under
+    ``__autoscaling_status`` comes from an autoscaler with a config. On a fixed cluster the
+    monitor runs a read-only autoscaler that names every node's type ``node_<node id>``; an
+    autoscaler with a config names them as its config does (the head's type included)."""
+    if not status:
+        return False
+    try:
+        report = json.loads(status).get("autoscaler_report") or {}
+    except (ValueError, AttributeError):
+        return False
+    types = set((report.get("node_type_mapping") or {}).values()) | set(
+        report.get("active_nodes") or {}
+    )
+    return any(not _READ_ONLY_NODE_TYPE.fullmatch(t) for t in types)
 
 
 def _gcs_address() -> str:

@@ -25,6 +25,7 @@ failure to read them is an error naming what failed, while a fixed cluster (no c
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from collections.abc import Iterator
@@ -41,6 +42,7 @@ from raytrec.capacity import NodeShape
 from raytrec.cluster import (
     ClusterStateError,
     autoscaler_hides_node_types,
+    autoscaling_in_status,
     cluster_shapes,
     node_shapes,
     read_cluster_config,
@@ -179,6 +181,25 @@ def test_unpublished_node_types_turn_a_refusal_into_a_warning() -> None:
         check_capacity(config, no_nodes, unpublished_node_types=True)
 
 
+def status(mapping: dict[str, str]) -> bytes:
+    """A status as Ray's monitor writes it under ``__autoscaling_status`` (the parts read)."""
+    active: dict[str, int] = {}
+    for t in mapping.values():
+        active[t] = active.get(t, 0) + 1
+    report = {"active_nodes": active, "node_type_mapping": mapping, "legacy": True}
+    return json.dumps({"autoscaler_report": report, "load_metrics_report": {}}).encode()
+
+
+def test_an_autoscaler_is_told_from_the_fixed_clusters_read_only_one() -> None:
+    head, worker = "f" * 51 + "00000", "f" * 51 + "00001"
+    # The fake cluster's autoscaler, as it reported in the cluster test.
+    assert autoscaling_in_status(status({head: "ray.head.default", worker: "gang"}))
+    # A fixed cluster: the monitor's read-only autoscaler names each node's type after it.
+    assert not autoscaling_in_status(status({head: f"node_{head}", worker: f"node_{worker}"}))
+    assert not autoscaling_in_status(b'{"load_metrics_report": {}}')  # no autoscaler at all
+    assert not autoscaling_in_status(None)
+
+
 # --- on Ray's autoscaler --------------------------------------------------------------------
 
 
@@ -280,3 +301,18 @@ def test_node_types_on_the_autoscaling_cluster(autoscaler: AutoscalingCluster) -
     finally:
         gcs.report_cluster_config(b"")  # unpublished again
     assert read_cluster_config() is None
+
+
+@pytest.mark.cluster
+def test_a_fixed_cluster_has_no_autoscaler_to_wait_for(local_ray: None) -> None:
+    from ray._private import ray_constants
+
+    gcs = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
+    deadline = time.monotonic() + 60
+    # Ray's monitor runs on a fixed cluster too, with no autoscaler: once it has reported, that
+    # report says so, and a job's capacity check there refuses instead of waiting.
+    while gcs.internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS.encode(), None) is None:
+        assert time.monotonic() < deadline, "Ray's monitor never reported"
+        time.sleep(1)
+    assert read_cluster_config() is None
+    assert not autoscaler_hides_node_types()
