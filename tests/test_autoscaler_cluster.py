@@ -170,6 +170,9 @@ def test_a_failed_read_of_node_types_is_reported(monkeypatch: pytest.MonkeyPatch
     assert "autoscaler's node types" in message and "get_cluster_config" in message, message
     assert "ConnectionError: GCS at 127.0.0.1:1 did not answer" in message, message
     assert isinstance(e.value.__cause__, ConnectionError)
+    # The check a job's start makes reports it the same way.
+    with pytest.raises(ClusterStateError, match="autoscaler's node types"):
+        autoscaler_hides_node_types()
 
 
 def test_unpublished_node_types_turn_a_refusal_into_a_warning() -> None:
