@@ -466,29 +466,39 @@ def autoscaling_cluster(
         "AUTOSCALER_UPDATE_INTERVAL_S": f"{update_interval_s:g}",
     }
     env.pop("RAY_ADDRESS", None)
-    start = subprocess.Popen(
-        [
-            RAY,
-            "start",
-            "--head",
-            f"--node-ip-address={LOOPBACK}",
-            f"--dashboard-host={LOOPBACK}",
-            "--num-cpus=0",
-            f"--autoscaling-config={config_path}",
-            f"--temp-dir={temp_dir}",
-            "--disable-usage-stats",
-            *(f"{flag}={port}" for flag, port in ports.items()),
-        ],
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    command = [
+        RAY,
+        "start",
+        "--head",
+        f"--node-ip-address={LOOPBACK}",
+        f"--dashboard-host={LOOPBACK}",
+        "--num-cpus=0",
+        f"--autoscaling-config={config_path}",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+        *(f"{flag}={port}" for flag, port in ports.items()),
+    ]
+    start: subprocess.Popen[str] | None = None
     try:
-        out, _ = start.communicate(timeout=120)
-        if start.returncode != 0:
-            raise RuntimeError(f"ray start --head --autoscaling-config failed:\n{out}")
+        # Ray gives its raylet 30 s to register (not configurable); on a loaded machine that can
+        # run out, so a failed start is retried once.
+        for attempt in range(2):
+            if start is not None:
+                stop_session(start.pid)
+            start = subprocess.Popen(
+                command,
+                env=env,
+                start_new_session=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            out, _ = start.communicate(timeout=120)
+            if start.returncode == 0:
+                break
+            if attempt == 1:
+                raise RuntimeError(f"ray start --head --autoscaling-config failed:\n{out}")
+        assert start is not None
         yield AutoscalingCluster(
             gcs_address=gcs_address,
             env=env,
@@ -497,9 +507,10 @@ def autoscaling_cluster(
             config_path=config_path,
         )
     finally:
-        if start.poll() is None:
-            start.kill()
-        stop_session(start.pid)
+        if start is not None:
+            if start.poll() is None:
+                start.kill()
+            stop_session(start.pid)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
