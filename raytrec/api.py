@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ from raytrec.capacity import NodeShape, capacity_refusal
 from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.cluster import (
     COORDINATOR_PREFIX,
+    autoscaler_hides_node_types,
     cluster_shapes,
     connect,
     pin_ray_data_helpers,
@@ -53,6 +55,7 @@ from raytrec.run_logs import RunLogs
 from raytrec.summary import ledger_lines, write_ledger
 
 __all__ = [
+    "CapacityUnknownWarning",
     "CoordinatorDied",
     "KeptCheckpoint",
     "Result",
@@ -160,14 +163,37 @@ class TrainingStopped(RuntimeError):
 default_source = synthetic_source  # the source of data.source="synthetic"
 
 
+class CapacityUnknownWarning(UserWarning):
+    """The cluster may add nodes of types it does not publish, so whether it can hold the job
+    is known only once the job asks for them."""
+
+
 def check_capacity(
-    config: TrainConfig, shapes: Sequence[NodeShape], *, ray_data: bool = False
+    config: TrainConfig,
+    shapes: Sequence[NodeShape],
+    *,
+    ray_data: bool = False,
+    unpublished_node_types: bool = False,
 ) -> None:
     """Fails (a :class:`ConfigError`, exit code 2 from ``jobs.train``) when the cluster of
-    ``shapes`` can never hold the job: see :mod:`raytrec.capacity`."""
+    ``shapes`` can never hold the job: see :mod:`raytrec.capacity`. With
+    ``unpublished_node_types`` (an autoscaler that did not publish what it may add) a job the
+    live nodes cannot hold is only warned about (:class:`CapacityUnknownWarning`): the
+    autoscaler may add the nodes, and placement waits for them at most
+    ``elastic.resource_wait_s``."""
     refusal = capacity_refusal(config, shapes, ray_data=ray_data)
-    if refusal is not None:
-        raise ConfigError(refusal)
+    if refusal is None:
+        return
+    if unpublished_node_types:
+        warnings.warn(
+            f"{refusal}. The cluster's autoscaler has not published its node types, so the job "
+            "asks for the nodes and waits for them at most elastic.resource_wait_s="
+            f"{config.elastic.resource_wait_s:g}s",
+            CapacityUnknownWarning,
+            stacklevel=2,
+        )
+        return
+    raise ConfigError(refusal)
 
 
 def fit(
@@ -269,7 +295,12 @@ def _fit(
             if source is not None
             else config.data.source in ("parquet", "generated")
         )
-        check_capacity(config, cluster_shapes(), ray_data=ray_data)
+        check_capacity(
+            config,
+            cluster_shapes(),
+            ray_data=ray_data,
+            unpublished_node_types=autoscaler_hides_node_types(),
+        )
         if ray_data or config.eval.path is not None:  # the ranks will run Ray Data pipelines
             pin_ray_data_helpers()
         info = DataInfo(kind="custom")

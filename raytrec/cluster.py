@@ -10,22 +10,32 @@ token here: ranks on a small machine share its cores.
 from __future__ import annotations
 
 import collections
+import json
 import os
-from collections.abc import Mapping
-from typing import Any
+import re
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray._private import ray_constants
 
 from raytrec.capacity import NodeShape
 
+if TYPE_CHECKING:
+    from ray.core.generated import autoscaler_pb2
+
 __all__ = [
     "COORDINATOR_PREFIX",
+    "ClusterStateError",
+    "autoscaler_hides_node_types",
+    "autoscaling_in_status",
     "bind_to_loopback",
     "cluster_shapes",
     "connect",
+    "node_shapes",
     "pin_collectives_to",
     "pin_ray_data_helpers",
+    "read_cluster_config",
     "resolve_storage_path",
 ]
 
@@ -131,12 +141,88 @@ def resolve_storage_path(path: str, environ: Mapping[str, str] | None = None) ->
     return os.path.abspath(path)
 
 
-def cluster_shapes() -> list[NodeShape]:
-    """The connected cluster's node shapes: its live nodes (alike ones counted together) and,
-    on an autoscaling cluster, the node types the autoscaler may add (Ray's cluster config,
-    which the autoscaler publishes in the GCS; absent on a fixed cluster)."""
+class ClusterStateError(RuntimeError):
+    """Ray's GCS did not answer what the job reads of the cluster before it starts; the message
+    names what was read and from where."""
+
+
+def read_cluster_config() -> autoscaler_pb2.ClusterConfig | None:
+    """The node types the cluster's autoscaler published in the GCS (Ray's cluster config), or
+    None when none was published (a fixed cluster, or an autoscaler that publishes none: Ray
+    2.60's own do not). Raises :class:`ClusterStateError` when the GCS cannot be read."""
+    from ray._private.state import state  # no public wrapper for the cluster config in Ray 2.60
+
+    try:
+        return state.get_cluster_config()
+    except Exception as e:
+        raise ClusterStateError(
+            "could not read the autoscaler's node types (Ray's cluster config, "
+            f"ray._private.state.state.get_cluster_config()) from the GCS at {_gcs_address()}: "
+            f"{type(e).__name__}: {e}"
+        ) from e
+
+
+def autoscaler_hides_node_types() -> bool:
+    """Whether an autoscaler runs on the cluster without having published its node types: then
+    what it may add is not known before the job asks for it. Ray 2.60's autoscalers publish
+    none. Raises :class:`ClusterStateError` when the GCS cannot be read."""
+    import ray._raylet
+    from ray._private import ray_constants
+
+    try:
+        if read_cluster_config() is not None:
+            return False
+        gcs = ray._raylet.GcsClient(address=_gcs_address())
+        v2 = gcs.internal_kv_get(
+            ray._raylet.GCS_AUTOSCALER_V2_ENABLED_KEY.encode(),
+            namespace=ray._raylet.GCS_AUTOSCALER_STATE_NAMESPACE.encode(),
+        )
+        status = gcs.internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS.encode(), None)
+    except ClusterStateError:
+        raise
+    except Exception as e:
+        raise ClusterStateError(
+            f"could not read whether the cluster runs an autoscaler (its status in the GCS at "
+            f"{_gcs_address()}): {type(e).__name__}: {e}"
+        ) from e
+    return v2 == b"1" or autoscaling_in_status(status)
+
+
+#: The node type Ray's monitor gives each node of a fixed cluster (its read-only provider).
+_READ_ONLY_NODE_TYPE = re.compile(r"node_[0-9a-f]{56}")
+
+
+def autoscaling_in_status(status: bytes | None) -> bool:
+    """Whether the status Ray's monitor (autoscaler version 1) writes to the GCS under
+    ``__autoscaling_status`` comes from an autoscaler with a config. On a fixed cluster the
+    monitor runs a read-only autoscaler that names every node's type ``node_<node id>``; an
+    autoscaler with a config names them as its config does (the head's type included)."""
+    if not status:
+        return False
+    try:
+        report = json.loads(status).get("autoscaler_report") or {}
+    except (ValueError, AttributeError):
+        return False
+    types = set((report.get("node_type_mapping") or {}).values()) | set(
+        report.get("active_nodes") or {}
+    )
+    return any(not _READ_ONLY_NODE_TYPE.fullmatch(t) for t in types)
+
+
+def _gcs_address() -> str:
+    # Not get_runtime_context() unconnected: it would start a Ray instance to answer.
+    if not ray.is_initialized():
+        return "(not connected)"
+    return str(ray.get_runtime_context().gcs_address)
+
+
+def node_shapes(
+    nodes: Sequence[Mapping[str, Any]], config: autoscaler_pb2.ClusterConfig | None
+) -> list[NodeShape]:
+    """The shapes of ``nodes`` (``ray.nodes()``: the live ones, alike ones counted together) and
+    of the node types in ``config`` an autoscaler may add (those with a maximum above 0)."""
     alive: collections.Counter[tuple[tuple[str, float], ...]] = collections.Counter()
-    for node in ray.nodes():
+    for node in nodes:
         if node.get("Alive"):
             res = node.get("Resources", {})
             alive[tuple((k, float(res[k])) for k in ("CPU", "GPU") if res.get(k))] += 1
@@ -146,12 +232,6 @@ def cluster_shapes() -> list[NodeShape]:
         for key, count in alive.items()
         if key
     ]
-    from ray._private.state import state  # no public wrapper for the cluster config in Ray 2.60
-
-    try:
-        config = state.get_cluster_config()
-    except Exception:  # a GCS without it: only the live nodes are known
-        config = None
     for group in config.node_group_configs if config is not None else ():
         if group.max_count != 0:
             shapes.append(
@@ -162,3 +242,11 @@ def cluster_shapes() -> list[NodeShape]:
                 )
             )
     return shapes
+
+
+def cluster_shapes() -> list[NodeShape]:
+    """The connected cluster's node shapes: its live nodes (alike ones counted together) and,
+    on an autoscaling cluster that published them, the node types the autoscaler may add
+    (:func:`read_cluster_config`). Raises :class:`ClusterStateError` when the GCS cannot be
+    read."""
+    return node_shapes(ray.nodes(), read_cluster_config())

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import secrets
 import shutil
@@ -26,11 +27,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 __all__ = [
+    "AutoscalingCluster",
     "LocalCluster",
     "WorkerNode",
+    "WorkerNodeType",
+    "autoscaling_cluster",
+    "connected",
+    "fake_autoscaling_config",
     "free_port",
     "local_cluster",
     "loopback_host_name",
@@ -320,3 +327,223 @@ def local_cluster(*, head_cpus: float, temp_prefix: str = "rthead-") -> Iterator
             shutil.rmtree(node.temp_dir, ignore_errors=True)
         stop_session(start.pid)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+# --- a head with Ray's own autoscaler, on the fake multi-node provider ------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkerNodeType:
+    """A worker node type of an autoscaling cluster (``available_node_types.<name>``)."""
+
+    name: str
+    resources: dict[str, float]  # CPU, GPU, ...: what each node of the type offers
+    min_workers: int = 0
+    max_workers: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_workers <= self.max_workers:
+            raise ValueError(
+                f"node type {self.name!r}: min_workers={self.min_workers} and max_workers="
+                f"{self.max_workers} need 0 <= min_workers <= max_workers"
+            )
+
+
+def fake_autoscaling_config(
+    node_types: Sequence[WorkerNodeType],
+    *,
+    gcs_address: str,
+    idle_timeout_s: float,
+    head_resources: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
+    """An autoscaling config for Ray's fake multi-node provider (what
+    ``ray.cluster_utils.AutoscalingCluster`` writes from the example config Ray's sources keep
+    next to the provider), with worker nodes that join the GCS at ``gcs_address``."""
+    types: dict[str, Any] = {
+        "ray.head.default": {
+            "resources": dict(head_resources or {"CPU": 0}),
+            "node_config": {},
+            "max_workers": 0,
+        }
+    }
+    for t in node_types:
+        types[t.name] = {
+            "resources": dict(t.resources),
+            "node_config": {},
+            "min_workers": t.min_workers,
+            "max_workers": t.max_workers,
+        }
+    return {
+        "cluster_name": "fake_multinode",
+        "max_workers": sum(t.max_workers for t in node_types),
+        "provider": {
+            "type": "fake_multinode",
+            "use_node_id_as_ip": True,
+            "disable_node_updaters": True,
+            "disable_launch_config_check": True,
+            "gcs_address": gcs_address,  # else the provider's nodes look for the GCS on :6379
+        },
+        "available_node_types": types,
+        "head_node_type": "ray.head.default",
+        "auth": {},
+        "upscaling_speed": 1.0,
+        "idle_timeout_minutes": idle_timeout_s / 60,
+        "docker": {},
+        "initialization_commands": [],
+        "setup_commands": [],
+        "head_setup_commands": [],
+        "worker_setup_commands": [],
+        "head_start_ray_commands": [],
+        "worker_start_ray_commands": [],
+        "file_mounts": {},
+        "cluster_synced_files": [],
+        "file_mounts_sync_continuously": False,
+        "rsync_exclude": [],
+        "rsync_filter": [],
+    }
+
+
+@dataclasses.dataclass
+class AutoscalingCluster:
+    gcs_address: str  # 127.0.0.1:<port>
+    env: dict[str, str]  # with the token: what a client of this cluster runs with
+    session: int  # the process session of the head's `ray start`: every node lives in it
+    temp_dir: str
+    config_path: str  # the autoscaling config the autoscaler reads (again at every update)
+
+    def config(self) -> dict[str, Any]:
+        with open(self.config_path) as f:
+            return dict(json.load(f))
+
+    def set_max_workers(self, node_type: str, max_workers: int) -> None:
+        """Changes a node type's ``max_workers``; the autoscaler reads it at its next update
+        (nodes over the new maximum are terminated)."""
+        config = self.config()
+        config["available_node_types"][node_type]["max_workers"] = max_workers
+        tmp = f"{self.config_path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(config, f)
+        os.replace(tmp, self.config_path)
+
+
+@contextlib.contextmanager
+def autoscaling_cluster(
+    node_types: Sequence[WorkerNodeType],
+    *,
+    idle_timeout_s: float = 6.0,
+    update_interval_s: float = 1.0,
+    temp_prefix: str = "rtas-",
+) -> Iterator[AutoscalingCluster]:
+    """A head node on 127.0.0.1 (no CPUs: ranks go to worker nodes) running Ray's autoscaler on
+    the fake multi-node provider, which starts and stops worker nodes of ``node_types`` as
+    processes on this machine.
+
+    ``ray.cluster_utils.AutoscalingCluster`` does the same, but its ``start()`` first runs
+    ``ray stop --force``, which ends every Ray process on the machine. Here the head is started
+    in a process session of its own, with its own ports, temporary directory and token; the
+    autoscaler starts its nodes from that session too, and on exit every process of the session
+    is ended by pid.
+    """
+    temp_dir = tempfile.mkdtemp(prefix=temp_prefix, dir="/tmp")
+    ports = _node_ports(head=True)
+    gcs_address = f"{LOOPBACK}:{ports['--port']}"
+    config_path = os.path.join(temp_dir, "autoscaling.json")
+    with open(config_path, "w") as f:
+        json.dump(
+            fake_autoscaling_config(
+                node_types, gcs_address=gcs_address, idle_timeout_s=idle_timeout_s
+            ),
+            f,
+        )
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+        # The autoscaler's nodes start from its process: this keeps them on 127.0.0.1 too.
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_FAKE_CLUSTER": "1",  # the fake provider refuses to start without it
+        "AUTOSCALER_UPDATE_INTERVAL_S": f"{update_interval_s:g}",
+    }
+    env.pop("RAY_ADDRESS", None)
+    command = [
+        RAY,
+        "start",
+        "--head",
+        f"--node-ip-address={LOOPBACK}",
+        f"--dashboard-host={LOOPBACK}",
+        "--num-cpus=0",
+        f"--autoscaling-config={config_path}",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+        *(f"{flag}={port}" for flag, port in ports.items()),
+    ]
+    start: subprocess.Popen[str] | None = None
+    try:
+        # Ray gives its raylet 30 s to register (not configurable); on a loaded machine that can
+        # run out, so a failed start is retried once.
+        for attempt in range(2):
+            if start is not None:
+                stop_session(start.pid)
+            start = subprocess.Popen(
+                command,
+                env=env,
+                start_new_session=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            out, _ = start.communicate(timeout=120)
+            if start.returncode == 0:
+                break
+            if attempt == 1:
+                raise RuntimeError(f"ray start --head --autoscaling-config failed:\n{out}")
+        assert start is not None
+        yield AutoscalingCluster(
+            gcs_address=gcs_address,
+            env=env,
+            session=start.pid,
+            temp_dir=temp_dir,
+            config_path=config_path,
+        )
+    finally:
+        if start is not None:
+            if start.poll() is None:
+                start.kill()
+            stop_session(start.pid)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def connected(cluster: AutoscalingCluster) -> Iterator[None]:
+    """This process as a driver of ``cluster`` (its token in the environment while connected);
+    a cluster this process is connected to already is shut down first."""
+    import ray
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
+
+    from raytrec.cluster import bind_to_loopback
+
+    if ray.is_initialized():
+        ray.shutdown()
+    keys = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
+    saved = {k: os.environ.get(k) for k in keys}
+
+    def refresh() -> None:
+        # Ray reads the mode and the token once per process: read them again.
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+
+    os.environ.update({k: cluster.env[k] for k in keys})
+    refresh()
+    bind_to_loopback()
+    try:
+        ray.init(address=cluster.gcs_address)
+        yield
+    finally:
+        ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        refresh()
