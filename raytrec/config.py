@@ -91,8 +91,8 @@ class OptimizerConfig(ConfigModel):
     embedding_lr: PositiveFloat = 0.05
     """The embedding optimizer's learning rate."""
     dense: DenseOptimizer = "adagrad"
-    """The dense parameters' optimizer (torch.optim): `sgd`, `adagrad`, `adam` or `adamw` (Adam
-    with decoupled weight decay, `dense_weight_decay`)."""
+    """The dense parameters' optimizer (torch.optim); `adamw` is Adam with decoupled weight decay
+    (`dense_weight_decay`)."""
     dense_lr: PositiveFloat = 0.05
     """The dense optimizer's learning rate."""
     eps: PositiveFloat = 1e-8

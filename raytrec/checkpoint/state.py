@@ -369,7 +369,9 @@ def _build_targets(engine: RankEngine, md: Metadata, manifest: Manifest, uri: st
                 )
             else:
                 raise size_mismatch(key, saved_size, live_size)
-    targets.state["embedding_optimizer"] = {"state": fused_state}
+    fused_state = {k: v for k, v in fused_state.items() if v}
+    if fused_state:  # as for the dense optimizer below: fused SGD has no state
+        targets.state["embedding_optimizer"] = {"state": fused_state}
 
     # Dense optimizer state: allocated from what was saved (a checkpoint written before the
     # engine created Adam's state at build time holds none for a model that had not stepped).
@@ -410,7 +412,10 @@ def _build_targets(engine: RankEngine, md: Metadata, manifest: Manifest, uri: st
             dense_state[param_key][name] = torch.empty(
                 list(entry.size), dtype=entry.properties.dtype, device=device
             )
-    targets.state["dense_optimizer"] = {"state": dense_state}
+    if dense_state:
+        # No empty entry: DCP would look for a key of that name, and an optimizer without
+        # state (SGD) saved none.
+        targets.state["dense_optimizer"] = {"state": dense_state}
     targets.dense_optimizer = dense_state
 
     # Random state of the saved rank this rank takes the place of.
@@ -534,7 +539,9 @@ def load_checkpoint(
             if not states:
                 # Saved before any step by a version that created the state lazily: a fresh
                 # optimizer's state.
-                group = next(g for g in optimizer.param_groups if param in g["params"])
+                group = next(
+                    g for g in optimizer.param_groups if any(p is param for p in g["params"])
+                )
                 fresh_state = initial_state(optimizer, group, param)
                 if fresh_state:
                     live_state.clear()
