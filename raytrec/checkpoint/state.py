@@ -535,18 +535,17 @@ def load_checkpoint(
         optimizer = engine.dense_optimizer._optimizer
         for param_key, param in params.items():
             states = targets.dense_optimizer.get(param_key)
-            live_state = engine.dense_optimizer.state[param]
             if not states:
-                # Saved before any step by a version that created the state lazily: a fresh
-                # optimizer's state.
+                # Nothing saved (SGD; or Adam saved before any step by a version that created
+                # its state lazily): a fresh optimizer's state.
                 group = next(
                     g for g in optimizer.param_groups if any(p is param for p in g["params"])
                 )
                 fresh_state = initial_state(optimizer, group, param)
                 if fresh_state:
-                    live_state.clear()
-                    live_state.update(fresh_state)
+                    optimizer.state[param] = fresh_state
                 continue
+            live_state = engine.dense_optimizer.state[param]
             for name, fresh in states.items():
                 current = live_state.get(name)
                 if isinstance(current, torch.Tensor) and current.shape == fresh.shape:
