@@ -604,8 +604,9 @@ class RankEngine:
         ``optimizer_state`` (default ``sync.sync_optimizer_state``). With a
         decision from the sync plan: over this gang's group at the decided
         level, optimizer state when the decision includes it; nothing when no
-        level is due. Embedding shards always; with ``sync.dense="with_schedule"``
-        also dense parameters (and dense optimizer state with the optimizer state).
+        level is due. Embedding shards always (with the optimizer state: their fused state and
+        step counters, :meth:`shard_state`); with ``sync.dense="with_schedule"`` also dense
+        parameters (and dense optimizer state with the optimizer state).
         """
         assert self.replica is not None, "join_replica_plane() first"
         if decision is None:
