@@ -465,7 +465,7 @@ class RankWorker:
         """Content hashes of this rank's shard state and dense state, to compare replicas."""
         engine = self.engine
         return {
-            "shards": _digest(engine.embedding_weights() + engine.embedding_optimizer_states()),
+            "shards": _digest(engine.shard_state()),
             "dense": _digest(engine.dense_state()),
         }
 

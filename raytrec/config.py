@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 EmbeddingOptimizer = Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
-DenseOptimizer = Literal["sgd", "adagrad", "adam"]
+DenseOptimizer = Literal["sgd", "adagrad", "adam", "adamw"]
 Backend = Literal["auto", "gloo", "nccl"]
 EvalMetric = Literal["eval_auc", "eval_ne", "eval_log_loss"]
 DenseSync = Literal["every_step", "with_schedule"]
@@ -91,13 +91,15 @@ class OptimizerConfig(ConfigModel):
     embedding_lr: PositiveFloat = 0.05
     """The embedding optimizer's learning rate."""
     dense: DenseOptimizer = "adagrad"
-    """The dense parameters' optimizer (torch.optim)."""
+    """The dense parameters' optimizer (torch.optim); `adamw` is Adam with decoupled weight decay
+    (`dense_weight_decay`)."""
     dense_lr: PositiveFloat = 0.05
     """The dense optimizer's learning rate."""
     eps: PositiveFloat = 1e-8
-    """Both optimizers' epsilon (Adagrad, Adam)."""
+    """Both optimizers' epsilon (Adagrad, Adam, AdamW)."""
     dense_weight_decay: NonNegativeFloat = 0.0
-    """L2 penalty on the dense parameters, added to their gradient (torch's weight_decay)."""
+    """Weight decay of the dense parameters (torch's weight_decay): an L2 penalty added to their
+    gradient, or with `dense: adamw` decoupled decay (AdamW's, 0 unless set here)."""
     embedding_weight_decay: NonNegativeFloat = 0.0
     """Weight decay of the embedding rows a batch looks up, applied by FBGEMM's fused optimizer
     on GPU ranks: L2 (added to the gradient) for rowwise_adagrad, decoupled for adam; sgd and

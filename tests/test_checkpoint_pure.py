@@ -608,3 +608,17 @@ def test_ranked_by_an_evaluation_metric_a_checkpoint_is_saved_at_every_evaluatio
 def test_score_settings_are_checked(field: str, value: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         CheckpointConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_fused_step_counters_come_back_per_kernel_or_as_their_common_value() -> None:
+    from raytrec.checkpoint.state import _step_counter_values
+
+    saved = torch.tensor([7, 7, 7], dtype=torch.int64)
+    assert _step_counter_values(saved, 3, step=9, uri="c") == [7, 7, 7]
+    assert _step_counter_values(saved, 2, step=9, uri="c") == [7, 7]  # another plan
+    assert _step_counter_values(torch.tensor([5, 6]), 2, step=9, uri="c") == [5, 6]
+    with pytest.raises(CheckpointError, match=r"checkpoint c: .* 2 fused-optimizer step counters"):
+        _step_counter_values(torch.tensor([5, 6]), 3, step=9, uri="c")
+    # Saved without counters (an older checkpoint): the saved step.
+    assert _step_counter_values(None, 2, step=9, uri="c") == [9, 9]
+    assert _step_counter_values(None, 0, step=9, uri="c") == []

@@ -14,8 +14,10 @@ docs/gpu.md for what was run where, and how). What one GPU can show:
 * ``fit()`` runs GPU ranks as Ray actors (``num_gpus=1``) end to end.
 
 What one GPU cannot show: an NCCL replica group of two or more members (NCCL refuses two
-ranks on one device), so averaging across GPU replicas is exercised on CPU (gloo) by
-tests/test_engine_2d.py with the same code.
+ranks on one device; the NCCL plane here has one member, so its average cannot change
+anything), so averaging across replicas is exercised on CPU (gloo) with the same code by
+tests/test_engine_2d.py and, for Adam-shaped state (dense Adam and AdamW moments and step
+counts, FBGEMM's step counter), by tests/test_optimizer_matrix.py.
 """
 
 from __future__ import annotations
@@ -165,6 +167,8 @@ def variant_run(spec: RankSpec) -> dict[str, Any]:
         after = host(engine.embedding_weights() + engine.embedding_optimizer_states())
         return {
             "losses": losses,
+            # FBGEMM's step counters where the optimizer reads them (fused Adam): one step each.
+            "counters": [int(c.item()) for c in engine.embedding_step_counters()],
             "weight_shapes": [tuple(w.shape) for w in weights],
             "state_shapes": [tuple(s.shape) for s in states],
             "devices": sorted({str(t.device) for t in weights + states}),
@@ -183,13 +187,14 @@ def checkpoint_run(spec: RankSpec, root: str) -> dict[str, Any]:
     with engine_for(spec) as engine:
         source = batches()
         run_steps(engine, source, 2)
-        saved = host(engine.embedding_weights() + engine.embedding_optimizer_states())
+        # Weights, fused state and fused Adam's step counters.
+        saved = host(engine.shard_state())
         saved_dense = host(engine.dense_state())
         ref = save_checkpoint(engine, root, generation=0, extra={"step": engine.step})
         run_steps(engine, source, 2)  # move everything away from the saved state
-        moved = host(engine.embedding_weights() + engine.embedding_optimizer_states())
+        moved = host(engine.shard_state())
         loaded = load_checkpoint(engine, ref)
-        back = host(engine.embedding_weights() + engine.embedding_optimizer_states())
+        back = host(engine.shard_state())
         back_dense = host(engine.dense_state())
         same = [np.array_equal(a, b) for a, b in zip(saved, back, strict=True)]
         return {
@@ -308,6 +313,11 @@ def test_fused_optimizer_and_sharding_train_on_gpu(job: dict[str, Any], name: st
         assert states == [w for w in weights for _ in range(2)]
     assert any(run["states_moved"]) or embedding == "sgd"
     assert run["sync_kept"]
+    # Fused Adam's step counter (FBGEMM's iter) is state raytrec moves; the others read none.
+    if embedding == "adam":
+        assert run["counters"] and set(run["counters"]) == {2}
+    else:
+        assert run["counters"] == []
 
 
 def test_gpu_checkpoint_restores_adam_bit_for_bit(job: dict[str, Any]) -> None:

@@ -43,11 +43,12 @@ def test_weight_decay_and_dropout_are_checked_naming_the_field() -> None:
             ModelConfig(dropout=bad)
 
 
-@pytest.mark.parametrize("dense", ["sgd", "adagrad", "adam"])
+@pytest.mark.parametrize("dense", ["sgd", "adagrad", "adam", "adamw"])
 def test_the_dense_optimizer_decays_the_dense_weights(dense: str) -> None:
     cfg = OptimizerConfig(dense=dense, dense_lr=0.1, dense_weight_decay=0.5)  # type: ignore[arg-type]
     assert dense_optimizer_kwargs(cfg)["weight_decay"] == 0.5
-    assert "weight_decay" not in dense_optimizer_kwargs(OptimizerConfig(dense=dense))  # type: ignore[arg-type]
+    # No decay unless configured (AdamW's own default would be 0.01).
+    assert not dense_optimizer_kwargs(OptimizerConfig(dense=dense)).get("weight_decay")  # type: ignore[arg-type]
     param = nn.Parameter(torch.full((3,), 2.0))
     optimizer = _DENSE_OPTIMIZERS[dense]([param], **dense_optimizer_kwargs(cfg))
     param.grad = torch.zeros(3)  # no loss gradient: only the decay moves the weight

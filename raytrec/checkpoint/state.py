@@ -62,6 +62,7 @@ from raytrec.checkpoint.manifest import (
 )
 from raytrec.checkpoint.reshard import convert_rowwise_state
 from raytrec.checkpoint.storage import storage_reader, storage_writer
+from raytrec.engine.dense_optimizer import initial_state
 from raytrec.serving.spec import write_model_spec
 
 if TYPE_CHECKING:
@@ -124,12 +125,20 @@ def _training_state(engine: RankEngine) -> dict[str, Any]:
     table's rows written back first: TorchRec's state dict hook does it too, this does not rely
     on it)."""
     engine.write_back_caches()
-    return {
+    state = {
         "model": engine.model.state_dict(),
         "embedding_optimizer": engine.model.fused_optimizer.state_dict(),
         "dense_optimizer": engine.dense_optimizer.state_dict(),
         "rng": {f"rank{engine.spec.gang_rank}": _rng_state(engine.device)},
     }
+    counters = engine.embedding_step_counters()
+    if counters:
+        # FBGEMM's step counters (fused Adam's bias correction): TorchRec's fused optimizer
+        # state does not hold them. One int64 per table-batched kernel of this rank.
+        state["embedding_steps"] = {
+            f"rank{engine.spec.gang_rank}": torch.cat([c.detach().cpu().view(1) for c in counters])
+        }
+    return state
 
 
 def _table_of(key: str) -> str:
@@ -258,6 +267,8 @@ class _Targets:
     rowwise: list[_RowwiseFix]
     dense_optimizer: dict[str, dict[str, torch.Tensor]]
     rng: dict[str, torch.Tensor]
+    # The saved rank's fused-optimizer step counters; None: the checkpoint holds none.
+    embedding_steps: torch.Tensor | None = None
 
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
@@ -358,10 +369,12 @@ def _build_targets(engine: RankEngine, md: Metadata, manifest: Manifest, uri: st
                 )
             else:
                 raise size_mismatch(key, saved_size, live_size)
-    targets.state["embedding_optimizer"] = {"state": fused_state}
+    fused_state = {k: v for k, v in fused_state.items() if v}
+    if fused_state:  # as for the dense optimizer below: fused SGD has no state
+        targets.state["embedding_optimizer"] = {"state": fused_state}
 
-    # Dense optimizer state: allocated from what was saved, as it may not exist here yet
-    # (optimizers such as Adam create it on their first step).
+    # Dense optimizer state: allocated from what was saved (a checkpoint written before the
+    # engine created Adam's state at build time holds none for a model that had not stepped).
     live_dense = engine.dense_optimizer.state_dict()["state"]
     dense_state: dict[str, dict[str, torch.Tensor]] = {}
     for param_key in engine.dense_optimizer.params:
@@ -372,7 +385,7 @@ def _build_targets(engine: RankEngine, md: Metadata, manifest: Manifest, uri: st
             if k.startswith(prefix) and "." not in k[len(prefix) :]
         }
         live_names = set(live_dense.get(param_key, {}))
-        if live_names and live_names != set(saved_names):
+        if live_names and saved_names and live_names != set(saved_names):
             raise CheckpointError(
                 f"checkpoint {uri}: dense optimizer state of {param_key!r} holds "
                 f"{sorted(saved_names)} saved, {sorted(live_names)} expected"
@@ -399,7 +412,10 @@ def _build_targets(engine: RankEngine, md: Metadata, manifest: Manifest, uri: st
             dense_state[param_key][name] = torch.empty(
                 list(entry.size), dtype=entry.properties.dtype, device=device
             )
-    targets.state["dense_optimizer"] = {"state": dense_state}
+    if dense_state:
+        # No empty entry: DCP would look for a key of that name, and an optimizer without
+        # state (SGD) saved none.
+        targets.state["dense_optimizer"] = {"state": dense_state}
     targets.dense_optimizer = dense_state
 
     # Random state of the saved rank this rank takes the place of.
@@ -415,7 +431,34 @@ def _build_targets(engine: RankEngine, md: Metadata, manifest: Manifest, uri: st
             f"checkpoint {uri} holds no random state of the saved gang's {source}"
         )
     targets.state["rng"] = {source: targets.rng}
+
+    # Fused-optimizer step counters, where this model has any (fused Adam on GPU).
+    steps_key = f"embedding_steps.{source}"
+    saved_steps = md.state_dict_metadata.get(steps_key)
+    if engine.embedding_step_counters() and isinstance(saved_steps, TensorStorageMetadata):
+        targets.embedding_steps = torch.empty(
+            list(saved_steps.size), dtype=saved_steps.properties.dtype
+        )
+        targets.state["embedding_steps"] = {source: targets.embedding_steps}
     return targets
+
+
+def _step_counter_values(saved: torch.Tensor | None, live: int, step: int, uri: str) -> list[int]:
+    """The value each of this rank's ``live`` step counters takes from a checkpoint: the saved
+    rank's own (same number of kernels), or their common value (another plan). A checkpoint
+    without counters gives the saved step: a kernel's counter advances once per training step
+    (:meth:`~raytrec.engine.rank.RankEngine.score` puts it back)."""
+    if saved is None:
+        return [step] * live
+    values = [int(v) for v in saved.tolist()]
+    if len(values) == live:
+        return values
+    if len(set(values)) == 1:
+        return [values[0]] * live
+    raise CheckpointError(
+        f"checkpoint {uri}: the saved rank's {len(values)} fused-optimizer step counters "
+        f"{values} differ, and this rank has {live} kernels to give them to"
+    )
 
 
 def _convert_rowwise(fix: _RowwiseFix, manifest: Manifest) -> torch.Tensor:
@@ -489,16 +532,33 @@ def load_checkpoint(
                 start, length = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
                 shard.tensor.copy_(fix.converted[start : start + length])
         params = engine.dense_optimizer.params
-        for param_key, states in targets.dense_optimizer.items():
-            live_state = engine.dense_optimizer.state[params[param_key]]
+        optimizer = engine.dense_optimizer._optimizer
+        for param_key, param in params.items():
+            states = targets.dense_optimizer.get(param_key)
+            if not states:
+                # Nothing saved (SGD; or Adam saved before any step by a version that created
+                # its state lazily): a fresh optimizer's state.
+                group = next(
+                    g for g in optimizer.param_groups if any(p is param for p in g["params"])
+                )
+                fresh_state = initial_state(optimizer, group, param)
+                if fresh_state:
+                    optimizer.state[param] = fresh_state
+                continue
+            live_state = engine.dense_optimizer.state[param]
             for name, fresh in states.items():
                 current = live_state.get(name)
                 if isinstance(current, torch.Tensor) and current.shape == fresh.shape:
                     current.copy_(fresh)
                 else:
                     live_state[name] = fresh
+        counters = engine.embedding_step_counters()
+        values = _step_counter_values(targets.embedding_steps, len(counters), manifest.step, uri)
+        for counter, value in zip(counters, values, strict=True):
+            counter.fill_(value)
         _set_rng_state(targets.rng, engine.device)
     engine.embeddings_written()
+    engine.step_counters_written()
     engine.step = manifest.step
     return LoadedCheckpoint(
         uri=uri,

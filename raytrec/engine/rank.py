@@ -50,9 +50,15 @@ from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from raytrec._quiet import quiet_known_warnings
-from raytrec.config import OptimizerConfig, TrainConfig
+from raytrec.config import TrainConfig
 from raytrec.data.source import Batch
 from raytrec.data.spec import FeatureSpec
+from raytrec.engine.dense_optimizer import (
+    DENSE_OPTIMIZERS,
+    build_dense_optimizer,
+    dense_optimizer_kwargs,
+    state_tensors,
+)
 from raytrec.engine.plan import apply_embedding_optimizer, sharders
 from raytrec.engine.replica_plane import (
     RENDEZVOUS_TIMEOUT_S,
@@ -75,21 +81,8 @@ __all__ = [
     "dense_optimizer_kwargs",
 ]
 
-_DENSE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "sgd": torch.optim.SGD,
-    "adagrad": torch.optim.Adagrad,
-    "adam": torch.optim.Adam,
-}
-
-
-def dense_optimizer_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
-    """The dense optimizer's arguments (torch's, for ``_DENSE_OPTIMIZERS[cfg.dense]``)."""
-    kwargs: dict[str, Any] = {"lr": cfg.dense_lr}
-    if cfg.dense != "sgd":
-        kwargs["eps"] = cfg.eps
-    if cfg.dense_weight_decay:
-        kwargs["weight_decay"] = cfg.dense_weight_decay
-    return kwargs
+# Kept for callers that built their own dense optimizer from these names.
+_DENSE_OPTIMIZERS = DENSE_OPTIMIZERS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -230,11 +223,11 @@ class RankEngine:
             # Dropout draws its masks from the global generator: one seed per job rank, from
             # the job's seed, so that a run with dropout reproduces too.
             torch.manual_seed(dropout_seed(cfg.seed, spec.rank))
-        dense_cls = _DENSE_OPTIMIZERS[cfg.optimizer.dense]
-        dense_kwargs = dense_optimizer_kwargs(cfg.optimizer)
         self.dense_params = dict(in_backward_optimizer_filter(self.model.named_parameters()))
-        self.dense_optimizer = KeyedOptimizerWrapper(
-            self.dense_params, lambda ps: dense_cls(ps, **dense_kwargs)
+        # Its state exists from here on with the shapes a stepped rank's has (Adam's moments
+        # and step counts included), so every state movement works before the first step.
+        self.dense_optimizer: KeyedOptimizerWrapper = build_dense_optimizer(
+            self.dense_params, cfg.optimizer
         )
         self._tbes = _fused_tables(self.model)
 
@@ -320,16 +313,50 @@ class RankEngine:
         """Views of the fused optimizer state (Adagrad sums, Adam moments, ...)."""
         return [s for tbe in self._tbes for states in tbe.split_optimizer_states() for s in states]
 
+    def embedding_step_counters(self) -> list[torch.Tensor]:
+        """The fused optimizer's step counters: FBGEMM's ``iter`` buffer (one int64 per
+        table-batched kernel) where its optimizer reads it (fused Adam's bias correction, ...),
+        which FBGEMM marks by keeping the buffer in the kernel's state dict. TorchRec's fused
+        optimizer state does not hold it, so sync, heal, checkpoint and digest add it. Whoever
+        writes into them calls :meth:`step_counters_written` afterwards."""
+        return [
+            tbe.iter
+            for tbe in self._tbes
+            if "iter" in tbe._buffers and "iter" not in tbe._non_persistent_buffers_set
+        ]
+
+    def step_counters_written(self) -> None:
+        """After the step counters were overwritten: FBGEMM computes with a CPU copy of the
+        counter (``iter_cpu``) that it reads from ``iter`` only while the copy is 0, so the copy
+        is set here."""
+        for tbe in self._tbes:
+            if "iter" in tbe._buffers:
+                tbe.iter_cpu = tbe.iter.detach().cpu().clone()
+
+    def shard_state(self, *, optimizer_state: bool = True) -> list[torch.Tensor]:
+        """This rank's embedding shards, and (``optimizer_state``) their fused optimizer state
+        and step counters: what its replicas average and a heal copies. The weights are
+        written back from a UVM cache first (:meth:`embedding_weights`)."""
+        tensors = self.embedding_weights()
+        if optimizer_state:
+            tensors += self.embedding_optimizer_states() + self.embedding_step_counters()
+        return tensors
+
+    def shard_state_written(self) -> None:
+        """After :meth:`shard_state`'s tensors were overwritten."""
+        self.embeddings_written()
+        self.step_counters_written()
+
     def dense_state(self) -> list[torch.Tensor]:
         """Dense parameters and the dense optimizer's tensor state."""
         return [p.data for p in self.dense_params.values()] + self.dense_optimizer_state()
 
     def dense_optimizer_state(self) -> list[torch.Tensor]:
-        """The dense optimizer's tensor state (Adagrad sums and step counts, Adam moments)."""
-        tensors: list[torch.Tensor] = []
-        for state in self.dense_optimizer.state.values():
-            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
-        return tensors
+        """The dense optimizer's tensor state (Adagrad sums and step counts, Adam moments and
+        step counts), by parameter and state key in a fixed order. It exists from
+        :meth:`build` on, with the same shapes on a rank that has stepped and one that has
+        not."""
+        return list(state_tensors(self.dense_optimizer, self.dense_params))
 
     # -- training -------------------------------------------------------------
 
@@ -488,12 +515,19 @@ class RankEngine:
             # The pipeline's rewritten forwards read inputs it distributed; it attaches again
             # (rewriting them anew) at its next step.
             self._pipeline.detach()
+        # FBGEMM advances its step counter on every forward, scoring included: put it back,
+        # so that scoring leaves fused Adam's bias correction where training had it.
+        counters = [(c, c.clone()) for c in self.embedding_step_counters()]
         self.model.eval()
         try:
             with torch.no_grad():
                 _, (_, logits, labels) = self.model(batch)
         finally:
             self.model.train()
+            if counters:
+                for counter, value in counters:
+                    counter.copy_(value)
+                self.step_counters_written()
         return logits.detach(), labels.detach()
 
     def gang_agrees(self, ok: bool) -> bool:
@@ -570,8 +604,9 @@ class RankEngine:
         ``optimizer_state`` (default ``sync.sync_optimizer_state``). With a
         decision from the sync plan: over this gang's group at the decided
         level, optimizer state when the decision includes it; nothing when no
-        level is due. Embedding shards always; with ``sync.dense="with_schedule"``
-        also dense parameters (and dense optimizer state with the optimizer state).
+        level is due. Embedding shards always (with the optimizer state: their fused state and
+        step counters, :meth:`shard_state`); with ``sync.dense="with_schedule"`` also dense
+        parameters (and dense optimizer state with the optimizer state).
         """
         assert self.replica is not None, "join_replica_plane() first"
         if decision is None:
@@ -587,15 +622,13 @@ class RankEngine:
             optimizer_state = decision.optimizer_state
         if plane.size == 1:
             return  # a group of one: every tensor is already its own mean
-        tensors = self.embedding_weights()
-        if optimizer_state:
-            tensors += self.embedding_optimizer_states()
+        tensors = self.shard_state(optimizer_state=optimizer_state)
         if self.cfg.sync.dense == "with_schedule":
             tensors += [p.data for p in self.dense_params.values()]
             if optimizer_state:
                 tensors += self.dense_optimizer_state()
         plane.average_(tensors)
-        self.embeddings_written()
+        self.shard_state_written()
 
     def _plane_for(self, decision: SyncDecision) -> ReplicaPlane:
         """This rank's group at the decision's level, checked against the decision's groups."""
@@ -661,11 +694,8 @@ class RankEngine:
     def broadcast_state(self, *, src: int) -> None:
         """Copies a live member's full state to the rest of the replica group."""
         assert self.replica is not None, "join_replica_plane() first"
-        self.replica.broadcast_(
-            self.embedding_weights() + self.embedding_optimizer_states() + self.dense_state(),
-            src=src,
-        )
-        self.embeddings_written()
+        self.replica.broadcast_(self.shard_state() + self.dense_state(), src=src)
+        self.shard_state_written()
 
     def close(self) -> None:
         if dist.is_initialized():

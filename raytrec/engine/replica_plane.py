@@ -120,7 +120,8 @@ class ReplicaPlane:
         )
 
     def average_(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Replaces every tensor with its mean over the group, in place."""
+        """Replaces every tensor with its mean over the group, in place (an integer tensor,
+        such as a step counter, with its mean rounded down: equal counts stay as they are)."""
         if self.pg is None or not tensors:
             return
 
@@ -129,7 +130,10 @@ class ReplicaPlane:
             # than its own rounding. Gloo has no AVG reduction: sum, then divide.
             wide = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
             self._wait(self.pg.allreduce([wide]))
-            wide.div_(self.size)
+            if wide.is_floating_point():
+                wide.div_(self.size)
+            else:
+                wide.div_(self.size, rounding_mode="floor")
             if wide is not flat:
                 flat.copy_(wide)
 
