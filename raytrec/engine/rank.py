@@ -56,6 +56,7 @@ from raytrec.data.spec import FeatureSpec
 from raytrec.engine.plan import apply_embedding_optimizer, sharders
 from raytrec.engine.replica_plane import (
     RENDEZVOUS_TIMEOUT_S,
+    Agreement,
     LevelPlanes,
     ReplicaPlane,
     in_place_flat,
@@ -505,6 +506,15 @@ class RankEngine:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
+    def _gang_agreement(self) -> Agreement | None:
+        """How a replica-plane average asks whether the whole gang succeeded
+        (:mod:`raytrec.engine.replica_plane`): over the gang world, where a failed gloo
+        collective raises at once. None for a gang of one, and on NCCL, whose collectives do
+        not fail at once when a member dies (the collective timeout decides there)."""
+        if self.spec.gang_size == 1 or self.cfg.scaling.resolved_backend != "gloo":
+            return None
+        return self.gang_agrees
+
     def abandon_failed_step(self) -> bool:
         """Cleans up after a replica-plane failure inside :meth:`train_step`.
 
@@ -559,7 +569,7 @@ class RankEngine:
             # rank is its replica group's only member.
             return
         grads = [p.grad for p in self.dense_params.values() if p.grad is not None]
-        self.replica.average_(grads)
+        self.replica.average_(grads, agree=self._gang_agreement())
 
     def sync(
         self, decision: SyncDecision | None = None, *, optimizer_state: bool | None = None
@@ -594,7 +604,7 @@ class RankEngine:
             tensors += [p.data for p in self.dense_params.values()]
             if optimizer_state:
                 tensors += self.dense_optimizer_state()
-        plane.average_(tensors)
+        plane.average_(tensors, agree=self._gang_agreement())
         self.embeddings_written()
 
     def _plane_for(self, decision: SyncDecision) -> ReplicaPlane:
