@@ -2,12 +2,15 @@
 
     .venv/bin/python -m benchmarks.chaos [--short] [--data parquet] [--write PAGE]
 
-``python -m jobs.train`` (2 gangs x 2 ranks) on ``ray start`` nodes on 127.0.0.1 loses a rank
-(SIGKILL; a new gang joins on the freed CPUs), then nodes (the raylet SIGKILLed; a replacement
-node but after the last, whose gang joins), each once both gangs have trained two intervals.
+``python -m jobs.train`` (2 gangs x 2 ranks) on ``ray start`` nodes on 127.0.0.1 loses ranks
+(a rank process of a random node SIGKILLed from outside at a random moment, as the OOM killer
+does; a new gang joins on the freed CPUs) and nodes (the raylet SIGKILLed; a replacement node
+but after the last, whose gang joins), each once both gangs have trained two intervals.
 Reported from the job's events, metrics rows and summary: the time to ``rank_died`` and
 ``node_died``, the survivors' stall at each loss and join (the gap between the rows around it
-less their steps at the normal pace) and the batches lost or doubled. Kill times are put on the
+less their steps at the normal pace), the stall each loss causes over the rest of the run up
+to the next fault (every later interval slower than the no-fault pace, late data waits
+included, joins apart) and the batches lost or doubled. Kill times are put on the
 coordinator's clock from when each row was first seen: the delays are upper bounds.
 """
 
@@ -22,6 +25,7 @@ import itertools
 import json
 import os
 import pathlib
+import random
 import shutil
 import signal
 import statistics
@@ -36,8 +40,13 @@ from benchmarks.common import ROOT, command, parse, parser, replace_block
 
 HEADING = "## Chaos: node and rank losses on a local cluster"
 #: The full run and the short one (the cluster test's): faults in order.
-SCHEDULES = {"full": ("rank", "node", "node", "node"), "short": ("rank", "node")}
+SCHEDULES = {
+    "full": ("rank", "rank", "node", "rank", "rank", "node", "rank"),
+    "short": ("rank", "node"),
+}
 STALL_TARGETS = {"loss": 3.0, "join": 1.0}
+#: The target for the stall a loss causes over the rest of the run, the one at it included.
+TOTAL_STALL_TARGET = 5.0
 #: The head's CPUs (never killed): with Parquet one, for Ray Data's read tasks (too few for a gang).
 HEAD_CPUS = {"synthetic": 0, "parquet": 1}
 #: examples/configs/local_cpu.yaml's batch size, and the passes over the rows with --data parquet.
@@ -165,6 +174,8 @@ def drive(
     waiter = threading.Thread(target=lambda: ended.append(cluster.wait(job, a.timeout_s)))
     waiter.daemon = True
     waiter.start()
+    draw = random.Random(a.seed)  # which node and rank, and the moment: replayable
+    kill_at: float | None = None  # when the due fault is carried out (a random moment)
     while not ended:
         if time.monotonic() - started > a.timeout_s:
             cluster.ray("job", "stop", "--address", cluster.dashboard, job)
@@ -180,14 +191,17 @@ def drive(
             and full_since is not None
             and run_dir.step >= max(a.first_step, full_since + 2 * a.log_every)
         )
-        if due:
+        if due and kill_at is None:
+            kill_at = time.monotonic() + draw.uniform(0.0, a.max_delay_s)
+        if due and kill_at is not None and time.monotonic() >= kill_at:
+            kill_at = None
             kind = schedule[len(faults)]
             live = [n for n in cluster.nodes if n.name not in dead and rank_pids(n)]
-            node = live[-1] if kind == "node" else live[0]
+            node = live[-1] if kind == "node" else draw.choice(live)
             node_id = node.node_id()
             kill_mono = time.monotonic()
             if kind == "rank":
-                os.kill(rank_pids(node)[-1], signal.SIGKILL)
+                os.kill(draw.choice(rank_pids(node)), signal.SIGKILL)
             else:
                 raylet = node.raylet_pid()
                 assert raylet is not None
@@ -203,7 +217,7 @@ def drive(
                     fault.replacement_mono = time.monotonic()
                     cluster.add_node(f"n{spare}", num_cpus=a.gang_size)
                     spare += 1
-        time.sleep(0.1)
+        time.sleep(0.01 if kill_at is not None else 0.1)
     run_dir.poll()
     return ended[0]
 
@@ -254,6 +268,7 @@ def analyse(out: dict[str, Any]) -> dict[str, Any]:
         if before and after:
             gap = after[0]["at"] - before[-1]["at"]
             m["stall_s"] = gap - after[0]["steps"] * step_s
+    _rest_of_run(rows, marks, out["faults"][0]["kill_mono"] - offset if out["faults"] else None)
     summary = out["summary"]
     batches = summary.get("batches", {})
     return {
@@ -264,6 +279,51 @@ def analyse(out: dict[str, Any]) -> dict[str, Any]:
         "final": summary.get("final"),
         "replica_check": summary.get("replica_check", {}).get("passed"),
     }
+
+
+def _rest_of_run(
+    rows: list[dict[str, Any]], marks: list[dict[str, Any]], first_fault: float | None
+) -> None:
+    """Adds to each loss mark the stall it causes over the rest of the run (``total_stall_s``)
+    and the late data waits in it (``late_data_s``).
+
+    The no-fault pace and noise come from the rows before the first fault: a row is slower
+    than that pace when its gap to the row before exceeds its steps at the pace by more than
+    the largest excess seen before the first fault. Its excess counts towards the last loss
+    before it, up to the next loss; rows holding a join count towards the join, not here.
+    Late data: the row's data wait (its share of the rank time times its seconds) beyond the
+    median wait per step before the first fault, in the rows after the one at the loss.
+    """
+    if first_fault is None:
+        return
+    clean = [
+        (before, after)
+        for before, after in itertools.pairwise(rows)
+        if after["at"] < first_fault and after["steps"]
+    ]
+    if len(clean) < 5:
+        return  # too few rows before the first fault to know the pace
+    pace = statistics.median((b["at"] - a["at"]) / b["steps"] for a, b in clean)
+    noise = max(b["at"] - a["at"] - b["steps"] * pace for a, b in clean)
+    wait = statistics.median(b["data_wait_fraction"] * b["seconds"] / b["steps"] for _, b in clean)
+    losses = [m for m in marks if m["type"] == "loss" and "at" in m]
+    joins = [m["at"] for m in marks if m["type"] == "join" and "at" in m]
+    for i, m in enumerate(losses):
+        end = losses[i + 1]["at"] if i + 1 < len(losses) else float("inf")
+        total, late, first = 0.0, 0.0, True
+        for before, after in itertools.pairwise(rows):
+            if not m["at"] < after["at"] <= end or not after["steps"]:
+                continue
+            excess = after["at"] - before["at"] - after["steps"] * pace
+            if any(before["at"] < t <= after["at"] for t in joins):
+                continue
+            if first or excess > noise:
+                total += max(0.0, excess)
+            if not first:
+                data = after["data_wait_fraction"] * after["seconds"]
+                late += max(0.0, data - after["steps"] * wait) if excess > noise else 0.0
+            first = False
+        m["total_stall_s"], m["late_data_s"] = total, late
 
 
 def _same_node(event: dict[str, Any], fault: dict[str, Any]) -> bool:
@@ -279,8 +339,8 @@ def _s(value: float | None) -> str:
 def table(report: dict[str, Any]) -> str:
     lines = [
         "| event | step | detected after (s) | node_died after (s) | to join (s) "
-        "| survivors' stall (s) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| survivors' stall (s) | stall over the rest (s) | late data waits (s) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for m in report["marks"]:
         died = _s(m.get("node_died_s"))
@@ -288,7 +348,8 @@ def table(report: dict[str, Any]) -> str:
             died += " (**another node named**)"
         lines.append(
             f"| {m['what']} | {m['step']} | {_s(m.get('detected_s'))} | {died} | "
-            f"{_s(m.get('to_join_s'))} | {_s(m.get('stall_s'))} |"
+            f"{_s(m.get('to_join_s'))} | {_s(m.get('stall_s'))} | "
+            f"{_s(m.get('total_stall_s'))} | {_s(m.get('late_data_s'))} |"
         )
     return "\n".join(lines)
 
@@ -307,6 +368,16 @@ def describe(a: argparse.Namespace, out: dict[str, Any], report: dict[str, Any])
             f"median survivors' stall at {label} {_s(value)} s (target < {target:.0f} s: "
             f"{'met' if met else '**missed**'})"
         )
+    losses = [m for m in report["marks"] if m["type"] == "loss"]
+    detected = [m["detected_s"] for m in losses if "detected_s" in m]
+    totals = [m["total_stall_s"] for m in losses if "total_stall_s" in m]
+    worst = max(totals) if totals else None
+    verdicts.append(
+        f"{len(detected)} of {len(losses)} losses detected, the slowest after "
+        f"{_s(max(detected) if detected else None)} s; the largest stall a loss caused over "
+        f"the rest of the run {_s(worst)} s (target < {TOTAL_STALL_TARGET:.0f} s: "
+        f"{'met' if worst is not None and worst < TOTAL_STALL_TARGET else '**missed**'})"
+    )
     return "\n".join(
         [
             f"Measured on {a.date}, machine: {a.machine}, whole run {out['wall_s']:.0f} s:",
@@ -323,6 +394,7 @@ def describe(a: argparse.Namespace, out: dict[str, Any], report: dict[str, Any])
             f"{final.get('loss', float('nan')):.4f}, AUC {final.get('auc') or float('nan'):.4f} "
             f"at step {final.get('step')}.",
             f"- {verdicts[0]}; {verdicts[1]}.",
+            f"- {verdicts[2]}.",
             "",
             table(report),
         ]
@@ -337,7 +409,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--gang-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="default: 14000, 3500 with --short")
     p.add_argument("--log-every", type=int, default=2)
-    p.add_argument("--first-step", type=int, default=10, help="no fault before this step")
+    p.add_argument("--first-step", type=int, default=200, help="no fault before this step")
+    p.add_argument("--seed", type=int, default=0, help="draws the nodes, ranks and moments")
+    p.add_argument(
+        "--max-delay-s",
+        type=float,
+        default=1.0,
+        help="a fault lands a random moment up to this long after it is due",
+    )
     p.add_argument("--collective-timeout-s", type=float, default=10.0)
     p.add_argument("--timeout-s", type=float, default=900.0, help="stop the job after this")
     p.add_argument("--json", type=pathlib.Path, help="write the raw outputs and report here")

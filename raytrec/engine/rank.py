@@ -361,9 +361,11 @@ class RankEngine:
         take: Callable[[], StepInput],
         num_steps: int,
         on_start: Callable[[StepInput], None],
+        on_sync: Callable[[], None] | None = None,
     ) -> Iterator[torch.Tensor]:
         """Trains ``num_steps`` steps on the inputs ``take()`` gives, syncing with the replicas
         after every step the schedule says (:meth:`decide`); yields each step's loss.
+        ``on_sync()`` is called as each of those syncs begins.
 
         The steps run in segments that end at each sync due with another gang and at
         ``num_steps`` (each one :meth:`run_steps`), so a train pipeline holds no batch in flight
@@ -377,6 +379,8 @@ class RankEngine:
             decision = self.decide(self.step)
             if decision.due:
                 started = time.perf_counter()
+                if on_sync is not None:
+                    on_sync()
                 self.sync(decision)
                 self.sync_seconds += time.perf_counter() - started
 
