@@ -420,6 +420,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--collective-timeout-s", type=float, default=10.0)
     p.add_argument("--timeout-s", type=float, default=900.0, help="stop the job after this")
     p.add_argument("--json", type=pathlib.Path, help="write the raw outputs and report here")
+    p.add_argument("--analyse", type=pathlib.Path, help="report on the --json file of a run")
     p.add_argument("--keep-run", action="store_true", help="keep the run directory, /tmp/rtchaos-*")
     p.add_argument("--machine", default="2-core CPU VM")
     p.add_argument("--date", default=datetime.date.today().isoformat())
@@ -431,7 +432,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
-    out = run(a)
+    # With --analyse: the report again, from a run's raw outputs.
+    out = json.loads(a.analyse.read_text())["out"] if a.analyse is not None else run(a)
+    if a.json:  # the raw outputs first: a report that fails can be made again from them
+        a.json.write_text(json.dumps({"out": out}, indent=1, default=str))
     report = analyse(out) if out["rows"] else {"marks": []}
     if a.json:
         a.json.write_text(json.dumps({"out": out, "report": report}, indent=1, default=str))
