@@ -382,7 +382,7 @@ def describe(a: argparse.Namespace, out: dict[str, Any], report: dict[str, Any])
         [
             f"Measured on {a.date}, machine: {a.machine}, whole run {out['wall_s']:.0f} s:",
             "",
-            f"    {command(a, '--json')}",
+            f"    {command(a, '--json', '--analyse')}",
             "",
             f"- Cluster: `ray start` head ({HEAD_CPUS[a.data]} CPUs) + {a.nodes} worker nodes of "
             f"{a.gang_size} CPUs on 127.0.0.1; job: 2 gangs x {a.gang_size} ranks, {data}, "
