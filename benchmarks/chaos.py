@@ -268,7 +268,9 @@ def analyse(out: dict[str, Any]) -> dict[str, Any]:
         if before and after:
             gap = after[0]["at"] - before[-1]["at"]
             m["stall_s"] = gap - after[0]["steps"] * step_s
-    _rest_of_run(rows, marks, out["faults"][0]["kill_mono"] - offset if out["faults"] else None)
+    saves = [e["at"] for e in events if e["kind"] == "checkpoint_saved"]
+    first_fault = out["faults"][0]["kill_mono"] - offset if out["faults"] else None
+    _rest_of_run(rows, marks, first_fault, saves)
     summary = out["summary"]
     batches = summary.get("batches", {})
     return {
@@ -282,7 +284,10 @@ def analyse(out: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rest_of_run(
-    rows: list[dict[str, Any]], marks: list[dict[str, Any]], first_fault: float | None
+    rows: list[dict[str, Any]],
+    marks: list[dict[str, Any]],
+    first_fault: float | None,
+    saves: Sequence[float] = (),
 ) -> None:
     """Adds to each loss mark the stall it causes over the rest of the run (``total_stall_s``)
     and the late data waits in it (``late_data_s``).
@@ -290,16 +295,21 @@ def _rest_of_run(
     The no-fault pace and noise come from the rows before the first fault: a row is slower
     than that pace when its gap to the row before exceeds its steps at the pace by more than
     the largest excess seen before the first fault. Its excess counts towards the last loss
-    before it, up to the next loss; rows holding a join count towards the join, not here.
+    before it, up to the next loss; rows holding a join count towards the join, and rows
+    holding a checkpoint save (``saves``: their times) towards the save, not here.
     Late data: the row's data wait (its share of the rank time times its seconds) beyond the
     median wait per step before the first fault, in the rows after the one at the loss.
     """
     if first_fault is None:
         return
+
+    def holds(before: dict[str, Any], after: dict[str, Any], times: Sequence[float]) -> bool:
+        return any(before["at"] < t <= after["at"] for t in times)
+
     clean = [
         (before, after)
         for before, after in itertools.pairwise(rows)
-        if after["at"] < first_fault and after["steps"]
+        if after["at"] < first_fault and after["steps"] and not holds(before, after, saves)
     ]
     if len(clean) < 5:
         return  # too few rows before the first fault to know the pace
@@ -315,7 +325,7 @@ def _rest_of_run(
             if not m["at"] < after["at"] <= end or not after["steps"]:
                 continue
             excess = after["at"] - before["at"] - after["steps"] * pace
-            if any(before["at"] < t <= after["at"] for t in joins):
+            if holds(before, after, joins) or (not first and holds(before, after, saves)):
                 continue
             if first or excess > noise:
                 total += max(0.0, excess)

@@ -44,7 +44,7 @@ def run_with(rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[s
     }
 
 
-def test_a_loss_is_charged_its_stall_and_every_late_one_until_the_next() -> None:
+def late_stall_rows() -> list[dict[str, Any]]:
     rows = [row(2 * i, 0.1 * i) for i in range(1, 11)]  # steps 2..20 at the pace, to t=1.0
     # The kill at 1.05, seen at 1.25; the next row at 2.6: 1.6 s gap, 1.5 s beyond the pace.
     rows.append(row(22, 2.6))
@@ -52,8 +52,14 @@ def test_a_loss_is_charged_its_stall_and_every_late_one_until_the_next() -> None
     # A late stall: 0.9 s beyond the pace, 0.8 s of it waiting for data.
     rows.append(row(32, 4.0, wait=0.8))
     rows += [row(32 + 2 * i, 4.0 + 0.1 * i) for i in range(1, 4)]
-    events = [{"kind": "rank_died", "at": 1.25, "step": 20, "node": "abcdef at 127.0.0.1"}]
-    report = chaos.analyse(run_with(rows, events))
+    return rows
+
+
+DIED = {"kind": "rank_died", "at": 1.25, "step": 20, "node": "abcdef at 127.0.0.1"}
+
+
+def test_a_loss_is_charged_its_stall_and_every_late_one_until_the_next() -> None:
+    report = chaos.analyse(run_with(late_stall_rows(), [DIED]))
     (mark,) = report["marks"]
     assert mark["detected_s"] == pytest.approx(0.2)
     assert mark["stall_s"] == pytest.approx(1.5)
@@ -69,3 +75,9 @@ def test_without_a_baseline_before_the_first_fault_nothing_is_charged() -> None:
     events = [{"kind": "rank_died", "at": 1.25, "step": 20, "node": "abcdef at 127.0.0.1"}]
     (mark,) = chaos.analyse(run_with(rows, events))["marks"]
     assert "total_stall_s" not in mark and mark["detected_s"] == pytest.approx(0.2)
+
+
+def test_a_checkpoint_save_is_not_charged_to_the_loss_before_it() -> None:
+    save = {"kind": "checkpoint_saved", "at": 3.5, "step": 30}
+    (mark,) = chaos.analyse(run_with(late_stall_rows(), [DIED, save]))["marks"]
+    assert mark["total_stall_s"] == pytest.approx(1.5) and mark["late_data_s"] == 0.0
