@@ -177,7 +177,13 @@ def drive(
     draw = random.Random(a.seed)  # which node and rank, and the moment: replayable
     kill_at: float | None = None  # when the due fault is carried out (a random moment)
     while not ended:
-        if time.monotonic() - started > a.timeout_s:
+        ran_on = len(faults) == len(schedule) and a.run_on_s is not None
+        if ran_on and time.monotonic() - faults[-1].kill_mono > a.run_on_s:
+            print(f"[chaos] {a.run_on_s:g} s after the last fault: stopping the job", flush=True)
+        if time.monotonic() - started > a.timeout_s or (
+            ran_on and time.monotonic() - faults[-1].kill_mono > a.run_on_s
+        ):
+            # SIGTERM: the job stops at its next interval boundary and writes its summary.
             cluster.ray("job", "stop", "--address", cluster.dashboard, job)
             return cluster.wait(job, 180)
         run_dir.poll()
@@ -215,11 +221,23 @@ def drive(
                 lc.stop_session(node.session, grace_s=2)  # what the node left (agents, workers)
                 if len(faults) < len(schedule):  # a replacement, except after the last fault
                     fault.replacement_mono = time.monotonic()
-                    cluster.add_node(f"n{spare}", num_cpus=a.gang_size)
+                    add_node(cluster, f"n{spare}", a.gang_size)
                     spare += 1
         time.sleep(0.01 if kill_at is not None else 0.1)
     run_dir.poll()
     return ended[0]
+
+
+def add_node(cluster: lc.LocalCluster, name: str, cpus: int, tries: int = 3) -> lc.WorkerNode:
+    """A replacement worker node; started again when its start fails (on a loaded machine the
+    GCS can miss a new node's startup deadline)."""
+    for attempt in range(tries):
+        try:
+            return cluster.add_node(name if attempt == 0 else f"{name}r{attempt}", num_cpus=cpus)
+        except RuntimeError as e:
+            why = str(e).splitlines()[0]
+            print(f"[chaos] node {name} did not start ({why}); starting it again", flush=True)
+    raise RuntimeError(f"node {name} did not start in {tries} tries")
 
 
 def analyse(out: dict[str, Any]) -> dict[str, Any]:
@@ -429,6 +447,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--collective-timeout-s", type=float, default=10.0)
     p.add_argument("--timeout-s", type=float, default=900.0, help="stop the job after this")
+    p.add_argument(
+        "--run-on-s",
+        type=float,
+        default=None,
+        help="stop the job this long after the last fault (default: let it finish)",
+    )
     p.add_argument("--json", type=pathlib.Path, help="write the raw outputs and report here")
     p.add_argument("--analyse", type=pathlib.Path, help="report on the --json file of a run")
     p.add_argument("--keep-run", action="store_true", help="keep the run directory, /tmp/rtchaos-*")
