@@ -78,6 +78,7 @@ def test_a_process_killed_mid_step_is_seen_at_once(cluster: Cluster, tmp_path: s
     assert before and after, [r.at for r in rows]
     pace = statistics.median(r.seconds / r.steps for r in rows)
     stall = after[0].at - before[-1].at - after[0].steps * pace
+    print(f"kill at step {kill_step}: survivors stalled {stall:.2f} s beyond the pace")
     assert stall < STALL_LIMIT_S, (stall, died, [(r.step, r.at) for r in rows])
     assert after[0].gangs == 1 and rows[-1].gangs == 1
     assert_replicas_agree(result)
