@@ -230,7 +230,10 @@ class FailureRecovery:
     def release(self, rank: int, pending: Collection[int]) -> None:
         """Rank ``rank`` died during a control call: its gang peers still in the call are
         killed and the other ranks' replica planes aborted, so that every call still pending
-        ends at once rather than at the collective timeout (as :meth:`collect` does)."""
+        ends at once rather than at the collective timeout (as :meth:`collect` does). A rank
+        killed here itself (a peer) needs nothing more."""
+        if rank in self.peers_killed:
+            return
         killed = self.kill_gang_peers(rank, pending)
         self.abort_planes(set(pending) - set(killed) - {rank})
 
