@@ -288,12 +288,13 @@ def analyse(out: dict[str, Any]) -> dict[str, Any]:
             m["stall_s"] = gap - after[0]["steps"] * step_s
     saves = [e["at"] for e in events if e["kind"] == "checkpoint_saved"]
     first_fault = out["faults"][0]["kill_mono"] - offset if out["faults"] else None
-    _rest_of_run(rows, marks, first_fault, saves)
+    baseline = _rest_of_run(rows, marks, first_fault, saves)
     summary = out["summary"]
     batches = summary.get("batches", {})
     return {
         "marks": marks,
         "step_s": step_s,
+        "baseline": baseline,
         "lost": batches.get("lost"),
         "doubled": None if not batches else batches["committed"] - batches["committed_distinct"],
         "final": summary.get("final"),
@@ -306,7 +307,7 @@ def _rest_of_run(
     marks: list[dict[str, Any]],
     first_fault: float | None,
     saves: Sequence[float] = (),
-) -> None:
+) -> dict[str, float] | None:
     """Adds to each loss mark the stall it causes over the rest of the run (``total_stall_s``)
     and the late data waits in it (``late_data_s``).
 
@@ -319,7 +320,7 @@ def _rest_of_run(
     median wait per step before the first fault, in the rows after the one at the loss.
     """
     if first_fault is None:
-        return
+        return None
 
     def holds(before: dict[str, Any], after: dict[str, Any], times: Sequence[float]) -> bool:
         return any(before["at"] < t <= after["at"] for t in times)
@@ -330,7 +331,7 @@ def _rest_of_run(
         if after["at"] < first_fault and after["steps"] and not holds(before, after, saves)
     ]
     if len(clean) < 5:
-        return  # too few rows before the first fault to know the pace
+        return None  # too few rows before the first fault to know the pace
     pace = statistics.median((b["at"] - a["at"]) / b["steps"] for a, b in clean)
     noise = max(b["at"] - a["at"] - b["steps"] * pace for a, b in clean)
     wait = statistics.median(b["data_wait_fraction"] * b["seconds"] / b["steps"] for _, b in clean)
@@ -352,6 +353,7 @@ def _rest_of_run(
                 late += max(0.0, data - after["steps"] * wait) if excess > noise else 0.0
             first = False
         m["total_stall_s"], m["late_data_s"] = total, late
+    return {"pace_s": pace, "noise_s": noise}
 
 
 def _same_node(event: dict[str, Any], fault: dict[str, Any]) -> bool:
@@ -422,7 +424,14 @@ def describe(a: argparse.Namespace, out: dict[str, Any], report: dict[str, Any])
             f"{final.get('loss', float('nan')):.4f}, AUC {final.get('auc') or float('nan'):.4f} "
             f"at step {final.get('step')}.",
             f"- {verdicts[0]}; {verdicts[1]}.",
-            f"- {verdicts[2]}.",
+            f"- {verdicts[2]}."
+            + (
+                f" No-fault pace {report['baseline']['pace_s']:.3f} s/step; an interval counts "
+                f"as slowed when it is {report['baseline']['noise_s']:.2f} s beyond it (the "
+                "largest excess before the first fault)."
+                if report.get("baseline")
+                else ""
+            ),
             "",
             table(report),
         ]
