@@ -320,7 +320,8 @@ def _rest_of_run(
     than that pace when its gap to the row before exceeds its steps at the pace by more than
     the largest excess seen before the first fault. Its excess counts towards the last loss
     before it, up to the next loss; rows holding a join count towards the join, and rows
-    holding a checkpoint save (``saves``: their times) towards the save, not here.
+    holding a checkpoint save (``saves``: their times) or ending with an evaluation towards
+    those, not here.
     Late data: the row's data wait (its share of the rank time times its seconds) beyond the
     median wait per step before the first fault, in the rows after the one at the loss.
     """
@@ -330,10 +331,14 @@ def _rest_of_run(
     def holds(before: dict[str, Any], after: dict[str, Any], times: Sequence[float]) -> bool:
         return any(before["at"] < t <= after["at"] for t in times)
 
+    def other(before: dict[str, Any], after: dict[str, Any]) -> bool:
+        """A checkpoint save, or an evaluation at the interval's end, took time in it."""
+        return holds(before, after, saves) or after.get("eval_auc") is not None
+
     clean = [
         (before, after)
         for before, after in itertools.pairwise(rows)
-        if after["at"] < first_fault and after["steps"] and not holds(before, after, saves)
+        if after["at"] < first_fault and after["steps"] and not other(before, after)
     ]
     if len(clean) < 5:
         return None  # too few rows before the first fault to know the pace
@@ -349,7 +354,7 @@ def _rest_of_run(
             if not m["at"] < after["at"] <= end or not after["steps"]:
                 continue
             excess = after["at"] - before["at"] - after["steps"] * pace
-            if holds(before, after, joins) or (not first and holds(before, after, saves)):
+            if holds(before, after, joins) or (not first and other(before, after)):
                 continue
             if first or excess > noise:
                 total += max(0.0, excess)
