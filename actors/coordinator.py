@@ -59,7 +59,14 @@ from raytrec.elastic.events import EventLog, GenerationStarted
 from raytrec.elastic.heal import replicas_disagree
 from raytrec.elastic.membership import Membership
 from raytrec.elastic.report import RankInfo, RankReport, RunSummary
-from raytrec.elastic.workers import Clock, RankCallError, RankFailed, SystemClock, WorkerGroup
+from raytrec.elastic.workers import (
+    Clock,
+    RankCallError,
+    RankFailed,
+    RankLost,
+    SystemClock,
+    WorkerGroup,
+)
 from raytrec.engine.rank import RENDEZVOUS_TIMEOUT_S, StoreAddress
 from raytrec.errors import ConfigError, EarlyStopped, JobFailedError, StopRequested
 from raytrec.evaluation import EvalPlan
@@ -623,9 +630,25 @@ class Coordinator:
         # watches (that is _collect's job); building a gang's ranks on a loaded machine,
         # or the data pipeline's first batches, can take minutes.
         timeout = max(self.elastic.step_timeout_s, RENDEZVOUS_TIMEOUT_S)
-        pending = list(futures.values())
-        if len(self.group.wait(pending, num_returns=len(pending), timeout=timeout)) < len(pending):
-            raise TimeoutError(
-                f"{method.__name__} did not return on every rank of {sorted(futures)} within "
-                f"{timeout:g}s"
-            )
+        deadline = self.clock.monotonic() + timeout
+        pending = dict(futures)
+        rank_of = {id(f): r for r, f in futures.items()}
+        while pending:
+            left = deadline - self.clock.monotonic()
+            ready = self.group.wait(list(pending.values()), num_returns=1, timeout=left)
+            if not ready:
+                raise TimeoutError(
+                    f"{method.__name__} did not return on every rank of {sorted(futures)} "
+                    f"within {timeout:g}s"
+                )
+            for future in ready:
+                rank = rank_of[id(future)]
+                pending.pop(rank, None)
+                try:
+                    self.group.result(future)
+                except RankLost:
+                    # Its gang peers and the other gangs' replica collectives are released
+                    # now; their calls then end at once (failed), not at the timeout.
+                    self.recovery.release(rank, set(pending))
+                except RankFailed:
+                    pass  # raised to the caller below, with the others' answers in

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import signal
 import threading
 import time
 from datetime import timedelta
@@ -33,7 +34,7 @@ from raytrec.data.feed import BatchFeed, DataExhausted
 from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.parquet_plan import Stream
 from raytrec.data.source import Batch, BatchShard
-from raytrec.elastic.faults import FaultKind
+from raytrec.elastic.faults import FaultKind, FaultSpec, Phase
 from raytrec.elastic.report import RankInfo, RankReport, TrainedBatch
 from raytrec.engine.rank import RankEngine, RankSpec, StepInput
 from raytrec.rec_metrics import RankMetrics
@@ -102,6 +103,9 @@ class RankWorker:
         self._heartbeat: threading.Thread | None = None
         self._closed = threading.Event()
         self._heal_corrupted = False
+        self._phase_fired: set[int] = set()  # phase faults (by index) carried out already
+        self._step_began: float | None = None  # perf_counter() as the last step began
+        self._step_s = 0.02  # the last step's duration: the scale of a process kill's moment
         # Queued replay batches that update their embedding rows only: their dense gradient is
         # already in the model (the coordinator's accounting says which).
         self._embedding_only: set[int] = set()
@@ -137,6 +141,7 @@ class RankWorker:
         )
 
     def join_replica_plane(self, generation: int, member_rank: int, size: int) -> None:
+        self._enter(Phase.JOIN)
         self.engine.join_replica_plane(generation=generation, member_rank=member_rank, size=size)
 
     def join_sync_plan(self, plan: SyncPlan) -> None:
@@ -145,6 +150,7 @@ class RankWorker:
     def broadcast_state(self, src: int) -> None:
         """Copies replica-group member ``src``'s full state to this rank (a heal, or the job's
         start)."""
+        self._enter(Phase.HEAL)
         self.engine.broadcast_state(src=src)
         spec = self.spec
         if not self._heal_corrupted and spec.config.testing.fault_plan.corrupts_heal(
@@ -292,7 +298,9 @@ class RankWorker:
 
         synced = engine.sync_seconds
         try:
-            for loss in engine.train_steps(take, num_steps, begin):
+            for loss in engine.train_steps(
+                take, num_steps, begin, on_sync=lambda: self._enter(Phase.SYNC)
+            ):
                 with self._lock:
                     self._losses.append(loss)
                 assert engine.last_output is not None
@@ -365,6 +373,7 @@ class RankWorker:
         """After a failed ``train``: returns the batches trained since the last report, the
         step count, and whether this rank holds the failed step's dense update, not applied
         (the coordinator settles it once the job has re-formed: :meth:`settle_failed_step`)."""
+        self._enter(Phase.REFORM)
         abandoned = self.engine.abandon_failed_step()
         trained, losses, short = self._take_log()
         return RankReport(
@@ -379,28 +388,61 @@ class RankWorker:
     def _inject(self, step: int) -> float:
         """Carries out the injected faults and stalls due before ``step``; returns seconds slept."""
         cfg, spec = self.spec.config, self.spec
+        now = time.perf_counter()
+        if self._step_began is not None:  # a gap between intervals is not a step's length
+            self._step_s = min(now - self._step_began, 1.0)
+        self._step_began = now
         slept = 0.0
         if cfg.testing.stragglers is not None:
             slept += cfg.testing.stragglers.stall_seconds(step, spec.rank)
-        # A node target names a host of the job's initial layout (job rank // ranks_per_host);
-        # ranks that join later sit on hosts beyond it.
-        host = spec.rank // (cfg.scaling.ranks_per_host or cfg.scaling.gang_size)
         for fault in cfg.testing.fault_plan.for_rank(
-            step, rank=spec.rank, gang=spec.gang, node=host
+            step, rank=spec.rank, gang=spec.gang, node=self._host()
         ):
-            if fault.kind is FaultKind.KILL_RANK:
-                os._exit(1)  # a crash: no cleanup, no goodbye
-            if fault.kind is FaultKind.HANG_RANK:
-                # Hung until the coordinator gives up on this rank and kills it; bounded so a
-                # test never leaves a sleeper behind.
-                slept += 10 * cfg.elastic.step_timeout_s
-            elif fault.stall_s is not None:
-                slept += fault.stall_s
+            slept += self._carry_out(fault)
         if slept:
             time.sleep(slept)
         return slept
 
+    def _host(self) -> int:
+        # A node target names a host of the job's initial layout (job rank // ranks_per_host);
+        # ranks that join later sit on hosts beyond it.
+        scaling = self.spec.config.scaling
+        return self.spec.rank // (scaling.ranks_per_host or scaling.gang_size)
+
+    def _enter(self, phase: Phase) -> None:
+        """Carries out the injected faults due as this rank enters ``phase`` (each once)."""
+        spec = self.spec
+        plan = spec.config.testing.fault_plan
+        due = plan.for_phase(
+            phase, self.engine.step, rank=spec.rank, gang=spec.gang, node=self._host()
+        )
+        slept = 0.0
+        for i in sorted(set(due) - self._phase_fired):
+            self._phase_fired.add(i)
+            slept += self._carry_out(plan.faults[i])
+        if slept:
+            time.sleep(slept)
+
+    def _carry_out(self, fault: FaultSpec) -> float:
+        """Carries out a rank fault; returns the seconds to stall."""
+        if fault.kind is FaultKind.KILL_RANK:
+            os._exit(1)  # a crash: no cleanup, no goodbye
+        if fault.kind is FaultKind.KILL_PROCESS:
+            # SIGKILL from another thread a random part of a step from now, whatever this
+            # rank is doing then (mid-collective, as often as not), as the OOM killer does.
+            _, moment = fault.kill_at(self.spec.rank)
+            timer = threading.Timer(moment * self._step_s, _sigkill)
+            timer.daemon = True
+            timer.start()
+            return 0.0
+        if fault.kind is FaultKind.HANG_RANK:
+            # Hung until the coordinator gives up on this rank and kills it; bounded so a
+            # test never leaves a sleeper behind.
+            return 10 * self.spec.config.elastic.step_timeout_s
+        return fault.stall_s or 0.0
+
     def sync(self) -> None:
+        self._enter(Phase.SYNC)
         self.engine.sync()
 
     def evaluate(
@@ -409,6 +451,7 @@ class RankWorker:
         """Scores held-out batches ``batch_ids`` of ``shard`` (None: a padding round, scored
         for the gang's sharded forward and left out); returns the metric states of the rows
         scored (raytrec.evaluation)."""
+        self._enter(Phase.EVAL)
         metrics = RankMetrics(auc_window=1 << 62)  # every row counts for the AUC
         pad = next((i for i in batch_ids if i is not None), 0)
         for batch_id in batch_ids:
@@ -430,6 +473,7 @@ class RankWorker:
         writes for the job). Returns its step and location."""
         from raytrec.checkpoint.state import save_checkpoint
 
+        self._enter(Phase.CHECKPOINT)
         ref = save_checkpoint(
             self.engine,
             root,
@@ -474,6 +518,10 @@ class RankWorker:
         if self._feed is not None:
             self._feed.close()
         self.engine.close()
+
+
+def _sigkill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _digest(tensors: list[torch.Tensor]) -> str:

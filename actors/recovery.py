@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from actors.rank import RankWorker
@@ -89,6 +90,7 @@ class FailureRecovery:
         # hang rule's input.
         self.progress: dict[int, tuple[int, float]] = {}
         self.transient = 0  # re-forms in a row with no rank lost
+        self.peers_killed: set[int] = set()  # ranks killed because their gang lost a rank
 
     def collect(self, dispatched: Dispatched) -> IntervalOutcome:
         """Waits for every rank's ``train`` report and sorts out what happened.
@@ -117,13 +119,9 @@ class FailureRecovery:
                     self.progress[rank] = (report.step, now)
                 except RankLost as e:
                     out.dead[rank] = e.cause
-                    # The rest of its gang is dropped anyway; left alone it would sit in the
-                    # gang's collectives until their timeout. Kill it now.
-                    for peer in self.job.membership.gang(self.job._gang_of(rank)).job_ranks:
-                        if peer in pending:
-                            self.job.group.kill(peer)
-                            del pending[peer]
-                            out.dead[peer] = _PEER_KILLED
+                    for peer in self.kill_gang_peers(rank, pending):
+                        del pending[peer]
+                        out.dead[peer] = _PEER_KILLED
                 except RankFailed as e:
                     out.errored[rank] = str(e)
             if (out.dead or out.errored) and deadline is None:
@@ -215,6 +213,30 @@ class FailureRecovery:
                         result.later.append(report)
             lost_gangs |= {self.job._gang_of(r) for r in [*result.dead, *result.hung]}
 
+    def kill_gang_peers(self, rank: int, pending: Collection[int]) -> list[int]:
+        """Rank ``rank`` is dead: kills its gang peers among ``pending`` (the ranks whose call
+        has not returned) and returns them. Their gang is dropped anyway; left alone they
+        would sit in the gang's collectives with the dead rank until the collective timeout.
+        A rank in no live gang (one still joining) has none."""
+        gang = self.job.membership.gang_of_rank(rank)
+        if gang is None:
+            return []
+        peers = [p for p in self.job.membership.gang(gang).job_ranks if p in pending]
+        for peer in peers:
+            self.job.group.kill(peer)
+        self.peers_killed.update(peers)
+        return peers
+
+    def release(self, rank: int, pending: Collection[int]) -> None:
+        """Rank ``rank`` died during a control call: its gang peers still in the call are
+        killed and the other ranks' replica planes aborted, so that every call still pending
+        ends at once rather than at the collective timeout (as :meth:`collect` does). A rank
+        killed here itself (a peer) needs nothing more."""
+        if rank in self.peers_killed:
+            return
+        killed = self.kill_gang_peers(rank, pending)
+        self.abort_planes(set(pending) - set(killed) - {rank})
+
     def abort_planes(self, ranks: set[int]) -> None:
         # Fire and forget: the answer does not matter, only that blocked collectives fail.
         self.job.group.call(
@@ -238,7 +260,7 @@ class FailureRecovery:
             try:
                 self.job.group.result(future)
             except RankLost as e:
-                out.dead[r] = e.cause
+                out.dead[r] = _PEER_KILLED if r in self.peers_killed else e.cause
         if not out.failed:
             if isinstance(error, RankFailed) and group_broke(error.cause):
                 # Every rank lives, but a collective of the re-forming failed: which gang's

@@ -2,12 +2,15 @@
 
     .venv/bin/python -m benchmarks.chaos [--short] [--data parquet] [--write PAGE]
 
-``python -m jobs.train`` (2 gangs x 2 ranks) on ``ray start`` nodes on 127.0.0.1 loses a rank
-(SIGKILL; a new gang joins on the freed CPUs), then nodes (the raylet SIGKILLed; a replacement
-node but after the last, whose gang joins), each once both gangs have trained two intervals.
+``python -m jobs.train`` (2 gangs x 2 ranks) on ``ray start`` nodes on 127.0.0.1 loses ranks
+(a rank process of a random node SIGKILLed from outside at a random moment, as the OOM killer
+does; a new gang joins on the freed CPUs) and nodes (the raylet SIGKILLed; a replacement node
+but after the last, whose gang joins), each once both gangs have trained two intervals.
 Reported from the job's events, metrics rows and summary: the time to ``rank_died`` and
 ``node_died``, the survivors' stall at each loss and join (the gap between the rows around it
-less their steps at the normal pace) and the batches lost or doubled. Kill times are put on the
+less their steps at the normal pace), the stall each loss causes over the rest of the run up
+to the next fault (every later interval slower than the no-fault pace, late data waits
+included, joins apart) and the batches lost or doubled. Kill times are put on the
 coordinator's clock from when each row was first seen: the delays are upper bounds.
 """
 
@@ -22,6 +25,7 @@ import itertools
 import json
 import os
 import pathlib
+import random
 import shutil
 import signal
 import statistics
@@ -36,8 +40,16 @@ from benchmarks.common import ROOT, command, parse, parser, replace_block
 
 HEADING = "## Chaos: node and rank losses on a local cluster"
 #: The full run and the short one (the cluster test's): faults in order.
-SCHEDULES = {"full": ("rank", "node", "node", "node"), "short": ("rank", "node")}
+SCHEDULES = {
+    "full": ("rank", "rank", "node", "rank", "rank", "node", "rank"),
+    # Rank kills, then one node: no replacement node to start (on a loaded machine a new
+    # node can miss the GCS's startup deadline).
+    "kills": ("rank", "rank", "rank", "rank", "rank", "node"),
+    "short": ("rank", "node"),
+}
 STALL_TARGETS = {"loss": 3.0, "join": 1.0}
+#: The target for the stall a loss causes over the rest of the run, the one at it included.
+TOTAL_STALL_TARGET = 5.0
 #: The head's CPUs (never killed): with Parquet one, for Ray Data's read tasks (too few for a gang).
 HEAD_CPUS = {"synthetic": 0, "parquet": 1}
 #: examples/configs/local_cpu.yaml's batch size, and the passes over the rows with --data parquet.
@@ -165,8 +177,16 @@ def drive(
     waiter = threading.Thread(target=lambda: ended.append(cluster.wait(job, a.timeout_s)))
     waiter.daemon = True
     waiter.start()
+    draw = random.Random(a.seed)  # which node and rank, and the moment: replayable
+    kill_at: float | None = None  # when the due fault is carried out (a random moment)
     while not ended:
-        if time.monotonic() - started > a.timeout_s:
+        ran_on = len(faults) == len(schedule) and a.run_on_s is not None
+        if ran_on and time.monotonic() - faults[-1].kill_mono > a.run_on_s:
+            print(f"[chaos] {a.run_on_s:g} s after the last fault: stopping the job", flush=True)
+        if time.monotonic() - started > a.timeout_s or (
+            ran_on and time.monotonic() - faults[-1].kill_mono > a.run_on_s
+        ):
+            # SIGTERM: the job stops at its next interval boundary and writes its summary.
             cluster.ray("job", "stop", "--address", cluster.dashboard, job)
             return cluster.wait(job, 180)
         run_dir.poll()
@@ -180,14 +200,19 @@ def drive(
             and full_since is not None
             and run_dir.step >= max(a.first_step, full_since + 2 * a.log_every)
         )
-        if due:
+        if due and kill_at is None:
+            kill_at = time.monotonic() + draw.uniform(0.0, a.max_delay_s)
+        if due and kill_at is not None and time.monotonic() >= kill_at:
+            kill_at = None
             kind = schedule[len(faults)]
             live = [n for n in cluster.nodes if n.name not in dead and rank_pids(n)]
-            node = live[-1] if kind == "node" else live[0]
+            # A rank kill lands on another node than the last one's, where there is one.
+            others = [n for n in live if not faults or n.name != faults[-1].node]
+            node = live[-1] if kind == "node" else draw.choice(others or live)
             node_id = node.node_id()
             kill_mono = time.monotonic()
             if kind == "rank":
-                os.kill(rank_pids(node)[-1], signal.SIGKILL)
+                os.kill(draw.choice(rank_pids(node)), signal.SIGKILL)
             else:
                 raylet = node.raylet_pid()
                 assert raylet is not None
@@ -201,11 +226,23 @@ def drive(
                 lc.stop_session(node.session, grace_s=2)  # what the node left (agents, workers)
                 if len(faults) < len(schedule):  # a replacement, except after the last fault
                     fault.replacement_mono = time.monotonic()
-                    cluster.add_node(f"n{spare}", num_cpus=a.gang_size)
+                    add_node(cluster, f"n{spare}", a.gang_size)
                     spare += 1
-        time.sleep(0.1)
+        time.sleep(0.01 if kill_at is not None else 0.1)
     run_dir.poll()
     return ended[0]
+
+
+def add_node(cluster: lc.LocalCluster, name: str, cpus: int, tries: int = 3) -> lc.WorkerNode:
+    """A replacement worker node; started again when its start fails (on a loaded machine the
+    GCS can miss a new node's startup deadline)."""
+    for attempt in range(tries):
+        try:
+            return cluster.add_node(name if attempt == 0 else f"{name}r{attempt}", num_cpus=cpus)
+        except RuntimeError as e:
+            why = str(e).splitlines()[0]
+            print(f"[chaos] node {name} did not start ({why}); starting it again", flush=True)
+    raise RuntimeError(f"node {name} did not start in {tries} tries")
 
 
 def analyse(out: dict[str, Any]) -> dict[str, Any]:
@@ -254,16 +291,79 @@ def analyse(out: dict[str, Any]) -> dict[str, Any]:
         if before and after:
             gap = after[0]["at"] - before[-1]["at"]
             m["stall_s"] = gap - after[0]["steps"] * step_s
+    saves = [e["at"] for e in events if e["kind"] == "checkpoint_saved"]
+    first_fault = out["faults"][0]["kill_mono"] - offset if out["faults"] else None
+    baseline = _rest_of_run(rows, marks, first_fault, saves)
     summary = out["summary"]
     batches = summary.get("batches", {})
     return {
         "marks": marks,
         "step_s": step_s,
+        "baseline": baseline,
         "lost": batches.get("lost"),
         "doubled": None if not batches else batches["committed"] - batches["committed_distinct"],
         "final": summary.get("final"),
         "replica_check": summary.get("replica_check", {}).get("passed"),
     }
+
+
+def _rest_of_run(
+    rows: list[dict[str, Any]],
+    marks: list[dict[str, Any]],
+    first_fault: float | None,
+    saves: Sequence[float] = (),
+) -> dict[str, float] | None:
+    """Adds to each loss mark the stall it causes over the rest of the run (``total_stall_s``)
+    and the late data waits in it (``late_data_s``).
+
+    The no-fault pace and noise come from the rows before the first fault: a row is slower
+    than that pace when its gap to the row before exceeds its steps at the pace by more than
+    the largest excess seen before the first fault. Its excess counts towards the last loss
+    before it, up to the next loss; rows holding a join count towards the join, and rows
+    holding a checkpoint save (``saves``: their times) or ending with an evaluation towards
+    those, not here.
+    Late data: the row's data wait (its share of the rank time times its seconds) beyond the
+    median wait per step before the first fault, in the rows after the one at the loss.
+    """
+    if first_fault is None:
+        return None
+
+    def holds(before: dict[str, Any], after: dict[str, Any], times: Sequence[float]) -> bool:
+        return any(before["at"] < t <= after["at"] for t in times)
+
+    def other(before: dict[str, Any], after: dict[str, Any]) -> bool:
+        """A checkpoint save, or an evaluation at the interval's end, took time in it."""
+        return holds(before, after, saves) or after.get("eval_auc") is not None
+
+    clean = [
+        (before, after)
+        for before, after in itertools.pairwise(rows)
+        if after["at"] < first_fault and after["steps"] and not other(before, after)
+    ]
+    if len(clean) < 5:
+        return None  # too few rows before the first fault to know the pace
+    pace = statistics.median((b["at"] - a["at"]) / b["steps"] for a, b in clean)
+    noise = max(b["at"] - a["at"] - b["steps"] * pace for a, b in clean)
+    wait = statistics.median(b["data_wait_fraction"] * b["seconds"] / b["steps"] for _, b in clean)
+    losses = [m for m in marks if m["type"] == "loss" and "at" in m]
+    joins = [m["at"] for m in marks if m["type"] == "join" and "at" in m]
+    for i, m in enumerate(losses):
+        end = losses[i + 1]["at"] if i + 1 < len(losses) else float("inf")
+        total, late, first = 0.0, 0.0, True
+        for before, after in itertools.pairwise(rows):
+            if not m["at"] < after["at"] <= end or not after["steps"]:
+                continue
+            excess = after["at"] - before["at"] - after["steps"] * pace
+            if holds(before, after, joins) or (not first and other(before, after)):
+                continue
+            if first or excess > noise:
+                total += max(0.0, excess)
+            if not first:
+                data = after["data_wait_fraction"] * after["seconds"]
+                late += max(0.0, data - after["steps"] * wait) if excess > noise else 0.0
+            first = False
+        m["total_stall_s"], m["late_data_s"] = total, late
+    return {"pace_s": pace, "noise_s": noise}
 
 
 def _same_node(event: dict[str, Any], fault: dict[str, Any]) -> bool:
@@ -279,8 +379,8 @@ def _s(value: float | None) -> str:
 def table(report: dict[str, Any]) -> str:
     lines = [
         "| event | step | detected after (s) | node_died after (s) | to join (s) "
-        "| survivors' stall (s) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| survivors' stall (s) | stall over the rest (s) | late data waits (s) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for m in report["marks"]:
         died = _s(m.get("node_died_s"))
@@ -288,7 +388,8 @@ def table(report: dict[str, Any]) -> str:
             died += " (**another node named**)"
         lines.append(
             f"| {m['what']} | {m['step']} | {_s(m.get('detected_s'))} | {died} | "
-            f"{_s(m.get('to_join_s'))} | {_s(m.get('stall_s'))} |"
+            f"{_s(m.get('to_join_s'))} | {_s(m.get('stall_s'))} | "
+            f"{_s(m.get('total_stall_s'))} | {_s(m.get('late_data_s'))} |"
         )
     return "\n".join(lines)
 
@@ -307,11 +408,21 @@ def describe(a: argparse.Namespace, out: dict[str, Any], report: dict[str, Any])
             f"median survivors' stall at {label} {_s(value)} s (target < {target:.0f} s: "
             f"{'met' if met else '**missed**'})"
         )
+    losses = [m for m in report["marks"] if m["type"] == "loss"]
+    detected = [m["detected_s"] for m in losses if "detected_s" in m]
+    totals = [m["total_stall_s"] for m in losses if "total_stall_s" in m]
+    worst = max(totals) if totals else None
+    verdicts.append(
+        f"{len(detected)} of {len(losses)} losses detected, the slowest after "
+        f"{_s(max(detected) if detected else None)} s; the largest stall a loss caused over "
+        f"the rest of the run {_s(worst)} s (target < {TOTAL_STALL_TARGET:.0f} s: "
+        f"{'met' if worst is not None and worst < TOTAL_STALL_TARGET else '**missed**'})"
+    )
     return "\n".join(
         [
             f"Measured on {a.date}, machine: {a.machine}, whole run {out['wall_s']:.0f} s:",
             "",
-            f"    {command(a, '--json')}",
+            f"    {command(a, '--json', '--analyse')}",
             "",
             f"- Cluster: `ray start` head ({HEAD_CPUS[a.data]} CPUs) + {a.nodes} worker nodes of "
             f"{a.gang_size} CPUs on 127.0.0.1; job: 2 gangs x {a.gang_size} ranks, {data}, "
@@ -323,6 +434,14 @@ def describe(a: argparse.Namespace, out: dict[str, Any], report: dict[str, Any])
             f"{final.get('loss', float('nan')):.4f}, AUC {final.get('auc') or float('nan'):.4f} "
             f"at step {final.get('step')}.",
             f"- {verdicts[0]}; {verdicts[1]}.",
+            f"- {verdicts[2]}."
+            + (
+                f" No-fault pace {report['baseline']['pace_s']:.3f} s/step; an interval counts "
+                f"as slowed when it is {report['baseline']['noise_s']:.2f} s beyond it (the "
+                "largest excess before the first fault)."
+                if report.get("baseline")
+                else ""
+            ),
             "",
             table(report),
         ]
@@ -332,15 +451,32 @@ def describe(a: argparse.Namespace, out: dict[str, Any], report: dict[str, Any])
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = parser(__doc__, "chaos", "docs/fault_tolerance.md")
     p.add_argument("--short", dest="schedule", action="store_const", const="short", default="full")
+    p.add_argument(
+        "--schedule", dest="schedule", choices=sorted(SCHEDULES), help="the faults, in order"
+    )
     p.add_argument("--data", choices=("synthetic", "parquet"), default="synthetic")
     p.add_argument("--nodes", type=int, default=2, help="worker nodes at the start")
     p.add_argument("--gang-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="default: 14000, 3500 with --short")
     p.add_argument("--log-every", type=int, default=2)
-    p.add_argument("--first-step", type=int, default=10, help="no fault before this step")
+    p.add_argument("--first-step", type=int, default=200, help="no fault before this step")
+    p.add_argument("--seed", type=int, default=0, help="draws the nodes, ranks and moments")
+    p.add_argument(
+        "--max-delay-s",
+        type=float,
+        default=1.0,
+        help="a fault lands a random moment up to this long after it is due",
+    )
     p.add_argument("--collective-timeout-s", type=float, default=10.0)
     p.add_argument("--timeout-s", type=float, default=900.0, help="stop the job after this")
+    p.add_argument(
+        "--run-on-s",
+        type=float,
+        default=None,
+        help="stop the job this long after the last fault (default: let it finish)",
+    )
     p.add_argument("--json", type=pathlib.Path, help="write the raw outputs and report here")
+    p.add_argument("--analyse", type=pathlib.Path, help="report on the --json file of a run")
     p.add_argument("--keep-run", action="store_true", help="keep the run directory, /tmp/rtchaos-*")
     p.add_argument("--machine", default="2-core CPU VM")
     p.add_argument("--date", default=datetime.date.today().isoformat())
@@ -352,7 +488,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
-    out = run(a)
+    # With --analyse: the report again, from a run's raw outputs.
+    out = json.loads(a.analyse.read_text())["out"] if a.analyse is not None else run(a)
+    if a.json:  # the raw outputs first: a report that fails can be made again from them
+        a.json.write_text(json.dumps({"out": out}, indent=1, default=str))
     report = analyse(out) if out["rows"] else {"marks": []}
     if a.json:
         a.json.write_text(json.dumps({"out": out, "report": report}, indent=1, default=str))

@@ -142,6 +142,7 @@ def run_gang_job(
     num_dense: int,
     timeout_s: float = 120.0,
     extra_stores: int = 0,
+    may_die: frozenset[int] = frozenset(),
     **kwargs: Any,
 ) -> dict[int, Any]:
     """Runs ``worker_fn(spec, **kwargs)`` on every rank of a ``num_gangs x gang_size`` job.
@@ -156,6 +157,8 @@ def run_gang_job(
     asks for ``extra_stores``: it then also gets ``stores=[StoreAddress, ...]``,
     one fresh store per further engine, to put in ``dataclasses.replace(spec,
     store=...)``.
+
+    Ranks in ``may_die`` may end without a result (a test kills them): their result is None.
     """
     world = num_gangs * gang_size
     timeout = timedelta(seconds=timeout_s)
@@ -201,6 +204,9 @@ def run_gang_job(
                 for rank, p in enumerate(procs):
                     if rank in out or p.exitcode is None:
                         continue
+                    if rank in may_die:
+                        out[rank] = None
+                        continue
                     # Exited without a report (a segfault, os._exit): allow a moment for a
                     # report still in the pipe, then fail.
                     if now - dead_since.setdefault(rank, now) > _GRACE_S:
@@ -218,7 +224,11 @@ def run_gang_job(
             out[rank] = pickle.loads(payload)
         for p in procs:
             p.join(_GRACE_S)
-        failed = {p.name: p.exitcode for p in procs if p.exitcode not in (0, None)}
+        failed = {
+            p.name: p.exitcode
+            for rank, p in enumerate(procs)
+            if p.exitcode not in (0, None) and rank not in may_die
+        }
         if failed:
             raise GangJobError(f"ranks exited non-zero after reporting: {failed}")
         return out

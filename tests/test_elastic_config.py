@@ -103,7 +103,7 @@ def test_which_faults_fire_when_and_where() -> None:
         (
             {"kind": "explode", "step": 1, "rank": 0},
             r"faults\[1\].kind='explode': must be "
-            r"'kill_rank', 'remove_node', 'hang_rank', 'slow_rank'",
+            r"'kill_rank', 'kill_process', 'remove_node', 'hang_rank', 'slow_rank'",
         ),
         (
             {"kind": "kill_rank", "step": 1},
@@ -141,7 +141,7 @@ def test_which_faults_fire_when_and_where() -> None:
         ),
         (
             {"kind": "hang_rank", "step": 1, "rank": 0, "steps": 2},
-            r"faults\[1\]: hang_rank.steps=2 is only allowed for slow_rank",
+            r"faults\[1\]: hang_rank.steps=2 is only allowed for slow_rank, kill_process",
         ),
         (
             {"kind": "kill_rank", "step": 1, "rank": 0, "when": 3},
@@ -177,3 +177,85 @@ def test_targets_are_checked_against_the_job() -> None:
         plan.check_targets(num_ranks=8, num_gangs=2, num_nodes=4)
     with pytest.raises(ConfigError, match=r"faults\[0\].rank=7 is out of range .*allowed: 0..6"):
         plan.check_targets(num_ranks=7, num_gangs=2, num_nodes=5)
+
+
+def test_a_process_kill_lands_once_at_a_seeded_step_of_its_window() -> None:
+    plan = FaultConfig.parse("kill_process@30:gang=1:steps=20:seed=4")
+    (f,) = plan.faults
+    assert f.to_dict() == {"kind": "kill_process", "step": 30, "gang": 1, "steps": 20, "seed": 4}
+    assert FaultSpec.from_dict(f.to_dict()) == f
+    for rank in (2, 3):
+        step, moment = f.kill_at(rank)
+        assert 30 <= step < 50 and 0.0 <= moment < 1.0
+        assert f.kill_at(rank) == (step, moment)  # the same draw every time: replayable
+        fired = [s for s in range(100) if plan.for_rank(s, rank=rank, gang=1, node=1)]
+        assert fired == [step]
+    # Ranks of the gang draw apart, and another seed draws another schedule.
+    draws = {f.kill_at(r) for r in range(8)}
+    assert len(draws) == 8
+    other = FaultSpec.from_dict({**f.to_dict(), "seed": 5})
+    assert [other.kill_at(r) for r in range(8)] != [f.kill_at(r) for r in range(8)]
+
+
+def test_phase_faults_fire_at_their_phase_not_at_a_step() -> None:
+    plan = FaultConfig.parse(
+        "kill_rank@10:rank=1:phase=sync, kill_process@0:gang=3:later:phase=heal, kill_rank@5:rank=0"
+    )
+    assert [f.phase for f in plan.faults] == ["sync", "heal", None]
+    assert plan.faults[1].later and plan.faults[1].to_dict()["later"] is True
+    # A phase fault never fires at a step.
+    assert all(
+        f.phase is None
+        for s in range(50)
+        for f in plan.for_rank(s, rank=1, gang=0, node=0) + plan.for_rank(s, rank=0, gang=0, node=0)
+    )
+    # At its phase, from its step on; only the rank targeted.
+    sync = plan.faults[0].phase
+    assert sync is not None
+    assert plan.for_phase(sync, 9, rank=1, gang=0, node=0) == ()
+    assert plan.for_phase(sync, 10, rank=1, gang=0, node=0) == (0,)
+    assert plan.for_phase(sync, 40, rank=1, gang=0, node=0) == (0,)
+    assert plan.for_phase(sync, 40, rank=2, gang=1, node=1) == ()
+    heal = plan.faults[1].phase
+    assert heal is not None
+    assert plan.for_phase(heal, 0, rank=6, gang=3, node=3) == (1,)
+    # A gang that joins later is targeted with `later`, beyond the initial job only.
+    plan.check_targets(num_ranks=4, num_gangs=2, num_nodes=2)
+    with pytest.raises(ConfigError, match=r"faults\[1\].later=True but gang=3 is in the initial"):
+        plan.check_targets(num_ranks=8, num_gangs=4, num_nodes=4)
+    with pytest.raises(ConfigError, match=r"faults\[0\].gang=3 is out of range .*allowed: 0..1"):
+        FaultConfig.parse("kill_rank@0:gang=3").check_targets(num_ranks=4, num_gangs=2, num_nodes=2)
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        (
+            {"kind": "slow_rank", "step": 1, "rank": 0, "stall_s": 1.0, "phase": "sync"},
+            r"faults\[0\]: slow_rank.phase='sync' is only allowed for kill_rank, kill_process",
+        ),
+        (
+            {"kind": "kill_rank", "step": 1, "rank": 0, "phase": "lunch"},
+            r"faults\[0\].phase='lunch': must be 'heal', 'sync', 'checkpoint', 'eval', 'join'",
+        ),
+        (
+            {"kind": "hang_rank", "step": 1, "rank": 0, "phase": "heal"},
+            r"faults\[0\]: hang_rank.phase='heal' is only allowed for kill_rank, kill_process",
+        ),
+        (
+            {"kind": "kill_process", "step": 1, "rank": 0, "steps": 5, "phase": "eval"},
+            r"faults\[0\]: kill_process.steps=5 is not allowed with phase",
+        ),
+        (
+            {"kind": "kill_rank", "step": 1, "node": 0, "later": True},
+            r"faults\[0\]: kill_rank.later=True needs a rank or gang target, not node",
+        ),
+        (
+            {"kind": "kill_rank", "step": 1, "rank": 0, "seed": 3},
+            r"faults\[0\]: kill_rank.seed=3 is only allowed for kill_process",
+        ),
+    ],
+)
+def test_phase_later_and_seed_errors_name_the_field(raw: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        FaultConfig.from_dicts([raw])

@@ -237,7 +237,7 @@ class SimJob:
                 for f in self.faults.for_rank(
                     step, rank=slot.job_rank, gang=g.gang_id, node=slot.node
                 ):
-                    if f.kind is FaultKind.KILL_RANK:
+                    if f.kind in (FaultKind.KILL_RANK, FaultKind.KILL_PROCESS):
                         self._pending_obs.append(
                             RankExited(job_rank=slot.job_rank, at=now, cause="kill_rank fault")
                         )

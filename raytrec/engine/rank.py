@@ -62,6 +62,7 @@ from raytrec.engine.dense_optimizer import (
 from raytrec.engine.plan import apply_embedding_optimizer, sharders
 from raytrec.engine.replica_plane import (
     RENDEZVOUS_TIMEOUT_S,
+    Agreement,
     LevelPlanes,
     ReplicaPlane,
     in_place_flat,
@@ -387,9 +388,11 @@ class RankEngine:
         take: Callable[[], StepInput],
         num_steps: int,
         on_start: Callable[[StepInput], None],
+        on_sync: Callable[[], None] | None = None,
     ) -> Iterator[torch.Tensor]:
         """Trains ``num_steps`` steps on the inputs ``take()`` gives, syncing with the replicas
         after every step the schedule says (:meth:`decide`); yields each step's loss.
+        ``on_sync()`` is called as each of those syncs begins.
 
         The steps run in segments that end at each sync due with another gang and at
         ``num_steps`` (each one :meth:`run_steps`), so a train pipeline holds no batch in flight
@@ -403,6 +406,8 @@ class RankEngine:
             decision = self.decide(self.step)
             if decision.due:
                 started = time.perf_counter()
+                if on_sync is not None:
+                    on_sync()
                 self.sync(decision)
                 self.sync_seconds += time.perf_counter() - started
 
@@ -539,6 +544,15 @@ class RankEngine:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
+    def _gang_agreement(self) -> Agreement | None:
+        """How a replica-plane average asks whether the whole gang succeeded
+        (:mod:`raytrec.engine.replica_plane`): over the gang world, where a failed gloo
+        collective raises at once. None for a gang of one, and on NCCL, whose collectives do
+        not fail at once when a member dies (the collective timeout decides there)."""
+        if self.spec.gang_size == 1 or self.cfg.scaling.resolved_backend != "gloo":
+            return None
+        return self.gang_agrees
+
     def abandon_failed_step(self) -> bool:
         """Cleans up after a replica-plane failure inside :meth:`train_step`.
 
@@ -593,7 +607,7 @@ class RankEngine:
             # rank is its replica group's only member.
             return
         grads = [p.grad for p in self.dense_params.values() if p.grad is not None]
-        self.replica.average_(grads)
+        self.replica.average_(grads, agree=self._gang_agreement())
 
     def sync(
         self, decision: SyncDecision | None = None, *, optimizer_state: bool | None = None
@@ -627,7 +641,7 @@ class RankEngine:
             tensors += [p.data for p in self.dense_params.values()]
             if optimizer_state:
                 tensors += self.dense_optimizer_state()
-        plane.average_(tensors)
+        plane.average_(tensors, agree=self._gang_agreement())
         self.shard_state_written()
 
     def _plane_for(self, decision: SyncDecision) -> ReplicaPlane:

@@ -11,10 +11,18 @@ A hierarchical sync schedule (:mod:`raytrec.sync.schedule`) adds, for each
 lower level, one such group per (level group, shard position): rank k of
 the gangs in group j of level l, under ``gen{n}/level{l}/group{j}/replica{k}``.
 :class:`LevelPlanes` holds this rank's group at each of those levels.
+
+The ranks of one gang sit in different replica groups, so a failure (a lost gang's rank, or
+an abort) can fail one rank's replica collective while its gang peer's succeeds. The peer
+would go on into the next step's gang collectives and wait there for a rank that has left
+training, until the collective timeout. Averages made during training therefore ask the
+gang whether all of its ranks succeeded before writing anything back (``agree``): the gang
+fails as one, in the same step, at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -28,33 +36,57 @@ from raytrec.sync.schedule import SyncPlan
 
 __all__ = [
     "RENDEZVOUS_TIMEOUT_S",
+    "Agreement",
     "LevelPlanes",
     "ReplicaPlane",
     "ReplicaPlaneError",
     "in_place_flat",
 ]
 
+#: Whether every rank of this rank's gang succeeded, given this rank's outcome (a collective
+#: over the gang world: :meth:`raytrec.engine.rank.RankEngine.gang_agrees`).
+Agreement = Callable[[bool], bool]
+
 #: How long joining a gang world or a replica plane may wait for the other members.
 RENDEZVOUS_TIMEOUT_S = 300.0
 
 
 def in_place_flat(
-    tensors: Sequence[torch.Tensor], collective: Callable[[torch.Tensor], None]
+    tensors: Sequence[torch.Tensor],
+    collective: Callable[[torch.Tensor], None],
+    *,
+    agree: Agreement | None = None,
 ) -> None:
     """Runs ``collective`` on one flat buffer per dtype and writes the result back in place, so a
     sync costs one collective per dtype whatever the number of tables.
 
     Nothing is written back unless every collective succeeded: a failed one leaves all the
     tensors as they were (a failed step's dense gradients stay this rank's own, to be finished
-    after re-forming: :meth:`raytrec.engine.rank.RankEngine.settle_failed_step`)."""
+    after re-forming: :meth:`raytrec.engine.rank.RankEngine.settle_failed_step`). With
+    ``agree`` (whether every rank of this rank's gang succeeded too, asked with this rank's
+    outcome), nothing is written back either unless the whole gang succeeded: a rank whose own
+    collective succeeded fails with its gang, in the same step (module doc)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     flats = []
-    for group in by_dtype.values():
-        flat = _flatten_dense_tensors(group)
-        collective(flat)
-        flats.append((group, flat))
+    try:
+        for group in by_dtype.values():
+            flat = _flatten_dense_tensors(group)
+            collective(flat)
+            flats.append((group, flat))
+    except BaseException:
+        if agree is not None:
+            # The gang peers learn of it (their answer does not matter: this rank fails). A gang
+            # world that fails here too belongs to a gang that lost a rank, dropped anyway.
+            with contextlib.suppress(Exception):
+                agree(False)
+        raise
+    if agree is not None and not agree(True):
+        raise ReplicaPlaneError(
+            "a replica-plane collective failed on another rank of this gang; this rank's "
+            "succeeded and is not applied"
+        )
     for group, flat in flats:
         for dst, value in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
             dst.copy_(value)
@@ -119,9 +151,11 @@ class ReplicaPlane:
             level_group=level_group,
         )
 
-    def average_(self, tensors: Sequence[torch.Tensor]) -> None:
+    def average_(self, tensors: Sequence[torch.Tensor], *, agree: Agreement | None = None) -> None:
         """Replaces every tensor with its mean over the group, in place (an integer tensor,
-        such as a step counter, with its mean rounded down: equal counts stay as they are)."""
+        such as a step counter, with its mean rounded down: equal counts stay as they are);
+        with ``agree``, only if every rank of this rank's gang succeeded too
+        (:func:`in_place_flat`)."""
         if self.pg is None or not tensors:
             return
 
@@ -137,7 +171,7 @@ class ReplicaPlane:
             if wide is not flat:
                 flat.copy_(wide)
 
-        in_place_flat(tensors, mean)
+        in_place_flat(tensors, mean, agree=agree)
 
     def _wait(self, work: Any) -> None:
         """Waits for a collective. When it fails (a member died, or the group was aborted),
