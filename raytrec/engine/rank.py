@@ -590,11 +590,13 @@ class RankEngine:
         tensors = self.embedding_weights()
         if optimizer_state:
             tensors += self.embedding_optimizer_states()
+        dense: list[torch.Tensor] = []
         if self.cfg.sync.dense == "with_schedule":
-            tensors += [p.data for p in self.dense_params.values()]
+            dense = [p.data for p in self.dense_params.values()]
             if optimizer_state:
-                tensors += self.dense_optimizer_state()
-        plane.average_(tensors)
+                dense += self.dense_optimizer_state()
+        # Dense state in a buffer of its own, so the gang's ranks keep identical copies.
+        plane.average_(tensors, apart=dense)
         self.embeddings_written()
 
     def _plane_for(self, decision: SyncDecision) -> ReplicaPlane:

@@ -39,17 +39,26 @@ RENDEZVOUS_TIMEOUT_S = 300.0
 
 
 def in_place_flat(
-    tensors: Sequence[torch.Tensor], collective: Callable[[torch.Tensor], None]
+    tensors: Sequence[torch.Tensor],
+    collective: Callable[[torch.Tensor], None],
+    *,
+    apart: Sequence[torch.Tensor] = (),
 ) -> None:
     """Runs ``collective`` on one flat buffer per dtype and writes the result back in place, so a
     sync costs one collective per dtype whatever the number of tables.
 
+    The tensors in ``apart`` get buffers of their own. A ring all-reduce sums each element in an
+    order set by its offset in the buffer, so tensors that every rank of a gang holds (dense
+    state) must not share a buffer with the rank's own shards, whose sizes differ by rank: the
+    gang's replica groups then sum them in different orders and the copies part by rounding.
+
     Nothing is written back unless every collective succeeded: a failed one leaves all the
     tensors as they were (a failed step's dense gradients stay this rank's own, to be finished
     after re-forming: :meth:`raytrec.engine.rank.RankEngine.settle_failed_step`)."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
+    by_dtype: dict[tuple[bool, torch.dtype], list[torch.Tensor]] = {}
+    for own, part in ((False, tensors), (True, apart)):
+        for t in part:
+            by_dtype.setdefault((own, t.dtype), []).append(t)
     flats = []
     for group in by_dtype.values():
         flat = _flatten_dense_tensors(group)
@@ -119,9 +128,12 @@ class ReplicaPlane:
             level_group=level_group,
         )
 
-    def average_(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Replaces every tensor with its mean over the group, in place."""
-        if self.pg is None or not tensors:
+    def average_(
+        self, tensors: Sequence[torch.Tensor], *, apart: Sequence[torch.Tensor] = ()
+    ) -> None:
+        """Replaces every tensor with its mean over the group, in place; ``apart`` as in
+        :func:`in_place_flat` (the tensors every rank of a gang must keep identical)."""
+        if self.pg is None or not (tensors or apart):
             return
 
         def mean(flat: torch.Tensor) -> None:
@@ -133,7 +145,7 @@ class ReplicaPlane:
             if wide is not flat:
                 flat.copy_(wide)
 
-        in_place_flat(tensors, mean)
+        in_place_flat(tensors, mean, apart=apart)
 
     def _wait(self, work: Any) -> None:
         """Waits for a collective. When it fails (a member died, or the group was aborted),
