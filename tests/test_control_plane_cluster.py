@@ -84,7 +84,6 @@ def small_job(tmp_path: str, **kw: object) -> TrainConfig:
     return TrainConfig(**base)  # type: ignore[arg-type]
 
 
-@pytest.mark.long
 def test_every_rank_hung_is_found_by_the_heartbeat_rule(cluster: Cluster, tmp_path: str) -> None:
     elastic = ElasticConfig(step_timeout_s=8, collective_timeout_s=4, poll_s=0.5)
     config = small_job(
@@ -116,7 +115,6 @@ def test_every_rank_hung_is_found_by_the_heartbeat_rule(cluster: Cluster, tmp_pa
     assert_every_batch_once(result)
 
 
-@pytest.mark.long
 def test_a_heal_that_does_not_match_its_peer_is_dropped_and_placed_again(
     cluster: Cluster, tmp_path: str
 ) -> None:

@@ -44,7 +44,6 @@ WITHIN_HOST = ScalingConfig(
 )
 
 
-@pytest.mark.long
 def test_replicas_within_host_losing_a_host_without_a_checkpoint_fails_clearly(
     local_ray: None, tmp_path: str
 ) -> None:
@@ -64,7 +63,6 @@ def test_replicas_within_host_losing_a_host_without_a_checkpoint_fails_clearly(
         fit(cfg, shutdown_ray=False)
 
 
-@pytest.mark.long
 def test_replicas_within_host_losing_one_rank_drops_its_gang_and_goes_on(
     local_ray: None, tmp_path: str
 ) -> None:
@@ -82,7 +80,6 @@ def test_replicas_within_host_losing_one_rank_drops_its_gang_and_goes_on(
     assert result.lost_batches == 0
 
 
-@pytest.mark.long
 def test_losing_the_coordinator_fails_the_job_instead_of_hanging(
     local_ray: None, tmp_path: str
 ) -> None:

@@ -31,7 +31,7 @@ from raytrec.serving.evaluate import evaluate, predict
 from raytrec.serving.export import export, load_model, make_batch, score
 from raytrec.two_tower import TwoTower
 
-pytestmark = [pytest.mark.cluster, pytest.mark.long]
+pytestmark = pytest.mark.cluster
 
 IDS = 30
 

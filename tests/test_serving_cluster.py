@@ -22,7 +22,7 @@ from raytrec.serving.evaluate import evaluate, predict
 from raytrec.serving.export import STATE_FILE, export, load_model, make_batch, score
 from raytrec.serving.spec import MODEL_SPEC
 
-pytestmark = [pytest.mark.cluster, pytest.mark.long]
+pytestmark = pytest.mark.cluster
 
 HELD_OUT = 500
 

@@ -22,7 +22,6 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.cluster
 
 
-@pytest.mark.long
 def test_sigterm_stops_at_the_next_boundary_with_a_checkpoint(tmp_path: pathlib.Path) -> None:
     cmd = [
         sys.executable,
