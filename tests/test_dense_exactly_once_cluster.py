@@ -217,8 +217,9 @@ def assert_every_row_once(result: Result) -> None:
     assert not len(wrong_dense), f"dense entries: {found}"
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def one_node() -> Iterator[Cluster]:
+    # Shared by the cases below (each job releases its placement groups); they keep its shape.
     with simulated_cluster(1, cpus_per_node=2) as c:  # two gangs of one rank
         yield c
 
