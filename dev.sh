@@ -45,9 +45,10 @@ case "$cmd" in
     "$venv/bin/ruff" format --check .
     "$venv/bin/mypy"
     if [[ $# -eq 0 ]]; then
-      # The fast tier first: a failure there stops before the slow tiers start.
-      "$venv/bin/python" -m pytest -m "not cluster and not multiprocess and not long"
-      exec "$venv/bin/python" -m pytest -m "(cluster or multiprocess) and not long"
+      # Every test. The fast tier first: a failure there stops before the slow tiers start;
+      # the second run takes exactly the tests the first left out.
+      "$venv/bin/python" -m pytest -m "not cluster and not multiprocess"
+      exec "$venv/bin/python" -m pytest -m "cluster or multiprocess"
     fi
     exec "$venv/bin/python" -m pytest "$@" ;;
   bench) setup; name="$1"; shift; exec "$venv/bin/python" -m "benchmarks.$name" "$@" ;;

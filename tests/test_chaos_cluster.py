@@ -20,7 +20,6 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.cluster
-@pytest.mark.long
 @pytest.mark.timeout(420)
 def test_job_survives_a_rank_kill_a_join_and_a_node_loss(tmp_path: pathlib.Path) -> None:
     out_file = tmp_path / "chaos.json"

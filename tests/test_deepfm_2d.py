@@ -31,7 +31,7 @@ from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.rank import RankSpec
 from raytrec.model import DeepFM, build_model
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
+pytestmark = pytest.mark.multiprocess
 
 G, L = 2, 2
 T = G * L

@@ -217,8 +217,9 @@ def assert_every_row_once(result: Result) -> None:
     assert not len(wrong_dense), f"dense entries: {found}"
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def one_node() -> Iterator[Cluster]:
+    # Shared by the cases below (each job releases its placement groups); they keep its shape.
     with simulated_cluster(1, cpus_per_node=2) as c:  # two gangs of one rank
         yield c
 
@@ -230,7 +231,7 @@ def one_node() -> Iterator[Cluster]:
         # TorchRec's train pipeline: both ranks hold step 8's batch in flight when rank 1 dies
         # at step 7; the survivor's goes back to its feed, the lost rank's is replayed.
         ("every_step", 7, "sparse_dist"),
-        pytest.param("with_schedule", 8, "off", marks=pytest.mark.long),
+        ("with_schedule", 8, "off"),
     ],
 )
 def test_a_rank_death_leaves_every_row_in_the_model_once(
@@ -272,7 +273,6 @@ def two_nodes() -> Iterator[Cluster]:
         yield c
 
 
-@pytest.mark.long
 def test_a_node_loss_leaves_every_row_in_the_model_once(two_nodes: Cluster, tmp_path: str) -> None:
     # Gangs of two ranks: the survivor's ranks replay the lost gang's batches round-robin, so
     # in one step one rank may train an embedding-only replay beside a full one.

@@ -65,7 +65,6 @@ def assert_replicas_agree(result: Result) -> None:
     assert sorted(shards.values()) == [gangs] * result.config.scaling.gang_size
 
 
-@pytest.mark.long
 def test_three_failures_and_growth_in_one_run(cluster: Cluster, tmp_path: str) -> None:
     config = TrainConfig(
         model=ModelConfig(tables=criteo_tables(num_features=4, num_embeddings=200)),

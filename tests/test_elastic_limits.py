@@ -58,7 +58,6 @@ WITHIN_HOST = ScalingConfig(
 )
 
 
-@pytest.mark.long
 def test_replicas_within_host_losing_a_host_without_a_checkpoint_fails_clearly(
     local_ray: None, tmp_path: str
 ) -> None:
@@ -85,7 +84,6 @@ def test_replicas_within_host_losing_a_host_without_a_checkpoint_fails_clearly(
     assert summary["batches"]["committed"] * 32 == summary["rows"]["trained"]
 
 
-@pytest.mark.long
 def test_replicas_within_host_losing_one_rank_drops_its_gang_and_goes_on(
     local_ray: None, tmp_path: str
 ) -> None:
@@ -103,7 +101,6 @@ def test_replicas_within_host_losing_one_rank_drops_its_gang_and_goes_on(
     assert result.lost_batches == 0
 
 
-@pytest.mark.long
 def test_losing_the_coordinator_fails_the_job_instead_of_hanging(
     local_ray: None, tmp_path: str
 ) -> None:

@@ -16,7 +16,7 @@ from raytrec.data.generate import write_synthetic_parquet
 from raytrec.progress import ProgressReporter
 from raytrec.testing import committed_row_ids
 
-pytestmark = [pytest.mark.cluster, pytest.mark.long]
+pytestmark = pytest.mark.cluster
 
 
 def test_epochs_alone_set_the_length_of_a_shuffled_job(

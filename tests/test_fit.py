@@ -40,7 +40,6 @@ def checkpoint_keys(path: str) -> set[str]:
     return set(FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
-@pytest.mark.long
 def test_main_job_loss_goes_down(local_ray: None, tmp_path: str) -> None:
     # The main job's own configuration, shortened; 30 steps is not a multiple
     # of sync_every=4, so the job has to end on an extra sync.
@@ -71,7 +70,6 @@ def small_model() -> ModelConfig:
     )
 
 
-@pytest.mark.long
 def test_dlrm_dcn_trains_with_column_wise_sharding(local_ray: None, tmp_path: str) -> None:
     from raytrec.config import ScalingConfig, ShardingConfig
 

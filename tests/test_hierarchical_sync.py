@@ -12,6 +12,12 @@ gangs 0, 1, 2, where the remainder rule makes the level-0 group all three.
 
 Means are computed here with numpy from the states captured just before
 each sync. One launch runs both dense modes, each in a gang world of its own.
+
+A second launch runs gangs of two ranks (4 gangs x 2 ranks, tables sharded over each gang)
+with ``sync.warmup_steps=2`` under ``levels=((2, 2),), sync_every=8``: steps 1 and 2 sync
+job-wide (warmup overrides level 0, due at step 2), step 3 nothing, step 4 level 0. Each
+replica group (rank k of every gang) is checked against the means of its members, and the two
+ranks of a gang against each other for the dense state they must share.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ SOURCE = SyntheticCriteo(
 )
 
 
-def job_config(dense: str) -> TrainConfig:
+def job_config(dense: str, *, gang_size: int = L, **sync: Any) -> TrainConfig:
     tables = tuple(
         TableConfig(name=f"t{i}", num_embeddings=n, embedding_dim=8, features=(feature,))
         for i, (n, feature) in enumerate(
@@ -68,8 +74,8 @@ def job_config(dense: str) -> TrainConfig:
     return TrainConfig(
         model=ModelConfig(tables=tables, dense_arch_layers=(16, 8), over_arch_layers=(8, 1)),
         optimizer=OptimizerConfig(embedding="adagrad", dense="adagrad"),
-        scaling=ScalingConfig(num_workers=G * L, gang_size=L),
-        sync=SyncConfig(sync_every=4, levels=((2, 2),), dense=dense),  # type: ignore[arg-type]
+        scaling=ScalingConfig(num_workers=G * gang_size, gang_size=gang_size),
+        sync=SyncConfig(**{"sync_every": 4, "levels": ((2, 2),), "dense": dense, **sync}),
         data=DataConfig(batch_size=BATCH),
         seed=3,
     )
@@ -274,3 +280,106 @@ def test_generation_after_a_gang_leaves(runs: dict[str, dict[int, dict[str, Any]
         for g in range(3):
             assert_mean(by_gang[g]["post6"][kind], expect, exact=False)
             assert same(by_gang[g]["post6"][kind], by_gang[0]["post6"][kind]), (g, kind)
+
+
+# -- gangs of two ranks, with warmup --------------------------------------------------------
+
+WARM_L = 2
+WARMUP = 2
+WARM_SYNC = {"sync_every": 8, "warmup_steps": WARMUP}
+ALL = ((0, 2, 1, 3),)  # the job-wide group, in locality order
+
+
+def warmup_worker(spec: RankSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with engine_for(spec) as engine:  # joins replica group `gang_rank` as member `gang`
+        plan = plan_sync(spec.config.sync, generation=0, live_gangs=range(G), locality=LOCALITY)
+        engine.join_sync_plan(plan)
+        out["reasons"] = [plan.decide(s).reason for s in range(1, 5)]
+        engine.broadcast_state(src=0)
+        out["init"] = snapshot(engine)
+        batches = SOURCE.split(G * WARM_L)[spec.rank].batches(BATCH)
+        train_and_sync(engine, batches, range(1, 5), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def warm_runs() -> dict[tuple[int, int], dict[str, Any]]:
+    """``{(gang, gang rank): what the rank captured}``."""
+    config = job_config("with_schedule", gang_size=WARM_L, **WARM_SYNC)
+    results = run_gang_job(
+        warmup_worker,
+        num_gangs=G,
+        gang_size=WARM_L,
+        config=config,
+        plan=make_plan_for(config, NUM_DENSE),
+        num_dense=NUM_DENSE,
+        timeout_s=150.0,
+    )
+    return {divmod(rank, WARM_L): out for rank, out in results.items()}
+
+
+def test_gangs_of_two_shard_the_tables_and_follow_the_warmup_schedule(
+    warm_runs: dict[tuple[int, int], dict[str, Any]],
+) -> None:
+    assert sorted(warm_runs) == [(g, k) for g in range(G) for k in range(WARM_L)]
+    # Each rank of a gang holds shards of its own: averaging is per replica group.
+    shapes = [[w.shape for w in warm_runs[(0, k)]["init"]["weights"]] for k in range(WARM_L)]
+    assert all(shapes) and sum(len(s) for s in shapes) == len(SOURCE.embedding_sizes)
+    for (g, k), r in warm_runs.items():
+        assert [w.shape for w in r["init"]["weights"]] == shapes[k], (g, k)
+        assert [r[f"decision{s}"] for s in range(1, 5)] == [
+            (1, ALL, True),  # warmup
+            (1, ALL, True),  # warmup, where level 0 is due
+            (None, (), False),
+            (0, LOW_GROUPS, True),
+        ], (g, k)
+        assert [x.split(":")[0] for x in r["reasons"][:2]] == ["warmup", "warmup"]
+        for kind in KINDS:  # every replica started from gang 0's state
+            assert same(r["init"][kind], warm_runs[(0, k)]["init"][kind]), (g, k, kind)
+
+
+def test_gangs_of_two_average_each_replica_group_as_scheduled(
+    warm_runs: dict[tuple[int, int], dict[str, Any]],
+) -> None:
+    for k in range(WARM_L):
+        by_gang = {g: warm_runs[(g, k)] for g in range(G)}
+        # Warmup steps 1 and 2: all four gangs hold the mean of the four pre-sync states.
+        for step in range(1, WARMUP + 1):
+            pre = [by_gang[g][f"pre{step}"] for g in range(G)]
+            for kind in KINDS:
+                assert differ(pre[0][kind], pre[1][kind]), (k, step, kind)
+                expect = mean_of(pre, kind)
+                for g in range(G):
+                    assert_mean(by_gang[g][f"post{step}"][kind], expect, exact=False)
+                    assert same(by_gang[g][f"post{step}"][kind], by_gang[0][f"post{step}"][kind])
+        # Step 3: nothing due, so the gangs drift apart.
+        for a in range(G):
+            for b in range(a + 1, G):
+                for kind in KINDS:
+                    assert differ(by_gang[a]["post3"][kind], by_gang[b]["post3"][kind])
+            for kind in KINDS:
+                assert same(by_gang[a]["post3"][kind], by_gang[a]["pre3"][kind])
+        # Step 4, level 0: each group holds the exact mean of its two members; groups differ.
+        for group in LOW_GROUPS:
+            pre = [by_gang[g]["pre4"] for g in group]
+            for kind in KINDS:
+                assert differ(pre[0][kind], pre[1][kind]), (k, group, kind)
+                for g in group:
+                    assert_mean(by_gang[g]["post4"][kind], mean_of(pre, kind), exact=True)
+        for kind in KINDS:
+            assert differ(by_gang[0]["post4"][kind], by_gang[1]["post4"][kind]), (k, kind)
+
+
+def test_the_ranks_of_a_gang_share_one_dense_state_throughout(
+    warm_runs: dict[tuple[int, int], dict[str, Any]],
+) -> None:
+    """Dense gradients are averaged inside the gang every step and dense state is averaged in
+    the same groups by every replica group, so a gang's two ranks never disagree on it."""
+    stages = ["init"] + [f"{when}{s}" for s in range(1, 5) for when in ("pre", "post")]
+    for g in range(G):
+        for stage in stages:
+            for kind in ("dense", "dense_opt"):
+                a, b = warm_runs[(g, 0)][stage][kind], warm_runs[(g, 1)][stage][kind]
+                assert same(a, b), (g, stage, kind)
+    assert differ(warm_runs[(0, 0)]["post1"]["dense"], warm_runs[(0, 0)]["init"]["dense"])

@@ -134,7 +134,6 @@ def job_logs(cluster: LocalCluster, submission_id: str) -> str:
     return cluster.logs(submission_id)
 
 
-@pytest.mark.long
 @pytest.mark.cluster
 def test_ray_job_submit_trains_and_reports(cluster: LocalCluster, tmp_path: pathlib.Path) -> None:
     # Without the token (RAY_AUTH_MODE unset) the cluster refuses the client.

@@ -4,18 +4,15 @@ exported, loaded in one process and scored: the same scores as ``predict`` on he
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import ray
 import torch
 
 from raytrec.api import fit
-from raytrec.cluster import connect
 from raytrec.config import (
     DataConfig,
     ModelConfig,
@@ -31,7 +28,7 @@ from raytrec.serving.evaluate import evaluate, predict
 from raytrec.serving.export import export, load_model, make_batch, score
 from raytrec.two_tower import TwoTower
 
-pytestmark = [pytest.mark.cluster, pytest.mark.long]
+pytestmark = pytest.mark.cluster
 
 IDS = 30
 
@@ -58,14 +55,7 @@ def write_rows(path: Path, n: int, seed: int) -> None:
     pq.write_table(table.slice(half), path / "part-1.parquet")
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    connect(num_cpus=6)
-    yield
-    ray.shutdown()
-
-
-def test_dlrm_trains_exports_and_scores_like_predict(cluster: None, tmp_path: Path) -> None:
+def test_dlrm_trains_exports_and_scores_like_predict(local_ray: None, tmp_path: Path) -> None:
     train, held_out = tmp_path / "train", tmp_path / "held_out"
     write_synthetic_parquet(train, rows=512, files=2, row_groups_per_file=1, num_embeddings=IDS)
     write_synthetic_parquet(
@@ -93,7 +83,7 @@ def test_dlrm_trains_exports_and_scores_like_predict(cluster: None, tmp_path: Pa
 
 
 def test_deepfm_with_weighted_ids_trains_exports_and_scores_like_predict(
-    cluster: None, tmp_path: Path
+    local_ray: None, tmp_path: Path
 ) -> None:
     train, held_out = tmp_path / "train", tmp_path / "held_out"
     write_rows(train, 512, seed=1)
@@ -169,7 +159,7 @@ def write_pairs(path: Path, n: int, seed: int) -> None:
 
 
 def test_two_tower_trains_on_2x2_reports_recall_and_scores_like_predict(
-    cluster: None, tmp_path: Path
+    local_ray: None, tmp_path: Path
 ) -> None:
     train, held_out = tmp_path / "train", tmp_path / "held_out"
     write_pairs(train, 2048, seed=1)

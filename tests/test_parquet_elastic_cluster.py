@@ -26,7 +26,7 @@ from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.testing import NodeRemover, committed_row_ids, simulated_cluster
 
-pytestmark = [pytest.mark.cluster, pytest.mark.long]
+pytestmark = pytest.mark.cluster
 
 ROWS, VOCAB, B = 1280, 200, 32  # 2 ranks x 20 batches of 32 rows per epoch
 

@@ -89,7 +89,6 @@ def test_a_lost_gang_s_rows_are_trained_by_the_survivors_exactly_once_over_the_e
     assert sorted(trained.tolist()) == list(range(ROWS))
 
 
-@pytest.mark.long
 def test_a_resume_continues_on_the_batches_after_the_checkpoint(
     local_ray: None, tmp_path: pathlib.Path
 ) -> None:

@@ -166,7 +166,6 @@ def test_a_queued_call_that_arrives_after_its_predecessor_ended_does_not_wait() 
 
 
 @pytest.mark.cluster
-@pytest.mark.long
 def test_a_survivor_trains_the_queued_interval_and_every_batch_counts_once(
     local_ray: None, tmp_path: str
 ) -> None:

@@ -3,39 +3,29 @@ one of two ranks), its last checkpoint and its final model, scored on held-out r
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import ray
 import torch
 from test_serving import CONFIG, IDS, reference_model
 
 from raytrec.api import Result, fit
 from raytrec.checkpoint.config import CheckpointConfig
-from raytrec.cluster import connect
 from raytrec.config import DataConfig, ScalingConfig, TrainConfig
 from raytrec.data.generate import auc, write_synthetic_parquet
 from raytrec.serving.evaluate import evaluate, predict
 from raytrec.serving.export import STATE_FILE, export, load_model, make_batch, score
 from raytrec.serving.spec import MODEL_SPEC
 
-pytestmark = [pytest.mark.cluster, pytest.mark.long]
+pytestmark = pytest.mark.cluster
 
 HELD_OUT = 500
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    connect(num_cpus=4)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def run(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+def run(local_ray: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     tmp = tmp_path_factory.mktemp("serving")
     train, held_out = tmp / "train", tmp / "held_out"
     write_synthetic_parquet(train, rows=1024, files=2, row_groups_per_file=2, num_embeddings=IDS)

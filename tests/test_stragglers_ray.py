@@ -1,15 +1,18 @@
-"""Injected stragglers on a local Ray cluster under a hierarchical schedule.
+"""Injected stragglers on a local Ray cluster: hierarchical against synchronous SGD.
 
-Four single-rank gangs train under hierarchical SGD (pairs every 2 steps, all 4 every 4, dense
-parameters with the schedule) with injected transient stalls. Synchronous SGD under the same
-stalls cannot finish before ``stall_s`` times the number of steps that hold any stall: every
-rank waits in every step's all-reduce. The strict-barrier clock model of
-:mod:`raytrec.sync.simulate` charges the hierarchy less, and the real sleeps make that charge a
-lower bound on its time. The job finishing between the two bounds shows the stalls were
-spread over groups; the final sync must still leave every replica identical.
+Four single-rank gangs train the same job twice on one cluster, side by side, under the same
+injected transient stalls: synchronous SGD (a job-wide sync every step) and hierarchical SGD
+(pairs every 2 steps, all 4 every 4, dense parameters with the schedule). Synchronous SGD waits
+in every step's all-reduce for any rank's stall; the hierarchy lets a pair's stalls overlap the
+other pair's. The strict-barrier clock model of :mod:`raytrec.sync.simulate` charges the two
+schedules 7 s and 3 s of stall waiting for these stalls, and the real sleeps make each charge a
+lower bound on that schedule's time. The test asserts the benefit as a ratio of the two
+measured times; both runs must still end with identical replicas.
 """
 
 from __future__ import annotations
+
+import pathlib
 
 import numpy as np
 import pytest
@@ -28,10 +31,16 @@ from raytrec.sync.schedule import plan_sync
 from raytrec.sync.simulate import CostModel, gang_stalls, simulate
 from raytrec.sync.stragglers import StragglerSpec
 
-GANGS, STEPS = 4, 24
-STRAGGLERS = StragglerSpec(rate=0.2, stall_s=0.5, mode="transient", seed=4)
+GANGS, STEPS = 4, 8
+STRAGGLERS = StragglerSpec(rate=0.2, stall_s=1.0, mode="transient", seed=9)
 SYNCHRONOUS = SyncConfig(sync_every=1)
 HIERARCHICAL = SyncConfig(sync_every=4, levels=((2, 2),), dense="with_schedule")
+# The hierarchy's time over synchronous SGD's, at most. The stalls alone give 3 / 7 = 0.43;
+# compute and syncs, in both runs, pull the measured ratio towards 1: the bound holds while they
+# add under 13 s to each run (synchronous SGD trained in 7.9 s, stalls included, on a 2-core
+# machine at load average 40). A hierarchy that waited for every stall as synchronous SGD does
+# would take about as long as it (ratio near 1), and fails.
+MAX_RATIO = 0.8
 STALLS_ONLY = CostModel(step_s=1e-12, model_bytes=1e-12, hop_latency_s=0.0)
 
 
@@ -64,40 +73,47 @@ def hierarchical_wait_s() -> float:
 
 
 def test_the_stalls_separate_the_schedules() -> None:
-    assert (stalls() > 0).sum() == 21  # stalls on 17 different steps
-    assert synchronous_lower_bound_s() == pytest.approx(8.5)
+    assert (stalls() > 0).sum() == 7  # on 7 different steps
+    assert synchronous_lower_bound_s() == pytest.approx(7.0)
     assert charged_s(SYNCHRONOUS) == pytest.approx(synchronous_lower_bound_s())
     assert charged_s(HIERARCHICAL) == pytest.approx(hierarchical_wait_s())
-    assert hierarchical_wait_s() <= synchronous_lower_bound_s() - 2.5
+    assert hierarchical_wait_s() == pytest.approx(3.0)
 
 
-@pytest.mark.long
-@pytest.mark.cluster
-def test_hierarchy_with_stragglers_trains_and_ends_with_identical_replicas(
-    local_ray: None, tmp_path: str
-) -> None:
+def run(sync: SyncConfig, storage: str) -> Result:
     config = TrainConfig(
         model=ModelConfig(
             tables=criteo_tables(4, 200, 8), dense_arch_layers=(16, 8), over_arch_layers=(16, 1)
         ),
         scaling=ScalingConfig(num_workers=GANGS, gang_size=1, cpus_per_rank=0.25),
-        sync=HIERARCHICAL,
+        sync=sync,
         data=DataConfig(batch_size=32, source="synthetic"),
         testing=TestingConfig(stragglers=STRAGGLERS),
         num_steps=STEPS,
-        log_every=8,
-        storage_path=str(tmp_path),
+        log_every=4,
+        storage_path=storage,
         name="stragglers",
     )
     result = fit(config, shutdown_ray=False)
-    seconds = train_s(result)
-    # The stalls are real sleeps: the hierarchy cannot beat the stalls its own groups must wait
-    # for. (That it beats synchronous SGD under the same stalls is a speed claim, measured side
-    # by side in `python -m benchmarks.stragglers ray` rather than timed here.)
-    assert seconds >= charged_s(HIERARCHICAL)
     assert sum(m.steps for m in result.history) == STEPS
     assert result.steps == STEPS
     digests = result.state_digests
     assert sorted(digests) == list(range(GANGS))
     assert len({d["shards"] for d in digests.values()}) == 1
     assert len({d["dense"] for d in digests.values()}) == 1
+    return result
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(600)  # two jobs; their start-up takes minutes on a loaded machine
+def test_the_hierarchy_beats_synchronous_sgd_under_the_same_stalls(
+    local_ray: None, tmp_path: pathlib.Path
+) -> None:
+    synchronous = train_s(run(SYNCHRONOUS, str(tmp_path / "synchronous")))
+    hierarchical = train_s(run(HIERARCHICAL, str(tmp_path / "hierarchical")))
+    # The stalls are real sleeps: neither schedule beats the stalls it must wait for.
+    assert synchronous >= charged_s(SYNCHRONOUS)
+    assert hierarchical >= charged_s(HIERARCHICAL)
+    ratio = hierarchical / synchronous
+    print(f"hierarchical {hierarchical:.2f} s / synchronous {synchronous:.2f} s = {ratio:.2f}")
+    assert ratio <= MAX_RATIO, (hierarchical, synchronous)

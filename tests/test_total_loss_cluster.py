@@ -53,7 +53,6 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
         yield c
 
 
-@pytest.mark.long
 @pytest.mark.parametrize("source", ["synthetic", "parquet"])
 def test_a_lost_host_with_every_copy_of_a_shard_is_rebuilt_from_the_checkpoint(
     cluster: Cluster, tmp_path: str, source: str

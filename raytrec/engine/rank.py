@@ -637,11 +637,13 @@ class RankEngine:
         if plane.size == 1:
             return  # a group of one: every tensor is already its own mean
         tensors = self.shard_state(optimizer_state=optimizer_state)
+        dense: list[torch.Tensor] = []
         if self.cfg.sync.dense == "with_schedule":
-            tensors += [p.data for p in self.dense_params.values()]
+            dense = [p.data for p in self.dense_params.values()]
             if optimizer_state:
-                tensors += self.dense_optimizer_state()
-        plane.average_(tensors, agree=self._gang_agreement())
+                dense += self.dense_optimizer_state()
+        # Dense state in a buffer of its own, so the gang's ranks keep identical copies.
+        plane.average_(tensors, apart=dense, agree=self._gang_agreement())
         self.shard_state_written()
 
     def _plane_for(self, decision: SyncDecision) -> ReplicaPlane:

@@ -55,10 +55,16 @@ def in_place_flat(
     tensors: Sequence[torch.Tensor],
     collective: Callable[[torch.Tensor], None],
     *,
+    apart: Sequence[torch.Tensor] = (),
     agree: Agreement | None = None,
 ) -> None:
     """Runs ``collective`` on one flat buffer per dtype and writes the result back in place, so a
     sync costs one collective per dtype whatever the number of tables.
+
+    The tensors in ``apart`` get buffers of their own. A ring all-reduce sums each element in an
+    order set by its offset in the buffer, so tensors that every rank of a gang holds (dense
+    state) must not share a buffer with the rank's own shards, whose sizes differ by rank: the
+    gang's replica groups then sum them in different orders and the copies part by rounding.
 
     Nothing is written back unless every collective succeeded: a failed one leaves all the
     tensors as they were (a failed step's dense gradients stay this rank's own, to be finished
@@ -66,9 +72,10 @@ def in_place_flat(
     ``agree`` (whether every rank of this rank's gang succeeded too, asked with this rank's
     outcome), nothing is written back either unless the whole gang succeeded: a rank whose own
     collective succeeded fails with its gang, in the same step (module doc)."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
+    by_dtype: dict[tuple[bool, torch.dtype], list[torch.Tensor]] = {}
+    for own, part in ((False, tensors), (True, apart)):
+        for t in part:
+            by_dtype.setdefault((own, t.dtype), []).append(t)
     flats = []
     try:
         for group in by_dtype.values():
@@ -151,12 +158,18 @@ class ReplicaPlane:
             level_group=level_group,
         )
 
-    def average_(self, tensors: Sequence[torch.Tensor], *, agree: Agreement | None = None) -> None:
+    def average_(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        apart: Sequence[torch.Tensor] = (),
+        agree: Agreement | None = None,
+    ) -> None:
         """Replaces every tensor with its mean over the group, in place (an integer tensor,
         such as a step counter, with its mean rounded down: equal counts stay as they are);
-        with ``agree``, only if every rank of this rank's gang succeeded too
-        (:func:`in_place_flat`)."""
-        if self.pg is None or not tensors:
+        ``apart`` as in :func:`in_place_flat` (the tensors every rank of a gang must keep
+        identical); with ``agree``, only if every rank of this rank's gang succeeded too."""
+        if self.pg is None or not (tensors or apart):
             return
 
         def mean(flat: torch.Tensor) -> None:
@@ -171,7 +184,7 @@ class ReplicaPlane:
             if wide is not flat:
                 flat.copy_(wide)
 
-        in_place_flat(tensors, mean, agree=agree)
+        in_place_flat(tensors, mean, apart=apart, agree=agree)
 
     def _wait(self, work: Any) -> None:
         """Waits for a collective. When it fails (a member died, or the group was aborted),
