@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -199,5 +200,9 @@ def plot_run(
     fig = build_figure(rows, events, title=title)
     FigureCanvasAgg(fig)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, format="png")
+    with warnings.catch_warnings():
+        # Many event labels can leave the constrained layout no room; matplotlib then draws
+        # the figure without it and says so on the user's terminal.
+        warnings.filterwarnings("ignore", message="constrained_layout not applied")
+        fig.savefig(path, format="png")
     return path
