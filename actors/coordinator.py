@@ -58,7 +58,14 @@ from raytrec.elastic.events import EventLog, GenerationStarted
 from raytrec.elastic.heal import replicas_disagree
 from raytrec.elastic.membership import Membership
 from raytrec.elastic.report import RankInfo, RankReport, RunSummary
-from raytrec.elastic.workers import Clock, RankCallError, RankFailed, SystemClock, WorkerGroup
+from raytrec.elastic.workers import (
+    Clock,
+    RankCallError,
+    RankFailed,
+    RankTimedOut,
+    SystemClock,
+    WorkerGroup,
+)
 from raytrec.engine.rank import RENDEZVOUS_TIMEOUT_S, StoreAddress
 from raytrec.errors import ConfigError, EarlyStopped, JobFailedError, StopRequested
 from raytrec.evaluation import EvalPlan
@@ -135,6 +142,7 @@ class Coordinator:
         self._history: list[IntervalMetrics] = []
         self._lock = threading.Lock()
         self._store_address: StoreAddress | None = None
+        self._infos: dict[int, RankInfo] = {}  # job rank -> what its build returned
         replayable = all(s.replayable for s in shards)
         self._stream_id = batch_id if replayable else None
         self.accounting = BatchAccounting(self.membership.gang_ids, stream_id=self._stream_id)
@@ -202,14 +210,27 @@ class Coordinator:
         refused = self.placement.place_job(self.membership.gangs, shard_of)
         if refused is not None:
             raise ConfigError(refused)
-        infos = self._build(sorted(self.placement.started))
-        self._new_generation(reason="job started")
         if self.resume_from is not None:
+            infos = self._build(sorted(self.placement.started))
+            self._new_generation(reason="job started")
             self.checkpoints.restore(self.resume_from, starts)
+            self.growth.request()
+            return infos
+        # A rank lost while the job starts is a loss like any other: its gang is dropped and
+        # the others start on (or, with no gang left, the job fails as a total loss does).
+        for _ in range(self.max_gangs + 2):
+            try:
+                if self.membership.generation == 0 and not self._infos:
+                    self._build(sorted(self.placement.started))
+                    self._new_generation(reason="job started")
+                self._call(self._live_ranks(), RankWorker.broadcast_state, 0)  # gang 0's state
+                break
+            except RankCallError as e:
+                self.recovery.recover_until_stable(self.recovery.probe(e))
         else:
-            self._call(self._live_ranks(), RankWorker.broadcast_state, 0)  # all from gang 0's state
+            raise JobFailedError("the job kept losing ranks while it started")
         self.growth.request()
-        return infos
+        return sorted((self._infos[r] for r in self._live_ranks()), key=lambda x: x.rank)
 
     def run(self) -> RunSummary:
         """Trains ``num_steps`` steps and writes the final model; returns the summary.
@@ -226,16 +247,20 @@ class Coordinator:
         stopped_by: BaseException | None = None
         every = self.cfg.log_every
         t0 = clock.perf_counter()
+        prepared = True
         try:
             self._call(
                 self._live_ranks(), RankWorker.prepare, min(every, self.end_step), first=True
             )
         except RankFailed as e:
             stopped_by = e.cause
+        except RankCallError as e:  # a rank lost (or stuck) before the first step
+            self.recovery.recover_until_stable(self.recovery.probe(e))
+            prepared = False
         self.first_batch_s = clock.perf_counter() - t0
         train_start = clock.perf_counter()
         if stopped_by is None:
-            stopped_by = self._train(prepared=True, train_start=train_start)
+            stopped_by = self._train(prepared=prepared, train_start=train_start)
         # A job stopped before its first step trained nothing: no model to save.
         trained = stopped_by is None or self.step > 0
         final = os.path.join(self.run_dir, "final_model") if trained else None
@@ -479,10 +504,22 @@ class Coordinator:
     # -- membership plumbing -----------------------------------------------------------------
 
     def _build(self, ranks: list[int]) -> list[RankInfo]:
-        infos: list[RankInfo] = self._call(ranks, RankWorker.build)
-        for info in infos:
+        """Builds ``ranks``; the node of every rank that built is known even when another
+        failed (recovery names the nodes of the ranks it drops)."""
+        futures = self.group.call(ranks, RankWorker.build)
+        self._wait_all(futures, RankWorker.build)
+        error: RankCallError | None = None
+        for r in ranks:
+            try:
+                info: RankInfo = self.group.result(futures[r])
+            except RankCallError as e:
+                error = error or e
+                continue
+            self._infos[r] = info
             self.nodes.saw(info)
-        return sorted(infos, key=lambda x: x.rank)
+        if error is not None:
+            raise error
+        return sorted((self._infos[r] for r in ranks), key=lambda x: x.rank)
 
     def _new_generation(self, *, reason: str) -> None:
         """Replica plane and sync plan of the current membership, on every live rank."""
@@ -589,14 +626,19 @@ class Coordinator:
         return [self.group.result(futures[r]) for r in ranks]
 
     def _wait_all(self, futures: dict[int, Any], method: Callable[..., Any]) -> None:
-        """Waits for every answer of a control call; raises TimeoutError when some do not come."""
+        """Waits for every answer of a control call; raises :class:`RankTimedOut` naming the
+        ranks whose answer did not come (recovery counts them as hung)."""
         # Control calls (build, join, sync, prepare, recover) are not what hang detection
         # watches (that is _collect's job); building a gang's ranks on a loaded machine,
         # or the data pipeline's first batches, can take minutes.
         timeout = max(self.elastic.step_timeout_s, RENDEZVOUS_TIMEOUT_S)
         pending = list(futures.values())
-        if len(self.group.wait(pending, num_returns=len(pending), timeout=timeout)) < len(pending):
-            raise TimeoutError(
-                f"{method.__name__} did not return on every rank of {sorted(futures)} within "
-                f"{timeout:g}s"
+        done = self.group.wait(pending, num_returns=len(pending), timeout=timeout)
+        if len(done) < len(pending):
+            answered = {id(f) for f in done}
+            stuck = sorted(r for r, f in futures.items() if id(f) not in answered)
+            raise RankTimedOut(
+                stuck,
+                f"{method.__name__} did not return on ranks {stuck} of {sorted(futures)} within "
+                f"{timeout:g}s",
             )

@@ -32,7 +32,7 @@ from raytrec.elastic.policy import (
 )
 from raytrec.elastic.report import RankReport
 from raytrec.elastic.state import ElasticState
-from raytrec.elastic.workers import RankCallError, RankFailed, RankLost
+from raytrec.elastic.workers import RankCallError, RankFailed, RankLost, RankTimedOut
 from raytrec.errors import JobFailedError
 
 if TYPE_CHECKING:
@@ -224,21 +224,28 @@ class FailureRecovery:
     # -- failures ---------------------------------------------------------------------------
 
     def probe(self, error: BaseException) -> IntervalOutcome:
-        """Which live ranks are dead, after ``error`` broke a control call."""
+        """Which live ranks are dead or stuck, after ``error`` broke a control call."""
         out = IntervalOutcome()
+        if isinstance(error, RankTimedOut):  # their call never came back: they count as hung
+            now = self.job.clock.monotonic()
+            members = set(self.job._live_ranks())
+            out.hung = [r for r in error.ranks if r in members]
+            out.silence = {r: self._silence(r, now) for r in out.hung}
         refs = self.job.group.call(self.job._live_ranks(), RankWorker.step)
         ready = self.job.group.wait(list(refs.values()), num_returns=len(refs), timeout=10)
         done = {id(f) for f in ready}
         now = self.job.clock.monotonic()
         for r, future in refs.items():
             if id(future) not in done:
-                out.hung.append(r)
-                out.silence[r] = self._silence(r, now)
+                if r not in out.hung:
+                    out.hung.append(r)
+                    out.silence[r] = self._silence(r, now)
                 continue
             try:
                 self.job.group.result(future)
             except RankLost as e:
                 out.dead[r] = e.cause
+        out.hung = sorted(set(out.hung) - set(out.dead))
         if not out.failed:
             if isinstance(error, RankFailed) and group_broke(error.cause):
                 # Every rank lives, but a collective of the re-forming failed: which gang's
@@ -408,10 +415,12 @@ class FailureRecovery:
         live = self.job._live_ranks()
         self.job._call(live, RankWorker.set_step, fail_step)
         self.job._call(live, RankWorker.sync)
+        # Committed as soon as the sync is done: a loss in the calls that follow must not
+        # hand these batches out again (they are in every replica already).
+        self.job._commit_all()
         src = self.job.membership.member_index(source_gang)
         self.job._call(live, RankWorker.broadcast_dense, src, source_slot.gang_rank)
         self.job._call(live, RankWorker.settle_failed_step, settled.finish)
-        self.job._commit_all()
         acc = self.job.accounting
         self.job.events.append(
             FailedStepSettled(
@@ -423,8 +432,10 @@ class FailureRecovery:
                 embedding_only=len(acc.embedding_only(i for ids in replay.values() for i in ids)),
             )
         )
-        # Re-sharing (after the replays are booked) hands each rank its replays too.
-        if replay and not self.job.streams.reshare(self.job._ranks_in_gang_order()):
+        # Re-sharing (after the replays are booked) hands each rank its replays too; it runs
+        # even with nothing to replay: the lost gangs' rows not read yet are shared out.
+        reshared = self.job.streams.reshare(self.job._ranks_in_gang_order())
+        if replay and not reshared:
             self.job._call_by_rank(
                 sorted(replay),
                 RankWorker.replay,
