@@ -507,9 +507,15 @@ class Coordinator:
         """Builds ``ranks``; the node of every rank that built is known even when another
         failed (recovery names the nodes of the ranks it drops)."""
         futures = self.group.call(ranks, RankWorker.build)
-        self._wait_all(futures, RankWorker.build)
         error: RankCallError | None = None
+        try:
+            self._wait_all(futures, RankWorker.build)
+        except RankTimedOut as e:
+            error = e
+        stuck = set(error.ranks) if isinstance(error, RankTimedOut) else set()
         for r in ranks:
+            if r in stuck:
+                continue
             try:
                 info: RankInfo = self.group.result(futures[r])
             except RankCallError as e:
@@ -569,6 +575,16 @@ class Coordinator:
         return round(self.clock.monotonic() - self._t0, 3)
 
     # -- accounting -----------------------------------------------------------------------------
+
+    def make_room_for_replays(self) -> None:
+        """Replays come before a rank's own batches: after a loss in the last steps the job
+        goes on until every live rank has trained the replays it holds (an endless source;
+        a re-shared one sets its end when it shares the rows out)."""
+        streams = self.accounting.streams
+        if streams is None or self.streams.table is not None:
+            return
+        most = max((len(streams.position(r)[2]) for r in self._live_ranks()), default=0)
+        self.end_step = max(self.end_step, self.step + most)
 
     def _account(self, reports: list[RankReport], *, completed_through: int | None = None) -> None:
         """Books the ranks' trained batches; a job-wide sync among them commits."""

@@ -103,4 +103,5 @@ class GangDrain:
                     lambda r: (replay[r], acc.embedding_only(replay[r])),
                 )
                 self.job._ready = 0  # the replays come before what they had prepared
+                self.job.make_room_for_replays()
         self.job.growth.request()

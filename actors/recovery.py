@@ -441,6 +441,7 @@ class FailureRecovery:
                 RankWorker.replay,
                 lambda r: (replay[r], acc.embedding_only(replay[r])),
             )
+            self.job.make_room_for_replays()
         self.job.growth.request()
 
     def _recover_ranks(self, ranks: list[int], result: IntervalOutcome) -> list[RankReport]:

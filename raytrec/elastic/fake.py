@@ -270,8 +270,9 @@ class FakeWorkerGroup:
                 self._call_faults.setdefault((f.rank, f.on), []).append(f)
         self._faults = [f for f in self._faults if not _at_call(f)]
         self._calls: collections.Counter[tuple[int, str]] = collections.Counter()
-        self.fired: list[fake_faults.Fault] = []  # the faults carried out, in order
-        self.on_fire: Callable[[fake_faults.Fault], None] | None = None  # told as each fires
+        # The faults carried out (and nodes that joined), in order; ``on_fire`` is told of each.
+        self.fired: list[fake_faults.Fault | fake_faults.NodesJoin] = []
+        self.on_fire: Callable[[fake_faults.Fault | fake_faults.NodesJoin], None] | None = None
         self._timed: list[tuple[float, Callable[[], object]]] = []  # (when, what), to fire
         self._pending: list[FakePlacement] = []
         self._ranks: dict[int, _Rank] = {}
@@ -317,6 +318,9 @@ class FakeWorkerGroup:
             length=_length(shard, spec.config.data.batch_size),
             step_s=self._slow.get(spec.rank, self.step_s),
         )
+        for f in self._faults:
+            if isinstance(f, fake_faults.SlowRank) and f.rank == spec.rank:
+                self._fired(f)
         if node.died_at <= self.clock.now:
             rank.died_at, rank.cause = node.died_at, NODE_DIED
         self._ranks[spec.rank] = rank
@@ -386,7 +390,7 @@ class FakeWorkerGroup:
             self._fired(f)
         return due
 
-    def _fired(self, fault: fake_faults.Fault) -> None:
+    def _fired(self, fault: fake_faults.Fault | fake_faults.NodesJoin) -> None:
         self.fired.append(fault)
         if self.on_fire is not None:
             self.on_fire(fault)
@@ -511,7 +515,9 @@ class FakeWorkerGroup:
     def _time_passed(self) -> None:
         now = self.clock.now
         while self._arrivals and self._arrivals[0].at <= now:
-            self._add_nodes(self._arrivals.pop(0).count)
+            arrival = self._arrivals.pop(0)
+            self._add_nodes(arrival.count)
+            self._fired(arrival)
         due = [(t, action) for t, action in self._timed if t <= now]
         if due:
             self._timed = [(t, a) for t, a in self._timed if t > now]

@@ -34,12 +34,15 @@ class CampaignResult:
     wall_s: float = 0.0
     outcomes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     phases: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    # Settings drawn: "data=<source>", "layout=<layout>", "grow", "checkpoints", by count.
+    settings: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     defects: dict[str, tuple[int, Outcome]] = dataclasses.field(default_factory=dict)
     shrunk: dict[str, tuple[Schedule, Outcome]] = dataclasses.field(default_factory=dict)
 
     def lines(self) -> list[str]:
         out = [f"{self.schedules} schedules in {self.wall_s:.1f}s"]
         out += [f"  {n:7d}  {key}" for key, n in self.outcomes.most_common()]
+        out.append("settings: " + ", ".join(f"{k} {n}" for k, n in sorted(self.settings.items())))
         out.append(f"phases covered: {len(self.phases)}")
         out += [f"  {n:7d}  {p}" for p, n in sorted(self.phases.items())]
         for signature, (seed, _) in sorted(self.defects.items()):
@@ -94,6 +97,12 @@ def campaign(
     t0 = time.monotonic()
     for done, (s, outcome) in enumerate(_results(range(seed, seed + n), workers), 1):
         result.outcomes[outcome.key] += 1
+        drawn = generate(s).settings
+        result.settings.update(
+            [f"data={drawn.data}", f"layout={drawn.layout}"]
+            + ["grow"] * drawn.grow
+            + ["checkpoints"] * (drawn.checkpoint_every is not None)
+        )
         result.phases.update(outcome.phases)
         if outcome.verdict == "defect":
             signature = defect_signature(outcome)

@@ -500,10 +500,12 @@ _JOIN_STAGES = {
 }
 
 
-def _phase(fault: ff.Fault, s: Settings) -> str:
+def _phase(fault: ff.Fault | ff.NodesJoin, s: Settings) -> str:
     """Where ``fault`` fired, from the coordinator's frames on the stack."""
     kind = type(fault).__name__
     on = getattr(fault, "on", None)
+    if isinstance(fault, ff.NodesJoin | ff.SlowRank):
+        return f"{kind} @ {'late placement' if isinstance(fault, ff.NodesJoin) else 'start'}"
     if on is None:
         step = getattr(fault, "step", None)
         if step is None:
