@@ -44,7 +44,7 @@ from actors.growth import GangGrowth
 from actors.nodes import JobNodes
 from actors.placement import JobPlacement
 from actors.rank import RankWorker
-from actors.recovery import MAX_TRANSIENT, Dispatched, FailureRecovery
+from actors.recovery import MAX_TRANSIENT, Dispatched, FailureRecovery, IntervalOutcome
 from actors.reshare import DataStreams, StreamTable
 from actors.total_loss import TotalLossRecovery
 from raytrec.config import TrainConfig
@@ -55,7 +55,7 @@ from raytrec.data.synthetic import batch_id
 from raytrec.elastic.accounting import BatchAccounting
 from raytrec.elastic.control import Boundary, intervals_to_queue
 from raytrec.elastic.events import EventLog, GenerationStarted
-from raytrec.elastic.heal import replicas_disagree
+from raytrec.elastic.heal import failed_heals, replicas_disagree
 from raytrec.elastic.membership import Membership
 from raytrec.elastic.report import RankInfo, RankReport, RunSummary
 from raytrec.elastic.workers import (
@@ -224,7 +224,12 @@ class Coordinator:
                     self._build(sorted(self.placement.started))
                     self._new_generation(reason="job started")
                 self._call(self._live_ranks(), RankWorker.broadcast_state, 0)  # gang 0's state
-                break
+                differ = self._start_copies_differ()
+                if not differ:
+                    break
+                # A gang whose copy of gang 0's state came out different is dropped (and
+                # replaced), as a join's that does not heal is.
+                self.recovery.recover_until_stable(IntervalOutcome(dead=differ))
             except RankCallError as e:
                 self.recovery.recover_until_stable(self.recovery.probe(e))
         else:
@@ -575,6 +580,20 @@ class Coordinator:
         return round(self.clock.monotonic() - self._t0, 3)
 
     # -- accounting -----------------------------------------------------------------------------
+
+    def _start_copies_differ(self) -> dict[int, str]:
+        """After the start's broadcast of gang 0's state: the ranks whose state differs from
+        gang 0's (killed here), with why, as recovery takes them."""
+        first = self.membership.gangs[0].gang_id
+        others = [g.gang_id for g in self.membership.gangs[1:]]
+        ranks = self._live_ranks()
+        digests = dict(zip(ranks, self._call(ranks, RankWorker.state_digest), strict=True))
+        failed = failed_heals(self.membership, peer=first, joined=others, digests=digests)
+        why = f"its state differed from gang {first}'s after the start's broadcast"
+        bad = {r: why for ranks in failed.values() for r in ranks}
+        for r in bad:
+            self.group.kill(r)
+        return bad
 
     def make_room_for_replays(self) -> None:
         """Replays come before a rank's own batches: after a loss in the last steps the job

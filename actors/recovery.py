@@ -450,10 +450,16 @@ class FailureRecovery:
         lost meanwhile, the reports that came back stay in ``result`` for the recovery that
         starts over."""
         futures = self.job.group.call(ranks, RankWorker.recover)
-        self.job._wait_all(futures, RankWorker.recover)
         recovered: list[RankReport] = []
         error: RankCallError | None = None
+        try:
+            self.job._wait_all(futures, RankWorker.recover)
+        except RankTimedOut as e:  # the others' reports still count
+            error = e
+        stuck = set(error.ranks) if isinstance(error, RankTimedOut) else set()
         for r in ranks:
+            if r in stuck:
+                continue
             try:
                 recovered.append(self.job.group.result(futures[r]))
             except RankCallError as e:
