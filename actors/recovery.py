@@ -390,6 +390,15 @@ class FailureRecovery:
             s for s in self.job.membership.gang(source_gang).ranks if s.job_rank == settled.source
         )
         replay = self.drop(failed_gangs, survivors, dense_through=settled.dense_through)
+        acc = self.job.accounting
+        if replay:
+            # Handed over at once: booked is sent, even if this recovery is cut short and
+            # starts over (a re-share below hands each rank its whole queue again).
+            self.job._call_by_rank(
+                sorted(replay),
+                RankWorker.replay,
+                lambda r: (replay[r], acc.embedding_only(replay[r])),
+            )
         for gid in failed_gangs:
             self.job.events.append(
                 GangDropped(
@@ -421,7 +430,6 @@ class FailureRecovery:
         src = self.job.membership.member_index(source_gang)
         self.job._call(live, RankWorker.broadcast_dense, src, source_slot.gang_rank)
         self.job._call(live, RankWorker.settle_failed_step, settled.finish)
-        acc = self.job.accounting
         self.job.events.append(
             FailedStepSettled(
                 at=self.job._now(),
@@ -432,16 +440,10 @@ class FailureRecovery:
                 embedding_only=len(acc.embedding_only(i for ids in replay.values() for i in ids)),
             )
         )
-        # Re-sharing (after the replays are booked) hands each rank its replays too; it runs
-        # even with nothing to replay: the lost gangs' rows not read yet are shared out.
-        reshared = self.job.streams.reshare(self.job._ranks_in_gang_order())
-        if replay and not reshared:
-            self.job._call_by_rank(
-                sorted(replay),
-                RankWorker.replay,
-                lambda r: (replay[r], acc.embedding_only(replay[r])),
-            )
-            self.job.make_room_for_replays()
+        # Re-sharing hands each rank its replays again with its new stream; it runs even with
+        # nothing to replay: the lost gangs' rows not read yet are shared out.
+        self.job.streams.reshare(self.job._ranks_in_gang_order())
+        self.job.make_room_for_replays()
         self.job.growth.request()
 
     def _recover_ranks(self, ranks: list[int], result: IntervalOutcome) -> list[RankReport]:
