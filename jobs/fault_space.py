@@ -5,7 +5,7 @@
 
 A campaign prints the outcomes by class, the phases its faults landed in, and for each distinct
 defect a shrunk schedule as a one-line reproducer; it exits 1 when it found a defect. A replay
-prints the schedule's outcome and exits 1 when it is a defect. (raytrec.elastic.fault_space)
+prints the schedule's outcome and exits 1 when it is a defect. (actors.fault_space)
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--replay", metavar="JSON", help="run this one schedule and say how")
     args = parser.parse_args(argv)
 
-    from raytrec.elastic.fault_campaign import campaign
-    from raytrec.elastic.fault_space import Schedule, run_schedule
+    from actors.fault_campaign import campaign
+    from actors.fault_space import Schedule, run_schedule
 
     if args.replay is not None:
         try:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from actors.coordinator import Coordinator
+from actors.fault_space import Settings, check_invariants, parquet_shards
 from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
 from raytrec.data.synthetic import batch_id, split_batch_id
@@ -40,7 +41,6 @@ from raytrec.elastic.fake_faults import (
     RankHangs,
     SlowRank,
 )
-from raytrec.elastic.fault_space import Settings, check_invariants, parquet_shards
 from raytrec.elastic.report import RunSummary
 from raytrec.elastic.workers import NODE_DIED, RankLost
 from raytrec.errors import JobFailedError
@@ -502,7 +502,7 @@ def test_the_scale_benchmark_measures_every_kind_of_decision() -> None:
     assert len(run.interval_cpu_ms) == len(run.rows) - 1 > 10
 
 
-# -- found by the fault-space simulation (raytrec.elastic.fault_space) ------------------------
+# -- found by the fault-space simulation (actors.fault_space) ------------------------
 
 
 def test_a_joining_gang_lost_while_it_heals_on_re_shared_rows_is_placed_again(

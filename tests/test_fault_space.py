@@ -1,5 +1,5 @@
 """Seeded random fault schedules through the real coordinator over the fake worker group
-(raytrec.elastic.fault_space): thousands of them with no defect and every fault kind and phase
+(actors.fault_space): thousands of them with no defect and every fault kind and phase
 reached; the shrinker; the one-line reproducer's round trip."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from raytrec.elastic.fault_campaign import campaign, shrink
-from raytrec.elastic.fault_space import (
+from actors.fault_campaign import campaign, shrink
+from actors.fault_space import (
     Outcome,
     Schedule,
     Settings,

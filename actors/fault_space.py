@@ -19,7 +19,7 @@ fake worker group (:mod:`raytrec.elastic.fake`) and a manual clock and classifie
   call or wall budget ran out).
 
 Schedules are JSON, so a failing one is replayed from one line (:func:`reproducer`), after
-:mod:`raytrec.elastic.fault_campaign` shrank it to the fewest faults that still fail.
+:mod:`actors.fault_campaign` shrank it to the fewest faults that still fail.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Campaigns over the fault space: many seeded schedules, a summary, shrunk reproducers.
 
 :func:`campaign` runs the schedules of seeds ``seed .. seed + n - 1``
-(:func:`~raytrec.elastic.fault_space.generate`) on ``workers`` processes and sums up their
+(:func:`~actors.fault_space.generate`) on ``workers`` processes and sums up their
 outcomes by class and the phases their faults landed in. Each distinct defect (its kind and
 message) is :func:`shrink`-ed: faults are removed and settings simplified for as long as the
 schedule still fails the same way, and the result is printed as one line that replays it
-(:func:`~raytrec.elastic.fault_space.reproducer`). ``python -m jobs.fault_space`` is the
+(:func:`~actors.fault_space.reproducer`). ``python -m jobs.fault_space`` is the
 command.
 """
 
@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from raytrec.elastic.fault_space import Outcome, Schedule, generate, run_schedule
+from actors.fault_space import Outcome, Schedule, generate, run_schedule
 
 __all__ = ["CampaignResult", "campaign", "defect_signature", "shrink"]
 
@@ -55,7 +55,7 @@ class CampaignResult:
 
 
 def reproducer_line(schedule: Schedule) -> str:
-    from raytrec.elastic.fault_space import reproducer
+    from actors.fault_space import reproducer
 
     return reproducer(schedule)
 
@@ -89,7 +89,7 @@ def campaign(
     progress: Callable[[int, CampaignResult], None] | None = None,
 ) -> CampaignResult:
     """Runs the schedules of seeds ``seed .. seed + n - 1`` (module doc)."""
-    from raytrec.elastic.fault_space import parquet_shards
+    from actors.fault_space import parquet_shards
 
     for world in (2, 3, 4, 6, 8):  # the tiny Parquet files, made once before forking
         parquet_shards(world, 1)
