@@ -598,8 +598,14 @@ def check_invariants(
             )
     elif committed:
         problems.append("batches committed but no final model saved")
+    # Those replays are the only batches a stream may miss before its committed ones.
+    queued: list[int] = []
+    if pending and job.accounting.streams is not None:
+        queued = [i for r in job._live_ranks() for i in job.accounting.streams.position(r)[2]]
+        if len(queued) != pending:
+            problems.append(f"{pending} replays pending, {len(queued)} queued on the ranks")
     steps: dict[int, list[int]] = {}
-    for i in committed:
+    for i in [*committed, *queued]:
         shard, step = split_batch_id(i)
         steps.setdefault(shard, []).append(step)
     for shard, taken in steps.items():
