@@ -202,8 +202,56 @@ def generate(seed: int) -> Schedule:
         spare_nodes=rng.choice([0, 0, 1, 2]),
         data=rng.choice(["synthetic", "reshared"]),
     )
-    faults = tuple(_fault(rng, settings) for _ in range(rng.choice([0, 1, 1, 2, 2, 3, 4])))
-    return Schedule(settings, faults, seed)
+    faults = [_fault(rng, settings) for _ in range(rng.choice([0, 1, 1, 2, 2, 3, 4]))]
+    storm = rng.random()
+    if storm < 0.15 and settings.layout == "replicas_across_hosts":
+        # A joiner's rank fails at one stage of its join.
+        settings = dataclasses.replace(
+            settings, grow=True, max_gangs=settings.gangs + 1, spare_nodes=1
+        )
+        kind = rng.choice(["rank_dies", "rank_dies", "rank_hangs", "drain", "stop", "heal_lies"])
+        rank = settings.world + rng.randrange(settings.gang_size)
+        on = rng.choice(_JOIN_CALLS)
+        fault = {"kind": kind, "rank": rank} | ({} if kind == "heal_lies" else {"on": on})
+        faults[:1] = [fault]
+        if rng.random() < 0.5:  # after a loss, below min_gangs: the join is awaited
+            settings = dataclasses.replace(settings, min_gangs=settings.gangs)
+            faults[1:2] = [{"kind": "rank_dies", "rank": 0, "step": 2}]
+    elif storm < 0.25:
+        # Every rank hangs: a total loss, rebuilt from a checkpoint by new ranks, one of which
+        # fails in the rebuild (or nodes are missing and the rebuild waits for them).
+        settings = dataclasses.replace(settings, checkpoint_every=2)
+        rank = settings.world + rng.randrange(settings.world)
+        on = rng.choice(["build", "join_replica_plane", "load_checkpoint", "set_shard", "prepare"])
+        second = rng.choice(
+            [
+                {"kind": "rank_dies", "rank": rank, "on": on},
+                {"kind": "node_dies", "node": 0, "step": 3},
+                {"kind": "stop", "rank": rank, "on": on},
+            ]
+        )
+        faults[:2] = [{"kind": "rank_hangs", "step": 3}, second]
+    elif storm < 0.32:
+        # A control call fails, then a rank dies in the probe that follows.
+        call = rng.choice(["sync", "set_step", "join_replica_plane", "state_digest"])
+        faults[:2] = [
+            {"kind": "rank_dies", "rank": 0, "on": call, "nth": rng.randint(1, 3)},
+            {"kind": "rank_dies", "rank": settings.world - 1, "on": "step"},
+        ]
+    return Schedule(settings, tuple(faults), seed)
+
+
+#: A joining gang's calls, stage by stage.
+_JOIN_CALLS = (
+    "build",
+    "join_replica_plane",
+    "set_step",
+    "broadcast_state",
+    "state_digest",
+    "set_shard",
+    "set_streams",
+    "prepare",
+)
 
 
 def _fault(rng: random.Random, s: Settings) -> dict[str, Any]:
@@ -522,16 +570,18 @@ def _phase(fault: ff.Fault | ff.NodesJoin, s: Settings) -> str:
             where = "sync step"
         return f"{kind} @ {where}"
     frame = sys._getframe(1)
-    phase = "other"
+    found: list[str] = []  # innermost first
     while frame is not None:
         module = frame.f_code.co_filename.rsplit("/", 1)[-1].removesuffix(".py")
-        found = _PHASES.get((module, frame.f_code.co_name))
-        if found is not None:
-            phase = found
-            break
+        name = _PHASES.get((module, frame.f_code.co_name))
+        if name is not None:
+            found.append(_JOIN_STAGES.get(on, "join") if name == "join" else name)
         frame = frame.f_back  # type: ignore[assignment]
-    if phase == "join":
-        phase = _JOIN_STAGES.get(on, "join")
+    phase = found[0] if found else "other"
+    # A join, a build or a probe inside a wait for resources or a rebuild says so.
+    outer = [p for p in ("resource wait", "total-loss rebuild") if p in found[1:]]
+    if outer and outer[0] != phase:
+        phase = f"{outer[0]} > {phase}"
     return f"{kind} @ {phase} / {on}"
 
 
