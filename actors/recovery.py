@@ -391,14 +391,6 @@ class FailureRecovery:
         )
         replay = self.drop(failed_gangs, survivors, dense_through=settled.dense_through)
         acc = self.job.accounting
-        if replay:
-            # Handed over at once: booked is sent, even if this recovery is cut short and
-            # starts over (a re-share below hands each rank its whole queue again).
-            self.job._call_by_rank(
-                sorted(replay),
-                RankWorker.replay,
-                lambda r: (replay[r], acc.embedding_only(replay[r])),
-            )
         for gid in failed_gangs:
             self.job.events.append(
                 GangDropped(
@@ -417,6 +409,15 @@ class FailureRecovery:
                 self.job.membership, generation=self.job.membership.generation + 1
             )
             reason = "collectives timed out with every rank alive"
+        if replay:
+            # Handed over once the books and the membership agree, before any call that may
+            # cut this recovery short: what is booked is sent even if it starts over (a
+            # re-share below hands each rank its whole queue again).
+            self.job._call_by_rank(
+                sorted(replay),
+                RankWorker.replay,
+                lambda r: (replay[r], acc.embedding_only(replay[r])),
+            )
         self.job._new_generation(reason=reason)
         # The re-formed job's first sync: every replica (and dense state) identical again, and
         # the survivors' batches so far are in the model: committed. The failed step's dense

@@ -622,3 +622,15 @@ def test_a_rank_stuck_in_recover_leaves_the_others_reports_booked(tmp_path: Any)
     assert gangs_of(summary) == [0] and summary.steps == 16
     [hang] = events(summary, "hang_detected")
     assert hang["job_ranks"] == [1]
+
+
+def test_a_rank_lost_while_replays_are_handed_over_starts_the_recovery_over(
+    tmp_path: Any,
+) -> None:
+    """Rank 0 dies as gang 2's replays are handed to it: the recovery starts over with the
+    books and the membership in step (the replays used to be sent before the lost gang left
+    the membership, and the second pass failed with KeyError in RankStreams.peek)."""
+    faults = (RankDies(rank=0, on="replay"), NodeDies(node=2, step=21))
+    summary = job(tmp_path, *faults, gangs=4, gang_size=1, num_steps=24).run()
+    assert sorted(e["gang_id"] for e in events(summary, "gang_dropped")) == [0, 2]
+    assert gangs_of(summary) == [1, 3] and summary.steps >= 24
