@@ -44,7 +44,7 @@ from actors.growth import GangGrowth
 from actors.nodes import JobNodes
 from actors.placement import JobPlacement
 from actors.rank import RankWorker
-from actors.recovery import MAX_TRANSIENT, Dispatched, FailureRecovery
+from actors.recovery import MAX_TRANSIENT, Dispatched, FailureRecovery, IntervalOutcome
 from actors.reshare import DataStreams, StreamTable
 from actors.total_loss import TotalLossRecovery
 from raytrec.config import TrainConfig
@@ -56,7 +56,7 @@ from raytrec.elastic.accounting import BatchAccounting
 from raytrec.elastic.control import Boundary, intervals_to_queue
 from raytrec.elastic.drain import stop_requested
 from raytrec.elastic.events import EventLog, GenerationStarted
-from raytrec.elastic.heal import replicas_disagree
+from raytrec.elastic.heal import failed_heals, replicas_disagree
 from raytrec.elastic.membership import Membership
 from raytrec.elastic.report import RankInfo, RankReport, RunSummary
 from raytrec.elastic.workers import (
@@ -64,6 +64,7 @@ from raytrec.elastic.workers import (
     RankCallError,
     RankFailed,
     RankLost,
+    RankTimedOut,
     SystemClock,
     WorkerGroup,
 )
@@ -144,6 +145,7 @@ class Coordinator:
         self._history: list[IntervalMetrics] = []
         self._lock = threading.Lock()
         self._store_address: StoreAddress | None = None
+        self._infos: dict[int, RankInfo] = {}  # job rank -> what its build returned
         replayable = all(s.replayable for s in shards)
         self._stream_id = batch_id if replayable else None
         self.accounting = BatchAccounting(
@@ -213,14 +215,32 @@ class Coordinator:
         refused = self.placement.place_job(self.membership.gangs, shard_of)
         if refused is not None:
             raise ConfigError(refused)
-        infos = self._build(sorted(self.placement.started))
-        self._new_generation(reason="job started")
         if self.resume_from is not None:
+            infos = self._build(sorted(self.placement.started))
+            self._new_generation(reason="job started")
             self.checkpoints.restore(self.resume_from, starts)
+            self.growth.request()
+            return infos
+        # A rank lost while the job starts is a loss like any other: its gang is dropped and
+        # the others start on (or, with no gang left, the job fails as a total loss does).
+        for _ in range(self.max_gangs + 2):
+            try:
+                if self.membership.generation == 0 and not self._infos:
+                    self._build(sorted(self.placement.started))
+                    self._new_generation(reason="job started")
+                self._call(self._live_ranks(), RankWorker.broadcast_state, 0)  # gang 0's state
+                differ = self._start_copies_differ()
+                if not differ:
+                    break
+                # A gang whose copy of gang 0's state came out different is dropped (and
+                # replaced), as a join's that does not heal is.
+                self.recovery.recover_until_stable(IntervalOutcome(dead=differ))
+            except RankCallError as e:
+                self.recovery.recover_until_stable(self.recovery.probe(e))
         else:
-            self._call(self._live_ranks(), RankWorker.broadcast_state, 0)  # all from gang 0's state
+            raise JobFailedError("the job kept losing ranks while it started")
         self.growth.request()
-        return infos
+        return sorted((self._infos[r] for r in self._live_ranks()), key=lambda x: x.rank)
 
     def run(self) -> RunSummary:
         """Trains ``num_steps`` steps and writes the final model; returns the summary.
@@ -237,16 +257,20 @@ class Coordinator:
         stopped_by: BaseException | None = None
         every = self.cfg.log_every
         t0 = clock.perf_counter()
+        prepared = True
         try:
             self._call(
                 self._live_ranks(), RankWorker.prepare, min(every, self.end_step), first=True
             )
         except RankFailed as e:
             stopped_by = e.cause
+        except RankCallError as e:  # a rank lost (or stuck) before the first step
+            self.recovery.recover_until_stable(self.recovery.probe(e))
+            prepared = False
         self.first_batch_s = clock.perf_counter() - t0
         train_start = clock.perf_counter()
         if stopped_by is None:
-            stopped_by = self._train(prepared=True, train_start=train_start)
+            stopped_by = self._train(prepared=prepared, train_start=train_start)
         # A job stopped before its first step trained nothing: no model to save.
         trained = stopped_by is None or self.step > 0
         final = os.path.join(self.run_dir, "final_model") if trained else None
@@ -515,10 +539,28 @@ class Coordinator:
     # -- membership plumbing -----------------------------------------------------------------
 
     def _build(self, ranks: list[int]) -> list[RankInfo]:
-        infos: list[RankInfo] = self._call(ranks, RankWorker.build)
-        for info in infos:
+        """Builds ``ranks``; the node of every rank that built is known even when another
+        failed (recovery names the nodes of the ranks it drops)."""
+        futures = self.group.call(ranks, RankWorker.build)
+        error: RankCallError | None = None
+        try:
+            self._wait_all(futures, RankWorker.build)
+        except RankTimedOut as e:
+            error = e
+        stuck = set(error.ranks) if isinstance(error, RankTimedOut) else set()
+        for r in ranks:
+            if r in stuck:
+                continue
+            try:
+                info: RankInfo = self.group.result(futures[r])
+            except RankCallError as e:
+                error = error or e
+                continue
+            self._infos[r] = info
             self.nodes.saw(info)
-        return sorted(infos, key=lambda x: x.rank)
+        if error is not None:
+            raise error
+        return sorted((self._infos[r] for r in ranks), key=lambda x: x.rank)
 
     def _new_generation(self, *, reason: str) -> None:
         """Replica plane and sync plan of the current membership, on every live rank."""
@@ -568,6 +610,30 @@ class Coordinator:
         return round(self.clock.monotonic() - self._t0, 3)
 
     # -- accounting -----------------------------------------------------------------------------
+
+    def _start_copies_differ(self) -> dict[int, str]:
+        """After the start's broadcast of gang 0's state: the ranks whose state differs from
+        gang 0's (killed here), with why, as recovery takes them."""
+        first = self.membership.gangs[0].gang_id
+        others = [g.gang_id for g in self.membership.gangs[1:]]
+        ranks = self._live_ranks()
+        digests = dict(zip(ranks, self._call(ranks, RankWorker.state_digest), strict=True))
+        failed = failed_heals(self.membership, peer=first, joined=others, digests=digests)
+        why = f"its state differed from gang {first}'s after the start's broadcast"
+        bad = {r: why for ranks in failed.values() for r in ranks}
+        for r in bad:
+            self.group.kill(r)
+        return bad
+
+    def make_room_for_replays(self) -> None:
+        """Replays come before a rank's own batches: after a loss in the last steps the job
+        goes on until every live rank has trained the replays it holds (an endless source;
+        a re-shared one sets its end when it shares the rows out)."""
+        streams = self.accounting.streams
+        if streams is None or self.streams.table is not None:
+            return
+        most = max((len(streams.position(r)[2]) for r in self._live_ranks()), default=0)
+        self.end_step = max(self.end_step, self.step + most)
 
     def _account(self, reports: list[RankReport], *, completed_through: int | None = None) -> None:
         """Books the ranks' trained batches; a job-wide sync among them commits."""
@@ -625,7 +691,8 @@ class Coordinator:
         return [self.group.result(futures[r]) for r in ranks]
 
     def _wait_all(self, futures: dict[int, Any], method: Callable[..., Any]) -> None:
-        """Waits for every answer of a control call; raises TimeoutError when some do not come."""
+        """Waits for every answer of a control call; raises :class:`RankTimedOut` naming the
+        ranks whose answer did not come (recovery counts them as hung)."""
         # Control calls (build, join, sync, prepare, recover) are not what hang detection
         # watches (that is _collect's job); building a gang's ranks on a loaded machine,
         # or the data pipeline's first batches, can take minutes.
@@ -634,12 +701,14 @@ class Coordinator:
         pending = dict(futures)
         rank_of = {id(f): r for r, f in futures.items()}
         while pending:
-            left = deadline - self.clock.monotonic()
+            left = max(0.0, deadline - self.clock.monotonic())
             ready = self.group.wait(list(pending.values()), num_returns=1, timeout=left)
             if not ready:
-                raise TimeoutError(
-                    f"{method.__name__} did not return on every rank of {sorted(futures)} "
-                    f"within {timeout:g}s"
+                stuck = sorted(pending)
+                raise RankTimedOut(
+                    stuck,
+                    f"{method.__name__} did not return on ranks {stuck} of {sorted(futures)} "
+                    f"within {timeout:g}s",
                 )
             for future in ready:
                 rank = rank_of[id(future)]

@@ -72,7 +72,8 @@ class GangDrain:
             # They reported every batch up to this step and all of it is committed: this only
             # retires their streams where they stand, for the others or a later gang to go on.
             self.job.accounting.lost_rank_reports(ranks, fail_step=self.job.step)
-            self.job.recovery.drop(drained, survivors)
+            # Replays queued for them and not read yet go to the others.
+            replay = self.job.recovery.drop(drained, survivors)
             for gid in drained:
                 self.job.events.append(
                     GangDrained(
@@ -94,4 +95,13 @@ class GangDrain:
             self.job._new_generation(reason=decision.reason)
             if self.job.streams.reshare(self.job._ranks_in_gang_order()):
                 self.job._ready = 0  # new streams: every rank reads its share from the start
+            elif replay:
+                acc = self.job.accounting
+                self.job._call_by_rank(
+                    sorted(replay),
+                    RankWorker.replay,
+                    lambda r: (replay[r], acc.embedding_only(replay[r])),
+                )
+                self.job._ready = 0  # the replays come before what they had prepared
+                self.job.make_room_for_replays()
         self.job.growth.request()

@@ -33,7 +33,7 @@ from raytrec.elastic.policy import (
 )
 from raytrec.elastic.report import RankReport
 from raytrec.elastic.state import ElasticState
-from raytrec.elastic.workers import RankCallError, RankFailed, RankLost
+from raytrec.elastic.workers import RankCallError, RankFailed, RankLost, RankTimedOut
 from raytrec.errors import JobFailedError
 
 if TYPE_CHECKING:
@@ -246,21 +246,28 @@ class FailureRecovery:
     # -- failures ---------------------------------------------------------------------------
 
     def probe(self, error: BaseException) -> IntervalOutcome:
-        """Which live ranks are dead, after ``error`` broke a control call."""
+        """Which live ranks are dead or stuck, after ``error`` broke a control call."""
         out = IntervalOutcome()
+        if isinstance(error, RankTimedOut):  # their call never came back: they count as hung
+            now = self.job.clock.monotonic()
+            members = set(self.job._live_ranks())
+            out.hung = [r for r in error.ranks if r in members]
+            out.silence = {r: self._silence(r, now) for r in out.hung}
         refs = self.job.group.call(self.job._live_ranks(), RankWorker.step)
         ready = self.job.group.wait(list(refs.values()), num_returns=len(refs), timeout=10)
         done = {id(f) for f in ready}
         now = self.job.clock.monotonic()
         for r, future in refs.items():
             if id(future) not in done:
-                out.hung.append(r)
-                out.silence[r] = self._silence(r, now)
+                if r not in out.hung:
+                    out.hung.append(r)
+                    out.silence[r] = self._silence(r, now)
                 continue
             try:
                 self.job.group.result(future)
             except RankLost as e:
                 out.dead[r] = _PEER_KILLED if r in self.peers_killed else e.cause
+        out.hung = sorted(set(out.hung) - set(out.dead))
         if not out.failed:
             if isinstance(error, RankFailed) and group_broke(error.cause):
                 # Every rank lives, but a collective of the re-forming failed: which gang's
@@ -405,6 +412,7 @@ class FailureRecovery:
             s for s in self.job.membership.gang(source_gang).ranks if s.job_rank == settled.source
         )
         replay = self.drop(failed_gangs, survivors, dense_through=settled.dense_through)
+        acc = self.job.accounting
         for gid in failed_gangs:
             self.job.events.append(
                 GangDropped(
@@ -423,6 +431,15 @@ class FailureRecovery:
                 self.job.membership, generation=self.job.membership.generation + 1
             )
             reason = "collectives timed out with every rank alive"
+        if replay:
+            # Handed over once the books and the membership agree, before any call that may
+            # cut this recovery short: what is booked is sent even if it starts over (a
+            # re-share below hands each rank its whole queue again).
+            self.job._call_by_rank(
+                sorted(replay),
+                RankWorker.replay,
+                lambda r: (replay[r], acc.embedding_only(replay[r])),
+            )
         self.job._new_generation(reason=reason)
         # The re-formed job's first sync: every replica (and dense state) identical again, and
         # the survivors' batches so far are in the model: committed. The failed step's dense
@@ -430,11 +447,12 @@ class FailureRecovery:
         live = self.job._live_ranks()
         self.job._call(live, RankWorker.set_step, fail_step)
         self.job._call(live, RankWorker.sync)
+        # Committed as soon as the sync is done: a loss in the calls that follow must not
+        # hand these batches out again (they are in every replica already).
+        self.job._commit_all()
         src = self.job.membership.member_index(source_gang)
         self.job._call(live, RankWorker.broadcast_dense, src, source_slot.gang_rank)
         self.job._call(live, RankWorker.settle_failed_step, settled.finish)
-        self.job._commit_all()
-        acc = self.job.accounting
         self.job.events.append(
             FailedStepSettled(
                 at=self.job._now(),
@@ -445,13 +463,10 @@ class FailureRecovery:
                 embedding_only=len(acc.embedding_only(i for ids in replay.values() for i in ids)),
             )
         )
-        # Re-sharing (after the replays are booked) hands each rank its replays too.
-        if replay and not self.job.streams.reshare(self.job._ranks_in_gang_order()):
-            self.job._call_by_rank(
-                sorted(replay),
-                RankWorker.replay,
-                lambda r: (replay[r], acc.embedding_only(replay[r])),
-            )
+        # Re-sharing hands each rank its replays again with its new stream; it runs even with
+        # nothing to replay: the lost gangs' rows not read yet are shared out.
+        self.job.streams.reshare(self.job._ranks_in_gang_order())
+        self.job.make_room_for_replays()
         self.job.growth.request()
 
     def _recover_ranks(self, ranks: list[int], result: IntervalOutcome) -> list[RankReport]:
@@ -460,10 +475,16 @@ class FailureRecovery:
         lost meanwhile, the reports that came back stay in ``result`` for the recovery that
         starts over."""
         futures = self.job.group.call(ranks, RankWorker.recover)
-        self.job._wait_all(futures, RankWorker.recover)
         recovered: list[RankReport] = []
         error: RankCallError | None = None
+        try:
+            self.job._wait_all(futures, RankWorker.recover)
+        except RankTimedOut as e:  # the others' reports still count
+            error = e
+        stuck = set(error.ranks) if isinstance(error, RankTimedOut) else set()
         for r in ranks:
+            if r in stuck:
+                continue
             try:
                 recovered.append(self.job.group.result(futures[r]))
             except RankCallError as e:

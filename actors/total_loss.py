@@ -115,7 +115,7 @@ class TotalLossRecovery:
             try:
                 self._rebuild(decision)
                 return
-            except (RankCallError, TimeoutError) as e:  # lost again while rebuilding: start over
+            except RankCallError as e:  # lost (or stuck) again while rebuilding: start over
                 error = f"{type(e).__name__}: {str(e).strip()[:200]}"
         reason = (
             f"rebuilding the job from {point.uri} after a total loss failed "

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from actors.coordinator import Coordinator
+from actors.fault_space import Settings, check_invariants, parquet_shards
 from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
 from raytrec.data.synthetic import batch_id, split_batch_id
@@ -72,8 +73,12 @@ def job(
     log_every: int = 2,
     layout: str = "replicas_across_hosts",
     checkpoint: CheckpointConfig | None = None,
+    sync_every: int = 4,
+    reshared: bool = False,
     **elastic: Any,
 ) -> Job:
+    """A job over the fake; ``reshared``: it reads a tiny Parquet file by index (its rows shared
+    again among the live ranks at every membership change), else the synthetic ids."""
     world = gangs * gang_size
     ranks_per_host = cpus_per_node or gang_size
     cfg = TrainConfig(
@@ -81,7 +86,7 @@ def job(
             num_workers=world, gang_size=gang_size, ranks_per_host=ranks_per_host, layout=layout
         ),
         data=DataConfig(batch_size=8),
-        sync=SyncConfig(sync_every=4),
+        sync=SyncConfig(sync_every=sync_every),
         elastic=ElasticConfig(**{"grow": False, **ELASTIC, **elastic}),
         checkpoint=checkpoint or CheckpointConfig(),
         num_steps=num_steps,
@@ -95,13 +100,16 @@ def job(
         step_s=STEP_S,
         build_s=BUILD_S,
     )
+    shards: list[Any] = [FakeShard(i) for i in range(world)]
+    if reshared:
+        shards = parquet_shards(world, num_steps)
     coordinator = Coordinator(
         cfg,
         plan=None,  # type: ignore[arg-type]  # only the ranks read it
-        shards=[FakeShard(i) for i in range(world)],
+        shards=shards,
         num_dense=13,
         run_dir=str(tmp_path),
-        new_shard=FakeShard,
+        new_shard=None if reshared else FakeShard,
         group=group,
         clock=group.clock,
     )
@@ -512,3 +520,137 @@ def test_the_scale_benchmark_measures_every_kind_of_decision() -> None:
     assert len(run.decisions["loss"]) == 6
     assert run.events["gang_joined"] == 5 and run.events["gang_drained"] == 2
     assert len(run.interval_cpu_ms) == len(run.rows) - 1 > 10
+
+
+# -- found by the fault-space simulation (actors.fault_space) ------------------------
+
+
+def test_a_joining_gang_lost_while_it_heals_on_re_shared_rows_is_placed_again(
+    tmp_path: Any,
+) -> None:
+    """The replacement gang's rank dies in the heal's broadcast: the gang, not booked yet (its
+    rows come once it has joined), is dropped and placed again; the coordinator used to fail
+    with KeyError in RankStreams.peek."""
+    faults = (NodesJoin(at=1.0), RankDies(rank=4, on="broadcast_state"))
+    j = job(tmp_path, *faults, gangs=2, max_gangs=3, grow=True, num_steps=16, reshared=True)
+    summary = j.run()
+    assert [e["job_rank"] for e in events(summary, "rank_died")] == [4]
+    assert [e["gang_id"] for e in events(summary, "gang_dropped")] == [2]
+    assert 2 not in gangs_of(summary) and summary.steps >= 16
+    settings = Settings(gangs=2, gang_size=2, num_steps=16, data="reshared")
+    assert check_invariants(summary, j.group, j.coordinator, settings) == []  # every row once
+
+
+def test_a_rank_stuck_in_a_control_call_is_hung_and_its_gang_dropped(tmp_path: Any) -> None:
+    """Rank 0 never returns from the checkpoint save (its peer times out in the collective):
+    it is hung, its gang dropped; the coordinator used to fail with TimeoutError."""
+    ckpt = CheckpointConfig(every_n_steps=4)
+    summary = job(tmp_path, RankHangs(rank=0, on="save_checkpoint"), checkpoint=ckpt).run()
+    [hang] = events(summary, "hang_detected")
+    assert hang["job_ranks"] == [0] and hang["step"] == 4
+    assert [e["gang_id"] for e in events(summary, "gang_dropped")] == [0]
+    assert gangs_of(summary) == [1, 2] and summary.steps == 16
+
+
+@pytest.mark.parametrize("call", ["build", "join_replica_plane", "broadcast_state", "prepare"])
+def test_a_rank_lost_while_the_job_starts_drops_its_gang(tmp_path: Any, call: str) -> None:
+    """A rank dies in the start's build, replica plane, first broadcast or first prepare: its
+    gang is dropped and the others train; the coordinator used to fail with RankLost."""
+    summary = job(tmp_path, RankDies(rank=3, on=call)).run()
+    assert next(e["job_rank"] for e in events(summary, "rank_died")) == 3
+    assert [e["gang_id"] for e in events(summary, "gang_dropped")] == [1]
+    assert gangs_of(summary) == [0, 2] and summary.steps == 16
+
+
+def test_a_rank_stuck_in_its_build_at_the_start_is_hung(tmp_path: Any) -> None:
+    summary = job(tmp_path, RankHangs(rank=5, on="build")).run()
+    [hang] = events(summary, "hang_detected")
+    assert hang["job_ranks"] == [5] and gangs_of(summary) == [0, 1]
+    assert [e["kind"] for e in summary.events][:3] == [
+        "hang_detected",
+        "gang_dropped",
+        "generation_started",
+    ]
+
+
+def test_a_start_broadcast_that_leaves_a_copy_different_drops_that_gang(tmp_path: Any) -> None:
+    """Gang 1's copy of gang 0's state at the start differs: it is dropped, not averaged in;
+        the final replica check used to fail when the job stopped before its first sync (a sync
+    averages the difference away, so the fake clears it there too)."""
+    summary = job(tmp_path, HealCorrupted(rank=3)).run()
+    [died] = events(summary, "rank_died")
+    assert died["job_rank"] == 3 and "differed from gang 0's" in died["cause"]
+    assert gangs_of(summary) == [0, 2] and summary.steps == 16
+
+
+def test_replays_handed_out_twice_are_trained_in_the_order_the_ranks_take_them(
+    tmp_path: Any,
+) -> None:
+    """Gang 0 is lost, its batches go to gangs 1 and 2 for replay; at the same boundary gang 2
+    is drained, its replays going to gang 1 too. A rank's feed puts the replays it is handed
+    last first; the coordinator's record of its order used to put them last (StreamError),
+    and a drain did not hand the drained gang's replays to the others at all."""
+    faults = (RankDies(rank=0, step=6), NodeDrains(node=2, step=5))
+    summary = job(tmp_path, *faults, gangs=3, gang_size=1, log_every=4, grow=True).run()
+    assert [e["gang_id"] for e in events(summary, "gang_dropped")] == [0]
+    [drained] = events(summary, "gang_drained")
+    assert drained["gang_id"] == 2 and drained["step"] == 6
+    assert replayed(summary) == ids((0, 4), (0, 5))
+    assert summary.steps == 16
+
+
+def test_a_loss_in_the_last_step_runs_the_job_on_until_its_replays_are_trained(
+    tmp_path: Any,
+) -> None:
+    """Rank 2 dies as the last step starts: its 4 batches since the sync at step 12 go to the
+    3 others, 2 at most each, so the job ends at step 18; they used to stay untrained."""
+    summary = job(tmp_path, RankDies(rank=2, step=16), gangs=4, gang_size=1).run()
+    assert replayed(summary) == ids((2, 12), (2, 13), (2, 14), (2, 15))
+    assert summary.steps == 18 and summary.lost_batches == 0
+
+
+def test_a_loss_after_a_re_forming_synced_does_not_hand_its_batches_out_again(
+    tmp_path: Any,
+) -> None:
+    """Rank 0 dies in the re-forming after its job-wide sync: what that sync put in every
+    replica stays committed; the recovery that starts over used to replay it again."""
+    faults = (RankDies(rank=3, step=5), RankDies(rank=0, on="settle_failed_step"))
+    summary = job(tmp_path, *faults).run()
+    assert sorted(e["gang_id"] for e in events(summary, "gang_dropped")) == [0, 1]
+    assert gangs_of(summary) == [2] and summary.steps == 16
+
+
+def test_a_gang_lost_right_after_a_sync_has_its_rows_shared_out(tmp_path: Any) -> None:
+    """Rank 0 hangs in the checkpoint save, right after a sync: its gang has nothing to replay,
+    and the rows it had not read yet are shared out all the same; they used to be skipped."""
+    ckpt = CheckpointConfig(every_n_steps=4)
+    j = job(tmp_path, RankHangs(rank=0, on="save_checkpoint"), checkpoint=ckpt, reshared=True)
+    summary = j.run()
+    assert [e["gang_id"] for e in events(summary, "gang_dropped")] == [0]
+    [shared] = events(summary, "data_reshared")
+    assert shared["step"] == 4 and shared["ranks"] == 4
+    settings = Settings(gangs=3, gang_size=2, num_steps=16, data="reshared")
+    assert check_invariants(summary, j.group, j.coordinator, settings) == []
+
+
+def test_a_rank_stuck_in_recover_leaves_the_others_reports_booked(tmp_path: Any) -> None:
+    """Rank 1 never returns from ``recover`` after rank 2 died: rank 0's report of what it
+    trained is kept for the recovery that starts over (a second ``recover`` returns nothing);
+    its batches used to be missing from the books though they were in the model."""
+    faults = (RankDies(rank=2, step=6), RankHangs(rank=1, on="recover"))
+    summary = job(tmp_path, *faults, gangs=3, gang_size=1).run()
+    assert gangs_of(summary) == [0] and summary.steps == 16
+    [hang] = events(summary, "hang_detected")
+    assert hang["job_ranks"] == [1]
+
+
+def test_a_rank_lost_while_replays_are_handed_over_starts_the_recovery_over(
+    tmp_path: Any,
+) -> None:
+    """Rank 0 dies as gang 2's replays are handed to it: the recovery starts over with the
+    books and the membership in step (the replays used to be sent before the lost gang left
+    the membership, and the second pass failed with KeyError in RankStreams.peek)."""
+    faults = (RankDies(rank=0, on="replay"), NodeDies(node=2, step=21))
+    summary = job(tmp_path, *faults, gangs=4, gang_size=1, num_steps=24).run()
+    assert sorted(e["gang_id"] for e in events(summary, "gang_dropped")) == [0, 2]
+    assert gangs_of(summary) == [1, 3] and summary.steps >= 24

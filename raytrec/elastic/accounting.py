@@ -191,10 +191,13 @@ class BatchAccounting:
 
     def lost_rank_reports(self, ranks: Iterable[int], *, fail_step: int) -> list[RankReport]:
         """Reports for ranks that died: one batch per step since their last report, the next
-        in their stream order. The ranks are forgotten."""
+        in their stream order. The ranks are forgotten. A rank never booked (of a gang lost
+        while it joined, before it was given rows to read) trained nothing: no report."""
         out = []
         for r in ranks:
-            since = self.reported_step.pop(r, 0)
+            if r not in self.reported_step:
+                continue
+            since = self.reported_step.pop(r)
             count = max(0, fail_step - since)
             ids: list[int | None]
             if self.streams is not None:

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from raytrec.data.parquet_plan import stream_length
 from raytrec.data.synthetic import batch_id
 from raytrec.elastic import fake_faults
 from raytrec.elastic.report import RankInfo, RankReport, TrainedBatch
@@ -178,6 +179,7 @@ class _Rank:
     spec: RankSpec
     node: _Node
     stream: int  # its shard's index: batch k is batch_id(stream, k)
+    length: float = _NEVER  # batches its stream holds (a re-shared source's are finite)
     pos: int = 0
     replay: collections.deque[int] = dataclasses.field(default_factory=collections.deque)
     step: int = 0
@@ -202,6 +204,11 @@ class _Rank:
     def take(self) -> int:
         if self.replay:
             return self.replay.popleft()
+        if self.pos >= self.length:
+            raise FakeUsageError(
+                f"rank {self.spec.rank} asked to train batch {self.pos} of stream {self.stream}, "
+                f"which holds {self.length}"
+            )
         self.pos += 1
         return batch_id(self.stream, self.pos - 1)
 
@@ -255,14 +262,17 @@ class FakeWorkerGroup:
             f for f in schedule if not isinstance(f, fake_faults.NodesJoin)
         ]
         self._slow = {f.rank: f.step_s for f in self._faults if isinstance(f, fake_faults.SlowRank)}
-        self._on_call = {
-            (f.rank, f.on): f
-            for f in self._faults
-            if isinstance(f, fake_faults.RankDies) and f.on is not None
-        }
-        self._breaks = {
-            (f.rank, f.on): f for f in self._faults if isinstance(f, fake_faults.GroupBreaks)
-        }
+        # (rank, method) -> the faults due at one of its calls, and how many it has made.
+        self._call_faults: dict[tuple[int, str], list[fake_faults.CallFault]] = {}
+        for f in self._faults:
+            if isinstance(f, fake_faults.CallFault) and f.on is not None:
+                assert f.rank is not None, f"{f} names no rank"
+                self._call_faults.setdefault((f.rank, f.on), []).append(f)
+        self._faults = [f for f in self._faults if not _at_call(f)]
+        self._calls: collections.Counter[tuple[int, str]] = collections.Counter()
+        # The faults carried out (and nodes that joined), in order; ``on_fire`` is told of each.
+        self.fired: list[fake_faults.Fault | fake_faults.NodesJoin] = []
+        self.on_fire: Callable[[fake_faults.Fault | fake_faults.NodesJoin], None] | None = None
         self._timed: list[tuple[float, Callable[[], object]]] = []  # (when, what), to fire
         self._pending: list[FakePlacement] = []
         self._ranks: dict[int, _Rank] = {}
@@ -305,8 +315,12 @@ class FakeWorkerGroup:
             spec=spec,
             node=node,
             stream=int(getattr(shard, "index", spec.rank)),
+            length=_length(shard, spec.config.data.batch_size),
             step_s=self._slow.get(spec.rank, self.step_s),
         )
+        for f in self._faults:
+            if isinstance(f, fake_faults.SlowRank) and f.rank == spec.rank:
+                self._fired(f)
         if node.died_at <= self.clock.now:
             rank.died_at, rank.cause = node.died_at, NODE_DIED
         self._ranks[spec.rank] = rank
@@ -329,18 +343,24 @@ class FakeWorkerGroup:
         states = [self._ranks[r] for r in ranks]
         now = self.clock.now
         out: dict[int, _Future] = {}
-        for rank in states:
-            fault = self._on_call.pop((rank.spec.rank, name), None)
-            if fault is not None:  # it dies at this call
-                self._faults.remove(fault)
-                self._kill(rank, "ActorDiedError: the rank's process exited", at=now)
-        broke = [self._breaks.pop((r.spec.rank, name), None) for r in states if self._breaks]
+        hung: set[int] = set()
+        broke = False
+        if self._call_faults:
+            for rank in states:
+                for f in self._due_at_call(rank.spec.rank, name):
+                    if isinstance(f, fake_faults.RankDies):
+                        self._kill(rank, "ActorDiedError: the rank's process exited", at=now)
+                    elif isinstance(f, fake_faults.RankHangs):
+                        hung.add(rank.spec.rank)
+                    elif isinstance(f, fake_faults.GroupBreaks):
+                        broke = name in _COLLECTIVES
+                    else:
+                        f.action()
         if name == "train":
             out = self._train(states, args_of, **kwargs)
-        elif name in _COLLECTIVES and any(broke):
-            for f in broke:
-                if f is not None:
-                    self._faults.remove(f)
+        elif hung:
+            out = self._hang(name, states, hung, args_of, kwargs)
+        elif broke:
             error = RuntimeError("Application timeout caused pair closure")
             out = {
                 r.spec.rank: _Future(r.spec.rank, now, error=RankFailed(r.spec.rank, error))
@@ -355,6 +375,55 @@ class FakeWorkerGroup:
             rank.pending = [f for f in rank.pending if f.done_at > now]
             rank.pending.append(out[rank.spec.rank])
         self.cpu_s += time.process_time() - t0
+        return out
+
+    def _due_at_call(self, rank: int, name: str) -> list[fake_faults.CallFault]:
+        """The faults due at this call of ``rank``'s (its calls of ``name`` counted)."""
+        key = (rank, name)
+        todo = self._call_faults.get(key)
+        if not todo:
+            return []
+        self._calls[key] += 1
+        due = [f for f in todo if f.nth == self._calls[key]]
+        for f in due:
+            todo.remove(f)
+            self._fired(f)
+        return due
+
+    def _fired(self, fault: fake_faults.Fault | fake_faults.NodesJoin) -> None:
+        self.fired.append(fault)
+        if self.on_fire is not None:
+            self.on_fire(fault)
+
+    def _hang(
+        self,
+        name: str,
+        states: list[_Rank],
+        hung: set[int],
+        args_of: Callable[[int], tuple[Any, ...]],
+        kwargs: dict[str, Any],
+    ) -> dict[int, _Future]:
+        """A call that never returns on the ``hung`` ranks; in a collective, the others wait
+        for them until the collective times out, then fail."""
+        now = self.clock.now
+        out: dict[int, _Future] = {}
+        for r in states:
+            rank = r.spec.rank
+            if r.died_at <= now:
+                out[rank] = self._future(r)
+            elif rank in hung:
+                r.hung_at = min(r.hung_at, now)
+                out[rank] = _Future(rank, _NEVER)
+            elif name in _COLLECTIVES:
+                cause = TimeoutError(f"{name} timed out after {self._collective_timeout_s}s")
+                out[rank] = _Future(
+                    rank,
+                    now + self._collective_timeout_s,
+                    error=RankFailed(rank, cause),
+                    blocked_from=now,
+                )
+            else:
+                out[rank] = self._answer(r, name, args_of(rank), kwargs)
         return out
 
     def wait(
@@ -446,7 +515,9 @@ class FakeWorkerGroup:
     def _time_passed(self) -> None:
         now = self.clock.now
         while self._arrivals and self._arrivals[0].at <= now:
-            self._add_nodes(self._arrivals.pop(0).count)
+            arrival = self._arrivals.pop(0)
+            self._add_nodes(arrival.count)
+            self._fired(arrival)
         due = [(t, action) for t, action in self._timed if t <= now]
         if due:
             self._timed = [(t, a) for t, a in self._timed if t > now]
@@ -556,6 +627,7 @@ class FakeWorkerGroup:
         if name == "set_shard":
             shard, replay = args[0], args[1]  # and the embedding-only ids (no dense in the fake)
             rank.stream, rank.pos = int(shard.index), 0
+            rank.length = _length(shard, spec.config.data.batch_size)
             rank.replay = collections.deque(replay)
             return self._future(rank)
         if name == "abort_replica_planes":
@@ -573,6 +645,10 @@ class FakeWorkerGroup:
                 rank,
                 {"shards": shards + (":off" if rank.corrupt else ""), "dense": f"{copy.dense:x}"},
             )
+        if name == "set_streams":  # its own stream may end sooner now
+            if rank.stream in args[0]:
+                rank.length = stream_length(args[0][rank.stream])
+            return self._future(rank)
         if name in ("join_sync_plan", "close", "settle_failed_step"):
             return self._future(rank)
         raise FakeUsageError(f"the fake rank has no method {name}")
@@ -612,6 +688,8 @@ class FakeWorkerGroup:
         out: dict[int, Any] = {}
         if name == "sync":
             _synced(list(copies.values()))
+            for r in states:  # an average is the same everywhere, an off weight included
+                r.corrupt = False
         elif name in ("broadcast_state", "broadcast_dense"):
             src = int(args_of(states[0].spec.rank)[0])
             [source] = [g for g, ranks in gangs.items() if ranks[0].member == src]
@@ -625,10 +703,18 @@ class FakeWorkerGroup:
             if name == "broadcast_state":
                 for r in states:
                     if r.gang != source and not r.corrupt:
-                        r.corrupt = any(
-                            isinstance(f, fake_faults.HealCorrupted) and f.rank == r.spec.rank
-                            for f in self._faults
+                        lie = next(
+                            (
+                                f
+                                for f in self._faults
+                                if isinstance(f, fake_faults.HealCorrupted)
+                                and f.rank == r.spec.rank
+                            ),
+                            None,
                         )
+                        if lie is not None:
+                            r.corrupt = True
+                            self._fired(lie)
         elif name == "save_checkpoint":
             [(gang, ranks)] = gangs.items()
             root, generation, extra = args_of(ranks[0].spec.rank)[:3]
@@ -725,6 +811,8 @@ class FakeWorkerGroup:
             run.done_at.append(t)
             if s % sync.sync_every == 0 or s <= sync.warmup_steps:
                 _synced([self._copies[g] for g in gangs])
+                for r in states:
+                    r.corrupt = False
             self._fire_at(s, t)
         run.end = t
         for r in states:
@@ -753,9 +841,12 @@ class FakeWorkerGroup:
         ]:
             self._faults.remove(f)
             if isinstance(f, fake_faults.NodeDrains):
-                self._timed.append((t, _drain(self._nodes[f.node], t)))
-            else:
-                self._timed.append((t, f.action))
+                if f.node < len(self._nodes):  # else no such node (yet): nothing drains
+                    self._fired(f)
+                    self._timed.append((t, _drain(self._nodes[f.node], t)))
+                continue
+            self._fired(f)
+            self._timed.append((t, f.action))
 
     def _fail_at(
         self, s: int, t: float, run: _Run, states: list[_Rank], gangs: dict[int, list[_Rank]]
@@ -779,15 +870,20 @@ class FakeWorkerGroup:
         for f in due:
             if isinstance(f, fake_faults.NodeDies):
                 self._faults.remove(f)
-                self._node_dies(self._nodes[f.node], t)
+                if f.node < len(self._nodes):  # else no such node (yet): nothing dies
+                    self._fired(f)
+                    self._node_dies(self._nodes[f.node], t)
             elif isinstance(f, fake_faults.RankHangs) and (f.rank is None or f.rank in here):
                 self._faults.remove(f)
+                self._fired(f)
                 hung |= here if f.rank is None else {f.rank}
             elif isinstance(f, fake_faults.RankDies) and f.rank in here:
                 self._faults.remove(f)
+                self._fired(f)
                 self._kill(self._ranks[f.rank], "ActorDiedError: the rank's process exited", at=t)
             elif isinstance(f, fake_faults.RankFails) and f.rank in here:
                 self._faults.remove(f)
+                self._fired(f)
                 errors[f.rank] = f.after_s
         dead = {r.spec.rank for r in states if r.died_at <= t}
         if not (dead or hung or errors):
@@ -831,6 +927,19 @@ def _fresh(error: BaseException) -> BaseException:
     if isinstance(error, RankFailed):
         return RankFailed(error.rank, error.cause)
     return error
+
+
+def _length(shard: object, batch_size: int) -> float:
+    """Batches a shard's stream holds: a re-shared source's (Parquet read by index) are
+    finite; the others' are endless."""
+    stream = getattr(shard, "stream", None)
+    if stream is None or not hasattr(shard, "num_shards"):
+        return _NEVER
+    return stream_length(stream(batch_size))
+
+
+def _at_call(fault: fake_faults.Fault | fake_faults.NodesJoin) -> bool:
+    return isinstance(fault, fake_faults.CallFault) and fault.on is not None
 
 
 def _drain(node: _Node, at: float) -> Callable[[], None]:

@@ -5,7 +5,8 @@
 (:class:`RankFails`) or is slow (:class:`SlowRank`); a node marked draining
 (:class:`NodeDrains`); a heal that goes wrong (:class:`HealCorrupted`); nodes that join later
 (:class:`NodesJoin`); and anything else once a step is done (:class:`AtStep`, e.g. a user's
-drain request). :class:`ManualClock` moves only when the coordinator sleeps or waits.
+drain request) or as a call is made (:class:`AtCall`). :class:`ManualClock` moves only when
+the coordinator sleeps or waits.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ if TYPE_CHECKING:
     from raytrec.data.source import Batch
 
 __all__ = [
+    "AtCall",
     "AtStep",
+    "CallFault",
     "FakeShard",
     "Fault",
     "GroupBreaks",
@@ -43,21 +46,23 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RankDies:
-    """Job rank ``rank`` dies as it starts job step ``step``, or at its first ``on`` call (a
+    """Job rank ``rank`` dies as it starts job step ``step``, or at its ``nth`` ``on`` call (a
     :class:`~actors.rank.RankWorker` method name, e.g. ``"recover"`` or ``"build"``)."""
 
     rank: int
     step: int | None = None
     on: str | None = None
+    nth: int = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GroupBreaks:
-    """Rank ``rank``'s first ``on`` call (a collective, e.g. ``"broadcast_dense"``) fails on
+    """Rank ``rank``'s ``nth`` ``on`` call (a collective, e.g. ``"broadcast_dense"``) fails on
     every rank taking part, as a gloo pair closed after a timeout does; every rank lives."""
 
     rank: int
     on: str
+    nth: int = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,10 +75,13 @@ class NodeDies:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RankHangs:
-    """Rank ``rank`` (None: every rank) finishes step ``step - 1`` and never another."""
+    """Rank ``rank`` (None: every rank) finishes step ``step - 1`` and never another; or, with
+    ``on``, its ``nth`` ``on`` call never returns (a control call stuck in a collective)."""
 
-    step: int
+    step: int | None = None
     rank: int | None = None
+    on: str | None = None
+    nth: int = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -118,6 +126,17 @@ class AtStep:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class AtCall:
+    """Calls ``action`` as rank ``rank``'s ``nth`` ``on`` call is made (a user asking for a
+    drain or a stop while the job is in that call)."""
+
+    rank: int
+    on: str
+    action: Callable[[], object]
+    nth: int = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class NodesJoin:
     """``count`` nodes join the cluster at clock time ``at``."""
 
@@ -135,7 +154,11 @@ Fault = (
     | NodeDrains
     | HealCorrupted
     | AtStep
+    | AtCall
 )
+
+#: The faults that fire at a rank's call rather than at a step.
+CallFault = RankDies | GroupBreaks | RankHangs | AtCall
 
 
 # -- the clock --------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """Which batches each rank trains next, as the coordinator sees it.
 
-A rank takes batches from its feed in a fixed order: batches handed to it for replay first (in
-the order they were queued), then its own stream (batch ``k`` of its shard is ``stream_id(shard,
-k)``). The coordinator mirrors that order here, fed by the ranks' reports of what they trained.
-When a rank dies in the middle of an interval its report is lost with it, but the batches it
-took are still known: the next ones in this order, one per step it was given. Those are what
-its gang consumed since its last sync, and what the survivors replay.
+A rank takes batches from its feed in a fixed order: batches handed to it for replay first (the
+ones handed last first, as its feed pushes them to its front), then its own stream (batch ``k``
+of its shard is ``stream_id(shard, k)``). The coordinator mirrors that order here, fed by the
+ranks' reports of what they trained. When a rank dies in the middle of an interval its report
+is lost with it, but the batches it took are still known: the next ones in this order, one per
+step it was given. Those are what its gang consumed since its last sync, and what the survivors
+replay.
 
 A removed rank's shard is remembered with its position (:meth:`RankStreams.retired`): batches
 before it were all taken, so a rank that continues that shard later starts there.
@@ -75,7 +76,9 @@ class RankStreams:
         self._retired.update(positions)
 
     def queue_replay(self, rank: int, ids: Iterable[int]) -> None:
-        self._replay[rank].extend(ids)
+        """Queues ``ids`` ahead of the replays queued before, as a rank's feed does
+        (``BatchFeed.push_front``: a replay goes to the front of what the rank holds)."""
+        self._replay[rank].extendleft(reversed(list(ids)))
 
     def trained(self, rank: int, ids: Sequence[int | None]) -> None:
         """The rank reports the batches it trained, in order."""

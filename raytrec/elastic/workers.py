@@ -34,6 +34,7 @@ __all__ = [
     "RankCallError",
     "RankFailed",
     "RankLost",
+    "RankTimedOut",
     "SystemClock",
     "WorkerGroup",
 ]
@@ -71,6 +72,15 @@ class RankFailed(RankCallError):
         text = str(cause).strip().splitlines()
         super().__init__(rank, f"{type(cause).__name__}: {text[0][:200] if text else ''}")
         self.cause = cause
+
+
+class RankTimedOut(RankCallError):
+    """A control call did not return on ``ranks`` in time: they are stuck (in a collective
+    whose peer hangs, say), alive or not."""
+
+    def __init__(self, ranks: Sequence[int], message: str) -> None:
+        super().__init__(ranks[0], message)
+        self.ranks = tuple(ranks)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,60 @@
+"""Runs seeded random fault schedules through the real control plane, or replays one.
+
+    python -m jobs.fault_space --schedules 100000 --seed 0 --workers 2
+    python -m jobs.fault_space --replay '<schedule json>'
+
+A campaign prints the outcomes by class, the phases its faults landed in, and for each distinct
+defect a shrunk schedule as a one-line reproducer; it exits 1 when it found a defect. A replay
+prints the schedule's outcome and exits 1 when it is a defect. (actors.fault_space)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobs.fault_space", description=__doc__)
+    parser.add_argument("--schedules", type=int, default=2000, help="how many schedules")
+    parser.add_argument("--seed", type=int, default=0, help="the first schedule's seed")
+    parser.add_argument("--workers", type=int, default=1, help="processes running schedules")
+    parser.add_argument("--no-shrink", action="store_true", help="do not shrink the defects")
+    parser.add_argument("--replay", metavar="JSON", help="run this one schedule and say how")
+    args = parser.parse_args(argv)
+
+    from actors.fault_campaign import campaign
+    from actors.fault_space import Schedule, run_schedule
+
+    if args.replay is not None:
+        try:
+            schedule = Schedule.from_json(args.replay)
+        except (ValueError, KeyError, TypeError) as e:
+            print(f"fault_space: --replay is not a schedule: {e}", file=sys.stderr)
+            return 2
+        outcome = run_schedule(schedule)
+        print(f"{outcome.verdict} {outcome.name} {outcome.detail}".rstrip())
+        print(f"phases: {list(outcome.phases)}; steps: {outcome.steps}")
+        return 1 if outcome.verdict == "defect" else 0
+    if args.schedules < 1 or args.workers < 1:
+        print("fault_space: --schedules and --workers must be at least 1", file=sys.stderr)
+        return 2
+
+    def progress(done: int, result: object) -> None:
+        print(f"... {done} schedules", file=sys.stderr, flush=True)
+
+    result = campaign(
+        args.schedules,
+        seed=args.seed,
+        workers=args.workers,
+        shrink_defects=not args.no_shrink,
+        progress=progress,
+    )
+    for line in result.lines():
+        print(line)
+    return 1 if result.defects else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

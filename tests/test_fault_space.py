@@ -1,0 +1,167 @@
+"""Seeded random fault schedules through the real coordinator over the fake worker group
+(actors.fault_space): thousands of them with no defect and every fault kind and phase
+reached; the shrinker; the one-line reproducer's round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import time
+from typing import Any
+
+import pytest
+
+from actors.fault_campaign import campaign, shrink
+from actors.fault_space import (
+    Outcome,
+    Schedule,
+    Settings,
+    generate,
+    reproducer,
+    run_schedule,
+)
+
+SCHEDULES = 2000
+BUDGET_S = 180.0
+
+#: Each fault kind, by the fake's name for it, that the campaign must have fired.
+FAULTS = {
+    "RankDies",
+    "RankHangs",
+    "SlowRank",
+    "NodeDies",
+    "GroupBreaks",
+    "HealCorrupted",
+    "RankFails",
+    "NodesJoin",
+    "NodeDrains",
+    "AtStep",
+    "AtCall",
+}
+#: Phases of the job that faults must have landed in.
+PHASES = {
+    "start",
+    "interval",
+    "sync step",
+    "last steps",
+    "checkpoint save",
+    "join: building",
+    "join: placed",
+    "join: sync",
+    "join: healing",
+    "join: verifying",
+    "join: handing off rows",
+    "drain",
+    "re-forming",
+    "probe",
+    "total-loss rebuild",
+    "resource wait",
+    "final sync",
+    "late placement",
+}
+
+
+def test_thousands_of_schedules_end_without_a_defect() -> None:
+    t0 = time.monotonic()
+    result = campaign(SCHEDULES, seed=0, workers=2, shrink_defects=False)
+    wall = time.monotonic() - t0
+    defects = [f"seed {s}: {o.name}: {o.detail}" for s, o in result.defects.values()]
+    assert not defects, "\n".join(defects)
+    assert sum(result.outcomes.values()) == SCHEDULES
+    assert wall < BUDGET_S, f"{SCHEDULES} schedules took {wall:.0f}s"
+    # Both ends of the outcome space: jobs that finish, stop on request, or fail by name.
+    assert result.outcomes["pass:"] > SCHEDULES // 2
+    assert result.outcomes["pass:StopRequested"] > 20
+    assert result.outcomes["failed:JobFailedError"] > 20
+    fired = {p.split(" @ ")[0] for p in result.phases}
+    assert fired >= FAULTS, f"fault kinds never fired: {FAULTS - fired}"
+    landed = {q for p in result.phases for q in p.split(" @ ")[1].split(" / ")[0].split(" > ")}
+    assert landed >= PHASES, f"phases never reached: {PHASES - landed}"
+    assert result.settings["data=reshared"] > SCHEDULES // 4
+    assert result.settings["data=synthetic"] > SCHEDULES // 4
+    assert result.settings["layout=replicas_within_host"] > SCHEDULES // 10
+    # A joining gang's rank lost while it heals, on re-shared rows, is in the space.
+    assert result.phases["RankDies @ join: healing / broadcast_state"] > 0
+
+
+def test_the_same_seed_gives_the_same_schedule_and_outcome() -> None:
+    a, b = generate(7), generate(7)
+    assert a == b and a.to_json() == b.to_json() and generate(8) != a
+    first, second = run_schedule(a), run_schedule(b)
+    assert dataclasses.replace(first, wall_s=0) == dataclasses.replace(second, wall_s=0)
+
+
+def test_the_shrinker_keeps_only_the_fault_that_fails_and_simplifies_the_settings() -> None:
+    culprit = {"kind": "rank_dies", "rank": 3, "on": "recover", "nth": 1}
+    noise = [
+        {"kind": "slow_rank", "rank": 1, "step_s": 0.5},
+        {"kind": "node_dies", "node": 0, "step": 4},
+        {"kind": "stop", "step": 9},
+    ]
+    schedule = Schedule(
+        Settings(gangs=4, data="reshared", grow=True, max_gangs=5, spare_nodes=2),
+        (noise[0], culprit, *noise[1:]),
+        seed=11,
+    )
+    runs: list[Schedule] = []
+
+    def run(s: Schedule) -> Outcome:  # fails whenever the culprit is there, whatever else
+        runs.append(s)
+        bad = culprit in s.faults
+        return Outcome("defect", "KeyError", "4") if bad else Outcome("pass")
+
+    shrunk, outcome = shrink(schedule, run(schedule), run=run)
+    assert shrunk.faults == (culprit,)
+    assert outcome.key == "defect:KeyError"
+    s = shrunk.settings
+    assert (s.data, s.grow, s.max_gangs, s.spare_nodes, s.gang_size) == (
+        "synthetic",
+        False,
+        None,
+        0,
+        1,
+    )
+    assert shrunk.seed == 11 and len(runs) < 30
+
+
+def test_a_reproducer_replays_the_schedule_it_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    from jobs.fault_space import main
+
+    schedule = Schedule(
+        Settings(gangs=2, gang_size=2, grow=True, max_gangs=3, spare_nodes=1, data="reshared"),
+        ({"kind": "rank_dies", "rank": 4, "on": "broadcast_state", "nth": 1},),
+    )
+    line = reproducer(schedule)
+    argv = shlex.split(line)
+    assert argv[:4] == ["python", "-m", "jobs.fault_space", "--replay"]
+    assert Schedule.from_json(argv[4]) == schedule
+    assert main(argv[3:]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("pass") and "RankDies @ join: healing / broadcast_state" in out
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"settings": {}, "faults": [{"kind": "meteor"}]}', "has no kind of"),
+        ('{"settings": {"data": "csv"}}', "Settings.data must be"),
+        ('{"settings": {}, "extra": 1}', "got ['extra']"),
+    ],
+)
+def test_a_bad_schedule_is_refused_naming_what(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        Schedule.from_json(text)
+
+
+def test_a_defect_is_classified_with_where_it_was_raised(monkeypatch: Any) -> None:
+    from actors import recovery
+
+    def broken(self: Any, result: Any) -> None:
+        raise KeyError(4)
+
+    monkeypatch.setattr(recovery.FailureRecovery, "recover", broken)
+    outcome = run_schedule(Schedule(Settings(), ({"kind": "rank_dies", "rank": 1, "step": 3},)))
+    assert outcome.verdict == "defect" and outcome.name == "KeyError"
+    assert "test_fault_space.py" in outcome.detail
+    assert json.loads(Schedule(Settings()).to_json())["faults"] == []
