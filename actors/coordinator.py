@@ -541,26 +541,36 @@ class Coordinator:
     def _build(self, ranks: list[int]) -> list[RankInfo]:
         """Builds ``ranks``; the node of every rank that built is known even when another
         failed (recovery names the nodes of the ranks it drops)."""
-        futures = self.group.call(ranks, RankWorker.build)
-        error: RankCallError | None = None
-        try:
-            self._wait_all(futures, RankWorker.build)
-        except RankTimedOut as e:
-            error = e
-        stuck = set(error.ranks) if isinstance(error, RankTimedOut) else set()
-        for r in ranks:
-            if r in stuck:
-                continue
-            try:
-                info: RankInfo = self.group.result(futures[r])
-            except RankCallError as e:
-                error = error or e
-                continue
+        answers, error = self.answers(ranks, RankWorker.build)
+        for r, info in answers.items():
             self._infos[r] = info
             self.nodes.saw(info)
         if error is not None:
             raise error
         return sorted((self._infos[r] for r in ranks), key=lambda x: x.rank)
+
+    def answers(
+        self, ranks: list[int], method: Callable[..., Any]
+    ) -> tuple[dict[int, Any], RankCallError | None]:
+        """Calls ``method`` on ``ranks``; returns the answers of those whose call returned, and
+        the first error (a timeout, naming the ranks stuck, before any other), so a caller
+        keeps what came back when some did not."""
+        futures = self.group.call(ranks, method)
+        error: RankCallError | None = None
+        try:
+            self._wait_all(futures, method)
+        except RankTimedOut as e:
+            error = e
+        stuck = set(error.ranks) if isinstance(error, RankTimedOut) else set()
+        answers: dict[int, Any] = {}
+        for r in ranks:
+            if r in stuck:
+                continue
+            try:
+                answers[r] = self.group.result(futures[r])
+            except RankCallError as e:
+                error = error or e
+        return answers, error
 
     def _new_generation(self, *, reason: str) -> None:
         """Replica plane and sync plan of the current membership, on every live rank."""

@@ -474,21 +474,9 @@ class FailureRecovery:
         since its last one (a second ``recover`` returns nothing): when another survivor is
         lost meanwhile, the reports that came back stay in ``result`` for the recovery that
         starts over."""
-        futures = self.job.group.call(ranks, RankWorker.recover)
-        recovered: list[RankReport] = []
-        error: RankCallError | None = None
-        try:
-            self.job._wait_all(futures, RankWorker.recover)
-        except RankTimedOut as e:  # the others' reports still count
-            error = e
-        stuck = set(error.ranks) if isinstance(error, RankTimedOut) else set()
-        for r in ranks:
-            if r in stuck:
-                continue
-            try:
-                recovered.append(self.job.group.result(futures[r]))
-            except RankCallError as e:
-                error = error or e
+        # A rank that timed out or died: the others' reports still count.
+        answers, error = self.job.answers(ranks, RankWorker.recover)
+        recovered: list[RankReport] = [answers[r] for r in ranks if r in answers]
         if error is not None:
             result.later += recovered
             raise error
