@@ -24,6 +24,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--replay", metavar="JSON", help="run this one schedule and say how")
     args = parser.parse_args(argv)
 
+    from raytrec._quiet import quiet_known_warnings
+
+    quiet_known_warnings()  # before torch.fx's notice, which TorchRec's imports trigger
     from actors.fault_campaign import campaign
     from actors.fault_space import Schedule, run_schedule
 
