@@ -37,7 +37,8 @@ from ray._private.state import state
 from ray.core.generated import autoscaler_pb2
 from test_elastic_cluster import assert_every_batch_once, assert_replicas_agree
 
-from raytrec.api import CapacityUnknownWarning, check_capacity, fit
+import raytrec
+from raytrec.api import CapacityUnknownWarning, TrainingStopped, check_capacity, fit
 from raytrec.capacity import NodeShape
 from raytrec.cluster import (
     ClusterStateError,
@@ -58,7 +59,7 @@ from raytrec.config import (
 )
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.faults import FaultKind, FaultSpec
-from raytrec.errors import ConfigError
+from raytrec.errors import ConfigError, StopRequested
 from raytrec.local_cluster import (
     AutoscalingCluster,
     WorkerNodeType,
@@ -73,7 +74,8 @@ GANG_SIZE = 2
 CPUS_PER_RANK = 1
 MIN_GANGS, START_GANGS, MAX_GANGS = 1, 1, 2
 GANGS_PER_NODE = 1  # k in docs/autoscaling.md
-NUM_STEPS = 100
+#: A bound: the job is stopped once it has grown and given the preempted node back.
+NUM_STEPS = 600
 
 
 def job_config(tmp_path: Any, **kw: Any) -> TrainConfig:
@@ -236,6 +238,10 @@ def test_the_job_grows_onto_nodes_the_autoscaler_adds_and_gives_a_preempted_one_
     seen: dict[str, Any] = {}
 
     def on_progress(row: IntervalMetrics) -> None:
+        if "drained" in seen and row.gangs < MAX_GANGS and "stop" not in seen:
+            # Grown and given back: the rest would only wait out the job's length.
+            [run_dir] = [d for d in tmp_path.iterdir() if d.name.startswith("raytrec-")]
+            seen["stop"] = raytrec.stop(str(run_dir))
         if row.gangs == MAX_GANGS and "grown" not in seen:
             nodes = ray.get(running_coordinator().rank_nodes.remote())
             seen["grown"] = row.step
@@ -246,19 +252,27 @@ def test_the_job_grows_onto_nodes_the_autoscaler_adds_and_gives_a_preempted_one_
             drainer(row)
             seen["drained"] = drainer.drained
 
-    # Slow steps, so the job trains while nodes are launched, built on and taken away; the
-    # waits are bounded by the job's length (a job that ends first fails the asserts below).
+    # Slow steps, so the job trains while nodes are launched, built on and taken away, until
+    # it is stopped once that is done; the waits are bounded by the job's length (a job that
+    # ends first fails the asserts below).
     config = job_config(
         tmp_path,
         testing=TestingConfig(
-            faults=(FaultSpec(kind=FaultKind.SLOW_RANK, step=1, rank=0, stall_s=0.5, steps=400),)
+            faults=(
+                FaultSpec(kind=FaultKind.SLOW_RANK, step=1, rank=0, stall_s=0.5, steps=NUM_STEPS),
+            )
         ),
         num_steps=NUM_STEPS,
     )
     # No live node holds a gang, and the autoscaler published no node types: the job warns,
     # asks for its placement and waits for the autoscaler's node.
-    with pytest.warns(CapacityUnknownWarning, match="no node is that big"):
-        result = fit(config, on_progress=on_progress, shutdown_ray=False)
+    with (
+        pytest.warns(CapacityUnknownWarning, match="no node is that big"),
+        pytest.raises(TrainingStopped) as stopped,
+    ):
+        fit(config, on_progress=on_progress, shutdown_ray=False)
+    assert isinstance(stopped.value.cause, StopRequested), stopped.value
+    result = stopped.value.result
 
     kinds = [e["kind"] for e in result.events]
     assert "grown" in seen, f"the job never reached {MAX_GANGS} gangs: {kinds}"
@@ -281,7 +295,7 @@ def test_the_job_grows_onto_nodes_the_autoscaler_adds_and_gives_a_preempted_one_
         assert time.monotonic() < deadline, "the autoscaler kept the drained node"
         time.sleep(1)
     assert not [e for e in result.events if e["kind"] in ("rank_died", "gang_dropped")], kinds
-    assert result.steps == NUM_STEPS
+    assert drained["step"] < result.steps < NUM_STEPS  # stopped once given back
     assert_replicas_agree(result)
     assert_every_batch_once(result)
 

@@ -85,6 +85,7 @@ class KeyedAdam:
     def __init__(self, params: dict[str, torch.nn.Parameter]) -> None:
         self.params = params
         self.optimizer = torch.optim.Adam(params.values(), lr=0.01)
+        self._optimizer = self.optimizer  # the wrapped optimizer, as TorchRec's wrapper holds it
         self.state = self.optimizer.state
 
     def state_dict(self) -> dict[str, Any]:
@@ -123,6 +124,8 @@ class StandInEngine:
             "model.dense_arch.b": torch.nn.Parameter(torch.randn(32, device=device, generator=g)),
         }
         self.dense_optimizer = KeyedAdam(self.dense_params)
+        # One step counter per fused-table kernel, as FBGEMM's fused Adam keeps (``iter``).
+        self.counters = [torch.zeros(1, dtype=torch.int64, device=device)]
         engine = self
 
         class Fused:
@@ -152,6 +155,12 @@ class StandInEngine:
     def embeddings_written(self) -> None:
         pass
 
+    def embedding_step_counters(self) -> list[torch.Tensor]:
+        return self.counters
+
+    def step_counters_written(self) -> None:
+        pass
+
     def train_step(self) -> None:
         loss = sum((p**2).sum() for p in self.dense_params.values())
         loss.backward()  # type: ignore[union-attr]
@@ -160,6 +169,8 @@ class StandInEngine:
             for n in TABLES:
                 self.tables[n].mul_(0.5).add_(1.0)
                 self.momentum[n].add_(0.25)
+            for c in self.counters:
+                c.add_(1)
         self.step += 1
 
     def everything(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -167,6 +178,7 @@ class StandInEngine:
         out = {f"w/{n}": t for n, t in self.tables.items()}
         out |= {f"m/{n}": t for n, t in self.momentum.items()}
         out |= {f"d/{k}": p.detach() for k, p in self.dense_params.items()}
+        out |= {f"c/{i}": c for i, c in enumerate(self.counters)}
         for k, p in self.dense_optimizer.params.items():
             out |= {f"o/{k}/{s}": v for s, v in self.dense_optimizer.state[p].items()}
         copies = {k: v.detach().cpu().clone() for k, v in out.items()}
