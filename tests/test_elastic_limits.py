@@ -79,9 +79,11 @@ def test_replicas_within_host_losing_a_host_without_a_checkpoint_fails_clearly(
     summary = read_summary(failed.value)
     assert summary["ended"] == "failed" and "cannot go on without a checkpoint" in summary["failed"]
     assert summary["resume_from"] is None and summary["failures"]["rank_died"] >= 1
-    # Steps 1-4 of both gangs, synced every step: committed before the loss at step 5.
-    assert summary["batches"]["committed"] >= 8 and summary["rows"]["trained"] >= 8 * 32
-    assert summary["batches"]["committed"] * 32 == summary["rows"]["trained"]
+    # What was committed before the loss (job-wide syncs every 4 steps: none, or 4 ranks'
+    # batches of each step up to the last sync the coordinator booked), in rows too.
+    committed = summary["batches"]["committed"]
+    assert committed % (4 * 4) == 0 and summary["rows"]["trained"] == committed * 32
+    assert summary["steps"] < 16  # it ended at the loss, not after
 
 
 def test_replicas_within_host_losing_one_rank_drops_its_gang_and_goes_on(

@@ -62,7 +62,6 @@ from raytrec.engine.dense_optimizer import (
 from raytrec.engine.plan import apply_embedding_optimizer, sharders
 from raytrec.engine.replica_plane import (
     RENDEZVOUS_TIMEOUT_S,
-    Agreement,
     LevelPlanes,
     ReplicaPlane,
     in_place_flat,
@@ -544,15 +543,6 @@ class RankEngine:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
-    def _gang_agreement(self) -> Agreement | None:
-        """How a replica-plane average asks whether the whole gang succeeded
-        (:mod:`raytrec.engine.replica_plane`): over the gang world, where a failed gloo
-        collective raises at once. None for a gang of one, and on NCCL, whose collectives do
-        not fail at once when a member dies (the collective timeout decides there)."""
-        if self.spec.gang_size == 1 or self.cfg.scaling.resolved_backend != "gloo":
-            return None
-        return self.gang_agrees
-
     def abandon_failed_step(self) -> bool:
         """Cleans up after a replica-plane failure inside :meth:`train_step`.
 
@@ -607,7 +597,7 @@ class RankEngine:
             # rank is its replica group's only member.
             return
         grads = [p.grad for p in self.dense_params.values() if p.grad is not None]
-        self.replica.average_(grads, agree=self._gang_agreement())
+        self.replica.average_(grads)
 
     def sync(
         self, decision: SyncDecision | None = None, *, optimizer_state: bool | None = None
@@ -643,7 +633,7 @@ class RankEngine:
             if optimizer_state:
                 dense += self.dense_optimizer_state()
         # Dense state in a buffer of its own, so the gang's ranks keep identical copies.
-        plane.average_(tensors, apart=dense, agree=self._gang_agreement())
+        plane.average_(tensors, apart=dense)
         self.shard_state_written()
 
     def _plane_for(self, decision: SyncDecision) -> ReplicaPlane:

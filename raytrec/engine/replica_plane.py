@@ -13,16 +13,13 @@ the gangs in group j of level l, under ``gen{n}/level{l}/group{j}/replica{k}``.
 :class:`LevelPlanes` holds this rank's group at each of those levels.
 
 The ranks of one gang sit in different replica groups, so a failure (a lost gang's rank, or
-an abort) can fail one rank's replica collective while its gang peer's succeeds. The peer
-would go on into the next step's gang collectives and wait there for a rank that has left
-training, until the collective timeout. Averages made during training therefore ask the
-gang whether all of its ranks succeeded before writing anything back (``agree``): the gang
-fails as one, in the same step, at once.
+an abort) can fail one rank's replica collective while its gang peer's succeeds; the peer then
+waits in the next step's gang collectives until the coordinator, told of the loss, releases it
+(docs/fault_tolerance.md, "Limits").
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -36,16 +33,11 @@ from raytrec.sync.schedule import SyncPlan
 
 __all__ = [
     "RENDEZVOUS_TIMEOUT_S",
-    "Agreement",
     "LevelPlanes",
     "ReplicaPlane",
     "ReplicaPlaneError",
     "in_place_flat",
 ]
-
-#: Whether every rank of this rank's gang succeeded, given this rank's outcome (a collective
-#: over the gang world: :meth:`raytrec.engine.rank.RankEngine.gang_agrees`).
-Agreement = Callable[[bool], bool]
 
 #: How long joining a gang world or a replica plane may wait for the other members.
 RENDEZVOUS_TIMEOUT_S = 300.0
@@ -56,7 +48,6 @@ def in_place_flat(
     collective: Callable[[torch.Tensor], None],
     *,
     apart: Sequence[torch.Tensor] = (),
-    agree: Agreement | None = None,
 ) -> None:
     """Runs ``collective`` on one flat buffer per dtype and writes the result back in place, so a
     sync costs one collective per dtype whatever the number of tables.
@@ -68,32 +59,16 @@ def in_place_flat(
 
     Nothing is written back unless every collective succeeded: a failed one leaves all the
     tensors as they were (a failed step's dense gradients stay this rank's own, to be finished
-    after re-forming: :meth:`raytrec.engine.rank.RankEngine.settle_failed_step`). With
-    ``agree`` (whether every rank of this rank's gang succeeded too, asked with this rank's
-    outcome), nothing is written back either unless the whole gang succeeded: a rank whose own
-    collective succeeded fails with its gang, in the same step (module doc)."""
+    after re-forming: :meth:`raytrec.engine.rank.RankEngine.settle_failed_step`)."""
     by_dtype: dict[tuple[bool, torch.dtype], list[torch.Tensor]] = {}
     for own, part in ((False, tensors), (True, apart)):
         for t in part:
             by_dtype.setdefault((own, t.dtype), []).append(t)
     flats = []
-    try:
-        for group in by_dtype.values():
-            flat = _flatten_dense_tensors(group)
-            collective(flat)
-            flats.append((group, flat))
-    except BaseException:
-        if agree is not None:
-            # The gang peers learn of it (their answer does not matter: this rank fails). A gang
-            # world that fails here too belongs to a gang that lost a rank, dropped anyway.
-            with contextlib.suppress(Exception):
-                agree(False)
-        raise
-    if agree is not None and not agree(True):
-        raise ReplicaPlaneError(
-            "a replica-plane collective failed on another rank of this gang; this rank's "
-            "succeeded and is not applied"
-        )
+    for group in by_dtype.values():
+        flat = _flatten_dense_tensors(group)
+        collective(flat)
+        flats.append((group, flat))
     for group, flat in flats:
         for dst, value in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
             dst.copy_(value)
@@ -163,12 +138,11 @@ class ReplicaPlane:
         tensors: Sequence[torch.Tensor],
         *,
         apart: Sequence[torch.Tensor] = (),
-        agree: Agreement | None = None,
     ) -> None:
         """Replaces every tensor with its mean over the group, in place (an integer tensor,
         such as a step counter, with its mean rounded down: equal counts stay as they are);
         ``apart`` as in :func:`in_place_flat` (the tensors every rank of a gang must keep
-        identical); with ``agree``, only if every rank of this rank's gang succeeded too."""
+        identical)."""
         if self.pg is None or not (tensors or apart):
             return
 
@@ -184,7 +158,7 @@ class ReplicaPlane:
             if wide is not flat:
                 flat.copy_(wide)
 
-        in_place_flat(tensors, mean, apart=apart, agree=agree)
+        in_place_flat(tensors, mean, apart=apart)
 
     def _wait(self, work: Any) -> None:
         """Waits for a collective. When it fails (a member died, or the group was aborted),
