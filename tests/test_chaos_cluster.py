@@ -24,11 +24,9 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 def test_job_survives_a_rank_kill_a_join_and_a_node_loss(tmp_path: pathlib.Path) -> None:
     out_file = tmp_path / "chaos.json"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    # A collective timeout well above the death notices seen on this machine: with the
-    # harness's 10 s, a rank SIGKILLed mid-interval was once noticed only after 10.1 s, when
-    # the surviving gang's world had timed out too (a total loss, rebuilt from a checkpoint;
-    # docs/fault_tolerance.md, "Limits"). What this test checks is every batch once through a
-    # kill, a join and a node loss.
+    # A collective timeout well above the death notices of a loaded machine (a survivor's
+    # gang world that times out first makes a total loss: docs/fault_tolerance.md, "Limits").
+    # What this test checks is every batch once through a kill, a join and a node loss.
     command = [sys.executable, "-m", "benchmarks.chaos", "--short", "--json", str(out_file)]
     done = subprocess.run(
         [*command, "--collective-timeout-s", "60"],
