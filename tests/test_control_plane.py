@@ -543,6 +543,36 @@ def test_a_joining_gang_lost_while_it_heals_on_re_shared_rows_is_placed_again(
     assert check_invariants(summary, j.group, j.coordinator, settings) == []  # every row once
 
 
+def test_gangs_found_hung_mid_step_keep_no_step_they_never_finished(tmp_path: Any) -> None:
+    """Gang 0 dies at step 2; of the two replacement gangs one is slower per step (40 s) than
+    ``step_timeout_s`` (30 s), so no rank finishes step 3 and both joiners are found hung. Step
+    3 happened nowhere: the survivor aborts it, keeps its batch's embedding update for the
+    replay's books, and every row is trained once. (The fake used to carry out an interval's
+    steps when the call was made, so step 3's batches stayed in the model.)"""
+    faults = (RankDies(rank=0, step=2), SlowRank(rank=3, step_s=40.0))
+    j = job(
+        tmp_path,
+        *faults,
+        gangs=2,
+        gang_size=1,
+        nodes=3,
+        num_steps=8,
+        reshared=True,
+        grow=True,
+        max_gangs=3,
+        min_gangs=2,
+    )
+    summary = j.run()
+    [hang] = events(summary, "hang_detected")
+    assert hang["job_ranks"] == [2, 3] and hang["last_step"] == 2
+    assert hang["silent_s"] == ELASTIC["step_timeout_s"]
+    dropped = [(e["gang_id"], e["reason"]) for e in events(summary, "gang_dropped")]
+    assert dropped == [(0, "rank(s) [0] died"), (2, "rank(s) [2] hung"), (3, "rank(s) [3] hung")]
+    assert summary.steps == 8
+    settings = Settings(gangs=2, gang_size=1, num_steps=8, data="reshared")
+    assert check_invariants(summary, j.group, j.coordinator, settings) == []  # every row once
+
+
 def test_a_rank_stuck_in_a_control_call_is_hung_and_its_gang_dropped(tmp_path: Any) -> None:
     """Rank 0 never returns from the checkpoint save (its peer times out in the collective):
     it is hung, its gang dropped; the coordinator used to fail with TimeoutError."""

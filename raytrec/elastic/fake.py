@@ -11,7 +11,10 @@ What the fake models, and how:
 
 - **Training.** The live ranks train in lockstep (dense gradients are averaged every step), one
   step per ``step_s`` of clock time, at the pace of the slowest rank. Job-wide syncs happen at
-  ``sync.sync_every`` (hierarchical lower levels are not modelled).
+  ``sync.sync_every`` (hierarchical lower levels are not modelled). A ``train`` call's steps
+  happen as the clock passes them, not when it is made: a rank that dies or is killed, or a
+  replica plane aborted, in the middle of a step fails that step for every rank of the call,
+  and the steps after it never happen.
 - **State.** Each gang holds one model copy: the batches trained into it (a committed base shared
   by every replica after a sync, plus its own batches since) and a dense state. Syncs merge the
   gangs' batches, ``broadcast_state`` copies a member's, checkpoints save and load it, and
@@ -215,7 +218,8 @@ class _Rank:
 
 @dataclasses.dataclass(eq=False)
 class _Run:
-    """One ``train`` call on the live ranks: its start, and when each of its steps finished."""
+    """One ``train`` call on the live ranks: ``n`` steps of ``step_s`` from ``start``, carried
+    out as the clock passes them; ``done_at``: when each step done so far finished."""
 
     step0: int
     start: float
@@ -223,6 +227,14 @@ class _Run:
     end: float = _NEVER
     failed: bool = False
     futures: dict[int, _Future] = dataclasses.field(default_factory=dict)
+    states: list[_Rank] = dataclasses.field(default_factory=list)
+    gangs: dict[int, list[_Rank]] = dataclasses.field(default_factory=dict)
+    n: int = 0
+    step_s: float = 0.0
+    ready: int = 0
+    begun: int = -1  # the last step whose start (and its faults) was carried out
+    live: bool = True  # steps are still to be carried out
+    after: _Run | None = None  # the live run it is queued behind
 
 
 def _lost(rank: _Rank) -> RankLost:
@@ -278,6 +290,7 @@ class FakeWorkerGroup:
         self._ranks: dict[int, _Rank] = {}
         self._copies: dict[int, _Copy] = {}  # gang id -> its model copy
         self._runs: dict[int, _Run] = {}  # train call seq -> its run
+        self._live: list[_Run] = []  # runs with steps still to carry out, in call order
         self._collective_timeout_s = _NEVER
         self.checkpoints: dict[str, tuple[_Copy, int, int, dict[str, Any]]] = {}
         self.saved_models: dict[str, collections.Counter[int]] = {}
@@ -356,6 +369,7 @@ class FakeWorkerGroup:
                         broke = name in _COLLECTIVES
                     else:
                         f.action()
+            self._time_passed()  # a run a rank died in stops now
         if name == "train":
             out = self._train(states, args_of, **kwargs)
         elif hung:
@@ -432,12 +446,17 @@ class FakeWorkerGroup:
         t0 = time.process_time()
         if not futures:
             return []
-        now = self.clock.now
-        due = sorted(f.done_at for f in futures)
-        target = due[min(num_returns, len(due)) - 1]
-        self._advance(min(max(target, now), now + timeout))
-        t = self.clock.now
-        done = [f for f in futures if f.done_at <= t]
+        self._time_passed()
+        deadline = self.clock.now + timeout
+        while True:  # a call may end later than it was due when a fault strikes meanwhile
+            now = self.clock.now
+            due = sorted(f.done_at for f in futures)
+            target = due[min(num_returns, len(due)) - 1]
+            self._advance(min(max(target, now), deadline))
+            t = self.clock.now
+            done = [f for f in futures if f.done_at <= t]
+            if len(done) >= min(num_returns, len(futures)) or t >= deadline:
+                break
         self.cpu_s += time.process_time() - t0
         return done
 
@@ -456,9 +475,11 @@ class FakeWorkerGroup:
             return
         self.killed.append(rank)
         self._kill(state, "ActorDiedError: the actor was killed by ray.kill", at=self.clock.now)
+        self._time_passed()  # its run, if any, stops now
 
     def progress(self, ranks: Sequence[int]) -> dict[int, int]:
         t0 = time.process_time()
+        self._time_passed()
         now = self.clock.now
         out = {r: self._progress(self._ranks[r], now) for r in ranks if r in self._ranks}
         self.cpu_s += time.process_time() - t0
@@ -513,16 +534,30 @@ class FakeWorkerGroup:
         self.clock.advance_to(t)
 
     def _time_passed(self) -> None:
+        """Carries out, in time order, every event due by now: nodes joining, timed actions
+        (drains, requests), and the steps of the runs in flight."""
         now = self.clock.now
-        while self._arrivals and self._arrivals[0].at <= now:
-            arrival = self._arrivals.pop(0)
-            self._add_nodes(arrival.count)
-            self._fired(arrival)
-        due = [(t, action) for t, action in self._timed if t <= now]
-        if due:
-            self._timed = [(t, a) for t, a in self._timed if t > now]
-            for _, action in sorted(due, key=lambda x: x[0]):
-                action()
+        while True:
+            arrival = self._arrivals[0].at if self._arrivals else _NEVER
+            action = min((t for t, _ in self._timed), default=_NEVER)
+            run, at = None, _NEVER
+            for r in self._live:
+                t = self._next_at(r)
+                if t < at:
+                    run, at = r, t
+            first = min(arrival, action, at)
+            if first > now:
+                return
+            if run is not None and at == first:
+                self._carry(run)
+            elif arrival == first:
+                joined = self._arrivals.pop(0)
+                self._add_nodes(joined.count)
+                self._fired(joined)
+            else:
+                i = min(range(len(self._timed)), key=lambda k: self._timed[k][0])
+                _, act = self._timed.pop(i)
+                act()
 
     def _progress(self, rank: _Rank, now: float) -> int:
         for run in reversed(rank.runs):
@@ -632,6 +667,10 @@ class FakeWorkerGroup:
             return self._future(rank)
         if name == "abort_replica_planes":
             now = self.clock.now
+            # Inside a step, its collectives fail now: the step fails for every rank of it.
+            run = next((q for q in self._live if rank in q.states), None)
+            if run is not None and run.begun == run.step0 + len(run.done_at) + 1:
+                self._fail(run, run.begun, now, set(), {})
             for f in rank.pending:
                 if f.blocked_from is not None and f.done_at > now:
                     f.due = max(now, f.blocked_from)
@@ -758,6 +797,10 @@ class FakeWorkerGroup:
             )
 
     # -- training ---------------------------------------------------------------------------
+    #
+    # A ``train`` call is carried out as the clock passes its steps, not when it is made: a
+    # rank killed mid-interval (by the coordinator, a node loss, a fault at another call) stops
+    # the run at the step in progress, and the steps after it never happen.
 
     def _train(
         self,
@@ -772,65 +815,150 @@ class FakeWorkerGroup:
         prev = self._runs.get(after) if after is not None else None
         if prev is not None and prev.failed:
             # A queued call behind a failed one does nothing, once that one has ended.
-            run = _Run(step0=0, start=_NEVER, failed=True)
+            run = _Run(step0=0, start=_NEVER, failed=True, live=False)
             self._runs[seq] = run
             for r in states:
-                f = self._future(r, RankReport(rank=r.spec.rank, step=r.step, skipped=True))
-                f.after = prev.futures.get(r.spec.rank)
-                run.futures[r.spec.rank] = f
+                run.futures[r.spec.rank] = self._skipped(r, prev, now)
             return run.futures
-        steps = {r.step for r in states}
-        if len(steps) != 1:
-            raise FakeUsageError(f"train on ranks at different steps {sorted(steps)}")
-        start = now if prev is None else max(now, prev.end)
-        run = _Run(step0=steps.pop(), start=start)
+        if prev is not None and prev.live:  # it starts where the one before it ends
+            step0, start = prev.step0 + prev.n, prev.start + prev.n * prev.step_s
+        else:
+            steps = {r.step for r in states}
+            if len(steps) != 1:
+                raise FakeUsageError(f"train on ranks at different steps {sorted(steps)}")
+            step0, start = steps.pop(), now if prev is None else max(now, prev.end)
+        step_s = max(r.step_s for r in states)
+        run = _Run(
+            step0=step0, start=start, states=states, n=int(n), step_s=step_s, ready=int(ready)
+        )
+        run.after = prev if prev is not None and prev.live else None
         self._runs[seq] = run
         old = self._runs.pop(seq - 4, None)
         if old is not None:  # nothing is queued behind it any more; ranks keep its timeline
             old.futures.clear()
-        step_s = max(r.step_s for r in states)
-        gangs: dict[int, list[_Rank]] = {}
         for r in states:
-            gangs.setdefault(r.gang, []).append(r)
+            run.gangs.setdefault(r.gang, []).append(r)
             r.runs = [*r.runs[-2:], run]
-        sync = states[0].spec.config.sync
-        t = start
-        for s in range(run.step0 + 1, run.step0 + n + 1):
-            if self._fail_at(s, t, run, states, gangs):
-                return run.futures
-            for gang, ranks in gangs.items():
-                copy = self._copies[gang]
-                for r in ranks:
-                    b = r.take()
-                    r.log.append((s, b))
-                    copy.add(b)
-                copy.dense = _mix(copy.dense ^ s)
-            for r in states:
-                r.step = s
-            t += step_s
-            run.done_at.append(t)
-            if s % sync.sync_every == 0 or s <= sync.warmup_steps:
-                _synced([self._copies[g] for g in gangs])
-                for r in states:
-                    r.corrupt = False
-            self._fire_at(s, t)
-        run.end = t
-        for r in states:
-            r.prepared = max(r.prepared - n, ready)
-            trained, r.log = tuple(r.log), []
-            report = RankReport(
-                rank=r.spec.rank,
-                step=r.step,
-                trained=trained,
-                losses=(0.5,) * n,
-                rows=n * r.spec.config.data.batch_size,
-                seconds=t - start,
-                ready=r.prepared,
-                idle_s=None if r.last_end is None else start - r.last_end,
-            )
-            r.last_end = t
-            run.futures[r.spec.rank] = self._future(r, report, due=t)
+            run.futures[r.spec.rank] = self._future(r, due=start + run.n * step_s)
+        self._live.append(run)
+        self._time_passed()  # its first step may start now
         return run.futures
+
+    def _next_at(self, run: _Run) -> float:
+        """When ``run``'s next event is due: a step starts, one ends, or a rank of it died."""
+        if run.after is not None and run.after.live:
+            return _NEVER  # it starts once the one before it has ended
+        i = len(run.done_at)
+        t = run.start + i * run.step_s
+        if i == run.n or run.begun <= run.step0 + i:
+            return t  # it ends, or step i + 1 starts
+        died = min(r.died_at for r in run.states)
+        return max(t, min(run.start + (i + 1) * run.step_s, died))
+
+    def _carry(self, run: _Run) -> None:
+        """Carries out ``run``'s next event (:meth:`_next_at`)."""
+        i = len(run.done_at)
+        ts = run.start + i * run.step_s  # not summed step by step: the calls end on time
+        if i == run.n:
+            self._finish(run, ts)
+            return
+        s = run.step0 + i + 1
+        if run.begun < s:
+            run.begun = s
+            hung, errors = self._faults_at(s, ts, run)
+            if hung or errors or any(r.died_at <= ts for r in run.states):
+                self._fail(run, s, ts, hung, errors)
+            return
+        te = run.start + (i + 1) * run.step_s
+        died = min(r.died_at for r in run.states)
+        if died < te:  # a rank died during the step: the others wait for it in a collective
+            self._fail(run, s, max(ts, died), set(), {})
+            return
+        for gang, ranks in run.gangs.items():
+            copy = self._copies[gang]
+            for r in ranks:
+                b = r.take()
+                r.log.append((s, b))
+                copy.add(b)
+            copy.dense = _mix(copy.dense ^ s)
+        for r in run.states:
+            r.step = s
+        run.done_at.append(te)
+        sync = run.states[0].spec.config.sync
+        if s % sync.sync_every == 0 or s <= sync.warmup_steps:
+            _synced([self._copies[g] for g in run.gangs])
+            for r in run.states:
+                r.corrupt = False
+        self._fire_at(s, te)
+
+    def _finish(self, run: _Run, t: float) -> None:
+        """Every step of ``run`` is done (at ``t``): each rank reports what it trained."""
+        run.live, run.end = False, t
+        self._live.remove(run)
+        for r in run.states:
+            r.prepared = max(r.prepared - run.n, run.ready)
+            trained, r.log = tuple(r.log), []
+            future = run.futures[r.spec.rank]
+            if future.error is None:
+                future.value = RankReport(
+                    rank=r.spec.rank,
+                    step=r.step,
+                    trained=trained,
+                    losses=(0.5,) * run.n,
+                    rows=run.n * r.spec.config.data.batch_size,
+                    seconds=t - run.start,
+                    ready=r.prepared,
+                    idle_s=None if r.last_end is None else run.start - r.last_end,
+                )
+            r.last_end = t
+
+    def _fail(self, run: _Run, s: int, t: float, hung: set[int], errors: dict[int, float]) -> None:
+        """Step ``s`` of ``run`` fails at ``t``: dead ranks' calls fail when they died, hung
+        ones' never return, and the others take the step's batch, update their embeddings and
+        wait in a collective for the rest."""
+        run.live, run.failed, run.end = False, True, t
+        self._live.remove(run)
+        now = self.clock.now
+        for r in run.states:
+            rank, future = r.spec.rank, run.futures[r.spec.rank]
+            future.after, future.value = None, None
+            if r.died_at <= now:  # its call fails when it dies
+                future.due, future.error, future.blocked_from = r.died_at, _lost(r), None
+                continue
+            if rank in hung:
+                r.hung_at = t
+                future.due, future.error, future.blocked_from = _NEVER, None, None
+                continue
+            b = r.take()
+            r.log.append((s, b))
+            self._copies[r.gang].add(b)
+            r.in_flight = True
+            if rank in errors:
+                cause = TimeoutError("a collective timed out")
+                future.due, future.blocked_from = t + errors[rank], None
+            else:
+                cause = TimeoutError(f"collective timed out after {self._collective_timeout_s}s")
+                future.due, future.blocked_from = t + self._collective_timeout_s, t
+            future.error = RankFailed(rank, cause)
+        self._fail_queued(run, t)
+
+    def _fail_queued(self, run: _Run, t: float) -> None:
+        """The calls queued behind the skipped ``run`` are skipped too."""
+        for queued in [q for q in self._live if q.after is run]:
+            queued.live, queued.failed, queued.start = False, True, _NEVER
+            self._live.remove(queued)
+            for r in queued.states:
+                skipped = self._skipped(r, run, t)
+                future = queued.futures[r.spec.rank]
+                future.due, future.value, future.error = skipped.due, skipped.value, skipped.error
+                future.after = skipped.after
+            self._fail_queued(queued, t)
+
+    def _skipped(self, rank: _Rank, prev: _Run, t: float) -> _Future:
+        """A queued call behind the failed ``prev``: it trains nothing, once ``prev`` ended."""
+        f = self._future(rank, RankReport(rank=rank.spec.rank, step=rank.step, skipped=True), due=t)
+        f.after = prev.futures.get(rank.spec.rank)
+        return f
 
     def _fire_at(self, step: int, t: float) -> None:
         """Schedules the drains and actions due once ``step`` is done (at ``t``)."""
@@ -848,11 +976,10 @@ class FakeWorkerGroup:
             self._fired(f)
             self._timed.append((t, f.action))
 
-    def _fail_at(
-        self, s: int, t: float, run: _Run, states: list[_Rank], gangs: dict[int, list[_Rank]]
-    ) -> bool:
-        """Carries out the faults due as step ``s`` starts (at ``t``); whether the run fails."""
-        here = {r.spec.rank for r in states}
+    def _faults_at(self, s: int, t: float, run: _Run) -> tuple[set[int], dict[int, float]]:
+        """Carries out the faults due as step ``s`` of ``run`` starts (at ``t``): deaths at
+        once; the ranks that hang, and those whose collective fails after some seconds."""
+        here = {r.spec.rank for r in run.states}
         due = [
             f
             for f in self._faults
@@ -885,38 +1012,7 @@ class FakeWorkerGroup:
                 self._faults.remove(f)
                 self._fired(f)
                 errors[f.rank] = f.after_s
-        dead = {r.spec.rank for r in states if r.died_at <= t}
-        if not (dead or hung or errors):
-            return False
-        run.failed = True
-        for r in states:
-            rank = r.spec.rank
-            if rank in dead:  # its call fails when it dies
-                when = max(min(r.died_at, t), self.clock.now)
-                run.futures[rank] = _Future(rank, when, error=_lost(r))
-                continue
-            if rank in hung:
-                r.hung_at = t
-                run.futures[rank] = _Future(rank, _NEVER)
-                continue
-            # It takes step s's batch and updates its embeddings, then waits in a collective
-            # for the ranks that are gone or stuck.
-            b = r.take()
-            r.log.append((s, b))
-            self._copies[r.gang].add(b)
-            r.in_flight = True
-            if rank in errors:
-                cause = TimeoutError("a collective timed out")
-                run.futures[rank] = _Future(rank, t + errors[rank], error=RankFailed(rank, cause))
-            else:
-                cause = TimeoutError(f"collective timed out after {self._collective_timeout_s}s")
-                run.futures[rank] = _Future(
-                    rank,
-                    t + self._collective_timeout_s,
-                    error=RankFailed(rank, cause),
-                    blocked_from=t,
-                )
-        return True
+        return hung, errors
 
 
 def _fresh(error: BaseException) -> BaseException:
