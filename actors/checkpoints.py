@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from actors.rank import RankWorker
 from raytrec.checkpoint.config import SCORE_ATTRIBUTES, checkpoint_root, save_decision
 from raytrec.elastic.events import CheckpointRestored, CheckpointSaved
 from raytrec.elastic.rollback import RollbackPoint, StreamStart
@@ -58,11 +57,9 @@ class JobCheckpoints:
         its step, and each rank's stream to ``starts`` (else its own shard at that step)."""
         ranks = self.job._live_ranks()
         if starts is None:
-            loaded = self.job._call(ranks, RankWorker.load_checkpoint, uri)
+            loaded = self.job._call(ranks, lambda w, _r: w.load_checkpoint(uri))
         else:
-            loaded = self.job._call_by_rank(
-                ranks, RankWorker.load_checkpoint, lambda r: (uri, starts[r].at)
-            )
+            loaded = self.job._call(ranks, lambda w, r: w.load_checkpoint(uri, starts[r].at))
         step, generation = loaded[0]["step"], loaded[0]["generation"]
         self.job.step = step
         self.last_save = (step, self.job.clock.monotonic())
@@ -107,7 +104,7 @@ class JobCheckpoints:
         if not self.due(self.job.step, final=final, stopping=stopping):
             return
         if self.job.membership.last_sync_step != self.job.step:
-            self.job._call(self.job._live_ranks(), RankWorker.sync)
+            self.job._call(self.job._live_ranks(), lambda w, _r: w.sync())
             self.job._commit_all()
         writer = list(self.job.membership.gangs[0].job_ranks)
         # The accounting goes into the checkpoint: a rebuild from it rewinds to this state.
@@ -118,14 +115,10 @@ class JobCheckpoints:
             "accounting": accounting,
             "metrics": self.metrics(),
         }
+        generation, num_gangs = self.job.membership.generation, self.job.membership.num_gangs
         refs = self.job._call(
             writer,
-            RankWorker.save_checkpoint,
-            self.root,
-            self.job.membership.generation,
-            extra,
-            cfg,
-            self.job.membership.num_gangs,
+            lambda w, _r: w.save_checkpoint(self.root, generation, extra, cfg, num_gangs),
         )
         self.last = refs[0][1]
         self.job.total_loss.point = RollbackPoint(

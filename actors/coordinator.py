@@ -32,8 +32,8 @@ import dataclasses
 import os
 import threading
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from torchrec.distributed.types import ShardingPlan
 
@@ -43,7 +43,6 @@ from actors.evaluation import JobEvaluation
 from actors.growth import GangGrowth
 from actors.nodes import JobNodes
 from actors.placement import JobPlacement
-from actors.rank import RankWorker
 from actors.recovery import MAX_TRANSIENT, Dispatched, FailureRecovery, IntervalOutcome
 from actors.reshare import DataStreams, StreamTable
 from actors.total_loss import TotalLossRecovery
@@ -58,8 +57,10 @@ from raytrec.elastic.drain import stop_requested
 from raytrec.elastic.events import EventLog, GenerationStarted
 from raytrec.elastic.heal import failed_heals, replicas_disagree
 from raytrec.elastic.membership import Membership
+from raytrec.elastic.rank_protocol import RankProtocol, StateDigest
 from raytrec.elastic.report import RankInfo, RankReport, RunSummary
 from raytrec.elastic.workers import (
+    Answer,
     Clock,
     RankCallError,
     RankFailed,
@@ -77,6 +78,8 @@ from raytrec.rec_metrics import InterpretedMetrics, merge_metric_states
 from raytrec.sync.schedule import SyncPlan, plan_sync
 
 __all__ = ["Coordinator", "JobFailedError", "RunSummary"]
+
+R = TypeVar("R")
 
 
 class Coordinator:
@@ -228,7 +231,7 @@ class Coordinator:
                 if self.membership.generation == 0 and not self._infos:
                     self._build(sorted(self.placement.started))
                     self._new_generation(reason="job started")
-                self._call(self._live_ranks(), RankWorker.broadcast_state, 0)  # gang 0's state
+                self._call(self._live_ranks(), lambda w, _r: w.broadcast_state(0))  # gang 0's state
                 differ = self._start_copies_differ()
                 if not differ:
                     break
@@ -259,9 +262,8 @@ class Coordinator:
         t0 = clock.perf_counter()
         prepared = True
         try:
-            self._call(
-                self._live_ranks(), RankWorker.prepare, min(every, self.end_step), first=True
-            )
+            n = min(every, self.end_step)
+            self._call(self._live_ranks(), lambda w, _r: w.prepare(n, first=True))
         except RankFailed as e:
             stopped_by = e.cause
         except RankCallError as e:  # a rank lost (or stuck) before the first step
@@ -311,7 +313,7 @@ class Coordinator:
         self,
         *,
         final: str | None,
-        digests: dict[int, dict[str, str]],
+        digests: dict[int, StateDigest],
         stopped_by: BaseException | None,
         ranks: list[RankInfo],
     ) -> RunSummary:
@@ -374,7 +376,7 @@ class Coordinator:
                         break
                     if self._ready < n:
                         try:
-                            self._call(self._live_ranks(), RankWorker.prepare, n)
+                            self._prepare(self._live_ranks(), n)
                         except RankFailed as e:
                             stopped_by = e.cause  # bad input, or the end of the data
                             break
@@ -490,19 +492,21 @@ class Coordinator:
 
     def _finish(
         self, final: str | None, *, checkpoint: bool, stopping: bool = False
-    ) -> dict[int, dict[str, str]]:
+    ) -> dict[int, StateDigest]:
         """Ends on a job-wide sync, checks the replicas, saves the final model (none when
         ``final`` is None) and a checkpoint when the policy says so (``stopping``: the job stops
         on request)."""
         if self.step % self.cfg.sync.sync_every or self.membership.last_sync_step != self.step:
-            self._call(self._live_ranks(), RankWorker.sync)  # end on a sync: every replica the same
+            self._call(
+                self._live_ranks(), lambda w, _r: w.sync()
+            )  # end on a sync: every replica the same
         self._commit_all()
         if checkpoint:
             self.checkpoints.maybe_save(final=True, stopping=stopping)
         digests = self._final_digests()
         if final is not None:
             first_gang = self.membership.gangs[0]
-            self._call(list(first_gang.job_ranks), RankWorker.save, final)
+            self._call(list(first_gang.job_ranks), lambda w, _r: w.save(final))
         return digests
 
     # -- one interval -------------------------------------------------------------------------
@@ -524,9 +528,8 @@ class Coordinator:
             for r in ranks:
                 step = self.recovery.progress.get(r, (self.step, now))[0]
                 self.recovery.progress[r] = (step, now)
-        refs = self.group.call(
-            ranks, RankWorker.train, lambda _r: (n, ready), seq=self._seq, after=after
-        )
+        seq = self._seq
+        refs = self.group.call(ranks, lambda w, _r: w.train(n, ready, seq=seq, after=after))
         return Dispatched(
             n=n,
             end=start + n,
@@ -541,7 +544,7 @@ class Coordinator:
     def _build(self, ranks: list[int]) -> list[RankInfo]:
         """Builds ``ranks``; the node of every rank that built is known even when another
         failed (recovery names the nodes of the ranks it drops)."""
-        answers, error = self.answers(ranks, RankWorker.build)
+        answers, error = self.answers(ranks, lambda w, _r: w.build())
         for r, info in answers.items():
             self._infos[r] = info
             self.nodes.saw(info)
@@ -550,19 +553,19 @@ class Coordinator:
         return sorted((self._infos[r] for r in ranks), key=lambda x: x.rank)
 
     def answers(
-        self, ranks: list[int], method: Callable[..., Any]
-    ) -> tuple[dict[int, Any], RankCallError | None]:
+        self, ranks: list[int], invoke: Callable[[RankProtocol, int], R]
+    ) -> tuple[dict[int, R], RankCallError | None]:
         """Calls ``method`` on ``ranks``; returns the answers of those whose call returned, and
         the first error (a timeout, naming the ranks stuck, before any other), so a caller
         keeps what came back when some did not."""
-        futures = self.group.call(ranks, method)
+        futures = self.group.call(ranks, invoke)
         error: RankCallError | None = None
         try:
-            self._wait_all(futures, method)
+            self._wait_all(futures)
         except RankTimedOut as e:
             error = e
         stuck = set(error.ranks) if isinstance(error, RankTimedOut) else set()
-        answers: dict[int, Any] = {}
+        answers: dict[int, R] = {}
         for r in ranks:
             if r in stuck:
                 continue
@@ -576,12 +579,14 @@ class Coordinator:
         """Replica plane and sync plan of the current membership, on every live rank."""
         m = self.membership
         ranks = self._live_ranks()
-        self._call_by_rank(
+        self._call(
             ranks,
-            RankWorker.join_replica_plane,
-            lambda r: (m.generation, m.member_index(self._gang_of(r)), m.num_gangs),
+            lambda w, r: w.join_replica_plane(
+                m.generation, m.member_index(self._gang_of(r)), m.num_gangs
+            ),
         )
-        self._call(ranks, RankWorker.join_sync_plan, self._sync_plan())
+        plan = self._sync_plan()
+        self._call(ranks, lambda w, _r: w.join_sync_plan(plan))
         self.events.append(
             GenerationStarted(
                 at=self._now(),
@@ -627,7 +632,7 @@ class Coordinator:
         first = self.membership.gangs[0].gang_id
         others = [g.gang_id for g in self.membership.gangs[1:]]
         ranks = self._live_ranks()
-        digests = dict(zip(ranks, self._call(ranks, RankWorker.state_digest), strict=True))
+        digests = dict(zip(ranks, self._call(ranks, lambda w, _r: w.state_digest()), strict=True))
         failed = failed_heals(self.membership, peer=first, joined=others, digests=digests)
         why = f"its state differed from gang {first}'s after the start's broadcast"
         bad = {r: why for ranks in failed.values() for r in ranks}
@@ -667,10 +672,10 @@ class Coordinator:
 
     # -- end of job ---------------------------------------------------------------------------
 
-    def _final_digests(self) -> dict[int, dict[str, str]]:
+    def _final_digests(self) -> dict[int, StateDigest]:
         """Checks that the final sync left every replica of every shard identical."""
         ranks = self._live_ranks()
-        digests = dict(zip(ranks, self._call(ranks, RankWorker.state_digest), strict=True))
+        digests = dict(zip(ranks, self._call(ranks, lambda w, _r: w.state_digest()), strict=True))
         disagree = replicas_disagree(self.membership, digests)
         if disagree is not None:
             raise RuntimeError(disagree)
@@ -682,25 +687,19 @@ class Coordinator:
 
     # -- helpers ----------------------------------------------------------------
 
-    def _call(
-        self, ranks: list[int], method: Callable[..., Any], *args: Any, **kwargs: Any
-    ) -> list[Any]:
-        return self._call_by_rank(ranks, method, lambda _r: args, **kwargs)
-
-    def _call_by_rank(
-        self,
-        ranks: list[int],
-        method: Callable[..., Any],
-        args_of: Callable[[int], tuple[Any, ...]],
-        **kwargs: Any,
-    ) -> list[Any]:
-        """Calls ``method`` on ``ranks`` and returns their answers in order; raises
-        :class:`RankLost` or :class:`RankFailed` for the first rank whose call failed."""
-        futures = self.group.call(ranks, method, args_of, **kwargs)
-        self._wait_all(futures, method)
+    def _call(self, ranks: list[int], invoke: Callable[[RankProtocol, int], R]) -> list[R]:
+        """Calls one method on ``ranks`` (``invoke``, as in :meth:`WorkerGroup.call`) and
+        returns their answers in order; raises :class:`RankLost` or :class:`RankFailed` for
+        the first rank whose call failed."""
+        futures = self.group.call(ranks, invoke)
+        self._wait_all(futures)
         return [self.group.result(futures[r]) for r in ranks]
 
-    def _wait_all(self, futures: dict[int, Any], method: Callable[..., Any]) -> None:
+    def _prepare(self, ranks: list[int], n: int) -> None:
+        """Has ``ranks`` read ``n`` batches ahead."""
+        self._call(ranks, lambda w, _r: w.prepare(n))
+
+    def _wait_all(self, futures: Mapping[int, Answer[Any]]) -> None:
         """Waits for every answer of a control call; raises :class:`RankTimedOut` naming the
         ranks whose answer did not come (recovery counts them as hung)."""
         # Control calls (build, join, sync, prepare, recover) are not what hang detection
@@ -715,9 +714,10 @@ class Coordinator:
             ready = self.group.wait(list(pending.values()), num_returns=1, timeout=left)
             if not ready:
                 stuck = sorted(pending)
+                method = next(iter(futures.values())).method
                 raise RankTimedOut(
                     stuck,
-                    f"{method.__name__} did not return on ranks {stuck} of {sorted(futures)} "
+                    f"{method} did not return on ranks {stuck} of {sorted(futures)} "
                     f"within {timeout:g}s",
                 )
             for future in ready:

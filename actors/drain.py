@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from actors.rank import RankWorker
 from raytrec.elastic.drain import REQUEST_FILE, Drain, DrainRequest, decide_drain, read_request
 from raytrec.elastic.events import DrainRejected, GangDrained
 from raytrec.errors import ConfigError
@@ -64,7 +63,7 @@ class GangDrain:
             return
         self.job.max_gangs = decision.max_gangs
         if decision.gangs:
-            self.job._call(self.job._live_ranks(), RankWorker.sync)
+            self.job._call(self.job._live_ranks(), lambda w, _r: w.sync())
             self.job._commit_all()
             drained = list(decision.gangs)
             survivors = [g for g in self.job.membership.gang_ids if g not in decision.gangs]
@@ -97,10 +96,8 @@ class GangDrain:
                 self.job._ready = 0  # new streams: every rank reads its share from the start
             elif replay:
                 acc = self.job.accounting
-                self.job._call_by_rank(
-                    sorted(replay),
-                    RankWorker.replay,
-                    lambda r: (replay[r], acc.embedding_only(replay[r])),
+                self.job._call(
+                    sorted(replay), lambda w, r: w.replay(replay[r], acc.embedding_only(replay[r]))
                 )
                 self.job._ready = 0  # the replays come before what they had prepared
                 self.job.make_room_for_replays()

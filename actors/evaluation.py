@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from actors.rank import RankWorker
 from raytrec.elastic.events import EarlyStopped
 from raytrec.evaluation import EvalPlan, assign_eval_batches, early_stop_decision, eval_due
 from raytrec.rec_metrics import InterpretedMetrics, merge_metric_states
@@ -41,13 +40,12 @@ class JobEvaluation:
         """Evaluates the job's model as of now (after a sync when the gangs' copies differ)."""
         job = self.job
         if job.membership.last_sync_step != job.step:
-            job._call(job._live_ranks(), RankWorker.sync)
+            job._call(job._live_ranks(), lambda w, _r: w.sync())
             job._commit_all()
         ranks = job._live_ranks()
         assigned = assign_eval_batches(self.plan.num_batches, ranks)
-        states = job._call_by_rank(
-            ranks, RankWorker.evaluate, lambda r: (self.shard, assigned[r], self.plan.batch_size)
-        )
+        shard, batch_size = self.shard, self.plan.batch_size
+        states = job._call(ranks, lambda w, r: w.evaluate(shard, assigned[r], batch_size))
         self.last_step = job.step
         merged = merge_metric_states(states)
         metric = job.cfg.eval.early_stopping_metric

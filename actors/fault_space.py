@@ -6,7 +6,7 @@ calls (its ``nth`` call of a :class:`~actors.rank.RankWorker` method): so a faul
 an interval, at a sync, at a checkpoint save, at any stage of a join, inside any call of a
 re-forming or of a rebuild after a total loss, at the final sync. :func:`generate` draws one from
 a seed; :func:`run_schedule` runs the real :class:`~actors.coordinator.Coordinator` over the
-fake worker group (:mod:`raytrec.elastic.fake`) and a manual clock and classifies the outcome:
+fake worker group (:mod:`raytrec.testing.fake_group`) and a manual clock and classifies the outcome:
 
 - ``pass``: the job finished (or stopped on request) with every batch it trained committed
   exactly once, every row of its data trained (Parquet read by index) and replicas identical;
@@ -15,7 +15,7 @@ fake worker group (:mod:`raytrec.elastic.fake`) and a manual clock and classifie
 - ``failed``: a documented, named failure (:class:`~raytrec.errors.JobFailedError`,
   :class:`~raytrec.errors.ConfigError`), with the exit code ``python -m jobs.train`` gives it;
 - ``defect``: anything else: another exception, a call the fake refuses
-  (:class:`~raytrec.elastic.fake.FakeUsageError`), a broken invariant, or a hang (the clock,
+  (:class:`~raytrec.testing.fake_group.FakeUsageError`), a broken invariant, or a hang (the clock,
   call or wall budget ran out).
 
 Schedules are JSON, so a failing one is replayed from one line (:func:`reproducer`), after
@@ -32,13 +32,15 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from raytrec.data.synthetic import split_batch_id
-from raytrec.elastic import fake_faults as ff
-from raytrec.elastic.fake import FakeUsageError, FakeWorkerGroup
+from raytrec.elastic.rank_protocol import RankProtocol
+from raytrec.elastic.workers import Answer
 from raytrec.errors import ConfigError, JobFailedError
+from raytrec.testing import fake_faults as ff
+from raytrec.testing.fake_group import FakeUsageError, FakeWorkerGroup
 
 if TYPE_CHECKING:
     from actors.coordinator import Coordinator
@@ -54,6 +56,8 @@ __all__ = [
     "reproducer",
     "run_schedule",
 ]
+
+R = TypeVar("R")
 
 #: Exit codes of ``python -m jobs.train`` for the named failures (jobs/train.py).
 EXIT_CODES = {"JobFailedError": 1, "ConfigError": 2, "StopRequested": 4}
@@ -330,9 +334,11 @@ class _Budget:
 class _BudgetedGroup(FakeWorkerGroup):
     budget: _Budget
 
-    def call(self, ranks: Any, method: Any, args_of: Any = lambda _r: (), **kwargs: Any) -> Any:
+    def call(
+        self, ranks: Sequence[int], invoke: Callable[[RankProtocol, int], R]
+    ) -> dict[int, Answer[R]]:
         self.budget.tick()
-        return super().call(ranks, method, args_of, **kwargs)
+        return super().call(ranks, invoke)
 
 
 def run_schedule(

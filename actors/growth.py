@@ -21,7 +21,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from actors.rank import RankWorker
 from raytrec.elastic.control import Fail, Proceed, gangs_to_request, resources_decision
 from raytrec.elastic.events import (
     GangHealed,
@@ -120,7 +119,7 @@ class GangGrowth:
                 self.job.placement.start_rank(
                     slot.job_rank, gang.gang_id, slot.gang_rank, pg, 0, shard, account=False
                 )
-            builds = self.job.group.call(gang.job_ranks, RankWorker.build)
+            builds = self.job.group.call(gang.job_ranks, lambda w, _r: w.build())
             self.building[gang.gang_id] = Building(gang=gang, builds=builds)
 
     def _join_built(self) -> None:
@@ -155,7 +154,7 @@ class GangGrowth:
             self.job.events.append(GangPlaced(at=self.job._now(), step=self.job.step, nodes=nodes))
         # Join at a sync boundary: the live gangs agree first, so the peer's state is the job's.
         try:
-            self.job._call(self.job._live_ranks(), RankWorker.sync)
+            self.job._call(self.job._live_ranks(), lambda w, _r: w.sync())
         except RankCallError:
             # A survivor failed: recovery takes over; the new gangs, not members yet, are let
             # go (their placement is requested again once the job has re-formed).
@@ -176,12 +175,10 @@ class GangGrowth:
         self.joining = {g.gang_id for g in gangs}
         self.job.accounting.add_gangs(g.gang_id for g in gangs)
         self.job._new_generation(reason=f"gangs {[g.gang_id for g in gangs]} joined")
-        self.job._call(new_ranks, RankWorker.set_step, self.job.step)
-        self.job._call(
-            self.job._live_ranks(),
-            RankWorker.broadcast_state,
-            self.job.membership.member_index(peer),
-        )
+        step = self.job.step
+        self.job._call(new_ranks, lambda w, _r: w.set_step(step))
+        src = self.job.membership.member_index(peer)
+        self.job._call(self.job._live_ranks(), lambda w, _r: w.broadcast_state(src))
         gangs = tuple(self._verify_heals(gangs, peer=peer))
         new_ranks = [r for g in gangs for r in g.job_ranks]
         fresh = self.job.streams.reshare(self.job._ranks_in_gang_order(), joining=new_ranks)
@@ -203,7 +200,7 @@ class GangGrowth:
         # Ranks given a new stream have nothing read yet (the others read ahead already).
         ready = fresh if reshare else new_ranks
         n = min(self.job.cfg.log_every, self.job.end_step - self.job.step)
-        self.job._call(ready, RankWorker.prepare, n)
+        self.job._call(ready, lambda w, _r: w.prepare(n))
         # Every rank holds n now when all were given a new stream; else the others hold what
         # they held (nothing, right after a recovery: they prepare before the next interval).
         everyone = set(ready) >= set(self.job._live_ranks())
@@ -218,7 +215,9 @@ class GangGrowth:
             *self.job.membership.gang(peer).job_ranks,
             *(r for g in gangs for r in g.job_ranks),
         ]
-        digests = dict(zip(ranks, self.job._call(ranks, RankWorker.state_digest), strict=True))
+        digests = dict(
+            zip(ranks, self.job._call(ranks, lambda w, _r: w.state_digest()), strict=True)
+        )
         failed = failed_heals(
             self.job.membership, peer=peer, joined=[g.gang_id for g in gangs], digests=digests
         )

@@ -23,7 +23,6 @@ import signal
 import threading
 import time
 from datetime import timedelta
-from typing import Any
 
 import ray
 import torch
@@ -35,9 +34,10 @@ from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.parquet_plan import Stream
 from raytrec.data.source import Batch, BatchShard
 from raytrec.elastic.faults import FaultKind, FaultSpec, Phase
+from raytrec.elastic.rank_protocol import LoadedCheckpoint, RankProtocol, StateDigest
 from raytrec.elastic.report import RankInfo, RankReport, TrainedBatch
 from raytrec.engine.rank import RankEngine, RankSpec, StepInput
-from raytrec.rec_metrics import RankMetrics
+from raytrec.rec_metrics import MetricState, RankMetrics
 from raytrec.sync.schedule import SyncPlan
 
 __all__ = ["RankWorker", "progress_key"]
@@ -447,7 +447,7 @@ class RankWorker:
 
     def evaluate(
         self, shard: BatchShard, batch_ids: list[int | None], batch_size: int
-    ) -> dict[str, Any]:
+    ) -> MetricState:
         """Scores held-out batches ``batch_ids`` of ``shard`` (None: a padding round, scored
         for the gang's sharded forward and left out); returns the metric states of the rows
         scored (raytrec.evaluation)."""
@@ -465,7 +465,7 @@ class RankWorker:
         self,
         root: str,
         generation: int,
-        extra: dict[str, Any],
+        extra: dict[str, object],
         retention: CheckpointConfig,
         num_gangs: int,
     ) -> tuple[int, str]:
@@ -484,7 +484,7 @@ class RankWorker:
         )
         return ref.step, ref.uri
 
-    def load_checkpoint(self, uri: str, stream_start: int | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, uri: str, stream_start: int | None = None) -> LoadedCheckpoint:
         """Loads a checkpoint (a collective in this gang) and restarts this rank's data stream
         at batch ``stream_start`` of its shard (default: the checkpoint's step). Nothing changes
         when the checkpoint does not fit."""
@@ -492,7 +492,9 @@ class RankWorker:
 
         loaded = load_checkpoint(self.engine, uri)
         self._open_feed(start_step=loaded.step if stream_start is None else stream_start)
-        return {"step": loaded.step, "generation": loaded.generation, "extra": loaded.extra}
+        return LoadedCheckpoint(
+            step=loaded.step, generation=loaded.generation, extra=dict(loaded.extra)
+        )
 
     def save(self, path: str) -> None:
         """Writes this gang's model with torch.distributed.checkpoint (a collective in the gang)."""
@@ -505,13 +507,12 @@ class RankWorker:
         if self.spec.gang_rank == 0:  # what rebuilds the model outside the job (raytrec.export)
             write_model_spec(path, self.spec.model_spec())
 
-    def state_digest(self) -> dict[str, str]:
+    def state_digest(self) -> StateDigest:
         """Content hashes of this rank's shard state and dense state, to compare replicas."""
         engine = self.engine
-        return {
-            "shards": _digest(engine.shard_state()),
-            "dense": _digest(engine.dense_state()),
-        }
+        return StateDigest(
+            shards=_digest(engine.shard_state()), dense=_digest(engine.dense_state())
+        )
 
     def close(self) -> None:
         self._closed.set()
@@ -529,3 +530,6 @@ def _digest(tensors: list[torch.Tensor]) -> str:
     for t in tensors:
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+_PROTOCOL: type[RankProtocol] = RankWorker  # mypy checks that the actor answers the protocol

@@ -20,7 +20,6 @@ from collections import deque
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
-from actors.rank import RankWorker
 from raytrec.elastic.control import group_broke, retry_transient, survivors_apart
 from raytrec.elastic.dense import settle_failed_step
 from raytrec.elastic.events import FailedStepSettled, GangDropped, HangDetected, RankDied
@@ -240,7 +239,7 @@ class FailureRecovery:
     def abort_planes(self, ranks: set[int]) -> None:
         # Fire and forget: the answer does not matter, only that blocked collectives fail.
         self.job.group.call(
-            sorted(ranks & self.job.placement.started), RankWorker.abort_replica_planes
+            sorted(ranks & self.job.placement.started), lambda w, _r: w.abort_replica_planes()
         )
 
     # -- failures ---------------------------------------------------------------------------
@@ -253,7 +252,7 @@ class FailureRecovery:
             members = set(self.job._live_ranks())
             out.hung = [r for r in error.ranks if r in members]
             out.silence = {r: self._silence(r, now) for r in out.hung}
-        refs = self.job.group.call(self.job._live_ranks(), RankWorker.step)
+        refs = self.job.group.call(self.job._live_ranks(), lambda w, _r: w.step())
         ready = self.job.group.wait(list(refs.values()), num_returns=len(refs), timeout=10)
         done = {id(f) for f in ready}
         now = self.job.clock.monotonic()
@@ -435,24 +434,22 @@ class FailureRecovery:
             # Handed over once the books and the membership agree, before any call that may
             # cut this recovery short: what is booked is sent even if it starts over (a
             # re-share below hands each rank its whole queue again).
-            self.job._call_by_rank(
-                sorted(replay),
-                RankWorker.replay,
-                lambda r: (replay[r], acc.embedding_only(replay[r])),
+            self.job._call(
+                sorted(replay), lambda w, r: w.replay(replay[r], acc.embedding_only(replay[r]))
             )
         self.job._new_generation(reason=reason)
         # The re-formed job's first sync: every replica (and dense state) identical again, and
         # the survivors' batches so far are in the model: committed. The failed step's dense
         # update is then finished among the survivors, or dropped where the state taken has it.
         live = self.job._live_ranks()
-        self.job._call(live, RankWorker.set_step, fail_step)
-        self.job._call(live, RankWorker.sync)
+        self.job._call(live, lambda w, _r: w.set_step(fail_step))
+        self.job._call(live, lambda w, _r: w.sync())
         # Committed as soon as the sync is done: a loss in the calls that follow must not
         # hand these batches out again (they are in every replica already).
         self.job._commit_all()
         src = self.job.membership.member_index(source_gang)
-        self.job._call(live, RankWorker.broadcast_dense, src, source_slot.gang_rank)
-        self.job._call(live, RankWorker.settle_failed_step, settled.finish)
+        self.job._call(live, lambda w, _r: w.broadcast_dense(src, source_slot.gang_rank))
+        self.job._call(live, lambda w, _r: w.settle_failed_step(settled.finish))
         self.job.events.append(
             FailedStepSettled(
                 at=self.job._now(),
@@ -475,7 +472,7 @@ class FailureRecovery:
         lost meanwhile, the reports that came back stay in ``result`` for the recovery that
         starts over."""
         # A rank that timed out or died: the others' reports still count.
-        answers, error = self.job.answers(ranks, RankWorker.recover)
+        answers, error = self.job.answers(ranks, lambda w, _r: w.recover())
         recovered: list[RankReport] = [answers[r] for r in ranks if r in answers]
         if error is not None:
             result.later += recovered

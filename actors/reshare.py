@@ -29,7 +29,6 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from actors.rank import RankWorker
 from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.parquet_plan import (
     Stream,
@@ -164,10 +163,11 @@ class DataStreams:
                 streams.retire({old: table.length(old)})
         new_stream = dict(zip(ranks, ids, strict=True))
         acc = self.job.accounting
-        self.job._call_by_rank(
+        self.job._call(
             list(ranks),
-            RankWorker.set_shard,
-            lambda r: (table.shard(new_stream[r]), replays[r], acc.embedding_only(replays[r])),
+            lambda w, r: w.set_shard(
+                table.shard(new_stream[r]), replays[r], acc.embedding_only(replays[r])
+            ),
         )
         # Equal for every rank, unless the rows left cannot even out the replays queued (a loss
         # at the very end of the data): the job then ends with the shortest rank, and the
@@ -207,10 +207,9 @@ class DataStreams:
         for r, sid in new_stream.items():
             self.job.accounting.add_rank(r, shard=sid, step=self.job.step)
         # The others learn the new streams (any rank may have to replay any batch).
-        self.job._call(staying, RankWorker.set_streams, dict(table.made))
-        self.job._call_by_rank(
-            list(joining), RankWorker.set_shard, lambda r: (table.shard(new_stream[r]), [], [])
-        )
+        made = dict(table.made)
+        self.job._call(staying, lambda w, _r: w.set_streams(made))
+        self.job._call(list(joining), lambda w, r: w.set_shard(table.shard(new_stream[r]), [], []))
         self.job.end_step = self.job.step + plan.batches
         self.job.events.append(
             DataReshared(
@@ -269,10 +268,8 @@ class DataStreams:
         replay = {r: list(s.replay) for r, s in starts.items() if s.replay}
         acc = self.job.accounting
         if replay:
-            self.job._call_by_rank(
-                sorted(replay),
-                RankWorker.replay,
-                lambda r: (replay[r], acc.embedding_only(replay[r])),
+            self.job._call(
+                sorted(replay), lambda w, r: w.replay(replay[r], acc.embedding_only(replay[r]))
             )
 
     def shard_of(self, index: int) -> BatchShard:

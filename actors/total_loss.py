@@ -21,7 +21,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from actors.rank import RankWorker
 from raytrec.elastic.events import (
     CheckpointRestored,
     GangDropped,
@@ -176,9 +175,7 @@ class TotalLossRecovery:
             self.job.events.append(GangPlaced(at=self.job._now(), step=self.job.step, nodes=nodes))
         self.job.membership = self.job.membership.with_gangs(placed, step=point.step)
         self.job._new_generation(reason=f"rebuilt from the checkpoint of step {point.step}")
-        loaded = self.job._call_by_rank(
-            order, RankWorker.load_checkpoint, lambda r: (point.uri, starts[r].at)
-        )
+        loaded = self.job._call(order, lambda w, r: w.load_checkpoint(point.uri, starts[r].at))
         if not self.job.streams.reshare(order):  # the saved streams may not be one per rebuilt rank
             self.job.streams.queue_replays(starts)
         self.job.checkpoints.last_save = (point.step, self.job.clock.monotonic())

@@ -17,7 +17,7 @@ import secrets
 import socket
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import ray
 import ray.exceptions
@@ -27,19 +27,44 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.rank import RankWorker, progress_key
 from raytrec.data.source import BatchShard
-from raytrec.elastic.workers import NODE_DIED, NodeInfo, RankFailed, RankLost
+from raytrec.elastic.rank_protocol import RankProtocol
+from raytrec.elastic.workers import NODE_DIED, Answer, NodeInfo, RankFailed, RankLost
 from raytrec.engine.rank import RankSpec, StoreAddress
 from raytrec.placement import PlacementSpec, rank_runtime_env
 
 __all__ = ["RayWorkerGroup"]
 
+R = TypeVar("R")
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _Call:
-    """One call's future: the rank it went to and Ray's ObjectRef."""
+class _Call(Answer[R]):
+    """One call's future: the rank it went to, the method, and Ray's ObjectRef."""
 
     rank: int
+    method: str
     ref: Any  # None: the rank was killed, and the call fails with RankLost
+
+
+class _Remote:
+    """A rank actor seen as a :class:`RankProtocol`: calling one of its methods sends the call
+    (``.remote``) and answers with Ray's ObjectRef in place of the value, which
+    :meth:`RayWorkerGroup.call` wraps into an :class:`Answer` of the method's type. A killed
+    rank's handle (``actor`` None) sends nothing. The protocol is what mypy checks the call
+    against; this is the one place where the ObjectRef stands in for the value."""
+
+    def __init__(self, actor: Any) -> None:
+        self._actor = actor
+        self.method = ""
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        def send(*args: Any, **kwargs: Any) -> Any:
+            self.method = name
+            if self._actor is None:
+                return None
+            return getattr(self._actor, name).remote(*args, **kwargs)
+
+        return send
 
 
 class RayWorkerGroup:
@@ -99,34 +124,33 @@ class RayWorkerGroup:
         )
 
     def call(
-        self,
-        ranks: Sequence[int],
-        method: Callable[..., Any],
-        args_of: Callable[[int], tuple[Any, ...]] = lambda _r: (),
-        **kwargs: Any,
-    ) -> dict[int, _Call]:
-        name = method.__name__
-        return {
-            r: _Call(r, None)
-            if r in self._killed
-            else _Call(r, getattr(self._actors[r], name).remote(*args_of(r), **kwargs))
-            for r in ranks
-        }
+        self, ranks: Sequence[int], invoke: Callable[[RankProtocol, int], R]
+    ) -> dict[int, Answer[R]]:
+        out: dict[int, Answer[R]] = {}
+        for r in ranks:
+            handle = _Remote(None if r in self._killed else self._actors[r])
+            ref = invoke(cast(RankProtocol, handle), r)
+            out[r] = _Call(r, handle.method, ref)
+        return out
 
-    def wait(self, futures: Sequence[_Call], *, num_returns: int, timeout: float) -> list[_Call]:
-        gone = [f for f in futures if f.ref is None]  # calls on killed ranks: failed already
-        by_ref = {f.ref: f for f in futures if f.ref is not None}
-        wanted = min(num_returns, len(futures)) - len(gone)
+    def wait(
+        self, futures: Sequence[Answer[Any]], *, num_returns: int, timeout: float
+    ) -> list[Answer[Any]]:
+        calls = [cast(_Call[Any], f) for f in futures]
+        gone: list[Answer[Any]] = [f for f in calls if f.ref is None]  # killed: failed already
+        by_ref = {f.ref: f for f in calls if f.ref is not None}
+        wanted = min(num_returns, len(calls)) - len(gone)
         if not by_ref or wanted <= 0:
             return gone
         done, _ = ray.wait(list(by_ref), num_returns=wanted, timeout=timeout)
         return gone + [by_ref[ref] for ref in done]
 
-    def result(self, future: _Call) -> Any:
+    def result(self, future: Answer[R]) -> R:
+        assert isinstance(future, _Call)
         if future.ref is None:
             raise RankLost(future.rank, "ActorDiedError: the actor was killed by ray.kill")
         try:
-            return ray.get(future.ref)
+            return cast(R, ray.get(future.ref))
         except ray.exceptions.RayActorError as e:
             cause = _death_cause(e)
             raise RankLost(future.rank, cause, node_died=cause == NODE_DIED) from None

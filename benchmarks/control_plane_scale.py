@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.control_plane_scale --write docs/benchmarks.md
 
-The real coordinator drives the fake worker group (:mod:`raytrec.elastic.fake`) on its manual
+The real coordinator drives the fake worker group (:mod:`raytrec.testing.fake_group`) on its manual
 clock at 1,024 and 4,096 ranks through 40 steps of faults, heals and drains (:func:`storm`). A
 decision's time (CPU time less the fake's) runs from the observation to the decision: a failed
 call to ``policy.decide`` (*loss*), a heartbeat read to ``find_hung_ranks`` (*heartbeat check*),
@@ -31,10 +31,10 @@ import actors.growth
 import actors.recovery
 from benchmarks.common import parse, parser, publish
 from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
-from raytrec.elastic import fake_faults as ff
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.drain import request_drain
-from raytrec.elastic.fake import FakeWorkerGroup
+from raytrec.testing import fake_faults as ff
+from raytrec.testing.fake_group import FakeWorkerGroup
 
 SHAPES = ((1024, 4), (4096, 4), (1024, 16), (4096, 16))  # (ranks, gang size)
 EVENTS = ("loss", "heartbeat check", "heal", "drain")

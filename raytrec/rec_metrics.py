@@ -17,14 +17,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 import torch
 from torchrec.metrics.auc import compute_auc
 from torchrec.metrics.ne import compute_logloss, compute_ne, get_ne_states
 
-__all__ = ["InterpretedMetrics", "RankMetrics", "merge_metric_states"]
+__all__ = ["InterpretedMetrics", "MetricState", "RankMetrics", "merge_metric_states"]
 
 # TorchRec's default eta: clamps probabilities away from 0 and 1 in the log terms.
 _ETA = 1e-12
@@ -38,6 +38,16 @@ class InterpretedMetrics:
     rows: int
     # Mean binary cross-entropy in nats, as the training loss (TorchRec's logloss is in bits).
     log_loss: float | None = None
+
+
+class MetricState(TypedDict):
+    """A rank's metric states over the rows it scored (numpy: picklable, small): the NE sums
+    (float64, in ``_NE_KEYS`` order), the rows' predictions and labels, and their count."""
+
+    ne: np.ndarray
+    preds: np.ndarray
+    labels: np.ndarray
+    rows: int
 
 
 class RankMetrics:
@@ -88,7 +98,7 @@ class RankMetrics:
             sums = _ne_sums(torch.cat(old_logits), torch.cat(old_labels))[0]
             self._ne = self._ne.to(sums.device) + sums
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> MetricState:
         """The interval's states as numpy (picklable, small) for the coordinator."""
         if self._logits:
             self._fold()
@@ -118,7 +128,7 @@ def _ne_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, 
     return torch.cat([states[k] for k in _NE_KEYS]), preds
 
 
-def merge_metric_states(states: Sequence[dict[str, Any]]) -> InterpretedMetrics:
+def merge_metric_states(states: Sequence[MetricState]) -> InterpretedMetrics:
     """AUC and NE over the union of the ranks' rows (AUC over their windows)."""
     states = [s for s in states if s["rows"]]
     if not states:

@@ -1,7 +1,7 @@
 """The real coordinator's control loop over the in-process fake worker group (milliseconds each).
 
 Each scenario runs :class:`actors.coordinator.Coordinator` end to end over
-:class:`raytrec.elastic.fake.FakeWorkerGroup` with a manual clock, and checks what it decided:
+:class:`raytrec.testing.fake_group.FakeWorkerGroup` with a manual clock, and checks what it decided:
 the gangs it ended with, the generation, the events with their measured fields, and the batch
 accounting. Every run ends by checking that each batch is in the final model exactly once (the
 fake's own record of the saved model's batches against the coordinator's committed ones) and that
@@ -26,8 +26,10 @@ from raytrec.data.synthetic import batch_id, split_batch_id
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.control import group_broke
 from raytrec.elastic.drain import request_drain, request_stop
-from raytrec.elastic.fake import FakeWorkerGroup
-from raytrec.elastic.fake_faults import (
+from raytrec.elastic.report import RunSummary
+from raytrec.elastic.workers import NODE_DIED, RankLost
+from raytrec.errors import JobFailedError, StopRequested
+from raytrec.testing.fake_faults import (
     AtStep,
     FakeShard,
     Fault,
@@ -41,9 +43,7 @@ from raytrec.elastic.fake_faults import (
     RankHangs,
     SlowRank,
 )
-from raytrec.elastic.report import RunSummary
-from raytrec.elastic.workers import NODE_DIED, RankLost
-from raytrec.errors import JobFailedError, StopRequested
+from raytrec.testing.fake_group import FakeWorkerGroup
 
 BUILD_S = 1.0  # the fake's build time: training starts then
 STEP_S = 0.1
@@ -495,7 +495,6 @@ def test_a_call_on_a_killed_rank_fails_with_rank_lost_in_the_ray_group(
     # The protocol the fake follows: a recovery that starts over probes every member, the
     # peers it killed included. No Ray cluster is needed: the killed rank is never called.
     from actors import worker_group
-    from actors.rank import RankWorker
 
     killed: list[object] = []
     monkeypatch.setattr(worker_group.ray, "kill", killed.append)
@@ -504,7 +503,7 @@ def test_a_call_on_a_killed_rank_fails_with_rank_lost_in_the_ray_group(
     group._actors[3] = actor
     group.kill(3)
     assert killed == [actor]
-    calls = group.call([3], RankWorker.step)
+    calls = group.call([3], lambda w, _r: w.step())
     assert group.wait(list(calls.values()), num_returns=1, timeout=0) == [calls[3]]
     with pytest.raises(RankLost, match="killed"):
         group.result(calls[3])

@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from actors.rank import RankWorker
 from actors.reshare import DataStreams, StreamTable
 from raytrec.data.generate import write_synthetic_parquet
 from raytrec.data.parquet import IndexedParquetShard, ParquetSource
@@ -51,28 +50,9 @@ class Job:
     def _now(self) -> float:
         return time.monotonic()
 
-    def _call_by_rank(self, ranks: list[int], method: Any, args_of: Any) -> list[Any]:
-        assert method is RankWorker.set_shard
-        self.reopened += ranks
-        for r in ranks:
-            shard, replay, embedding_only = args_of(r)
-            assert embedding_only == []  # nothing here reached the dense parameters before
-            self._read(r, shard, replay)
-        return [None] * len(ranks)
-
-    def _call(self, ranks: list[int], method: Any, streams: dict[int, Any]) -> list[Any]:
-        """The others at a join that hands off their streams' ends: they read on; the
-        coordinator will not ask them for the batches beyond their stream's new end."""
-        assert method is RankWorker.set_streams
-        for r in ranks:
-            sid, _, _ = self.accounting.streams.position(r)  # type: ignore[union-attr]
-            end = stream_length(streams[sid])
-            self.feeds[r] = collections.deque(
-                i
-                for i in self.feeds[r]
-                if split_batch_id(i)[0] != sid or split_batch_id(i)[1] < end
-            )
-        return [None] * len(ranks)
+    def _call(self, ranks: list[int], invoke: Any) -> list[Any]:
+        """A call on ranks, as the coordinator makes it (``invoke(rank, job_rank)``)."""
+        return [invoke(FeedRank(self, r), r) for r in ranks]
 
     def _read(self, rank: int, shard: IndexedParquetShard, replay: Sequence[int] = ()) -> None:
         own = [batch_id(shard.index, k) for k in range(stream_length(shard.stream(B)))]
@@ -198,3 +178,30 @@ def test_a_loss_at_the_very_end_of_the_data_ends_with_the_shortest_rank(
     job.train(2)
     job.accounting.commit(sorted(job.feeds))
     assert job.accounting.replay_pending() == 1
+
+
+class FeedRank:
+    """What :class:`DataStreams` asks of a rank of :class:`Job`."""
+
+    def __init__(self, job: Job, rank: int) -> None:
+        self.job, self.rank = job, rank
+
+    def set_shard(
+        self, shard: IndexedParquetShard, replay: list[int], embedding_only: list[int]
+    ) -> None:
+        """A new stream, after the replays."""
+        assert embedding_only == []  # nothing here reached the dense parameters before
+        self.job.reopened.append(self.rank)
+        self.job._read(self.rank, shard, replay)
+
+    def set_streams(self, streams: dict[int, Any]) -> None:
+        """The others at a join that hands off their streams' ends: they read on; the
+        coordinator will not ask them for the batches beyond their stream's new end."""
+        job = self.job
+        sid, _, _ = job.accounting.streams.position(self.rank)  # type: ignore[union-attr]
+        end = stream_length(streams[sid])
+        job.feeds[self.rank] = collections.deque(
+            i
+            for i in job.feeds[self.rank]
+            if split_batch_id(i)[0] != sid or split_batch_id(i)[1] < end
+        )

@@ -10,12 +10,14 @@ which gangs do not; the coordinator drops those and places them again.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from raytrec.elastic.membership import Membership
 
-__all__ = ["failed_heals", "replicas_disagree"]
+if TYPE_CHECKING:
+    from raytrec.elastic.rank_protocol import StateDigest
 
-Digests = Mapping[str, str]  # "shards" and "dense" content hashes of one rank's state
+__all__ = ["failed_heals", "replicas_disagree"]
 
 
 def failed_heals(
@@ -23,7 +25,7 @@ def failed_heals(
     *,
     peer: int,
     joined: Sequence[int],
-    digests: Mapping[int, Digests],
+    digests: Mapping[int, StateDigest],
 ) -> dict[int, tuple[int, ...]]:
     """Gang id -> its ranks whose digests differ from the peer's rank at the same shard
     position, for every gang of ``joined`` that did not heal exactly; ``digests`` holds the
@@ -41,7 +43,7 @@ def failed_heals(
     return failed
 
 
-def replicas_disagree(membership: Membership, digests: Mapping[int, Digests]) -> str | None:
+def replicas_disagree(membership: Membership, digests: Mapping[int, StateDigest]) -> str | None:
     """After the job's final sync every replica group holds one copy of its shard and every rank
     the same dense state; returns what differs, or None."""
     for group in membership.replica_groups:

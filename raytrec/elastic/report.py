@@ -15,7 +15,9 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from raytrec.elastic.rank_protocol import StateDigest
     from raytrec.metrics import IntervalMetrics
+    from raytrec.rec_metrics import MetricState
 
 __all__ = ["RankInfo", "RankReport", "RunSummary", "TrainedBatch"]
 
@@ -41,7 +43,7 @@ class RankReport:
     sync_s: float = 0.0
     stall_s: float = 0.0  # injected stalls (the straggler simulator)
     #: The rank's metric state over the interval's rows (:class:`raytrec.rec_metrics.RankMetrics`).
-    metrics: dict[str, Any] | None = None
+    metrics: MetricState | None = None
     #: A data problem found while preparing the next batches (bad input, the data ran out): the
     #: job stops at the boundary before them.
     stop: BaseException | None = None
@@ -78,7 +80,7 @@ class RunSummary:
     steps: int
     wall_s: float
     ranks: list[RankInfo]
-    digests: dict[int, dict[str, str]]  # job rank -> content hashes of its final state
+    digests: dict[int, StateDigest]  # job rank -> content hashes of its final state
     # Why training stopped before num_steps (bad input, data ran out), else None. The state
     # trained up to ``steps`` is still synced, checked and saved.
     stopped_by: BaseException | None = None

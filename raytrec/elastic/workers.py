@@ -4,14 +4,17 @@ The coordinator (:mod:`actors.coordinator`) never talks to Ray directly. It star
 their methods, waits for the answers, kills ranks, reads their progress, places and releases
 gang placement groups and reads the node table through a :class:`WorkerGroup`, and reads the
 time from a :class:`Clock`. :class:`actors.worker_group.RayWorkerGroup` is the Ray
-implementation; :class:`raytrec.elastic.fake.FakeWorkerGroup` runs ranks in-process with a
+implementation; :class:`raytrec.testing.fake_group.FakeWorkerGroup` runs ranks in-process with a
 frozen clock, so the real control loop is tested without Ray (Ray Train v2 tests its controller
 the same way).
 
-Calls name the rank method itself (``group.call(ranks, RankWorker.sync)``), not a string, so a
-renamed method breaks the type check rather than a running job. Failures come back as two
-exceptions whatever the implementation: :class:`RankLost` (the rank's process or node is
-gone) and :class:`RankFailed` (the rank raised; ``cause`` is its own exception).
+A call is a function of a rank (:class:`~raytrec.elastic.rank_protocol.RankProtocol`) and its
+job rank: ``group.call(ranks, lambda w, r: w.replay(ids[r]))``. Mypy checks the method, its
+arguments and its answer's type (``Answer[R]``, whose ``result`` is an ``R``) at every call
+site, so a renamed method or a changed signature breaks the type check rather than a running
+job. Failures come back as two exceptions whatever the implementation: :class:`RankLost` (the
+rank's process or node is gone) and :class:`RankFailed` (the rank raised; ``cause`` is its own
+exception).
 """
 
 from __future__ import annotations
@@ -19,16 +22,17 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from raytrec.data.source import BatchShard
+    from raytrec.elastic.rank_protocol import RankProtocol
     from raytrec.engine.rank import RankSpec, StoreAddress
     from raytrec.placement import PlacementSpec
 
 __all__ = [
+    "Answer",
     "Clock",
-    "Future",
     "NodeInfo",
     "Placement",
     "RankCallError",
@@ -39,8 +43,18 @@ __all__ = [
     "WorkerGroup",
 ]
 
-#: An answer still to come (an ObjectRef, for Ray).
-Future = Any
+R = TypeVar("R")
+
+
+class Answer(Generic[R]):
+    """A call's answer still to come, an ``R`` once done (:meth:`WorkerGroup.result`): the
+    rank it went to and the method called. Each worker group subclasses it with what it
+    waits on (an ObjectRef, for Ray)."""
+
+    rank: int
+    method: str
+
+
 #: A placement group requested from the cluster.
 Placement = Any
 
@@ -126,22 +140,20 @@ class WorkerGroup(Protocol):
         ...
 
     def call(
-        self,
-        ranks: Sequence[int],
-        method: Callable[..., Any],
-        args_of: Callable[[int], tuple[Any, ...]] = lambda _r: (),
-        **kwargs: Any,
-    ) -> dict[int, Future]:
-        """Calls ``method`` (a :class:`~actors.rank.RankWorker` method) on every rank of
-        ``ranks`` with ``args_of(rank)`` and ``kwargs``; returns rank -> its future."""
+        self, ranks: Sequence[int], invoke: Callable[[RankProtocol, int], R]
+    ) -> dict[int, Answer[R]]:
+        """Calls one method on every rank of ``ranks``: ``invoke(rank, job_rank)`` names it
+        and its arguments (module doc); returns job rank -> its answer to come."""
         ...
 
-    def wait(self, futures: Sequence[Future], *, num_returns: int, timeout: float) -> list[Future]:
+    def wait(
+        self, futures: Sequence[Answer[Any]], *, num_returns: int, timeout: float
+    ) -> list[Answer[Any]]:
         """The futures that are done after at most ``timeout`` seconds (at least
         ``num_returns`` of them unless the time ran out)."""
         ...
 
-    def result(self, future: Future) -> Any:
+    def result(self, future: Answer[R]) -> R:
         """A done future's value; raises :class:`RankLost` or :class:`RankFailed`."""
         ...
 

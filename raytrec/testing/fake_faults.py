@@ -1,7 +1,7 @@
 """What a test scripts for the fake worker group: its fault schedule, its clock and its shards.
 
-:class:`~raytrec.elastic.fake.FakeWorkerGroup` carries out the schedule: a rank or node that dies
-(:class:`RankDies`, :class:`NodeDies`), hangs (:class:`RankHangs`), fails once
+:class:`~raytrec.testing.fake_group.FakeWorkerGroup` carries out the schedule: a rank or node
+that dies (:class:`RankDies`, :class:`NodeDies`), hangs (:class:`RankHangs`), fails once
 (:class:`RankFails`) or is slow (:class:`SlowRank`); a node marked draining
 (:class:`NodeDrains`); a heal that goes wrong (:class:`HealCorrupted`); nodes that join later
 (:class:`NodesJoin`); and anything else once a step is done (:class:`AtStep`, e.g. a user's

@@ -27,7 +27,13 @@ if TYPE_CHECKING:
 
     from raytrec.api import Result
 
-__all__ = ["NodeRemover", "committed_row_ids", "running_coordinator", "simulated_cluster"]
+__all__ = [
+    "NodeDrainer",
+    "NodeRemover",
+    "committed_row_ids",
+    "running_coordinator",
+    "simulated_cluster",
+]
 
 
 @contextlib.contextmanager

@@ -1,0 +1,146 @@
+"""What the coordinator may ask of a rank, typed end to end.
+
+:class:`RankProtocol` lists the rank actor's methods (:class:`actors.rank.RankWorker` on Ray;
+the fake rank of :mod:`raytrec.testing.fake_group` in tests) with their arguments and answers.
+The coordinator calls ranks through :meth:`raytrec.elastic.workers.WorkerGroup.call` with a
+function of a rank, ``group.call(ranks, lambda w, r: w.replay(ids[r]))``: mypy checks the
+method's name, its arguments and its answer's type at every call site, and the answer comes back
+as ``Answer[R]`` whose :meth:`~raytrec.elastic.workers.WorkerGroup.result` is an ``R``.
+
+Pure declarations: no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, TypedDict
+
+if TYPE_CHECKING:
+    from raytrec.checkpoint.config import CheckpointConfig
+    from raytrec.data.parquet_plan import Stream
+    from raytrec.data.source import BatchShard
+    from raytrec.elastic.report import RankInfo, RankReport
+    from raytrec.rec_metrics import MetricState
+    from raytrec.sync.schedule import SyncPlan
+
+__all__ = ["LoadedCheckpoint", "RankProtocol", "StateDigest"]
+
+
+class LoadedCheckpoint(TypedDict):
+    """What a rank loaded: the checkpoint's step and generation, and what the job saved with
+    it (its books: JSON values)."""
+
+    step: int
+    generation: int
+    extra: dict[str, object]
+
+
+class StateDigest(TypedDict):
+    """Content hashes of a rank's shard state (embedding weights and optimizer state) and of
+    its dense state: replicas agree when these do."""
+
+    shards: str
+    dense: str
+
+
+class RankProtocol(Protocol):
+    """One rank of the job, as the coordinator drives it. Methods marked *collective* are called
+    on every rank of a gang or of a replica plane at once; the others answer alone."""
+
+    def build(self) -> RankInfo:
+        """Builds the rank's engine (its gang's process group, model and optimizer)."""
+        ...
+
+    def join_replica_plane(self, generation: int, member_rank: int, size: int) -> None:
+        """Joins generation ``generation``'s replica plane as member ``member_rank`` of
+        ``size`` (its gang's index among the live gangs)."""
+        ...
+
+    def join_sync_plan(self, plan: SyncPlan) -> None:
+        """Takes the generation's sync schedule (hierarchical levels and their groups)."""
+        ...
+
+    def broadcast_state(self, src: int) -> None:
+        """Collective over the replica plane: every member takes member ``src``'s state."""
+        ...
+
+    def broadcast_dense(self, src: int, gang_src: int = 0) -> None:
+        """Collective over the replica plane: the dense state of member ``src``'s rank
+        ``gang_src``, everywhere."""
+        ...
+
+    def settle_failed_step(self, finish: bool) -> None:
+        """After a loss mid-step: finish the failed step's dense update, or drop it."""
+        ...
+
+    def set_step(self, step: int) -> None: ...
+
+    def step(self) -> int:
+        """The last step the rank finished."""
+        ...
+
+    def prepare(self, num_steps: int, *, first: bool = False) -> float:
+        """Reads ``num_steps`` batches ahead; returns the seconds it waited for data."""
+        ...
+
+    def set_shard(
+        self, shard: BatchShard, replay: list[int], embedding_only: list[int] | None = None
+    ) -> None:
+        """Reads ``shard`` from now on, after the batches ``replay`` (those in
+        ``embedding_only`` update their embedding rows only)."""
+        ...
+
+    def set_streams(self, streams: dict[int, Stream]) -> None:
+        """The job's re-shared streams (its own may end sooner now)."""
+        ...
+
+    def replay(self, batch_ids: list[int], embedding_only: list[int] | None = None) -> int:
+        """Trains ``batch_ids`` next, before its own batches; returns how many it holds."""
+        ...
+
+    def train(
+        self, num_steps: int, ready_steps: int = 0, *, seq: int = -1, after: int | None = None
+    ) -> RankReport:
+        """Collective over every live rank: trains an interval of ``num_steps`` steps (queued
+        behind call ``after``); reports every batch it trained."""
+        ...
+
+    def abort_replica_planes(self) -> None:
+        """Fails the rank's collectives now (a peer is gone)."""
+        ...
+
+    def recover(self) -> RankReport:
+        """After a failed interval: what the rank trained since its last report."""
+        ...
+
+    def sync(self) -> None:
+        """Collective over the replica plane: averages embedding and optimizer state."""
+        ...
+
+    def evaluate(
+        self, shard: BatchShard, batch_ids: list[int | None], batch_size: int
+    ) -> MetricState:
+        """Collective over the gang: scores held-out batches; their metric states."""
+        ...
+
+    def save_checkpoint(
+        self,
+        root: str,
+        generation: int,
+        extra: dict[str, object],
+        retention: CheckpointConfig,
+        num_gangs: int,
+    ) -> tuple[int, str]:
+        """Collective over one gang: writes a checkpoint; its step and location."""
+        ...
+
+    def load_checkpoint(self, uri: str, stream_start: int | None = None) -> LoadedCheckpoint:
+        """Collective over a gang: loads a checkpoint, resharded to the gang's shape."""
+        ...
+
+    def save(self, path: str) -> None:
+        """Collective over one gang: writes the model for serving."""
+        ...
+
+    def state_digest(self) -> StateDigest: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,346 @@
+"""Fake ranks: where they run, what each holds, and the rank protocol they answer.
+
+:class:`FakeRank` implements :class:`~raytrec.elastic.rank_protocol.RankProtocol`. Calling one
+of its methods does not carry the call out: it books it (an :class:`Op`), and the worker group
+(:class:`~raytrec.testing.fake_group.FakeWorkerGroup`) carries out the call on every rank it went
+to once it has dealt with the faults due at it (a rank that dies, hangs, or whose group breaks
+at this call). A method a rank answers alone (``@alone``) runs its body then; the collectives
+(``sync``, the broadcasts, checkpoints, ``save``) and ``train`` name the group function that
+carries them out over all the call's ranks together.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
+
+from raytrec.data.parquet_plan import stream_length
+from raytrec.data.synthetic import batch_id
+from raytrec.elastic.rank_protocol import LoadedCheckpoint, RankProtocol, StateDigest
+from raytrec.elastic.report import RankInfo, RankReport, TrainedBatch
+from raytrec.elastic.workers import NODE_DIED, Answer, RankFailed, RankLost
+from raytrec.testing.fake_model import FakeUsageError
+
+if TYPE_CHECKING:
+    from raytrec.checkpoint.config import CheckpointConfig
+    from raytrec.data.parquet_plan import Stream
+    from raytrec.data.source import BatchShard
+    from raytrec.engine.rank import RankSpec
+    from raytrec.rec_metrics import MetricState
+    from raytrec.sync.schedule import SyncPlan
+    from raytrec.testing.fake_group import FakeWorkerGroup
+    from raytrec.testing.fake_training import Run
+
+__all__ = ["FakeAnswer", "FakeNode", "FakePlacement", "FakeRank", "Op", "OpKind", "RankState"]
+
+NEVER = math.inf
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+# -- where ranks run --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class FakeNode:
+    index: int
+    cpus: float
+    free: float
+    died_at: float = NEVER
+    draining_at: float = NEVER
+
+    @property
+    def node_id(self) -> str:
+        return f"fake-node-{self.index}"
+
+
+@dataclasses.dataclass(eq=False)
+class FakePlacement:
+    """A placement group: its bundles' CPUs, and the nodes they got once ready."""
+
+    name: str
+    cpus: tuple[float, ...]
+    nodes: list[FakeNode] | None = None
+    released: bool = False
+
+
+# -- answers and rank state -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class FakeAnswer(Answer[T]):
+    """A call's answer, due at ``done_at`` (never: ``inf``); ``after``: a queued call ends no
+    sooner than the one before it. ``blocked_from``: it waits in a collective from then on,
+    until the replica planes are aborted or the collective times out."""
+
+    rank: int
+    due: float
+    value: Any = None
+    error: BaseException | None = None
+    after: FakeAnswer[Any] | None = None
+    blocked_from: float | None = None
+    method: str = ""
+
+    @property
+    def done_at(self) -> float:
+        return self.due if self.after is None else max(self.due, self.after.done_at)
+
+
+@dataclasses.dataclass(eq=False)
+class RankState:
+    """What one fake rank holds: its stream position and replays, its step and log, and how
+    it fails."""
+
+    spec: RankSpec
+    node: FakeNode
+    stream: int  # its shard's index: batch k is batch_id(stream, k)
+    length: float = NEVER  # batches its stream holds (a re-shared source's are finite)
+    pos: int = 0
+    replay: collections.deque[int] = dataclasses.field(default_factory=collections.deque)
+    step: int = 0
+    in_flight: bool = False  # a failed step's embedding update happened; recover() settles it
+    log: list[TrainedBatch] = dataclasses.field(default_factory=list)
+    prepared: int = 0
+    died_at: float = NEVER
+    cause: str = ""
+    hung_at: float = NEVER
+    corrupt: bool = False
+    member: int = -1  # its gang's index in the replica plane it joined
+    generation: int = -1
+    step_s: float = 0.0
+    last_end: float | None = None
+    runs: list[Run] = dataclasses.field(default_factory=list)
+    pending: list[FakeAnswer[Any]] = dataclasses.field(default_factory=list)
+
+    @property
+    def gang(self) -> int:
+        return self.spec.gang
+
+    def take(self) -> int:
+        if self.replay:
+            return self.replay.popleft()
+        if self.pos >= self.length:
+            raise FakeUsageError(
+                f"rank {self.spec.rank} asked to train batch {self.pos} of stream {self.stream}, "
+                f"which holds {self.length}"
+            )
+        self.pos += 1
+        return batch_id(self.stream, self.pos - 1)
+
+    def lost(self) -> RankLost:
+        return RankLost(self.spec.rank, self.cause, node_died=self.cause == NODE_DIED)
+
+
+def stream_batches(shard: object, batch_size: int) -> float:
+    """Batches a shard's stream holds: a re-shared source's (Parquet read by index) are
+    finite; the others' are endless."""
+    stream = getattr(shard, "stream", None)
+    if stream is None or not hasattr(shard, "num_shards"):
+        return NEVER
+    return stream_length(stream(batch_size))
+
+
+# -- booked calls -----------------------------------------------------------------------------
+
+
+class OpKind(enum.Enum):
+    ALONE = "alone"  # each rank answers by itself
+    GANG = "gang"  # a collective of one gang's ranks
+    PLANE = "plane"  # a collective of one whole replica plane
+    TRAIN = "train"  # the interval: every live rank, step by step
+
+
+#: Carries out a collective over the call's ranks; the answer value of each.
+Together = Callable[[list[RankState], Mapping[int, "Op"]], dict[int, Any]]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Op:
+    """A call booked on one rank: the method, its kind, and what carries it out (``run`` for a
+    rank alone: its value, or a :class:`FakeAnswer` due later; ``together`` for a collective);
+    ``args``/``kwargs``: the call's arguments, for collectives and ``train``."""
+
+    method: str
+    kind: OpKind
+    run: Callable[[], Any] | None = None
+    together: Together | None = None
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def alone(
+    method: Callable[Concatenate[FakeRank, P], T],
+) -> Callable[Concatenate[FakeRank, P], T]:
+    """A method a rank answers by itself: calling it books the call; its body runs when the
+    group carries the call out (module doc)."""
+
+    @functools.wraps(method)
+    def book(self: FakeRank, *args: P.args, **kwargs: P.kwargs) -> T:
+        op = Op(method.__name__, OpKind.ALONE, run=lambda: method(self, *args, **kwargs))
+        return cast(T, op)
+
+    return book
+
+
+def _booked(op: Op) -> Any:
+    """The booked call, in place of the method's answer (the group wraps it into one)."""
+    return op
+
+
+# -- the rank protocol ------------------------------------------------------------------------
+
+
+class FakeRank:
+    """One fake rank as the coordinator calls it (:class:`RankProtocol`; module doc)."""
+
+    def __init__(self, group: FakeWorkerGroup, state: RankState) -> None:
+        self._group = group
+        self._s = state
+
+    @alone
+    def build(self) -> RankInfo:
+        s, group = self._s, self._group
+        info = RankInfo(
+            rank=s.spec.rank, gang=s.spec.gang, node_id=s.node.node_id, pid=0, device="cpu"
+        )
+        return cast(RankInfo, group.answer(s, info, due=group.clock.now + group.build_s))
+
+    @alone
+    def join_replica_plane(self, generation: int, member_rank: int, size: int) -> None:
+        self._s.generation, self._s.member = generation, member_rank
+
+    @alone
+    def join_sync_plan(self, plan: SyncPlan) -> None:
+        pass
+
+    @alone
+    def settle_failed_step(self, finish: bool) -> None:
+        pass
+
+    @alone
+    def set_step(self, step: int) -> None:
+        self._s.step = int(step)
+
+    @alone
+    def step(self) -> int:
+        return self._s.step
+
+    @alone
+    def prepare(self, num_steps: int, *, first: bool = False) -> float:
+        self._s.prepared = max(self._s.prepared, int(num_steps))
+        return 0.0
+
+    @alone
+    def set_shard(
+        self, shard: BatchShard, replay: list[int], embedding_only: list[int] | None = None
+    ) -> None:
+        s = self._s  # (no dense state in the fake: embedding-only replays train like others)
+        index = getattr(shard, "index", None)
+        if index is None:
+            raise FakeUsageError(f"a fake rank reads shards with an index, not {shard!r}")
+        s.stream, s.pos = int(index), 0
+        s.length = stream_batches(shard, s.spec.config.data.batch_size)
+        s.replay = collections.deque(replay)
+
+    @alone
+    def set_streams(self, streams: dict[int, Stream]) -> None:
+        if self._s.stream in streams:  # its own stream may end sooner now
+            self._s.length = stream_length(streams[self._s.stream])
+
+    @alone
+    def replay(self, batch_ids: list[int], embedding_only: list[int] | None = None) -> int:
+        self._s.replay.extendleft(reversed(batch_ids))
+        return len(batch_ids)
+
+    @alone
+    def abort_replica_planes(self) -> None:
+        s, group = self._s, self._group
+        now = group.clock.now
+        group.abort_step(s)  # inside a step, its collectives fail now
+        for f in s.pending:
+            if f.blocked_from is not None and f.done_at > now:
+                f.due = max(now, f.blocked_from)
+                f.error = RankFailed(s.spec.rank, RuntimeError("replica plane aborted"))
+                f.blocked_from = None
+
+    @alone
+    def recover(self) -> RankReport:
+        s = self._s
+        abandoned, s.in_flight = s.in_flight, False
+        s.step += int(abandoned)
+        trained, s.log = tuple(s.log), []
+        return RankReport(
+            rank=s.spec.rank,
+            step=s.step,
+            trained=trained,
+            losses=(0.5,) * len(trained),
+            abandoned_dense_update=abandoned,
+        )
+
+    @alone
+    def state_digest(self) -> StateDigest:
+        s = self._s
+        copy = self._group.copies[s.gang]
+        shards = f"{s.spec.gang_rank}:{copy.base.digest:x}:{copy.own_digest:x}"
+        return StateDigest(shards=shards + (":off" if s.corrupt else ""), dense=f"{copy.dense:x}")
+
+    @alone
+    def evaluate(
+        self, shard: BatchShard, batch_ids: list[int | None], batch_size: int
+    ) -> MetricState:
+        raise FakeUsageError("the fake ranks score nothing: evaluate is not modelled")
+
+    @alone
+    def close(self) -> None:
+        pass
+
+    # -- collectives ------------------------------------------------------------------------
+
+    def sync(self) -> None:
+        return _booked(Op("sync", OpKind.PLANE, together=self._group.sync_all))
+
+    def broadcast_state(self, src: int) -> None:
+        return _booked(
+            Op("broadcast_state", OpKind.PLANE, together=self._group.broadcast_all, args=(src,))
+        )
+
+    def broadcast_dense(self, src: int, gang_src: int = 0) -> None:
+        together = self._group.broadcast_dense_all
+        return _booked(Op("broadcast_dense", OpKind.PLANE, together=together, args=(src, gang_src)))
+
+    def save_checkpoint(
+        self,
+        root: str,
+        generation: int,
+        extra: dict[str, object],
+        retention: CheckpointConfig,
+        num_gangs: int,
+    ) -> tuple[int, str]:
+        args = (root, generation, extra, retention, num_gangs)
+        return _booked(
+            Op("save_checkpoint", OpKind.GANG, together=self._group.save_checkpoint, args=args)
+        )
+
+    def load_checkpoint(self, uri: str, stream_start: int | None = None) -> LoadedCheckpoint:
+        args = (uri, stream_start)
+        return _booked(
+            Op("load_checkpoint", OpKind.PLANE, together=self._group.load_checkpoint, args=args)
+        )
+
+    def save(self, path: str) -> None:
+        return _booked(Op("save", OpKind.GANG, together=self._group.save_model, args=(path,)))
+
+    def train(
+        self, num_steps: int, ready_steps: int = 0, *, seq: int = -1, after: int | None = None
+    ) -> RankReport:
+        kwargs = {"seq": seq, "after": after}
+        return _booked(Op("train", OpKind.TRAIN, args=(num_steps, ready_steps), kwargs=kwargs))
+
+
+_PROTOCOL: type[RankProtocol] = FakeRank  # mypy checks that the fake answers the protocol
