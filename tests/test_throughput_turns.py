@@ -1,4 +1,4 @@
-"""How ``python -m benchmarks.throughput --turns`` times each side's windows from its progress
+"""How ``python -m benchmarks.throughput`` times each side's windows from its progress
 records.
 
 The benchmark pauses and resumes two whole jobs; a window's rows/s must come from the records
