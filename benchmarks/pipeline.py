@@ -16,15 +16,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import gzip
 import itertools
-import re
-import shutil
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,12 +57,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--uvm-rows", type=int, default=1_000_000, help="UVM-cache larger tables")
     p.add_argument("--cache-load-factor", type=float, default=0.2, help="of UVM tables")
     p.add_argument("--uvm-precision", choices=("fp32", "fp16"), default="fp32")
-    p.add_argument("--profile", type=Path, metavar="DIR", help="profile an interval a side")
     a = common.parse(p, argv)
     if a.warmup_steps % a.log_every or (a.steps - a.warmup_steps) % a.log_every:
         p.error("--warmup-steps and --steps - --warmup-steps must be multiples of --log-every")
-    if a.profile is not None and a.dcn:
-        p.error("--profile compares the two sides up at once: not with --dcn")
     return a
 
 
@@ -211,32 +204,23 @@ def timed_intervals(sides: dict[str, Interval], a: argparse.Namespace) -> dict[s
 def repeat(
     label: str, cfg: TrainConfig, plan: Any, batches: list[Any], a: argparse.Namespace, r: int
 ) -> tuple[dict[str, list[float]], list[float]]:
-    """One repeat of both sides: each side's interval seconds, and the paired ratios (per
-    interval; with ``--dcn``, of the repeat). Every side is freed before the next is built."""
+    """One repeat: each side's interval seconds, and the paired ratios (per interval; with
+    ``--dcn``, of the repeat, each side built alone). Each side is freed before the next."""
+    got: dict[str, list[float]] = {}
+    for group in [[s] for s in SIDES[:: 1 - 2 * (r % 2)]] if a.dcn else [list(SIDES)]:
+        built = {name: side(name, cfg, plan, batches, a.log_every) for name in group}
+        if torch.cuda.is_available():  # the UVM tables' caches are in here, their rows are not
+            held = torch.cuda.memory_allocated() / 2**30
+            print(f"{label} {', '.join(group)}: {held:.1f} GiB allocated on the GPU", flush=True)
+        try:
+            got |= timed_intervals({s: f for s, (f, _) in built.items()}, a)
+        finally:
+            for name in reversed(group):
+                built[name][1]()  # close
+            del built  # the last references to the models
+            _free()
     if a.dcn:
-        got: dict[str, list[float]] = {}
-        for name in SIDES[:: 1 if r % 2 == 0 else -1]:
-            interval, close = side(name, cfg, plan, batches, a.log_every)
-            if torch.cuda.is_available():  # the UVM tables' caches are in here, their rows are not
-                held = torch.cuda.memory_allocated() / 2**30
-                print(f"{label} {name}: {held:.1f} GiB allocated on the GPU", flush=True)
-            try:
-                got |= timed_intervals({name: interval}, a)
-            finally:
-                close()
-                del interval, close  # the last references to this side's model
-                _free()
         return got, [sum(got["plain"]) / sum(got["raytrec"])]
-    built = {name: side(name, cfg, plan, batches, a.log_every) for name in SIDES}
-    try:
-        got = timed_intervals({s: f for s, (f, _) in built.items()}, a)
-        if a.profile is not None and r == 0:
-            profile({s: f for s, (f, _) in built.items()}, label, a.profile)
-    finally:
-        for name in reversed(SIDES):
-            built[name][1]()  # close
-        del built  # the last references to the two models
-        _free()
     return got, [x / y for x, y in zip(got["plain"], got["raytrec"], strict=True)]
 
 
@@ -283,54 +267,6 @@ def runs(a: argparse.Namespace) -> str:
             f"({bracket}) | {', '.join(f'{x:.3f}' for x in per_repeat)} |"
         )
     return "\n".join(lines)
-
-
-def profile(sides: dict[str, Interval], label: str, out: Path) -> None:
-    """One interval of each side under ``torch.profiler``: a gzipped Chrome trace of each into
-    ``out``; printed, each side's wall time and totals, and the operators and kernels whose own
-    time differs most: device time on a GPU, and CPU time (what a host-bound loop spends)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    gpu = torch.cuda.is_available()
-    out.mkdir(parents=True, exist_ok=True)
-    own: dict[str, dict[str, list[float]]] = {}  # side -> operator -> [device, CPU ms, count]
-    for name, interval in sides.items():
-        with profile(activities=[ProfilerActivity.CPU, *[ProfilerActivity.CUDA] * gpu]) as prof:
-            started = time.perf_counter()
-            interval()
-            torch.cuda.synchronize() if gpu else None
-            wall = (time.perf_counter() - started) * 1e3
-        trace = out / f"{label.lower().replace(',', '').replace(' ', '-')}-{name}.json"
-        prof.export_chrome_trace(str(trace))
-        with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
-            shutil.copyfileobj(raw, packed)  # Perfetto opens .json.gz
-        trace.unlink()
-        events, own[name] = prof.key_averages(), {}
-        for e in events:
-            key = re.sub(r"^## (.*) \d+ ##$", r"## \1 ##", e.key)  # "## forward 152 ##"
-            sums = own[name].setdefault(key, [0.0, 0.0, 0])
-            sums[0] += e.self_device_time_total / 1e3
-            sums[1] += e.self_cpu_time_total / 1e3
-            sums[2] += e.count
-        # Kernels and copies only: a CPU operator's device time is its kernels' again.
-        device = sum(e.self_device_time_total for e in events if e.device_type != DeviceType.CPU)
-        launches = sum(c for k, (_, _, c) in own[name].items() if "LaunchKernel" in k)
-        host = sum(t for _, t, _ in own[name].values())
-        print(
-            f"{label} {name}: {wall:.1f} ms wall (profiled), {host:.1f} ms own CPU time, "
-            f"{device / 1e3:.1f} ms in kernels and copies, {launches:.0f} kernel launches",
-            flush=True,
-        )
-    zero = [0.0, 0.0, 0]
-    for what, i in (("device", 0), ("CPU", 1))[0 if gpu else 1 :]:
-        print(f"{label}: own {what} time, largest differences", flush=True)
-        ours, plain = ({k: v[i] for k, v in own[s].items()} for s in SIDES)
-        keys = sorted(ours | plain, key=lambda k: -abs(ours.get(k, 0) - plain.get(k, 0)))
-        for k in keys[:15]:
-            (c1, c0) = (own[s].get(k, zero)[2] for s in SIDES)
-            t1, t0 = ours.get(k, 0.0), plain.get(k, 0.0)
-            print(f"  {k[:70]:70s} raytrec {t1:8.2f} ms x{c1:<5.0f} plain {t0:8.2f} ms x{c0:.0f}")
 
 
 def _free() -> None:

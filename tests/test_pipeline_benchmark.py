@@ -3,14 +3,12 @@
 The comparison builds each side's model anew every repeat. A side left alive into the next
 repeat costs memory and, with ``--dcn``, does not fit: two DCNv2 models with 40M-row tables
 need more than one GPU holds. So each side must be freed (nothing refers to its engine or its
-``DistributedModelParallel``) before the next one is built; and ``--profile`` must leave both
-traces and the comparison of their operators.
+``DistributedModelParallel``) before the next one is built.
 """
 
 from __future__ import annotations
 
 import gc
-from pathlib import Path
 
 import pytest
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -38,16 +36,13 @@ STEPS = ["--steps", "4", "--warmup-steps", "2", "--log-every", "2", "--repeats",
 
 
 def test_both_sides_train_in_turns_and_are_freed_each_repeat(
-    models_alive_after_free: list[int], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    models_alive_after_free: list[int], capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["--batch-sizes", "32", "--model", "26x200x16", *STEPS]
-    assert pipeline.main([*argv, "--profile", str(tmp_path)]) == 0
+    assert pipeline.main(argv) == 0
     assert models_alive_after_free == [0, 0]
-    out = capsys.readouterr().out
-    assert "| DLRM, 32 |" in out
-    assert "DLRM, 32: own CPU time, largest differences" in out
-    traces = sorted(p.name for p in tmp_path.iterdir())
-    assert traces == ["dlrm-32-plain.json.gz", "dlrm-32-raytrec.json.gz"]
+    row = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| DLRM, 32 |"))
+    assert len(row.split("|")[-2].split(",")) == 2  # a ratio per repeat
 
 
 def test_dcn_sides_are_built_one_at_a_time(
