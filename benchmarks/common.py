@@ -173,15 +173,6 @@ def plain_torchrec(cfg: TrainConfig, num_dense: int, device: Any, plan: Any) -> 
     return dmp, build_dense_optimizer(dense, cfg.optimizer)
 
 
-def child_env() -> dict[str, str]:
-    """The environment of a benchmark's child process: one thread for OpenMP, no Ray cluster to
-    join, this checkout first on the path."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("RAY_ADDRESS", None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
 def timed(fn: Callable[[], T]) -> tuple[T, float]:
     t0 = time.perf_counter()
     return fn(), time.perf_counter() - t0

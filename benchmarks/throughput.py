@@ -129,6 +129,13 @@ def run_driver(a: argparse.Namespace) -> int:
     return 0
 
 
+def child_env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RAY_ADDRESS", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(common.ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
 class Side:
     """One system: a process in a session of its own, and every process it starts."""
 
@@ -140,7 +147,7 @@ class Side:
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 cwd=common.ROOT,
-                env=common.child_env(),
+                env=child_env(),
                 start_new_session=True,
             )
 
