@@ -128,8 +128,8 @@ def side(
     device = torch.device("cuda", 0) if cfg.scaling.use_gpu else torch.device("cpu")
     stream = itertools.cycle(batches)
     num_dense = batches[0].dense_features.shape[1]
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     if name == "raytrec":
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         engine = RankEngine(
             RankSpec(
                 rank=0, gang=0, gang_rank=0, gang_size=1, config=cfg, plan=plan,
@@ -140,9 +140,11 @@ def side(
         engine.join_replica_plane(generation=0, member_rank=0, size=1)
         trained: list[tuple[int, Any]] = []  # what a rank reports at an interval's end
 
+        def begin(item: StepInput) -> None:
+            trained.append((engine.step + 1, item.tag))
+
         def interval() -> None:
             metrics, losses = RankMetrics(), []
-            begin = lambda item: trained.append((engine.step + 1, item.tag))  # noqa: E731
             for loss in engine.train_steps(lambda: StepInput(next(stream)), every, begin):
                 losses.append(loss)
                 assert engine.last_output is not None
@@ -163,6 +165,7 @@ def side(
         torch.cuda.set_device(device)
     own_group = not dist.is_initialized()
     if own_group:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         backend = "nccl" if cfg.scaling.use_gpu else "gloo"
         dist.init_process_group(backend, store=store, rank=0, world_size=1)
     dmp, dense = common.plain_torchrec(cfg, num_dense, device, plan)
