@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from raytrec.config import ModelConfig, criteo_tables
+from raytrec.config import ModelConfig, TrainConfig, criteo_tables
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -79,6 +79,11 @@ def dims(text: str, n: int) -> tuple[int, ...]:
     if len(out) != n or min(out) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not {n} positive integers joined by x")
     return out
+
+
+def dims_list(n: int) -> Callable[[str], list[tuple[int, ...]]]:
+    """An argparse type: comma-separated :func:`dims` of ``n``."""
+    return lambda text: [dims(x, n) for x in text.split(",")]
 
 
 def drop_options(argv: Sequence[str], *names: str) -> list[str]:
@@ -145,6 +150,27 @@ def dlrm(tables: int, rows: int, dim: int, width: int = 64) -> ModelConfig:
         dense_arch_layers=(width, dim),
         over_arch_layers=(width, 1),
     )
+
+
+def plain_torchrec(cfg: TrainConfig, num_dense: int, device: Any, plan: Any) -> tuple[Any, Any]:
+    """Plain TorchRec, built as a raytrec rank builds its model: ``cfg``'s model sharded by
+    ``DistributedModelParallel`` over the default process group on ``plan``, and the dense
+    optimizer over its parameters that have no fused optimizer."""
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from raytrec.engine.dense_optimizer import build_dense_optimizer
+    from raytrec.engine.plan import apply_embedding_optimizer, sharders
+    from raytrec.model import build_train_model
+
+    model = build_train_model(cfg.model, num_dense, device, cfg.seed)
+    apply_embedding_optimizer(model, cfg.optimizer)
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    dmp = DistributedModelParallel(model, env, device, plan=plan, sharders=sharders())
+    dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    return dmp, build_dense_optimizer(dense, cfg.optimizer)
 
 
 def timed(fn: Callable[[], T]) -> tuple[T, float]:

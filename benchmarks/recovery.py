@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import operator
 import os
 import pathlib
@@ -33,7 +32,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.common import ROOT, dims, dlrm, header, parse, parser, replace_block, spread
+from benchmarks.common import ROOT, dims_list, dlrm, header, parse, parser, replace_block, spread
 from raytrec import fit
 from raytrec.checkpoint.config import CheckpointConfig, checkpoint_root
 from raytrec.checkpoint.layout import CheckpointStore
@@ -284,11 +283,10 @@ def run_restart(
 
 
 def measure(a: argparse.Namespace) -> tuple[list[Measurement], list[str]]:
-    """Both ways of recovering for every size, shape and repeat, saved to ``--storage-path`` as
-    they come; a run that fails is reported and the others go on."""
+    """Both ways of recovering for every size, shape and repeat; a run that fails is reported
+    and the others go on."""
     out: list[Measurement] = []
     failures: list[str] = []
-    raw = a.storage_path / f"results-{time.strftime('%Y%m%d-%H%M%S')}.json"
     if a.source == "parquet":
         for shape in a.shapes:
             write_parquet(a, shape, vocab=max(s[1] for s in a.sizes))
@@ -307,9 +305,6 @@ def measure(a: argparse.Namespace) -> tuple[list[Measurement], list[str]]:
             print(f"FAILED: {failures[-1]}", file=sys.stderr, flush=True)
         finally:  # the three jobs' run directories
             shutil.rmtree(a.storage_path / "jobs", ignore_errors=True)
-        runs = [dataclasses.asdict(m) for m in out]
-        raw.write_text(json.dumps({"runs": runs, "failed": failures}, indent=1))
-    print(f"raw measurements: {raw}", file=sys.stderr)
     return out, failures
 
 
@@ -382,8 +377,8 @@ def write_into(path: pathlib.Path, block: str, *, source: str = "synthetic") -> 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = parser(__doc__, "recovery", "docs/fault_tolerance.md")
-    p.add_argument("--sizes", default="26x10000x16,26x100000x32", help="TABLESxROWSxDIM,...")
-    p.add_argument("--shapes", default="2x2,3x1", help="GANGSxRANKS,... (at least 2 gangs)")
+    p.add_argument("--sizes", type=dims_list(3), default="26x10000x16,26x100000x32")
+    p.add_argument("--shapes", type=dims_list(2), default="2x2,3x1", help="at least 2 gangs")
     p.add_argument("--batch-size", type=int, default=256, help="rows per rank per step")
     p.add_argument("--sync-every", type=int, default=4)
     p.add_argument("--checkpoint-every", type=int, default=10)
@@ -398,11 +393,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--storage-path", type=pathlib.Path, default=ROOT / "runs" / "recovery")
     a = parse(p, argv)
     c = last_checkpoint_before(a.fail_step - 1, a.checkpoint_every)
-    try:
-        a.sizes = [dims(x, 3) for x in a.sizes.split(",")]
-        a.shapes = [dims(x, 2) for x in a.shapes.split(",")]
-    except argparse.ArgumentTypeError as e:
-        p.error(str(e))
     if min(gangs for gangs, _ in a.shapes) < 2:
         p.error("--shapes: at least 2 gangs, so that one survives")
     if c < 1 or c == a.fail_step - 1 or a.steps_after < 2 * a.sync_every + 1:

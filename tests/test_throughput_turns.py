@@ -1,12 +1,19 @@
-"""How ``python -m benchmarks.throughput --turns`` times each side's windows from its progress
+"""How ``python -m benchmarks.throughput`` times each side's windows from its progress
 records.
 
 The benchmark pauses and resumes two whole jobs; a window's rows/s must come from the records
 written while that side ran, with the interval that spans a pause, and the settling time after
-a resume, left out. Checked here on records made up with known rates.
+a resume, left out. Checked here on records made up with known rates; and a pause must reach
+every process of a side.
 """
 
 from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +77,33 @@ def test_a_window_with_too_few_records_is_not_timed() -> None:
     rates = turns.window_rates(recs, windows, rows_per_step=1, gap_s=5.0, settle_s=0.0)
     assert rates[0] == pytest.approx(100.0)
     assert rates[1] is None
+
+
+def test_a_paused_side_stops_children_in_sessions_of_their_own(tmp_path: Path) -> None:
+    # torchrun starts each worker in a session of its own: pausing the side must reach it too.
+    import psutil
+
+    child = "import time; time.sleep(60)"
+    parent = (
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {child!r}], start_new_session=True)\n"
+        "time.sleep(60)"
+    )
+    side = turns.Side([sys.executable, "-c", parent], tmp_path / "side.rec")
+    try:
+        proc = psutil.Process(side.proc.pid)
+        for _ in range(100):  # bounded: 10 s for the child to start
+            kids = proc.children()
+            if kids:
+                break
+            time.sleep(0.1)
+        assert len(kids) == 1 and os.getsid(kids[0].pid) != os.getsid(proc.pid)
+        side.signal(signal.SIGSTOP)
+        time.sleep(0.2)
+        assert {p.status() for p in (proc, kids[0])} == {psutil.STATUS_STOPPED}
+        side.signal(signal.SIGCONT)
+        time.sleep(0.2)
+        assert psutil.STATUS_STOPPED not in {p.status() for p in (proc, kids[0])}
+    finally:
+        side.stop_all()
+    assert not kids[0].is_running() and not proc.is_running()
