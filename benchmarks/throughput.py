@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, bootstrap_median_ci, dlrm, parse, parser, publish
+from raytrec.cluster.local import session_pids, stop_session
 from raytrec.config import (
     DataConfig,
     OptimizerConfig,
@@ -53,7 +54,6 @@ from raytrec.config import (
     SyncConfig,
     TrainConfig,
 )
-from raytrec.local_cluster import session_pids, stop_session
 
 FOREVER = 10**8  # steps of a --turns job: this script stops it
 
@@ -166,8 +166,8 @@ def torchrun_worker(a: argparse.Namespace) -> int:
     from raytrec._quiet import quiet_known_warnings
     from raytrec.api import _plan, default_source
     from raytrec.engine.plan import apply_embedding_optimizer, sharders
-    from raytrec.engine.rank import _DENSE_OPTIMIZERS, dense_optimizer_kwargs
-    from raytrec.model import build_dlrm
+    from raytrec.engine.rank_engine import _DENSE_OPTIMIZERS, dense_optimizer_kwargs
+    from raytrec.models import build_dlrm
 
     quiet_known_warnings()
     torch.set_num_threads(1)  # what a CPU raytrec rank does (cpus_per_rank=1)
@@ -455,7 +455,7 @@ def pipeline_config(a: argparse.Namespace, batch_size: int, *, dcn: bool) -> Tra
     """One GPU rank with the pipeline: the throughput job's model, or MLPerf's DCNv2 shapes."""
     import torch
 
-    from raytrec.model_config import ModelConfig, criteo_tables
+    from raytrec.config.model import ModelConfig, criteo_tables
 
     # Without a GPU the same comparison runs on a CPU rank (a check of this script, no more).
     cfg = build_config(a, gang_size=1, steps=a.steps, run_dir="unused").replace(
@@ -491,8 +491,8 @@ def pipeline_side(
     import torch
     import torch.distributed as dist
 
-    from raytrec.engine.rank import RankEngine, RankSpec, StepInput, StoreAddress
-    from raytrec.rec_metrics import RankMetrics
+    from raytrec.engine.rank_engine import RankEngine, RankSpec, StepInput, StoreAddress
+    from raytrec.observability.rec_metrics import RankMetrics
 
     gpu = cfg.scaling.use_gpu
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
@@ -538,8 +538,8 @@ def pipeline_side(
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     from raytrec.engine.plan import apply_embedding_optimizer, sharders
-    from raytrec.engine.rank import _DENSE_OPTIMIZERS, dense_optimizer_kwargs
-    from raytrec.model import build_train_model
+    from raytrec.engine.rank_engine import _DENSE_OPTIMIZERS, dense_optimizer_kwargs
+    from raytrec.models import build_train_model
 
     if gpu:
         torch.cuda.set_device(device)
@@ -604,7 +604,7 @@ def pipeline_runs(a: argparse.Namespace) -> str:
 
     from raytrec.data.from_config import synthetic_source
     from raytrec.engine.plan import job_plan
-    from raytrec.model import build_train_model
+    from raytrec.models import build_train_model
 
     gpu = torch.cuda.is_available()
     sync = torch.cuda.synchronize if gpu else (lambda: None)
