@@ -2,7 +2,7 @@
 
 A plain class, made a Ray actor only at the launch site (:func:`raytrec.api.fit`). It hosts the
 job's ``TCPStore`` (every gang world and replica plane rendezvous under their own prefix in it),
-creates one placement group per gang (:mod:`raytrec.placement`), starts one
+creates one placement group per gang (:mod:`raytrec.cluster.placement`), starts one
 :class:`~actors.rank.RankWorker` per rank and runs training in intervals of ``log_every`` steps,
 recording one metrics row per interval.
 
@@ -40,9 +40,9 @@ from torchrec.distributed.types import ShardingPlan
 from actors.checkpoints import JobCheckpoints
 from actors.drain import GangDrain
 from actors.evaluation import JobEvaluation
+from actors.gang_placement import JobPlacement
 from actors.growth import GangGrowth
 from actors.nodes import JobNodes
-from actors.placement import JobPlacement
 from actors.recovery import MAX_TRANSIENT, Dispatched, FailureRecovery, IntervalOutcome
 from actors.reshare import DataStreams, StreamTable
 from actors.total_loss import TotalLossRecovery
@@ -53,7 +53,7 @@ from raytrec.data.spec import FeatureSpec
 from raytrec.data.synthetic import batch_id
 from raytrec.elastic.accounting import BatchAccounting
 from raytrec.elastic.control import Boundary, intervals_to_queue
-from raytrec.elastic.drain import stop_requested
+from raytrec.elastic.drain_policy import stop_requested
 from raytrec.elastic.events import EventLog, GenerationStarted
 from raytrec.elastic.heal import failed_heals, replicas_disagree
 from raytrec.elastic.membership import Membership
@@ -69,12 +69,12 @@ from raytrec.elastic.workers import (
     SystemClock,
     WorkerGroup,
 )
-from raytrec.engine.rank import RENDEZVOUS_TIMEOUT_S, StoreAddress
+from raytrec.engine.rank_engine import RENDEZVOUS_TIMEOUT_S, StoreAddress
 from raytrec.errors import ConfigError, EarlyStopped, JobFailedError, StopRequested
-from raytrec.evaluation import EvalPlan
-from raytrec.metrics import IntervalMetrics, aggregate_interval
-from raytrec.model import ModelFactory, build_dlrm
-from raytrec.rec_metrics import InterpretedMetrics, merge_metric_states
+from raytrec.eval_plan import EvalPlan
+from raytrec.models import ModelFactory, build_dlrm
+from raytrec.observability.metrics import IntervalMetrics, aggregate_interval
+from raytrec.observability.rec_metrics import InterpretedMetrics, merge_metric_states
 from raytrec.sync.schedule import SyncPlan, plan_sync
 
 __all__ = ["Coordinator", "JobFailedError", "RunSummary"]
@@ -129,7 +129,7 @@ class Coordinator:
         self.new_shard = new_shard  # job rank -> BatchShard, for gangs that join later
         self.resume_from = resume_from  # a checkpoint to start from
         self.features = features  # the row layout trained on, saved with the model
-        # Held-out evaluation (raytrec.evaluation): its shard and plan, when configured.
+        # Held-out evaluation (raytrec.eval_plan): its shard and plan, when configured.
         self.evaluation = None if evaluation is None else JobEvaluation(self, *evaluation)
         self.elastic = config.elastic
         self.topology = config.scaling.topology()

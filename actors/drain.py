@@ -2,7 +2,8 @@
 
 :class:`GangDrain` reads what is asked (a user's request in the run directory,
 :func:`raytrec.drain`; nodes the cluster marks as draining), asks
-:func:`~raytrec.elastic.drain.decide_drain` what to give back, and at an interval boundary does
+:func:`~raytrec.elastic.drain_policy.decide_drain` what to give back, and at an interval boundary
+does
 it: a job-wide sync commits every gang's work, the drained gangs' streams are retired where they
 stand and the rows left are shared again among the others, their placement groups are released,
 and a new generation starts. No row is lost or trained twice.
@@ -13,7 +14,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from raytrec.elastic.drain import REQUEST_FILE, Drain, DrainRequest, decide_drain, read_request
+from raytrec.elastic.drain_policy import (
+    REQUEST_FILE,
+    Drain,
+    DrainRequest,
+    decide_drain,
+    read_request,
+)
 from raytrec.elastic.events import DrainRejected, GangDrained
 from raytrec.errors import ConfigError
 
@@ -30,7 +37,8 @@ class GangDrain:
         self.job = job
 
     def decision(self, *, take: bool) -> Drain | None:
-        """What the policy says to give back now (:func:`~raytrec.elastic.drain.decide_drain`),
+        """What the policy says to give back now
+        (:func:`~raytrec.elastic.drain_policy.decide_drain`),
         from a user's request in the run directory and the nodes the cluster is draining.
         ``take``: a user's request is consumed (it is being carried out)."""
         path = os.path.join(self.job.run_dir, REQUEST_FILE)

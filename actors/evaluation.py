@@ -1,4 +1,4 @@
-"""The coordinator's part that runs held-out evaluations (raytrec.evaluation): when one is due
+"""The coordinator's part that runs held-out evaluations (raytrec.eval_plan): when one is due
 (``eval_due``), after a job-wide sync, the live ranks score the held-out batches
 (``assign_eval_batches``) and the coordinator merges their metric states. It keeps the score of
 each evaluation for early stopping (``early_stop_decision``)."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from raytrec.elastic.events import EarlyStopped
-from raytrec.evaluation import EvalPlan, assign_eval_batches, early_stop_decision, eval_due
-from raytrec.rec_metrics import InterpretedMetrics, merge_metric_states
+from raytrec.eval_plan import EvalPlan, assign_eval_batches, early_stop_decision, eval_due
+from raytrec.observability.rec_metrics import InterpretedMetrics, merge_metric_states
 
 if TYPE_CHECKING:
     from actors.coordinator import Coordinator

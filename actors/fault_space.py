@@ -425,10 +425,10 @@ def _where(e: BaseException) -> str:
 def _build(schedule: Schedule, run_dir: str, phases: list[str]) -> tuple[Coordinator, Any]:
     from actors.coordinator import Coordinator
     from raytrec.checkpoint.config import CheckpointConfig
+    from raytrec.cluster.topology import Layout
     from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
     from raytrec.elastic.config import ElasticConfig
-    from raytrec.elastic.drain import request_drain
-    from raytrec.topology import Layout
+    from raytrec.elastic.drain_policy import request_drain
 
     s = schedule.settings
     cfg = TrainConfig(

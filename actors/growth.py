@@ -21,6 +21,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from raytrec.cluster.placement import placement_specs, rank_resources
+from raytrec.cluster.topology import Layout
 from raytrec.elastic.control import Fail, Proceed, gangs_to_request, resources_decision
 from raytrec.elastic.events import (
     GangHealed,
@@ -36,8 +38,6 @@ from raytrec.elastic.membership import Gang
 from raytrec.elastic.report import RankInfo
 from raytrec.elastic.workers import Placement, RankCallError
 from raytrec.errors import JobFailedError
-from raytrec.placement import placement_specs, rank_resources
-from raytrec.topology import Layout
 
 if TYPE_CHECKING:
     from actors.coordinator import Coordinator

@@ -1,4 +1,4 @@
-"""The rank actor: a thin Ray shell over :class:`raytrec.engine.rank.RankEngine`.
+"""The rank actor: a thin Ray shell over :class:`raytrec.engine.rank_engine.RankEngine`.
 
 It owns one rank's engine and its data feed, and answers the coordinator's
 calls. All training logic lives in the engine, which tests drive without Ray.
@@ -36,8 +36,8 @@ from raytrec.data.source import Batch, BatchShard
 from raytrec.elastic.faults import FaultKind, FaultSpec, Phase
 from raytrec.elastic.rank_protocol import LoadedCheckpoint, RankProtocol, StateDigest
 from raytrec.elastic.report import RankInfo, RankReport, TrainedBatch
-from raytrec.engine.rank import RankEngine, RankSpec, StepInput
-from raytrec.rec_metrics import MetricState, RankMetrics
+from raytrec.engine.rank_engine import RankEngine, RankSpec, StepInput
+from raytrec.observability.rec_metrics import MetricState, RankMetrics
 from raytrec.sync.schedule import SyncPlan
 
 __all__ = ["RankWorker", "progress_key"]
@@ -450,7 +450,7 @@ class RankWorker:
     ) -> MetricState:
         """Scores held-out batches ``batch_ids`` of ``shard`` (None: a padding round, scored
         for the gang's sharded forward and left out); returns the metric states of the rows
-        scored (raytrec.evaluation)."""
+        scored (raytrec.eval_plan)."""
         self._enter(Phase.EVAL)
         metrics = RankMetrics(auc_window=1 << 62)  # every row counts for the AUC
         pad = next((i for i in batch_ids if i is not None), 0)
@@ -500,7 +500,7 @@ class RankWorker:
         """Writes this gang's model with torch.distributed.checkpoint (a collective in the gang)."""
         import torch.distributed.checkpoint as dcp
 
-        from raytrec.serving.spec import write_model_spec
+        from raytrec.serving.model_spec import write_model_spec
 
         self.engine.write_back_caches()
         dcp.save(self.engine.model.state_dict(), checkpoint_id=path)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from raytrec.elastic.control import group_broke, retry_transient, survivors_apart
 from raytrec.elastic.dense import settle_failed_step
 from raytrec.elastic.events import FailedStepSettled, GangDropped, HangDetected, RankDied
+from raytrec.elastic.job_state import ElasticState
 from raytrec.elastic.policy import (
     Reform,
     Unrecoverable,
@@ -31,7 +32,6 @@ from raytrec.elastic.policy import (
     next_hang_check,
 )
 from raytrec.elastic.report import RankReport
-from raytrec.elastic.state import ElasticState
 from raytrec.elastic.workers import RankCallError, RankFailed, RankLost, RankTimedOut
 from raytrec.errors import JobFailedError
 

@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from raytrec.cluster.topology import Layout
 from raytrec.elastic.events import (
     CheckpointRestored,
     GangDropped,
@@ -38,7 +39,6 @@ from raytrec.elastic.rollback import (
 )
 from raytrec.elastic.workers import RankCallError
 from raytrec.errors import JobFailedError
-from raytrec.topology import Layout
 
 if TYPE_CHECKING:
     from actors.coordinator import Coordinator

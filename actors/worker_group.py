@@ -26,11 +26,11 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.rank import RankWorker, progress_key
+from raytrec.cluster.placement import PlacementSpec, rank_runtime_env
 from raytrec.data.source import BatchShard
 from raytrec.elastic.rank_protocol import RankProtocol
 from raytrec.elastic.workers import NODE_DIED, Answer, NodeInfo, RankFailed, RankLost
-from raytrec.engine.rank import RankSpec, StoreAddress
-from raytrec.placement import PlacementSpec, rank_runtime_env
+from raytrec.engine.rank_engine import RankSpec, StoreAddress
 
 __all__ = ["RayWorkerGroup"]
 

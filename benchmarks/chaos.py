@@ -35,7 +35,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import raytrec.local_cluster as lc
+import raytrec.cluster.local as lc
 from benchmarks.common import ROOT, command, parse, parser, replace_block
 
 HEADING = "## Chaos: node and rank losses on a local cluster"

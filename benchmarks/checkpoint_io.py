@@ -30,8 +30,8 @@ from raytrec.checkpoint.layout import _fsync_dir, read_manifest
 from raytrec.checkpoint.state import load_checkpoint, save_checkpoint
 from raytrec.config import DataConfig, OptimizerConfig, ScalingConfig, TrainConfig
 from raytrec.data.synthetic import SyntheticCriteo
-from raytrec.engine.rank import RankEngine, RankSpec, StoreAddress
-from raytrec.model import build_dlrm
+from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
+from raytrec.models import build_dlrm
 
 NUM_DENSE = 13
 MB = 1e6

@@ -163,7 +163,7 @@ def plain_torchrec(cfg: TrainConfig, num_dense: int, device: Any, plan: Any) -> 
 
     from raytrec.engine.dense_optimizer import build_dense_optimizer
     from raytrec.engine.plan import apply_embedding_optimizer, sharders
-    from raytrec.model import build_train_model
+    from raytrec.models import build_train_model
 
     model = build_train_model(cfg.model, num_dense, device, cfg.seed)
     apply_embedding_optimizer(model, cfg.optimizer)

@@ -32,7 +32,7 @@ import actors.recovery
 from benchmarks.common import parse, parser, publish
 from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
 from raytrec.elastic.config import ElasticConfig
-from raytrec.elastic.drain import request_drain
+from raytrec.elastic.drain_policy import request_drain
 from raytrec.testing import fake_faults as ff
 from raytrec.testing.fake_group import FakeWorkerGroup
 

@@ -66,7 +66,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def config(a: argparse.Namespace, batch_size: int) -> TrainConfig:
     """One rank with the pipeline, on the GPU if there is one: a DLRM of ``--model``'s tables x
     rows x dim, or with ``--dcn`` MLPerf's DCNv2 shapes."""
-    from raytrec.model_config import ModelConfig, criteo_tables
+    from raytrec.config.model import ModelConfig, criteo_tables
 
     cfg = TrainConfig(
         model=common.dlrm(*a.model),
@@ -122,8 +122,8 @@ def side(
     TorchRec's then shares its process group (one rank: nothing to communicate)."""
     import torch.distributed as dist
 
-    from raytrec.engine.rank import RankEngine, RankSpec, StepInput, StoreAddress
-    from raytrec.rec_metrics import RankMetrics
+    from raytrec.engine.rank_engine import RankEngine, RankSpec, StepInput, StoreAddress
+    from raytrec.observability.rec_metrics import RankMetrics
 
     device = torch.device("cuda", 0) if cfg.scaling.use_gpu else torch.device("cpu")
     stream = itertools.cycle(batches)
@@ -231,7 +231,7 @@ def runs(a: argparse.Namespace) -> str:
     """Each configuration on both sides, as a table."""
     from raytrec.data.from_config import synthetic_source
     from raytrec.engine.plan import job_plan
-    from raytrec.model import build_train_model
+    from raytrec.models import build_train_model
 
     gpu = torch.cuda.is_available()
     memory = torch.cuda.get_device_properties(0).total_memory if gpu else 2**40

@@ -40,7 +40,7 @@ from raytrec.cluster import connect
 from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TestingConfig, TrainConfig
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.faults import FaultKind, FaultSpec
-from raytrec.metrics import IntervalMetrics
+from raytrec.observability.metrics import IntervalMetrics
 
 HEADING = "## Recovery time: survivors against restart from checkpoint"
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from benchmarks import common
 from raytrec.config import DataConfig, OptimizerConfig, ScalingConfig, ShardingConfig, TrainConfig
-from raytrec.local_cluster import session_pids, stop_session
+from raytrec.cluster.local import session_pids, stop_session
 
 FOREVER = 10**8  # steps of either side's job: this script stops it
 
@@ -87,7 +87,7 @@ def torchrun_worker(a: argparse.Namespace) -> int:
 
     from raytrec._quiet import quiet_known_warnings
     from raytrec.api import _plan, default_source
-    from raytrec.model import build_train_model
+    from raytrec.models import build_train_model
 
     quiet_known_warnings()
     torch.set_num_threads(1)  # what a CPU raytrec rank does (cpus_per_rank=1)

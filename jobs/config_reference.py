@@ -1,7 +1,7 @@
 """Print the configuration reference: ``python -m jobs.config_reference > docs/configuration.md``.
 
 The reference is generated from the config models' JSON schema and this job's own defaults
-(:func:`raytrec.config_file_docs.reference_markdown`), and ``tests/test_config_docs.py`` fails
+(:func:`raytrec.config.file_docs.reference_markdown`), and ``tests/test_config_docs.py`` fails
 when the committed file differs from this output.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from jobs.train import JOB_DEFAULTS
-from raytrec.config_file_docs import reference_markdown
+from raytrec.config.file_docs import reference_markdown
 
 
 def main() -> int:

@@ -25,7 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--gangs", type=int, default=0, help="give back this many gangs")
     p.add_argument("--max-gangs", type=int, default=None, help="keep at most this many gangs")
     args = p.parse_args(argv)
-    from raytrec.elastic.drain import request_drain
+    from raytrec.elastic.drain_policy import request_drain
 
     try:
         path = request_drain(args.run_dir, gangs=args.gangs, max_gangs=args.max_gangs)

@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_known_warnings()
     signal.signal(signal.SIGTERM, _interrupt)
     from raytrec.checkpoint.errors import CheckpointError
-    from raytrec.config_file import load_config
+    from raytrec.config.file import load_config
     from raytrec.serving.export import export
 
     try:

@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_known_warnings()
     signal.signal(signal.SIGTERM, _interrupt)
     from raytrec.checkpoint.errors import CheckpointError
-    from raytrec.config_file import load_config
+    from raytrec.config.file import load_config
     from raytrec.data.arrow_kjt import BadInputError
     from raytrec.serving.evaluate import predict
 

@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from raytrec.config import ConfigError, TrainConfig
-from raytrec.config_base import yaml_flow
-from raytrec.config_file import Override, dump, load_config
+from raytrec.config.base import yaml_flow
+from raytrec.config.file import Override, dump, load_config
 from raytrec.errors import JobFailedError
 
 # This job's defaults where they differ from the config classes' defaults: the one place the
@@ -194,7 +194,7 @@ def _where(e: BaseException) -> str:
     result = getattr(e, "result", None)
     if result is None:
         return ""
-    from raytrec.summary import SUMMARY_FILE
+    from raytrec.observability.summary import SUMMARY_FILE
 
     resume = result.checkpoint.path if result.checkpoint is not None else None
     return (
@@ -224,7 +224,7 @@ def train(config: TrainConfig, *, verbose: bool = False, resume_from: str | None
     from raytrec.data.arrow_kjt import BadInputError
     from raytrec.data.spec import SpecError
     from raytrec.errors import StopRequested
-    from raytrec.progress import METRICS_FILE, ProgressReporter
+    from raytrec.observability.progress import METRICS_FILE, ProgressReporter
 
     reporter = ProgressReporter(config.num_steps, title=config.name)
     result: Any = None

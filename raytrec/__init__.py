@@ -24,8 +24,8 @@ __all__ = [
 
 if TYPE_CHECKING:
     from raytrec.api import Result, fit
-    from raytrec.elastic.drain import request_drain as drain
-    from raytrec.elastic.drain import request_stop as stop
+    from raytrec.elastic.drain_policy import request_drain as drain
+    from raytrec.elastic.drain_policy import request_stop as stop
     from raytrec.serving.evaluate import evaluate, predict
     from raytrec.serving.export import export, load_model, make_batch, score
 
@@ -46,14 +46,14 @@ def __dir__() -> list[str]:
 
 
 def __getattr__(name: str) -> Any:
-    # Importing raytrec.config or raytrec.topology must not pull in torch, Ray
+    # Importing raytrec.config or raytrec.cluster.topology must not pull in torch, Ray
     # and the actors; the API is loaded on first use.
     if name == "drain":
-        from raytrec.elastic.drain import request_drain
+        from raytrec.elastic.drain_policy import request_drain
 
         return request_drain
     if name == "stop":
-        from raytrec.elastic.drain import request_stop
+        from raytrec.elastic.drain_policy import request_stop
 
         return request_stop
     if name in _SERVING:

@@ -25,7 +25,6 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrec._quiet import quiet_known_warnings
-from raytrec.capacity import NodeShape, capacity_refusal
 from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.cluster import (
     COORDINATOR_PREFIX,
@@ -35,6 +34,7 @@ from raytrec.cluster import (
     pin_ray_data_helpers,
     resolve_storage_path,
 )
+from raytrec.cluster.capacity import NodeShape, capacity_refusal
 from raytrec.config import ConfigError, TrainConfig, validate_features
 from raytrec.data.from_config import (
     DataInfo,
@@ -48,11 +48,11 @@ from raytrec.data.source import BatchSource
 from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.plan import job_plan
 from raytrec.errors import EarlyStopped, JobFailedError, StopRequested
-from raytrec.metrics import IntervalMetrics
-from raytrec.model import ModelFactory, build_train_model
-from raytrec.progress import ProgressReporter
-from raytrec.run_logs import RunLogs
-from raytrec.summary import ledger_lines, write_ledger
+from raytrec.models import ModelFactory, build_train_model
+from raytrec.observability.metrics import IntervalMetrics
+from raytrec.observability.progress import ProgressReporter
+from raytrec.observability.run_logs import RunLogs
+from raytrec.observability.summary import ledger_lines, write_ledger
 
 __all__ = [
     "CapacityUnknownWarning",
@@ -123,8 +123,9 @@ class Result:
     def ledger(self, *, stopped: str | None = None, failed: str | None = None) -> dict[str, Any]:
         """The run's ledger (also in the run directory as ``summary.json``): steps, rows,
         committed, replayed and lost batches, failures by kind, generations, the replica
-        check, final and best metrics, and where every artifact is (raytrec.summary)."""
-        from raytrec.summary import ledger
+        check, final and best metrics, and where every artifact is
+        (raytrec.observability.summary)."""
+        from raytrec.observability.summary import ledger
 
         return ledger(self, stopped=stopped, failed=failed)
 
@@ -176,7 +177,7 @@ def check_capacity(
     unpublished_node_types: bool = False,
 ) -> None:
     """Fails (a :class:`ConfigError`, exit code 2 from ``jobs.train``) when the cluster of
-    ``shapes`` can never hold the job: see :mod:`raytrec.capacity`. With
+    ``shapes`` can never hold the job: see :mod:`raytrec.cluster.capacity`. With
     ``unpublished_node_types`` (an autoscaler that did not publish what it may add) a job the
     live nodes cannot hold is only warned about (:class:`CapacityUnknownWarning`): the
     autoscaler may add the nodes, and placement waits for them at most
@@ -222,7 +223,7 @@ def fit(
 
     The console shows raytrec's progress, events, summary and errors; Ray's own log records and
     what the ranks and Ray Data's tasks print go to ``logs/`` in the run directory
-    (:mod:`raytrec.run_logs`), and also to the console with ``verbose=True``. Like
+    (:mod:`raytrec.observability.run_logs`), and also to the console with ``verbose=True``. Like
     ``on_progress``, this is about where the run is watched from, not what it trains, so it is
     an argument here rather than a key of ``config``.
     """
@@ -327,7 +328,7 @@ def _fit(
         features = source.spec if isinstance(source, ParquetSource) else None
         evaluation = None
         if config.eval.path is not None:
-            from raytrec.serving.spec import ModelSpec
+            from raytrec.serving.model_spec import ModelSpec
 
             layout = features or ModelSpec.for_config(config, source.dense_features).features
             evaluation = held_out(config, layout)
@@ -437,7 +438,7 @@ def _vocabularies_of(checkpoint: str | None) -> dict[str, tuple[str, ...]] | Non
     if checkpoint is None:
         return None
     from raytrec.data.spec import CategoricalFeature
-    from raytrec.serving.spec import read_model_spec
+    from raytrec.serving.model_spec import read_model_spec
 
     spec = read_model_spec(checkpoint)
     if spec is None:

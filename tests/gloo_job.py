@@ -32,8 +32,8 @@ from torchrec.distributed.types import ShardingPlan
 from raytrec._quiet import quiet_known_warnings
 from raytrec.config import TrainConfig
 from raytrec.engine.plan import apply_embedding_optimizer, make_plan
-from raytrec.engine.rank import RankEngine, RankSpec, StoreAddress
-from raytrec.model import build_train_model
+from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
+from raytrec.models import build_train_model
 
 __all__ = ["GangJobError", "engine_for", "make_plan_for", "run_gang_job"]
 

@@ -1,7 +1,7 @@
 """Elastic training on Ray's own autoscaler, and reading the node types an autoscaler may add.
 
 The cluster tests run a head with Ray's autoscaler on its fake multi-node provider
-(``raytrec.local_cluster.autoscaling_cluster``: the autoscaler starts and stops worker nodes as
+(``raytrec.cluster.local.autoscaling_cluster``: the autoscaler starts and stops worker nodes as
 processes on this machine; its own test helper would first stop every Ray process on the
 machine). The worker node type is sized as docs/autoscaling.md prescribes: one node holds
 ``k = 1`` whole gang (``gang_size x cpus_per_rank`` CPUs), ``min_workers = ceil(min_gangs / k)``,
@@ -39,7 +39,6 @@ from test_elastic_cluster import assert_every_batch_once, assert_replicas_agree
 
 import raytrec
 from raytrec.api import CapacityUnknownWarning, TrainingStopped, check_capacity, fit
-from raytrec.capacity import NodeShape
 from raytrec.cluster import (
     ClusterStateError,
     autoscaler_hides_node_types,
@@ -47,6 +46,14 @@ from raytrec.cluster import (
     cluster_shapes,
     node_shapes,
     read_cluster_config,
+)
+from raytrec.cluster.capacity import NodeShape
+from raytrec.cluster.local import (
+    AutoscalingCluster,
+    WorkerNodeType,
+    autoscaling_cluster,
+    connected,
+    fake_autoscaling_config,
 )
 from raytrec.config import (
     DataConfig,
@@ -60,14 +67,7 @@ from raytrec.config import (
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.errors import ConfigError, StopRequested
-from raytrec.local_cluster import (
-    AutoscalingCluster,
-    WorkerNodeType,
-    autoscaling_cluster,
-    connected,
-    fake_autoscaling_config,
-)
-from raytrec.metrics import IntervalMetrics
+from raytrec.observability.metrics import IntervalMetrics
 from raytrec.testing import NodeDrainer, running_coordinator
 
 GANG_SIZE = 2

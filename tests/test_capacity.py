@@ -1,10 +1,10 @@
-"""Jobs a cluster can never hold are refused before anything starts (raytrec.capacity)."""
+"""Jobs a cluster can never hold are refused before anything starts (raytrec.cluster.capacity)."""
 
 from __future__ import annotations
 
 import pytest
 
-from raytrec.capacity import NodeShape, capacity_refusal
+from raytrec.cluster.capacity import NodeShape, capacity_refusal
 from raytrec.config import ScalingConfig, TrainConfig
 
 

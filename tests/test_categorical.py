@@ -31,7 +31,7 @@ from raytrec.data.spec import (
     fit_vocabulary,
 )
 from raytrec.data.vocabulary import count_categories
-from raytrec.serving.spec import ModelSpec
+from raytrec.serving.model_spec import ModelSpec
 
 
 def ids(table: pa.Table, *features: CategoricalFeature) -> dict[str, tuple[list[int], list[int]]]:
@@ -189,7 +189,7 @@ def test_out_of_range_ids_are_bad_input_by_default() -> None:
 
 def test_a_resumed_job_takes_the_vocabularies_of_its_checkpoint(tmp_path: pathlib.Path) -> None:
     from raytrec.api import _vocabularies_of
-    from raytrec.serving.spec import write_model_spec
+    from raytrec.serving.model_spec import write_model_spec
 
     spec = ModelSpec(
         model=CONFIG.model, num_dense=2, features=parquet_spec(CONFIG, {"user": ("u9", "u1")})

@@ -2,7 +2,7 @@
 
 TorchRec's GPU kernels need the CUDA FBGEMM build, so this drives
 :func:`save_checkpoint` / :func:`load_checkpoint` with a stand-in engine that
-has the same surface as :class:`~raytrec.engine.rank.RankEngine`: sharded
+has the same surface as :class:`~raytrec.engine.rank_engine.RankEngine`: sharded
 tables and row-wise optimizer state as CUDA ShardedTensors, dense parameters
 on the GPU with Adam (whose state appears only after a step), and the CUDA
 random generator. What it checks: the gang collectives over NCCL, fresh
@@ -47,7 +47,7 @@ from raytrec.config import (
     TableConfig,
     TrainConfig,
 )
-from raytrec.serving.spec import ModelSpec
+from raytrec.serving.model_spec import ModelSpec
 
 pytestmark = pytest.mark.multiprocess
 

@@ -42,7 +42,7 @@ from raytrec.config import (
     criteo_tables,
 )
 from raytrec.data.synthetic import SyntheticCriteo
-from raytrec.engine.rank import RankEngine, RankSpec, StoreAddress
+from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
 
 pytestmark = pytest.mark.multiprocess
 

@@ -58,8 +58,8 @@ from raytrec.config import (
     TrainConfig,
 )
 from raytrec.data.synthetic import SyntheticCriteo
-from raytrec.engine.rank import RankEngine, RankSpec, StoreAddress
-from raytrec.serving.spec import MODEL_SPEC
+from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
+from raytrec.serving.model_spec import MODEL_SPEC
 
 pytestmark = pytest.mark.multiprocess
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from raytrec.cluster.placement import rank_runtime_env
+from raytrec.cluster.topology import Layout
 from raytrec.config import (
     ConfigError,
     DataConfig,
@@ -17,8 +19,6 @@ from raytrec.config import (
     criteo_tables,
     validate_features,
 )
-from raytrec.placement import rank_runtime_env
-from raytrec.topology import Layout
 
 
 def table(**kw: object) -> TableConfig:

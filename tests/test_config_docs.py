@@ -13,8 +13,8 @@ from pydantic import BaseModel
 
 from jobs.train import JOB_DEFAULTS
 from raytrec.config import TrainConfig
-from raytrec.config_base import ConfigModel, Lax, PositiveInt, Seq
-from raytrec.config_file_docs import config_keys, reference_markdown
+from raytrec.config.base import ConfigModel, Lax, PositiveInt, Seq
+from raytrec.config.file_docs import config_keys, reference_markdown
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 ROW = re.compile(r"^\| `([^`]+)` \| ([^|]*) \| ([^|]*) \| ([^|]*) \| (.*) \|$")

@@ -12,6 +12,7 @@ import yaml
 from pydantic import Field, model_validator
 
 from jobs.train import JOB_DEFAULTS, build_config, main
+from raytrec.cluster.topology import Layout
 from raytrec.config import (
     ConfigError,
     ModelConfig,
@@ -21,8 +22,8 @@ from raytrec.config import (
     TrainConfig,
     criteo_tables,
 )
-from raytrec.config_base import ConfigModel, Lax, Seq, validate
-from raytrec.config_file import (
+from raytrec.config.base import ConfigModel, Lax, Seq, validate
+from raytrec.config.file import (
     apply_override,
     dump,
     load_config,
@@ -30,7 +31,6 @@ from raytrec.config_file import (
     read_yaml,
     to_dict,
 )
-from raytrec.topology import Layout
 
 
 def write(tmp_path: pathlib.Path, text: str, name: str = "job.yaml") -> str:

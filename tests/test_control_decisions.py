@@ -13,6 +13,7 @@ import pathlib
 
 import pytest
 
+from raytrec.cluster.topology import Topology
 from raytrec.config import EvalConfig
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.control import (
@@ -25,7 +26,7 @@ from raytrec.elastic.control import (
     retry_transient,
     survivors_apart,
 )
-from raytrec.elastic.drain import (
+from raytrec.elastic.drain_policy import (
     REQUEST_FILE,
     DrainRequest,
     decide_drain,
@@ -36,8 +37,7 @@ from raytrec.elastic.heal import failed_heals, replicas_disagree
 from raytrec.elastic.membership import Membership
 from raytrec.elastic.policy import PAST_TIMEOUT_S, next_hang_check
 from raytrec.errors import ConfigError
-from raytrec.evaluation import early_stop_decision, eval_due
-from raytrec.topology import Topology
+from raytrec.eval_plan import early_stop_decision, eval_due
 
 
 def membership(gangs: int, gang_size: int = 2) -> Membership:

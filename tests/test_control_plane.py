@@ -25,7 +25,7 @@ from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
 from raytrec.data.synthetic import batch_id, split_batch_id
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.control import group_broke
-from raytrec.elastic.drain import request_drain, request_stop
+from raytrec.elastic.drain_policy import request_drain, request_stop
 from raytrec.elastic.report import RunSummary
 from raytrec.elastic.workers import NODE_DIED, RankLost
 from raytrec.errors import JobFailedError, StopRequested

@@ -54,8 +54,8 @@ from raytrec.config import (
 from raytrec.data.generate import write_synthetic_parquet
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.faults import FaultKind, FaultSpec
-from raytrec.metrics import IntervalMetrics
-from raytrec.model import build_dlrm
+from raytrec.models import build_dlrm
+from raytrec.observability.metrics import IntervalMetrics
 from raytrec.testing import (
     NodeDrainer,
     committed_row_ids,

@@ -28,8 +28,8 @@ from raytrec.config import (
 )
 from raytrec.data.source import Batch
 from raytrec.data.synthetic import SyntheticCriteo
-from raytrec.engine.rank import RankSpec
-from raytrec.model import DeepFM, build_model
+from raytrec.engine.rank_engine import RankSpec
+from raytrec.models import DeepFM, build_model
 
 pytestmark = pytest.mark.multiprocess
 

@@ -50,7 +50,7 @@ from raytrec.config import (
 from raytrec.data.synthetic import SyntheticCriteo, split_batch_id
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.faults import FaultKind, FaultSpec
-from raytrec.model import embedding_bag_configs
+from raytrec.models import embedding_bag_configs
 from raytrec.testing import NodeRemover, simulated_cluster
 
 pytestmark = pytest.mark.cluster

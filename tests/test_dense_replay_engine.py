@@ -30,7 +30,7 @@ from raytrec.config import (
     TrainConfig,
 )
 from raytrec.data.synthetic import SyntheticCriteo
-from raytrec.engine.rank import RankEngine, RankSpec
+from raytrec.engine.rank_engine import RankEngine, RankSpec
 from raytrec.engine.replica_plane import ReplicaPlaneError
 
 pytestmark = pytest.mark.multiprocess

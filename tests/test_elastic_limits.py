@@ -24,8 +24,8 @@ from raytrec.config import (
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.errors import JobFailedError
-from raytrec.metrics import IntervalMetrics
-from raytrec.summary import SUMMARY_FILE
+from raytrec.observability.metrics import IntervalMetrics
+from raytrec.observability.summary import SUMMARY_FILE
 from raytrec.testing import running_coordinator
 
 pytestmark = pytest.mark.cluster

@@ -1,11 +1,11 @@
-"""Membership at production sizes, checked against raytrec.topology as the reference."""
+"""Membership at production sizes, checked against raytrec.cluster.topology as the reference."""
 
 from __future__ import annotations
 
 import pytest
 
+from raytrec.cluster.topology import Layout, Topology
 from raytrec.elastic.membership import Membership, MembershipError, ReplicaMember
-from raytrec.topology import Layout, Topology
 
 ACROSS = Layout.REPLICAS_ACROSS_HOSTS
 WITHIN = Layout.REPLICAS_WITHIN_HOST

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from raytrec.cluster.topology import Layout, Topology
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.events import (
     EventLog,
@@ -14,6 +15,17 @@ from raytrec.elastic.events import (
     HangDetected,
     JobFailed,
     ResourcesWaited,
+)
+from raytrec.elastic.job_state import (
+    CollectiveTimeout,
+    ElasticState,
+    NodeLost,
+    Observation,
+    PlacementReady,
+    RankExited,
+    StepDone,
+    SyncDone,
+    observe,
 )
 from raytrec.elastic.policy import (
     Continue,
@@ -28,18 +40,6 @@ from raytrec.elastic.policy import (
     placement_requests,
     request_placements,
 )
-from raytrec.elastic.state import (
-    CollectiveTimeout,
-    ElasticState,
-    NodeLost,
-    Observation,
-    PlacementReady,
-    RankExited,
-    StepDone,
-    SyncDone,
-    observe,
-)
-from raytrec.topology import Layout, Topology
 
 T1024 = Topology(world_size=1024, gang_size=256, ranks_per_host=256)
 T4096 = Topology(world_size=4096, gang_size=8, ranks_per_host=16)

@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from raytrec.cluster.topology import Layout, Topology
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.events import GangDropped, GenerationStarted, HangDetected, JobFailed
 from raytrec.elastic.faults import FaultConfig
@@ -16,7 +17,6 @@ from raytrec.elastic.ledger import DataLedger, ReplayPlan
 from raytrec.elastic.policy import Continue, Fail, Grow, Reform, Unrecoverable, WaitForResources
 from raytrec.elastic.rows import RowRanges
 from raytrec.elastic.sim import NodeArrival, SimJob, SimResult
-from raytrec.topology import Layout, Topology
 
 CFG = ElasticConfig(
     min_gangs=2, step_timeout_s=30, collective_timeout_s=10, resource_wait_s=100, poll_s=1

@@ -42,8 +42,8 @@ from raytrec.config import (
 )
 from raytrec.data.source import Batch
 from raytrec.data.synthetic import SyntheticCriteo
-from raytrec.engine.rank import RankEngine, RankSpec, StoreAddress
-from raytrec.model import build_dlrm
+from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
+from raytrec.models import build_dlrm
 
 pytestmark = pytest.mark.multiprocess
 

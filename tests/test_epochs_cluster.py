@@ -13,7 +13,7 @@ import pytest
 from raytrec.api import fit
 from raytrec.config import DataConfig, ModelConfig, ScalingConfig, TrainConfig, criteo_tables
 from raytrec.data.generate import write_synthetic_parquet
-from raytrec.progress import ProgressReporter
+from raytrec.observability.progress import ProgressReporter
 from raytrec.testing import committed_row_ids
 
 pytestmark = pytest.mark.cluster

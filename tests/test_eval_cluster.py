@@ -31,7 +31,7 @@ from raytrec.config import (
     criteo_tables,
 )
 from raytrec.data.generate import write_synthetic_parquet
-from raytrec.progress import METRICS_FILE
+from raytrec.observability.progress import METRICS_FILE
 
 pytestmark = pytest.mark.cluster
 

@@ -11,7 +11,7 @@ import torch
 
 from raytrec.data.feed import BatchFeed, DataExhausted
 from raytrec.data.generate import auc as reference_auc
-from raytrec.rec_metrics import RankMetrics, merge_metric_states
+from raytrec.observability.rec_metrics import RankMetrics, merge_metric_states
 
 
 def counting(n: int, *, fail_at: int | None = None) -> Iterator[int]:

@@ -19,7 +19,7 @@ from jobs.train import build_config
 from raytrec.api import Result, TrainingStopped, fit
 from raytrec.config import ConfigError, ModelConfig, TrainConfig
 from raytrec.data.synthetic import SyntheticCriteo
-from raytrec.model import embedding_bag_configs
+from raytrec.models import embedding_bag_configs
 
 pytestmark = pytest.mark.cluster
 

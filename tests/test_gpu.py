@@ -41,9 +41,9 @@ from raytrec.config import (
 )
 from raytrec.data.source import Batch
 from raytrec.engine.plan import apply_embedding_optimizer, make_plan
-from raytrec.engine.rank import RankEngine, RankSpec, StoreAddress
+from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
 from raytrec.engine.replica_plane import ReplicaPlane
-from raytrec.model import build_dlrm
+from raytrec.models import build_dlrm
 
 pytestmark = [
     pytest.mark.gpu,

@@ -35,11 +35,11 @@ from test_pipeline import FAIL_AT, RUNS, STEPS, _assert_same_run, _train
 from torchrec.distributed.types import ShardingPlan
 
 from raytrec.config import ConfigError, ScalingConfig, ShardingConfig, TrainConfig
+from raytrec.config.model import TableConfig
 from raytrec.engine.plan import job_plan
-from raytrec.engine.rank import RankEngine, RankSpec, StoreAddress
+from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
 from raytrec.engine.replica_plane import ReplicaPlane
-from raytrec.model import build_train_model
-from raytrec.model_config import TableConfig
+from raytrec.models import build_train_model
 
 pytestmark = [
     pytest.mark.gpu,

@@ -30,8 +30,8 @@ from test_pipeline import FAIL_AT, RUNS, STEPS, _assert_same_run, _train
 
 from raytrec.config import ScalingConfig, TrainConfig
 from raytrec.engine.plan import job_plan
-from raytrec.engine.rank import RankEngine, RankSpec
-from raytrec.model import build_train_model
+from raytrec.engine.rank_engine import RankEngine, RankSpec
+from raytrec.models import build_train_model
 
 
 def gpus(n: int) -> pytest.MarkDecorator:

@@ -41,7 +41,7 @@ from raytrec.config import (
     TrainConfig,
 )
 from raytrec.data.synthetic import SyntheticCriteo
-from raytrec.engine.rank import RankEngine, RankSpec, StoreAddress
+from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
 from raytrec.sync.schedule import plan_sync
 
 pytestmark = pytest.mark.multiprocess

@@ -10,7 +10,7 @@ import pytest
 
 from raytrec.api import fit
 from raytrec.config import DataConfig, TrainConfig
-from raytrec.config_file import load_config, parse_override
+from raytrec.config.file import load_config, parse_override
 from raytrec.data.from_config import generated_rows
 from raytrec.data.generate import write_synthetic_parquet
 from raytrec.data.length import data_steps, resolve_num_steps
@@ -18,7 +18,7 @@ from raytrec.data.parquet import ParquetShard, ParquetSource
 from raytrec.data.spec import criteo_spec
 from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.errors import ConfigError
-from raytrec.progress import ProgressReporter
+from raytrec.observability.progress import ProgressReporter
 
 
 def test_a_given_num_steps_wins_and_none_takes_the_datas_length() -> None:

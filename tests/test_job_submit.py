@@ -1,7 +1,7 @@
 """`ray job submit` against a real local cluster, and the cluster files that size gangs.
 
 The cluster test starts its own Ray head with ``ray start`` on 127.0.0.1 (its own ports, temp
-directory and authentication token; ``raytrec.local_cluster``), submits the training job with the
+directory and authentication token; ``raytrec.cluster.local``), submits the training job with the
 real ``ray job submit`` command line, and stops exactly the processes it started: ``ray stop``
 would stop every Ray cluster on the machine, so the cluster's process sessions are ended by pid.
 """
@@ -20,9 +20,9 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
+from raytrec.cluster.local import LocalCluster, local_cluster
 from raytrec.config import TrainConfig
-from raytrec.config_file import load_config
-from raytrec.local_cluster import LocalCluster, local_cluster
+from raytrec.config.file import load_config
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BIN = pathlib.Path(sys.executable).parent  # the environment running the tests has Ray

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from raytrec.elastic.report import RankReport
-from raytrec.metrics import aggregate_interval
+from raytrec.observability.metrics import aggregate_interval
 
 
 def report(

@@ -31,9 +31,9 @@ from raytrec.data.arrow_kjt import BadInputError, to_batch
 from raytrec.data.from_config import parquet_spec, synthetic_source
 from raytrec.data.preprocess import internal_columns_of, preprocess
 from raytrec.engine.plan import apply_embedding_optimizer, make_plan, table_constraints
-from raytrec.model import DeepFM, build_model, build_train_model
+from raytrec.models import DeepFM, build_model, build_train_model
 from raytrec.serving.export import export, load_exported, load_program, make_batch, score
-from raytrec.serving.spec import ModelSpec, write_model_spec
+from raytrec.serving.model_spec import ModelSpec, write_model_spec
 
 CPU = torch.device("cpu")
 

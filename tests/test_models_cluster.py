@@ -23,10 +23,10 @@ from raytrec.config import (
     criteo_tables,
 )
 from raytrec.data.generate import write_synthetic_parquet
-from raytrec.model import DeepFM
+from raytrec.models import DeepFM
+from raytrec.models.two_tower import TwoTower
 from raytrec.serving.evaluate import evaluate, predict
 from raytrec.serving.export import export, load_model, make_batch, score
-from raytrec.two_tower import TwoTower
 
 pytestmark = pytest.mark.cluster
 

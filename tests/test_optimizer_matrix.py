@@ -54,7 +54,7 @@ from raytrec.config import (
 from raytrec.data.source import Batch
 from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.dense_optimizer import DENSE_OPTIMIZERS, dense_optimizer_kwargs
-from raytrec.engine.rank import RankEngine, RankSpec, StoreAddress
+from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
 from raytrec.engine.replica_plane import ReplicaPlaneError
 
 pytestmark = pytest.mark.multiprocess

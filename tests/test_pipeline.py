@@ -30,7 +30,7 @@ from test_engine_2d import NUM_DENSE, SOURCE, job_config
 
 from raytrec.config import ScalingConfig
 from raytrec.data.source import Batch
-from raytrec.engine.rank import RankEngine, RankSpec, StepInput
+from raytrec.engine.rank_engine import RankEngine, RankSpec, StepInput
 
 pytestmark = pytest.mark.multiprocess
 

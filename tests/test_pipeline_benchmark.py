@@ -14,7 +14,7 @@ import pytest
 from torchrec.distributed.model_parallel import DistributedModelParallel
 
 from benchmarks import pipeline
-from raytrec.engine.rank import RankEngine
+from raytrec.engine.rank_engine import RankEngine
 
 
 @pytest.fixture

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from raytrec.placement import PlacementSpec, placement_specs, rank_resources
-from raytrec.topology import Layout, Topology
+from raytrec.cluster.placement import PlacementSpec, placement_specs, rank_resources
+from raytrec.cluster.topology import Layout, Topology
 
 
 def bundle_of(spec: PlacementSpec, rank: int) -> int:

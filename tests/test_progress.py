@@ -10,8 +10,8 @@ import struct
 
 import pytest
 
-from raytrec.metrics import IntervalMetrics
-from raytrec.progress import (
+from raytrec.observability.metrics import IntervalMetrics
+from raytrec.observability.progress import (
     EVENTS_FILE,
     METRICS_FILE,
     PLOT_FILE,
@@ -191,11 +191,13 @@ def test_terminal_gets_a_progress_bar(tmp_path: pathlib.Path) -> None:
 def test_close_marks_given_events_and_derives_generation_changes(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import raytrec.report
+    import raytrec.observability.plots
 
     drawn: list[list[dict]] = []
     monkeypatch.setattr(
-        raytrec.report, "plot_run", lambda rows, events, path, title="": drawn.append(events)
+        raytrec.observability.plots,
+        "plot_run",
+        lambda rows, events, path, title="": drawn.append(events),
     )
 
     @dataclasses.dataclass(frozen=True)

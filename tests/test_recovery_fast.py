@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks import recovery
 from benchmarks.common import drop_options, replace_block
-from raytrec.metrics import IntervalMetrics
+from raytrec.observability.metrics import IntervalMetrics
 
 
 def row(step: int, at: float, *, gangs: int = 2, seconds: float = 0.04) -> IntervalMetrics:

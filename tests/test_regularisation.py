@@ -18,11 +18,11 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from raytrec.config import ModelConfig, OptimizerConfig, ScalingConfig, TrainConfig, criteo_tables
 from raytrec.engine.plan import apply_embedding_optimizer, embedding_optimizer_kwargs
-from raytrec.engine.rank import _DENSE_OPTIMIZERS, dense_optimizer_kwargs, dropout_seed
+from raytrec.engine.rank_engine import _DENSE_OPTIMIZERS, dense_optimizer_kwargs, dropout_seed
 from raytrec.errors import ConfigError
-from raytrec.model import build_dlrm_model
+from raytrec.models import build_dlrm_model
 from raytrec.serving.export import example_batch
-from raytrec.serving.spec import ModelSpec
+from raytrec.serving.model_spec import ModelSpec
 
 
 def test_weight_decay_and_dropout_are_checked_naming_the_field() -> None:

@@ -10,7 +10,7 @@ import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import to_rgb
 
-from raytrec.report import (
+from raytrec.observability.plots import (
     FAILURE_COLOR,
     GENERATION_COLOR,
     OTHER_COLOR,

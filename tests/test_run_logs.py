@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
-from raytrec.run_logs import DRIVER_LOG, LOG_DIR, WORKERS_LOG, RunLogs
+from raytrec.observability.run_logs import DRIVER_LOG, LOG_DIR, WORKERS_LOG, RunLogs
 
 PLAN = {
     "pid": 4242,

@@ -27,12 +27,12 @@ from raytrec.checkpoint.errors import CheckpointError
 from raytrec.checkpoint.layout import CheckpointStore, data_files
 from raytrec.checkpoint.manifest import Manifest, signature_for
 from raytrec.config import DataConfig, ModelConfig, TrainConfig, criteo_tables
-from raytrec.config_file import dump as yaml_text
+from raytrec.config.file import dump as yaml_text
 from raytrec.data.arrow_kjt import BadInputError
 from raytrec.data.from_config import parquet_spec
 from raytrec.data.generate import auc, write_synthetic_parquet
 from raytrec.data.spec import BucketizedFeature, FeatureSpec, SparseFeature
-from raytrec.model import build_dlrm_model
+from raytrec.models import build_dlrm_model
 from raytrec.serving.evaluate import evaluate
 from raytrec.serving.export import (
     MODEL_JSON,
@@ -45,7 +45,7 @@ from raytrec.serving.export import (
     read_unsharded_state,
     score,
 )
-from raytrec.serving.spec import MODEL_SPEC, ModelSpec, SpecFileError, write_model_spec
+from raytrec.serving.model_spec import MODEL_SPEC, ModelSpec, SpecFileError, write_model_spec
 
 IDS = 40  # ids per feature in the generated data and rows per table
 DIM = 8

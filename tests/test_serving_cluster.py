@@ -17,7 +17,7 @@ from raytrec.config import DataConfig, ScalingConfig, TrainConfig
 from raytrec.data.generate import auc, write_synthetic_parquet
 from raytrec.serving.evaluate import evaluate, predict
 from raytrec.serving.export import STATE_FILE, export, load_model, make_batch, score
-from raytrec.serving.spec import MODEL_SPEC
+from raytrec.serving.model_spec import MODEL_SPEC
 
 pytestmark = pytest.mark.cluster
 

@@ -28,9 +28,9 @@ from raytrec.config import (
     TrainConfig,
 )
 from raytrec.data.synthetic import SyntheticCriteo
-from raytrec.engine.rank import RankSpec
+from raytrec.engine.rank_engine import RankSpec
 from raytrec.serving.export import STATE_FILE, export, load_model
-from raytrec.serving.spec import ModelSpec, write_model_spec
+from raytrec.serving.model_spec import ModelSpec, write_model_spec
 
 pytestmark = pytest.mark.multiprocess
 

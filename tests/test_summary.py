@@ -1,4 +1,4 @@
-"""The run's ledger (raytrec.summary) over a Result as fit() returns it."""
+"""The run's ledger (raytrec.observability.summary) over a Result as fit() returns it."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import ray.train
 
 from raytrec.api import Result
 from raytrec.config import ScalingConfig, TrainConfig
-from raytrec.metrics import IntervalMetrics
-from raytrec.summary import ledger, ledger_lines, write_ledger
+from raytrec.observability.metrics import IntervalMetrics
+from raytrec.observability.summary import ledger, ledger_lines, write_ledger
 
 
 def row(step: int, loss: float, auc: float, rows: int) -> IntervalMetrics:

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from raytrec.cluster.topology import Topology
 from raytrec.config import ConfigError, SyncConfig
 from raytrec.sync.schedule import (
     ScheduleError,
@@ -14,7 +15,6 @@ from raytrec.sync.schedule import (
     gang_locality,
     plan_sync,
 )
-from raytrec.topology import Topology
 
 # Seed 002's {2: 8, 4: 32, 8: all}, group sizes in gangs.
 SEED_HSGD = SyncConfig(sync_every=8, levels=((2, 8), (4, 32)))

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from raytrec.topology import Layout, RankPosition, Topology, TopologyError
+from raytrec.cluster.topology import Layout, RankPosition, Topology, TopologyError
 
 WITHIN = Layout.REPLICAS_WITHIN_HOST
 ACROSS = Layout.REPLICAS_ACROSS_HOSTS

@@ -13,11 +13,11 @@ import torch.distributed.checkpoint as dcp
 
 from raytrec._quiet import quiet_known_warnings
 from raytrec.config import ConfigError, DataConfig, ModelConfig, TableConfig, TrainConfig
-from raytrec.model import build_model, build_train_model
+from raytrec.models import build_model, build_train_model
+from raytrec.models.two_tower import TwoTower, TwoTowerTrain, in_batch_softmax
 from raytrec.serving.evaluate import recall_at_k
 from raytrec.serving.export import export, load_exported, load_program, make_batch, score
-from raytrec.serving.spec import ModelSpec, write_model_spec
-from raytrec.two_tower import TwoTower, TwoTowerTrain, in_batch_softmax
+from raytrec.serving.model_spec import ModelSpec, write_model_spec
 
 CPU = torch.device("cpu")
 TABLES = (

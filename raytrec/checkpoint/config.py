@@ -23,7 +23,7 @@ import math
 from collections.abc import Sequence
 from typing import Literal, get_args
 
-from raytrec.config_base import ConfigModel, PositiveFloat, PositiveInt
+from raytrec.config.base import ConfigModel, PositiveFloat, PositiveInt
 
 __all__ = [
     "CHECKPOINTS_DIRNAME",
@@ -41,7 +41,7 @@ __all__ = [
 CHECKPOINTS_DIRNAME = "checkpoints"
 
 #: The metrics a checkpoint can be ranked by: the interval row's fields
-#: (raytrec.metrics.IntervalMetrics) at the step it was saved.
+#: (raytrec.observability.metrics.IntervalMetrics) at the step it was saved.
 ScoreAttribute = Literal["eval_auc", "eval_ne", "eval_log_loss", "loss", "auc", "ne"]
 SCORE_ATTRIBUTES: tuple[str, ...] = get_args(ScoreAttribute)
 

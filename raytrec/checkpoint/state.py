@@ -63,10 +63,10 @@ from raytrec.checkpoint.manifest import (
 from raytrec.checkpoint.reshard import convert_rowwise_state
 from raytrec.checkpoint.storage import storage_reader, storage_writer
 from raytrec.engine.dense_optimizer import initial_state
-from raytrec.serving.spec import write_model_spec
+from raytrec.serving.model_spec import write_model_spec
 
 if TYPE_CHECKING:
-    from raytrec.engine.rank import RankEngine
+    from raytrec.engine.rank_engine import RankEngine
 
 __all__ = [
     "LoadedCheckpoint",
@@ -447,7 +447,7 @@ def _step_counter_values(saved: torch.Tensor | None, live: int, step: int, uri: 
     """The value each of this rank's ``live`` step counters takes from a checkpoint: the saved
     rank's own (same number of kernels), or their common value (another plan). A checkpoint
     without counters gives the saved step: a kernel's counter advances once per training step
-    (:meth:`~raytrec.engine.rank.RankEngine.score` puts it back)."""
+    (:meth:`~raytrec.engine.rank_engine.RankEngine.score` puts it back)."""
     if saved is None:
         return [step] * live
     values = [int(v) for v in saved.tolist()]

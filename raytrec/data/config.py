@@ -1,5 +1,5 @@
 """The data's config: where training rows come from (:class:`DataConfig`) and which Parquet
-columns hold a row's parts (:class:`ColumnsConfig`); see :mod:`raytrec.config_base`."""
+columns hold a row's parts (:class:`ColumnsConfig`); see :mod:`raytrec.config.base`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from raytrec.config_base import (
+from raytrec.config.base import (
     ConfigError,
     ConfigModel,
     Name,

@@ -27,7 +27,7 @@ from raytrec.data.spec import (
     fit_vocabulary,
 )
 from raytrec.data.synthetic import SyntheticCriteo
-from raytrec.evaluation import EvalPlan, eval_plan
+from raytrec.eval_plan import EvalPlan, eval_plan
 
 __all__ = ["DataInfo", "generated_rows", "parquet_spec", "source_from_config", "synthetic_source"]
 

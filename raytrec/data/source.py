@@ -2,7 +2,7 @@
 
 A :class:`BatchSource` is configured on the driver and split once per job
 into one :class:`BatchShard` per rank, in the job's rank order (the rank
-order of :mod:`raytrec.topology`). Every shard is picklable: it travels to its
+order of :mod:`raytrec.cluster.topology`). Every shard is picklable: it travels to its
 rank actor and yields :class:`torchrec.datasets.utils.Batch` values there
 (dense features ``[B, num_dense]`` float32, sparse features as a
 ``KeyedJaggedTensor`` in key-major order, labels ``[B]`` float32).

@@ -3,7 +3,7 @@
 - :mod:`~raytrec.elastic.config`: :class:`ElasticConfig` (gang bounds, timeouts, waits).
 - :mod:`~raytrec.elastic.faults`: :class:`FaultConfig` / :class:`FaultSpec`, planned faults.
 - :mod:`~raytrec.elastic.membership`: live gangs, generations and replica groups.
-- :mod:`~raytrec.elastic.state`: observations folded into the policy's state.
+- :mod:`~raytrec.elastic.job_state`: observations folded into the policy's state.
 - :mod:`~raytrec.elastic.policy`: :func:`decide` and :func:`apply`, decisions as values.
 - :mod:`~raytrec.elastic.events`: the append-only event log returned with a run.
 - :mod:`~raytrec.elastic.rows` and :mod:`~raytrec.elastic.ledger`: exactly-once row accounting.
@@ -21,6 +21,7 @@ from __future__ import annotations
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.events import EventLog
 from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
+from raytrec.elastic.job_state import ElasticState, observe
 from raytrec.elastic.ledger import DataLedger, ExactlyOnce, ReplayPlan
 from raytrec.elastic.membership import Gang, Membership, RankSlot, ReplicaMember
 from raytrec.elastic.policy import (
@@ -37,7 +38,6 @@ from raytrec.elastic.policy import (
     request_placements,
 )
 from raytrec.elastic.rows import RowRanges
-from raytrec.elastic.state import ElasticState, observe
 
 __all__ = [
     "Continue",

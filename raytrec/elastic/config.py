@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import model_validator
 
-from raytrec.config_base import ConfigError, ConfigModel, PositiveFloat, PositiveInt
+from raytrec.config.base import ConfigError, ConfigModel, PositiveFloat, PositiveInt
 
 __all__ = ["ElasticConfig"]
 

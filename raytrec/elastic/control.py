@@ -3,7 +3,8 @@
 The big decisions have modules of their own: a failure (:func:`raytrec.elastic.policy.decide`:
 re-form or total loss; :func:`raytrec.elastic.rollback.decide_total_loss`: rebuild or give
 up), a hang (:func:`raytrec.elastic.policy.find_hung_ranks`), a drain
-(:func:`raytrec.elastic.drain.decide_drain`), a heal (:func:`raytrec.elastic.heal.failed_heals`)
+(:func:`raytrec.elastic.drain_policy.decide_drain`), a heal
+(:func:`raytrec.elastic.heal.failed_heals`)
 and a checkpoint (:func:`raytrec.checkpoint.config.save_decision`). The ones here are the rest of
 what the control loop (:mod:`actors.coordinator`) asks at a boundary: which intervals it may
 send ahead, how many gangs to ask the cluster for, whether to keep waiting for resources, and

@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import model_validator
 
-from raytrec.config_base import (
+from raytrec.config.base import (
     ConfigError,
     ConfigModel,
     Lax,

@@ -18,7 +18,7 @@ import dataclasses
 import functools
 from collections.abc import Iterable, Sequence
 
-from raytrec.topology import Layout, Topology
+from raytrec.cluster.topology import Layout, Topology
 
 __all__ = ["Gang", "Membership", "MembershipError", "RankSlot", "ReplicaMember"]
 

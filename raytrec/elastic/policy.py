@@ -1,7 +1,8 @@
 """The elastic policy: what to do about the job's membership, as a value.
 
 :func:`decide` is a pure function of the state (membership plus observations, see
-:mod:`raytrec.elastic.state`), the clock and the :class:`ElasticConfig`. It returns one decision:
+:mod:`raytrec.elastic.job_state`), the clock and the :class:`ElasticConfig`. It returns one
+decision:
 
 - :class:`Reform`: drop every gang that lost a rank (dead rank, lost node, hang) and start a new
   generation among the survivors; several failures seen together make one Reform.
@@ -35,8 +36,8 @@ from raytrec.elastic.events import (
     JobFailed,
     ResourcesWaited,
 )
+from raytrec.elastic.job_state import ElasticState
 from raytrec.elastic.membership import Gang
-from raytrec.elastic.state import ElasticState
 
 __all__ = [
     "PAST_TIMEOUT_S",

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from raytrec.data.parquet_plan import Stream
     from raytrec.data.source import BatchShard
     from raytrec.elastic.report import RankInfo, RankReport
-    from raytrec.rec_metrics import MetricState
+    from raytrec.observability.rec_metrics import MetricState
     from raytrec.sync.schedule import SyncPlan
 
 __all__ = ["LoadedCheckpoint", "RankProtocol", "StateDigest"]

@@ -3,7 +3,8 @@
 A :class:`RankReport` is one rank's account of one interval (``RankWorker.train``), or of what
 it trained since its last report when an interval failed (``RankWorker.recover``). The
 coordinator books its ``trained`` batches in the accounting (:mod:`~.accounting`), folds its
-numbers into the metrics history (:func:`raytrec.metrics.aggregate_interval`) and its step
+numbers into the metrics history (:func:`raytrec.observability.metrics.aggregate_interval`) and its
+step
 into the control state. :class:`RankInfo` says where a built rank runs.
 
 Pure values; picklable, so Ray ships them as they are.
@@ -16,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from raytrec.elastic.rank_protocol import StateDigest
-    from raytrec.metrics import IntervalMetrics
-    from raytrec.rec_metrics import MetricState
+    from raytrec.observability.metrics import IntervalMetrics
+    from raytrec.observability.rec_metrics import MetricState
 
 __all__ = ["RankInfo", "RankReport", "RunSummary", "TrainedBatch"]
 
@@ -42,7 +43,8 @@ class RankReport:
     data_wait_s: float = 0.0
     sync_s: float = 0.0
     stall_s: float = 0.0  # injected stalls (the straggler simulator)
-    #: The rank's metric state over the interval's rows (:class:`raytrec.rec_metrics.RankMetrics`).
+    #: The rank's metric state over the interval's rows
+    #: (:class:`raytrec.observability.rec_metrics.RankMetrics`).
     metrics: MetricState | None = None
     #: A data problem found while preparing the next batches (bad input, the data ran out): the
     #: job stops at the boundary before them.

@@ -23,9 +23,21 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from raytrec.cluster.topology import Topology
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.events import EventLog
 from raytrec.elastic.faults import FaultConfig, FaultKind
+from raytrec.elastic.job_state import (
+    CollectiveTimeout,
+    ElasticState,
+    NodeLost,
+    Observation,
+    PlacementReady,
+    RankExited,
+    StepDone,
+    SyncDone,
+    observe,
+)
 from raytrec.elastic.ledger import DataLedger
 from raytrec.elastic.membership import Membership
 from raytrec.elastic.policy import (
@@ -42,18 +54,6 @@ from raytrec.elastic.policy import (
     request_placements,
 )
 from raytrec.elastic.rows import RowRanges
-from raytrec.elastic.state import (
-    CollectiveTimeout,
-    ElasticState,
-    NodeLost,
-    Observation,
-    PlacementReady,
-    RankExited,
-    StepDone,
-    SyncDone,
-    observe,
-)
-from raytrec.topology import Topology
 
 __all__ = ["FrozenClock", "NodeArrival", "SimJob", "SimResult"]
 

@@ -25,10 +25,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
+    from raytrec.cluster.placement import PlacementSpec
     from raytrec.data.source import BatchShard
     from raytrec.elastic.rank_protocol import RankProtocol
-    from raytrec.engine.rank import RankSpec, StoreAddress
-    from raytrec.placement import PlacementSpec
+    from raytrec.engine.rank_engine import RankSpec, StoreAddress
 
 __all__ = [
     "Answer",

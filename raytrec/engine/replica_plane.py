@@ -59,7 +59,7 @@ def in_place_flat(
 
     Nothing is written back unless every collective succeeded: a failed one leaves all the
     tensors as they were (a failed step's dense gradients stay this rank's own, to be finished
-    after re-forming: :meth:`raytrec.engine.rank.RankEngine.settle_failed_step`)."""
+    after re-forming: :meth:`raytrec.engine.rank_engine.RankEngine.settle_failed_step`)."""
     by_dtype: dict[tuple[bool, torch.dtype], list[torch.Tensor]] = {}
     for own, part in ((False, tensors), (True, apart)):
         for t in part:

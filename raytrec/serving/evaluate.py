@@ -7,8 +7,8 @@ nothing is trained.
 
 - :func:`evaluate` reads the rows in this process and returns AUC, normalized entropy and log
   loss over all of them, computed with the training loop's own metric code
-  (:mod:`raytrec.rec_metrics`, TorchRec's ``compute_auc`` and ``compute_ne``); for a two-tower
-  model also recall@k (:func:`recall_at_k`).
+  (:mod:`raytrec.observability.rec_metrics`, TorchRec's ``compute_auc`` and ``compute_ne``);
+  for a two-tower model also recall@k (:func:`recall_at_k`).
 - :func:`predict` scores the rows with Ray Data (``map_batches`` over an actor pool; each
   actor builds the model once from a copy in Ray's object store, so workers need no shared
   filesystem) and returns a dataset of ``row_id``, ``label`` and ``score`` per row.
@@ -34,8 +34,9 @@ from raytrec.config import DataConfig, TrainConfig
 from raytrec.data.arrow_kjt import BadInputError, to_batch
 from raytrec.data.parquet import ParquetFileInfo, ParquetSource
 from raytrec.data.spec import FeatureSpec
-from raytrec.rec_metrics import RankMetrics, merge_metric_states
-from raytrec.run_logs import NATIVE_LOG, RunLogs, native_stderr_to
+from raytrec.models.two_tower import TwoTower
+from raytrec.observability.rec_metrics import RankMetrics, merge_metric_states
+from raytrec.observability.run_logs import NATIVE_LOG, RunLogs, native_stderr_to
 from raytrec.serving.export import (
     build_model,
     exported,
@@ -44,8 +45,7 @@ from raytrec.serving.export import (
     quiet_notices,
     score,
 )
-from raytrec.serving.spec import ModelSpec
-from raytrec.two_tower import TwoTower
+from raytrec.serving.model_spec import ModelSpec
 
 __all__ = ["EvalMetrics", "Predictions", "evaluate", "predict", "recall_at_k"]
 

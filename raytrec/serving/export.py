@@ -46,8 +46,8 @@ from raytrec.config import TrainConfig
 from raytrec.data.arrow_kjt import to_batch
 from raytrec.data.source import Batch
 from raytrec.data.spec import FeatureSpec
-from raytrec.model import build_model as build_arch
-from raytrec.serving.spec import ModelSpec, read_model_spec
+from raytrec.models import build_model as build_arch
+from raytrec.serving.model_spec import ModelSpec, read_model_spec
 
 __all__ = [
     "ExportedModel",
@@ -397,7 +397,7 @@ def load_exported(path: str | os.PathLike[str]) -> tuple[nn.Module, ExportedMode
 
 def load_model(path: str | os.PathLike[str]) -> nn.Module:
     """The exported model as a plain TorchRec ``DLRM`` / ``DLRM_DCN`` (or raytrec's
-    :class:`~raytrec.model.DeepFM` of TorchRec's parts) in eval mode on the CPU:
+    :class:`~raytrec.models.DeepFM` of TorchRec's parts) in eval mode on the CPU:
     ``model(dense, kjt)`` gives logits ``[B, 1]`` (:func:`score` gives probabilities). One
     process, no Ray, no process group."""
     return load_exported(path)[0]

@@ -27,8 +27,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
+from raytrec.cluster.topology import Topology
 from raytrec.config import SyncConfig
-from raytrec.topology import Topology
 
 __all__ = [
     "LocalityKey",

@@ -23,7 +23,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from raytrec.config_base import ConfigModel, NonNegativeFloat, NonNegativeInt, Probability
+from raytrec.config.base import ConfigModel, NonNegativeFloat, NonNegativeInt, Probability
 
 __all__ = ["StragglerMode", "StragglerSpec", "uniform_draws"]
 

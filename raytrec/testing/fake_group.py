@@ -53,9 +53,9 @@ from raytrec.testing.fake_rank import (
 from raytrec.testing.fake_training import Run, TrainingRuns
 
 if TYPE_CHECKING:
+    from raytrec.cluster.placement import PlacementSpec
     from raytrec.data.source import BatchShard
-    from raytrec.engine.rank import RankSpec, StoreAddress
-    from raytrec.placement import PlacementSpec
+    from raytrec.engine.rank_engine import RankSpec, StoreAddress
 
 __all__ = ["FakePlacement", "FakeUsageError", "FakeWorkerGroup"]
 
@@ -131,7 +131,7 @@ class FakeWorkerGroup(TrainingRuns):
     # -- WorkerGroup ------------------------------------------------------------------------
 
     def host_store(self) -> StoreAddress:
-        from raytrec.engine.rank import StoreAddress
+        from raytrec.engine.rank_engine import StoreAddress
 
         return StoreAddress(host="127.0.0.1", port=0, secret="fake")
 

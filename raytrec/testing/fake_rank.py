@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from raytrec.checkpoint.config import CheckpointConfig
     from raytrec.data.parquet_plan import Stream
     from raytrec.data.source import BatchShard
-    from raytrec.engine.rank import RankSpec
-    from raytrec.rec_metrics import MetricState
+    from raytrec.engine.rank_engine import RankSpec
+    from raytrec.observability.rec_metrics import MetricState
     from raytrec.sync.schedule import SyncPlan
     from raytrec.testing.fake_group import FakeWorkerGroup
     from raytrec.testing.fake_training import Run

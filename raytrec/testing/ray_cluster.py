@@ -20,7 +20,7 @@ import ray.exceptions
 from ray.cluster_utils import Cluster
 
 from raytrec.cluster import COORDINATOR_PREFIX, bind_to_loopback
-from raytrec.metrics import IntervalMetrics
+from raytrec.observability.metrics import IntervalMetrics
 
 if TYPE_CHECKING:
     import numpy as np

@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from raytrec.progress import EVENTS_FILE, METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
+from raytrec.observability.progress import EVENTS_FILE, METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
 
 if TYPE_CHECKING:
     from raytrec.api import Result

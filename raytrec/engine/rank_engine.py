@@ -66,11 +66,11 @@ from raytrec.engine.replica_plane import (
     ReplicaPlane,
     in_place_flat,
 )
-from raytrec.model import ModelFactory, build_train_model
+from raytrec.models import ModelFactory, build_train_model
 from raytrec.sync.schedule import SyncDecision, SyncPlan, plan_sync
 
 if TYPE_CHECKING:
-    from raytrec.serving.spec import ModelSpec
+    from raytrec.serving.model_spec import ModelSpec
 
 __all__ = [
     "RENDEZVOUS_TIMEOUT_S",
@@ -122,7 +122,7 @@ class RankSpec:
 
     def model_spec(self) -> ModelSpec:
         """What rebuilds this model outside training (written beside its saved state)."""
-        from raytrec.serving.spec import ModelSpec
+        from raytrec.serving.model_spec import ModelSpec
 
         if self.features is None:
             return ModelSpec.for_config(self.config, self.num_dense)

@@ -2,7 +2,7 @@
 
 Loading lays the file and the ``--set`` overrides over the plain data of the defaults and
 validates the result once: pydantic checks key names and values, and an error names the key
-path (``scaling.gang_size``), the value and what is allowed (:mod:`raytrec.config_base`).
+path (``scaling.gang_size``), the value and what is allowed (:mod:`raytrec.config.base`).
 Nothing here names a config class, so a section added later is covered as it is.
 
 Precedence, lowest first: the classes' defaults, the job's defaults, the file, overrides.
@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel
 
 from raytrec.config import TrainConfig
-from raytrec.config_base import ConfigError, join_key, validate, yaml_flow
+from raytrec.config.base import ConfigError, join_key, validate, yaml_flow
 
 __all__ = [
     "Override",
@@ -72,7 +72,7 @@ def read_yaml(text: str, *, source: str = "<string>") -> Any:
 
 def to_dict(config: BaseModel) -> dict[str, Any]:
     """A config as plain data (lists, strings, numbers), in field order; :func:`load_config`
-    and :func:`~raytrec.config_base.validate` read it back to an equal config."""
+    and :func:`~raytrec.config.base.validate` read it back to an equal config."""
     return config.model_dump(mode="json")
 
 

@@ -3,7 +3,7 @@
 Pure code. The cluster is described by its node shapes: the nodes alive now and, on an
 autoscaling cluster, the node types the autoscaler may add (with their maximum counts, as
 Ray's cluster config gives them). The job is described by its placement bundles
-(:func:`raytrec.placement.placement_specs`: one bundle per host a gang spans, whole on one
+(:func:`raytrec.cluster.placement.placement_specs`: one bundle per host a gang spans, whole on one
 node). A job is refused when
 
 - it asks for GPUs and no node, present or addable, has one;
@@ -22,8 +22,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from raytrec.cluster.placement import PlacementSpec, placement_specs, rank_resources
 from raytrec.config import TrainConfig
-from raytrec.placement import PlacementSpec, placement_specs, rank_resources
 
 if TYPE_CHECKING:
     from raytrec.elastic.workers import NodeInfo

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from raytrec.topology import Layout, Topology
+from raytrec.cluster.topology import Layout, Topology
 
 __all__ = [
     "RAY_WORKER_NICENESS",

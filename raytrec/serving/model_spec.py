@@ -19,8 +19,8 @@ from typing import Any
 
 from raytrec.checkpoint.layout import filesystem
 from raytrec.config import ModelConfig, TrainConfig
-from raytrec.config_base import validate
-from raytrec.config_file import to_dict
+from raytrec.config.base import validate
+from raytrec.config.file import to_dict
 from raytrec.data.spec import (
     BucketizedFeature,
     CategoricalFeature,
@@ -83,7 +83,8 @@ class ModelSpec:
     @property
     def kind(self) -> str:
         """The model's class: TorchRec's ``"DLRM"`` or ``"DLRM_DCN"``, or ``"DeepFM"``
-        (:class:`raytrec.model.DeepFM`), or ``"TwoTower"`` (:class:`raytrec.two_tower.TwoTower`)."""
+        (:class:`raytrec.models.DeepFM`), or ``"TwoTower"``
+        (:class:`raytrec.models.two_tower.TwoTower`)."""
         kinds = {
             "dlrm": "DLRM",
             "dlrm_dcn": "DLRM_DCN",

@@ -16,14 +16,14 @@ import secrets
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from raytrec.capacity import describe_bundles, describe_nodes
+from raytrec.cluster.capacity import describe_bundles, describe_nodes
+from raytrec.cluster.placement import placement_specs, rank_resources
+from raytrec.cluster.topology import Layout
 from raytrec.elastic.control import Fail, Proceed, placement_decision
 from raytrec.elastic.events import PlacementWaiting
 from raytrec.elastic.membership import Gang
 from raytrec.elastic.workers import Placement
-from raytrec.engine.rank import RankSpec
-from raytrec.placement import placement_specs, rank_resources
-from raytrec.topology import Layout
+from raytrec.engine.rank_engine import RankSpec
 
 if TYPE_CHECKING:
     from actors.coordinator import Coordinator

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from raytrec.config import TrainConfig
-from raytrec.config_base import join_key, yaml_flow
+from raytrec.config.base import join_key, yaml_flow
 
 __all__ = ["REFERENCE_COMMAND", "KeyDoc", "config_keys", "reference_markdown"]
 

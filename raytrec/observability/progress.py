@@ -1,7 +1,7 @@
 """What the driver shows and records while a job trains, from its metrics rows as they come.
 
 :class:`ProgressReporter` is the ``on_progress`` callback of :func:`raytrec.fit`. Each
-:class:`~raytrec.metrics.IntervalMetrics` row (one per ``log_every`` steps) goes to:
+:class:`~raytrec.observability.metrics.IntervalMetrics` row (one per ``log_every`` steps) goes to:
 
 - the console: a tqdm progress bar (steps, samples/s, loss, time left) when the console is a
   terminal, or one plain line per interval when it is not (``ray job submit`` logs, notebooks,
@@ -10,7 +10,8 @@
   row, appended as it arrives;
 - TensorBoard scalars under ``tensorboard/`` in the run directory (tensorboardX), one tag per
   numeric field;
-- and, at :meth:`ProgressReporter.close`, ``metrics.png`` (:func:`raytrec.report.plot_run`).
+- and, at :meth:`ProgressReporter.close`, ``metrics.png``
+(:func:`raytrec.observability.plots.plot_run`).
 
 Rows are handled generically (``dataclasses.fields`` or a mapping), so fields added to the
 metrics later are recorded without changes here. The run directory may be given after the first
@@ -286,7 +287,7 @@ class ProgressReporter:
         if self._writer is not None:
             self._writer.close()
         if self.plot and self.run_dir is not None and self.rows:
-            from raytrec.report import GENERATION_KINDS, generation_events, plot_run
+            from raytrec.observability.plots import GENERATION_KINDS, generation_events, plot_run
 
             # Mappings, or event values with to_dict() (raytrec.elastic.events).
             marked = [e.to_dict() if hasattr(e, "to_dict") else dict(e) for e in events]

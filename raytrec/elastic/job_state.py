@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 
+from raytrec.cluster.topology import Topology
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.events import Event, GangPlaced, NodeDied, RankDied
 from raytrec.elastic.membership import Membership
-from raytrec.topology import Topology
 
 __all__ = [
     "CollectiveTimeout",

@@ -1,9 +1,9 @@
 """Typed, validated configuration for a raytrec job.
 
-One small frozen pydantic model per component (:mod:`raytrec.config_base`), each validated on
+One small frozen pydantic model per component (:mod:`raytrec.config.base`), each validated on
 construction: a bad value fails on the driver, before any rank actor starts, with a
 :class:`ConfigError` naming the key, the value and what is allowed. The model's and the data's
-sections live in :mod:`raytrec.model_config` and :mod:`raytrec.data.config`; checks that need
+sections live in :mod:`raytrec.config.model` and :mod:`raytrec.data.config`; checks that need
 two sections together (a feature that no table serves, fused Adam on CPU) live in
 :class:`TrainConfig`. Knobs for tests and benchmarks (injected faults and stalls) sit apart, in
 the ``testing`` section.
@@ -18,7 +18,8 @@ from annotated_types import Interval
 from pydantic import model_validator
 
 from raytrec.checkpoint.config import CheckpointConfig
-from raytrec.config_base import (
+from raytrec.cluster.topology import Layout, Topology, TopologyError
+from raytrec.config.base import (
     ConfigError,
     ConfigModel,
     Lax,
@@ -30,10 +31,7 @@ from raytrec.config_base import (
     Seq,
     root,
 )
-from raytrec.data.config import ColumnsConfig, DataConfig
-from raytrec.elastic.config import ElasticConfig
-from raytrec.elastic.faults import FaultConfig, FaultSpec
-from raytrec.model_config import (
+from raytrec.config.model import (
     RESERVED_TABLE_NAMES,
     UVM_KERNELS,
     WEIGHTS_SUFFIX,
@@ -42,8 +40,10 @@ from raytrec.model_config import (
     TableConfig,
     criteo_tables,
 )
+from raytrec.data.config import ColumnsConfig, DataConfig
+from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.faults import FaultConfig, FaultSpec
 from raytrec.sync.stragglers import StragglerSpec
-from raytrec.topology import Layout, Topology, TopologyError
 
 __all__ = [
     "RESERVED_TABLE_NAMES",

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray._private import ray_constants
 
-from raytrec.capacity import NodeShape
+from raytrec.cluster.capacity import NodeShape
 
 if TYPE_CHECKING:
     from ray.core.generated import autoscaler_pb2

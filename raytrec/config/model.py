@@ -1,6 +1,6 @@
 """The model's config: its embedding tables (:class:`TableConfig`) and architecture
 (:class:`ModelConfig`). Rules that span tables (unique names, one width for DLRM, sum pooling
-with weights, the two towers' features) are checked here; see :mod:`raytrec.config_base`."""
+with weights, the two towers' features) are checked here; see :mod:`raytrec.config.base`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 from annotated_types import Ge, Gt, Le, Lt, MinLen
 from pydantic import field_validator, model_validator
 
-from raytrec.config_base import (
+from raytrec.config.base import (
     ConfigError,
     ConfigModel,
     Name,

@@ -138,7 +138,7 @@ def build_model(
         torch.manual_seed(seed)
         model: nn.Module
         if cfg.arch == "two_tower":
-            from raytrec.two_tower import build_two_tower
+            from raytrec.models.two_tower import build_two_tower
 
             model = build_two_tower(cfg, num_dense, ebc, device)
         elif cfg.arch == "deepfm":
@@ -210,7 +210,7 @@ def build_train_model(
     embeddings on ``meta``, dense on ``device``: the default :data:`ModelFactory`."""
     model = build_model(cfg, num_dense, device, seed)
     if cfg.arch == "two_tower":
-        from raytrec.two_tower import TwoTower, TwoTowerTrain
+        from raytrec.models.two_tower import TwoTower, TwoTowerTrain
 
         assert isinstance(model, TwoTower)
         return TwoTowerTrain(model, loss=cfg.two_tower_loss, temperature=cfg.temperature)

@@ -4,7 +4,7 @@ A config class is a :class:`ConfigModel`: typed, frozen, ``extra="forbid"``, and
 scalars (``True`` is not an integer, ``"3"`` is not a number), while lists (YAML's sequences)
 become tuples and an enum takes its value as a string. Each field's description is the
 docstring written under it; ``docs/configuration.md`` is generated from the models' JSON schema
-(:mod:`raytrec.config_file_docs`). The constrained types below are the one place where "a
+(:mod:`raytrec.config.file_docs`). The constrained types below are the one place where "a
 positive integer" and the like are defined. Rules that span fields are ``model_validator``
 methods that raise :class:`ConfigError` naming the keys.
 

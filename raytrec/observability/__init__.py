@@ -1,0 +1,1 @@
+"""What a job leaves for people to read: metrics, logs, summaries, progress and plots."""
