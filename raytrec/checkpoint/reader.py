@@ -9,7 +9,6 @@ and metadata, and splits the read in two steps:
   plans are exchanged, so an error there fails the load on every rank before
   anything is read): reads the small ``torch.save`` header of each record this
   rank will read, on the meta device, and checks where the record's bytes lie.
-  It also asks the kernel to read the needed ranges ahead.
 * :meth:`DirectReader.read_data`: reads each piece with ``preadv`` directly into
   the planner's destination tensor (the tables' own storage when the state dict
   holds them), split in chunks over a few threads. A destination that is not one
@@ -82,17 +81,6 @@ def parse_record(stream: IO[bytes], where: str) -> RecordLayout | None:
     if end > length:
         raise ValueError(f"{where}: its tensor's bytes end at {end}, past the record ({length})")
     return RecordLayout(meta=meta, data_offset=data_offset)
-
-
-def _read_ahead(stream: Any, infos: list[_StorageInfo]) -> None:
-    """Asks the kernel to start reading the records' ranges (a local file only)."""
-    try:
-        fd = stream.fileno()
-    except (AttributeError, OSError, io.UnsupportedOperation):
-        return
-    if hasattr(os, "posix_fadvise"):
-        for info in infos:
-            os.posix_fadvise(fd, info.offset, info.length, os.POSIX_FADV_WILLNEED)
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -177,7 +165,6 @@ class DirectReader(FileSystemReader):
             infos = [self.storage_data[i] for i in indices]
             path = self.fs.concat_path(self.path, relative_path)
             with self.fs.create_stream(path, "rb") as stream:
-                _read_ahead(stream, infos)  # the disk works while the headers are parsed
                 for index, info in zip(indices, infos, strict=True):
                     where = f"{relative_path} byte {info.offset} ({index.fqn!r})"
                     self.records[index] = parse_record(self._slice_file(stream, info), where)
