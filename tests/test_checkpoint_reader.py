@@ -122,7 +122,8 @@ def test_a_garbled_record_fails_the_load_before_any_destination_is_written(
     raw[offset : offset + length] = b"\x5a" * length  # the whole record of "b"
     data.write_bytes(bytes(raw))
     dest = {"a": torch.full((64,), -1.0), "b": torch.full((64,), -1.0)}
-    with pytest.raises(CheckpointException, match=r"'b'.*not a readable torch.save record"):
+    expected = rf"__0_0.distcp byte {offset}: not a readable torch.save record \('b'"
+    with pytest.raises(CheckpointException, match=expected):
         dcp.load(dest, storage_reader=DirectReader(str(tmp_path)), no_dist=True)
     assert torch.equal(dest["a"], torch.full((64,), -1.0))  # "a"'s record was fine: untouched
     assert torch.equal(dest["b"], torch.full((64,), -1.0))

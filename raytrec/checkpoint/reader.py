@@ -54,9 +54,10 @@ class RecordLayout:
         return self.data_offset + int(piece.storage_offset()) * size, int(piece.numel()) * size
 
 
-def parse_record(stream: IO[bytes], where: str) -> RecordLayout | None:
-    """The layout of the ``torch.save`` record ``stream`` (a view of exactly the record), from
-    its zip directory and pickle; the tensor's bytes are not read. None where it is not one
+def parse_record(stream: IO[bytes], where: str, name: str) -> RecordLayout | None:
+    """The layout of the ``torch.save`` record ``stream`` (a view of exactly the record, found
+    at ``where``, of tensor ``name``), from its zip directory and pickle; the tensor's bytes are
+    not read. None where it is not one
     tensor over one storage in this machine's byte order (DCP's reader then loads it)."""
     try:
         archive: Any = torch._C.PyTorchFileReader(stream)  # what torch.load opens it with
@@ -70,16 +71,16 @@ def parse_record(stream: IO[bytes], where: str) -> RecordLayout | None:
         stream.seek(0)
         meta = torch.load(stream, map_location="meta", weights_only=True)
     except Exception as e:
-        raise ValueError(f"{where}: not a readable torch.save record ({e})") from None
+        raise ValueError(f"{where}: not a readable torch.save record ({name!r}: {e})") from None
     if not isinstance(meta, torch.Tensor):
-        raise ValueError(f"{where}: holds a {type(meta).__name__}, not a tensor")
+        raise ValueError(f"{where}: {name!r} holds a {type(meta).__name__}, not a tensor")
     if data_offset < 0 or byteorder != sys.byteorder:
         return None
     end = data_offset + meta.untyped_storage().nbytes()
     stream.seek(0, io.SEEK_END)
     length = stream.tell()
     if end > length:
-        raise ValueError(f"{where}: its tensor's bytes end at {end}, past the record ({length})")
+        raise ValueError(f"{where}: the bytes of {name!r} end at {end}, past the record's {length}")
     return RecordLayout(meta=meta, data_offset=data_offset)
 
 
@@ -166,8 +167,9 @@ class DirectReader(FileSystemReader):
             path = self.fs.concat_path(self.path, relative_path)
             with self.fs.create_stream(path, "rb") as stream:
                 for index, info in zip(indices, infos, strict=True):
-                    where = f"{relative_path} byte {info.offset} ({index.fqn!r})"
-                    self.records[index] = parse_record(self._slice_file(stream, info), where)
+                    where = f"{relative_path} byte {info.offset}"
+                    view = self._slice_file(stream, info)
+                    self.records[index] = parse_record(view, where, index.fqn)
         return plan
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
