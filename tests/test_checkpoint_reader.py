@@ -29,6 +29,7 @@ def saved_state() -> dict[str, Any]:
         "steps": torch.tensor(41, dtype=torch.int64),  # 0-d
         "transposed": torch.randn(6, 4, generator=g).t(),  # saved with strides (1, 4)
         "columns": torch.randn(7, 3, generator=g),
+        "same_shape": torch.randn(7, 3, generator=g),  # the same pickle as "columns"
         "wide": torch.randn(5, 2, generator=g),
         "empty": torch.empty(0, 16),
         "note": {"kept": "as bytes"},  # DCP writes a non-tensor as a pickled byte item
@@ -39,7 +40,9 @@ def save(path: Path, state: dict[str, Any]) -> None:
     dcp.save(state, storage_writer=FileSystemWriter(str(path)), no_dist=True)
 
 
-def test_every_destination_gets_the_saved_values_contiguous_ones_in_place(tmp_path: Path) -> None:
+def test_every_destination_gets_the_saved_values_contiguous_ones_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     state = saved_state()
     save(tmp_path, state)
     big = torch.full((7, 8), -1.0)
@@ -49,15 +52,25 @@ def test_every_destination_gets_the_saved_values_contiguous_ones_in_place(tmp_pa
         "steps": torch.tensor(0, dtype=torch.int64),
         "transposed": torch.zeros(4, 6),
         "columns": big[:, 2:5],  # not contiguous: read into scratch, then copied
+        "same_shape": torch.zeros(7, 3),
         "wide": torch.zeros(5, 2, dtype=torch.float64),  # another dtype: copied with a cast
         "empty": torch.zeros(0, 16),
         "note": {"kept": None},
     }
     pointers = {k: v.data_ptr() for k, v in dest.items() if isinstance(v, torch.Tensor)}
+    unpickled: list[object] = []
+    load = torch.load
+
+    def counted(f: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("map_location") == "meta":
+            unpickled.append(f)
+        return load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counted)
     reader = DirectReader(str(tmp_path), thread_count=3, chunk_bytes=4096)
     dcp.load(dest, storage_reader=reader, no_dist=True)
 
-    for key in ("table", "half", "steps", "transposed", "columns", "empty"):
+    for key in ("table", "half", "steps", "transposed", "columns", "same_shape", "empty"):
         assert dest[key].dtype == state[key].dtype and torch.equal(dest[key], state[key]), key
     assert torch.equal(dest["wide"], state["wide"].double())
     assert dest["note"] == {"kept": "as bytes"}
@@ -67,7 +80,8 @@ def test_every_destination_gets_the_saved_values_contiguous_ones_in_place(tmp_pa
     # Each tensor record was placed from its header; the transposed one spans its whole storage.
     layouts = {index.fqn: layout for index, layout in reader.records.items()}
     # (DCP plans no read for the empty tensor.)
-    assert set(layouts) == {"table", "half", "steps", "transposed", "columns", "wide"}
+    assert set(layouts) == {"table", "half", "steps", "transposed", "columns", "same_shape", "wide"}
+    assert len(unpickled) == len(layouts) - 1  # "same_shape" reused the header of "columns"
     assert all(layout is not None for layout in layouts.values())
     assert layouts["transposed"] is not None and layouts["transposed"].meta.stride() == (1, 4)
 

@@ -54,11 +54,14 @@ class RecordLayout:
         return self.data_offset + int(piece.storage_offset()) * size, int(piece.numel()) * size
 
 
-def parse_record(stream: IO[bytes], where: str, name: str) -> RecordLayout | None:
+def parse_record(
+    stream: IO[bytes], where: str, name: str, seen: dict[bytes, torch.Tensor] | None = None
+) -> RecordLayout | None:
     """The layout of the ``torch.save`` record ``stream`` (a view of exactly the record, found
     at ``where``, of tensor ``name``), from its zip directory and pickle; the tensor's bytes are
-    not read. None where it is not one
-    tensor over one storage in this machine's byte order (DCP's reader then loads it)."""
+    not read. None where it is not one tensor over one storage in this machine's byte order
+    (DCP's reader then loads it). ``seen``: tensors already unpickled, by their pickle (records
+    of tables of one shape have the same), so each distinct pickle is unpickled once."""
     try:
         archive: Any = torch._C.PyTorchFileReader(stream)  # what torch.load opens it with
         storages = [r for r in archive.get_all_records() if r.startswith("data/")]
@@ -67,20 +70,34 @@ def parse_record(stream: IO[bytes], where: str, name: str) -> RecordLayout | Non
             if archive.has_record("byteorder")
             else "little"  # torch.load's default for records without the mark
         )
-        data_offset = archive.get_record_offset("data/0") if storages == ["data/0"] else -1
-        stream.seek(0)
-        meta = torch.load(stream, map_location="meta", weights_only=True)
+        placeable = storages == ["data/0"]
+        data_offset = archive.get_record_offset("data/0") if placeable else -1
+        data_size = archive.get_record_size("data/0") if placeable else -1
+        pickled = archive.get_record("data.pkl")
+        meta = seen.get(pickled) if seen is not None else None
+        if meta is None:
+            stream.seek(0)
+            meta = torch.load(stream, map_location="meta", weights_only=True)
     except Exception as e:
         raise ValueError(f"{where}: not a readable torch.save record ({name!r}: {e})") from None
     if not isinstance(meta, torch.Tensor):
         raise ValueError(f"{where}: {name!r} holds a {type(meta).__name__}, not a tensor")
-    if data_offset < 0 or byteorder != sys.byteorder:
+    if seen is not None:
+        seen[pickled] = meta
+    if not placeable or byteorder != sys.byteorder:
         return None
-    end = data_offset + meta.untyped_storage().nbytes()
+    nbytes = meta.untyped_storage().nbytes()
+    if data_size != nbytes:
+        raise ValueError(
+            f"{where}: {name!r} has {data_size} bytes of data, its tensor needs {nbytes}"
+        )
     stream.seek(0, io.SEEK_END)
     length = stream.tell()
-    if end > length:
-        raise ValueError(f"{where}: the bytes of {name!r} end at {end}, past the record's {length}")
+    if data_offset + nbytes > length:
+        raise ValueError(
+            f"{where}: the bytes of {name!r} end at {data_offset + nbytes}, past the record's "
+            f"{length}"
+        )
     return RecordLayout(meta=meta, data_offset=data_offset)
 
 
@@ -162,6 +179,7 @@ class DirectReader(FileSystemReader):
             self.records[item.storage_index] = None
             if not info.transform_descriptors:
                 by_file.setdefault(info.relative_path, []).append(item.storage_index)
+        seen: dict[bytes, torch.Tensor] = {}
         for relative_path, indices in by_file.items():
             infos = [self.storage_data[i] for i in indices]
             path = self.fs.concat_path(self.path, relative_path)
@@ -169,7 +187,7 @@ class DirectReader(FileSystemReader):
                 for index, info in zip(indices, infos, strict=True):
                     where = f"{relative_path} byte {info.offset}"
                     view = self._slice_file(stream, info)
-                    self.records[index] = parse_record(view, where, index.fqn)
+                    self.records[index] = parse_record(view, where, index.fqn, seen)
         return plan
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
