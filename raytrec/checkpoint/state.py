@@ -499,7 +499,7 @@ def load_checkpoint(
 
     agree(read)
 
-    # Everything is read on every rank of the gang: now what was read into fresh tensors.
+    # Everything is read on every rank of the gang: now the state read into fresh tensors.
     with torch.no_grad(), _quiet_sharded_tensor():
         for fix in targets.rowwise:
             assert fix.converted is not None
