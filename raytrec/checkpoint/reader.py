@@ -43,15 +43,14 @@ DEFAULT_CHUNK_BYTES = 8 << 20  # one read call; large reads are split so the thr
 
 @dataclasses.dataclass(frozen=True)
 class RecordLayout:
-    """Where one saved tensor's bytes lie in its data file."""
+    """Where one saved tensor's bytes lie in its ``torch.save`` record."""
 
     meta: torch.Tensor  # the saved tensor on the meta device: dtype, shape, strides, offset
-    data_offset: int  # file offset of its storage's first byte
+    data_offset: int  # where its storage's first byte lies, from the record's start
 
-    def byte_range(self, piece: torch.Tensor) -> tuple[int, int]:
-        """(file offset, length) of ``piece``, a contiguous view of :attr:`meta`."""
-        size = piece.element_size()
-        return self.data_offset + int(piece.storage_offset()) * size, int(piece.numel()) * size
+    def offset_of(self, piece: torch.Tensor) -> int:
+        """Where the first byte of ``piece`` (a view of :attr:`meta`) lies in the record."""
+        return self.data_offset + int(piece.storage_offset()) * piece.element_size()
 
 
 def parse_record(
@@ -229,7 +228,7 @@ class DirectReader(FileSystemReader):
                 f"req {req.storage_index} mismatch sizes {target.size()} vs {source.size()}"
             )
         if source.is_contiguous():
-            offset, _ = record.byte_range(source)
+            offset = record.offset_of(source)
             if (
                 target.device.type == "cpu"
                 and target.dtype == source.dtype
