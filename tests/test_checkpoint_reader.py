@@ -137,8 +137,10 @@ def test_a_garbled_record_fails_the_load_before_any_destination_is_written(
     data.write_bytes(bytes(raw))
     dest = {"a": torch.full((64,), -1.0), "b": torch.full((64,), -1.0)}
     expected = rf"__0_0.distcp byte {offset}: not a readable torch.save record \('b'"
+    reader = DirectReader(str(tmp_path))
     with pytest.raises(CheckpointException, match=expected):
-        dcp.load(dest, storage_reader=DirectReader(str(tmp_path)), no_dist=True)
+        dcp.load(dest, storage_reader=reader, no_dist=True)
+    assert not reader.started_reading
     assert torch.equal(dest["a"], torch.full((64,), -1.0))  # "a"'s record was fine: untouched
     assert torch.equal(dest["b"], torch.full((64,), -1.0))
 
@@ -162,6 +164,7 @@ def test_a_file_cut_after_the_checks_fails_naming_where(tmp_path: Path) -> None:
     reader.cut = offset + 1024  # inside the tensor's bytes (they start within the record)
     with pytest.raises(CheckpointException, match=r"__0_0.distcp: the file ends at byte \d+"):
         dcp.load({"a": torch.zeros(4096)}, storage_reader=reader, no_dist=True)
+    assert reader.started_reading  # the load says the destinations may be partly written
 
 
 def test_bad_settings_are_refused(tmp_path: Path) -> None:

@@ -163,6 +163,8 @@ class DirectReader(FileSystemReader):
         self.thread_count = thread_count
         self.chunk_bytes = chunk_bytes
         self.records: dict[MetadataIndex, RecordLayout | None] = {}
+        # Set when the reads into the destinations begin (every rank's checks passed).
+        self.started_reading = False
 
     # -- DCP's StorageReader hooks ---------------------------------------------------
 
@@ -170,6 +172,7 @@ class DirectReader(FileSystemReader):
         """Reads and checks the header of every tensor record ``plan`` reads; raises (so DCP
         fails the load on every rank before any read) if one is not a readable record."""
         self.records = {}
+        self.started_reading = False
         by_file: dict[str, list[MetadataIndex]] = {}
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO or item.storage_index in self.records:
@@ -190,6 +193,7 @@ class DirectReader(FileSystemReader):
         return plan
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self.started_reading = True
         direct: list[ReadItem] = []
         others: list[ReadItem] = []
         for r in plan.items:

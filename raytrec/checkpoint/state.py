@@ -64,6 +64,7 @@ from raytrec.checkpoint.manifest import (
     check_compatible,
     signature_for,
 )
+from raytrec.checkpoint.reader import DirectReader
 from raytrec.checkpoint.reshard import convert_rowwise_state
 from raytrec.checkpoint.storage import storage_reader, storage_writer
 from raytrec.engine.dense_optimizer import initial_state
@@ -487,12 +488,16 @@ def load_checkpoint(
     targets = agree(plan)
 
     def read() -> None:
+        reader = reader_factory(uri)
         with _quiet_sharded_tensor():
             try:
-                dcp.load(targets.state, storage_reader=reader_factory(uri))
+                dcp.load(targets.state, storage_reader=reader)
             except (Exception, CheckpointException) as e:
+                # After every rank's checks passed, reads go straight into the live state.
+                partly = isinstance(reader, DirectReader) and reader.started_reading
                 raise CheckpointError(
                     f"checkpoint {uri} is corrupt: reading its tensors failed ({describe(e)})"
+                    + ("; this model is partly loaded: load again" if partly else "")
                 ) from None
             for fix in targets.rowwise:
                 fix.converted = _convert_rowwise(fix, manifest)
