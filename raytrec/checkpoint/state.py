@@ -462,7 +462,14 @@ def load_checkpoint(
     ``engine.step`` to the saved step and returns the saved generation and
     ``extra``. Raises :class:`CheckpointError` on every rank of the gang, with
     nothing in the engine changed, if the checkpoint is missing, uncommitted,
-    corrupt, or made for another model.
+    corrupt, or made for another model; an error while reading, after every
+    check passed, leaves the engine partly loaded and says so.
+
+    ``reader_factory`` makes DCP's storage reader for the URI. DCP reads into the
+    live state, so "nothing changed" for a corrupt data file holds with a reader
+    that checks every record before reading any (the default,
+    :class:`~raytrec.checkpoint.reader.DirectReader`); DCP's plain
+    ``FileSystemReader`` would stop at the bad record with the ones before it read.
     """
     uri = checkpoint.uri if isinstance(checkpoint, CheckpointRef) else checkpoint
 
