@@ -15,13 +15,17 @@ shard of the new plan, the overlapping pieces of the saved shards. Row-wise
 optimizer state whose size depends on the number of column blocks is
 converted (:mod:`raytrec.checkpoint.reshard`).
 
-Nothing live is overwritten until everything has been read and checked: the
-manifest is verified and compared with this model first, then DCP reads into
-freshly allocated tensors shaped like the live ones, and only when every rank
-of the gang has succeeded (they agree through an all-gather) are the fresh
-tensors copied into the model, the fused optimizer's state, the dense
-optimizer's state and the random generators. The price is one extra copy of
-this rank's state in memory while loading.
+Nothing live is overwritten until everything that can be checked before the
+read has been checked on every rank of the gang (they agree through an
+all-gather, and through DCP's planning step): the manifest against this model,
+the DCP metadata against every live tensor's shape, and the header of every
+tensor record the rank will read (:class:`~raytrec.checkpoint.reader.DirectReader`).
+DCP then reads the tables, their fused optimizer state and the dense parameters
+straight into the live storage, with no second copy of the state; the dense
+optimizer's state, the random state and row-wise state laid out for another
+plan are read into fresh tensors first. A read that fails after the checks (an
+I/O error, a file cut short after them) raises on every rank and leaves the
+rank's state partly loaded.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
@@ -60,6 +64,7 @@ from raytrec.checkpoint.manifest import (
     check_compatible,
     signature_for,
 )
+from raytrec.checkpoint.reader import DirectReader
 from raytrec.checkpoint.reshard import convert_rowwise_state
 from raytrec.checkpoint.storage import storage_reader, storage_writer
 from raytrec.engine.dense_optimizer import initial_state
@@ -260,40 +265,15 @@ class _RowwiseFix:
 
 @dataclasses.dataclass(kw_only=True)
 class _Targets:
-    """Fresh tensors DCP reads into, and where each goes once all reads succeeded."""
+    """What DCP reads into (live tensors, and fresh ones for what needs a step after the read),
+    and where the fresh ones go once all reads succeeded."""
 
     state: dict[str, Any]
-    copies: list[tuple[torch.Tensor, torch.Tensor]]  # (live, fresh)
     rowwise: list[_RowwiseFix]
     dense_optimizer: dict[str, dict[str, torch.Tensor]]
     rng: dict[str, torch.Tensor]
     # The saved rank's fused-optimizer step counters; None: the checkpoint holds none.
     embedding_steps: torch.Tensor | None = None
-
-
-Pairs = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-def _fresh_like(value: torch.Tensor) -> tuple[torch.Tensor, Pairs]:
-    """An empty tensor laid out like ``value`` (a ShardedTensor keeps its shards), with
-    the (live, fresh) pairs to copy."""
-    if isinstance(value, ShardedTensor):
-        shards = [
-            Shard(tensor=torch.empty_like(s.tensor), metadata=s.metadata)
-            for s in value.local_shards()
-        ]
-        fresh = ShardedTensor._init_from_local_shards_and_global_metadata(
-            local_shards=shards,
-            sharded_tensor_metadata=value.metadata(),
-            process_group=value._process_group,
-        )
-        pairs = [
-            (s.tensor, f.tensor)
-            for s, f in zip(value.local_shards(), fresh.local_shards(), strict=True)
-        ]
-        return fresh, pairs
-    fresh_t = torch.empty_like(value)
-    return fresh_t, [(value, fresh_t)]
 
 
 def _saved_tensor(md: Metadata, key: str, where: str) -> TensorStorageMetadata:
@@ -310,7 +290,7 @@ def _global_size(value: torch.Tensor) -> list[int]:
 
 
 def _build_targets(engine: RankEngine, md: Metadata, manifest: Manifest, uri: str) -> _Targets:
-    targets = _Targets(state={}, copies=[], rowwise=[], dense_optimizer={}, rng={})
+    targets = _Targets(state={}, rowwise=[], dense_optimizer={}, rng={})
 
     def size_mismatch(key: str, saved: list[int], expected: list[int]) -> CheckpointError:
         return CheckpointError(
@@ -324,8 +304,7 @@ def _build_targets(engine: RankEngine, md: Metadata, manifest: Manifest, uri: st
         entry = _saved_tensor(md, f"model.{key}", uri)
         if list(entry.size) != _global_size(value):
             raise size_mismatch(f"model.{key}", list(entry.size), _global_size(value))
-        model_state[key], pairs = _fresh_like(value)
-        targets.copies += pairs
+        model_state[key] = value  # read in place
     unknown = sorted(
         k[len("model.") :]
         for k in md.state_dict_metadata
@@ -345,8 +324,7 @@ def _build_targets(engine: RankEngine, md: Metadata, manifest: Manifest, uri: st
             entry = _saved_tensor(md, key, uri)
             saved_size, live_size = list(entry.size), _global_size(value)
             if saved_size == live_size:
-                fused_state[param_key][state_key], pairs = _fresh_like(value)
-                targets.copies += pairs
+                fused_state[param_key][state_key] = value  # read in place
             elif isinstance(value, ShardedTensor) and len(live_size) == 1:
                 # Row-wise state laid out for another number of column blocks.
                 full = torch.empty(saved_size, dtype=entry.properties.dtype)
@@ -484,7 +462,14 @@ def load_checkpoint(
     ``engine.step`` to the saved step and returns the saved generation and
     ``extra``. Raises :class:`CheckpointError` on every rank of the gang, with
     nothing in the engine changed, if the checkpoint is missing, uncommitted,
-    corrupt, or made for another model.
+    corrupt, or made for another model; an error while reading, after every
+    check passed, leaves the engine partly loaded and says so.
+
+    ``reader_factory`` makes DCP's storage reader for the URI. DCP reads into the
+    live state, so "nothing changed" for a corrupt data file holds with a reader
+    that checks every record before reading any (the default,
+    :class:`~raytrec.checkpoint.reader.DirectReader`); DCP's plain
+    ``FileSystemReader`` would stop at the bad record with the ones before it read.
     """
     uri = checkpoint.uri if isinstance(checkpoint, CheckpointRef) else checkpoint
 
@@ -510,22 +495,24 @@ def load_checkpoint(
     targets = agree(plan)
 
     def read() -> None:
+        reader = reader_factory(uri)
         with _quiet_sharded_tensor():
             try:
-                dcp.load(targets.state, storage_reader=reader_factory(uri))
+                dcp.load(targets.state, storage_reader=reader)
             except (Exception, CheckpointException) as e:
+                # After every rank's checks passed, reads go straight into the live state.
+                partly = isinstance(reader, DirectReader) and reader.started_reading
                 raise CheckpointError(
                     f"checkpoint {uri} is corrupt: reading its tensors failed ({describe(e)})"
+                    + ("; this model is partly loaded: load again" if partly else "")
                 ) from None
             for fix in targets.rowwise:
                 fix.converted = _convert_rowwise(fix, manifest)
 
     agree(read)
 
-    # Everything is read and checked on every rank of the gang: now overwrite.
+    # Everything is read on every rank of the gang: now the state read into fresh tensors.
     with torch.no_grad(), _quiet_sharded_tensor():
-        for live, fresh in targets.copies:
-            live.copy_(fresh)
         for fix in targets.rowwise:
             assert fix.converted is not None
             for shard in fix.live.local_shards():

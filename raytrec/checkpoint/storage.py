@@ -1,21 +1,23 @@
 """DCP storage for a plain local path or any fsspec / pyarrow filesystem URI.
 
-A plain path gets DCP's local ``FileSystemWriter`` / ``FileSystemReader``. A
-URI is resolved by :func:`raytrec.checkpoint.layout.filesystem` (fsspec, or
-pyarrow where fsspec lacks the protocol's package) and DCP's fsspec file
-access runs over that filesystem; DCP's own ``FsspecWriter`` would resolve
-the URI with fsspec alone.
+A plain path gets DCP's local ``FileSystemWriter`` and
+:class:`~raytrec.checkpoint.reader.DirectReader` (DCP's ``FileSystemReader``,
+reading straight into the destination tensors). A URI is resolved by
+:func:`raytrec.checkpoint.layout.filesystem` (fsspec, or pyarrow where fsspec
+lacks the protocol's package) and DCP's fsspec file access runs over that
+filesystem; DCP's own ``FsspecWriter`` would resolve the URI with fsspec alone.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _FsspecFileSystem
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from raytrec.checkpoint.layout import filesystem
+from raytrec.checkpoint.reader import DirectReader
 
 __all__ = ["storage_reader", "storage_writer"]
 
@@ -40,7 +42,7 @@ class _UriWriter(FileSystemWriter):
         self.path = path
 
 
-class _UriReader(FileSystemReader):
+class _UriReader(DirectReader):
     def __init__(self, uri: str) -> None:
         fs, path = filesystem(uri)
         super().__init__(path)
@@ -55,4 +57,6 @@ def storage_writer(uri: str) -> StorageWriter:
 
 
 def storage_reader(uri: str) -> StorageReader:
-    return _UriReader(uri) if "://" in uri else FileSystemReader(uri)
+    """:class:`~raytrec.checkpoint.reader.DirectReader` for a plain path; for a URI, the same
+    over the URI's fsspec or pyarrow filesystem."""
+    return _UriReader(uri) if "://" in uri else DirectReader(uri)
