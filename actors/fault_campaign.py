@@ -1,11 +1,11 @@
 """Campaigns over the fault space: many seeded schedules, a summary, shrunk reproducers.
 
 :func:`campaign` runs the schedules of seeds ``seed .. seed + n - 1``
-(:func:`~actors.fault_space.generate`) on ``workers`` processes and sums up their
+(:func:`~actors.fault_schedule.generate`) on ``workers`` processes and sums up their
 outcomes by class and the phases their faults landed in. Each distinct defect (its kind and
 message) is :func:`shrink`-ed: faults are removed and settings simplified for as long as the
 schedule still fails the same way, and the result is printed as one line that replays it
-(:func:`~actors.fault_space.reproducer`). ``python -m jobs.fault_space`` is the
+(:func:`~actors.fault_schedule.reproducer`). ``python -m jobs.fault_space`` is the
 command.
 """
 
@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from actors.fault_space import Outcome, Schedule, generate, run_schedule
+from actors.fault_schedule import Schedule, generate
+from actors.fault_space import Outcome, run_schedule
 
 __all__ = ["CampaignResult", "campaign", "defect_signature", "shrink"]
 
@@ -55,7 +56,7 @@ class CampaignResult:
 
 
 def reproducer_line(schedule: Schedule) -> str:
-    from actors.fault_space import reproducer
+    from actors.fault_schedule import reproducer
 
     return reproducer(schedule)
 

@@ -31,7 +31,7 @@ from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.cluster import pin_collectives_to
 from raytrec.data.feed import BatchFeed, DataExhausted
 from raytrec.data.parquet_indexed import IndexedParquetShard
-from raytrec.data.parquet_plan import Stream
+from raytrec.data.parquet_streams import Stream
 from raytrec.data.source import Batch, BatchShard
 from raytrec.elastic.faults import FaultKind, FaultSpec, Phase
 from raytrec.elastic.rank_protocol import LoadedCheckpoint, RankProtocol, StateDigest

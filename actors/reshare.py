@@ -6,7 +6,7 @@ When a gang is lost, the rows its ranks had not taken yet would otherwise never 
 gang joins, it would have nothing to read. So at every membership change the coordinator takes
 the rows no live rank has trained, from every stream (live ranks' at their position, lost ranks'
 at the batch after the last one they took, whose uncommitted ones are replayed by id), and cuts
-them again among the ranks of the new membership (:func:`~raytrec.data.parquet_plan.recut`).
+them again among the ranks of the new membership (:func:`~raytrec.data.parquet_recut.recut`).
 Each rank then reads a new stream, with an id of its own, so every batch keeps a unique id and
 can still be replayed; the table of these streams travels to every rank (any rank may have to
 replay any batch) and into checkpoints. Every rank gets the same number of batches to train
@@ -30,10 +30,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from raytrec.data.parquet_indexed import IndexedParquetShard
-from raytrec.data.parquet_plan import (
+from raytrec.data.parquet_recut import hand_off, recut
+from raytrec.data.parquet_streams import (
     Stream,
-    hand_off,
-    recut,
     remaining_rows,
     stream_length,
     streams_from_json,
@@ -110,7 +109,7 @@ class DataStreams:
 
         At a join where the others have as many batches left and no rows are orphaned, they
         keep reading their streams, cut short, and the joining ranks get the rows of their ends
-        (:func:`~raytrec.data.parquet_plan.hand_off`): only the joining ranks are returned.
+        (:func:`~raytrec.data.parquet_recut.hand_off`): only the joining ranks are returned.
         Otherwise every row left is cut again among all of ``ranks`` and every one is given its
         new stream, after the replays queued for it (read again: a new stream starts a new
         feed). Empty when nothing was re-shared (the source cannot be, or every live rank

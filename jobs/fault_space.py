@@ -28,7 +28,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     quiet_known_warnings()  # before torch.fx's notice, which TorchRec's imports trigger
     from actors.fault_campaign import campaign
-    from actors.fault_space import Schedule, run_schedule
+    from actors.fault_schedule import Schedule
+    from actors.fault_space import run_schedule
 
     if args.replay is not None:
         try:

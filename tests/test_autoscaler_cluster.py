@@ -38,7 +38,7 @@ from ray.core.generated import autoscaler_pb2
 from test_elastic_cluster import assert_every_batch_once, assert_replicas_agree
 
 import raytrec
-from raytrec.api import CapacityUnknownWarning, TrainingStopped, check_capacity, fit
+from raytrec.api import CapacityUnknownWarning, TrainingStopped, fit
 from raytrec.cluster import (
     ClusterStateError,
     autoscaler_hides_node_types,
@@ -68,6 +68,7 @@ from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.errors import ConfigError, StopRequested
 from raytrec.observability.metrics import IntervalMetrics
+from raytrec.preflight import check_capacity
 from raytrec.testing import NodeDrainer, running_coordinator
 
 GANG_SIZE = 2

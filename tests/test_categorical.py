@@ -188,12 +188,12 @@ def test_out_of_range_ids_are_bad_input_by_default() -> None:
 
 
 def test_a_resumed_job_takes_the_vocabularies_of_its_checkpoint(tmp_path: pathlib.Path) -> None:
-    from raytrec.api import _vocabularies_of
+    from raytrec.preflight import vocabularies_of
     from raytrec.serving.model_spec import write_model_spec
 
     spec = ModelSpec(
         model=CONFIG.model, num_dense=2, features=parquet_spec(CONFIG, {"user": ("u9", "u1")})
     )
     write_model_spec(str(tmp_path), spec)
-    assert _vocabularies_of(str(tmp_path)) == {"user": ("u9", "u1")}
-    assert _vocabularies_of(None) is None
+    assert vocabularies_of(str(tmp_path)) == {"user": ("u9", "u1")}
+    assert vocabularies_of(None) is None

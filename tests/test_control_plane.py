@@ -19,7 +19,9 @@ from typing import Any
 import pytest
 
 from actors.coordinator import Coordinator
-from actors.fault_space import Settings, check_invariants, parquet_shards
+from actors.fault_invariants import check_invariants
+from actors.fault_schedule import Settings
+from actors.fault_space import parquet_shards
 from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
 from raytrec.data.synthetic import batch_id, split_batch_id

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raytrec import api
+from raytrec import preflight
 from raytrec.config import ConfigError, DataConfig, ScalingConfig, TrainConfig
 from raytrec.testing import simulated_cluster
 
@@ -28,8 +28,8 @@ def test_a_gpu_node_reports_the_budget_and_a_cluster_without_one_is_refused(
         return 80 * gib
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the driver has no GPU
-    monkeypatch.setattr(api, "_gpu_memory", h100_memory)
-    monkeypatch.setattr(api, "_DEVICE_MEMORY_WAIT_S", 3.0)
+    monkeypatch.setattr(preflight, "_gpu_memory", h100_memory)
+    monkeypatch.setattr(preflight, "_DEVICE_MEMORY_WAIT_S", 3.0)
     config = TrainConfig(
         data=DataConfig(source="parquet", path="/nowhere", num_dense=3, batch_size=8),
         scaling=ScalingConfig(use_gpu=True),
@@ -40,6 +40,6 @@ def test_a_gpu_node_reports_the_budget_and_a_cluster_without_one_is_refused(
             match=r"no GPU of the cluster said how much memory it has within 3 s; set "
             r"sharding.device_memory_gib",
         ):
-            api._device_memory(config)
+            preflight.device_memory(config)
         cluster.add_node(num_cpus=0, num_gpus=1, node_ip_address="127.0.0.1")
-        assert api._device_memory(config) == 80 * gib
+        assert preflight.device_memory(config) == 80 * gib

@@ -13,14 +13,8 @@ from typing import Any
 import pytest
 
 from actors.fault_campaign import campaign, shrink
-from actors.fault_space import (
-    Outcome,
-    Schedule,
-    Settings,
-    generate,
-    reproducer,
-    run_schedule,
-)
+from actors.fault_schedule import Schedule, Settings, generate, reproducer
+from actors.fault_space import Outcome, run_schedule
 
 SCHEDULES = 2000
 BUDGET_S = 180.0

@@ -254,17 +254,17 @@ def test_the_planners_budget_is_the_configured_or_the_gpus_memory(
 ) -> None:
     from types import SimpleNamespace
 
-    from raytrec import api
+    from raytrec import preflight
 
-    assert api._device_memory(job()) is None  # CPU ranks: no device memory to plan within
+    assert preflight.device_memory(job()) is None  # CPU ranks: no device memory to plan within
     gpu = ScalingConfig(use_gpu=True)
     budget = ShardingConfig(device_memory_gib=2.5)
-    assert api._device_memory(job(scaling=gpu, sharding=budget)) == int(2.5 * 2**30)
+    assert preflight.device_memory(job(scaling=gpu, sharding=budget)) == int(2.5 * 2**30)
     # Unset: what the driver's GPU says (without one, a one-GPU Ray task asks a GPU node).
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     props = SimpleNamespace(total_memory=80 * 2**30)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: props)
-    assert api._device_memory(job(scaling=gpu)) == 80 * 2**30
+    assert preflight.device_memory(job(scaling=gpu)) == 80 * 2**30
 
 
 def test_train_pipeline_resolves_per_device_and_semi_sync_needs_a_gpu() -> None:

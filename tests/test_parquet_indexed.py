@@ -22,7 +22,6 @@ import pytest
 import ray
 from ray import cloudpickle
 
-from raytrec.api import _indexed_resume_shards
 from raytrec.config import ScalingConfig, TrainConfig
 from raytrec.data.arrow_kjt import BadInputError
 from raytrec.data.generate import write_synthetic_parquet
@@ -31,6 +30,7 @@ from raytrec.data.source import Batch
 from raytrec.data.spec import FeatureSpec, criteo_spec
 from raytrec.data.synthetic import batch_id, split_batch_id
 from raytrec.errors import ConfigError
+from raytrec.preflight import indexed_resume_shards
 
 ROWS, FILES, GROUPS, VOCAB = 2003, 4, 3, 500
 SPEC = criteo_spec(VOCAB)
@@ -240,16 +240,16 @@ def test_a_resume_is_planned_on_the_saved_job_s_split(
     four = TrainConfig(scaling=ScalingConfig(num_workers=4, gang_size=2))
     # Saved with its table of re-shared streams: any number of ranks, on the saved split.
     accounting["streams_table"] = {"num_shards": 3, "next_id": 3, "made": {}}
-    assert _indexed_resume_shards("ckpt", four, source) == 3
+    assert indexed_resume_shards("ckpt", four, source) == 3
     # Saved without one: only on the number of ranks the data was split for.
     del accounting["streams_table"]
-    assert _indexed_resume_shards("ckpt", three, source) == 3
+    assert indexed_resume_shards("ckpt", three, source) == 3
     pattern = r"ckpt was trained on Parquet read by index in 3 shards.*num_workers=3 \(not 4\)"
     with pytest.raises(ConfigError, match=pattern):
-        _indexed_resume_shards("ckpt", four, source)
+        indexed_resume_shards("ckpt", four, source)
     # Streamed Parquet restarts at the checkpoint's step on any number of ranks.
     assert (
-        _indexed_resume_shards("ckpt", four, dataclasses.replace(source, read_mode="streaming"))
+        indexed_resume_shards("ckpt", four, dataclasses.replace(source, read_mode="streaming"))
         is None
     )
 

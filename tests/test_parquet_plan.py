@@ -6,13 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from raytrec.data.parquet_plan import (
-    BatchPlan,
+from raytrec.data.parquet_plan import BatchPlan, Piece
+from raytrec.data.parquet_recut import hand_off, recut
+from raytrec.data.parquet_streams import (
     Part,
-    Piece,
     Stream,
-    hand_off,
-    recut,
     remaining_rows,
     stream_batch_size,
     stream_epoch,

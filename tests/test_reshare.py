@@ -16,7 +16,7 @@ import pytest
 from actors.reshare import DataStreams, StreamTable
 from raytrec.data.generate import write_synthetic_parquet
 from raytrec.data.parquet import IndexedParquetShard, ParquetSource
-from raytrec.data.parquet_plan import stream_length
+from raytrec.data.parquet_streams import stream_length
 from raytrec.data.spec import criteo_spec
 from raytrec.data.synthetic import batch_id, split_batch_id
 from raytrec.elastic.accounting import BatchAccounting

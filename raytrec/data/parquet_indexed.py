@@ -56,10 +56,8 @@ from ray.data.block import BlockMetadata
 from raytrec.data.arrow_kjt import BadInputError, OnBadRows
 from raytrec.data.handover import read_while_starting
 from raytrec.data.parquet_gather import Gather
-from raytrec.data.parquet_plan import (
-    BatchPlan,
-    Piece,
-    Read,
+from raytrec.data.parquet_plan import BatchPlan, Piece, Read
+from raytrec.data.parquet_streams import (
     Stream,
     stream_batch_size,
     stream_epoch,
@@ -109,7 +107,7 @@ class IndexedParquetShard(BatchShard):
     Streams: stream ``r < num_shards`` is rank ``r``'s own batches of the plan (only its first
     ``limit`` when given: the job's share of the data); ``streams`` holds the streams made when
     the job's ranks changed and the rows left were shared among them again
-    (:func:`~raytrec.data.parquet_plan.recut`). ``index`` names the stream this shard reads.
+    (:func:`~raytrec.data.parquet_recut.recut`). ``index`` names the stream this shard reads.
     Batch ``k`` of stream ``s`` has id :func:`~raytrec.data.synthetic.batch_id` ``(s, k)``;
     :meth:`replay` reads any batch of any of these streams.
     """

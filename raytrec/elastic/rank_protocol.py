@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol, TypedDict
 
 if TYPE_CHECKING:
     from raytrec.checkpoint.config import CheckpointConfig
-    from raytrec.data.parquet_plan import Stream
+    from raytrec.data.parquet_streams import Stream
     from raytrec.data.source import BatchShard
     from raytrec.elastic.report import RankInfo, RankReport
     from raytrec.observability.rec_metrics import MetricState

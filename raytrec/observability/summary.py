@@ -1,7 +1,7 @@
 """The run's ledger: what a finished (or stopped) job did, as ``summary.json`` in its run
 directory and a few closing lines on the console.
 
-Pure code over a :class:`~raytrec.api.Result`: steps, rows trained, the batch accounting
+Pure code over a :class:`~raytrec.result.Result`: steps, rows trained, the batch accounting
 (committed, replayed, lost), failures by kind, generations, the replica check (recomputed here
 from the ranks' final state digests), the final and best metrics, and where every artifact is.
 """
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from raytrec.observability.progress import EVENTS_FILE, METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
 
 if TYPE_CHECKING:
-    from raytrec.api import Result
+    from raytrec.result import Result
 
 __all__ = [
     "FAILURE_KINDS",

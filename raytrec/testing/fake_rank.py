@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
 
-from raytrec.data.parquet_plan import stream_length
+from raytrec.data.parquet_streams import stream_length
 from raytrec.data.synthetic import batch_id
 from raytrec.elastic.rank_protocol import LoadedCheckpoint, RankProtocol, StateDigest
 from raytrec.elastic.report import RankInfo, RankReport, TrainedBatch
@@ -28,7 +28,7 @@ from raytrec.testing.fake_model import FakeUsageError
 
 if TYPE_CHECKING:
     from raytrec.checkpoint.config import CheckpointConfig
-    from raytrec.data.parquet_plan import Stream
+    from raytrec.data.parquet_streams import Stream
     from raytrec.data.source import BatchShard
     from raytrec.engine.rank_engine import RankSpec
     from raytrec.observability.rec_metrics import MetricState

@@ -25,7 +25,7 @@ from raytrec.observability.metrics import IntervalMetrics
 if TYPE_CHECKING:
     import numpy as np
 
-    from raytrec.api import Result
+    from raytrec.result import Result
 
 __all__ = [
     "NodeDrainer",

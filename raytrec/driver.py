@@ -1,0 +1,251 @@
+"""The driver's side of a running job: following the coordinator.
+
+:func:`drive` runs the job and passes its metrics rows and events on as they come;
+:class:`StopOnSignal` turns SIGTERM and SIGINT into a stop at the next interval boundary (or at
+once, the second time); when the job fails, :func:`job_failure` names what ended it and
+:func:`close_failed` writes its ledger, metrics and traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+import ray.exceptions
+import ray.train
+
+from raytrec.config import ConfigError
+from raytrec.errors import JobFailedError, StopRequested
+from raytrec.observability.metrics import IntervalMetrics
+from raytrec.observability.progress import ProgressReporter
+from raytrec.observability.summary import ledger_lines, write_ledger
+from raytrec.result import Result
+
+__all__ = [
+    "CoordinatorDied",
+    "Seen",
+    "StopOnSignal",
+    "close_failed",
+    "drive",
+    "interrupted",
+    "job_failure",
+    "release_placement_groups",
+    "summary_after",
+]
+
+
+class Seen:
+    """Passes the job's metrics rows and events on, keeping them: the driver's own record of a
+    job whose coordinator died."""
+
+    def __init__(
+        self,
+        on_row: Callable[[IntervalMetrics], None],
+        on_event: Callable[[dict[str, Any]], None] | None,
+    ) -> None:
+        self.rows: list[IntervalMetrics] = []
+        self.events: list[dict[str, Any]] = []
+        self._on_row, self._on_event = on_row, on_event
+        self.started = time.perf_counter()
+
+    def row(self, row: IntervalMetrics) -> None:
+        self.rows.append(row)
+        self._on_row(row)
+
+    def event(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+        if self._on_event is not None:
+            self._on_event(event)
+
+
+def interrupted(e: BaseException) -> bool:
+    return isinstance(e, KeyboardInterrupt)
+
+
+def job_failure(e: BaseException) -> BaseException:
+    """The exception ``fit`` raises for what ended the job: raytrec's own errors and an
+    interrupt as they are; anything else (a defect) as a :class:`JobFailedError` naming it."""
+    if isinstance(e, JobFailedError | ConfigError | KeyboardInterrupt | StopRequested):
+        return e
+    cause = getattr(e, "cause", None) if isinstance(e, ray.exceptions.RayTaskError) else e
+    what = f"{type(cause).__name__}: {cause}" if cause is not None else str(e)
+    failure = JobFailedError(
+        f"the job's coordinator failed with {' '.join(what.split())[:500]} (a defect: its "
+        "traceback is in error.txt in the run directory)"
+    )
+    failure.__cause__ = e
+    return failure
+
+
+def summary_after(coordinator: Any, seen: Seen, *, wait_s: float) -> Any:
+    """The coordinator's :meth:`~actors.coordinator.Coordinator.summary_so_far`, or, when it
+    cannot answer (it died), what the driver saw: the metrics rows and events, no committed
+    batches."""
+    from raytrec.elastic.report import RunSummary
+
+    with contextlib.suppress(Exception):
+        return ray.get(coordinator.summary_so_far.remote(), timeout=wait_s)
+    return RunSummary(
+        history=list(seen.rows),
+        final_state_path=None,
+        steps=seen.rows[-1].step if seen.rows else 0,
+        wall_s=time.perf_counter() - seen.started,
+        ranks=[],
+        digests={},
+        events=list(seen.events),
+        committed_rows=None,
+    )
+
+
+def close_failed(
+    result: Result, failure: BaseException, reporter: Any, *, own_reporter: bool
+) -> None:
+    """Writes a failed job's ledger (``summary.json``, with why it ended and the checkpoint to
+    resume from), its metrics and the traceback of a defect, and prints the ledger's lines;
+    ``failure`` gets the result (``failure.result``)."""
+    import traceback
+
+    from raytrec.checkpoint.config import checkpoint_root
+    from raytrec.checkpoint.layout import CheckpointStore
+
+    if result.checkpoint is None:
+        # The coordinator could not say: the newest checkpoint committed on disk.
+        with contextlib.suppress(Exception):
+            ref = CheckpointStore(checkpoint_root(result.run_dir)).latest()
+            if ref is not None:
+                result = dataclasses.replace(result, checkpoint=ray.train.Checkpoint(ref.uri))
+    with open(os.path.join(result.run_dir, "metrics.json"), "w") as f:
+        json.dump([m.to_dict() for m in result.history], f, indent=1)
+    if failure.__cause__ is not None and not isinstance(failure, KeyboardInterrupt):
+        with open(os.path.join(result.run_dir, "error.txt"), "w") as f:
+            f.write("".join(traceback.format_exception(failure.__cause__)))
+    reason = "interrupted" if interrupted(failure) else f"{type(failure).__name__}: {failure}"
+    reason = " ".join(reason.split())
+    if isinstance(failure, StopRequested):
+        ledger = result.ledger(stopped=reason)
+    else:
+        ledger = result.ledger(failed=reason)
+    write_ledger(ledger)
+    if isinstance(reporter, ProgressReporter):
+        if own_reporter:
+            reporter.close(events=result.events)  # metrics file, TensorBoard and the plot
+        for line in ledger_lines(ledger):
+            print(line, flush=True)
+    # The run's result travels with the exception (JobFailedError.result, ConfigError.result).
+    failure.result = result  # type: ignore[attr-defined]
+
+
+def drive(
+    coordinator: Any,
+    on_progress: Callable[[IntervalMetrics], None],
+    on_event: Callable[[dict[str, Any]], None] | None,
+    stop: StopOnSignal,
+) -> Any:
+    """Runs the job, passing on its metrics rows (and, with ``on_event``, its events) as they
+    come; returns the coordinator's summary. The first SIGTERM or SIGINT (``ray job stop``,
+    Ctrl-C) asks the job to stop at its next interval boundary; a second one stops at once."""
+    run_ref = coordinator.run.remote()
+    stop.training = True  # from here on, a signal stops at a boundary (and stays so)
+    return follow(coordinator, run_ref, on_progress, on_event, stop)
+
+
+class StopOnSignal:
+    """SIGTERM and SIGINT while ``fit`` runs in the main thread (elsewhere it does nothing).
+
+    Before training (Ray starting, data being written, ranks being placed) a signal raises
+    :class:`StopRequested` there, and ``fit`` unwinds: an embedded cluster it started is shut
+    down whole. While training, the first signal sets ``asked`` (the job stops at its next
+    interval boundary) and the second raises KeyboardInterrupt (the job is killed)."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        self.training = False
+        self._saved: dict[int, Any] = {}
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if not self.training:
+            raise StopRequested(f"stopped on request (signal {signum}) before training started")
+        if self.asked:
+            raise KeyboardInterrupt(f"signal {signum} again: stopping at once")
+        self.asked = True
+        print(
+            f"[raytrec] signal {signum}: stopping at the next interval boundary "
+            "(send it again to stop at once)",
+            flush=True,
+        )
+
+    def restore(self) -> None:
+        """Takes the signals back (after a library, Ray's driver, installed its own)."""
+        for sig in self._saved:
+            signal.signal(sig, self._handle)
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._saved[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+
+
+def follow(
+    coordinator: Any,
+    run_ref: Any,
+    on_progress: Callable[[IntervalMetrics], None],
+    on_event: Callable[[dict[str, Any]], None] | None,
+    stop: StopOnSignal,
+) -> Any:
+    seen = seen_events = 0
+    stop_sent = False
+    try:
+        while True:
+            if stop.asked and not stop_sent:
+                coordinator.request_stop.remote()
+                stop_sent = True
+            done, _ = ray.wait([run_ref], timeout=1.0)
+            rows = ray.get(coordinator.progress.remote(seen))
+            for row in rows:
+                on_progress(row)
+            seen += len(rows)
+            if on_event is not None:
+                events = ray.get(coordinator.event_dicts.remote(seen_events))
+                for event in events:
+                    on_event(event)
+                seen_events += len(events)
+            if done:
+                return ray.get(run_ref)
+    except ray.exceptions.RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, JobFailedError | ConfigError):
+            raise cause from None  # the coordinator's own words, not Ray's wrapper
+        raise
+    except ray.exceptions.RayActorError as e:
+        raise CoordinatorDied(
+            "the coordinator actor died, and the job with it: raytrec does not survive the "
+            f"loss of its coordinator (its node, or the driver's Ray session, went away): {e}"
+        ) from e
+
+
+def release_placement_groups(prefix: str) -> None:
+    """Removes the placement groups still held whose name starts with ``prefix`` (a run's)."""
+    from ray.util.placement_group import get_placement_group, placement_group_table
+
+    for info in placement_group_table().values():
+        name = info.get("name") or ""
+        if name.startswith(prefix) and info.get("state") != "REMOVED":
+            with contextlib.suppress(Exception):
+                ray.util.remove_placement_group(get_placement_group(name))
+
+
+class CoordinatorDied(JobFailedError):
+    """The coordinator actor is gone; the job cannot continue (see docs/fault_tolerance.md)."""
