@@ -6,7 +6,9 @@ The live ranks train in lockstep (dense gradients are averaged every step), one 
 clock passes them, not when it is made: a rank that dies or is killed, or a replica plane
 aborted, in the middle of a step fails that step for every rank of the call (the others take the
 step's batch, update their embeddings and wait in a collective), and the steps after it never
-happen. Faults scheduled at a step (:mod:`raytrec.testing.fake_faults`) strike as it starts.
+happen. Faults scheduled at a step (:mod:`raytrec.testing.fake_faults`) strike as it starts. A
+rank slower per step than the others by more than ``collective_timeout_s`` fails every step:
+the others' collectives time out waiting for it.
 """
 
 from __future__ import annotations
@@ -146,8 +148,25 @@ class TrainingRuns:
         if run.begun < s:
             run.begun = s
             hung, errors = self._faults_at(s, ts, run)
+            if not (hung or errors) and run.step_s - min(r.step_s for r in run.states) > (
+                self._collective_timeout_s
+            ):
+                # The others wait for the slowest rank in the step's collectives for longer than
+                # their timeout: they fail, and the slowest find them gone when they get there.
+                errors = {
+                    r.spec.rank: (
+                        r.step_s + self._collective_timeout_s
+                        if r.step_s < run.step_s
+                        else run.step_s
+                    )
+                    for r in run.states
+                }
             if hung or errors or any(r.died_at <= ts for r in run.states):
                 self._fail(run, s, ts, hung, errors)
+                for r in run.states:  # those waiting for the slowest: an abort releases them
+                    future = run.futures[r.spec.rank]
+                    if r.step_s < run.step_s and future.error is not None and future.due > ts:
+                        future.blocked_from = ts + r.step_s
             return
         te = run.start + (i + 1) * run.step_s
         died = min(r.died_at for r in run.states)
