@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
-from raytrec.config import DataConfig, OptimizerConfig, ScalingConfig, ShardingConfig, TrainConfig
 from raytrec.cluster.local import session_pids, stop_session
+from raytrec.config import DataConfig, OptimizerConfig, ScalingConfig, ShardingConfig, TrainConfig
 
 FOREVER = 10**8  # steps of either side's job: this script stops it
 

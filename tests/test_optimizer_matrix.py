@@ -203,7 +203,7 @@ def combo_run(spec: RankSpec, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with engine_for(spec) as e:
         if spec.config.optimizer.embedding == "rowwise_adagrad":
-            for tbe in e._tbes:  # as FBGEMM registers it for fused Adam (see the docstring)
+            for tbe in e.state.tables:  # as FBGEMM registers it for fused Adam (see the docstring)
                 tbe._non_persistent_buffers_set.discard("iter")
         own = batches(1, spec.rank)  # this rank's own batches (differ across gangs)
         same = batches(2, spec.gang_rank)  # the same batches in both gangs

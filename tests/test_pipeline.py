@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,8 @@ from test_engine_2d import NUM_DENSE, SOURCE, job_config
 
 from raytrec.config import ScalingConfig
 from raytrec.data.source import Batch
-from raytrec.engine.rank_engine import RankEngine, RankSpec, StepInput
+from raytrec.engine.rank_engine import RankEngine, RankSpec
+from raytrec.engine.stepping import StepBegins, StepFailed, StepInput, StepResult
 
 pytestmark = pytest.mark.multiprocess
 
@@ -50,7 +52,8 @@ class InjectedFailure(RuntimeError):
 def _fail_dense_update_at(engine: RankEngine, step: int) -> None:
     """Makes the dense all-reduce of step ``step`` fail once, after backward (where a replica
     plane failure strikes: the embedding update has happened)."""
-    average = engine._average_dense_grads
+    replicas = engine.replicas
+    average = replicas.average_dense_grads
     failed = False
 
     def failing() -> None:
@@ -60,7 +63,7 @@ def _fail_dense_update_at(engine: RankEngine, step: int) -> None:
             raise InjectedFailure(f"replica plane failed at step {step}")
         average()
 
-    engine._average_dense_grads = failing  # type: ignore[method-assign]
+    replicas.average_dense_grads = failing  # type: ignore[method-assign]
 
 
 def _state(engine: RankEngine) -> list[np.ndarray]:
@@ -71,43 +74,57 @@ def _state(engine: RankEngine) -> list[np.ndarray]:
 
 
 def _train(engine: RankEngine, batches: list[Batch], *, fail: bool) -> dict[str, Any]:
-    inputs = [StepInput(b, tag=i) for i, b in enumerate(batches)]
-    queue = list(inputs)
-    started: list[int] = []
+    queue = [StepInput(b, batch_id=i) for i, b in enumerate(batches)]
+    started: list[int | None] = []
     losses: list[float] = []
     report: dict[str, Any] = {}
     if fail:
         _fail_dense_update_at(engine, FAIL_AT)
 
-    def take() -> StepInput:
-        return queue.pop(0)
+    def from_queue() -> Iterator[StepInput]:
+        while queue:
+            yield queue.pop(0)
 
-    def begin(item: StepInput) -> None:
-        started.append(item.tag)
+    def train(num_steps: int) -> None:
+        upcoming = None
+        for event in engine.train_steps(from_queue(), num_steps):
+            if isinstance(event, StepBegins):
+                upcoming = event
+            elif isinstance(event, StepResult):
+                assert upcoming is not None and event.step == upcoming.step == engine.step
+                assert event.batch_id == upcoming.input.batch_id
+                started.append(event.batch_id)
+                losses.append(float(event.loss))
 
     try:
-        losses += [float(x) for x in engine.train_steps(take, STEPS, begin)]
-    except InjectedFailure:
-        unstarted = engine.unstarted()
-        report["unstarted"] = [i.tag for i in unstarted]
+        train(STEPS)
+    except StepFailed as failed:
+        if not isinstance(failed.error, InjectedFailure):
+            raise
+        # The failed step's forward and backward ran: it counts, with its batch.
+        assert failed.began is not None and failed.step == FAIL_AT
+        started.append(failed.began.batch_id)
+        report["unstarted"] = [i.batch_id for i in failed.unstarted]
         report["started_at_failure"] = list(started)
         # What the rank actor does: the failed step counts, its dense update is settled, and
         # the unstarted batches go back to the front of the feed.
         assert engine.abandon_failed_step()
         engine.settle_failed_step(finish=True)
-        queue[:0] = unstarted
-        losses += [float(x) for x in engine.train_steps(take, STEPS - engine.step, begin)]
+        queue[:0] = failed.unstarted
+        train(STEPS - engine.step)
     report.update(started=started, losses=losses, state=_state(engine), step=engine.step)
-    if engine._pipeline is not None:
-        report["pipelined_modules"] = len(engine._pipeline._pipelined_modules)
+    pipeline = engine.parts.stepper.pipeline
+    if pipeline is not None:
+        report["pipelined_modules"] = len(pipeline._pipelined_modules)
     return report
 
 
 def _score_then_train(engine: RankEngine, batches: list[Batch]) -> dict[str, Any]:
     """An evaluation between intervals (a forward outside the pipeline), then more steps."""
     logits = engine.score(batches[0])[0].detach().cpu().numpy().copy()
-    queue = [StepInput(b, tag=i) for i, b in enumerate(batches[:3])]
-    losses = [float(x) for x in engine.train_steps(lambda: queue.pop(0), 3, lambda _: None)]
+    inputs = iter([StepInput(b, batch_id=i) for i, b in enumerate(batches[:3])])
+    events = engine.train_steps(inputs, 3)
+    losses = [float(e.loss) for e in events if isinstance(e, StepResult)]
     return {"logits": logits, "losses": losses, "state": _state(engine)}
 
 
