@@ -147,8 +147,8 @@ class _FailingGroup:
 def replay_run(e: RankEngine, spec: RankSpec) -> dict[str, Any]:
     """(d), from one start state restored before each variant."""
     # The dense gradient is averaged over the replica group every step here: the mode whose
-    # all-reduce can fail inside a step (the engine reads the mode at each step).
-    e.cfg = e.cfg.model_copy(update={"sync": e.cfg.sync.model_copy(update={"dense": "every_step"})})
+    # all-reduce can fail inside a step (the replica side reads the mode at each step).
+    e.replicas.config = e.replicas.config.model_copy(update={"dense": "every_step"})
     start = [t.detach().clone() for t in e.shard_state() + e.dense_state()]
     start_step = e.step
 

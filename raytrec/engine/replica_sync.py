@@ -44,7 +44,7 @@ class ReplicaSync:
     ) -> None:
         self._model = model
         self._store: dist.Store | None = store  # None once closed
-        self._config = config
+        self.config = config  # the schedule and dense mode followed (read at each use)
         self._gang = gang
         self._gang_rank = gang_rank
         self._gang_size = gang_size
@@ -115,7 +115,7 @@ class ReplicaSync:
         """With ``sync.dense="every_step"``: averages the dense gradients over the replica
         group. A failed all-reduce leaves them as they were (this gang's own)."""
         assert self.replica is not None, "join_replica_plane() first"
-        if self._config.dense != "every_step" or self.replica.size == 1:
+        if self.config.dense != "every_step" or self.replica.size == 1:
             # DDP averaged them over the gang; the schedule averages dense parameters; or this
             # rank is its replica group's only member.
             return
@@ -134,12 +134,12 @@ class ReplicaSync:
         assert replica is not None, "join_replica_plane() first"
         plan = self.sync_plan
         if plan is None:
-            if self._config.levels:
+            if self.config.levels:
                 raise RuntimeError("a hierarchical schedule needs join_sync_plan() first")
             plan = self._job_wide_plan
             if plan is None or plan.generation != replica.generation:
                 gangs = range(replica.size)
-                plan = plan_sync(self._config, generation=replica.generation, live_gangs=gangs)
+                plan = plan_sync(self.config, generation=replica.generation, live_gangs=gangs)
                 self._job_wide_plan = plan
         return plan.decide(step)
 
@@ -171,7 +171,7 @@ class ReplicaSync:
         if decision is None:
             plane = self.replica
             if optimizer_state is None:
-                optimizer_state = self._config.sync_optimizer_state
+                optimizer_state = self.config.sync_optimizer_state
         else:
             if optimizer_state is not None:
                 raise ValueError("optimizer_state comes from the decision; pass one or the other")
@@ -184,7 +184,7 @@ class ReplicaSync:
         model = self._model
         tensors = model.shard_state(optimizer_state=optimizer_state)
         dense: list[torch.Tensor] = []
-        if self._config.dense == "with_schedule":
+        if self.config.dense == "with_schedule":
             dense = [p.data for p in model.dense_params.values()]
             if optimizer_state:
                 dense += model.dense_optimizer_state()
