@@ -10,7 +10,9 @@ A 2 x 2 job trains the same batches with ``train_pipeline='off'`` and ``'sparse_
 * a step that fails in its dense all-reduce with two batches in flight (an injected replica
   plane failure) counts as started, the two in flight are named unstarted and untouched, and
   once they are trained first after the failed step is settled, every batch has been trained
-  exactly once and the state equals the synchronous engine's under the same failure.
+  exactly once and the state equals the synchronous engine's under the same failure;
+* an input source that fails while the pipeline fills starts no step: the inputs it took are
+  named unstarted, and training on from them trains every batch once.
 
 The same pipeline on one GPU (CUDA streams, NCCL) is tests/test_gpu_large.py's; on Ray, with a
 rank killed while batches are in flight, tests/test_elastic_cluster.py's pipelined case.
@@ -128,6 +130,43 @@ def _score_then_train(engine: RankEngine, batches: list[Batch]) -> dict[str, Any
     return {"logits": logits, "losses": losses, "state": _state(engine)}
 
 
+class SourceBroke(RuntimeError):
+    pass
+
+
+def _a_source_that_fails(engine: RankEngine, batches: list[Batch]) -> dict[str, Any]:
+    """The inputs' source fails after four inputs, then training goes on from what is left."""
+    items = [StepInput(b, batch_id=i) for i, b in enumerate(batches[:6])]
+    trained: list[int | None] = []
+    losses: list[float] = []
+    out: dict[str, Any] = {"began": "none raised"}
+
+    def source() -> Iterator[StepInput]:
+        yield from items[:4]
+        raise SourceBroke("the feed failed")
+
+    def train(inputs: Iterator[StepInput]) -> None:
+        for event in engine.run_steps(inputs):
+            if isinstance(event, StepResult):
+                trained.append(event.batch_id)
+                losses.append(float(event.loss))
+
+    left = items[4:]
+    try:
+        train(source())
+    except SourceBroke:  # the synchronous engine: the source's error as it is, between steps
+        out["began"] = None
+    except StepFailed as failed:
+        assert isinstance(failed.error, SourceBroke)
+        out["began"] = None if failed.began is None else failed.began.batch_id
+        out["unstarted"] = [i.batch_id for i in failed.unstarted]
+        left = [*failed.unstarted, *left]
+    out["trained_at_failure"] = list(trained)
+    train(iter(left))
+    out.update(trained=trained, losses=losses, state=_state(engine), step=engine.step)
+    return out
+
+
 def pipeline_job(spec: RankSpec, stores: list[Any]) -> dict[tuple[str, bool], Any]:
     torch.manual_seed(0)
     batches = list(itertools.islice(SOURCE.split(G * L)[spec.rank].batches(8), STEPS))
@@ -139,6 +178,7 @@ def pipeline_job(spec: RankSpec, stores: list[Any]) -> dict[tuple[str, bool], An
             out[pipeline, fail] = _train(engine, batches, fail=fail)
             if not fail:
                 out[pipeline, fail]["then"] = _score_then_train(engine, batches)
+                out[pipeline, fail]["source_failed"] = _a_source_that_fails(engine, batches)
     return out
 
 
@@ -195,3 +235,21 @@ def test_a_failed_step_leaves_its_in_flight_batches_unstarted(
         _assert_same_run(sync, piped)
         # The failed step counted: the run still ends at STEPS steps, none of them taken twice.
         assert piped["step"] == STEPS
+
+
+def test_a_source_failing_while_the_pipeline_fills_starts_no_step(
+    results: dict[int, dict[tuple[str, bool], Any]],
+) -> None:
+    for rank, runs in results.items():
+        sync = runs["off", False]["source_failed"]
+        piped = runs["sparse_dist", False]["source_failed"]
+        # The pipeline holds inputs 2 and 3 when it pulls a fifth for the step of input 2, and
+        # the source fails: that step never began; 2 and 3 are unstarted.
+        assert piped["began"] is None and sync["began"] is None, rank
+        assert piped["trained_at_failure"] == [0, 1], rank
+        assert piped["unstarted"] == [2, 3], rank
+        assert sync["trained_at_failure"] == [0, 1, 2, 3], rank
+        # Trained on from the unstarted inputs: every batch once, in order, as synchronously.
+        assert piped["trained"] == sync["trained"] == list(range(6)), rank
+        assert piped["step"] == sync["step"]
+        _assert_same_run(sync, piped)
