@@ -18,6 +18,7 @@ with plain processes on gloo.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 
@@ -48,6 +49,7 @@ from raytrec.sync.schedule import SyncDecision, SyncPlan
 
 __all__ = [
     "RENDEZVOUS_TIMEOUT_S",
+    "EngineParts",
     "RankEngine",
     "RankSpec",
     "StepFailed",
@@ -63,13 +65,19 @@ __all__ = [
 _DENSE_OPTIMIZERS = DENSE_OPTIMIZERS
 
 
-class _Parts:
-    """What :meth:`RankEngine.build` makes."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class EngineParts:
+    """A built rank's parts; each receives only what it uses."""
 
-    def __init__(self, spec: RankSpec, model: RankModel, store: dist.Store) -> None:
+    model: RankModel
+    replicas: ReplicaSync
+    dense: DenseUpdate
+    stepper: Stepper
+
+    @classmethod
+    def assemble(cls, spec: RankSpec, model: RankModel, store: dist.Store) -> EngineParts:
         cfg = spec.config
-        self.model = model
-        self.replicas = ReplicaSync(
+        replicas = ReplicaSync(
             model=model,
             store=store,
             config=cfg.sync,
@@ -79,8 +87,9 @@ class _Parts:
             backend=cfg.scaling.resolved_backend,
             timeout=timedelta(seconds=spec.timeout_s),
         )
-        self.dense = DenseUpdate(model, self.replicas)
-        self.stepper = Stepper(model, self.dense, self.replicas, pipeline=cfg.resolved_pipeline)
+        dense = DenseUpdate(model, replicas)
+        stepper = Stepper(model, dense, replicas, pipeline=cfg.resolved_pipeline)
+        return cls(model=model, replicas=replicas, dense=dense, stepper=stepper)
 
 
 class RankEngine:
@@ -89,15 +98,16 @@ class RankEngine:
     def __init__(self, spec: RankSpec) -> None:
         self.spec = spec
         self.cfg: TrainConfig = spec.config
-        self._parts: _Parts | None = None
+        self._parts: EngineParts | None = None
 
     def build(self) -> None:
         """Joins the gang world, shards the model and builds the optimizers."""
         model, store = build_rank(self.spec)
-        self._parts = _Parts(self.spec, model, store)
+        self._parts = EngineParts.assemble(self.spec, model, store)
 
     @property
-    def parts(self) -> _Parts:
+    def parts(self) -> EngineParts:
+        """The built parts (:meth:`build` first)."""
         assert self._parts is not None, "build() first"
         return self._parts
 
