@@ -6,11 +6,11 @@ dense gradients over the gang), then the dense update (:mod:`raytrec.engine.dens
 A batch whose dense gradient is already in the model (a replay after a loss) trains with a zero
 dense gradient (``StepInput(dense=False)``).
 
-:meth:`Stepper.train_steps` yields what happens as values, in order: :class:`StepBegins` as a
-step begins (from then on its embedding update may happen, so the step counts),
-:class:`StepResult` as it ends, :class:`SyncBegins` and :class:`Synced` around each sync the
-schedule puts after a step. A step that fails raises :class:`StepFailed`, which names the
-inputs taken ahead and never started.
+:meth:`Stepper.train_steps` yields what happens as values, in order: :class:`StepBegins`
+before each step, :class:`StepResult` as it ends, :class:`SyncBegins` and :class:`Synced`
+around each sync the schedule puts after a step. A step that fails raises :class:`StepFailed`,
+which names the input whose step began (its forward ran, so its embedding update may have
+happened and the step counts) and the inputs taken and never started.
 """
 
 from __future__ import annotations
