@@ -123,7 +123,7 @@ def side(
     import torch.distributed as dist
 
     from raytrec.engine.rank_engine import RankEngine, RankSpec, StepInput, StoreAddress
-    from raytrec.engine.stepping import StepBegins, StepResult
+    from raytrec.engine.stepping import StepResult
     from raytrec.observability.rec_metrics import RankMetrics
 
     device = torch.device("cuda", 0) if cfg.scaling.use_gpu else torch.device("cpu")
@@ -146,9 +146,8 @@ def side(
         def interval() -> None:
             metrics, losses = RankMetrics(), []
             for event in engine.train_steps(inputs, every):
-                if isinstance(event, StepBegins):
-                    trained.append((event.step, event.input.batch_id))
-                elif isinstance(event, StepResult):
+                if isinstance(event, StepResult):
+                    trained.append((event.step, event.batch_id))
                     losses.append(event.loss)
                     metrics.update(event.logits, event.labels)
             torch.stack(losses).tolist()
