@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 
 import ray
@@ -36,7 +37,14 @@ from raytrec.data.source import Batch, BatchShard
 from raytrec.elastic.faults import FaultKind, FaultSpec, Phase
 from raytrec.elastic.rank_protocol import LoadedCheckpoint, RankProtocol, StateDigest
 from raytrec.elastic.report import RankInfo, RankReport, TrainedBatch
-from raytrec.engine.rank_engine import RankEngine, RankSpec, StepInput
+from raytrec.engine.rank_engine import RankEngine, RankSpec
+from raytrec.engine.stepping import (
+    StepBegins,
+    StepFailed,
+    StepInput,
+    StepResult,
+    SyncBegins,
+)
 from raytrec.observability.rec_metrics import MetricState, RankMetrics
 from raytrec.sync.schedule import SyncPlan
 
@@ -274,45 +282,37 @@ class RankWorker:
         feed.wait_s = 0.0
         self.metrics.reset()
         rows = 0
-        batch_size = self.spec.config.data.batch_size
 
-        def take() -> StepInput:
-            batch_id, batch = feed.take()
-            dense = batch_id is None or batch_id not in self._embedding_only
-            return StepInput(batch, dense=dense, tag=batch_id)
+        def inputs() -> Iterator[StepInput]:
+            while True:
+                batch_id, batch = feed.take()
+                dense = batch_id is None or batch_id not in self._embedding_only
+                yield StepInput(batch, dense=dense, batch_id=batch_id)
 
-        def begin(item: StepInput) -> None:
-            # The step of this batch begins: from here on it counts as trained (its embedding
-            # update may happen before anything else can fail).
-            nonlocal stall_s, rows
-            step = engine.step + 1
-            stall_s += self._inject(step)
-            n = int(item.batch.labels.shape[0])
-            with self._lock:
-                self._trained.append((step, item.tag))
-                if item.tag is not None and n != batch_size:
-                    self._short.append((item.tag, n))
-            rows += n
-            if item.tag is not None:
-                self._embedding_only.discard(item.tag)
-
-        synced = engine.sync_seconds
+        sync_s = 0.0
+        failed: StepFailed | None = None
         try:
-            for loss in engine.train_steps(
-                take, num_steps, begin, on_sync=lambda: self._enter(Phase.SYNC)
-            ):
-                with self._lock:
-                    self._losses.append(loss)
-                assert engine.last_output is not None
-                self.metrics.update(*engine.last_output)
-        except BaseException:
+            for event in engine.train_steps(inputs(), num_steps):
+                if isinstance(event, StepBegins):
+                    stall_s += self._inject(event.step)
+                elif isinstance(event, StepResult):
+                    self._log_trained(event.step, event.batch_id, event.rows, loss=event.loss)
+                    self.metrics.update(event.logits, event.labels)
+                    rows += event.rows
+                elif isinstance(event, SyncBegins):
+                    self._enter(Phase.SYNC)
+                else:
+                    sync_s += event.seconds
+        except StepFailed as e:
+            failed = e
+        if failed is not None:
+            if failed.began is not None:  # its embedding update may have happened: it counts
+                self._log_trained(failed.step, failed.began.batch_id, failed.began.rows)
             # Batches a pipeline took ahead and never started go back to the feed's front, to
             # be trained next (or re-read, if the job re-shares the rows left).
-            unstarted = engine.unstarted()
-            if unstarted:
-                feed.push_front([(i.tag, i.batch) for i in unstarted])
-            raise
-        sync_s = engine.sync_seconds - synced
+            if failed.unstarted:
+                feed.push_front([(i.batch_id, i.batch) for i in failed.unstarted])
+            raise failed.error
         stop: BaseException | None = None
         if ready_steps:
             try:
@@ -336,6 +336,19 @@ class RankWorker:
             stop=stop,
             ready=self._feed.buffered(),
         )
+
+    def _log_trained(
+        self, step: int, batch_id: int | None, rows: int, *, loss: torch.Tensor | None = None
+    ) -> None:
+        """Books batch ``batch_id`` as trained at ``step`` (and its loss), for the next report."""
+        with self._lock:
+            self._trained.append((step, batch_id))
+            if batch_id is not None and rows != self.spec.config.data.batch_size:
+                self._short.append((batch_id, rows))
+            if loss is not None:
+                self._losses.append(loss)
+        if batch_id is not None:
+            self._embedding_only.discard(batch_id)
 
     def _take_log(
         self,

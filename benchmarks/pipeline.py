@@ -123,6 +123,7 @@ def side(
     import torch.distributed as dist
 
     from raytrec.engine.rank_engine import RankEngine, RankSpec, StepInput, StoreAddress
+    from raytrec.engine.stepping import StepResult
     from raytrec.observability.rec_metrics import RankMetrics
 
     device = torch.device("cuda", 0) if cfg.scaling.use_gpu else torch.device("cpu")
@@ -140,15 +141,15 @@ def side(
         engine.join_replica_plane(generation=0, member_rank=0, size=1)
         trained: list[tuple[int, Any]] = []  # what a rank reports at an interval's end
 
-        def begin(item: StepInput) -> None:
-            trained.append((engine.step + 1, item.tag))
+        inputs = (StepInput(batch) for batch in stream)
 
         def interval() -> None:
             metrics, losses = RankMetrics(), []
-            for loss in engine.train_steps(lambda: StepInput(next(stream)), every, begin):
-                losses.append(loss)
-                assert engine.last_output is not None
-                metrics.update(*engine.last_output)
+            for event in engine.train_steps(inputs, every):
+                if isinstance(event, StepResult):
+                    trained.append((event.step, event.batch_id))
+                    losses.append(event.loss)
+                    metrics.update(event.logits, event.labels)
             torch.stack(losses).tolist()
             metrics.state()
             trained.clear()

@@ -243,7 +243,7 @@ def run_steps(engine: RankEngine, batches: Iterator[Any], num_steps: int) -> lis
     """Trains ``num_steps`` steps on ``engine``, syncing after each as its schedule decides."""
     losses = []
     for _ in range(num_steps):
-        losses.append(engine.train_step(next(batches)))
+        losses.append(float(engine.train_step(next(batches)).loss))
         decision = engine.decide(engine.step)
         if decision.due:
             engine.sync(decision)

@@ -135,7 +135,7 @@ def parity_run(
         source = batches()
         losses = []
         for _ in range(STEPS):
-            losses.append(engine.train_step(next(source)))
+            losses.append(float(engine.train_step(next(source)).loss))
             engine.sync()
             dense.append(
                 {n: p.detach().cpu().numpy().copy() for n, p in engine.dense_params.items()}

@@ -101,7 +101,7 @@ def _halving_plane(spec: RankSpec, name: str) -> ReplicaPlane:
 
 
 def _steps(engine: RankEngine, source: Any, n: int) -> list[float]:
-    return [engine.train_step(next(source)) for _ in range(n)]
+    return [float(engine.train_step(next(source)).loss) for _ in range(n)]
 
 
 def _snapshot(engine: RankEngine) -> dict[str, Any]:
@@ -145,7 +145,7 @@ def _uvm_or_hbm(
         out["synced"] = _snapshot(engine)
         out["losses_after_sync"] = _steps(engine, source, 3)
         out["final"] = _snapshot(engine)
-        out["cache_rows"] = [int(t.lxu_cache_weights.shape[0]) for t in engine._tbes]
+        out["cache_rows"] = [int(t.lxu_cache_weights.shape[0]) for t in engine.state.tables]
         return out
     finally:
         engine.close()

@@ -147,8 +147,8 @@ class _FailingGroup:
 def replay_run(e: RankEngine, spec: RankSpec) -> dict[str, Any]:
     """(d), from one start state restored before each variant."""
     # The dense gradient is averaged over the replica group every step here: the mode whose
-    # all-reduce can fail inside a step (the engine reads the mode at each step).
-    e.cfg = e.cfg.model_copy(update={"sync": e.cfg.sync.model_copy(update={"dense": "every_step"})})
+    # all-reduce can fail inside a step (the replica side reads the mode at each step).
+    e.replicas.config = e.replicas.config.model_copy(update={"dense": "every_step"})
     start = [t.detach().clone() for t in e.shard_state() + e.dense_state()]
     start_step = e.step
 
@@ -203,7 +203,7 @@ def combo_run(spec: RankSpec, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with engine_for(spec) as e:
         if spec.config.optimizer.embedding == "rowwise_adagrad":
-            for tbe in e._tbes:  # as FBGEMM registers it for fused Adam (see the docstring)
+            for tbe in e.state.tables:  # as FBGEMM registers it for fused Adam (see the docstring)
                 tbe._non_persistent_buffers_set.discard("iter")
         own = batches(1, spec.rank)  # this rank's own batches (differ across gangs)
         same = batches(2, spec.gang_rank)  # the same batches in both gangs

@@ -10,7 +10,9 @@ A 2 x 2 job trains the same batches with ``train_pipeline='off'`` and ``'sparse_
 * a step that fails in its dense all-reduce with two batches in flight (an injected replica
   plane failure) counts as started, the two in flight are named unstarted and untouched, and
   once they are trained first after the failed step is settled, every batch has been trained
-  exactly once and the state equals the synchronous engine's under the same failure.
+  exactly once and the state equals the synchronous engine's under the same failure;
+* an input source that fails while the pipeline fills starts no step: the inputs it took are
+  named unstarted, and training on from them trains every batch once.
 
 The same pipeline on one GPU (CUDA streams, NCCL) is tests/test_gpu_large.py's; on Ray, with a
 rank killed while batches are in flight, tests/test_elastic_cluster.py's pipelined case.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -30,7 +33,8 @@ from test_engine_2d import NUM_DENSE, SOURCE, job_config
 
 from raytrec.config import ScalingConfig
 from raytrec.data.source import Batch
-from raytrec.engine.rank_engine import RankEngine, RankSpec, StepInput
+from raytrec.engine.rank_engine import RankEngine, RankSpec
+from raytrec.engine.stepping import StepBegins, StepFailed, StepInput, StepResult
 
 pytestmark = pytest.mark.multiprocess
 
@@ -50,7 +54,8 @@ class InjectedFailure(RuntimeError):
 def _fail_dense_update_at(engine: RankEngine, step: int) -> None:
     """Makes the dense all-reduce of step ``step`` fail once, after backward (where a replica
     plane failure strikes: the embedding update has happened)."""
-    average = engine._average_dense_grads
+    replicas = engine.replicas
+    average = replicas.average_dense_grads
     failed = False
 
     def failing() -> None:
@@ -60,7 +65,7 @@ def _fail_dense_update_at(engine: RankEngine, step: int) -> None:
             raise InjectedFailure(f"replica plane failed at step {step}")
         average()
 
-    engine._average_dense_grads = failing  # type: ignore[method-assign]
+    replicas.average_dense_grads = failing  # type: ignore[method-assign]
 
 
 def _state(engine: RankEngine) -> list[np.ndarray]:
@@ -71,44 +76,95 @@ def _state(engine: RankEngine) -> list[np.ndarray]:
 
 
 def _train(engine: RankEngine, batches: list[Batch], *, fail: bool) -> dict[str, Any]:
-    inputs = [StepInput(b, tag=i) for i, b in enumerate(batches)]
-    queue = list(inputs)
-    started: list[int] = []
+    queue = [StepInput(b, batch_id=i) for i, b in enumerate(batches)]
+    started: list[int | None] = []
     losses: list[float] = []
     report: dict[str, Any] = {}
     if fail:
         _fail_dense_update_at(engine, FAIL_AT)
 
-    def take() -> StepInput:
-        return queue.pop(0)
+    def from_queue() -> Iterator[StepInput]:
+        while queue:
+            yield queue.pop(0)
 
-    def begin(item: StepInput) -> None:
-        started.append(item.tag)
+    def train(num_steps: int) -> None:
+        upcoming = None
+        for event in engine.train_steps(from_queue(), num_steps):
+            if isinstance(event, StepBegins):
+                upcoming = event
+            elif isinstance(event, StepResult):
+                assert upcoming is not None and event.step == upcoming.step == engine.step
+                assert event.batch_id == upcoming.input.batch_id
+                started.append(event.batch_id)
+                losses.append(float(event.loss))
 
     try:
-        losses += [float(x) for x in engine.train_steps(take, STEPS, begin)]
-    except InjectedFailure:
-        unstarted = engine.unstarted()
-        report["unstarted"] = [i.tag for i in unstarted]
+        train(STEPS)
+    except StepFailed as failed:
+        if not isinstance(failed.error, InjectedFailure):
+            raise
+        # The failed step's forward and backward ran: it counts, with its batch.
+        assert failed.began is not None and failed.step == FAIL_AT
+        started.append(failed.began.batch_id)
+        report["unstarted"] = [i.batch_id for i in failed.unstarted]
         report["started_at_failure"] = list(started)
         # What the rank actor does: the failed step counts, its dense update is settled, and
         # the unstarted batches go back to the front of the feed.
         assert engine.abandon_failed_step()
         engine.settle_failed_step(finish=True)
-        queue[:0] = unstarted
-        losses += [float(x) for x in engine.train_steps(take, STEPS - engine.step, begin)]
+        queue[:0] = failed.unstarted
+        train(STEPS - engine.step)
     report.update(started=started, losses=losses, state=_state(engine), step=engine.step)
-    if engine._pipeline is not None:
-        report["pipelined_modules"] = len(engine._pipeline._pipelined_modules)
+    pipeline = engine.parts.stepper.pipeline
+    if pipeline is not None:
+        report["pipelined_modules"] = len(pipeline._pipelined_modules)
     return report
 
 
 def _score_then_train(engine: RankEngine, batches: list[Batch]) -> dict[str, Any]:
     """An evaluation between intervals (a forward outside the pipeline), then more steps."""
     logits = engine.score(batches[0])[0].detach().cpu().numpy().copy()
-    queue = [StepInput(b, tag=i) for i, b in enumerate(batches[:3])]
-    losses = [float(x) for x in engine.train_steps(lambda: queue.pop(0), 3, lambda _: None)]
+    inputs = iter([StepInput(b, batch_id=i) for i, b in enumerate(batches[:3])])
+    events = engine.train_steps(inputs, 3)
+    losses = [float(e.loss) for e in events if isinstance(e, StepResult)]
     return {"logits": logits, "losses": losses, "state": _state(engine)}
+
+
+class SourceBroke(RuntimeError):
+    pass
+
+
+def _a_source_that_fails(engine: RankEngine, batches: list[Batch]) -> dict[str, Any]:
+    """The inputs' source fails after four inputs, then training goes on from what is left."""
+    items = [StepInput(b, batch_id=i) for i, b in enumerate(batches[:6])]
+    trained: list[int | None] = []
+    losses: list[float] = []
+    out: dict[str, Any] = {"began": "none raised"}
+
+    def source() -> Iterator[StepInput]:
+        yield from items[:4]
+        raise SourceBroke("the feed failed")
+
+    def train(inputs: Iterator[StepInput]) -> None:
+        for event in engine.run_steps(inputs):
+            if isinstance(event, StepResult):
+                trained.append(event.batch_id)
+                losses.append(float(event.loss))
+
+    left = items[4:]
+    try:
+        train(source())
+    except SourceBroke:  # the synchronous engine: the source's error as it is, between steps
+        out["began"] = None
+    except StepFailed as failed:
+        assert isinstance(failed.error, SourceBroke)
+        out["began"] = None if failed.began is None else failed.began.batch_id
+        out["unstarted"] = [i.batch_id for i in failed.unstarted]
+        left = [*failed.unstarted, *left]
+    out["trained_at_failure"] = list(trained)
+    train(iter(left))
+    out.update(trained=trained, losses=losses, state=_state(engine), step=engine.step)
+    return out
 
 
 def pipeline_job(spec: RankSpec, stores: list[Any]) -> dict[tuple[str, bool], Any]:
@@ -122,6 +178,7 @@ def pipeline_job(spec: RankSpec, stores: list[Any]) -> dict[tuple[str, bool], An
             out[pipeline, fail] = _train(engine, batches, fail=fail)
             if not fail:
                 out[pipeline, fail]["then"] = _score_then_train(engine, batches)
+                out[pipeline, fail]["source_failed"] = _a_source_that_fails(engine, batches)
     return out
 
 
@@ -178,3 +235,21 @@ def test_a_failed_step_leaves_its_in_flight_batches_unstarted(
         _assert_same_run(sync, piped)
         # The failed step counted: the run still ends at STEPS steps, none of them taken twice.
         assert piped["step"] == STEPS
+
+
+def test_a_source_failing_while_the_pipeline_fills_starts_no_step(
+    results: dict[int, dict[tuple[str, bool], Any]],
+) -> None:
+    for rank, runs in results.items():
+        sync = runs["off", False]["source_failed"]
+        piped = runs["sparse_dist", False]["source_failed"]
+        # The pipeline holds inputs 2 and 3 when it pulls a fifth for the step of input 2, and
+        # the source fails: that step never began; 2 and 3 are unstarted.
+        assert piped["began"] is None and sync["began"] is None, rank
+        assert piped["trained_at_failure"] == [0, 1], rank
+        assert piped["unstarted"] == [2, 3], rank
+        assert sync["trained_at_failure"] == [0, 1, 2, 3], rank
+        # Trained on from the unstarted inputs: every batch once, in order, as synchronously.
+        assert piped["trained"] == sync["trained"] == list(range(6)), rank
+        assert piped["step"] == sync["step"]
+        _assert_same_run(sync, piped)

@@ -1,0 +1,244 @@
+"""A rank's replica-plane side: joining planes, syncing with replicas, healing, broadcasting.
+
+Across gangs, rank k of every gang joins replica group k on the
+:class:`~raytrec.engine.replica_plane.ReplicaPlane` of the generation. At the sync schedule's
+steps the embedding shards and their optimizer state are averaged over the replica group
+(local-SGD semantics for embeddings, as DMPCollection does on GPU; DMPCollection itself
+requires CUDA), or, under a hierarchical schedule, over the rank's group at the level that is
+due (:meth:`ReplicaSync.sync` with a :class:`~raytrec.sync.schedule.SyncDecision`). With
+``sync.dense="every_step"`` the dense gradients are averaged over the replica group every step
+(:meth:`ReplicaSync.average_dense_grads`), so dense weights stay identical everywhere; with
+``sync.dense="with_schedule"`` dense parameters and dense optimizer state are averaged with the
+embeddings instead, so a slow gang holds back only the gangs it syncs with.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from raytrec.config import SyncConfig
+from raytrec.engine.rank_model import RankModel
+from raytrec.engine.replica_plane import LevelPlanes, ReplicaPlane, in_place_flat
+from raytrec.sync.schedule import SyncDecision, SyncPlan, plan_sync
+
+__all__ = ["ReplicaSync"]
+
+
+class ReplicaSync:
+    """This rank's groups on the replica plane and what it does with them."""
+
+    def __init__(
+        self,
+        *,
+        model: RankModel,
+        store: dist.Store,
+        config: SyncConfig,
+        gang: int,
+        gang_rank: int,
+        gang_size: int,
+        backend: str,
+        timeout: timedelta,
+    ) -> None:
+        self._model = model
+        self._store: dist.Store | None = store  # None once closed
+        self.config = config  # the schedule and dense mode followed (read at each use)
+        self._gang = gang
+        self._gang_rank = gang_rank
+        self._gang_size = gang_size
+        self._backend = backend
+        self._timeout = timeout
+        self.replica: ReplicaPlane | None = None  # all live gangs of this generation
+        self.sync_plan: SyncPlan | None = None
+        self.levels: LevelPlanes | None = None  # this rank's group at each schedule level
+        self._job_wide_plan: SyncPlan | None = None  # decide()'s plan when none was joined
+
+    def join_replica_plane(self, *, generation: int, member_rank: int, size: int) -> None:
+        """(Re)builds this rank's replica group for ``generation``.
+
+        A sync plan joined for an earlier generation is dropped: its groups
+        name gangs that may be gone. Join the new generation's with
+        :meth:`join_sync_plan`.
+        """
+        assert self._store is not None, "closed"
+        self.replica = ReplicaPlane.build(
+            self._store,
+            generation=generation,
+            replica_group=self._gang_rank,
+            rank=member_rank,
+            size=size,
+            backend=self._backend,
+            timeout=self._timeout,
+        )
+        if self.sync_plan is not None and self.sync_plan.generation != generation:
+            self.sync_plan = None
+            self.levels = None
+
+    def join_sync_plan(self, plan: SyncPlan) -> None:
+        """Builds this rank's replica group at every lower level of ``plan``.
+
+        ``plan`` is the same value on every rank (``plan_sync`` over the
+        generation's live gangs); call after :meth:`join_replica_plane` for
+        the same generation. Collective: every rank of every live gang calls it.
+        """
+        assert self._store is not None, "closed"
+        assert self.replica is not None, "join_replica_plane() first"
+        self.levels = LevelPlanes.build(
+            self._store,
+            plan=plan,
+            gang=self._gang,
+            job_wide=self.replica,
+            backend=self._backend,
+            timeout=self._timeout,
+        )
+        self.sync_plan = plan
+
+    def abort(self) -> None:
+        """Aborts this rank's replica-plane groups (all levels), failing pending collectives."""
+        planes = list(self.levels.planes) if self.levels is not None else []
+        if self.replica is not None and all(p is not self.replica for p in planes):
+            planes.append(self.replica)
+        for plane in planes:
+            plane.abort()
+
+    def close(self) -> None:
+        self._store = None
+        self.replica = None
+        self.sync_plan = None
+        self.levels = None
+
+    # -- every step -----------------------------------------------------------
+
+    def average_dense_grads(self) -> None:
+        """With ``sync.dense="every_step"``: averages the dense gradients over the replica
+        group. A failed all-reduce leaves them as they were (this gang's own)."""
+        assert self.replica is not None, "join_replica_plane() first"
+        if self.config.dense != "every_step" or self.replica.size == 1:
+            # DDP averaged them over the gang; the schedule averages dense parameters; or this
+            # rank is its replica group's only member.
+            return
+        grads = [p.grad for p in self._model.dense_params.values() if p.grad is not None]
+        self.replica.average_(grads)
+
+    # -- the schedule ---------------------------------------------------------
+
+    def decide(self, step: int) -> SyncDecision:
+        """The joined plan's decision for ``step``; without one, the job-wide schedule.
+
+        Without a joined plan only a schedule with no lower levels can be
+        followed (all groups are the whole replica plane).
+        """
+        replica = self.replica
+        assert replica is not None, "join_replica_plane() first"
+        plan = self.sync_plan
+        if plan is None:
+            if self.config.levels:
+                raise RuntimeError("a hierarchical schedule needs join_sync_plan() first")
+            plan = self._job_wide_plan
+            if plan is None or plan.generation != replica.generation:
+                gangs = range(replica.size)
+                plan = plan_sync(self.config, generation=replica.generation, live_gangs=gangs)
+                self._job_wide_plan = plan
+        return plan.decide(step)
+
+    def syncs_with_others(self, step: int) -> bool:
+        """Whether the sync due after ``step`` averages with another gang (a group of one, such
+        as a job of one gang, has nothing to average)."""
+        decision = self.decide(step)
+        if not decision.due:
+            return False
+        if self.sync_plan is None:  # job-wide, on the generation's replica plane
+            assert self.replica is not None
+            return self.replica.size > 1
+        return len(decision.group_of(self._gang)) > 1
+
+    def sync(
+        self, decision: SyncDecision | None = None, *, optimizer_state: bool | None = None
+    ) -> None:
+        """Averages this rank's shards with its replicas: job-wide, or as ``decision`` says.
+
+        With no decision: over all live gangs, optimizer state per
+        ``optimizer_state`` (default ``sync.sync_optimizer_state``). With a
+        decision from the sync plan: over this gang's group at the decided
+        level, optimizer state when the decision includes it; nothing when no
+        level is due. Embedding shards always (with the optimizer state: their fused state and
+        step counters, :meth:`RankModel.shard_state`); with ``sync.dense="with_schedule"`` also
+        dense parameters (and dense optimizer state with the optimizer state).
+        """
+        assert self.replica is not None, "join_replica_plane() first"
+        if decision is None:
+            plane = self.replica
+            if optimizer_state is None:
+                optimizer_state = self.config.sync_optimizer_state
+        else:
+            if optimizer_state is not None:
+                raise ValueError("optimizer_state comes from the decision; pass one or the other")
+            if decision.level is None:
+                return
+            plane = self._plane_for(decision)
+            optimizer_state = decision.optimizer_state
+        if plane.size == 1:
+            return  # a group of one: every tensor is already its own mean
+        model = self._model
+        tensors = model.shard_state(optimizer_state=optimizer_state)
+        dense: list[torch.Tensor] = []
+        if self.config.dense == "with_schedule":
+            dense = [p.data for p in model.dense_params.values()]
+            if optimizer_state:
+                dense += model.dense_optimizer_state()
+        # Dense state in a buffer of its own, so the gang's ranks keep identical copies.
+        plane.average_(tensors, apart=dense)
+        model.shard_state_written()
+
+    def _plane_for(self, decision: SyncDecision) -> ReplicaPlane:
+        """This rank's group at the decision's level, checked against the decision's groups."""
+        assert decision.level is not None and self.replica is not None
+        if self.levels is None:
+            # No plan joined: only a job-wide decision can be carried out, on the replica plane.
+            sizes = [len(g) for g in decision.groups]
+            if sizes != [self.replica.size]:
+                raise RuntimeError(
+                    f"step {decision.step} syncs level {decision.level} in groups of "
+                    f"{sizes} gangs; join_sync_plan() first"
+                )
+            return self.replica
+        group = decision.group_of(self._gang)
+        if decision.level >= len(self.levels.planes):
+            raise RuntimeError(
+                f"decision level {decision.level} is not in the joined sync plan "
+                f"({len(self.levels.planes)} levels)"
+            )
+        if set(self.levels.groups[decision.level]) != set(group):
+            raise RuntimeError(
+                f"step {decision.step}: the decision's group {group} at level {decision.level} "
+                f"is not this rank's group {self.levels.groups[decision.level]} of generation "
+                f"{self.levels.generation}"
+            )
+        return self.levels.planes[decision.level]
+
+    # -- heal and re-forming ----------------------------------------------------
+
+    def broadcast_dense(self, *, src: int, gang_src: int = 0) -> None:
+        """Copies the dense parameters and dense optimizer state of gang rank ``gang_src`` of
+        member ``src``'s gang to every rank.
+
+        After a failure the survivors may disagree on the step that failed (some finished its
+        dense all-reduce before the failure reached them, some did not); one survivor's dense
+        state becomes everyone's, so dense state is identical again."""
+        assert self.replica is not None, "join_replica_plane() first"
+        tensors = self._model.dense_state()
+        # Ranks of one gang can disagree too (each sits in another replica group, and one
+        # group's collective may have finished where another's failed): first gang rank
+        # ``gang_src``'s copy within the gang, then member ``src``'s across gangs.
+        if self._gang_size > 1:
+            in_place_flat(tensors, lambda flat: dist.broadcast(flat, src=gang_src))
+        self.replica.broadcast_(tensors, src=src)
+
+    def broadcast_state(self, *, src: int) -> None:
+        """Copies a live member's full state to the rest of the replica group."""
+        assert self.replica is not None, "join_replica_plane() first"
+        model = self._model
+        self.replica.broadcast_(model.shard_state() + model.dense_state(), src=src)
+        model.shard_state_written()
