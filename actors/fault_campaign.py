@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from actors import fault_space
 from actors.fault_schedule import Schedule, generate
 from actors.fault_space import Outcome, run_schedule
 
@@ -76,7 +77,9 @@ def _results(seeds: range, workers: int) -> Iterator[tuple[int, Outcome]]:
     if workers <= 1:
         yield from map(_one, seeds)
         return
-    # Forked workers share the modules the parent imported (seconds of torch imports each).
+    # Forked workers share the modules the parent imported (seconds of torch imports each),
+    # and write their data in the parent's folder, which the parent removes when it exits.
+    fault_space.data_root()
     with multiprocessing.get_context("fork").Pool(workers) as pool:
         yield from pool.imap_unordered(_one, seeds, chunksize=16)
 

@@ -21,7 +21,9 @@ after :mod:`actors.fault_campaign` shrank it to the fewest faults that still fai
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import shutil
 import sys
 import tempfile
 import time
@@ -355,12 +357,23 @@ def _phase(fault: ff.Fault | ff.NodesJoin, s: Settings) -> str:
 # -- data -------------------------------------------------------------------------------------
 
 _PARQUET: dict[int, Any] = {}  # rows -> the source over a tiny file of that many rows
+_DATA_ROOT: list[str] = []  # the folder they are written in, made once per campaign
+
+
+def data_root() -> str:
+    """The temporary folder that the schedules' Parquet files go in, removed when the process
+    that made it exits. A campaign makes it before it forks its workers, which exit without
+    running exit handlers; so their files are removed with their parent's folder."""
+    if not _DATA_ROOT:
+        _DATA_ROOT.append(tempfile.mkdtemp(prefix="fault-space-data-"))
+        atexit.register(shutil.rmtree, _DATA_ROOT[0], ignore_errors=True)
+    return _DATA_ROOT[0]
 
 
 def parquet_shards(world: int, num_steps: int) -> list[Any]:
     """``world`` shards of Parquet read by index over a tiny generated file (one per process
-    and world size, in a temporary folder), with a few batches more per rank than the job
-    takes."""
+    and world size, in :func:`data_root`), with a few batches
+    more per rank than the job takes."""
     from raytrec.data.generate import write_synthetic_parquet
     from raytrec.data.parquet import ParquetSource
     from raytrec.data.spec import criteo_spec
@@ -368,7 +381,7 @@ def parquet_shards(world: int, num_steps: int) -> list[Any]:
     rows = world * (max(num_steps, MAX_STEPS) + 2) * BATCH_SIZE
     source = _PARQUET.get(rows)
     if source is None:
-        out = tempfile.mkdtemp(prefix=f"fault-space-data-{rows}-")
+        out = tempfile.mkdtemp(prefix=f"{rows}-", dir=data_root())
         write_synthetic_parquet(
             out, rows=rows, files=2, row_groups_per_file=2, seed=1, num_embeddings=50
         )

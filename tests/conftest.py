@@ -11,6 +11,7 @@ need none (the gloo engine tests, the GPU tests) run where Ray is not installed.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 
@@ -44,6 +45,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if ray is not None and ray.is_initialized():
         ray.shutdown()
     session.config.stash[_EXIT_STATUS] = int(exitstatus)
+    # The process ends without running exit handlers (below): remove what they would have.
+    fault_space = sys.modules.get("actors.fault_space")
+    if fault_space is not None and fault_space._DATA_ROOT:
+        shutil.rmtree(fault_space._DATA_ROOT[0], ignore_errors=True)
 
 
 @pytest.hookimpl(trylast=True)
