@@ -64,6 +64,32 @@ class Fault:
     node: str  # the worker node's name
     node_id: str | None  # Ray's node id of the node (of the rank's node for a rank kill)
     replacement_mono: float | None = None  # when a replacement node's `ray start` began
+    # A rank kill: the process's title at the kill (the rank method it was in), and when the
+    # process was gone (a zombie or reaped): how long the kernel took to end it, apart from
+    # how long the job took to notice.
+    title: str = ""
+    gone_mono: float | None = None
+
+
+def watch_death(fault: Fault, pid: int, limit_s: float = 60.0) -> None:
+    """Sets ``fault.gone_mono`` once process ``pid`` is dead (checked every 5 ms, in a
+    thread, for at most ``limit_s``)."""
+    import psutil
+
+    def watch() -> None:
+        end = time.monotonic() + limit_s
+        while time.monotonic() < end:
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.005)
+        else:
+            return
+        fault.gone_mono = time.monotonic()
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 class RunDir:
@@ -210,14 +236,19 @@ def drive(
             others = [n for n in live if not faults or n.name != faults[-1].node]
             node = live[-1] if kind == "node" else draw.choice(others or live)
             node_id = node.node_id()
-            kill_mono = time.monotonic()
             if kind == "rank":
-                os.kill(draw.choice(rank_pids(node)), signal.SIGKILL)
+                pid = draw.choice(rank_pids(node))
+                title = lc.process_title(pid)
+                kill_mono = time.monotonic()
+                os.kill(pid, signal.SIGKILL)
+                fault = Fault(kind, run_dir.step, kill_mono, node.name, node_id, title=title)
+                watch_death(fault, pid)
             else:
                 raylet = node.raylet_pid()
                 assert raylet is not None
+                kill_mono = time.monotonic()
                 os.kill(raylet, signal.SIGKILL)
-            fault = Fault(kind, run_dir.step, kill_mono, node.name, node_id)
+                fault = Fault(kind, run_dir.step, kill_mono, node.name, node_id)
             faults.append(fault)
             print(f"[chaos] step {fault.step}: killed a {kind} on {node.name}", flush=True)
             full_since, fault_generation = None, int(rows[-1]["generation"])
@@ -255,7 +286,12 @@ def analyse(out: dict[str, Any]) -> dict[str, Any]:
         # The job notices a lost node through its ranks' calls (rank_died naming the node);
         # Ray's node table shows the node dead later (node_died, after its health checks).
         on_node = [e for e in after if e["kind"] == "rank_died" and _same_node(e, f)]
-        mark = {"what": f"{f['kind']} killed ({f['node']})", "step": f["step"], "type": "loss"}
+        what = f"{f['kind']} killed ({f['node']})"
+        if f.get("title"):  # "ray::RankWorker.train": the rank method it was in
+            what = f"rank killed ({f['node']}, in {f['title'].rsplit('.', 1)[-1]})"
+        mark = {"what": what, "step": f["step"], "type": "loss"}
+        if f.get("gone_mono") is not None:
+            mark["gone_s"] = f["gone_mono"] - f["kill_mono"]
         if on_node:
             hit = on_node[0]
             mark |= {"at": hit["at"], "step": hit["step"], "detected_s": hit["at"] - kill_at}
@@ -378,16 +414,17 @@ def _s(value: float | None) -> str:
 
 def table(report: dict[str, Any]) -> str:
     lines = [
-        "| event | step | detected after (s) | node_died after (s) | to join (s) "
-        "| survivors' stall (s) | stall over the rest (s) | late data waits (s) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| event | step | process gone after (s) | detected after (s) | node_died after (s) "
+        "| to join (s) | survivors' stall (s) | stall over the rest (s) | late data waits (s) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for m in report["marks"]:
         died = _s(m.get("node_died_s"))
         if m.get("named") is False:
             died += " (**another node named**)"
         lines.append(
-            f"| {m['what']} | {m['step']} | {_s(m.get('detected_s'))} | {died} | "
+            f"| {m['what']} | {m['step']} | {_s(m.get('gone_s'))} | {_s(m.get('detected_s'))} "
+            f"| {died} | "
             f"{_s(m.get('to_join_s'))} | {_s(m.get('stall_s'))} | "
             f"{_s(m.get('total_stall_s'))} | {_s(m.get('late_data_s'))} |"
         )

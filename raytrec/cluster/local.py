@@ -110,6 +110,17 @@ def session_pids(session: int, name: str | None = None) -> list[int]:
     return out
 
 
+def process_title(pid: int) -> str:
+    """A process's title (a Ray worker's shows its actor class and the method it runs, as
+    ``ray::RankWorker.train``); "" when it is gone."""
+    import psutil
+
+    try:
+        return " ".join(psutil.Process(pid).cmdline()).strip()
+    except psutil.Error:
+        return ""
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkerNode:
     """A worker node: its ``ray start`` session and temporary directory."""
