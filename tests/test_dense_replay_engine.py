@@ -13,6 +13,7 @@ every step:
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,7 @@ from raytrec.config import (
 from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.rank_engine import RankEngine, RankSpec
 from raytrec.engine.replica_plane import ReplicaPlaneError
+from raytrec.engine.stepping import StepFailed, StepInput
 
 pytestmark = pytest.mark.multiprocess
 
@@ -145,3 +147,65 @@ def test_a_zero_dense_gradient_keeps_every_rank_alike_and_the_others_weight() ->
     for a, f in zip(r0["all"], r0["finished"], strict=True):
         np.testing.assert_allclose(f, a, atol=1e-6)
     assert all(res["tables_moved"] for res in results.values())
+
+
+def one_group_fails(spec: RankSpec) -> dict[str, Any]:
+    """Replica group 1's all-reduce fails inside step 2 while group 0's succeeds: rank 0 of each
+    gang finishes the step, rank 1 does not."""
+    with engine_for(spec) as engine:
+        engine.broadcast_state(src=0)
+        source = SOURCE.split(G * L)[spec.rank].batches(BATCH)
+        inputs = (StepInput(b) for b in source)
+        for _ in engine.train_steps(inputs, 1):
+            pass
+        assert engine.replica is not None
+        if spec.gang_rank == 1:
+            engine.replica = dataclasses.replace(engine.replica, pg=_FailingGroup())
+        started = time.monotonic()
+        try:
+            for _ in engine.train_steps(inputs, 3):
+                pass
+        except StepFailed as e:
+            error = type(e.error).__name__
+        else:
+            raise AssertionError("the step should have failed")
+        out: dict[str, Any] = {
+            "error": error,
+            "left_after_s": time.monotonic() - started,
+            "holds_failed_step": engine.abandon_failed_step(),
+            "step": engine.step,  # after abandon_failed_step: a failed step counts from there
+            # The gang's process group is intact: a gang collective goes through.
+            "gang_works": engine.gang_agrees(True),
+        }
+        # Re-forming, as the coordinator's settlement does: the rank that finished the step
+        # is the source of the dense state, and the step held undone is dropped.
+        engine.join_replica_plane(generation=1, member_rank=spec.gang, size=G)
+        engine.broadcast_dense(src=0, gang_src=0)
+        engine.settle_failed_step(finish=False)
+        out["dense"] = _dense(engine)
+        return out
+
+
+def test_a_gang_leaves_a_step_together_when_one_ranks_replica_group_fails() -> None:
+    """Without the gang's agreement, rank 0 would go on into step 3's collectives over the gang,
+    wait there for rank 1 until the collective timeout, and the timed-out gloo pair would break
+    the gang's process group although both ranks live."""
+    results = run_gang_job(
+        one_group_fails,
+        num_gangs=G,
+        gang_size=L,
+        config=CONFIG,
+        plan=make_plan_for(CONFIG, SOURCE.num_dense),
+        num_dense=SOURCE.num_dense,
+        timeout_s=90.0,
+    )
+    for rank, out in results.items():
+        finished = rank % L == 0
+        assert out["error"] == ("GangPeerFailed" if finished else "ReplicaPlaneError"), out
+        assert out["step"] == 2, out  # the failed step counts on both (its embedding update ran)
+        assert out["holds_failed_step"] is not finished, out
+        assert out["gang_works"], out
+        assert out["left_after_s"] < 10.0, out  # not the collective timeout
+    first = results[0]["dense"]
+    for out in results.values():  # one dense state everywhere again
+        assert all(np.array_equal(a, b) for a, b in zip(first, out["dense"], strict=True))

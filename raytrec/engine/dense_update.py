@@ -10,9 +10,12 @@ it (:meth:`DenseUpdate.settle_failed_step`); :mod:`raytrec.elastic.dense` decide
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from raytrec.engine.rank_model import RankModel
+from raytrec.engine.replica_plane import ReplicaPlaneError
 from raytrec.engine.replica_sync import ReplicaSync
 
 __all__ = ["DenseUpdate"]
@@ -35,11 +38,20 @@ class DenseUpdate:
         # whatever becomes of the dense update (see abandon_failed_step).
         optimizer = self._model.dense_optimizer
         self._in_flight = True
-        self._replicas.average_dense_grads()
+        try:
+            across_gangs = self._replicas.average_dense_grads()
+        except ReplicaPlaneError:
+            with contextlib.suppress(Exception):  # a gang that lost a rank: dropped anyway
+                self._replicas.leave_with_gang(ok=False)
+            raise
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         self.step += 1
         self._in_flight = False
+        if across_gangs:
+            # A peer whose all-reduce failed holds this step undone; this rank finished it and
+            # stops here too (GangPeerFailed), its step counted.
+            self._replicas.leave_with_gang(ok=True)
 
     def abandon_failed_step(self) -> bool:
         """Cleans up after a replica-plane failure inside a step.

@@ -21,10 +21,15 @@ import torch.distributed as dist
 
 from raytrec.config import SyncConfig
 from raytrec.engine.rank_model import RankModel
-from raytrec.engine.replica_plane import LevelPlanes, ReplicaPlane, in_place_flat
+from raytrec.engine.replica_plane import LevelPlanes, ReplicaPlane, ReplicaPlaneError, in_place_flat
 from raytrec.sync.schedule import SyncDecision, SyncPlan, plan_sync
 
-__all__ = ["ReplicaSync"]
+__all__ = ["GangPeerFailed", "ReplicaSync"]
+
+
+class GangPeerFailed(ReplicaPlaneError):
+    """This rank's replica collective succeeded, but another rank of its gang's failed: the
+    gang leaves the step together (:meth:`ReplicaSync.leave_with_gang`)."""
 
 
 class ReplicaSync:
@@ -111,16 +116,48 @@ class ReplicaSync:
 
     # -- every step -----------------------------------------------------------
 
-    def average_dense_grads(self) -> None:
+    def average_dense_grads(self) -> bool:
         """With ``sync.dense="every_step"``: averages the dense gradients over the replica
-        group. A failed all-reduce leaves them as they were (this gang's own)."""
+        group. A failed all-reduce leaves them as they were (this gang's own). Returns whether
+        it averaged with other gangs (every rank of a gang answers alike)."""
         assert self.replica is not None, "join_replica_plane() first"
         if self.config.dense != "every_step" or self.replica.size == 1:
             # DDP averaged them over the gang; the schedule averages dense parameters; or this
             # rank is its replica group's only member.
-            return
+            return False
         grads = [p.grad for p in self._model.dense_params.values() if p.grad is not None]
         self.replica.average_(grads)
+        return True
+
+    def leave_with_gang(self, ok: bool) -> None:
+        """After a collective over the replica planes, which each rank of a gang runs in its
+        own replica group: whether every rank of the gang finished its own (``ok``: this
+        one did), agreed over the gang. Raises :class:`GangPeerFailed` when this rank's
+        finished and another's did not.
+
+        Without it, a rank whose replica group lost a member fails out of the step while its
+        gang peer, whose group finished, goes on into the next step's collectives over the
+        gang, waits there for the rank that left and times out; a timed-out gloo pair is
+        closed for good, so the gang's process group, and with it a gang whose every rank is
+        alive, would be lost. Call with ``ok=False`` before raising a replica collective's
+        failure, so that the peers stop at the same point. The wait is longer than the
+        collective timeout: a peer still in its replica collective gets out of it (failed,
+        aborted or done) within that timeout.
+        """
+        if self._gang_size == 1:
+            return
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self._model.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
+        opts.timeout = 2 * self._timeout + timedelta(seconds=5)
+        gang = dist.group.WORLD
+        assert gang is not None, "the gang's process group is not initialised"
+        gang.allreduce([flag], opts).wait()
+        if ok and not flag.item():
+            raise GangPeerFailed(
+                "another rank of this gang failed its replica collective in this step; this "
+                "rank stops with it"
+            )
 
     # -- the schedule ---------------------------------------------------------
 

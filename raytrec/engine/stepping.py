@@ -15,6 +15,7 @@ happened and the step counts) and the inputs taken and never started.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -27,6 +28,7 @@ import torch
 from raytrec.data.source import Batch
 from raytrec.engine.dense_update import DenseUpdate
 from raytrec.engine.rank_model import RankModel
+from raytrec.engine.replica_plane import ReplicaPlaneError
 from raytrec.engine.replica_sync import ReplicaSync
 from raytrec.sync.schedule import SyncDecision
 
@@ -181,7 +183,18 @@ class Stepper:
             if decision.due:
                 started = time.perf_counter()
                 yield SyncBegins(decision)
-                replicas.sync(decision)
+                # Each rank of the gang syncs in its own replica group: they leave the sync
+                # together, failed or done (ReplicaSync.leave_with_gang).
+                together = replicas.syncs_with_others(decision.step)
+                try:
+                    replicas.sync(decision)
+                except ReplicaPlaneError:
+                    if together:
+                        with contextlib.suppress(Exception):
+                            replicas.leave_with_gang(ok=False)
+                    raise
+                if together:
+                    replicas.leave_with_gang(ok=True)
                 yield Synced(decision.step, time.perf_counter() - started)
 
     def run_steps(self, inputs: Iterable[StepInput]) -> Iterator[StepBegins | StepResult]:
