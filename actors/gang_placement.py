@@ -72,9 +72,11 @@ class JobPlacement:
             )
             if isinstance(decision, Proceed):
                 break
-            if isinstance(decision, Fail):
+            if isinstance(decision, Fail) or self.job._stop_asked():
                 for pg in pgs:
                     self.job.group.release(pg)
+                if not isinstance(decision, Fail):  # `ray job stop`, say: no need to wait on
+                    return f"stopped on request while it waited for {asked}"
                 nodes = describe_nodes(self.job.group.nodes())
                 return f"{decision.reason}; the cluster's live nodes: {nodes}"
             self.job.events.append(

@@ -290,6 +290,23 @@ def test_a_total_loss_without_a_checkpoint_fails_clearly(tmp_path: Any) -> None:
     assert failed.needs_checkpoint  # type: ignore[attr-defined]
 
 
+def test_a_stop_asked_while_a_rebuild_waits_for_nodes_ends_the_job_at_once(
+    tmp_path: Any,
+) -> None:
+    """Every node is lost at step 10 and none comes back: the rebuild from the checkpoint waits
+    for resources. A stop asked meanwhile (``ray job stop``) ends the job then, naming the
+    checkpoint to resume from, rather than after the whole resource wait."""
+    run_dir = str(tmp_path)
+    lost = [NodeDies(node=n, step=10) for n in range(3)]
+    stop = AtStep(step=9, action=lambda: request_stop(run_dir))
+    ckpt = CheckpointConfig(every_n_steps=4)
+    j = job(tmp_path, *lost, stop, checkpoint=ckpt, resource_wait_s=3600.0)
+    with pytest.raises(JobFailedError, match="stopped on request while it waited") as e:
+        j.coordinator.run()
+    assert "resume_from_checkpoint=" in str(e.value) and "checkpoint_000008" in str(e.value)
+    assert j.group.clock.now < 600.0  # not the hour of the resource wait
+
+
 WITHIN = {"gangs": 2, "cpus_per_node": 2, "layout": "replicas_within_host"}
 
 
