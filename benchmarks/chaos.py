@@ -213,7 +213,7 @@ def drive(
             ran_on and time.monotonic() - faults[-1].kill_mono > a.run_on_s
         ):
             # SIGTERM: the job stops at its next interval boundary and writes its summary.
-            cluster.ray("job", "stop", "--address", cluster.dashboard, job)
+            cluster.ray("job", "stop", "--no-wait", "--address", cluster.dashboard, job)
             return cluster.wait(job, 180)
         run_dir.poll()
         rows = run_dir.rows
