@@ -54,7 +54,7 @@ from raytrec.data.synthetic import batch_id
 from raytrec.elastic.accounting import BatchAccounting
 from raytrec.elastic.control import Boundary, intervals_to_queue
 from raytrec.elastic.drain_policy import stop_requested
-from raytrec.elastic.events import EventLog, GenerationStarted
+from raytrec.elastic.events import Event, EventLog, GenerationStarted
 from raytrec.elastic.heal import failed_heals, replicas_disagree
 from raytrec.elastic.membership import Membership
 from raytrec.elastic.rank_protocol import RankProtocol, StateDigest
@@ -181,9 +181,9 @@ class Coordinator:
         with self._lock:
             return list(self._history[since:])
 
-    def event_dicts(self, since: int = 0) -> list[dict[str, Any]]:
-        """The events from the ``since``-th on, as dicts (the driver polls them as they come)."""
-        return [e.to_dict() for e in list(self.events)[since:]]
+    def events_since(self, since: int = 0) -> tuple[Event, ...]:
+        """The events from the ``since``-th on (the driver polls them as they come)."""
+        return self.events[since:]
 
     def request_stop(self) -> None:
         """Asks the job to stop at the next interval boundary (answered while run() runs): it
@@ -324,10 +324,10 @@ class Coordinator:
             steps=self.step,
             wall_s=self.clock.perf_counter() - self._started,
             ranks=ranks,
-            digests=digests,
+            state_digests=digests,
             stopped_by=stopped_by,
             first_batch_s=self.first_batch_s,
-            events=self.event_dicts(),
+            events=EventLog(self.events),  # a copy: the job's own log goes on
             generation=self.membership.generation,
             committed_batches=acc.committed(),
             committed_count=acc.committed_count(),

@@ -71,7 +71,7 @@ def check_invariants(
     replayed = {i for a, b in summary.replayed_batches for i in range(a, b)}
     if len(replayed - set(committed)) > pending:
         problems.append("replayed batches not committed")
-    if len({d["dense"] for d in summary.digests.values()}) > 1:
+    if len({d["dense"] for d in summary.state_digests.values()}) > 1:
         problems.append("dense states differ")
     table = job.streams.table
     if table is not None and not stopped and not pending and not problems:

@@ -192,7 +192,7 @@ def run_one(ranks: int, g: int) -> Run:
         run.cpu_s = time.process_time() - cpu0 - group.cpu_s
     pairs = itertools.pairwise(run.rows)
     run.interval_cpu_ms = [1e3 * ((c1 - c0) - (f1 - f0)) for (c0, f0), (c1, f1) in pairs]
-    run.events.update(e["kind"] for e in summary.events)
+    run.events.update(summary.events.kinds())
     assert summary.lost_batches == 0 and summary.steps >= 40
     return run
 

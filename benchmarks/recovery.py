@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TypeVar
 
 from benchmarks.common import ROOT, dims_list, dlrm, header, parse, parser, replace_block, spread
 from raytrec import fit
@@ -39,8 +39,19 @@ from raytrec.checkpoint.layout import CheckpointStore
 from raytrec.cluster import connect
 from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TestingConfig, TrainConfig
 from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.events import (
+    CheckpointRestored,
+    Event,
+    GangJoined,
+    GangPlaced,
+    GangRequested,
+    GenerationStarted,
+    RankDied,
+)
 from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.observability.metrics import IntervalMetrics
+
+E = TypeVar("E", bound=Event)
 
 HEADING = "## Recovery time: survivors against restart from checkpoint"
 
@@ -49,11 +60,11 @@ def label(dims: Sequence[int]) -> str:
     return " x ".join(f"{d:,}" for d in dims)
 
 
-def _first(events: Sequence[dict[str, Any]], kind: str, *, after: float = -1.0) -> dict[str, Any]:
+def _first(events: Sequence[Event], kind: type[E], *, after: float = -1.0) -> E:
     for e in events:
-        if e["kind"] == kind and e["at"] >= after:
+        if isinstance(e, kind) and e.at >= after:
             return e
-    raise ValueError(f"no {kind!r} event at or after t={after:g}: {[e['kind'] for e in events]}")
+    raise ValueError(f"no {kind.kind!r} event at or after t={after:g}: {[e.kind for e in events]}")
 
 
 def _row(rows: Sequence[IntervalMetrics], step: int) -> IntervalMetrics:
@@ -81,7 +92,7 @@ class ElasticTimings:
 
 
 def elastic_timings(
-    events: Sequence[dict[str, Any]],
+    events: Sequence[Event],
     rows: Sequence[IntervalMetrics],
     *,
     last_done: int,
@@ -90,32 +101,32 @@ def elastic_timings(
     """Reads the recovery and the heal out of one elastic run's events and history rows;
     ``last_done`` is the last step completed before the failure."""
     failed = _row(rows, last_done)
-    died = _first(events, "rank_died", after=failed.at)
-    reformed = _first(events, "generation_started", after=died["at"])
-    resumed = next((r for r in rows if r.at > died["at"]), None)
+    died = _first(events, RankDied, after=failed.at)
+    reformed = _first(events, GenerationStarted, after=died.at)
+    resumed = next((r for r in rows if r.at > died.at), None)
     if resumed is None:
-        raise ValueError(f"no completed step after the rank died at t={died['at']:g}")
+        raise ValueError(f"no completed step after the rank died at t={died.at:g}")
     timings = ElasticTimings(
         step_s=statistics.median(r.seconds / r.steps for r in rows if 2 <= r.step <= last_done),
-        detect_s=died["at"] - failed.at,
-        reform_s=reformed["at"] - died["at"],
+        detect_s=died.at - failed.at,
+        reform_s=reformed.at - died.at,
         resume_s=resumed.at - failed.at,
         resumed_step=resumed.step,
     )
     try:
-        requested = _first(events, "gang_requested", after=died["at"])
-        placed = _first(events, "gang_placed", after=requested["at"])
-        joined = _first(events, "gang_joined", after=placed["at"])
+        requested = _first(events, GangRequested, after=died.at)
+        placed = _first(events, GangPlaced, after=requested.at)
+        joined = _first(events, GangJoined, after=placed.at)
     except ValueError:
         return timings  # no new gang joined within the run: reported as not observed
-    full = next((r for r in rows if r.at > joined["at"] and r.gangs == full_gangs), None)
-    before = [r for r in rows if r.at < joined["at"]]  # at least the failure's row
+    full = next((r for r in rows if r.at > joined.at and r.gangs == full_gangs), None)
+    before = [r for r in rows if r.at < joined.at]  # at least the failure's row
     return dataclasses.replace(
         timings,
-        heal_start_s=placed["at"] - requested["at"],
-        heal_transfer_s=joined["at"] - placed["at"],
-        heal_join_s=joined["at"] - requested["at"],
-        heal_step_s=None if full is None else full.at - requested["at"],
+        heal_start_s=placed.at - requested.at,
+        heal_transfer_s=joined.at - placed.at,
+        heal_join_s=joined.at - requested.at,
+        heal_step_s=None if full is None else full.at - requested.at,
         survivors_gap_s=None if full is None else full.at - before[-1].at,
     )
 
@@ -137,7 +148,7 @@ class RestartTimings:
 
 
 def restart_timings(
-    events: Sequence[dict[str, Any]],
+    events: Sequence[Event],
     rows: Sequence[IntervalMetrics],
     arrivals: Sequence[tuple[float, float]],
     *,
@@ -147,16 +158,16 @@ def restart_timings(
     driver's clock, in seconds after calling ``fit``; ``at``); ``last_done`` as in
     :func:`elastic_timings`. The coordinator clock's zero on the driver's clock is the smallest
     arrival - ``at`` (a row arrives no sooner than it is made): an upper bound by its polling."""
-    started = _first(events, "generation_started")
-    restored = _first(events, "checkpoint_restored", after=started["at"])
+    started = _first(events, GenerationStarted)
+    restored = _first(events, CheckpointRestored, after=started.at)
     last_lost, beyond = _row(rows, last_done), _row(rows, last_done + 1)
     return RestartTimings(
         setup_s=min(arrival - at for arrival, at in arrivals),
-        start_s=started["at"],
-        load_s=restored["at"] - started["at"],
-        redo_s=last_lost.at - restored["at"],
+        start_s=started.at,
+        load_s=restored.at - started.at,
+        redo_s=last_lost.at - restored.at,
         step_s=beyond.at - last_lost.at,
-        redone_steps=last_done - int(restored["saved_step"]),
+        redone_steps=last_done - restored.saved_step,
     )
 
 

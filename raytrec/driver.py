@@ -23,6 +23,8 @@ import ray.exceptions
 import ray.train
 
 from raytrec.config import ConfigError
+from raytrec.elastic.events import Event, EventLog
+from raytrec.elastic.report import RunSummary
 from raytrec.errors import JobFailedError, StopRequested
 from raytrec.observability.metrics import IntervalMetrics
 from raytrec.observability.progress import ProgressReporter
@@ -49,10 +51,10 @@ class Seen:
     def __init__(
         self,
         on_row: Callable[[IntervalMetrics], None],
-        on_event: Callable[[dict[str, Any]], None] | None,
+        on_event: Callable[[Event], None] | None,
     ) -> None:
         self.rows: list[IntervalMetrics] = []
-        self.events: list[dict[str, Any]] = []
+        self.events: list[Event] = []
         self._on_row, self._on_event = on_row, on_event
         self.started = time.perf_counter()
 
@@ -60,7 +62,7 @@ class Seen:
         self.rows.append(row)
         self._on_row(row)
 
-    def event(self, event: dict[str, Any]) -> None:
+    def event(self, event: Event) -> None:
         self.events.append(event)
         if self._on_event is not None:
             self._on_event(event)
@@ -85,12 +87,10 @@ def job_failure(e: BaseException) -> BaseException:
     return failure
 
 
-def summary_after(coordinator: Any, seen: Seen, *, wait_s: float) -> Any:
+def summary_after(coordinator: Any, seen: Seen, *, wait_s: float) -> RunSummary:
     """The coordinator's :meth:`~actors.coordinator.Coordinator.summary_so_far`, or, when it
     cannot answer (it died), what the driver saw: the metrics rows and events, no committed
     batches."""
-    from raytrec.elastic.report import RunSummary
-
     with contextlib.suppress(Exception):
         return ray.get(coordinator.summary_so_far.remote(), timeout=wait_s)
     return RunSummary(
@@ -99,8 +99,8 @@ def summary_after(coordinator: Any, seen: Seen, *, wait_s: float) -> Any:
         steps=seen.rows[-1].step if seen.rows else 0,
         wall_s=time.perf_counter() - seen.started,
         ranks=[],
-        digests={},
-        events=list(seen.events),
+        state_digests={},
+        events=EventLog(seen.events),
         committed_rows=None,
     )
 
@@ -146,9 +146,9 @@ def close_failed(
 def drive(
     coordinator: Any,
     on_progress: Callable[[IntervalMetrics], None],
-    on_event: Callable[[dict[str, Any]], None] | None,
+    on_event: Callable[[Event], None] | None,
     stop: StopOnSignal,
-) -> Any:
+) -> RunSummary:
     """Runs the job, passing on its metrics rows (and, with ``on_event``, its events) as they
     come; returns the coordinator's summary. The first SIGTERM or SIGINT (``ray job stop``,
     Ctrl-C) asks the job to stop at its next interval boundary; a second one stops at once."""
@@ -202,9 +202,9 @@ def follow(
     coordinator: Any,
     run_ref: Any,
     on_progress: Callable[[IntervalMetrics], None],
-    on_event: Callable[[dict[str, Any]], None] | None,
+    on_event: Callable[[Event], None] | None,
     stop: StopOnSignal,
-) -> Any:
+) -> RunSummary:
     seen = seen_events = 0
     stop_sent = False
     try:
@@ -218,7 +218,7 @@ def follow(
                 on_progress(row)
             seen += len(rows)
             if on_event is not None:
-                events = ray.get(coordinator.event_dicts.remote(seen_events))
+                events = ray.get(coordinator.events_since.remote(seen_events))
                 for event in events:
                     on_event(event)
                 seen_events += len(events)

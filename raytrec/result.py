@@ -14,47 +14,27 @@ import ray.train
 from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.config import TrainConfig
 from raytrec.data.from_config import DataInfo
+from raytrec.elastic.report import RunRecord, RunSummary, record_fields
 from raytrec.errors import EarlyStopped
-from raytrec.observability.metrics import IntervalMetrics
 
 __all__ = ["KeptCheckpoint", "Result", "TrainingStopped", "best_checkpoints", "result_of"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Result:
-    """What a finished job returns."""
+class Result(RunRecord):
+    """What a finished job returns: what the job did (:class:`RunRecord`: ``history``,
+    ``steps``, ``events``, the batch accounting, ...) with the run's config, directory, data and
+    checkpoints."""
 
     config: TrainConfig
-    history: list[IntervalMetrics]  # one row per log_every steps
-    final_state_path: str | None  # the final model, a torch.distributed.checkpoint directory
     run_dir: str
-    steps: int
-    wall_s: float
-    # job rank -> content hashes of its final shard and dense state (equal within a replica group)
-    state_digests: dict[int, dict[str, str]]
     data: DataInfo = dataclasses.field(default_factory=lambda: DataInfo(kind="custom"))
-    first_batch_s: float = 0.0  # from the start of training until every rank held its batches
-    # Failures, generations, heals and resizes, in order, each with its time and step.
-    events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    generation: int = 0  # the last generation
-    # Exactly-once accounting (replayable sources): batch ids trained into the final model as
-    # merged [start, stop) ranges, their count with multiplicity, and those replayed.
-    committed_batches: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    committed_count: int = 0
-    replayed_batches: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    lost_batches: int = 0
-    # Rows the committed batches hold, with multiplicity (None: the source names no batches).
-    committed_rows: int | None = None
     checkpoint: ray.train.Checkpoint | None = None  # the last checkpoint saved (Ray Train's type)
     # The checkpoints kept, each with the metrics of its step: best first by
     # checkpoint.checkpoint_score_attribute when one is set, else newest first (Ray Train's
     # Result.best_checkpoints).
     best_checkpoints: list[KeptCheckpoint] = dataclasses.field(default_factory=list)
     stopped_early: str | None = None  # why early stopping ended the job (eval.early_stopping_*)
-    # Parquet read by index: the streams made when the rows left were shared again among the
-    # ranks after a membership change (the ids of committed batches name them), as JSON; None
-    # for other sources. IndexedParquetShard.with_table(...) reads or locates any of them.
-    reshared_streams: dict[str, Any] | None = None
 
     @property
     def final_loss(self) -> float:
@@ -163,26 +143,14 @@ def best_checkpoints(run_dir: str, config: CheckpointConfig) -> list[KeptCheckpo
     ]
 
 
-def result_of(config: TrainConfig, summary: Any, run_dir: str, info: DataInfo) -> Result:
-    """The :class:`Result` of the coordinator's :class:`RunSummary`."""
+def result_of(config: TrainConfig, summary: RunSummary, run_dir: str, info: DataInfo) -> Result:
+    """The :class:`Result` of the coordinator's :class:`RunSummary`: its :class:`RunRecord` as it
+    is, with the driver's own fields."""
     return Result(
+        **record_fields(summary),
         config=config,
-        history=summary.history,
-        final_state_path=summary.final_state_path,
         run_dir=run_dir,
-        steps=summary.steps,
-        wall_s=summary.wall_s,
-        state_digests=summary.digests,
         data=info,
-        first_batch_s=summary.first_batch_s,
-        events=summary.events,
-        generation=summary.generation,
-        committed_batches=summary.committed_batches,
-        committed_count=summary.committed_count,
-        committed_rows=summary.committed_rows,
-        replayed_batches=summary.replayed_batches,
-        lost_batches=summary.lost_batches,
-        reshared_streams=summary.reshared_streams,
         checkpoint=None if summary.checkpoint is None else ray.train.Checkpoint(summary.checkpoint),
         best_checkpoints=best_checkpoints(run_dir, config.checkpoint),
         stopped_early=str(summary.stopped_by)

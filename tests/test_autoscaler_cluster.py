@@ -65,6 +65,7 @@ from raytrec.config import (
     criteo_tables,
 )
 from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.events import GangDrained, GangJoined, GangRequested
 from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.errors import ConfigError, StopRequested
 from raytrec.observability.metrics import IntervalMetrics
@@ -275,28 +276,28 @@ def test_the_job_grows_onto_nodes_the_autoscaler_adds_and_gives_a_preempted_one_
     assert isinstance(stopped.value.cause, StopRequested), stopped.value
     result = stopped.value.result
 
-    kinds = [e["kind"] for e in result.events]
+    kinds = result.events.kinds()
     assert "grown" in seen, f"the job never reached {MAX_GANGS} gangs: {kinds}"
     # The new gang runs on a node the autoscaler launched for the job's pending group.
     assert seen["new_gang_node"] != seen["first_gang_node"]
     assert seen["drained"] == seen["new_gang_node"]
-    requested = [e for e in result.events if e["kind"] == "gang_requested"]
-    joined = [e for e in result.events if e["kind"] == "gang_joined"]
-    (drained,) = [e for e in result.events if e["kind"] == "gang_drained"]
-    assert drained["gang_id"] == 1 and "nodes marked for removal" in drained["reason"], drained
-    assert joined[0]["gang_id"] == 1 and joined[0]["step"] <= drained["step"], kinds
+    requested = result.events.of(GangRequested)
+    joined = result.events.of(GangJoined)
+    (drained,) = result.events.of(GangDrained)
+    assert drained.gang_id == 1 and "nodes marked for removal" in drained.reason, drained
+    assert joined[0].gang_id == 1 and joined[0].step <= drained.step, kinds
     # Each time the job was below max_gangs it asked for one more gang: at the start, and for
     # a replacement once the preempted node's gang was given back.
-    assert [(e["step"], e["count"]) for e in requested[:2]] == [(0, 1), (drained["step"], 1)]
+    assert [(e.step, e.count) for e in requested[:2]] == [(0, 1), (drained.step, 1)]
     # A replacement joins if its node was launched and built before the job's end.
-    assert [e["gang_id"] for e in joined] in ([1], [1, 2]), kinds
+    assert [e.gang_id for e in joined] in ([1], [1, 2]), kinds
     # The autoscaler terminates the drained node once it is idle.
     deadline = time.monotonic() + 60
     while seen["drained"] in worker_nodes():
         assert time.monotonic() < deadline, "the autoscaler kept the drained node"
         time.sleep(1)
-    assert not [e for e in result.events if e["kind"] in ("rank_died", "gang_dropped")], kinds
-    assert drained["step"] < result.steps < NUM_STEPS  # stopped once given back
+    assert not [e for e in result.events if e.kind in ("rank_died", "gang_dropped")], kinds
+    assert drained.step < result.steps < NUM_STEPS  # stopped once given back
     assert_replicas_agree(result)
     assert_every_batch_once(result)
 

@@ -12,6 +12,7 @@ from raytrec.checkpoint.errors import CheckpointError
 from raytrec.checkpoint.layout import CheckpointStore
 from raytrec.config import DataConfig, ModelConfig, ScalingConfig, TrainConfig, criteo_tables
 from raytrec.data.synthetic import batch_id
+from raytrec.elastic.events import CheckpointRestored, CheckpointSaved
 
 pytestmark = pytest.mark.cluster
 
@@ -40,7 +41,7 @@ def test_save_every_n_steps_then_resume_on_another_shape(first_run: Result, tmp_
     # Saved at steps 4, 8 and 10 (the end); the last two kept.
     assert [c.step for c in store.committed()] == [8, 10]
     assert first.checkpoint is not None and first.checkpoint.path == store.latest().uri
-    saved = [e["step"] for e in first.events if e["kind"] == "checkpoint_saved"]
+    saved = [e.step for e in first.events.of(CheckpointSaved)]
     assert saved == [4, 8, 10]
 
     # One gang of two ranks (another plan) picks up at step 10 and trains to 14.
@@ -49,8 +50,8 @@ def test_save_every_n_steps_then_resume_on_another_shape(first_run: Result, tmp_
         resume_from_checkpoint=first.checkpoint,
         shutdown_ray=False,
     )
-    restored = [e for e in second.events if e["kind"] == "checkpoint_restored"]
-    assert [(e["saved_step"], e["step"]) for e in restored] == [(10, 10)]
+    restored = second.events.of(CheckpointRestored)
+    assert [(e.saved_step, e.step) for e in restored] == [(10, 10)]
     assert [m.step for m in second.history] == [12, 14]
     # It continues the trained model: its loss is already below the first run's start.
     assert second.history[0].loss < first.history[0].loss - 0.02

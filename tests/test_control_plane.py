@@ -28,6 +28,24 @@ from raytrec.data.synthetic import batch_id, split_batch_id
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.control import group_broke
 from raytrec.elastic.drain_policy import request_drain, request_stop
+from raytrec.elastic.events import (
+    CheckpointRestored,
+    CheckpointSaved,
+    DataReshared,
+    GangDrained,
+    GangDropped,
+    GangHealed,
+    GangJoined,
+    GangPlaced,
+    GangRequested,
+    GenerationStarted,
+    HangDetected,
+    HealFailed,
+    JobFailed,
+    NodeDied,
+    RankDied,
+    TotalLoss,
+)
 from raytrec.elastic.report import RunSummary
 from raytrec.elastic.workers import NODE_DIED, RankLost
 from raytrec.errors import JobFailedError, StopRequested
@@ -133,20 +151,16 @@ def assert_exactly_once(summary: RunSummary, group: FakeWorkerGroup) -> None:
         assert sorted(taken) == list(range(len(taken))), f"shard {shard} has gaps"
     replayed = {i for a, b in summary.replayed_batches for i in range(a, b)}
     assert replayed <= set(committed)
-    dense = {d["dense"] for d in summary.digests.values()}
+    dense = {d["dense"] for d in summary.state_digests.values()}
     assert len(dense) == 1
 
 
-def events(summary: RunSummary, kind: str) -> list[dict[str, Any]]:
-    return [e for e in summary.events if e["kind"] == kind]
-
-
 def kinds(summary: RunSummary) -> list[str]:
-    return [e["kind"] for e in summary.events]
+    return summary.events.kinds()
 
 
 def gangs_of(summary: RunSummary) -> list[int]:
-    return events(summary, "generation_started")[-1]["gang_ids"]
+    return list(summary.events.of(GenerationStarted)[-1].gang_ids)
 
 
 def ids(*pairs: tuple[int, int]) -> set[int]:
@@ -164,10 +178,10 @@ def test_a_rank_dies_its_gang_is_dropped_and_its_batches_replayed(tmp_path: Any)
     summary = job(tmp_path, RankDies(rank=3, step=5)).run()
     assert summary.steps == 16 and summary.generation == 1
     assert gangs_of(summary) == [0, 2]
-    died = {e["job_rank"]: e["cause"] for e in events(summary, "rank_died")}
+    died = {e.job_rank: e.cause for e in summary.events.of(RankDied)}
     assert died == {3: "ActorDiedError: the rank's process exited", 2: "its gang lost a rank"}
-    [dropped] = events(summary, "gang_dropped")
-    assert dropped["gang_id"] == 1 and dropped["reason"] == "rank(s) [2, 3] died"
+    [dropped] = summary.events.of(GangDropped)
+    assert dropped.gang_id == 1 and dropped.reason == "rank(s) [2, 3] died"
     # Synced at step 4: gang 1's batches of step 5 (the 5th of ranks 2 and 3) go to the others.
     assert replayed(summary) == ids((2, 4), (3, 4))
 
@@ -176,9 +190,9 @@ def test_a_node_dies_every_gang_on_it_is_dropped(tmp_path: Any) -> None:
     j = job(tmp_path, NodeDies(node=1, step=7), nodes=4)
     summary = j.run()
     assert gangs_of(summary) == [0, 2] and summary.generation == 1
-    [node] = events(summary, "node_died")
-    assert node["node"] == 1 and node["gang_ids"] == [1] and node["step"] == 6
-    assert {e["job_rank"]: e["cause"] for e in events(summary, "rank_died")} == {
+    [node] = summary.events.of(NodeDied)
+    assert node.node == 1 and node.gang_ids == (1,) and node.step == 6
+    assert {e.job_rank: e.cause for e in summary.events.of(RankDied)} == {
         2: NODE_DIED,
         3: NODE_DIED,
     }
@@ -189,16 +203,16 @@ def test_a_node_dies_every_gang_on_it_is_dropped(tmp_path: Any) -> None:
 def test_one_rank_hangs_its_gang_is_dropped_after_the_collective_timeouts(tmp_path: Any) -> None:
     summary = job(tmp_path, RankHangs(rank=2, step=6)).run()
     assert gangs_of(summary) == [0, 2]
-    [hang] = events(summary, "hang_detected")
-    assert hang["job_ranks"] == [2] and hang["gang_ids"] == [1] and hang["last_step"] == 5
+    [hang] = summary.events.of(HangDetected)
+    assert hang.job_ranks == (2,) and hang.gang_ids == (1,) and hang.last_step == 5
     # Its peers' collectives time out 10 s after it stopped (at the end of step 5); the rank
     # still running 2 x 10 s + one poll after that is the hung one.
     stopped = BUILD_S + 5 * STEP_S
     timeout, poll = ELASTIC["collective_timeout_s"], ELASTIC["poll_s"]
-    assert stopped + 3 * timeout + poll < hang["at"] <= stopped + 3 * timeout + 2 * poll
-    assert 3 * timeout < hang["silent_s"] <= 3 * timeout + 2 * poll
-    [dropped] = events(summary, "gang_dropped")
-    assert dropped["reason"] == "rank(s) [2] hung"
+    assert stopped + 3 * timeout + poll < hang.at <= stopped + 3 * timeout + 2 * poll
+    assert 3 * timeout < hang.silent_s <= 3 * timeout + 2 * poll
+    [dropped] = summary.events.of(GangDropped)
+    assert dropped.reason == "rank(s) [2] hung"
 
 
 def test_every_rank_hangs_found_within_step_timeout_plus_poll(tmp_path: Any) -> None:
@@ -211,15 +225,15 @@ def test_every_rank_hangs_found_within_step_timeout_plus_poll(tmp_path: Any) -> 
         checkpoint=CheckpointConfig(every_n_steps=10),
     )
     summary = j.run()
-    [hang] = events(summary, "hang_detected")
-    assert hang["job_ranks"] == [0, 1, 2, 3, 4, 5] and hang["last_step"] == 39
+    [hang] = summary.events.of(HangDetected)
+    assert hang.job_ranks == (0, 1, 2, 3, 4, 5) and hang.last_step == 39
     step_timeout, poll = ELASTIC["step_timeout_s"], ELASTIC["poll_s"]
     stopped = BUILD_S + 39 * STEP_S
-    assert stopped + step_timeout < hang["at"] <= stopped + step_timeout + poll
-    assert step_timeout < hang["silent_s"] <= step_timeout + poll
+    assert stopped + step_timeout < hang.at <= stopped + step_timeout + poll
+    assert step_timeout < hang.silent_s <= step_timeout + poll
     # No gang is intact: the job is rebuilt from the checkpoint of step 25 and trains on.
-    [loss] = events(summary, "total_loss")
-    assert loss["checkpoint_step"] == 25 and loss["lost_gangs"] == [0, 1, 2]
+    [loss] = summary.events.of(TotalLoss)
+    assert loss.checkpoint_step == 25 and loss.lost_gangs == (0, 1, 2)
     assert gangs_of(summary) == [3, 4, 5] and summary.steps == 100
 
 
@@ -234,9 +248,9 @@ def test_a_slow_rank_is_not_hung(tmp_path: Any) -> None:
 def test_a_transient_error_is_retried_with_every_gang(tmp_path: Any) -> None:
     summary = job(tmp_path, RankFails(rank=1, step=6, after_s=10.0)).run()
     assert gangs_of(summary) == [0, 1, 2] and summary.generation == 1
-    [generation] = events(summary, "generation_started")[1:]
-    assert generation["reason"] == "collectives timed out with every rank alive"
-    assert generation["step"] == 6  # the survivors' failed step kept its embedding update
+    [generation] = summary.events.of(GenerationStarted)[1:]
+    assert generation.reason == "collectives timed out with every rank alive"
+    assert generation.step == 6  # the survivors' failed step kept its embedding update
     assert "gang_dropped" not in kinds(summary) and not replayed(summary)
 
 
@@ -254,14 +268,14 @@ EVERY_GANG = (RankDies(rank=0, step=10), RankDies(rank=2, step=10), RankDies(ran
 def test_a_total_loss_is_rebuilt_from_the_last_checkpoint(tmp_path: Any) -> None:
     j = job(tmp_path, *EVERY_GANG, checkpoint=CheckpointConfig(every_n_steps=4))
     summary = j.run()
-    [loss] = events(summary, "total_loss")
-    assert loss["checkpoint_step"] == 8 and loss["lost_gangs"] == [0, 1, 2]
-    assert loss["dead_shards"] == [0]
-    [restored] = events(summary, "checkpoint_restored")
-    assert restored["saved_step"] == 8 and restored["uri"] == loss["uri"]
+    [loss] = summary.events.of(TotalLoss)
+    assert loss.checkpoint_step == 8 and loss.lost_gangs == (0, 1, 2)
+    assert loss.dead_shards == (0,)
+    [restored] = summary.events.of(CheckpointRestored)
+    assert restored.saved_step == 8 and restored.uri == loss.uri
     # A new job of the initial shape under new gang ids and job ranks, trained to the end.
     assert gangs_of(summary) == [3, 4, 5] and summary.steps == 16
-    assert sorted(summary.digests) == list(range(6, 12))
+    assert sorted(summary.state_digests) == list(range(6, 12))
 
 
 @pytest.mark.parametrize(("call", "every"), [("sync", 6), ("save_checkpoint", 4)])
@@ -274,10 +288,10 @@ def test_a_rank_lost_while_a_checkpoint_is_saved_is_recovered_from(
     j = job(tmp_path, RankDies(rank=1, on=call), checkpoint=ckpt)
     summary = j.run()
     assert summary.steps == 16 and gangs_of(summary) == [1, 2]
-    [died] = events(summary, "rank_died")
-    assert died["job_rank"] == 1 and died["step"] == every
+    [died] = summary.events.of(RankDied)
+    assert died.job_rank == 1 and died.step == every
     # That save was lost with the rank; the next ones come from gang 1, the new writer.
-    saved = [e["step"] for e in events(summary, "checkpoint_saved")]
+    saved = [e.step for e in summary.events.of(CheckpointSaved)]
     assert saved and saved[0] > every
     assert_exactly_once(summary, j.group)
 
@@ -286,8 +300,8 @@ def test_a_total_loss_without_a_checkpoint_fails_clearly(tmp_path: Any) -> None:
     j = job(tmp_path, *EVERY_GANG)
     with pytest.raises(JobFailedError, match="cannot go on without a checkpoint, and none is"):
         j.coordinator.run()
-    [failed] = [e for e in j.coordinator.events if e.kind == "job_failed"]
-    assert failed.needs_checkpoint  # type: ignore[attr-defined]
+    [failed] = j.coordinator.events.of(JobFailed)
+    assert failed.needs_checkpoint
 
 
 def test_a_stop_asked_while_a_rebuild_waits_for_nodes_ends_the_job_at_once(
@@ -315,8 +329,8 @@ def test_within_host_one_rank_lost_drops_its_gang_without_a_rebuild(tmp_path: An
     summary = job(tmp_path, RankDies(rank=0, step=5), **WITHIN).run()
     assert gangs_of(summary) == [1] and summary.generation == 1
     assert "total_loss" not in kinds(summary) and "gang_requested" not in kinds(summary)
-    [dropped] = events(summary, "gang_dropped")
-    assert dropped["gang_id"] == 0
+    [dropped] = summary.events.of(GangDropped)
+    assert dropped.gang_id == 0
 
 
 def test_within_host_a_host_lost_is_a_total_loss(tmp_path: Any) -> None:
@@ -331,10 +345,10 @@ def test_within_host_a_host_lost_is_rebuilt_on_a_spare_host(tmp_path: Any) -> No
     checkpoint = CheckpointConfig(every_n_steps=4)
     j = job(tmp_path, NodeDies(node=0, step=7), nodes=3, checkpoint=checkpoint, **WITHIN)
     summary = j.run()
-    [loss] = events(summary, "total_loss")
-    assert loss["checkpoint_step"] == 4 and loss["dead_shards"] == [0]
+    [loss] = summary.events.of(TotalLoss)
+    assert loss.checkpoint_step == 4 and loss.dead_shards == (0,)
     assert gangs_of(summary) == [2, 3] and summary.steps == 16
-    assert {j.group.node_of(r) for r in summary.digests} == {1, 2}
+    assert {j.group.node_of(r) for r in summary.state_digests} == {1, 2}
 
 
 # -- growth ---------------------------------------------------------------------------------
@@ -343,24 +357,24 @@ def test_within_host_a_host_lost_is_rebuilt_on_a_spare_host(tmp_path: Any) -> No
 def test_a_gang_placed_later_joins_and_heals_from_a_peer(tmp_path: Any) -> None:
     j = job(tmp_path, NodesJoin(at=1.5), gangs=2, max_gangs=3, grow=True, num_steps=40)
     summary = j.run()
-    [placed] = events(summary, "gang_placed")
-    [healed] = events(summary, "gang_healed")
-    [joined] = events(summary, "gang_joined")
-    assert healed["gang_id"] == 2 and healed["peer_gang_id"] == 0
+    [placed] = summary.events.of(GangPlaced)
+    [healed] = summary.events.of(GangHealed)
+    [joined] = summary.events.of(GangJoined)
+    assert healed.gang_id == 2 and healed.peer_gang_id == 0
     # Requested at the start; the node comes at 1.5 s; the gang is started at the next boundary
     # (intervals of 0.2 s from 1.0 s: 1.6 s), builds for 1 s and joins at the boundary of 2.6 s.
-    assert placed["at"] == joined["at"] == pytest.approx(2.6)
-    assert joined["generation"] == 1 and joined["step"] == 16
-    assert gangs_of(summary) == [0, 1, 2] and sorted(summary.digests) == list(range(6))
+    assert placed.at == joined.at == pytest.approx(2.6)
+    assert joined.generation == 1 and joined.step == 16
+    assert gangs_of(summary) == [0, 1, 2] and sorted(summary.state_digests) == list(range(6))
 
 
 def test_a_gang_that_does_not_heal_is_dropped_and_placed_again(tmp_path: Any) -> None:
     faults = (NodesJoin(at=1.0), HealCorrupted(rank=4))
     j = job(tmp_path, *faults, gangs=2, max_gangs=3, grow=True, num_steps=40)
     summary = j.run()
-    [failed] = events(summary, "heal_failed")
-    assert failed["gang_id"] == 2 and failed["job_ranks"] == [4]
-    assert [e["gang_id"] for e in events(summary, "gang_joined")] == [3]
+    [failed] = summary.events.of(HealFailed)
+    assert failed.gang_id == 2 and failed.job_ranks == (4,)
+    assert [e.gang_id for e in summary.events.of(GangJoined)] == [3]
     assert gangs_of(summary) == [0, 1, 3]
 
 
@@ -371,9 +385,9 @@ def test_a_user_drain_gives_back_the_newest_gang(tmp_path: Any) -> None:
     run_dir = str(tmp_path)
     drain = AtStep(step=5, action=lambda: request_drain(run_dir, gangs=1))
     summary = job(tmp_path, drain, grow=True).run()
-    [drained] = events(summary, "gang_drained")
-    assert drained["gang_id"] == 2 and drained["step"] == 8
-    assert "giving back gangs [2], 2 left (at most 2 from now on)" in drained["reason"]
+    [drained] = summary.events.of(GangDrained)
+    assert drained.gang_id == 2 and drained.step == 8
+    assert "giving back gangs [2], 2 left (at most 2 from now on)" in drained.reason
     assert gangs_of(summary) == [0, 1] and summary.generation == 1
     assert not replayed(summary) and "gang_requested" not in kinds(summary)
 
@@ -396,7 +410,7 @@ def test_a_lower_max_gangs_gives_back_the_gangs_above_it_for_good(tmp_path: Any)
     drain = AtStep(step=9, action=lambda: request_drain(run_dir, max_gangs=1))  # as 9 ends
     summary = job(tmp_path, drain, NodesJoin(at=2.0, count=2), grow=True, num_steps=40).run()
     # Asked during step 10, with the interval to step 12 already queued: given back at 12.
-    assert [(e["gang_id"], e["step"]) for e in events(summary, "gang_drained")] == [
+    assert [(e.gang_id, e.step) for e in summary.events.of(GangDrained)] == [
         (1, 12),
         (2, 12),
     ]
@@ -408,10 +422,10 @@ def test_a_lower_max_gangs_gives_back_the_gangs_above_it_for_good(tmp_path: Any)
 def test_a_draining_node_gives_its_gang_back_and_a_new_one_replaces_it(tmp_path: Any) -> None:
     j = job(tmp_path, NodeDrains(node=1, step=3), nodes=4, grow=True, num_steps=40)
     summary = j.run()
-    [drained] = events(summary, "gang_drained")
-    assert drained["gang_id"] == 1 and drained["step"] == 6
-    assert "run on nodes marked for removal" in drained["reason"]
-    assert [e["gang_id"] for e in events(summary, "gang_joined")] == [3]
+    [drained] = summary.events.of(GangDrained)
+    assert drained.gang_id == 1 and drained.step == 6
+    assert "run on nodes marked for removal" in drained.reason
+    assert [e.gang_id for e in summary.events.of(GangJoined)] == [3]
     assert gangs_of(summary) == [0, 2, 3] and not replayed(summary)
     assert {j.group.node_of(r) for r in range(6, 8)} == {3}  # not on the draining node
 
@@ -422,9 +436,9 @@ def test_a_draining_node_gives_its_gang_back_and_a_new_one_replaces_it(tmp_path:
 def test_a_rank_that_dies_while_its_gang_builds_is_placed_again(tmp_path: Any) -> None:
     faults: Sequence[Fault | NodesJoin] = (NodesJoin(at=1.0), RankDies(rank=4, on="build"))
     summary = job(tmp_path, *faults, gangs=2, max_gangs=3, grow=True, num_steps=40).run()
-    assert [e["gang_id"] for e in events(summary, "gang_joined")] == [3]
+    assert [e.gang_id for e in summary.events.of(GangJoined)] == [3]
     assert gangs_of(summary) == [0, 1, 3]
-    assert len(events(summary, "gang_requested")) == 2
+    assert len(summary.events.of(GangRequested)) == 2
 
 
 def test_a_live_gang_lost_while_another_builds(tmp_path: Any) -> None:
@@ -432,8 +446,8 @@ def test_a_live_gang_lost_while_another_builds(tmp_path: Any) -> None:
     summary = job(tmp_path, *faults, gangs=2, max_gangs=3, grow=True, num_steps=24).run()
     # Gang 2 goes on building through the recovery and joins the survivor; gang 3 replaces
     # gang 0 on the node it freed.
-    assert [e["gang_id"] for e in events(summary, "gang_dropped")] == [0]
-    joined = [(e["gang_id"], e["generation"]) for e in events(summary, "gang_joined")]
+    assert [e.gang_id for e in summary.events.of(GangDropped)] == [0]
+    joined = [(e.gang_id, e.generation) for e in summary.events.of(GangJoined)]
     assert joined == [(2, 2), (3, 3)]
     assert gangs_of(summary) == [1, 2, 3]
 
@@ -442,9 +456,9 @@ def test_a_rank_lost_during_recovery_starts_it_over(tmp_path: Any) -> None:
     faults = (RankDies(rank=3, step=5), RankDies(rank=4, on="recover"))
     j = job(tmp_path, *faults)
     summary = j.run()
-    assert sorted(e["gang_id"] for e in events(summary, "gang_dropped")) == [1, 2]
+    assert sorted(e.gang_id for e in summary.events.of(GangDropped)) == [1, 2]
     assert gangs_of(summary) == [0] and summary.steps == 16
-    died = {e["job_rank"]: e["cause"] for e in events(summary, "rank_died")}
+    died = {e.job_rank: e.cause for e in summary.events.of(RankDied)}
     # Rank 4's gang peer is killed as soon as rank 4's death is known, in the recovery's
     # call, as rank 3's is in the interval's.
     assert died == {
@@ -463,9 +477,9 @@ def test_a_group_that_breaks_while_the_job_re_forms_is_a_total_loss(tmp_path: An
     faults = (RankDies(rank=3, step=5), GroupBreaks(rank=4, on="broadcast_dense"))
     j = job(tmp_path, *faults, checkpoint=CheckpointConfig(every_n_steps=4))
     summary = j.run()
-    [loss] = events(summary, "total_loss")
-    assert loss["checkpoint_step"] == 4 and loss["lost_gangs"] == [0, 2]
-    died = {e["job_rank"]: e["cause"] for e in events(summary, "rank_died")}
+    [loss] = summary.events.of(TotalLoss)
+    assert loss.checkpoint_step == 4 and loss.lost_gangs == (0, 2)
+    died = {e.job_rank: e.cause for e in summary.events.of(RankDied)}
     assert "pair closure" in died[4] and "every rank alive" in died[0]
     assert summary.steps == 16 and len(gangs_of(summary)) == 3
     assert_exactly_once(summary, j.group)
@@ -489,10 +503,10 @@ def test_a_hung_rank_stays_lost_when_its_recovery_starts_over(tmp_path: Any) -> 
     # The hung rank still answers the probe that follows the second loss: it stays hung.
     faults = (RankHangs(rank=2, step=6), RankDies(rank=4, on="recover"))
     summary = job(tmp_path, *faults).run()
-    assert sorted(e["gang_id"] for e in events(summary, "gang_dropped")) == [1, 2]
-    [hang] = events(summary, "hang_detected")
-    assert hang["job_ranks"] == [2]
-    died = {e["job_rank"]: e["cause"] for e in events(summary, "rank_died")}
+    assert sorted(e.gang_id for e in summary.events.of(GangDropped)) == [1, 2]
+    [hang] = summary.events.of(HangDetected)
+    assert hang.job_ranks == (2,)
+    died = {e.job_rank: e.cause for e in summary.events.of(RankDied)}
     assert died == {
         4: "ActorDiedError: the rank's process exited",
         5: "its gang lost a rank",  # released at once, in the recovery's call
@@ -505,7 +519,7 @@ def test_control_plane_scenarios_take_no_real_time(tmp_path: Any) -> None:
     j = job(tmp_path, RankHangs(rank=2, step=6), num_steps=4000, log_every=100)
     summary = j.run()
     assert summary.steps == 4000 and j.group.clock.now > 400
-    assert re.match(r"rank\(s\) \[2\] hung", events(summary, "gang_dropped")[0]["reason"])
+    assert re.match(r"rank\(s\) \[2\] hung", summary.events.of(GangDropped)[0].reason)
 
 
 def test_a_call_on_a_killed_rank_fails_with_rank_lost_in_the_ray_group(
@@ -552,10 +566,10 @@ def test_a_joining_gang_lost_while_it_heals_on_re_shared_rows_is_placed_again(
     faults = (NodesJoin(at=1.0), RankDies(rank=4, on="broadcast_state"))
     j = job(tmp_path, *faults, gangs=2, max_gangs=3, grow=True, num_steps=16, reshared=True)
     summary = j.run()
-    died = {e["job_rank"]: e["cause"] for e in events(summary, "rank_died")}
+    died = {e.job_rank: e.cause for e in summary.events.of(RankDied)}
     # Its gang peer, released at once (ended) since the gang is dropped.
     assert sorted(died) == [4, 5] and died[5] == "its gang lost a rank"
-    assert [e["gang_id"] for e in events(summary, "gang_dropped")] == [2]
+    assert [e.gang_id for e in summary.events.of(GangDropped)] == [2]
     assert 2 not in gangs_of(summary) and summary.steps >= 16
     settings = Settings(gangs=2, gang_size=2, num_steps=16, data="reshared")
     assert check_invariants(summary, j.group, j.coordinator, settings) == []  # every row once
@@ -582,9 +596,9 @@ def test_gangs_found_hung_mid_step_keep_no_step_they_never_finished(tmp_path: An
         min_gangs=2,
     )
     summary = j.run()
-    [hang] = events(summary, "hang_detected")
-    assert hang["job_ranks"] == [3] and hang["last_step"] == 2
-    dropped = [(e["gang_id"], e["reason"]) for e in events(summary, "gang_dropped")]
+    [hang] = summary.events.of(HangDetected)
+    assert hang.job_ranks == (3,) and hang.last_step == 2
+    dropped = [(e.gang_id, e.reason) for e in summary.events.of(GangDropped)]
     assert dropped == [(0, "rank(s) [0] died"), (3, "rank(s) [3] hung")]
     assert summary.steps >= 8  # and on, while replays are left (rows read by index)
     settings = Settings(gangs=2, gang_size=1, num_steps=8, data="reshared")
@@ -601,9 +615,9 @@ def test_a_rank_slower_than_the_collective_timeout_is_found_and_its_gang_dropped
     dropping and replacing them, one step each time, until the fault-space budget ran out."""
     faults = (NodeDies(node=0, step=1), SlowRank(rank=4, step_s=40.0))
     summary = job(tmp_path, *faults, nodes=4, num_steps=8, min_gangs=3).run()
-    [hang] = events(summary, "hang_detected")
-    assert hang["job_ranks"] == [4]
-    dropped = [(e["gang_id"], e["reason"]) for e in events(summary, "gang_dropped")]
+    [hang] = summary.events.of(HangDetected)
+    assert hang.job_ranks == (4,)
+    dropped = [(e.gang_id, e.reason) for e in summary.events.of(GangDropped)]
     assert dropped == [(0, "rank(s) [0, 1] died"), (2, "rank(s) [4] hung")]
     assert gangs_of(summary) == [1, 3, 4] and summary.steps == 8
 
@@ -613,9 +627,9 @@ def test_a_rank_stuck_in_a_control_call_is_hung_and_its_gang_dropped(tmp_path: A
     it is hung, its gang dropped; the coordinator used to fail with TimeoutError."""
     ckpt = CheckpointConfig(every_n_steps=4)
     summary = job(tmp_path, RankHangs(rank=0, on="save_checkpoint"), checkpoint=ckpt).run()
-    [hang] = events(summary, "hang_detected")
-    assert hang["job_ranks"] == [0] and hang["step"] == 4
-    assert [e["gang_id"] for e in events(summary, "gang_dropped")] == [0]
+    [hang] = summary.events.of(HangDetected)
+    assert hang.job_ranks == (0,) and hang.step == 4
+    assert [e.gang_id for e in summary.events.of(GangDropped)] == [0]
     assert gangs_of(summary) == [1, 2] and summary.steps == 16
 
 
@@ -624,17 +638,17 @@ def test_a_rank_lost_while_the_job_starts_drops_its_gang(tmp_path: Any, call: st
     """A rank dies in the start's build, replica plane, first broadcast or first prepare: its
     gang is dropped and the others train; the coordinator used to fail with RankLost."""
     summary = job(tmp_path, RankDies(rank=3, on=call)).run()
-    died = {e["job_rank"]: e["cause"] for e in events(summary, "rank_died")}
+    died = {e.job_rank: e.cause for e in summary.events.of(RankDied)}
     assert 3 in died and died[3] != "its gang lost a rank" and set(died) <= {2, 3}
-    assert [e["gang_id"] for e in events(summary, "gang_dropped")] == [1]
+    assert [e.gang_id for e in summary.events.of(GangDropped)] == [1]
     assert gangs_of(summary) == [0, 2] and summary.steps == 16
 
 
 def test_a_rank_stuck_in_its_build_at_the_start_is_hung(tmp_path: Any) -> None:
     summary = job(tmp_path, RankHangs(rank=5, on="build")).run()
-    [hang] = events(summary, "hang_detected")
-    assert hang["job_ranks"] == [5] and gangs_of(summary) == [0, 1]
-    assert [e["kind"] for e in summary.events][:3] == [
+    [hang] = summary.events.of(HangDetected)
+    assert hang.job_ranks == (5,) and gangs_of(summary) == [0, 1]
+    assert summary.events.kinds()[:3] == [
         "hang_detected",
         "gang_dropped",
         "generation_started",
@@ -646,8 +660,8 @@ def test_a_start_broadcast_that_leaves_a_copy_different_drops_that_gang(tmp_path
         the final replica check used to fail when the job stopped before its first sync (a sync
     averages the difference away, so the fake clears it there too)."""
     summary = job(tmp_path, HealCorrupted(rank=3)).run()
-    [died] = events(summary, "rank_died")
-    assert died["job_rank"] == 3 and "differed from gang 0's" in died["cause"]
+    [died] = summary.events.of(RankDied)
+    assert died.job_rank == 3 and "differed from gang 0's" in died.cause
     assert gangs_of(summary) == [0, 2] and summary.steps == 16
 
 
@@ -660,9 +674,9 @@ def test_replays_handed_out_twice_are_trained_in_the_order_the_ranks_take_them(
     and a drain did not hand the drained gang's replays to the others at all."""
     faults = (RankDies(rank=0, step=6), NodeDrains(node=2, step=5))
     summary = job(tmp_path, *faults, gangs=3, gang_size=1, log_every=4, grow=True).run()
-    assert [e["gang_id"] for e in events(summary, "gang_dropped")] == [0]
-    [drained] = events(summary, "gang_drained")
-    assert drained["gang_id"] == 2 and drained["step"] == 6
+    assert [e.gang_id for e in summary.events.of(GangDropped)] == [0]
+    [drained] = summary.events.of(GangDrained)
+    assert drained.gang_id == 2 and drained.step == 6
     assert replayed(summary) == ids((0, 4), (0, 5))
     assert summary.steps == 16
 
@@ -684,7 +698,7 @@ def test_a_loss_after_a_re_forming_synced_does_not_hand_its_batches_out_again(
     replica stays committed; the recovery that starts over used to replay it again."""
     faults = (RankDies(rank=3, step=5), RankDies(rank=0, on="settle_failed_step"))
     summary = job(tmp_path, *faults).run()
-    assert sorted(e["gang_id"] for e in events(summary, "gang_dropped")) == [0, 1]
+    assert sorted(e.gang_id for e in summary.events.of(GangDropped)) == [0, 1]
     assert gangs_of(summary) == [2] and summary.steps == 16
 
 
@@ -694,9 +708,9 @@ def test_a_gang_lost_right_after_a_sync_has_its_rows_shared_out(tmp_path: Any) -
     ckpt = CheckpointConfig(every_n_steps=4)
     j = job(tmp_path, RankHangs(rank=0, on="save_checkpoint"), checkpoint=ckpt, reshared=True)
     summary = j.run()
-    assert [e["gang_id"] for e in events(summary, "gang_dropped")] == [0]
-    [shared] = events(summary, "data_reshared")
-    assert shared["step"] == 4 and shared["ranks"] == 4
+    assert [e.gang_id for e in summary.events.of(GangDropped)] == [0]
+    [shared] = summary.events.of(DataReshared)
+    assert shared.step == 4 and shared.ranks == 4
     settings = Settings(gangs=3, gang_size=2, num_steps=16, data="reshared")
     assert check_invariants(summary, j.group, j.coordinator, settings) == []
 
@@ -708,8 +722,8 @@ def test_a_rank_stuck_in_recover_leaves_the_others_reports_booked(tmp_path: Any)
     faults = (RankDies(rank=2, step=6), RankHangs(rank=1, on="recover"))
     summary = job(tmp_path, *faults, gangs=3, gang_size=1).run()
     assert gangs_of(summary) == [0] and summary.steps == 16
-    [hang] = events(summary, "hang_detected")
-    assert hang["job_ranks"] == [1]
+    [hang] = summary.events.of(HangDetected)
+    assert hang.job_ranks == (1,)
 
 
 def test_a_rank_lost_while_replays_are_handed_over_starts_the_recovery_over(
@@ -720,5 +734,5 @@ def test_a_rank_lost_while_replays_are_handed_over_starts_the_recovery_over(
     the membership, and the second pass failed with KeyError in RankStreams.peek)."""
     faults = (RankDies(rank=0, on="replay"), NodeDies(node=2, step=21))
     summary = job(tmp_path, *faults, gangs=4, gang_size=1, num_steps=24).run()
-    assert sorted(e["gang_id"] for e in events(summary, "gang_dropped")) == [0, 2]
+    assert sorted(e.gang_id for e in summary.events.of(GangDropped)) == [0, 2]
     assert gangs_of(summary) == [1, 3] and summary.steps >= 24

@@ -53,6 +53,16 @@ from raytrec.config import (
 )
 from raytrec.data.generate import write_synthetic_parquet
 from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.events import (
+    CheckpointRestored,
+    GangDrained,
+    GangHealed,
+    GangJoined,
+    HangDetected,
+    HealFailed,
+    RankDied,
+    TotalLoss,
+)
 from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.models import build_dlrm
 from raytrec.observability.metrics import IntervalMetrics
@@ -102,15 +112,15 @@ def test_every_rank_hung_is_found_by_the_heartbeat_rule(cluster: Cluster, tmp_pa
     )
     result = fit(config, shutdown_ray=False)
 
-    (hang,) = [e for e in result.events if e["kind"] == "hang_detected"]
-    assert sorted(hang["job_ranks"]) == [0, 1]
+    (hang,) = result.events.of(HangDetected)
+    assert sorted(hang.job_ranks) == [0, 1]
     # Measured from the heartbeats: the ranks finished step 15 and nothing after it.
-    assert hang["last_step"] == 15, hang
+    assert hang.last_step == 15, hang
     bound = elastic.step_timeout_s + elastic.poll_s + 5
-    assert elastic.step_timeout_s < hang["silent_s"] <= bound, hang
-    (total,) = [e for e in result.events if e["kind"] == "total_loss"]
-    (restored,) = [e for e in result.events if e["kind"] == "checkpoint_restored"]
-    assert restored["saved_step"] == 10 and total["at"] >= hang["at"]
+    assert elastic.step_timeout_s < hang.silent_s <= bound, hang
+    (total,) = result.events.of(TotalLoss)
+    (restored,) = result.events.of(CheckpointRestored)
+    assert restored.saved_step == 10 and total.at >= hang.at
     assert result.steps == 30
     assert_replicas_agree(result)
     assert_every_batch_once(result)
@@ -142,10 +152,10 @@ def test_a_heal_that_does_not_match_its_peer_is_dropped_and_placed_again(
     )
     result = fit(config, shutdown_ray=False)
 
-    (failed,) = [e for e in result.events if e["kind"] == "heal_failed"]
-    assert (failed["gang_id"], failed["peer_gang_id"], failed["job_ranks"]) == (2, 0, [2])
-    healed = [e["gang_id"] for e in result.events if e["kind"] == "gang_healed"]
-    joined = [e["gang_id"] for e in result.events if e["kind"] == "gang_joined"]
+    (failed,) = result.events.of(HealFailed)
+    assert (failed.gang_id, failed.peer_gang_id, failed.job_ranks) == (2, 0, (2,))
+    healed = [e.gang_id for e in result.events.of(GangHealed)]
+    joined = [e.gang_id for e in result.events.of(GangJoined)]
     assert healed == joined == [3], result.events
     assert result.steps == 16 and result.history[-1].gangs == 2
     assert_replicas_agree(result)
@@ -228,12 +238,12 @@ def test_a_gang_drained_mid_epoch_gives_back_its_rows_and_none_is_lost_or_double
         shutdown_ray=False,
     )
 
-    (drained,) = [e for e in result.events if e["kind"] == "gang_drained"]
-    assert drained["gang_id"] == 1 and 4 <= drained["step"] < 12, drained
-    assert not [e for e in result.events if e["kind"] in ("rank_died", "gang_dropped")]
+    (drained,) = result.events.of(GangDrained)
+    assert drained.gang_id == 1 and 4 <= drained.step < 12, drained
+    assert not [e for e in result.events if e.kind in ("rank_died", "gang_dropped")]
     assert result.history[-1].gangs == 1
     # No gang came back: the request lowered max_gangs to 1.
-    assert not [e for e in result.events if e["kind"] == "gang_joined"]
+    assert not result.events.of(GangJoined)
     trained: list[int] = []
     for path in glob.glob(f"{seen_dir}/rows-*.txt"):
         with open(path) as f:
@@ -265,9 +275,9 @@ def test_a_node_marked_for_removal_gives_its_gang_back(two_nodes: Cluster, tmp_p
     result = fit(config, on_progress=drainer, shutdown_ray=False)
 
     assert drainer.drained is not None
-    (drained,) = [e for e in result.events if e["kind"] == "gang_drained"]
-    assert drained["gang_id"] == 1 and "nodes marked for removal" in drained["reason"]
-    assert not [e for e in result.events if e["kind"] in ("rank_died", "gang_dropped")]
+    (drained,) = result.events.of(GangDrained)
+    assert drained.gang_id == 1 and "nodes marked for removal" in drained.reason
+    assert not [e for e in result.events if e.kind in ("rank_died", "gang_dropped")]
     assert result.steps == 16 and result.history[-1].gangs == 1
     assert_replicas_agree(result)
     assert_every_batch_once(result)
@@ -327,4 +337,4 @@ def test_the_rendezvous_listens_on_loopback_and_hides_the_jobs_keys(
         local for local, name in seen["listeners"] if name in ("ray::Coordinato", "ray::RankWorker")
     ]
     assert mine and all(local.startswith(("127.", "[::ffff:127.")) for local in mine), mine
-    assert result.steps == 12 and not [e for e in result.events if e["kind"] == "rank_died"]
+    assert result.steps == 12 and not result.events.of(RankDied)

@@ -49,6 +49,7 @@ from raytrec.config import (
 )
 from raytrec.data.synthetic import SyntheticCriteo, split_batch_id
 from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.events import FailedStepSettled, GenerationStarted, NodeDied
 from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.models import embedding_bag_configs
 from raytrec.testing import NodeRemover, simulated_cluster
@@ -167,27 +168,23 @@ def expected_counts(result: Result) -> tuple[np.ndarray, np.ndarray]:
     every replayed row).
     """
     (reform,) = [
-        e
-        for e in result.events
-        if e["kind"] == "generation_started" and e["reason"].startswith("lost gangs")
+        e for e in result.events.of(GenerationStarted) if e.reason.startswith("lost gangs")
     ]
     (before,) = [
-        e
-        for e in result.events
-        if e["kind"] == "generation_started" and e["generation"] == reform["generation"] - 1
+        e for e in result.events.of(GenerationStarted) if e.generation == reform.generation - 1
     ]
-    (settled,) = [e for e in result.events if e["kind"] == "failed_step_settled"]
+    (settled,) = result.events.of(FailedStepSettled)
     # A rank's batch enters as the mean over the gang's ranks (DDP for dense gradients, and
     # TorchRec's backward all-to-all divides embedding gradients by the gang size), then the
     # mean over the gangs.
     per_gang = result.config.scaling.gang_size
-    k = reform["step"]
-    n_before, n_after = per_gang * len(before["gang_ids"]), per_gang * len(reform["gang_ids"])
+    k = reform.step
+    n_before, n_after = per_gang * len(before.gang_ids), per_gang * len(reform.gang_ids)
     committed_through = SYNC_EVERY * ((k - 1) // SYNC_EVERY)
     if result.config.sync.dense == "every_step":
-        assert settled["step"] == k and settled["dense_through"] in (k - 1, k), settled
+        assert settled.step == k and settled.dense_through in (k - 1, k), settled
     else:
-        assert settled["dense_through"] == committed_through and not settled["finished"]
+        assert settled.dense_through == committed_through and not settled.finished
     emb = np.zeros(NUM_IDS)
     dense = np.zeros(NUM_IDS)
     for a, b in result.committed_batches:
@@ -197,7 +194,7 @@ def expected_counts(result: Result) -> tuple[np.ndarray, np.ndarray]:
             ids = row_ids(shard, index)
             committed = first is not None and first <= committed_through
             emb[ids] -= 1.0 / (n_before if committed else n_after)
-            dense_early = first is not None and first <= settled["dense_through"]
+            dense_early = first is not None and first <= settled.dense_through
             dense[ids] -= 1.0 / (n_before if dense_early else n_after)
     return emb, dense
 
@@ -257,13 +254,13 @@ def test_a_rank_death_leaves_every_row_in_the_model_once(
     )
 
     assert result.steps == 14 and result.history[-1].gangs == 1
-    reforms = [e for e in result.events if e["kind"] == "generation_started" and e["generation"]]
-    assert [e["step"] for e in reforms] == [failed_step], result.events
-    (settled,) = [e for e in result.events if e["kind"] == "failed_step_settled"]
+    reforms = [e for e in result.events.of(GenerationStarted) if e.generation]
+    assert [e.step for e in reforms] == [failed_step], result.events
+    (settled,) = result.events.of(FailedStepSettled)
     # Every step: the lost rank's batches of steps 5 and 6 are replayed embedding-only, and the
     # survivor finished its step 7. With the schedule: every replay updates both.
     want = (2, True) if dense == "every_step" else (0, False)
-    assert (settled["embedding_only"], settled["finished"]) == want, settled
+    assert (settled.embedding_only, settled.finished) == want, settled
     assert_every_row_once(result)
 
 
@@ -294,5 +291,5 @@ def test_a_node_loss_leaves_every_row_in_the_model_once(two_nodes: Cluster, tmp_
     )
 
     assert result.steps == 14 and result.history[-1].gangs == 1
-    assert [e["kind"] for e in result.events if e["kind"] == "node_died"] == ["node_died"]
+    assert [e.kind for e in result.events.of(NodeDied)] == ["node_died"]
     assert_every_row_once(result)

@@ -27,6 +27,7 @@ from raytrec.config import (
 )
 from raytrec.data.synthetic import split_batch_id
 from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.events import GangDropped, GangJoined
 from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.testing import NodeRemover, simulated_cluster
 
@@ -105,12 +106,12 @@ def test_three_failures_and_growth_in_one_run(cluster: Cluster, tmp_path: str) -
     assert result.steps == 32, result.events
     steps = [m.step for m in result.history]  # an interval cut by a failure has no row
     assert steps == sorted(set(steps)) and steps[-1] >= 30, (steps, result.events)
-    kinds = [e["kind"] for e in result.events]
+    kinds = result.events.kinds()
     for kind in ("rank_died", "hang_detected", "node_died"):
         assert kind in kinds, " ".join(kinds)
-    dropped = [e for e in result.events if e["kind"] == "gang_dropped"]
+    dropped = result.events.of(GangDropped)
     assert len(dropped) == 3, dropped
-    joined = [e for e in result.events if e["kind"] == "gang_joined"]
+    joined = result.events.of(GangJoined)
     assert len(joined) == 3  # a replacement after each loss
     assert result.generation >= 6
     assert result.history[-1].gangs == 3

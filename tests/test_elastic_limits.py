@@ -22,6 +22,7 @@ from raytrec.config import (
     criteo_tables,
 )
 from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.events import GangDropped
 from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.errors import JobFailedError
 from raytrec.observability.metrics import IntervalMetrics
@@ -95,10 +96,10 @@ def test_replicas_within_host_losing_one_rank_drops_its_gang_and_goes_on(
         testing=TestingConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=5, rank=0),)),
     )
     result = fit(cfg, shutdown_ray=False)
-    kinds = [e["kind"] for e in result.events]
+    kinds = result.events.kinds()
     assert result.steps == 16 and "total_loss" not in kinds, kinds
-    [dropped] = [e for e in result.events if e["kind"] == "gang_dropped"]
-    assert dropped["gang_id"] == 0, dropped
+    [dropped] = result.events.of(GangDropped)
+    assert dropped.gang_id == 0, dropped
     assert result.history[-1].gangs == 1
     assert result.lost_batches == 0
 

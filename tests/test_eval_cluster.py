@@ -31,6 +31,7 @@ from raytrec.config import (
     criteo_tables,
 )
 from raytrec.data.generate import write_synthetic_parquet
+from raytrec.elastic.events import CheckpointSaved, EarlyStopped
 from raytrec.observability.progress import METRICS_FILE
 
 pytestmark = pytest.mark.cluster
@@ -122,12 +123,12 @@ def test_the_best_checkpoint_by_eval_is_kept_and_early_stopping_ends_the_job(
     # Early stopping: evaluations at 4, 8, 12 and 16, none better than the first by 1.
     assert [m.step for m in result.history] == [4, 8, 12, 16]
     assert result.steps == 16
-    [early] = [e for e in result.events if e["kind"] == "early_stopped"]
-    assert (early["step"], early["best_step"], early["metric"]) == (16, 4, "eval_auc")
+    [early] = result.events.of(EarlyStopped)
+    assert (early.step, early.best_step, early.metric) == (16, 4, "eval_auc")
     assert result.stopped_early is not None and "eval_auc did not improve" in result.stopped_early
     assert result.ledger()["stopped_early"] == result.stopped_early
     # A checkpoint at every evaluation; the lowest eval AUC and the newest are kept.
-    saved = [e["uri"] for e in result.events if e["kind"] == "checkpoint_saved"]
+    saved = [e.uri for e in result.events.of(CheckpointSaved)]
     assert len(saved) == 4
     by_step = {m.step: m.eval_auc for m in result.history}
     worst = min(by_step, key=lambda s: by_step[s])

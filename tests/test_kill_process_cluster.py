@@ -27,6 +27,7 @@ from raytrec.config import (
     criteo_tables,
 )
 from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.events import GangDropped, RankDied
 from raytrec.elastic.faults import FaultConfig
 from raytrec.testing import simulated_cluster
 
@@ -67,14 +68,14 @@ def test_a_process_killed_mid_step_is_seen_at_once(cluster: Cluster, tmp_path: s
     result = fit(config, shutdown_ray=False)
 
     assert result.steps == 60, result.events
-    (died,) = [e for e in result.events if e["kind"] == "rank_died" and e["job_rank"] == 3]
-    assert died["step"] in (kill_step - 1, kill_step), (kill_step, died)
-    assert "ActorDiedError" in died["cause"], died  # Ray's death notice, not a timeout
-    assert [e["gang_id"] for e in result.events if e["kind"] == "gang_dropped"] == [1]
+    (died,) = [e for e in result.events.of(RankDied) if e.job_rank == 3]
+    assert died.step in (kill_step - 1, kill_step), (kill_step, died)
+    assert "ActorDiedError" in died.cause, died  # Ray's death notice, not a timeout
+    assert [e.gang_id for e in result.events.of(GangDropped)] == [1]
     # The survivors' stall: the gap between the rows around the loss, less the normal pace.
     rows = result.history
-    before = [r for r in rows if r.at <= died["at"]]
-    after = [r for r in rows if r.at > died["at"]]
+    before = [r for r in rows if r.at <= died.at]
+    after = [r for r in rows if r.at > died.at]
     assert before and after, [r.at for r in rows]
     pace = statistics.median(r.seconds / r.steps for r in rows)
     stall = after[0].at - before[-1].at - after[0].steps * pace

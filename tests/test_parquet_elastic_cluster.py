@@ -23,6 +23,7 @@ from raytrec.config import (
 )
 from raytrec.data.generate import write_synthetic_parquet
 from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.events import DataReshared, GangJoined, GangPlaced, NodeDied, RankDied
 from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.testing import NodeRemover, committed_row_ids, simulated_cluster
 
@@ -75,27 +76,27 @@ def test_a_lost_node_s_rows_go_to_the_survivor_then_to_the_gang_that_joins(
     )
     result = fit(config, on_progress=remover, shutdown_ray=False)
 
-    kinds = [e["kind"] for e in result.events]
+    kinds = result.events.kinds()
     for kind in ("node_died", "gang_dropped", "gang_joined"):
         assert kind in kinds, " ".join(kinds)
     # Events name real nodes: Ray's node id and its address.
-    (died,) = [e for e in result.events if e["kind"] == "node_died"]
-    assert died["address"] == "127.0.0.1" and len(died["node_id"]) == 56, died
-    lost = [e for e in result.events if e["kind"] == "rank_died"]
-    assert lost and all(e["node"] == f"{died['node_id'][:12]} at 127.0.0.1" for e in lost), lost
-    (placed,) = [e for e in result.events if e["kind"] == "gang_placed"]
-    assert [n.split(" at ")[1] for n in placed["nodes"]] == ["127.0.0.1"], placed
-    assert placed["nodes"][0].split(" at ")[0] != died["node_id"][:12]
+    (died,) = result.events.of(NodeDied)
+    assert died.address == "127.0.0.1" and len(died.node_id) == 56, died
+    lost = result.events.of(RankDied)
+    assert lost and all(e.node == f"{died.node_id[:12]} at 127.0.0.1" for e in lost), lost
+    (placed,) = result.events.of(GangPlaced)
+    assert [n.split(" at ")[1] for n in placed.nodes] == ["127.0.0.1"], placed
+    assert placed.nodes[0].split(" at ")[0] != died.node_id[:12]
     # Re-shared twice: to the survivor's rank when the node went, then, when the new gang
     # joined, the end of the survivor's stream to the new rank (the survivor reads on); every
     # rank then has as many batches as the other.
-    reshares = [e for e in result.events if e["kind"] == "data_reshared"]
-    assert [e["ranks"] for e in reshares] == [1, 1], reshares
-    assert [e["handed_off"] for e in reshares] == [False, True], reshares
-    assert all(e["left_over"] == 0 for e in reshares)
-    (joined,) = [e for e in result.events if e["kind"] == "gang_joined"]
-    assert reshares[1]["step"] == joined["step"]
-    assert result.steps == reshares[-1]["end_step"]
+    reshares = result.events.of(DataReshared)
+    assert [e.ranks for e in reshares] == [1, 1], reshares
+    assert [e.handed_off for e in reshares] == [False, True], reshares
+    assert all(e.left_over == 0 for e in reshares)
+    (joined,) = result.events.of(GangJoined)
+    assert reshares[1].step == joined.step
+    assert result.steps == reshares[-1].end_step
     assert result.history[-1].gangs == 2
     assert len({d["dense"] for d in result.state_digests.values()}) == 1
     assert len({d["shards"] for d in result.state_digests.values()}) == 1  # gang size 1

@@ -25,6 +25,7 @@ from raytrec.data.generate import write_synthetic_parquet
 from raytrec.data.parquet import IndexedParquetShard, ParquetSource
 from raytrec.data.synthetic import batch_id, split_batch_id
 from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.events import DataReshared
 from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.testing import committed_row_ids
 
@@ -61,7 +62,7 @@ def test_a_lost_gang_s_rows_are_trained_by_the_survivors_exactly_once_over_the_e
     )
     result = fit(config, shutdown_ray=False)
 
-    kinds = [e["kind"] for e in result.events]
+    kinds = result.events.kinds()
     assert "rank_died" in kinds and "gang_dropped" in kinds, kinds
     assert result.history[-1].gangs == 1
     # Rank 0 replays rank 1's uncommitted batches (it trained its batches 4 and 5 at steps 5
@@ -69,12 +70,12 @@ def test_a_lost_gang_s_rows_are_trained_by_the_survivors_exactly_once_over_the_e
     # taken), then trains every row neither rank had taken, cut again into batches of at most
     # 32 rows: both streams from the failure's step on (rank 0 may have stopped at step 6 or 7).
     replayed = [split_batch_id(i) for a, b in result.replayed_batches for i in range(a, b)]
-    (reshared,) = [e for e in result.events if e["kind"] == "data_reshared"]
-    step = reshared["step"]
+    (reshared,) = result.events.of(DataReshared)
+    step = reshared.step
     assert {(1, 4), (1, 5)} <= set(replayed) == {(1, k) for k in range(4, step)}
-    assert reshared["ranks"] == 1 and reshared["left_over"] == 0
-    assert reshared["rows"] == 2 * (600 - step * 600 // 19)
-    assert result.steps == reshared["end_step"] == step + len(replayed) + -(-reshared["rows"] // B)
+    assert reshared.ranks == 1 and reshared.left_over == 0
+    assert reshared.rows == 2 * (600 - step * 600 // 19)
+    assert result.steps == reshared.end_step == step + len(replayed) + -(-reshared.rows // B)
     distinct = sum(b - a for a, b in result.committed_batches)
     assert result.committed_count == distinct, "a batch was trained into the model twice"
     assert result.lost_batches == 0
@@ -123,9 +124,7 @@ def test_a_resume_continues_on_the_batches_after_the_checkpoint(
         other = config.replace(num_steps=10, scaling=ScalingConfig(num_workers=ranks, gang_size=1))
         again = fit(other, resume_from_checkpoint=first.checkpoint, shutdown_ray=False)
         assert again.steps == steps
-        (reshared,) = [e for e in again.events if e["kind"] == "data_reshared"]
-        assert reshared["ranks"] == ranks and reshared["rows"] == 2 * (
-            10 * 600 // 19 - 6 * 600 // 19
-        )
+        (reshared,) = again.events.of(DataReshared)
+        assert reshared.ranks == ranks and reshared.rows == 2 * (10 * 600 // 19 - 6 * 600 // 19)
         assert again.committed_count == sum(b - a for a, b in again.committed_batches)
         assert sorted(committed_row_ids(again, paths).tolist()) == sorted(expected.tolist())

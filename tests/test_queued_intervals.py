@@ -36,6 +36,7 @@ from raytrec.config import (
 )
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.control import Boundary, intervals_to_queue
+from raytrec.elastic.events import GenerationStarted, RankDied
 from raytrec.elastic.faults import FaultKind, FaultSpec
 
 # -- when the coordinator may queue an interval ---------------------------------------------
@@ -188,11 +189,11 @@ def test_a_survivor_trains_the_queued_interval_and_every_batch_counts_once(
     result = fit(config, shutdown_ray=False)
 
     assert result.steps == 16, result.events
-    died = [e for e in result.events if e["kind"] == "rank_died"]
-    assert [e["job_rank"] for e in died] == [2, 3], result.events  # 3: killed with its gang
+    died = result.events.of(RankDied)
+    assert [e.job_rank for e in died] == [2, 3], result.events  # 3: killed with its gang
     # The job re-formed at step 6: the survivor had trained the queued interval.
-    generations = [e for e in result.events if e["kind"] == "generation_started"]
-    assert [e["step"] for e in generations][-1] == 6, generations
+    generations = result.events.of(GenerationStarted)
+    assert [e.step for e in generations][-1] == 6, generations
     assert result.history[-1].gangs == 1
     assert_replicas_agree(result)
     assert_every_batch_once(result)

@@ -9,12 +9,22 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from typing import Any
 
 import pytest
 
 from benchmarks import recovery
 from benchmarks.common import drop_options, replace_block
+from raytrec.elastic.events import (
+    CheckpointRestored,
+    CheckpointSaved,
+    GangDropped,
+    GangHealed,
+    GangJoined,
+    GangPlaced,
+    GangRequested,
+    GenerationStarted,
+    RankDied,
+)
 from raytrec.observability.metrics import IntervalMetrics
 
 
@@ -34,22 +44,18 @@ def row(step: int, at: float, *, gangs: int = 2, seconds: float = 0.04) -> Inter
     )
 
 
-def event(kind: str, at: float, step: int, **fields: Any) -> dict[str, Any]:
-    return {"kind": kind, "at": at, "step": step, **fields}
-
-
 BEFORE = [row(s, 44.9 + 0.05 * s, seconds=0.03 + 0.01 * (s % 3)) for s in range(1, 14)]
 EVENTS = [
-    event("generation_started", 44.819, 0, generation=0),
-    event("checkpoint_saved", 45.415, 8),
-    event("rank_died", 75.686, 13, job_rank=3),
-    event("gang_dropped", 75.693, 14, gang_id=1),
-    event("generation_started", 75.715, 14, generation=1),
-    event("gang_requested", 75.736, 14, count=1),
-    event("gang_placed", 104.233, 16),
-    event("generation_started", 104.275, 16, generation=2),
-    event("gang_healed", 104.295, 16, gang_id=2),
-    event("gang_joined", 104.295, 16, gang_id=2),
+    GenerationStarted(at=44.819, step=0, generation=0, gang_ids=(0, 1), reason="start"),
+    CheckpointSaved(at=45.415, step=8, uri="checkpoint_0000000008"),
+    RankDied(at=75.686, step=13, job_rank=3, gang_id=1),
+    GangDropped(at=75.693, step=14, gang_id=1, reason="rank 3 died"),
+    GenerationStarted(at=75.715, step=14, generation=1, gang_ids=(0,), reason="gang 1 dropped"),
+    GangRequested(at=75.736, step=14, count=1, outstanding=1),
+    GangPlaced(at=104.233, step=16, nodes=("n0", "n0")),
+    GenerationStarted(at=104.275, step=16, generation=2, gang_ids=(0, 2), reason="gang 2 joins"),
+    GangHealed(at=104.295, step=16, gang_id=2, peer_gang_id=0),
+    GangJoined(at=104.295, step=16, gang_id=2, generation=2),
 ]
 AFTER = [
     row(15, 75.788, gangs=1),
@@ -76,7 +82,7 @@ def test_elastic_timings_from_the_failure_and_from_the_request() -> None:
 
 
 def test_a_heal_that_did_not_happen_is_not_observed() -> None:
-    events = [e for e in EVENTS if e["at"] < 100]
+    events = [e for e in EVENTS if e.at < 100]
     t = recovery.elastic_timings(events, BEFORE + AFTER[:2], last_done=13, full_gangs=2)
     assert t.resume_s == pytest.approx(75.788 - (44.9 + 0.05 * 13))
     assert (t.heal_start_s, t.heal_join_s, t.heal_step_s, t.survivors_gap_s) == (None,) * 4
@@ -85,15 +91,15 @@ def test_a_heal_that_did_not_happen_is_not_observed() -> None:
 def test_a_missing_row_or_event_is_an_error_not_a_number() -> None:
     with pytest.raises(ValueError, match="no history row for step 14"):
         recovery.elastic_timings(EVENTS, BEFORE + AFTER, last_done=14, full_gangs=2)
-    no_death = [e for e in EVENTS if e["kind"] != "rank_died"]
+    no_death = [e for e in EVENTS if not isinstance(e, RankDied)]
     with pytest.raises(ValueError, match="no 'rank_died' event"):
         recovery.elastic_timings(no_death, BEFORE + AFTER, last_done=13, full_gangs=2)
 
 
 def test_restart_timings_add_up_to_the_driver_clock() -> None:
     events = [
-        event("generation_started", 30.0, 0, generation=0),
-        event("checkpoint_restored", 31.5, 10, saved_step=10),
+        GenerationStarted(at=30.0, step=0, generation=0, gang_ids=(0, 1), reason="start"),
+        CheckpointRestored(at=31.5, step=10, uri="c", saved_step=10, saved_generation=0),
     ]
     rows = [row(s, 32.0 + 0.5 * (s - 11)) for s in range(11, 17)]
     # Rows reach the driver in polls a second apart; the clock's zero is 9.0 s after fit().

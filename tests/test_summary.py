@@ -9,6 +9,7 @@ import ray.train
 
 from raytrec.api import Result
 from raytrec.config import ScalingConfig, TrainConfig
+from raytrec.elastic.events import EventLog, GangDropped, GangJoined, NodeDied, RankDied
 from raytrec.observability.metrics import IntervalMetrics
 from raytrec.observability.summary import ledger, ledger_lines, write_ledger
 
@@ -40,12 +41,14 @@ def result(tmp_path: str, digests: dict[int, dict[str, str]]) -> Result:
         steps=12,
         wall_s=3.25,
         state_digests=digests,
-        events=[
-            {"kind": "rank_died", "step": 5},
-            {"kind": "node_died", "step": 5},
-            {"kind": "gang_dropped", "step": 5},
-            {"kind": "gang_joined", "step": 9},
-        ],
+        events=EventLog(
+            [
+                RankDied(at=5.0, step=5, job_rank=2, gang_id=1),
+                NodeDied(at=5.0, step=5, node=1, gang_ids=(1,)),
+                GangDropped(at=5.0, step=5, gang_id=1, reason="node 1 died"),
+                GangJoined(at=9.0, step=9, gang_id=2, generation=2),
+            ]
+        ),
         generation=2,
         committed_batches=[(0, 40), (100, 108)],
         committed_count=48,

@@ -30,6 +30,7 @@ from raytrec.config import (
 from raytrec.data.generate import write_synthetic_parquet
 from raytrec.data.synthetic import batch_id
 from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.events import CheckpointRestored, CheckpointSaved, RankDied, TotalLoss
 from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.testing import NodeRemover, committed_row_ids, simulated_cluster
 
@@ -104,26 +105,26 @@ def test_a_lost_host_with_every_copy_of_a_shard_is_rebuilt_from_the_checkpoint(
     )
     result = fit(config, on_progress=remover, shutdown_ray=False)
     events = result.events
-    kinds = [e["kind"] for e in events]
+    kinds = events.kinds()
 
     assert result.steps == 16, kinds
     assert "node_died" in kinds and "job_failed" not in kinds, kinds
-    [total] = [e for e in events if e["kind"] == "total_loss"]
-    assert total["lost_gangs"] == [0, 1], total
+    [total] = events.of(TotalLoss)
+    assert total.lost_gangs == (0, 1), total
     # The removed node held replica group 1 (job ranks 2 and 3), and with Parquet the whole job:
     # then every rank died with it, though the coordinator sees one death first and kills
     # that rank's gang peers itself. A shard is dead when every copy was on the node.
-    died = {e["job_rank"]: e["cause"] for e in events if e["kind"] == "rank_died"}
+    died = {e.job_rank: e.cause for e in events.of(RankDied)}
     with_node = [r for r, cause in sorted(died.items()) if cause == "its node died"]
     assert with_node == ([2, 3] if source == "synthetic" else [0, 1, 2, 3]), died
-    assert total["dead_shards"] == ([1] if source == "synthetic" else [0, 1]), total
-    assert total["checkpoint_step"] == 8 and total["uri"].endswith("checkpoint_0000000008")
-    assert total["steps_to_redo"] == total["step"] - 8 >= 2, total
-    [restored] = [e for e in events if e["kind"] == "checkpoint_restored"]
+    assert total.dead_shards == ((1,) if source == "synthetic" else (0, 1)), total
+    assert total.checkpoint_step == 8 and total.uri.endswith("checkpoint_0000000008")
+    assert total.steps_to_redo == total.step - 8 >= 2, total
+    [restored] = events.of(CheckpointRestored)
     assert kinds.index("total_loss") < kinds.index("checkpoint_restored")
-    assert (restored["saved_step"], restored["step"], restored["uri"]) == (8, 8, total["uri"])
+    assert (restored.saved_step, restored.step, restored.uri) == (8, 8, total.uri)
     # Saves at 4 and 8; after the rewind to 8 the next ones are due at 12 and 16.
-    assert [e["step"] for e in events if e["kind"] == "checkpoint_saved"] == [4, 8, 12, 16]
+    assert [e.step for e in events.of(CheckpointSaved)] == [4, 8, 12, 16]
     # The rebuilt job trains from step 9 on with the initial shape, under new gang ids.
     after = result.history[[m.step for m in result.history].index(10) + 1 :]
     assert [m.step for m in after][-4:] == [10, 12, 14, 16], [m.step for m in result.history]

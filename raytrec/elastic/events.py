@@ -2,21 +2,25 @@
 
 Every failure noticed, gang dropped or added, generation started, wait for resources and final
 failure is one :class:`Event`. They go into an append-only :class:`EventLog`, which the
-coordinator returns with the run's result (``to_dicts()`` gives JSON-ready rows). ``at`` is the
-injected clock's time in seconds, ``step`` the job's completed steps when it happened.
+coordinator returns with the run's result (``Result.events``): read it by type,
+``result.events.of(GangJoined)``, or in order, each event with its ``kind``, ``at``, ``step`` and
+fields. JSON only where the events leave the process (``events.jsonl``, ``summary.json``):
+``to_dict()`` and ``to_dicts()``. ``at`` is the injected clock's time in seconds, ``step`` the
+job's completed steps when it happened.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, ClassVar, TypeVar, overload
 
 __all__ = [
     "CheckpointRestored",
     "CheckpointSaved",
     "DataReshared",
     "DrainRejected",
+    "EarlyStopped",
     "Event",
     "EventLog",
     "FailedStepSettled",
@@ -260,11 +264,13 @@ class EarlyStopped(Event):
 E = TypeVar("E", bound=Event)
 
 
-class EventLog:
-    """Append-only, time-ordered list of events."""
+class EventLog(Sequence[Event]):
+    """Append-only, time-ordered events: iterated, indexed and sliced as :class:`Event` values,
+    and read by type with :meth:`of`. Equal to another log holding the same events."""
 
-    def __init__(self) -> None:
+    def __init__(self, events: Iterable[Event] = ()) -> None:
         self._events: list[Event] = []
+        self.append(*events)
 
     def append(self, *events: Event) -> None:
         for e in events:
@@ -281,6 +287,27 @@ class EventLog:
     def __iter__(self) -> Iterator[Event]:
         return iter(tuple(self._events))
 
+    @overload
+    def __getitem__(self, index: int) -> Event: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Event, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Event | tuple[Event, ...]:
+        if isinstance(index, slice):
+            return tuple(self._events[index])
+        return self._events[index]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EventLog):
+            return NotImplemented
+        return self._events == other._events
+
+    __hash__ = None  # type: ignore[assignment]  # appended to: not hashable
+
+    def __repr__(self) -> str:
+        return f"EventLog({self._events!r})"
+
     @property
     def events(self) -> tuple[Event, ...]:
         return tuple(self._events)
@@ -293,4 +320,5 @@ class EventLog:
         return [e.kind for e in self._events]
 
     def to_dicts(self) -> list[dict[str, Any]]:
+        """Every event's :meth:`Event.to_dict`, in order (JSON-ready)."""
         return [e.to_dict() for e in self._events]

@@ -25,8 +25,11 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TextIO
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TextIO, cast
+
+if TYPE_CHECKING:
+    from raytrec.elastic.events import Event
 
 __all__ = [
     "EVENTS_FILE",
@@ -34,6 +37,7 @@ __all__ = [
     "PLOT_FILE",
     "TENSORBOARD_DIR",
     "ProgressReporter",
+    "event_dict",
     "format_event",
     "format_line",
     "row_dict",
@@ -137,6 +141,13 @@ def format_line(
         left = time_left([*earlier[-PACE_WINDOW:], row], total_steps)
         parts.append(f"{_duration(float(elapsed))} elapsed, {_duration(left)} left")
     return " | ".join(parts)
+
+
+def event_dict(event: Event | Mapping[str, Any]) -> dict[str, Any]:
+    """An event as the JSON-ready dict written to ``events.jsonl``: an event value's
+    ``to_dict()`` (:mod:`raytrec.elastic.events`), or a mapping as it is."""
+    to_dict = getattr(event, "to_dict", None)
+    return to_dict() if callable(to_dict) else dict(cast(Mapping[str, Any], event))
 
 
 def format_event(event: Mapping[str, Any], *, prefix: str = "[raytrec]") -> str:
@@ -260,21 +271,23 @@ class ProgressReporter:
 
     # -- events ------------------------------------------------------------------------------
 
-    def event(self, event: Mapping[str, Any]) -> None:
-        """Shows one of the job's events (a failure, a generation, a heal, a re-share: a dict of
-        :mod:`raytrec.elastic.events`) as a line, and appends it to ``events.jsonl``."""
-        line = format_event(event)
+    def event(self, event: Event | Mapping[str, Any]) -> None:
+        """Shows one of the job's events (a failure, a generation, a heal, a re-share: an
+        :class:`~raytrec.elastic.events.Event`, or its ``to_dict()``) as a line, and appends it
+        to ``events.jsonl``."""
+        row = event_dict(event)
+        line = format_event(row)
         if self._bar is not None:
             self._bar.write(line, file=self.console)
         else:
             print(line, file=self.console, flush=True)
         if self.run_dir is not None:
             with open(os.path.join(self.run_dir, EVENTS_FILE), "a") as f:
-                f.write(json.dumps(dict(event), default=_json_value) + "\n")
+                f.write(json.dumps(row, default=_json_value) + "\n")
 
     # -- the end -----------------------------------------------------------------------------
 
-    def close(self, events: Sequence[Any] = ()) -> str | None:
+    def close(self, events: Iterable[Event | Mapping[str, Any]] = ()) -> str | None:
         """Closes the outputs and writes the PNG plot with ``events`` (and generation changes)
         marked; returns the plot's path (None without a run directory, rows or ``plot``)."""
         if self._closed:
@@ -289,8 +302,7 @@ class ProgressReporter:
         if self.plot and self.run_dir is not None and self.rows:
             from raytrec.observability.plots import GENERATION_KINDS, generation_events, plot_run
 
-            # Mappings, or event values with to_dict() (raytrec.elastic.events).
-            marked = [e.to_dict() if hasattr(e, "to_dict") else dict(e) for e in events]
+            marked = [event_dict(e) for e in events]
             if not any(e.get("kind") in GENERATION_KINDS for e in marked):
                 marked += generation_events(self.rows)
             self.plot_path = plot_run(

@@ -70,7 +70,7 @@ def ledger(
     """The ledger of ``result`` as a JSON-ready dict; ``stopped``: why the job ended early
     with its model saved; ``failed``: why it ended without one."""
     history = result.history
-    kinds = collections.Counter(e.get("kind") for e in result.events)
+    kinds = collections.Counter(result.events.kinds())
     distinct = sum(b - a for a, b in result.committed_batches)
     replayed = sum(b - a for a, b in result.replayed_batches)
     last = history[-1] if history else None
