@@ -263,7 +263,7 @@ def _loss(state: JobState, loss: Loss) -> Reform | TotalLoss | Fail:
     )
     decision = decide_membership(membership, now=0.0, config=state.elastic)
     if isinstance(decision, Reform):
-        return decision
+        return dataclasses.replace(decision, hung_ranks=tuple(sorted(loss.hung)))
     own = tuple(sorted(r for r in lost if r not in loss.peers_killed))
     failed = tuple(sorted(gangs))
     dead_shards = m.dead_shards(own)
