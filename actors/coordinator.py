@@ -45,6 +45,7 @@ from actors.evaluation import JobEvaluation
 from actors.gang_placement import JobPlacement
 from actors.growth import GangGrowth
 from actors.nodes import JobNodes
+from actors.ports import JobPorts
 from actors.recovery import Dispatched, FailureRecovery, IntervalOutcome
 from actors.reshare import DataStreams, StreamTable
 from actors.total_loss import TotalLossRecovery
@@ -141,8 +142,6 @@ class Coordinator:
         self.new_shard = new_shard  # job rank -> BatchShard, for gangs that join later
         self.resume_from = resume_from  # a checkpoint to start from
         self.features = features  # the row layout trained on, saved with the model
-        # Held-out evaluation (raytrec.eval_plan): its shard and plan, when configured.
-        self.evaluation = None if evaluation is None else JobEvaluation(self, *evaluation)
         self.elastic = config.elastic
         self.topology = config.scaling.topology()
         self.membership = Membership.initial(self.topology)
@@ -178,8 +177,25 @@ class Coordinator:
         # The parts of the job with state of their own, each in its module: where the ranks
         # run, where they read, gangs being added, drains, failures, the rebuild after a total
         # loss, and checkpoints. The decisions they carry out are made in raytrec.elastic.
+        self.ports = JobPorts(
+            call=self._call,
+            live_ranks=self._live_ranks,
+            gang_of=self._gang_of,
+            step=lambda: self.step,
+            sync=self._sync_unless_synced,
+            record=self.events.append,
+            now=self._now,
+            clock=self.clock,
+            cluster_nodes=self.group.nodes,
+        )
+        # Held-out evaluation (raytrec.eval_plan): its shard and plan, when configured.
+        self.evaluation = (
+            None
+            if evaluation is None
+            else JobEvaluation(*evaluation, config=config.eval, job=self.ports)
+        )
         self.placement = JobPlacement(self)
-        self.nodes = JobNodes(self)
+        self.nodes = JobNodes(self.ports)
         self.streams = DataStreams(self, table)
         self.growth = GangGrowth(self)
         self.drains = GangDrain(self)
@@ -779,6 +795,12 @@ class Coordinator:
         if last_sync is not None:
             self.membership = self.membership.synced(last_sync)
         self.step = max((r.step for r in reports), default=self.step)
+
+    def _sync_unless_synced(self) -> None:
+        """A job-wide sync and its commit, unless the job synced at its step already."""
+        if self.membership.last_sync_step != self.step:
+            self._call(self._live_ranks(), lambda w, _r: w.sync())
+            self._commit_all()
 
     def _commit_all(self) -> None:
         """A job-wide sync just completed: everything trained so far is in every replica."""
