@@ -1,11 +1,12 @@
 """Checkpoints of a running job: when to save, saving, and starting from one.
 
-:class:`JobCheckpoints` is a part of :class:`~actors.coordinator.Coordinator` with state of its
-own (the last save's step and time, the last checkpoint). The checkpoint policy decides when
-(:func:`~raytrec.checkpoint.config.save_decision`); one gang writes after a job-wide sync, so its
-copy is the job's state, with the batch accounting, which a rebuild after a total loss or a
-resume rewinds to. A resume loads the checkpoint into every gang, resharded to this job's shape,
-and continues the saved data streams on any number of ranks.
+:class:`JobCheckpoints` is a part of :class:`~actors.coordinator.Coordinator` with state of its own
+(the last save's step and time, the last checkpoint). When to save is a
+:class:`~raytrec.elastic.decisions.Checkpoint` of :func:`~raytrec.elastic.boundary.decide` (the
+rule: :func:`~raytrec.checkpoint.config.save_decision`); one gang writes after a job-wide sync, so
+its copy is the job's state, with the batch accounting, which a rebuild after a total loss or a
+resume rewinds to. A resume loads the checkpoint into every gang, resharded to this job's shape, and
+continues the saved data streams on any number of ranks.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from raytrec.checkpoint.config import SCORE_ATTRIBUTES, checkpoint_root, save_decision
+from raytrec.checkpoint.config import SCORE_ATTRIBUTES, checkpoint_root
+from raytrec.elastic.decisions import RollbackPoint
 from raytrec.elastic.events import CheckpointRestored, CheckpointSaved
-from raytrec.elastic.rollback import RollbackPoint, StreamStart
+from raytrec.elastic.rollback import StreamStart
 
 if TYPE_CHECKING:
     from actors.coordinator import Coordinator
@@ -80,29 +82,10 @@ class JobCheckpoints:
             )
         )
 
-    def due(self, step: int, *, final: bool = False, stopping: bool = False) -> bool:
-        """Whether the checkpoint policy wants a save at ``step``."""
-        last_step, last_clock = self.last_save
-        evaluation = self.job.evaluation
-        decision = save_decision(
-            self.job.cfg.checkpoint,
-            step=step,
-            now_s=self.job.clock.monotonic(),
-            last_save_step=last_step,
-            last_save_s=last_clock,
-            sync_every=1,  # a sync is done right here when one is due
-            final_step=self.job.end_step if final else None,
-            stopping=stopping,
-            evaluated=evaluation is not None and evaluation.last_step == step,
-        )
-        return decision.save and step != 0 and last_step != step
-
-    def maybe_save(self, *, final: bool = False, stopping: bool = False) -> None:
-        """Saves a checkpoint when the policy says so: one gang writes, after a job-wide sync
-        (so its copy is the job's state)."""
+    def save(self) -> None:
+        """Saves a checkpoint (a :class:`~raytrec.elastic.decisions.Checkpoint` decided here):
+        one gang writes, after a job-wide sync (so its copy is the job's state)."""
         cfg = self.job.cfg.checkpoint
-        if not self.due(self.job.step, final=final, stopping=stopping):
-            return
         if self.job.membership.last_sync_step != self.job.step:
             self.job._call(self.job._live_ranks(), lambda w, _r: w.sync())
             self.job._commit_all()

@@ -19,8 +19,10 @@ Elasticity, at interval granularity:
 - **Total loss** (:mod:`actors.total_loss`). When some shard has no live copy left, the job is
   rebuilt from its last checkpoint; without one it fails.
 
-The decisions are pure functions of :mod:`raytrec.elastic`; this class and its parts gather
-what they need and carry them out.
+Every decision is a value of one union (:mod:`raytrec.elastic.decisions`) returned by one pure
+function, :func:`raytrec.elastic.boundary.decide`, called at each boundary of the loop with the
+job's state and what was observed there; this class and its parts gather the observations and
+carry the decisions out (a ``match`` on the union).
 
 Every failure, generation, heal and resize is an event (:mod:`raytrec.elastic.events`) with its
 time and step, returned in the run summary.
@@ -43,18 +45,35 @@ from actors.evaluation import JobEvaluation
 from actors.gang_placement import JobPlacement
 from actors.growth import GangGrowth
 from actors.nodes import JobNodes
-from actors.recovery import MAX_TRANSIENT, Dispatched, FailureRecovery, IntervalOutcome
+from actors.ports import JobPorts
+from actors.recovery import Dispatched, FailureRecovery, IntervalOutcome
 from actors.reshare import DataStreams, StreamTable
 from actors.total_loss import TotalLossRecovery
+from raytrec.cluster.topology import Layout
 from raytrec.config import TrainConfig
 from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.source import BatchShard
 from raytrec.data.spec import FeatureSpec
 from raytrec.data.synthetic import batch_id
 from raytrec.elastic.accounting import BatchAccounting
+from raytrec.elastic.boundary import (
+    MAX_TRANSIENT,
+    JobState,
+    Observations,
+    decide,
+    evaluation_due,
+    save_due,
+)
 from raytrec.elastic.control import Boundary, intervals_to_queue
+from raytrec.elastic.decisions import Checkpoint, Continue, Drain, Evaluate, Fail, Grow, Stop, Wait
 from raytrec.elastic.drain_policy import stop_requested
-from raytrec.elastic.events import Event, EventLog, GenerationStarted
+from raytrec.elastic.events import (
+    Event,
+    EventLog,
+    GenerationStarted,
+    JobFailed,
+    ResourcesWaited,
+)
 from raytrec.elastic.heal import failed_heals, replicas_disagree
 from raytrec.elastic.membership import Membership
 from raytrec.elastic.rank_protocol import RankProtocol, StateDigest
@@ -129,8 +148,6 @@ class Coordinator:
         self.new_shard = new_shard  # job rank -> BatchShard, for gangs that join later
         self.resume_from = resume_from  # a checkpoint to start from
         self.features = features  # the row layout trained on, saved with the model
-        # Held-out evaluation (raytrec.eval_plan): its shard and plan, when configured.
-        self.evaluation = None if evaluation is None else JobEvaluation(self, *evaluation)
         self.elastic = config.elastic
         self.topology = config.scaling.topology()
         self.membership = Membership.initial(self.topology)
@@ -166,8 +183,25 @@ class Coordinator:
         # The parts of the job with state of their own, each in its module: where the ranks
         # run, where they read, gangs being added, drains, failures, the rebuild after a total
         # loss, and checkpoints. The decisions they carry out are made in raytrec.elastic.
+        self.ports = JobPorts(
+            call=self._call,
+            live_ranks=self._live_ranks,
+            gang_of=self._gang_of,
+            step=lambda: self.step,
+            sync=self._sync_unless_synced,
+            record=self.events.append,
+            now=self._now,
+            clock=self.clock,
+            cluster_nodes=self.group.nodes,
+        )
+        # Held-out evaluation (raytrec.eval_plan): its shard and plan, when configured.
+        self.evaluation = (
+            None
+            if evaluation is None
+            else JobEvaluation(*evaluation, config=config.eval, job=self.ports)
+        )
         self.placement = JobPlacement(self)
-        self.nodes = JobNodes(self)
+        self.nodes = JobNodes(self.ports)
         self.streams = DataStreams(self, table)
         self.growth = GangGrowth(self)
         self.drains = GangDrain(self)
@@ -357,18 +391,19 @@ class Coordinator:
                 if not inflight:
                     t0 = self.clock.perf_counter()  # the interval's time includes what precedes it
                     n = min(every, self.end_step - self.step)
-                    if stop is not None and self._ready < n:
-                        stopped_by = stop  # bad input, or the end of the data, in what is next
-                        break
-                    if self._stop_asked():
-                        stopped_by = StopRequested(f"stopped on request at step {self.step}")
+                    # Bad input, or the end of the data, in what is next; else a user's request.
+                    data_stop = str(stop) if stop is not None and self._ready < n else None
+                    halt = self._stopping(data_stop=data_stop, asked=self._stop_asked)
+                    if halt is not None:
+                        stopped_by = stop if halt.cause == "data" else StopRequested(halt.reason)
                         break
                     self.nodes.report_late_deaths()
-                    self.drains.apply()
-                    self.growth.admit()
-                    self.growth.wait_for_min_gangs()
-                    if self._stop.is_set():  # asked while it waited for gangs
-                        stopped_by = StopRequested(f"stopped on request at step {self.step}")
+                    self._drain()
+                    self._admit()
+                    self._wait_for_gangs()
+                    halt = self._stopping(asked=self._stop.is_set)  # asked while it waited
+                    if halt is not None:
+                        stopped_by = StopRequested(halt.reason)
                         break
                     # A join may have shared the rows left among more ranks: the end is sooner.
                     n = min(every, self.end_step - self.step)
@@ -427,9 +462,11 @@ class Coordinator:
             with self._lock:
                 self._history.append(row)
             if held_out is not None and self.evaluation is not None:
-                early = self.evaluation.early_stop()
-                if early is not None:
-                    return EarlyStopped(early)  # nothing is queued after an evaluation
+                seen = Observations(evaluated=True)
+                for decision in decide(self.job_state(), seen, self.clock.monotonic()):
+                    if isinstance(decision, Stop):
+                        self.evaluation.early_stopped(decision)
+                        return EarlyStopped(decision.reason)  # nothing is queued after it
             going_on = stop is None or self._ready >= min(every, self.end_step - self.step)
             if not inflight and going_on and self.step < self.end_step:
                 self._checkpoint()
@@ -440,7 +477,7 @@ class Coordinator:
         recovered from as anywhere else, and the checkpoint waits for the next boundary where
         one is due."""
         try:
-            self.checkpoints.maybe_save()
+            self._save_if_due(Observations(save=True))
         except RankCallError as e:
             self.recovery.recover_until_stable(self.recovery.probe(e))
             self._ready = 0  # recovery may have re-opened the ranks' feeds
@@ -456,7 +493,7 @@ class Coordinator:
             ready=self._ready,
             work_at_boundary=bool(self.growth.pending or self.growth.building)
             or self._stop_asked()
-            or self.drains.decision(take=False) is not None,
+            or self._drain_due(),
             live_gangs=self.membership.num_gangs,
             min_gangs=self.elastic.min_gangs,
         )
@@ -473,15 +510,21 @@ class Coordinator:
         return self._stop.is_set()
 
     def _work_due(self, step: int) -> bool:
-        """Whether a checkpoint or an evaluation is due at the boundary at ``step``."""
-        return self.checkpoints.due(step) or (
-            self.evaluation is not None and self.evaluation.due(step)
-        )
+        """Whether a checkpoint or an evaluation is due at the boundary at ``step`` (the rules
+        :func:`~raytrec.elastic.boundary.decide` applies when the job gets there)."""
+        state = self.job_state()
+        due = save_due(state, step=step, now=self.clock.monotonic()) is not None
+        return due or evaluation_due(state, step)
 
     def _evaluate(self) -> InterpretedMetrics | None:
         """Runs the held-out evaluation when one is due here; a rank lost meanwhile is
         recovered from as anywhere else, and the evaluation waits for the next boundary."""
-        if self.evaluation is None or not self.evaluation.due(self.step):
+        if self.evaluation is None:
+            return None
+        seen = Observations(evaluate=True)
+        if not any(
+            isinstance(d, Evaluate) for d in decide(self.job_state(), seen, self.clock.monotonic())
+        ):
             return None
         try:
             return self.evaluation.run()
@@ -502,12 +545,106 @@ class Coordinator:
             )  # end on a sync: every replica the same
         self._commit_all()
         if checkpoint:
-            self.checkpoints.maybe_save(final=True, stopping=stopping)
+            self._save_if_due(Observations(save=True, final=True, stopping=stopping))
         digests = self._final_digests()
         if final is not None:
             first_gang = self.membership.gangs[0]
             self._call(list(first_gang.job_ranks), lambda w, _r: w.save(final))
         return digests
+
+    # -- decisions at a boundary ----------------------------------------------------------------
+
+    def job_state(self) -> JobState:
+        """The job's state values :func:`~raytrec.elastic.boundary.decide` reads."""
+        return JobState(
+            membership=self.membership,
+            step=self.step,
+            end_step=self.end_step,
+            max_gangs=self.max_gangs,
+            elastic=self.elastic,
+            sync_every=self.cfg.sync.sync_every,
+            transient=self.recovery.transient,
+            within_host=self.topology.layout is Layout.REPLICAS_WITHIN_HOST,
+            replayable=self._stream_id is not None,
+            point=self.total_loss.point,
+            checkpoint=self.cfg.checkpoint,
+            last_save=self.checkpoints.last_save,
+            evaluation=None if self.evaluation is None else self.evaluation.state(),
+        )
+
+    def _stopping(self, *, asked: Callable[[], bool], data_stop: str | None = None) -> Stop | None:
+        """The :class:`Stop` decided here, if any: ``data_stop`` (why a rank could not prepare
+        what is next), else ``asked()`` (a stop was requested; asked only then)."""
+        seen = Observations(data_stop=data_stop, stop_requested=data_stop is None and asked())
+        (decision, *_) = decide(self.job_state(), seen, self.clock.monotonic())
+        return decision if isinstance(decision, Stop) else None
+
+    def _drain_due(self) -> bool:
+        """Whether a drain would run at the next boundary (the request is left in place)."""
+        seen = Observations(drain=self.drains.request(take=False), node_of_rank=self.nodes.of_rank)
+        (decision, *_) = decide(self.job_state(), seen, self.clock.monotonic())
+        return isinstance(decision, Drain)
+
+    def _drain(self) -> None:
+        """Takes what is asked to be given back and carries out the :class:`Drain` decided."""
+        seen = Observations(drain=self.drains.request(take=True), node_of_rank=self.nodes.of_rank)
+        for decision in decide(self.job_state(), seen, self.clock.monotonic()):
+            match decision:
+                case Drain():
+                    self.drains.apply(decision)
+                case Continue():
+                    pass
+
+    def _admit(self) -> None:
+        """Starts building the gangs whose placement became ready, and joins the built ones as
+        the :class:`Grow` decided says."""
+        self.growth.start_ready()
+        built = self.growth.built()
+        if not built:
+            return
+        seen = Observations(built=tuple(b.gang for b in built))
+        for decision in decide(self.job_state(), seen, self.clock.monotonic()):
+            match decision:
+                case Grow():
+                    self.growth.join(built, decision)
+
+    def _wait_for_gangs(self) -> None:
+        """Below ``elastic.min_gangs`` training pauses until gangs join, for as long as the
+        :class:`Wait` decided says (then a :class:`Fail`); a stop asked meanwhile ends it."""
+        since = self._now()
+        waited = False
+        while True:
+            seen = Observations(waiting_since=since, stop_requested=self._stop.is_set())
+            (decision, *_) = decide(self.job_state(), seen, self._now())
+            match decision:
+                case Continue() | Stop():
+                    return
+                case Fail():
+                    self.events.append(
+                        JobFailed(at=self._now(), step=self.step, reason=decision.reason)
+                    )
+                    raise JobFailedError(decision.reason)
+                case Wait() if not waited:
+                    self.events.append(
+                        ResourcesWaited(
+                            at=self._now(),
+                            step=self.step,
+                            live_gangs=self.membership.num_gangs,
+                            min_gangs=self.elastic.min_gangs,
+                            deadline=decision.deadline,
+                        )
+                    )
+                    self.growth.request()
+                    waited = True
+            self.clock.sleep(self.elastic.poll_s)
+            self._admit()
+
+    def _save_if_due(self, seen: Observations) -> None:
+        """Saves a checkpoint when the :class:`Checkpoint` decision says so."""
+        for decision in decide(self.job_state(), seen, self.clock.monotonic()):
+            match decision:
+                case Checkpoint():
+                    self.checkpoints.save()
 
     # -- one interval -------------------------------------------------------------------------
 
@@ -664,6 +801,12 @@ class Coordinator:
         if last_sync is not None:
             self.membership = self.membership.synced(last_sync)
         self.step = max((r.step for r in reports), default=self.step)
+
+    def _sync_unless_synced(self) -> None:
+        """A job-wide sync and its commit, unless the job synced at its step already."""
+        if self.membership.last_sync_step != self.step:
+            self._call(self._live_ranks(), lambda w, _r: w.sync())
+            self._commit_all()
 
     def _commit_all(self) -> None:
         """A job-wide sync just completed: everything trained so far is in every replica."""

@@ -1,12 +1,12 @@
 """Giving gangs back on purpose: the coordinator's part that carries out a drain.
 
 :class:`GangDrain` reads what is asked (a user's request in the run directory,
-:func:`raytrec.drain`; nodes the cluster marks as draining), asks
-:func:`~raytrec.elastic.drain_policy.decide_drain` what to give back, and at an interval boundary
-does
-it: a job-wide sync commits every gang's work, the drained gangs' streams are retired where they
-stand and the rows left are shared again among the others, their placement groups are released,
-and a new generation starts. No row is lost or trained twice.
+:func:`raytrec.drain`; nodes the cluster marks as draining) for
+:func:`~raytrec.elastic.boundary.decide`, and carries out the
+:class:`~raytrec.elastic.decisions.Drain` it returns at an interval boundary: a job-wide sync
+commits every gang's work, the drained gangs' streams are retired where they stand and the rows
+left are shared again among the others, their placement groups are released, and a new
+generation starts. No row is lost or trained twice.
 """
 
 from __future__ import annotations
@@ -14,13 +14,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from raytrec.elastic.drain_policy import (
-    REQUEST_FILE,
-    Drain,
-    DrainRequest,
-    decide_drain,
-    read_request,
-)
+from raytrec.elastic.decisions import Drain
+from raytrec.elastic.drain_policy import REQUEST_FILE, DrainRequest, read_request
 from raytrec.elastic.events import DrainRejected, GangDrained
 from raytrec.errors import ConfigError
 
@@ -36,11 +31,9 @@ class GangDrain:
     def __init__(self, job: Coordinator) -> None:
         self.job = job
 
-    def decision(self, *, take: bool) -> Drain | None:
-        """What the policy says to give back now
-        (:func:`~raytrec.elastic.drain_policy.decide_drain`),
-        from a user's request in the run directory and the nodes the cluster is draining.
-        ``take``: a user's request is consumed (it is being carried out)."""
+    def request(self, *, take: bool) -> DrainRequest:
+        """What is asked now: a user's request in the run directory and the nodes the cluster
+        is draining. ``take``: a user's request is consumed (it is being carried out)."""
         path = os.path.join(self.job.run_dir, REQUEST_FILE)
         try:
             request = read_request(path, remove=take)
@@ -53,22 +46,12 @@ class GangDrain:
         draining = self.job.group.draining_nodes()
         if draining:
             request = request.merged(DrainRequest(nodes=frozenset(draining)))
-        decision = decide_drain(
-            self.job.membership,
-            request,
-            node_of_rank=self.job.nodes.of_rank,
-            max_gangs=self.job.max_gangs,
-            min_gangs=self.job.elastic.min_gangs,
-        )
-        return decision
+        return request
 
-    def apply(self) -> None:
-        """Gives gangs back at this boundary (nothing in flight): a job-wide sync commits their
-        work, the rows they had not trained are shared again among the others, and their
-        placement groups are released; no row is lost or trained twice."""
-        decision = self.decision(take=True)
-        if decision is None:
-            return
+    def apply(self, decision: Drain) -> None:
+        """Gives gangs back at this boundary (nothing in flight), as ``decision`` says: a
+        job-wide sync commits their work, the rows they had not trained are shared again among
+        the others, and their placement groups are released; no row is lost or trained twice."""
         self.job.max_gangs = decision.max_gangs
         if decision.gangs:
             self.job._call(self.job._live_ranks(), lambda w, _r: w.sync())

@@ -1,25 +1,28 @@
 """The coordinator's part that runs held-out evaluations (raytrec.eval_plan): when one is due
-(``eval_due``), after a job-wide sync, the live ranks score the held-out batches
-(``assign_eval_batches``) and the coordinator merges their metric states. It keeps the score of
-each evaluation for early stopping (``early_stop_decision``)."""
+(an :class:`~raytrec.elastic.decisions.Evaluate` of :func:`~raytrec.elastic.boundary.decide`),
+after a job-wide sync, the live ranks score the held-out batches (``assign_eval_batches``) and
+the coordinator merges their metric states. It keeps the score of each evaluation, which early
+stopping is decided on. It sees the job through :class:`~actors.ports.JobPorts` only."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from actors.ports import JobPorts
+from raytrec.config import EvalConfig
+from raytrec.elastic.boundary import EvalState
+from raytrec.elastic.decisions import Stop
 from raytrec.elastic.events import EarlyStopped
-from raytrec.eval_plan import EvalPlan, assign_eval_batches, early_stop_decision, eval_due
+from raytrec.eval_plan import EvalPlan, assign_eval_batches
 from raytrec.observability.rec_metrics import InterpretedMetrics, merge_metric_states
-
-if TYPE_CHECKING:
-    from actors.coordinator import Coordinator
 
 
 class JobEvaluation:
     """Evaluations of one job: the held-out shard, its plan and the last step evaluated."""
 
-    def __init__(self, job: Coordinator, shard: Any, plan: EvalPlan) -> None:
+    def __init__(self, shard: Any, plan: EvalPlan, *, config: EvalConfig, job: JobPorts) -> None:
         self.job = job
+        self.config = config
         self.shard = shard
         self.plan = plan
         # The start counts as evaluated: the first evaluation is at the first boundary at or
@@ -28,51 +31,43 @@ class JobEvaluation:
         # (step, early_stopping_metric) of every evaluation, in order.
         self.scores: list[tuple[int, float | None]] = []
 
-    def due(self, step: int) -> bool:
-        return self.plan.num_batches > 0 and eval_due(
-            step,
-            every=self.job.cfg.eval.every_n_steps,
-            last_eval_step=self.last_step,
-            end_step=self.job.end_step,
+    def state(self) -> EvalState:
+        """The schedule and scores :func:`~raytrec.elastic.boundary.decide` reads."""
+        cfg = self.config
+        return EvalState(
+            every=cfg.every_n_steps,
+            batches=self.plan.num_batches,
+            last_step=self.last_step,
+            metric=cfg.early_stopping_metric,
+            patience=cfg.early_stopping_patience,
+            min_delta=cfg.early_stopping_min_delta,
+            scores=tuple(self.scores),
         )
 
     def run(self) -> InterpretedMetrics:
         """Evaluates the job's model as of now (after a sync when the gangs' copies differ)."""
         job = self.job
-        if job.membership.last_sync_step != job.step:
-            job._call(job._live_ranks(), lambda w, _r: w.sync())
-            job._commit_all()
-        ranks = job._live_ranks()
+        job.sync()
+        ranks = job.live_ranks()
         assigned = assign_eval_batches(self.plan.num_batches, ranks)
         shard, batch_size = self.shard, self.plan.batch_size
-        states = job._call(ranks, lambda w, r: w.evaluate(shard, assigned[r], batch_size))
-        self.last_step = job.step
+        states = job.call(ranks, lambda w, r: w.evaluate(shard, assigned[r], batch_size))
+        self.last_step = job.step()
         merged = merge_metric_states(states)
-        metric = job.cfg.eval.early_stopping_metric
-        self.scores.append((job.step, getattr(merged, metric.removeprefix("eval_"))))
+        metric = self.config.early_stopping_metric
+        self.scores.append((job.step(), getattr(merged, metric.removeprefix("eval_"))))
         return merged
 
-    def early_stop(self) -> str | None:
-        """Why the job stops after the last evaluation (an ``early_stopped`` event), or None."""
-        cfg = self.job.cfg.eval
-        if cfg.early_stopping_patience is None or self.job.step >= self.job.end_step:
-            return None
-        decision = early_stop_decision(
-            self.scores,
-            metric=cfg.early_stopping_metric,
-            patience=cfg.early_stopping_patience,
-            min_delta=cfg.early_stopping_min_delta,
-        )
-        if decision is None:
-            return None
-        self.job.events.append(
+    def early_stopped(self, stop: Stop) -> None:
+        """Records an early stop (a :class:`~raytrec.elastic.decisions.Stop`) as an
+        ``early_stopped`` event."""
+        self.job.record(
             EarlyStopped(
-                at=self.job._now(),
-                step=self.job.step,
-                metric=cfg.early_stopping_metric,
-                best=decision.best,
-                best_step=decision.best_step,
-                reason=decision.reason,
+                at=self.job.now(),
+                step=self.job.step(),
+                metric=stop.metric,
+                best=stop.best,
+                best_step=stop.best_step,
+                reason=stop.reason,
             )
         )
-        return decision.reason

@@ -4,7 +4,7 @@
 own: the placement group of every live gang (one for the whole job under
 ``replicas_within_host``) and the job ranks whose actor was started and not yet ended. It places
 a whole job of the topology's shape (at the start, and again after a total loss), waiting for
-the cluster as :func:`~raytrec.elastic.control.placement_decision` says, with a
+the cluster as :func:`~raytrec.elastic.boundary.decide` says, with a
 ``placement_waiting`` event while it waits; it starts one rank actor per job rank and ends the
 actors and placement groups of gangs that are dropped, drained or given up.
 """
@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 from raytrec.cluster.capacity import describe_bundles, describe_nodes
 from raytrec.cluster.placement import placement_specs, rank_resources
 from raytrec.cluster.topology import Layout
-from raytrec.elastic.control import Fail, Proceed, placement_decision
+from raytrec.elastic.boundary import Observations, PlacementSeen, decide
+from raytrec.elastic.decisions import Continue, Fail, Stop
 from raytrec.elastic.events import PlacementWaiting
 from raytrec.elastic.membership import Gang
 from raytrec.elastic.workers import Placement
@@ -49,7 +50,8 @@ class JobPlacement:
         starts its rank actors, job rank ``r`` reading ``shard_of(r)``. Until the placement
         groups are ready they are pending (the demand an autoscaler sees) and a
         ``placement_waiting`` event says so every ``PLACEMENT_REPORT_S``; returns why it gave
-        up (``placement_decision``), with nothing left behind, or None once placed."""
+        up (a :class:`~raytrec.elastic.decisions.Fail`), with nothing left behind, or None once
+        placed."""
         specs = placement_specs(self.job.topology, per_rank=self.per_rank())
         # Names stay unique when a rebuilt job is placed again in a later generation.
         suffix = f"-gen{self.job.membership.generation}" if self.job.membership.generation else ""
@@ -63,20 +65,18 @@ class JobPlacement:
             every = min(PLACEMENT_REPORT_S, self.job.elastic.resource_wait_s / 3)
             ready = len(self.job.group.ready(pgs, timeout=max(0.0, min(every, left))))
             now = self.job.clock.monotonic()
-            decision = placement_decision(
-                ready=ready == len(pgs),
-                waiting_since=since,
-                now=now,
-                resource_wait_s=self.job.elastic.resource_wait_s,
-                asked=asked,
+            seen = Observations(
+                placement=PlacementSeen(ready=ready == len(pgs), since=since, asked=asked),
+                stop_requested=self.job._stop_asked(),
             )
-            if isinstance(decision, Proceed):
+            (decision,) = decide(self.job.job_state(), seen, now)
+            if isinstance(decision, Continue):
                 break
-            if isinstance(decision, Fail) or self.job._stop_asked():
+            if isinstance(decision, Fail | Stop):
                 for pg in pgs:
                     self.job.group.release(pg)
-                if not isinstance(decision, Fail):  # `ray job stop`, say: no need to wait on
-                    return f"stopped on request while it waited for {asked}"
+                if isinstance(decision, Stop):  # `ray job stop` while it waited, say
+                    return decision.reason
                 nodes = describe_nodes(self.job.group.nodes())
                 return f"{decision.reason}; the cluster's live nodes: {nodes}"
             self.job.events.append(

@@ -7,12 +7,14 @@ becomes ready is started and built (its actors import, join their gang world and
 seconds) while the live gangs keep training. Once every rank of it is built it joins at the next
 interval boundary: a job-wide sync among the live gangs, a new generation including it, and a
 broadcast of the full state from a live peer gang. The survivors pause only for that join.
-Below ``elastic.min_gangs`` training waits for placements, up to ``elastic.resource_wait_s``.
+Below ``elastic.min_gangs`` training waits for placements, up to ``elastic.resource_wait_s``
+(the coordinator's loop, as :func:`~raytrec.elastic.boundary.decide` says).
 
 A part of the :class:`~actors.coordinator.Coordinator` with state of its own (the placements
-requested, the gangs being built and joining); the decisions it carries out are made in
-:mod:`raytrec.elastic` (:func:`~raytrec.elastic.control.gangs_to_request`,
-:func:`~raytrec.elastic.control.resources_decision`, :func:`~raytrec.elastic.heal.failed_heals`).
+requested, the gangs being built and joining); it carries out the
+:class:`~raytrec.elastic.decisions.Grow` that :func:`~raytrec.elastic.boundary.decide` returns
+for the gangs built, and asks :func:`~raytrec.elastic.control.gangs_to_request` how much to keep
+pending and :func:`~raytrec.elastic.heal.failed_heals` whether each healed.
 """
 
 from __future__ import annotations
@@ -23,21 +25,19 @@ from typing import TYPE_CHECKING, Any
 
 from raytrec.cluster.placement import placement_specs, rank_resources
 from raytrec.cluster.topology import Layout
-from raytrec.elastic.control import Fail, Proceed, gangs_to_request, resources_decision
+from raytrec.elastic.control import gangs_to_request
+from raytrec.elastic.decisions import Grow
 from raytrec.elastic.events import (
     GangHealed,
     GangJoined,
     GangPlaced,
     GangRequested,
     HealFailed,
-    JobFailed,
-    ResourcesWaited,
 )
 from raytrec.elastic.heal import failed_heals
 from raytrec.elastic.membership import Gang
 from raytrec.elastic.report import RankInfo
 from raytrec.elastic.workers import Placement, RankCallError
-from raytrec.errors import JobFailedError
 
 if TYPE_CHECKING:
     from actors.coordinator import Coordinator
@@ -92,15 +92,12 @@ class GangGrowth:
             )
         )
 
-    def admit(self) -> None:
-        """Starts building the gangs whose placement became ready, and joins the built ones.
-
-        Building a gang (its ranks' imports, gang world and sharded model: seconds) runs in the
-        background while the live gangs train; they pause only for the join itself, at an
-        interval boundary, once every rank of the new gang is built.
-        """
+    def start_ready(self) -> None:
+        """Starts building the gangs whose placement became ready. Building a gang (its ranks'
+        imports, gang world and sharded model: seconds) runs in the background while the live
+        gangs train; they pause only for the join itself (:meth:`join`), at an interval
+        boundary, once every rank of the new gang is built."""
         self._start_ready()
-        self._join_built()
 
     def _start_ready(self) -> None:
         if not self.pending:
@@ -122,9 +119,9 @@ class GangGrowth:
             builds = self.job.group.call(gang.job_ranks, lambda w, _r: w.build())
             self.building[gang.gang_id] = Building(gang=gang, builds=builds)
 
-    def _join_built(self) -> None:
-        """Joins every gang whose ranks are all built; drops (and asks again for) a gang that
-        lost a rank while building."""
+    def built(self) -> list[Building]:
+        """The gangs whose every rank is built, taken out of :attr:`building` to join; drops
+        (and asks again for) a gang that lost a rank while building."""
         built: list[Building] = []
         for gid, b in list(self.building.items()):
             futures = list(b.builds.values())
@@ -142,8 +139,12 @@ class GangGrowth:
             elif len(done) == len(futures):
                 del self.building[gid]
                 built.append(b)
-        if not built:
-            return
+        return built
+
+    def join(self, built: list[Building], decision: Grow) -> None:
+        """Joins the ``built`` gangs as ``decision`` says: a job-wide sync among the live gangs,
+        a new generation with them, a broadcast of the full state from the peer gang and a
+        check that each healed."""
         new_ranks: list[int] = []
         for b in built:
             infos: list[RankInfo] = [self.job.group.result(f) for f in b.builds.values()]
@@ -162,7 +163,7 @@ class GangGrowth:
                 self.abandon(b.gang)
             raise
         self.job._commit_all()
-        peer = self.job.membership.gangs[0].gang_id
+        peer = decision.gangs[0].heal_from
         gangs = self.job.nodes.with_nodes([b.gang for b in built])
         reshare = self.job.streams.table is not None
         for r in new_ranks:  # they train from this step on
@@ -254,37 +255,3 @@ class GangGrowth:
         self.job.placement.release(gang.gang_id, gang.job_ranks)
         for r in gang.job_ranks:
             self.shards_of_new.pop(r, None)
-
-    def wait_for_min_gangs(self) -> None:
-        """Below ``elastic.min_gangs`` training pauses until gangs join, for as long as
-        :func:`~raytrec.elastic.control.resources_decision` allows."""
-        job, elastic = self.job, self.job.elastic
-        since = job._now()
-        waited = False
-        while True:
-            decision = resources_decision(
-                live=job.membership.num_gangs,
-                min_gangs=elastic.min_gangs,
-                waiting_since=since,
-                now=job._now(),
-                resource_wait_s=elastic.resource_wait_s,
-            )
-            if isinstance(decision, Proceed) or job._stop.is_set():
-                return
-            if isinstance(decision, Fail):
-                job.events.append(JobFailed(at=job._now(), step=job.step, reason=decision.reason))
-                raise JobFailedError(decision.reason)
-            if not waited:
-                job.events.append(
-                    ResourcesWaited(
-                        at=job._now(),
-                        step=job.step,
-                        live_gangs=job.membership.num_gangs,
-                        min_gangs=elastic.min_gangs,
-                        deadline=decision.deadline,
-                    )
-                )
-                self.request()
-                waited = True
-            job.clock.sleep(elastic.poll_s)
-            self.admit()

@@ -5,7 +5,8 @@ the Ray node of every built rank, the gangs each node held, its address, and the
 reported dead. It names nodes the way events do (``<node id prefix> at <address>``), gives the
 sync planner a small index per node, and turns what Ray says about lost ranks into
 ``node_died`` events: at once when a rank's call says its node died, or later, at an interval
-boundary, when the node table catches up with a node that went without saying so.
+boundary, when the node table catches up with a node that went without saying so. It sees the
+job through :class:`~actors.ports.JobPorts` only.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from actors.ports import JobPorts
 from raytrec.elastic.events import NodeDied
 from raytrec.elastic.membership import Gang, RankSlot
 from raytrec.elastic.report import RankInfo
 from raytrec.elastic.workers import NODE_DIED
 
 if TYPE_CHECKING:
-    from actors.coordinator import Coordinator
     from actors.recovery import IntervalOutcome
 
 __all__ = ["JobNodes"]
@@ -32,7 +33,7 @@ NODE_TABLE_GRACE_S = 5.0
 class JobNodes:
     """The nodes the job's ranks run on."""
 
-    def __init__(self, job: Coordinator) -> None:
+    def __init__(self, job: JobPorts) -> None:
         self.job = job
         self.of_rank: dict[int, str] = {}  # job rank -> Ray node id (built, live ranks)
         self._index: dict[str, int] = {}
@@ -77,7 +78,7 @@ class JobNodes:
         """``<first 12 hex digits of the node id> at <address>``, as events name a node."""
         address = self._addresses.get(node_id)
         if address is None:
-            known = {n.node_id: n.address for n in self.job.group.nodes()}
+            known = {n.node_id: n.address for n in self.job.cluster_nodes()}
             address = self._addresses.setdefault(node_id, known.get(node_id, "?"))
         return f"{node_id[:12]} at {address}"
 
@@ -87,7 +88,7 @@ class JobNodes:
 
     def dead(self) -> list[str]:
         """The nodes of built ranks that the node table shows dead."""
-        alive = {n.node_id for n in self.job.group.nodes() if n.alive}
+        alive = {n.node_id for n in self.job.cluster_nodes() if n.alive}
         return sorted({n for n in self.of_rank.values() if n not in alive})
 
     def report_dead(self, node_id: str, gangs: Sequence[int], *, at: float) -> None:
@@ -95,10 +96,10 @@ class JobNodes:
         if node_id in self._reported_dead:
             return
         self._reported_dead.add(node_id)
-        self.job.events.append(
+        self.job.record(
             NodeDied(
                 at=at,
-                step=self.job.step,
+                step=self.job.step(),
                 node=self.index(node_id),
                 gang_ids=tuple(gangs),
                 node_id=node_id,
@@ -113,9 +114,9 @@ class JobNodes:
         suspects = self._suspects - self._reported_dead
         if not suspects:
             return
-        dead = suspects - {n.node_id for n in self.job.group.nodes() if n.alive}
+        dead = suspects - {n.node_id for n in self.job.cluster_nodes() if n.alive}
         for node_id in sorted(dead):
-            self.report_dead(node_id, sorted(self._gangs.get(node_id, ())), at=self.job._now())
+            self.report_dead(node_id, sorted(self._gangs.get(node_id, ())), at=self.job.now())
 
     def settle_deaths(self, result: IntervalOutcome, *, now: float) -> None:
         """Reconciles a failed interval's outcome with the node table: a rank that looked hung
@@ -148,7 +149,7 @@ class JobNodes:
                 result.dead[r] = NODE_DIED
         for node_id in sorted(n for n in dead_nodes if n not in result.logged):
             result.logged.add(node_id)
-            gangs = sorted({self.job._gang_of(r) for r, n in self.of_rank.items() if n == node_id})
+            gangs = sorted({self.job.gang_of(r) for r, n in self.of_rank.items() if n == node_id})
             self.report_dead(node_id, gangs, at=now)
         for r, cause in result.dead.items():
             if cause != NODE_DIED and r not in result.logged and r in self.of_rank:

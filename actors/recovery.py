@@ -5,8 +5,8 @@ own: each rank's last observed progress (its heartbeat) and the count of failure
 every rank alive. It collects an interval's reports and finds what went wrong while it waits
 (a rank or node died, a rank raised, a rank hung: no step finished for
 ``elastic.step_timeout_s``, :func:`~raytrec.elastic.policy.find_hung_ranks`), waits out the
-intervals queued behind a failed one, and recovers: the policy
-(:func:`~raytrec.elastic.policy.decide`) says whether to drop the gangs that lost a rank and
+intervals queued behind a failed one, and recovers: the one decision function
+(:func:`~raytrec.elastic.boundary.decide`) says whether to drop the gangs that lost a rank and
 re-form among the survivors, or, with no intact gang left, to rebuild from a checkpoint
 (:class:`~actors.total_loss.TotalLossRecovery`). Re-forming books what every rank trained, hands
 a lost gang's uncommitted batches to the survivors and starts a new generation with a job-wide
@@ -20,17 +20,19 @@ from collections import deque
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
-from raytrec.elastic.control import group_broke, retry_transient, survivors_apart
+from raytrec.elastic.boundary import MAX_TRANSIENT, Loss, Observations, decide
+from raytrec.elastic.control import group_broke
+from raytrec.elastic.decisions import Fail, Reform, TotalLoss
 from raytrec.elastic.dense import settle_failed_step
-from raytrec.elastic.events import FailedStepSettled, GangDropped, HangDetected, RankDied
-from raytrec.elastic.job_state import ElasticState
-from raytrec.elastic.policy import (
-    Reform,
-    Unrecoverable,
-    decide,
-    find_hung_ranks,
-    next_hang_check,
+from raytrec.elastic.events import (
+    FailedStepSettled,
+    GangDropped,
+    HangDetected,
+    JobFailed,
+    RankDied,
 )
+from raytrec.elastic.job_state import ElasticState
+from raytrec.elastic.policy import find_hung_ranks, next_hang_check
 from raytrec.elastic.report import RankReport
 from raytrec.elastic.workers import RankCallError, RankFailed, RankLost, RankTimedOut
 from raytrec.errors import JobFailedError
@@ -39,9 +41,6 @@ if TYPE_CHECKING:
     from actors.coordinator import Coordinator
 
 __all__ = ["MAX_TRANSIENT", "Dispatched", "FailureRecovery", "IntervalOutcome"]
-
-# Re-forms in a row after collective timeouts with every rank alive, before the job gives up.
-MAX_TRANSIENT = 3
 
 # Why a rank the coordinator killed itself is gone: its gang lost another rank.
 _PEER_KILLED = "its gang lost a rank"
@@ -317,11 +316,12 @@ class FailureRecovery:
             # Collectives gave up but every rank is alive and answered: a stall longer than the
             # collective timeout (an overloaded host, a long pause). Nobody is dropped; the job
             # re-forms as it was, unless that keeps happening.
+            errors = tuple(f"rank {r}: {e}" for r, e in sorted(result.errored.items()))
+            seen = Observations(loss=Loss(errors=errors, joining=tuple(self.job.growth.joining)))
+            (retry,) = decide(self.job.job_state(), seen, self.job.clock.monotonic())
             self.transient += 1
-            errors = [f"rank {r}: {e}" for r, e in sorted(result.errored.items())]
-            why = retry_transient(self.transient, limit=MAX_TRANSIENT, errors=errors)
-            if why is not None:
-                raise JobFailedError(why)
+            if isinstance(retry, Fail):
+                raise JobFailedError(retry.reason)
         else:
             self.transient = 0
         # A gang that was joining has no state of its own yet: if anything fails meanwhile,
@@ -356,23 +356,35 @@ class FailureRecovery:
                     silent_s=max(silent for _, silent in silence),
                 )
             )
-        # The policy decides: drop the gangs that lost a rank and re-form among the intact
-        # ones, or, when no gang is intact, a total loss (some shard may have no live copy).
-        # A gang still joining has no state of its own and counts as lost with the rest.
-        joining = {r for g in failed_gangs for r in self.job.membership.gang(g).job_ranks}
-        state = ElasticState(
-            membership=self.job.membership,
-            sync_every=self.job.cfg.sync.sync_every,
-            max_gangs=self.job.max_gangs,
-            dead_ranks=frozenset(lost | joining) if lost else frozenset(),
-        )
-        decision = decide(state, now=self.job.clock.monotonic(), config=self.job.elastic)
-        if isinstance(decision, Unrecoverable):
-            own = sorted(r for r in lost if result.dead.get(r) != _PEER_KILLED)
-            self.job.total_loss.recover(own, failed_gangs, why=lambda g: _why(result, g, self.job))
-            return
-        if isinstance(decision, Reform):
-            failed_gangs = sorted(set(failed_gangs) | set(decision.drop))
+        # Drop the gangs that lost a rank and re-form among the intact ones, or, when no gang
+        # is intact, a total loss (some shard may have no live copy). A gang still joining has
+        # no state of its own and counts as lost with the rest.
+        if lost:
+            loss = Loss(
+                dead=frozenset(result.dead),
+                hung=frozenset(result.hung),
+                peers_killed=frozenset(r for r, c in result.dead.items() if c == _PEER_KILLED),
+                joining=tuple(failed_gangs),
+            )
+            (decision,) = decide(
+                self.job.job_state(), Observations(loss=loss), self.job.clock.monotonic()
+            )
+            match decision:
+                case TotalLoss():
+                    self.job.total_loss.recover(decision, why=lambda g: _why(result, g, self.job))
+                    return
+                case Fail():
+                    self.job.events.append(
+                        JobFailed(
+                            at=self.job._now(),
+                            step=self.job.step,
+                            reason=decision.reason,
+                            needs_checkpoint=decision.needs_checkpoint,
+                        )
+                    )
+                    raise JobFailedError(decision.reason)
+                case Reform():
+                    failed_gangs = sorted(set(failed_gangs) | set(decision.drop))
         failed = set(failed_gangs)
         survivors = [g.gang_id for g in self.job.membership.gangs if g.gang_id not in failed]
         survivor_ranks = [r for g in survivors for r in self.job.membership.gang(g).job_ranks]
@@ -380,11 +392,10 @@ class FailureRecovery:
         self.abort_planes(set(survivor_ranks))
         recovered = self._recover_ranks(survivor_ranks, result)
         steps = sorted({rep.step for rep in recovered})
-        apart = survivors_apart(
-            steps, sync_every=self.job.cfg.sync.sync_every, lost_gangs=failed_gangs
-        )
-        if apart is not None:
-            raise JobFailedError(apart)
+        seen = Observations(survivor_steps=tuple(steps), dropping=tuple(failed_gangs))
+        (apart, *_) = decide(self.job.job_state(), seen, self.job.clock.monotonic())
+        if isinstance(apart, Fail):
+            raise JobFailedError(apart.reason)
         # A failure reaches the members of a collective at slightly different moments: one may
         # have finished a step its peers did not. The job goes on from the furthest step; a
         # rank that is behind simply trained one batch less (its log says which).

@@ -1,18 +1,20 @@
 """The coordinator's recovery from a total loss: rebuild the whole job from a checkpoint.
 
 A total loss leaves some shard with no live copy (every gang lost a rank, or a host under layout
-``replicas_within_host``), so re-forming on survivors cannot help. The coordinator asks
-:func:`~raytrec.elastic.rollback.decide_total_loss` what to do. With a checkpoint of this job
-it kills what is left, releases every placement group, places a whole job of the initial shape
-again (waiting up to ``elastic.resource_wait_s``; the pending groups are the demand an
-autoscaler sees), starts and builds every gang under fresh gang ids and job ranks, loads the
-checkpoint into all of them (resharding as a resume does) and rewinds the step, each rank's data
-stream and the batch accounting to it (:func:`~raytrec.elastic.rollback.plan_streams`,
-:meth:`~raytrec.elastic.accounting.BatchAccounting.rewound`), then starts a new generation.
-Without one the job fails, saying what would have allowed recovery.
+``replicas_within_host``), so re-forming on survivors cannot help.
+:func:`~raytrec.elastic.boundary.decide` says what to do: with a checkpoint of this job (a
+:class:`~raytrec.elastic.decisions.TotalLoss` naming it) this part kills what is left, releases
+every placement group, places a whole job of the initial shape again (waiting up to
+``elastic.resource_wait_s``; the pending groups are the demand an autoscaler sees), starts and
+builds every gang under fresh gang ids and job ranks, loads the checkpoint into all of them
+(resharding as a resume does) and rewinds the step, each rank's data stream and the batch accounting
+to it (:func:`~raytrec.elastic.rollback.plan_streams`,
+:meth:`~raytrec.elastic.accounting.BatchAccounting.rewound`), then starts a new generation. Without
+one the decision is a :class:`~raytrec.elastic.decisions.Fail` saying what would have allowed
+recovery.
 
-A part of the :class:`~actors.coordinator.Coordinator` with state of its own (the point a total
-loss goes back to); what to do is decided by :func:`~raytrec.elastic.rollback.decide_total_loss`.
+A part of the :class:`~actors.coordinator.Coordinator` with state of its own (the point a total loss
+goes back to); what to do is decided by :func:`~raytrec.elastic.boundary.decide`.
 """
 
 from __future__ import annotations
@@ -21,22 +23,15 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from raytrec.cluster.topology import Layout
+from raytrec.elastic.decisions import RollbackPoint, TotalLoss
 from raytrec.elastic.events import (
     CheckpointRestored,
     GangDropped,
     GangPlaced,
     GangRequested,
     JobFailed,
-    TotalLoss,
 )
-from raytrec.elastic.rollback import (
-    GiveUp,
-    Rebuild,
-    RollbackPoint,
-    decide_total_loss,
-    describe_total_loss,
-)
+from raytrec.elastic.events import TotalLoss as TotalLossEvent
 from raytrec.elastic.workers import RankCallError
 from raytrec.errors import JobFailedError
 
@@ -57,46 +52,20 @@ class TotalLossRecovery:
         self.job = job
         self.point: RollbackPoint | None = None
 
-    def recover(
-        self, lost: list[int], failed_gangs: list[int], *, why: Callable[[int], str]
-    ) -> None:
-        """``lost`` ranks failed (not counting gang peers the coordinator killed), breaking
-        ``failed_gangs``, and some shard may have no live copy left: rebuild the job from its
-        checkpoint, or fail saying what would have allowed recovery. ``why(gang)`` says what
-        happened to a failed gang."""
-        dead_shards = self.job.membership.dead_shards(lost)
-        loss = describe_total_loss(
-            within_host=self.job.topology.layout is Layout.REPLICAS_WITHIN_HOST,
-            lost_ranks=lost,
-            failed_gangs=failed_gangs,
-            dead_shards=dead_shards,
-        )
-        decision = decide_total_loss(
-            loss=loss,
-            point=self.point,
-            restore=self.job.elastic.restore_on_total_loss,
-            checkpoint=self.job.cfg.checkpoint,
-            replayable=self.job._stream_id is not None,
-            step=self.job.step,
-        )
-        if isinstance(decision, GiveUp):
-            self.job.events.append(
-                JobFailed(
-                    at=self.job._now(),
-                    step=self.job.step,
-                    reason=decision.reason,
-                    needs_checkpoint=True,
-                )
-            )
-            raise JobFailedError(decision.reason)
+    def recover(self, decision: TotalLoss, *, why: Callable[[int], str]) -> None:
+        """Some shard may have no live copy left (``decision``): rebuild the job from the
+        checkpoint it names. ``why(gang)`` says what happened to a failed gang."""
+        failed_gangs = decision.lost_gangs
+        dead_shards = decision.lost_shards
+        point = decision.point
+        assert point is not None, "a total loss to carry out names its checkpoint"
         for gid in self.job.membership.gang_ids:
             reason = why(gid) if gid in failed_gangs else "the whole job is rebuilt"
             self.job.events.append(
                 GangDropped(at=self.job._now(), step=self.job.step, gang_id=gid, reason=reason)
             )
-        point = decision.point
         self.job.events.append(
-            TotalLoss(
+            TotalLossEvent(
                 at=self.job._now(),
                 step=self.job.step,
                 lost_gangs=tuple(failed_gangs),
@@ -112,7 +81,7 @@ class TotalLossRecovery:
         for _ in range(MAX_REBUILD_ATTEMPTS):
             self._tear_down()
             try:
-                self._rebuild(decision)
+                self._rebuild(point)
                 return
             except RankCallError as e:  # lost (or stuck) again while rebuilding: start over
                 error = f"{type(e).__name__}: {str(e).strip()[:200]}"
@@ -131,11 +100,10 @@ class TotalLossRecovery:
         if self.job.membership.gangs:
             self.job.membership = self.job.membership.without(self.job.membership.gang_ids)
 
-    def _rebuild(self, decision: Rebuild) -> None:
+    def _rebuild(self, point: RollbackPoint) -> None:
         """A whole job of the initial shape under fresh gang ids and job ranks (their gang
         worlds and replica planes rendezvous under new names), loaded from the checkpoint, with
         its step, data streams and batch accounting rewound to it."""
-        point = decision.point
         num_gangs, gang_size = self.job.topology.num_gangs, self.job.topology.gang_size
         self.job.events.append(
             GangRequested(

@@ -5,8 +5,9 @@
 The real coordinator drives the fake worker group (:mod:`raytrec.testing.fake_group`) on its manual
 clock at 1,024 and 4,096 ranks through 40 steps of faults, heals and drains (:func:`storm`). A
 decision's time (CPU time less the fake's) runs from the observation to the decision: a failed
-call to ``policy.decide`` (*loss*), a heartbeat read to ``find_hung_ranks`` (*heartbeat check*),
-builds seen done to ``failed_heals`` (*heal*), draining nodes read to ``decide_drain`` (*drain*);
+call to ``boundary.decide`` in recovery (*loss*), a heartbeat read to ``find_hung_ranks``
+(*heartbeat check*), builds seen done to ``failed_heals`` (*heal*), draining nodes read to a
+``Drain`` from ``boundary.decide`` (*drain*);
 the CPU per interval is between two history rows, less the fake's.
 """
 
@@ -26,12 +27,12 @@ from typing import Any
 from unittest import mock
 
 import actors.coordinator
-import actors.drain
 import actors.growth
 import actors.recovery
 from benchmarks.common import parse, parser, publish
 from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
 from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.decisions import Drain
 from raytrec.elastic.drain_policy import request_drain
 from raytrec.testing import fake_faults as ff
 from raytrec.testing.fake_group import FakeWorkerGroup
@@ -124,14 +125,14 @@ def timed_decisions(run: Run, group: TimedGroup) -> Iterator[None]:
         run.note("hang" if value else "heartbeat check", group.progress_at, group)
 
     def on_drain(value: Any) -> None:
-        if value is not None and value.gangs:
+        if any(isinstance(d, Drain) and d.gangs for d in value):
             run.note("drain", group.draining_at, group)
 
     with patches:
         wrap(actors.recovery, "decide", on_decide)
         wrap(actors.recovery, "find_hung_ranks", on_hung)
         wrap(actors.growth, "failed_heals", lambda _v: run.note("heal", group.builds_at, group))
-        wrap(actors.drain, "decide_drain", on_drain)
+        wrap(actors.coordinator, "decide", on_drain)
         wrap(
             actors.coordinator,
             "aggregate_interval",

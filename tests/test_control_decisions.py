@@ -15,17 +15,10 @@ import pytest
 
 from raytrec.cluster.topology import Topology
 from raytrec.config import EvalConfig
+from raytrec.elastic.boundary import JobState, Loss, Observations, PlacementSeen, decide
 from raytrec.elastic.config import ElasticConfig
-from raytrec.elastic.control import (
-    Fail,
-    Proceed,
-    Wait,
-    gangs_to_request,
-    placement_decision,
-    resources_decision,
-    retry_transient,
-    survivors_apart,
-)
+from raytrec.elastic.control import gangs_to_request
+from raytrec.elastic.decisions import Continue, Decision, Fail, Reform, Wait
 from raytrec.elastic.drain_policy import (
     REQUEST_FILE,
     DrainRequest,
@@ -142,19 +135,44 @@ def test_placement_requests_fill_up_to_the_target() -> None:
     assert gangs_to_request(live=4, outstanding=2, max_gangs=4, min_gangs=1, grow=True) == 0
 
 
+def state(gangs: int = 1, *, min_gangs: int = 2, wait_s: float = 30.0, **kw: object) -> JobState:
+    elastic = ElasticConfig(
+        min_gangs=min_gangs,
+        max_gangs=4,
+        resource_wait_s=wait_s,
+        step_timeout_s=30,
+        collective_timeout_s=10,
+    )
+    args: dict[str, object] = {"step": 8, "end_step": 100, "max_gangs": 4, "sync_every": 2}
+    args.update(kw)
+    return JobState(membership=membership(gangs), elastic=elastic, **args)  # type: ignore[arg-type]
+
+
 def test_waiting_for_resources_until_the_deadline() -> None:
-    kw = {"min_gangs": 2, "waiting_since": 10.0, "resource_wait_s": 30.0}
-    assert resources_decision(live=2, now=100.0, **kw) == Proceed()  # type: ignore[arg-type]
-    assert resources_decision(live=1, now=40.0, **kw) == Wait(deadline=40.0)  # type: ignore[arg-type]
-    failed = resources_decision(live=1, now=40.5, **kw)  # type: ignore[arg-type]
+    def wait(live: int, now: float) -> Decision:
+        (d,) = decide(state(live), Observations(waiting_since=10.0), now)
+        return d
+
+    assert isinstance(wait(2, 100.0), Continue)
+    waiting = wait(1, 40.0)
+    assert isinstance(waiting, Wait) and waiting.deadline == 40.0
+    failed = wait(1, 40.5)
     assert isinstance(failed, Fail) and "elastic.resource_wait_s=30s" in failed.reason
+    assert failed.config_key == "elastic.resource_wait_s"
 
 
 def test_a_whole_job_waits_for_its_placement_until_the_deadline() -> None:
-    kw = {"waiting_since": 5.0, "resource_wait_s": 6.0, "asked": "2 x {CPU: 2} on one node each"}
-    assert placement_decision(ready=True, now=50.0, **kw) == Proceed()  # type: ignore[arg-type]
-    assert placement_decision(ready=False, now=10.9, **kw) == Wait(deadline=11.0)  # type: ignore[arg-type]
-    failed = placement_decision(ready=False, now=11.0, **kw)  # type: ignore[arg-type]
+    asked = "2 x {CPU: 2} on one node each"
+
+    def placed(ready: bool, now: float) -> Decision:
+        seen = Observations(placement=PlacementSeen(ready=ready, since=5.0, asked=asked))
+        (d,) = decide(state(wait_s=6.0), seen, now)
+        return d
+
+    assert isinstance(placed(True, 50.0), Continue)
+    waiting = placed(False, 10.9)
+    assert isinstance(waiting, Wait) and waiting.deadline == 11.0
+    failed = placed(False, 11.0)
     assert isinstance(failed, Fail)
     assert failed.reason.startswith(
         "the job's placement groups (2 x {CPU: 2} on one node each) were not ready within "
@@ -163,15 +181,20 @@ def test_a_whole_job_waits_for_its_placement_until_the_deadline() -> None:
 
 
 def test_transient_failures_are_retried_up_to_a_limit() -> None:
-    assert retry_transient(3, limit=3, errors=["x"]) is None
-    why = retry_transient(4, limit=3, errors=["rank 0: timeout", "rank 1: timeout", "more"])
-    assert why is not None and "4 times in a row" in why and "more" not in why
+    errors = ("rank 0: timeout", "rank 1: timeout", "more")
+    seen = Observations(loss=Loss(errors=("x",)))
+    # The 3rd failure in a row (2 before it) is retried: the job re-forms as it was.
+    (retry,) = decide(state(2, transient=2), seen, 0.0)
+    assert isinstance(retry, Reform) and retry.drop == () and retry.survivors == (0, 1)
+    (why,) = decide(state(2, transient=3), Observations(loss=Loss(errors=errors)), 0.0)
+    assert isinstance(why, Fail) and "4 times in a row" in why.reason and "more" not in why.reason
 
 
 def test_survivors_must_stand_within_one_sync_period() -> None:
-    assert survivors_apart([8, 9], sync_every=2, lost_gangs=[1]) is None
-    why = survivors_apart([4, 9], sync_every=2, lost_gangs=[1])
-    assert why is not None and "steps 4..9" in why
+    (close,) = decide(state(3), Observations(survivor_steps=(8, 9), dropping=(1,)), 0.0)
+    assert isinstance(close, Continue)
+    (why,) = decide(state(3), Observations(survivor_steps=(4, 9), dropping=(1,)), 0.0)
+    assert isinstance(why, Fail) and "steps 4..9" in why.reason
 
 
 # -- reading the heartbeats -------------------------------------------------------------------

@@ -11,13 +11,18 @@ the replicas agree (the coordinator's final check, which raises otherwise).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
+from unittest import mock
 
 import pytest
 
+import actors.coordinator
+import actors.gang_placement
+import actors.recovery
 from actors.coordinator import Coordinator
 from actors.fault_invariants import check_invariants
 from actors.fault_schedule import Settings
@@ -27,6 +32,7 @@ from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
 from raytrec.data.synthetic import batch_id, split_batch_id
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.control import group_broke
+from raytrec.elastic.decisions import Continue, Decision, Fail, Grow, Reform, Wait
 from raytrec.elastic.drain_policy import request_drain, request_stop
 from raytrec.elastic.events import (
     CheckpointRestored,
@@ -736,3 +742,190 @@ def test_a_rank_lost_while_replays_are_handed_over_starts_the_recovery_over(
     summary = job(tmp_path, *faults, gangs=4, gang_size=1, num_steps=24).run()
     assert sorted(e.gang_id for e in summary.events.of(GangDropped)) == [0, 2]
     assert gangs_of(summary) == [1, 3] and summary.steps >= 24
+
+
+# -- whole runs: the decisions in order ------------------------------------------------------
+
+
+@contextlib.contextmanager
+def decided(j: Job) -> Iterator[list[tuple[int, float, Decision]]]:
+    """Records every decision other than ``Continue`` that the coordinator and its parts
+    carried out, with the job's step and the clock when it was decided."""
+    seen: list[tuple[int, float, Decision]] = []
+    patches = contextlib.ExitStack()
+    for module in (actors.coordinator, actors.recovery, actors.gang_placement):
+        inner = module.decide  # type: ignore[attr-defined]
+
+        def record(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
+            out = _inner(*args, **kwargs)
+            now = j.group.clock.now
+            seen.extend((j.coordinator.step, now, d) for d in out if not isinstance(d, Continue))
+            return out
+
+        patches.enter_context(mock.patch.object(module, "decide", record))
+    with patches:
+        yield seen
+
+
+def test_three_failures_and_three_growths_in_one_run(tmp_path: Any) -> None:
+    """A rank killed, a node removed and a gang hung, each followed by a gang placed on the
+    node freed (or a new one): the whole story, in order, over the real coordinator."""
+    faults = (
+        RankDies(rank=1, step=3),  # gang 0
+        NodeDies(node=2, step=17),  # gang 2's node: it never comes back
+        RankHangs(rank=6, step=25),  # gang 3, both ranks
+        RankHangs(rank=7, step=25),
+        NodesJoin(at=42.0),  # a fresh node, after the hang was dealt with
+    )
+    j = job(tmp_path, *faults, gangs=4, nodes=4, num_steps=64, grow=True, max_gangs=4)
+    with decided(j) as seen:
+        summary = j.run()
+    kinds_ = [type(d).__name__ for _, _, d in seen if isinstance(d, Reform | Grow)]
+    assert kinds_ == [
+        "Reform",  # rank 1 killed at step 3: gang 0 dropped
+        "Grow",  # its node is free again: gang 4 is placed there and joins
+        "Reform",  # node 2 removed at step 17: gang 2 dropped
+        "Reform",  # gang 3 hangs in step 25: singled out after the collective timeouts
+        "Grow",  # node 3 is free again: gang 5 joins
+        "Grow",  # a fresh node arrives: gang 6 joins
+    ]
+    reforms = [d for _, _, d in seen if isinstance(d, Reform)]
+    assert [d.drop for d in reforms] == [(0,), (2,), (3,)]
+    assert reforms[2].hung_ranks == (6, 7)
+    grows = [(s, d) for s, _, d in seen if isinstance(d, Grow)]
+    assert [(s, d.join_step, d.gangs[0].gang.gang_id) for s, d in grows] == [
+        (15, 15, 4),
+        (35, 35, 5),
+        (53, 53, 6),
+    ]
+    m = j.coordinator.membership
+    assert m.gang_ids == (1, 4, 5, 6) and m.generation == 6 == summary.generation
+    assert [e.generation for e in summary.events.of(GenerationStarted)] == list(range(7))
+    assert [e.gang_id for e in summary.events.of(GangDropped)] == [0, 2, 3]
+    # The hang is acted on 2 x collective_timeout_s + a poll after its peers' collectives
+    # time out (collective_timeout_s after its last finished step), within one more poll.
+    [hang] = summary.events.of(HangDetected)
+    timeout, poll = ELASTIC["collective_timeout_s"], ELASTIC["poll_s"]
+    assert hang.last_step == 24 and 3 * timeout < hang.silent_s <= 3 * timeout + 2 * poll
+    assert [x.member_index for x in m.replica_groups[1]] == [0, 1, 2, 3]
+    # Batches the dropped gangs trained since their last sync went to replay.
+    assert replayed(summary)
+
+
+def test_production_size_node_loss_and_rank_kill_keep_every_batch(tmp_path: Any) -> None:
+    """4,096 ranks in 512 gangs of 8, two gangs per 16-rank node."""
+    faults = (NodeDies(node=40, step=3), RankDies(rank=1001, step=6))
+    j = job(
+        tmp_path,
+        *faults,
+        gangs=512,
+        gang_size=8,
+        cpus_per_node=16,
+        num_steps=40,
+        grow=True,
+        min_gangs=500,
+        max_gangs=512,
+    )
+    with decided(j) as seen:
+        j.run()
+    drops = [d.drop for _, _, d in seen if isinstance(d, Reform)]
+    assert drops == [(80, 81), (125,)]
+    # Gang 125's node still runs gang 124, so its 8 free slots place one gang right away
+    # (the lost node's two gangs have nowhere to go).
+    grows = [d for _, _, d in seen if isinstance(d, Grow)]
+    assert [[n.gang.gang_id for n in d.gangs] for d in grows] == [[512]]
+    assert j.coordinator.membership.num_gangs == 510 and len(j.coordinator.growth.pending) == 2
+
+
+def below_min_gangs(tmp_path: Any, *faults: Fault | NodesJoin) -> Job:
+    """4 gangs of 2, two per node, at least 3 of them; node 1 (gangs 2 and 3) goes at step 5,
+    at t = 1.4 s."""
+    return job(
+        tmp_path,
+        NodeDies(node=1, step=5),
+        *faults,
+        gangs=4,
+        cpus_per_node=4,
+        grow=True,
+        max_gangs=4,
+        min_gangs=3,
+        resource_wait_s=100.0,
+    )
+
+
+def test_below_min_gangs_waits_and_fails_at_the_deadline(tmp_path: Any) -> None:
+    j = below_min_gangs(tmp_path)
+    with decided(j) as seen, pytest.raises(JobFailedError, match=re.escape("elastic.min_gangs=3")):
+        j.run()
+    summary = j.coordinator.summary_so_far()
+    waits = [(t, d) for _, t, d in seen if isinstance(d, Wait)]
+    assert waits[0][0] == 1.4 and {d.deadline for _, d in waits} == {101.4}
+    assert len(waits) == 101  # one poll per second, from t = 1.4 to the deadline
+    (fail,) = [d for _, _, d in seen if isinstance(d, Fail)]
+    assert fail.config_key == "elastic.resource_wait_s" and not fail.needs_checkpoint
+    (failed,) = summary.events.of(JobFailed)
+    assert failed.at == 102.4 and not failed.needs_checkpoint  # the first poll past it
+    assert "elastic.min_gangs=3" in failed.reason
+
+
+def test_below_min_gangs_recovers_when_a_node_arrives_in_time(tmp_path: Any) -> None:
+    j = below_min_gangs(tmp_path, NodesJoin(at=60.0))
+    with decided(j) as seen:
+        summary = j.run()
+    (grow,) = [(s, t, d) for s, t, d in seen if isinstance(d, Grow)]
+    step, t, d = grow
+    # Paused at step 5: the node comes at t = 60, its placements are seen at the next poll
+    # (60.4), both gangs build for 1 s and join at once, healed from a live peer.
+    assert (step, t, d.join_step) == (5, 61.4, 5)
+    assert [(n.gang.gang_id, n.heal_from) for n in d.gangs] == [(4, 0), (5, 0)]
+    assert [list(e.nodes) for e in summary.events.of(GangPlaced)] == [
+        ["fake-node-2 at 127.0.0.1"] * 2
+    ] * 2
+    assert j.coordinator.membership.gang_ids == (0, 1, 4, 5) == tuple(gangs_of(summary))
+
+
+def test_within_host_node_loss_without_a_checkpoint_fails_naming_the_lost_shards(
+    tmp_path: Any,
+) -> None:
+    """Layout replicas_within_host, 2 hosts of 8 ranks, gangs of 4: host 1 holds every copy of
+    shards 2 and 3, and no checkpoint was configured."""
+    j = job(
+        tmp_path,
+        NodeDies(node=1, step=4),
+        gangs=4,
+        gang_size=4,
+        cpus_per_node=8,
+        sync_every=2,
+        layout="replicas_within_host",
+    )
+    assert j.coordinator.topology.shards_without_live_copy([1]) == (2, 3)
+    with decided(j) as seen, pytest.raises(JobFailedError):
+        j.run()
+    (fail,) = [d for _, _, d in seen if isinstance(d, Fail)]
+    assert fail.needs_checkpoint and fail.config_key == "checkpoint.every_n_steps"
+    assert "replica groups [2, 3] lost every copy of their shard" in fail.reason
+    (failed,) = j.coordinator.summary_so_far().events.of(JobFailed)
+    # The node went as step 4 started, in the interval from step 2 (the job's step then).
+    assert failed.needs_checkpoint and failed.step == 2
+
+
+def test_a_slow_rank_only_costs_time_unless_it_outlasts_the_collective_timeout(
+    tmp_path: Any,
+) -> None:
+    def run(name: str, *faults: Fault) -> tuple[RunSummary, list[tuple[int, float, Decision]]]:
+        (tmp_path / name).mkdir()
+        j = job(tmp_path / name, *faults, gangs=4, num_steps=10)
+        with decided(j) as seen:
+            return j.run(), seen
+
+    plain, _ = run("plain")
+    slow, slow_seen = run("slow", SlowRank(rank=5, step_s=4.0))  # under collective_timeout_s
+    assert plain.steps == slow.steps == 10
+    # Every rank goes at the slowest one's pace: 4 s a step instead of 0.1 s.
+    assert slow.wall_s - plain.wall_s == pytest.approx(10 * (4.0 - STEP_S))
+    assert not any(isinstance(d, Reform) for _, _, d in slow_seen)
+    # A step so slow that its peers' collectives time out and it is still silent 2 x
+    # collective_timeout_s + a poll later: it counts as hung and its gang is dropped.
+    stuck, stuck_seen = run("stuck", SlowRank(rank=5, step_s=40.0))
+    (reform,) = [d for _, _, d in stuck_seen if isinstance(d, Reform)]
+    assert reform.hung_ranks == (5,) and reform.drop == (2,) and stuck.steps == 10

@@ -8,6 +8,7 @@ import pytest
 
 from raytrec.cluster.topology import Layout, Topology
 from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.decisions import Continue, Fail, Grow, Reform, TotalLoss, Wait
 from raytrec.elastic.events import (
     EventLog,
     GangDropped,
@@ -28,15 +29,9 @@ from raytrec.elastic.job_state import (
     observe,
 )
 from raytrec.elastic.policy import (
-    Continue,
-    Decision,
-    Fail,
-    Grow,
-    Reform,
-    Unrecoverable,
-    WaitForResources,
+    MembershipDecision,
     apply,
-    decide,
+    decide_membership,
     placement_requests,
     request_placements,
 )
@@ -62,10 +57,10 @@ class Loop:
         self.state, events = observe(self.state, obs)
         self.log.append(*events)
 
-    def decide(self) -> Decision:
-        return decide(self.state, now=self.now, config=self.config)
+    def decide(self) -> MembershipDecision:
+        return decide_membership(self.state, now=self.now, config=self.config)
 
-    def step(self) -> Decision:
+    def step(self) -> MembershipDecision:
         d = self.decide()
         self.state, events = apply(self.state, d, now=self.now, config=self.config)
         self.log.append(*events)
@@ -143,7 +138,7 @@ def test_within_host_host_loss_is_unrecoverable_and_names_the_replica_groups() -
     loop.now = 3.0
     loop.see(NodeLost(node=5, at=3.0))
     d = loop.step()
-    assert isinstance(d, Unrecoverable)
+    assert isinstance(d, TotalLoss)
     assert d.lost_shards == W1024.shards_without_live_copy([5]) == (10, 11)
     assert "replica groups [10, 11] lost every copy of their shard" in d.reason
     assert "needs a checkpoint" in d.reason
@@ -175,16 +170,16 @@ def test_below_min_gangs_waits_then_fails_after_the_deadline() -> None:
     assert loop.state.membership.gang_ids == (1, 2)
     assert loop.request() == 2  # back to max_gangs = 4: two gang placement groups
     d = loop.step()
-    assert isinstance(d, WaitForResources)
+    assert isinstance(d, Wait)
     assert (d.missing_gangs, d.deadline) == (1, 5.0 + 300)
     (waited,) = loop.log.of(ResourcesWaited)
     assert (waited.live_gangs, waited.min_gangs, waited.deadline) == (2, 3, 305.0)
     loop.now = 304.9
     d = loop.step()
-    assert isinstance(d, WaitForResources) and d.deadline == 305.0
+    assert isinstance(d, Wait) and d.deadline == 305.0
     assert len(loop.log.of(ResourcesWaited)) == 1
     # Paused: silence for far longer than step_timeout_s is not a hang.
-    assert isinstance(loop.decide(), WaitForResources)
+    assert isinstance(loop.decide(), Wait)
     loop.now = 305.0
     d = loop.step()
     assert isinstance(d, Fail)
@@ -196,7 +191,7 @@ def test_below_min_gangs_waits_then_fails_after_the_deadline() -> None:
 def test_below_min_gangs_recovers_when_a_gang_is_placed_in_time() -> None:
     loop = below_min_loop()
     loop.request()
-    assert isinstance(loop.step(), WaitForResources)
+    assert isinstance(loop.step(), Wait)
     loop.now = 200.0
     loop.see(PlacementReady(nodes=(9,) * 256, at=loop.now))
     d = loop.step()
@@ -281,7 +276,7 @@ def test_when_every_stalled_rank_timed_out_none_can_be_singled_out() -> None:
     loop.see(*(CollectiveTimeout(job_rank=r, step=1, at=20.0) for r in range(8)))
     loop.now = 61.0
     d = loop.step()
-    assert isinstance(d, Unrecoverable) and "hung rank(s) [0, 1, 2, 3, 4, 5, 6, 7]" in d.reason
+    assert isinstance(d, TotalLoss) and "hung rank(s) [0, 1, 2, 3, 4, 5, 6, 7]" in d.reason
     assert d.lost_shards == (0, 1, 2, 3)
 
 

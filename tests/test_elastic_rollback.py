@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 
 from raytrec.checkpoint.config import CheckpointConfig
+from raytrec.elastic.decisions import Fail, TotalLoss
 from raytrec.elastic.rollback import (
     MAX_RESTORES,
-    GiveUp,
-    Rebuild,
     RollbackPoint,
     decide_total_loss,
     describe_total_loss,
@@ -20,7 +19,7 @@ EVERY_100 = CheckpointConfig(every_n_steps=100)
 LOSS = "lost ranks [3]: gangs [0, 1] failed and no gang is left"
 
 
-def decide(**changes: object) -> Rebuild | GiveUp:
+def decide(**changes: object) -> TotalLoss | Fail:
     args: dict[str, object] = {
         "loss": LOSS,
         "point": POINT,
@@ -35,7 +34,7 @@ def decide(**changes: object) -> Rebuild | GiveUp:
 
 def test_a_checkpoint_means_rebuild_and_says_how_much_is_redone() -> None:
     d = decide()
-    assert isinstance(d, Rebuild) and d.point == POINT
+    assert isinstance(d, TotalLoss) and d.point == POINT
     assert d.reason == (
         f"{LOSS}; rebuilding the job from the checkpoint of step 400 (37 completed steps to redo)"
     )
@@ -43,7 +42,7 @@ def test_a_checkpoint_means_rebuild_and_says_how_much_is_redone() -> None:
 
 def test_no_checkpoint_configured_says_one_would_have_allowed_recovery() -> None:
     d = decide(point=None, checkpoint=CheckpointConfig())
-    assert isinstance(d, GiveUp)
+    assert isinstance(d, Fail)
     assert d.reason.startswith(f"{LOSS}; the job cannot go on without a checkpoint, and none")
     assert "with checkpoint.every_n_steps or checkpoint.every_minutes set, the job would have " in (
         d.reason
@@ -52,7 +51,7 @@ def test_no_checkpoint_configured_says_one_would_have_allowed_recovery() -> None
 
 def test_no_checkpoint_saved_yet_names_the_triggers() -> None:
     d = decide(point=None, checkpoint=CheckpointConfig(every_n_steps=100, every_minutes=30))
-    assert isinstance(d, GiveUp)
+    assert isinstance(d, Fail)
     assert d.reason.endswith(
         "none was saved yet (checkpoint.every_n_steps=100, checkpoint.every_minutes=30)"
     )
@@ -60,22 +59,22 @@ def test_no_checkpoint_saved_yet_names_the_triggers() -> None:
 
 def test_restore_switched_off_fails_and_names_the_checkpoint_to_resume_from() -> None:
     d = decide(restore=False)
-    assert isinstance(d, GiveUp)
+    assert isinstance(d, Fail)
     assert "elastic.restore_on_total_loss is off" in d.reason
     assert f"resume_from_checkpoint='{POINT.uri}'" in d.reason
 
 
 def test_a_source_that_cannot_replay_is_not_rewound_inside_the_run() -> None:
     d = decide(replayable=False)
-    assert isinstance(d, GiveUp)
+    assert isinstance(d, Fail)
     assert "cannot rebuild its batches by id" in d.reason and POINT.uri in d.reason
 
 
 def test_a_loss_that_keeps_recurring_before_a_new_save_gives_up() -> None:
-    assert isinstance(decide(point=RollbackPoint(uri="u", step=4, accounting={})), Rebuild)
+    assert isinstance(decide(point=RollbackPoint(uri="u", step=4, accounting={})), TotalLoss)
     again = RollbackPoint(uri="u", step=4, accounting={}, restores=MAX_RESTORES)
     d = decide(point=again)
-    assert isinstance(d, GiveUp)
+    assert isinstance(d, Fail)
     assert f"already restored {MAX_RESTORES} times with no newer checkpoint" in d.reason
 
 

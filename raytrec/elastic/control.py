@@ -1,35 +1,25 @@
-"""The coordinator's small decisions at interval boundaries, as pure functions.
+"""Scheduling helpers of the coordinator's loop, as pure functions: not decisions.
 
-The big decisions have modules of their own: a failure (:func:`raytrec.elastic.policy.decide`:
-re-form or total loss; :func:`raytrec.elastic.rollback.decide_total_loss`: rebuild or give
-up), a hang (:func:`raytrec.elastic.policy.find_hung_ranks`), a drain
-(:func:`raytrec.elastic.drain_policy.decide_drain`), a heal
-(:func:`raytrec.elastic.heal.failed_heals`)
-and a checkpoint (:func:`raytrec.checkpoint.config.save_decision`). The ones here are the rest of
-what the control loop (:mod:`actors.coordinator`) asks at a boundary: which intervals it may
-send ahead, how many gangs to ask the cluster for, whether to keep waiting for resources, and
-whether a failure with every rank alive may be retried. Each is a function of values, tested
-without a cluster.
+What the job does at a boundary is decided in one place,
+:func:`raytrec.elastic.boundary.decide`, as a value of the union in
+:mod:`raytrec.elastic.decisions`. What is here only shapes how the loop carries on: which
+intervals it may send ahead (:func:`intervals_to_queue`), how many gang placement groups to keep
+pending (:func:`gangs_to_request`) and whether a rank's error says its process group broke
+(:func:`group_broke`, which turns a failure with every rank alive into a loss). Each is a
+function of values, tested without a cluster.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 __all__ = [
     "Boundary",
-    "Fail",
-    "Proceed",
-    "Wait",
     "gangs_to_request",
     "group_broke",
     "intervals_to_queue",
-    "placement_decision",
-    "resources_decision",
-    "retry_transient",
-    "survivors_apart",
 ]
 
 
@@ -89,71 +79,6 @@ def gangs_to_request(
     return max(0, target - live - outstanding)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Proceed:
-    pass
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Wait:
-    deadline: float
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Fail:
-    reason: str
-
-
-def resources_decision(
-    *, live: int, min_gangs: int, waiting_since: float, now: float, resource_wait_s: float
-) -> Proceed | Wait | Fail:
-    """Below ``min_gangs`` training pauses and waits for gangs until ``resource_wait_s`` after
-    it started waiting, then the job fails saying so."""
-    if live >= min_gangs:
-        return Proceed()
-    deadline = waiting_since + resource_wait_s
-    if now <= deadline:
-        return Wait(deadline=deadline)
-    return Fail(
-        reason=(
-            f"{live} live gangs, fewer than elastic.min_gangs={min_gangs}, and no placement for "
-            f"more came within elastic.resource_wait_s={resource_wait_s:g}s"
-        )
-    )
-
-
-def placement_decision(
-    *, ready: bool, waiting_since: float, now: float, resource_wait_s: float, asked: str
-) -> Proceed | Wait | Fail:
-    """A whole job's placement groups (at the start, or after a total loss): proceed when all
-    are ready, else wait until ``resource_wait_s`` after the wait began, then fail naming what
-    was asked."""
-    if ready:
-        return Proceed()
-    deadline = waiting_since + resource_wait_s
-    if now < deadline:
-        return Wait(deadline=deadline)
-    return Fail(
-        reason=(
-            f"the job's placement groups ({asked}) were not ready within "
-            f"elastic.resource_wait_s={resource_wait_s:g}s: the cluster has not had the free "
-            "resources for them (other jobs hold them, or an autoscaler could not add nodes)"
-        )
-    )
-
-
-def retry_transient(failures_in_a_row: int, *, limit: int, errors: Sequence[str]) -> str | None:
-    """Collectives failed with every rank alive (a stall longer than the collective timeout): the
-    job re-forms as it was, unless that keeps happening. Returns why to fail, or None to
-    retry."""
-    if failures_in_a_row <= limit:
-        return None
-    return (
-        f"collectives failed {failures_in_a_row} times in a row with every rank alive; last "
-        f"errors: {list(errors)[:2]}"
-    )
-
-
 #: What gloo and NCCL say when a process group can no longer be used: a peer's connection
 #: was reset or closed, or a collective timed out (gloo then closes the pair for good).
 _BROKEN_GROUP = re.compile(
@@ -168,18 +93,3 @@ def group_broke(cause: BaseException) -> bool:
     if isinstance(cause, TimeoutError | ConnectionError):
         return True
     return isinstance(cause, RuntimeError) and bool(_BROKEN_GROUP.search(str(cause)))
-
-
-def survivors_apart(
-    steps: Sequence[int], *, sync_every: int, lost_gangs: Sequence[int]
-) -> str | None:
-    """Survivors of a failure must stand within one sync period of each other to re-form (a
-    hierarchical schedule lets groups run apart between job-wide syncs). Returns why not, or
-    None."""
-    if max(steps) - min(steps) <= sync_every:
-        return None
-    return (
-        f"survivors stopped at steps {min(steps)}..{max(steps)} after losing gangs "
-        f"{list(lost_gangs)}; re-forming needs them within one sync period (a hierarchical "
-        "schedule lets groups run apart between job-wide syncs)"
-    )

@@ -26,6 +26,7 @@ import json
 import os
 from collections.abc import Mapping
 
+from raytrec.elastic.decisions import Drain
 from raytrec.elastic.membership import Membership
 from raytrec.errors import ConfigError
 
@@ -65,15 +66,6 @@ class DrainRequest:
             max_gangs=min(caps) if caps else None,
             nodes=self.nodes | other.nodes,
         )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Drain:
-    """Give ``gangs`` back at this boundary; the job may have ``max_gangs`` from now on."""
-
-    gangs: tuple[int, ...]
-    max_gangs: int
-    reason: str
 
 
 def decide_drain(

@@ -4,7 +4,7 @@ The coordinator turns what Ray and the ranks tell it into :data:`Observation` va
 exited, a node was lost, a rank finished a step or timed out in a collective, a placement group
 became ready, a replica sync completed) and folds them into an :class:`ElasticState` with
 :func:`observe`, which also returns the events they are logged as. Failures are only recorded
-here; :func:`raytrec.elastic.policy.decide` turns them into one decision.
+here; :func:`raytrec.elastic.policy.decide_membership` turns them into one decision.
 """
 
 from __future__ import annotations
@@ -110,8 +110,9 @@ class ElasticState:
     step_aborted: bool = False
     #: When the job fell below min_gangs and started waiting; None while it is not waiting.
     waiting_since: float | None = None
-    #: Why the job failed, once it has.
+    #: Why the job failed, once it has, and the setting that bears on it.
     failed: str | None = None
+    failed_key: str | None = None
 
     @classmethod
     def initial(

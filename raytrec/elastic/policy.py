@@ -1,15 +1,15 @@
 """The elastic policy: what to do about the job's membership, as a value.
 
-:func:`decide` is a pure function of the state (membership plus observations, see
+:func:`decide_membership` is a pure function of the state (membership plus observations, see
 :mod:`raytrec.elastic.job_state`), the clock and the :class:`ElasticConfig`. It returns one
-decision:
+decision of the union in :mod:`raytrec.elastic.decisions`:
 
 - :class:`Reform`: drop every gang that lost a rank (dead rank, lost node, hang) and start a new
   generation among the survivors; several failures seen together make one Reform.
-- :class:`Unrecoverable`: no gang survives intact, so some shard has no live copy left; the
+- :class:`TotalLoss`: no gang survives intact, so some shard has no live copy left; the
   job needs a checkpoint.
 - :class:`Grow`: placed gangs join at a sync boundary, each healing from a live peer gang.
-- :class:`WaitForResources`: fewer than ``min_gangs`` gangs; training pauses until gangs are
+- :class:`Wait`: fewer than ``min_gangs`` gangs; training pauses until gangs are
   placed or the deadline passes.
 - :class:`Fail`: still below ``min_gangs`` at the deadline.
 - :class:`Continue`: nothing to change.
@@ -25,6 +25,7 @@ import dataclasses
 from collections.abc import Iterable
 
 from raytrec.elastic.config import ElasticConfig
+from raytrec.elastic.decisions import Continue, Fail, Grow, NewGang, Reform, TotalLoss, Wait
 from raytrec.elastic.events import (
     Event,
     GangDropped,
@@ -37,20 +38,12 @@ from raytrec.elastic.events import (
     ResourcesWaited,
 )
 from raytrec.elastic.job_state import ElasticState
-from raytrec.elastic.membership import Gang
 
 __all__ = [
     "PAST_TIMEOUT_S",
-    "Continue",
-    "Decision",
-    "Fail",
-    "Grow",
-    "NewGang",
-    "Reform",
-    "Unrecoverable",
-    "WaitForResources",
+    "MembershipDecision",
     "apply",
-    "decide",
+    "decide_membership",
     "find_hung_ranks",
     "next_hang_check",
     "placement_requests",
@@ -58,65 +51,8 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Continue:
-    reason: str
-    #: The sync boundary at which ready placements will join, when some are waiting for one.
-    join_at: int | None = None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Reform:
-    """Drop ``drop``; the survivors form generation ``generation``."""
-
-    drop: tuple[int, ...]
-    survivors: tuple[int, ...]
-    generation: int
-    lost_ranks: tuple[int, ...]
-    hung_ranks: tuple[int, ...]
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Unrecoverable:
-    """Every live copy of some shard is gone; only a checkpoint can bring the job back."""
-
-    #: Replica groups (shard positions) whose every copy was on a lost rank.
-    lost_shards: tuple[int, ...]
-    lost_ranks: tuple[int, ...]
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class NewGang:
-    gang: Gang
-    #: The live gang whose state (shards, optimizer state, dense state, step counters) it copies.
-    heal_from: int
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Grow:
-    """Add ``gangs`` at sync boundary ``join_step``; they form generation ``generation``."""
-
-    gangs: tuple[NewGang, ...]
-    join_step: int
-    generation: int
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class WaitForResources:
-    missing_gangs: int
-    deadline: float
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Fail:
-    reason: str
-
-
-Decision = Continue | Reform | Unrecoverable | Grow | WaitForResources | Fail
+#: What :func:`decide_membership` returns: the membership's part of the union.
+MembershipDecision = Continue | Reform | TotalLoss | Grow | Wait | Fail
 
 
 def _target_gangs(state: ElasticState, config: ElasticConfig) -> int:
@@ -161,11 +97,13 @@ def next_hang_check(silent_since: Iterable[float], *, now: float, config: Elasti
     return min(config.poll_s, max(until, 0.0) + PAST_TIMEOUT_S)
 
 
-def decide(state: ElasticState, *, now: float, config: ElasticConfig) -> Decision:
+def decide_membership(
+    state: ElasticState, *, now: float, config: ElasticConfig
+) -> MembershipDecision:
     """The one decision for the state at ``now``; see the module doc for the order of checks."""
     m = state.membership
     if state.failed is not None:
-        return Fail(reason=state.failed)
+        return Fail(reason=state.failed, config_key=state.failed_key or "")
     hung = find_hung_ranks(state, now=now, config=config)
     lost = state.lost_ranks | set(hung)
     if lost:
@@ -184,8 +122,9 @@ def decide(state: ElasticState, *, now: float, config: ElasticConfig) -> Decisio
                     "every shard still has a copy, but only in gangs that lost other ranks, and a "
                     "model copy is only recovered from an intact gang"
                 )
-            return Unrecoverable(
+            return TotalLoss(
                 lost_shards=shards,
+                lost_gangs=broken,
                 lost_ranks=tuple(sorted(lost)),
                 reason=(
                     f"{causes} broke all {m.num_gangs} gangs {list(m.gang_ids)}: {what}. No live "
@@ -214,7 +153,7 @@ def decide(state: ElasticState, *, now: float, config: ElasticConfig) -> Decisio
         )
         missing = config.min_gangs - m.num_gangs
         if now < deadline:
-            return WaitForResources(
+            return Wait(
                 missing_gangs=missing,
                 deadline=deadline,
                 reason=(
@@ -230,7 +169,8 @@ def decide(state: ElasticState, *, now: float, config: ElasticConfig) -> Decisio
                 f"no gang could be placed within elastic.resource_wait_s="
                 f"{config.resource_wait_s:g}s (waited from t={since:.1f}s to t={now:.1f}s); the "
                 f"cluster lacks resources for {missing} gang(s) of {m.gang_size} ranks"
-            )
+            ),
+            config_key="elastic.resource_wait_s",
         )
     if state.ready and room > 0:
         if state.at_sync_boundary:
@@ -290,7 +230,7 @@ def _short(values: tuple[int, ...] | list[int], limit: int = 16) -> str:
 
 
 def apply(
-    state: ElasticState, decision: Decision, *, now: float, config: ElasticConfig
+    state: ElasticState, decision: MembershipDecision, *, now: float, config: ElasticConfig
 ) -> tuple[ElasticState, tuple[Event, ...]]:
     """The state after ``decision`` was carried out, and the events that record it."""
     m, step = state.membership, state.step
@@ -334,10 +274,12 @@ def apply(
     if isinstance(decision, Grow):
         placements = tuple(tuple(s.node for s in n.gang.ranks) for n in decision.gangs)
         if state.ready[: len(placements)] != placements:
-            raise ValueError("Grow does not match the ready placements; decide() again")
+            raise ValueError("Grow does not match the ready placements; decide_membership() again")
         gangs, reserved = m.reserve(placements)
         if gangs != tuple(n.gang for n in decision.gangs):
-            raise ValueError("Grow names gangs other than the next free ids; decide() again")
+            raise ValueError(
+                "Grow names gangs other than the next free ids; decide_membership() again"
+            )
         new_m = reserved.with_gangs(gangs, step=decision.join_step)
         events = []
         for n in decision.gangs:
@@ -364,7 +306,7 @@ def apply(
             waiting_since=None if new_m.num_gangs >= config.min_gangs else state.waiting_since,
         )
         return dataclasses.replace(new, progress=new.restart_clocks(now)), tuple(events)
-    if isinstance(decision, WaitForResources):
+    if isinstance(decision, Wait):
         if state.waiting_since is not None:
             return state, ()
         event = ResourcesWaited(
@@ -375,16 +317,17 @@ def apply(
             deadline=decision.deadline,
         )
         return dataclasses.replace(state, waiting_since=now), (event,)
-    if isinstance(decision, Unrecoverable | Fail):
+    if isinstance(decision, TotalLoss | Fail):
         if state.failed is not None:
             return state, ()  # already failed and logged
         failed = JobFailed(
             at=now,
             step=step,
             reason=decision.reason,
-            needs_checkpoint=isinstance(decision, Unrecoverable),
+            needs_checkpoint=isinstance(decision, TotalLoss),
         )
-        return dataclasses.replace(state, failed=decision.reason), (failed,)
+        key = decision.config_key if isinstance(decision, Fail) else "elastic.restore_on_total_loss"
+        return dataclasses.replace(state, failed=decision.reason, failed_key=key), (failed,)
     raise TypeError(f"not a decision: {decision!r}")
 
 

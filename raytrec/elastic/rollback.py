@@ -21,11 +21,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from raytrec.checkpoint.config import CheckpointConfig
+from raytrec.elastic.decisions import Fail, RollbackPoint, TotalLoss
 
 __all__ = [
     "MAX_RESTORES",
-    "GiveUp",
-    "Rebuild",
     "RollbackPoint",
     "StreamStart",
     "decide_total_loss",
@@ -36,31 +35,6 @@ __all__ = [
 #: Rebuilds from one checkpoint, with no newer one saved in between, before the job gives up: a
 #: loss that recurs before the next save would otherwise loop forever.
 MAX_RESTORES = 3
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RollbackPoint:
-    """A committed checkpoint of this job and the batch accounting at its step."""
-
-    uri: str
-    step: int
-    accounting: Mapping[str, Any]  # BatchAccounting.snapshot() taken at ``step``
-    restores: int = 0  # rebuilds from it so far
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Rebuild:
-    """Rebuild the whole job from ``point``."""
-
-    point: RollbackPoint
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GiveUp:
-    """End the job with ``reason`` (it says what would have allowed recovery)."""
-
-    reason: str
 
 
 def describe_total_loss(
@@ -92,8 +66,13 @@ def decide_total_loss(
     checkpoint: CheckpointConfig,
     replayable: bool,
     step: int,
-) -> Rebuild | GiveUp:
-    """What to do about a total loss described by ``loss``, at job step ``step``.
+    lost_shards: tuple[int, ...] = (),
+    lost_ranks: tuple[int, ...] = (),
+    lost_gangs: tuple[int, ...] = (),
+) -> TotalLoss | Fail:
+    """What to do about a total loss described by ``loss``, at job step ``step``: a
+    :class:`TotalLoss` with the ``point`` to rebuild from (and the ``lost_*`` given), or
+    :class:`Fail` naming the setting that would have allowed recovery.
 
     ``point``: the checkpoint to go back to (None when there is none); ``restore``:
     ``elastic.restore_on_total_loss``; ``replayable``: whether the data source can name and
@@ -105,8 +84,10 @@ def decide_total_loss(
         else ""
     )
     if not restore:
-        return GiveUp(
-            reason=f"{loss}; elastic.restore_on_total_loss is off, so the job ends here{resume}"
+        return Fail(
+            reason=f"{loss}; elastic.restore_on_total_loss is off, so the job ends here{resume}",
+            config_key="elastic.restore_on_total_loss",
+            needs_checkpoint=True,
         )
     if point is None:
         if checkpoint.periodic:
@@ -121,21 +102,32 @@ def decide_total_loss(
                 "none is configured: with checkpoint.every_n_steps or checkpoint.every_minutes "
                 "set, the job would have been rebuilt from its last checkpoint automatically"
             )
-        return GiveUp(reason=f"{loss}; the job cannot go on without a checkpoint, and {why}")
+        return Fail(
+            reason=f"{loss}; the job cannot go on without a checkpoint, and {why}",
+            config_key="checkpoint.every_n_steps",
+            needs_checkpoint=True,
+        )
     if not replayable:
-        return GiveUp(
+        return Fail(
             reason=f"{loss}; the data source cannot rebuild its batches by id, so the job "
             f"cannot rewind its data to the checkpoint of step {point.step} inside this run"
-            f"{resume}"
+            f"{resume}",
+            config_key="data.source",
+            needs_checkpoint=True,
         )
     if point.restores >= MAX_RESTORES:
-        return GiveUp(
+        return Fail(
             reason=f"{loss}; the checkpoint of step {point.step} was already restored "
             f"{point.restores} times with no newer checkpoint saved since, so the loss keeps "
-            f"recurring{resume} once its cause is fixed"
+            f"recurring{resume} once its cause is fixed",
+            config_key="checkpoint.every_n_steps",
+            needs_checkpoint=True,
         )
-    return Rebuild(
+    return TotalLoss(
         point=point,
+        lost_shards=lost_shards,
+        lost_ranks=lost_ranks,
+        lost_gangs=lost_gangs,
         reason=f"{loss}; rebuilding the job from the checkpoint of step {point.step} "
         f"({step - point.step} completed steps to redo)",
     )
