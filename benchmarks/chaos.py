@@ -4,8 +4,8 @@
 
 ``python -m jobs.train`` (2 gangs x 2 ranks) on ``ray start`` nodes on 127.0.0.1 loses ranks
 (a rank process of a random node SIGKILLed from outside at a random moment, as the OOM killer
-does; a new gang joins on the freed CPUs) and nodes (the raylet SIGKILLed; a replacement node
-but after the last, whose gang joins), each once both gangs have trained two intervals.
+does; a new gang joins on the freed CPUs) and nodes (every process of the node SIGKILLed at
+once, as in a host crash; a replacement node but after the last, whose gang joins), each once both gangs have trained two intervals.
 Reported from the job's events, metrics rows and summary: the time to ``rank_died`` and
 ``node_died``, the survivors' stall at each loss and join (the gap between the rows around it
 less their steps at the normal pace), the stall each loss causes over the rest of the run up
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import glob
@@ -244,17 +245,22 @@ def drive(
                 fault = Fault(kind, run_dir.step, kill_mono, node.name, node_id, title=title)
                 watch_death(fault, pid)
             else:
+                # The host goes, as in a crash or a preemption without notice: every process
+                # of the node at once, the raylet first.
                 raylet = node.raylet_pid()
                 assert raylet is not None
+                rest = [p for p in lc.session_pids(node.session) if p != raylet]
                 kill_mono = time.monotonic()
-                os.kill(raylet, signal.SIGKILL)
+                for pid in (raylet, *rest):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 fault = Fault(kind, run_dir.step, kill_mono, node.name, node_id)
             faults.append(fault)
             print(f"[chaos] step {fault.step}: killed a {kind} on {node.name}", flush=True)
             full_since, fault_generation = None, int(rows[-1]["generation"])
             if kind == "node":
                 dead.add(node.name)
-                lc.stop_session(node.session, grace_s=2)  # what the node left (agents, workers)
+                lc.stop_session(node.session, grace_s=2)  # what the node left (children)
                 if len(faults) < len(schedule):  # a replacement, except after the last fault
                     fault.replacement_mono = time.monotonic()
                     add_node(cluster, f"n{spare}", a.gang_size)
