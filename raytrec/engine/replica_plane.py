@@ -160,6 +160,22 @@ class ReplicaPlane:
 
         in_place_flat(tensors, mean, apart=apart)
 
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every member's ``tensor`` (all of one shape), stacked in member order."""
+        if self.pg is None:
+            return tensor.unsqueeze(0).clone()
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._wait(self.pg.allgather([out], [tensor]))
+        return torch.stack(out)
+
+    def bitwise_or_(self, tensor: torch.Tensor) -> None:
+        """Replaces an integer ``tensor`` with the bitwise OR of every member's, in place."""
+        if self.pg is None:
+            return
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.BOR  # type: ignore[assignment]
+        self._wait(self.pg.allreduce([tensor], opts))
+
     def _wait(self, work: Any) -> None:
         """Waits for a collective. When it fails (a member died, or the group was aborted),
         this member aborts the group too: gloo's ring collectives only fail fast at the dead
