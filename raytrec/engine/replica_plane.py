@@ -145,20 +145,24 @@ class ReplicaPlane:
         identical)."""
         if self.pg is None or not (tensors or apart):
             return
+        in_place_flat(tensors, self.mean_, apart=apart)
 
-        def mean(flat: torch.Tensor) -> None:
-            # Half-precision tables (fp16 weights) are summed in fp32, so the mean loses no more
-            # than its own rounding. Gloo has no AVG reduction: sum, then divide.
-            wide = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
-            self._wait(self.pg.allreduce([wide]))
-            if wide.is_floating_point():
-                wide.div_(self.size)
-            else:
-                wide.div_(self.size, rounding_mode="floor")
-            if wide is not flat:
-                flat.copy_(wide)
-
-        in_place_flat(tensors, mean, apart=apart)
+    def mean_(self, flat: torch.Tensor) -> None:
+        """Replaces one contiguous buffer with its mean over the group, in place (as
+        :meth:`average_` does each of its buffers). A failed collective may leave it partly
+        summed: for a scratch buffer whose values are copied out afterwards."""
+        if self.pg is None:
+            return
+        # Half-precision tables (fp16 weights) are summed in fp32, so the mean loses no more
+        # than its own rounding. Gloo has no AVG reduction: sum, then divide.
+        wide = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
+        self._wait(self.pg.allreduce([wide]))
+        if wide.is_floating_point():
+            wide.div_(self.size)
+        else:
+            wide.div_(self.size, rounding_mode="floor")
+        if wide is not flat:
+            flat.copy_(wide)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every member's ``tensor`` (all of one shape), stacked in member order."""

@@ -178,7 +178,8 @@ def average_rows(
     union is agreed by an all-gather of the ids or, when cheaper (many ids, or many members),
     an OR-all-reduce of a bitmap of the shard's rows (:func:`raytrec.sync.traffic.agreement`).
     Then those rows of every tensor are gathered, averaged in one all-reduce per dtype and
-    written back; nothing is written unless every collective succeeded."""
+    written back. A failed collective can leave some shards averaged and others not, as a
+    failure can between replica groups: the next generation's first sync averages every row."""
     n = plane.size
     sent = 0
     counts = torch.tensor([t.numel() for t in touched], dtype=torch.int64)
@@ -218,18 +219,29 @@ def average_rows(
         sent += allreduce_bytes(packed.numel(), n)
         for k, bits in zip(by_bitmap, packed.split([b.numel() for b in bitmaps]), strict=True):
             union[k] = torch.nonzero(_unpack(bits, shards[k][0].shape[0])).flatten()
-    tensors: list[torch.Tensor] = [t for k in whole for t in shards[k]]
-    picked: dict[int, list[torch.Tensor]] = {}
-    for k, ids in union.items():
-        union[k] = ids = ids.to(shards[k][0].device)
-        picked[k] = [t.index_select(0, ids) for t in shards[k]]
-        tensors += picked[k]
-    tensors += list(extra)
+    tensors: list[torch.Tensor] = [t for k in whole for t in shards[k]] + list(extra)
     plane.average_(tensors, apart=apart)
     sent += allreduce_bytes(_wire_bytes(tensors) + _wire_bytes(apart), n)
-    for k, rows in picked.items():
-        for dst, src in zip(shards[k], rows, strict=True):
-            dst.index_copy_(0, union[k], src)
+    # The touched rows of every tensor, gathered straight into one scratch buffer per dtype,
+    # averaged there and copied back (one copy each way).
+    by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for k, ids in union.items():
+        union[k] = ids = ids.to(shards[k][0].device)
+        for t in shards[k]:
+            by_dtype.setdefault(t.dtype, []).append((t, ids))
+    for dtype, parts in by_dtype.items():
+        sizes = [ids.numel() * t[0].numel() for t, ids in parts]
+        flat = torch.empty(sum(sizes), dtype=dtype, device=parts[0][0].device)
+        views = [
+            v.view(ids.numel(), *t.shape[1:])
+            for v, (t, ids) in zip(flat.split(sizes), parts, strict=True)
+        ]
+        for v, (t, ids) in zip(views, parts, strict=True):
+            torch.index_select(t, 0, ids, out=v)
+        plane.mean_(flat)
+        sent += allreduce_bytes(_wire_bytes([flat]), n)
+        for v, (t, ids) in zip(views, parts, strict=True):
+            t.index_copy_(0, ids, v)
     averaged = sum(shards[k][0].shape[0] for k in whole) + sum(u.numel() for u in union.values())
     return SyncTraffic(bytes_sent=sent, rows=averaged, whole_shards=len(whole), shards=len(shards))
 
