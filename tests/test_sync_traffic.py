@@ -41,6 +41,7 @@ def test_agreement_picks_the_cheaper_exchange() -> None:
     assert agreement(8000, 4001, 2, 0.5) == "whole"
     # Many members: the ids all-gather grows with them, the bitmap all-reduce does not.
     assert agreement(8000, 50, 64, 0.5) == "bitmap"
+    assert agreement(8000, 50, 64, 0.5, bitmap=False) == "ids"  # NCCL: no bitwise OR
 
 
 def test_touched_share_matches_sampling() -> None:

@@ -91,6 +91,7 @@ class ReplicaPlane:
     pg: Any
     # For a lower level of a hierarchical schedule: (level, group index); None: all live gangs.
     level_group: tuple[int, int] | None = None
+    backend: str = "gloo"  # nccl: collectives take CUDA tensors and have no bitwise reductions
 
     @classmethod
     def build(
@@ -131,6 +132,7 @@ class ReplicaPlane:
             size=size,
             pg=pg,
             level_group=level_group,
+            backend=backend,
         )
 
     def average_(
@@ -164,8 +166,16 @@ class ReplicaPlane:
         if wide is not flat:
             flat.copy_(wide)
 
+    @property
+    def device(self) -> torch.device:
+        """Where this plane's collectives take their tensors."""
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every member's ``tensor`` (all of one shape), stacked in member order."""
+        """Every member's ``tensor`` (all of one shape, on :attr:`device`), stacked in member
+        order."""
         if self.pg is None:
             return tensor.unsqueeze(0).clone()
         out = [torch.empty_like(tensor) for _ in range(self.size)]
@@ -173,7 +183,8 @@ class ReplicaPlane:
         return torch.stack(out)
 
     def bitwise_or_(self, tensor: torch.Tensor) -> None:
-        """Replaces an integer ``tensor`` with the bitwise OR of every member's, in place."""
+        """Replaces an integer ``tensor`` with the bitwise OR of every member's, in place (gloo
+        only: NCCL has no bitwise reductions)."""
         if self.pg is None:
             return
         opts = dist.AllreduceOptions()

@@ -182,15 +182,16 @@ def average_rows(
     failure can between replica groups: the next generation's first sync averages every row."""
     n = plane.size
     sent = 0
+    on = plane.device  # NCCL takes CUDA tensors; the bookkeeping stays on the CPU
     counts = torch.tensor([t.numel() for t in touched], dtype=torch.int64)
-    every = plane.all_gather(counts)
+    every = plane.all_gather(counts.to(on)).cpu()
     sent += allgather_bytes(counts.numel() * 8, n)
     most = every.max(0).values.tolist()
     whole: list[int] = []
     by_ids: list[int] = []
     by_bitmap: list[int] = []
     for k, (shard, top) in enumerate(zip(shards, most, strict=True)):
-        how = agreement(shard[0].shape[0], top, n, max_share)
+        how = agreement(shard[0].shape[0], top, n, max_share, bitmap=plane.backend != "nccl")
         {"whole": whole, "ids": by_ids, "bitmap": by_bitmap, "none": []}[how].append(k)
     union: dict[int, torch.Tensor] = {}
     if by_ids:
@@ -200,7 +201,7 @@ def average_rows(
         mine = torch.full((width,), -1, dtype=torch.int64)
         own = torch.cat([touched[k].cpu() for k in by_ids])
         mine[: own.numel()] = own
-        theirs = plane.all_gather(mine)
+        theirs = plane.all_gather(mine.to(on)).cpu()
         sent += allgather_bytes(width * 8, n)
         for r in range(n):
             parts = theirs[r][: int(totals[r])].split(every[r, by_ids].tolist())

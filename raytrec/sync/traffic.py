@@ -38,18 +38,21 @@ def allgather_bytes(nbytes: float, members: int) -> int:
     return round((members - 1) * nbytes)
 
 
-def agreement(rows: int, most: int, members: int, max_share: float) -> Agreement:
+def agreement(
+    rows: int, most: int, members: int, max_share: float, *, bitmap: bool = True
+) -> Agreement:
     """How a shard of ``rows`` rows, of which some member touched ``most`` (the most of any),
     is synced: ``whole`` past ``max_share`` of its rows (the average of every row); ``none``
     when nobody touched it; otherwise the union is agreed by the cheaper of an all-gather of
-    the ids (8 bytes each, padded to ``most``) and an OR-all-reduce of a bitmap of the rows."""
+    the ids (8 bytes each, padded to ``most``) and an OR-all-reduce of a bitmap of the rows
+    (``bitmap=False``: ids only, as over NCCL, which has no bitwise reductions)."""
     if most > max_share * rows:
         return "whole"
     if most == 0:
         return "none"
     ids = allgather_bytes(8 * most, members)
-    bitmap = allreduce_bytes(math.ceil(rows / 8), members)
-    return "ids" if ids <= bitmap else "bitmap"
+    bits = allreduce_bytes(math.ceil(rows / 8), members)
+    return "ids" if not bitmap or ids <= bits else "bitmap"
 
 
 def touched_share(lookups: float, rows: int) -> float:
