@@ -5,7 +5,8 @@
 ``python -m jobs.train`` (2 gangs x 2 ranks) on ``ray start`` nodes on 127.0.0.1 loses ranks
 (a rank process of a random node SIGKILLed from outside at a random moment, as the OOM killer
 does; a new gang joins on the freed CPUs) and nodes (every process of the node SIGKILLed at
-once, as in a host crash; a replacement node but after the last, whose gang joins), each once both gangs have trained two intervals.
+once, as in a host crash; a replacement node but after the last, whose gang joins), each
+once both gangs have trained two intervals.
 Reported from the job's events, metrics rows and summary: the time to ``rank_died`` and
 ``node_died``, the survivors' stall at each loss and join (the gap between the rows around it
 less their steps at the normal pace), the stall each loss causes over the rest of the run up

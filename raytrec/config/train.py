@@ -69,6 +69,7 @@ DenseOptimizer = Literal["sgd", "adagrad", "adam", "adamw"]
 Backend = Literal["auto", "gloo", "nccl"]
 EvalMetric = Literal["eval_auc", "eval_ne", "eval_log_loss"]
 DenseSync = Literal["every_step", "with_schedule"]
+SyncRows = Literal["all", "touched"]
 TrainPipelineName = Literal["auto", "off", "sparse_dist", "semi_sync"]
 
 # What TorchRec 1.8's planner offers a CPU compute device (checked on gloo).
@@ -262,6 +263,15 @@ class SyncConfig(ConfigModel):
     parameters are identical everywhere; `with_schedule` averages dense gradients only inside
     the gang (DDP) and averages dense parameters and dense optimizer state at the schedule's
     syncs, in the same groups as the embeddings, so a slow gang stalls only its group."""
+
+    rows: SyncRows = "all"
+    """`all` averages every row of every embedding shard at each sync; `touched` only the rows
+    some member of the syncing group looked up since that level's last sync (the same result:
+    untouched rows are identical already), with a full average at each level's first sync of
+    a generation and after a heal or a checkpoint load."""
+    touched_max_share: Annotated[float, Interval(gt=0, le=1)] = 0.5
+    """With `rows: touched`: a shard of which some member touched more than this share of the
+    rows is averaged whole."""
 
     @model_validator(mode="after")
     def _schedule_nests(self) -> SyncConfig:

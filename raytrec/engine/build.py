@@ -22,6 +22,7 @@ from raytrec.engine.plan import apply_embedding_optimizer, sharders
 from raytrec.engine.rank_model import RankModel, fused_tables
 from raytrec.engine.replica_plane import RENDEZVOUS_TIMEOUT_S
 from raytrec.engine.spec import RankSpec, dropout_seed, embedding_seed
+from raytrec.engine.touched_rows import TouchedRows
 
 __all__ = ["build_rank"]
 
@@ -77,6 +78,11 @@ def build_rank(spec: RankSpec) -> tuple[RankModel, dist.Store]:
         # Its state exists from here on with the shapes a stepped rank's has (Adam's moments
         # and step counts included), so every state movement works before the first step.
         dense_optimizer=build_dense_optimizer(dense_params, cfg.optimizer),
-        tables=fused_tables(model),
+        tables=(tables := fused_tables(model)),
+        touched=(
+            TouchedRows(tables, levels=len(cfg.sync.levels) + 1)
+            if cfg.sync.rows == "touched"
+            else None
+        ),
     )
     return built, store

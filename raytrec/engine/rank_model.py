@@ -10,6 +10,7 @@ digest move; whoever writes into a view calls the matching ``*_written`` method 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
@@ -20,6 +21,9 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 
 from raytrec.engine.dense_optimizer import state_tensors
+
+if TYPE_CHECKING:
+    from raytrec.engine.touched_rows import TouchedRows
 
 __all__ = ["RankModel", "fused_tables"]
 
@@ -33,6 +37,8 @@ class RankModel:
     dense_params: dict[str, nn.Parameter]
     dense_optimizer: KeyedOptimizerWrapper
     tables: tuple[SplitTableBatchedEmbeddingBagsCodegen, ...]  # fused_tables(model)
+    # With sync.rows="touched": the rows this rank's lookups touched (TouchedRows.attach).
+    touched: TouchedRows | None = None
 
     def embedding_weights(self) -> list[torch.Tensor]:
         """Views of this rank's embedding shards (one per local table shard), holding their true
@@ -47,12 +53,15 @@ class RankModel:
         for tbe in self.tables:
             tbe.flush()
 
-    def embeddings_written(self) -> None:
+    def embeddings_written(self, *, synced: bool = False) -> None:
         """After the tables' contents were overwritten (a sync, a heal, a checkpoint load): a
         UVM-cached table's cache no longer holds what its rows hold, so it is emptied and the
-        next lookups read the rows from UVM."""
+        next lookups read the rows from UVM. Unless ``synced`` (the replica group's mean was
+        written), the touched rows are forgotten: the next sync averages every row."""
         for tbe in self.tables:
             tbe.reset_cache_states()
+        if self.touched is not None and not synced:
+            self.touched.forget()
 
     def embedding_optimizer_states(self) -> list[torch.Tensor]:
         """Views of the fused optimizer state (Adagrad sums, Adam moments, ...)."""
@@ -87,9 +96,23 @@ class RankModel:
             tensors += self.embedding_optimizer_states() + self.embedding_step_counters()
         return tensors
 
-    def shard_state_written(self) -> None:
-        """After :meth:`shard_state`'s tensors were overwritten."""
-        self.embeddings_written()
+    def table_shards(self, *, optimizer_state: bool = True) -> list[tuple[torch.Tensor, ...]]:
+        """Per local table shard (in :meth:`embedding_weights`' order): its weights and, with
+        ``optimizer_state``, its fused optimizer state tensors, each indexed by row first."""
+        self.write_back_caches()
+        shards: list[tuple[torch.Tensor, ...]] = []
+        for tbe in self.tables:
+            weights = tbe.split_embedding_weights()
+            states = tbe.split_optimizer_states() if optimizer_state else []
+            if len(states) != len(weights):  # SGD keeps none
+                states = [[] for _ in weights]
+            shards += [(w, *s) for w, s in zip(weights, states, strict=True)]
+        return shards
+
+    def shard_state_written(self, *, synced: bool = False) -> None:
+        """After :meth:`shard_state`'s tensors were overwritten (``synced``: with the replica
+        group's mean, :meth:`embeddings_written`)."""
+        self.embeddings_written(synced=synced)
         self.step_counters_written()
 
     def dense_state(self) -> list[torch.Tensor]:

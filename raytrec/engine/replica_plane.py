@@ -91,6 +91,7 @@ class ReplicaPlane:
     pg: Any
     # For a lower level of a hierarchical schedule: (level, group index); None: all live gangs.
     level_group: tuple[int, int] | None = None
+    backend: str = "gloo"  # nccl: collectives take CUDA tensors and have no bitwise reductions
 
     @classmethod
     def build(
@@ -131,6 +132,7 @@ class ReplicaPlane:
             size=size,
             pg=pg,
             level_group=level_group,
+            backend=backend,
         )
 
     def average_(
@@ -145,20 +147,49 @@ class ReplicaPlane:
         identical)."""
         if self.pg is None or not (tensors or apart):
             return
+        in_place_flat(tensors, self.mean_, apart=apart)
 
-        def mean(flat: torch.Tensor) -> None:
-            # Half-precision tables (fp16 weights) are summed in fp32, so the mean loses no more
-            # than its own rounding. Gloo has no AVG reduction: sum, then divide.
-            wide = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
-            self._wait(self.pg.allreduce([wide]))
-            if wide.is_floating_point():
-                wide.div_(self.size)
-            else:
-                wide.div_(self.size, rounding_mode="floor")
-            if wide is not flat:
-                flat.copy_(wide)
+    def mean_(self, flat: torch.Tensor) -> None:
+        """Replaces one contiguous buffer with its mean over the group, in place (as
+        :meth:`average_` does each of its buffers). A failed collective may leave it partly
+        summed: for a scratch buffer whose values are copied out afterwards."""
+        if self.pg is None:
+            return
+        # Half-precision tables (fp16 weights) are summed in fp32, so the mean loses no more
+        # than its own rounding. Gloo has no AVG reduction: sum, then divide.
+        wide = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
+        self._wait(self.pg.allreduce([wide]))
+        if wide.is_floating_point():
+            wide.div_(self.size)
+        else:
+            wide.div_(self.size, rounding_mode="floor")
+        if wide is not flat:
+            flat.copy_(wide)
 
-        in_place_flat(tensors, mean, apart=apart)
+    @property
+    def device(self) -> torch.device:
+        """Where this plane's collectives take their tensors."""
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every member's ``tensor`` (all of one shape, on :attr:`device`), stacked in member
+        order."""
+        if self.pg is None:
+            return tensor.unsqueeze(0).clone()
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._wait(self.pg.allgather([out], [tensor]))
+        return torch.stack(out)
+
+    def bitwise_or_(self, tensor: torch.Tensor) -> None:
+        """Replaces an integer ``tensor`` with the bitwise OR of every member's, in place (gloo
+        only: NCCL has no bitwise reductions)."""
+        if self.pg is None:
+            return
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.BOR  # type: ignore[assignment]
+        self._wait(self.pg.allreduce([tensor], opts))
 
     def _wait(self, work: Any) -> None:
         """Waits for a collective. When it fails (a member died, or the group was aborted),

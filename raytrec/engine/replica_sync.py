@@ -21,7 +21,13 @@ import torch.distributed as dist
 
 from raytrec.config import SyncConfig
 from raytrec.engine.rank_model import RankModel
-from raytrec.engine.replica_plane import LevelPlanes, ReplicaPlane, ReplicaPlaneError, in_place_flat
+from raytrec.engine.replica_plane import (
+    LevelPlanes,
+    ReplicaPlane,
+    ReplicaPlaneError,
+    in_place_flat,
+)
+from raytrec.engine.touched_rows import SyncTraffic, average_rows, full_traffic
 from raytrec.sync.schedule import SyncDecision, SyncPlan, plan_sync
 
 __all__ = ["GangPeerFailed", "ReplicaSync"]
@@ -59,6 +65,7 @@ class ReplicaSync:
         self.sync_plan: SyncPlan | None = None
         self.levels: LevelPlanes | None = None  # this rank's group at each schedule level
         self._job_wide_plan: SyncPlan | None = None  # decide()'s plan when none was joined
+        self.last_traffic: SyncTraffic | None = None  # what this rank's last sync moved
 
     def join_replica_plane(self, *, generation: int, member_rank: int, size: int) -> None:
         """(Re)builds this rank's replica group for ``generation``.
@@ -219,15 +226,37 @@ class ReplicaSync:
         if plane.size == 1:
             return  # a group of one: every tensor is already its own mean
         model = self._model
-        tensors = model.shard_state(optimizer_state=optimizer_state)
         dense: list[torch.Tensor] = []
         if self.config.dense == "with_schedule":
             dense = [p.data for p in model.dense_params.values()]
             if optimizer_state:
                 dense += model.dense_optimizer_state()
-        # Dense state in a buffer of its own, so the gang's ranks keep identical copies.
-        plane.average_(tensors, apart=dense)
-        model.shard_state_written()
+        # The schedule's level, job-wide (the top one) for a sync without a decision.
+        level = len(self.config.levels) if decision is None else decision.level
+        assert level is not None
+        touched = model.touched
+        if (
+            self.config.rows == "touched"
+            and touched is not None
+            and touched.valid(level, optimizer_state=optimizer_state, generation=plane.generation)
+        ):
+            counters = model.embedding_step_counters() if optimizer_state else []
+            self.last_traffic = average_rows(
+                plane,
+                model.table_shards(optimizer_state=optimizer_state),
+                [touched.rows(k, level, optimizer_state=optimizer_state) for k in touched.shards],
+                max_share=self.config.touched_max_share,
+                extra=counters,
+                apart=dense,
+            )
+        else:
+            tensors = model.shard_state(optimizer_state=optimizer_state)
+            # Dense state in a buffer of its own, so the gang's ranks keep identical copies.
+            plane.average_(tensors, apart=dense)
+            self.last_traffic = full_traffic(tensors, dense, plane.size, model.tables)
+        model.shard_state_written(synced=True)
+        if touched is not None:
+            touched.synced(level, optimizer_state=optimizer_state, generation=plane.generation)
 
     def _plane_for(self, decision: SyncDecision) -> ReplicaPlane:
         """This rank's group at the decision's level, checked against the decision's groups."""

@@ -1,0 +1,202 @@
+"""Sync traffic: bytes and time of one replica sync, ``sync.rows: all`` against ``touched``,
+measured on two gangs of one rank on gloo, and modelled per training step at production shapes.
+
+    .venv/bin/python -m benchmarks.sync_bytes --write docs/benchmarks.md
+
+Each gang holds one table (``--rows`` x ``--dim``, row-wise Adagrad) on a real engine. Before
+each timed sync every rank marks a random ``share`` of the rows touched (its own draw), then
+syncs; ``all`` and ``touched`` alternate, each pair in a fresh order, so load on a shared
+machine hits both alike. Bytes are what one rank sends (ring collectives), counted from the
+buffers the sync hands to gloo; the model (:func:`raytrec.sync.traffic.expected_sync_bytes`)
+predicts them from the shapes alone. The production table applies the model to the MLPerf
+DLRM-DCNv2 tables on 1024 GPUs in gangs of 256 (4 replicas), uniformly random ids (an upper
+bound for touched syncs: real ids repeat more).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from benchmarks import common
+from benchmarks.pipeline import MLPERF_ROWS
+from raytrec.config import (
+    ModelConfig,
+    OptimizerConfig,
+    ScalingConfig,
+    SyncConfig,
+    TableConfig,
+    TrainConfig,
+)
+from raytrec.engine.plan import apply_embedding_optimizer, make_plan
+from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
+from raytrec.models import build_train_model
+from raytrec.sync.traffic import expected_sync_bytes, touched_share
+
+#: MLPerf DLRM-DCNv2's multi-hot sizes: ids per sample of each table, in MLPERF_ROWS' order.
+MLPERF_HOT = (3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1)
+MODES = ("all", "touched")
+NUM_DENSE = 4
+
+
+def job(rows: int, dim: int) -> TrainConfig:
+    return TrainConfig(
+        model=ModelConfig(
+            tables=(
+                TableConfig(name="t0", num_embeddings=rows, embedding_dim=dim, features=("f0",)),
+            ),
+            dense_arch_layers=(8, dim),
+            over_arch_layers=(4, 1),
+        ),
+        optimizer=OptimizerConfig(embedding="rowwise_adagrad"),
+        scaling=ScalingConfig(num_workers=2, gang_size=1),
+        sync=SyncConfig(rows="touched", sync_every=1),
+    )
+
+
+def rank_main(rank: int, a: Any, ports: list[int], out: Any) -> None:
+    try:
+        out.put((rank, measure_rank(rank, a, ports)))
+    except BaseException:
+        out.put((rank, traceback.format_exc()))
+        raise
+
+
+def measure_rank(rank: int, a: Any, ports: list[int]) -> list[tuple[Any, ...]]:
+    results = []
+    for rows, port in zip(a.rows, ports, strict=True):
+        cfg = job(rows, a.dim)
+        model = build_train_model(cfg.model, NUM_DENSE, torch.device("cpu"), cfg.seed)
+        apply_embedding_optimizer(model, cfg.optimizer)
+        plan = make_plan(
+            model, gang_size=1, device_type="cpu", sharding=cfg.sharding,
+            tables=cfg.model.tables, batch_size=8,
+        )  # fmt: skip
+        store = StoreAddress(host="127.0.0.1", port=port)
+        spec = RankSpec(
+            rank=rank, gang=rank, gang_rank=0, gang_size=1, config=cfg, plan=plan,
+            num_dense=NUM_DENSE, store=store, timeout_s=600,
+        )  # fmt: skip
+        e = RankEngine(spec)
+        e.build()
+        e.join_replica_plane(generation=0, member_rank=rank, size=2)
+        e.sync()  # the generation's first sync averages every row; from here sets are valid
+        touched = e.state.touched
+        assert touched is not None
+        gen = torch.Generator().manual_seed(1000 * rank + rows)
+        for share in a.shares:
+            for repeat in range(a.repeats):
+                order = MODES if repeat % 2 == 0 else MODES[::-1]
+                for mode in order:
+                    ids = torch.randperm(rows, generator=gen)[: round(share * rows)]
+                    touched.mark(0, ids)
+                    e.replicas.config = cfg.sync.model_copy(update={"rows": mode})
+                    e.replica.average_([torch.zeros(1)])  # type: ignore[union-attr]
+                    t0 = time.perf_counter()
+                    e.sync()
+                    took = time.perf_counter() - t0
+                    traffic = e.replicas.last_traffic
+                    assert traffic is not None
+                    results.append((rows, share, repeat, mode, traffic.bytes_sent, took))
+        e.close()
+    return results
+
+
+def measure(a: Any) -> list[tuple[int, float, int, str, int, float]]:
+    stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in a.rows]
+    ports = [s.port for s in stores]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, a, ports, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(out.get() for _ in procs)
+    for rank, res in got.items():
+        if isinstance(res, str):
+            raise SystemExit(f"rank {rank} failed:\n{res}")
+    for p in procs:
+        p.join()
+    # A sync ends when its slower rank is done: the larger of the two times.
+    return [(*x[:5], max(x[5], y[5])) for x, y in zip(got[0], got[1], strict=True)]
+
+
+def measured_table(a: Any, results: Sequence[tuple[int, float, int, str, int, float]]) -> str:
+    lines = [
+        "| rows x dim | touched per rank | bytes, all | bytes, touched | model | bytes ratio "
+        "| time, all | time, touched | time ratio (min to max) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    row_bytes = a.dim * 4 + 4  # fp32 weights and row-wise Adagrad's one fp32 per row
+    for rows in a.rows:
+        for share in a.shares:
+            pick = {
+                m: [r for r in results if r[0] == rows and r[1] == share and r[3] == m]
+                for m in MODES
+            }
+            full = statistics.median(r[4] for r in pick["all"])
+            part = statistics.median(r[4] for r in pick["touched"])
+            model = expected_sync_bytes(rows=rows, row_bytes=row_bytes, members=2, share=share)
+            ratios = [f[5] / t[5] for f, t in zip(pick["all"], pick["touched"], strict=True)]
+            lines.append(
+                f"| {rows:,} x {a.dim} | {share:.0%} | {full / 1e6:.2f} MB | {part / 1e6:.3f} MB "
+                f"| {model / 1e6:.3f} MB | {full / part:.1f}x "
+                f"| {common.spread([r[5] * 1e3 for r in pick['all']], '.0f', ' ms')} "
+                f"| {common.spread([r[5] * 1e3 for r in pick['touched']], '.1f', ' ms')} "
+                f"| {common.spread(ratios, '.1f', 'x')} |"
+            )
+    return "\n".join(lines)
+
+
+def production_table(gangs: int, gang_size: int, global_batch: int, periods: Sequence[int]) -> str:
+    """Bytes per training step one GPU sends for syncs, every table row-wise sharded evenly."""
+    row_bytes = 128 * 4 + 4
+    lines = [
+        "| sync every | all: MB per step per GPU | touched: MB per step per GPU | ratio |",
+        "|---|---|---|---|",
+    ]
+    for every in periods:
+        full = part = 0.0
+        for rows, hot in zip(MLPERF_ROWS, MLPERF_HOT, strict=True):
+            shard = max(1, rows // gang_size)
+            lookups = global_batch // gangs * every * hot  # one gang's, over the period
+            share = touched_share(lookups, rows)
+            full += expected_sync_bytes(rows=shard, row_bytes=row_bytes, members=gangs, share=None)
+            part += expected_sync_bytes(rows=shard, row_bytes=row_bytes, members=gangs, share=share)
+        lines.append(
+            f"| {every} | {full / every / 1e6:.1f} | {part / every / 1e6:.2f} "
+            f"| {full / part:.1f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = common.parser(__doc__, "sync_bytes", "docs/benchmarks.md")
+    p.add_argument(
+        "--rows", type=lambda x: [int(r) for r in x.split(",")], default=[250_000, 2_000_000]
+    )
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument(
+        "--shares", type=lambda x: [float(s) for s in x.split(",")], default=[0.01, 0.05, 0.25, 1.0]
+    )
+    p.add_argument("--repeats", type=int, default=4, help="pairs per share and size")
+    a = common.parse(p, argv)
+    results = measure(a)
+    body = (
+        f"{measured_table(a, results)}\n\nModelled at production shapes (MLPerf DLRM-DCNv2 tables, "
+        "dim 128, row-wise Adagrad, global batch 65,536; 1024 GPUs in 4 gangs of 256; uniform "
+        f"ids):\n\n{production_table(4, 256, 65_536, (1, 8, 64, 512))}\n"
+    )
+    common.publish(
+        a, body, name="sync_bytes", heading="## Sync traffic: all rows against touched rows"
+    )
+
+
+if __name__ == "__main__":
+    main()
