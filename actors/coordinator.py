@@ -759,7 +759,11 @@ class Coordinator:
         return gang
 
     def _now(self) -> float:
-        return round(self.clock.monotonic() - self._t0, 3)
+        return self._at(self.clock.monotonic())
+
+    def _at(self, monotonic: float) -> float:
+        """The clock's ``monotonic`` time as the event log's time (seconds since the start)."""
+        return round(monotonic - self._t0, 3)
 
     # -- accounting -----------------------------------------------------------------------------
 

@@ -73,6 +73,9 @@ class IntervalOutcome:
     booked: bool = False  # recovery has booked the reports above
     # Deaths, node deaths and hangs already in the event log (a recovery started over).
     logged: set[int | str] = dataclasses.field(default_factory=set)
+    # Dead rank -> when the coordinator learned it (its clock): the event log books the death
+    # when the recovery starts, once every call of the interval has answered.
+    noticed: dict[int, float] = dataclasses.field(default_factory=dict)
 
     @property
     def failed(self) -> bool:
@@ -117,9 +120,11 @@ class FailureRecovery:
                     self.progress[rank] = (report.step, now)
                 except RankLost as e:
                     out.dead[rank] = e.cause
+                    out.noticed[rank] = now
                     for peer in self.kill_gang_peers(rank, pending):
                         del pending[peer]
                         out.dead[peer] = _PEER_KILLED
+                        out.noticed[peer] = now
                 except RankFailed as e:
                     out.errored[rank] = str(e)
             if (out.dead or out.errored) and deadline is None:
@@ -204,6 +209,7 @@ class FailureRecovery:
                     report = self.job.group.result(future)
                 except RankLost as e:
                     result.dead[r] = e.cause
+                    result.noticed.setdefault(r, now)
                 except RankFailed as e:
                     result.errored.setdefault(r, str(e))
                 else:
@@ -265,6 +271,7 @@ class FailureRecovery:
                 self.job.group.result(future)
             except RankLost as e:
                 out.dead[r] = _PEER_KILLED if r in self.peers_killed else e.cause
+                out.noticed[r] = now
         out.hung = sorted(set(out.hung) - set(out.dead))
         if not out.failed:
             if isinstance(error, RankFailed) and group_broke(error.cause):
@@ -303,6 +310,7 @@ class FailureRecovery:
         probed.hung = sorted(hung - set(probed.dead))
         probed.silence = {**before.silence, **probed.silence}
         probed.logged = before.logged
+        probed.noticed = {**probed.noticed, **before.noticed}
         if not before.booked:  # what the survivors reported is not in the books yet
             probed.reports = {**before.reports, **probed.reports}
             probed.later = before.later + probed.later
@@ -341,6 +349,7 @@ class FailureRecovery:
                     gang_id=self.job._gang_of(r),
                     cause=cause,
                     node=self.job.nodes.rank_names([r])[0],
+                    noticed_at=self.job._at(result.noticed[r]) if r in result.noticed else None,
                 )
             )
         if set(result.hung) - result.logged:

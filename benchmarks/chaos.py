@@ -301,7 +301,11 @@ def analyse(out: dict[str, Any]) -> dict[str, Any]:
             mark["gone_s"] = f["gone_mono"] - f["kill_mono"]
         if on_node:
             hit = on_node[0]
-            mark |= {"at": hit["at"], "step": hit["step"], "detected_s": hit["at"] - kill_at}
+            # When the coordinator learned of it; the log books it once the recovery starts.
+            seen = hit.get("noticed_at")
+            seen = hit["at"] if seen is None else seen
+            mark |= {"at": hit["at"], "step": hit["step"], "detected_s": seen - kill_at}
+            mark["booked_s"] = hit["at"] - kill_at
         if f["kind"] == "node":
             died = next((e for e in after if e["kind"] == "node_died"), None)
             if died is not None:
@@ -421,9 +425,10 @@ def _s(value: float | None) -> str:
 
 def table(report: dict[str, Any]) -> str:
     lines = [
-        "| event | step | process gone after (s) | detected after (s) | node_died after (s) "
-        "| to join (s) | survivors' stall (s) | stall over the rest (s) | late data waits (s) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| event | step | process gone after (s) | detected after (s) | booked after (s) "
+        "| node_died after (s) | to join (s) | survivors' stall (s) | stall over the rest (s) "
+        "| late data waits (s) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for m in report["marks"]:
         died = _s(m.get("node_died_s"))
@@ -431,7 +436,7 @@ def table(report: dict[str, Any]) -> str:
             died += " (**another node named**)"
         lines.append(
             f"| {m['what']} | {m['step']} | {_s(m.get('gone_s'))} | {_s(m.get('detected_s'))} "
-            f"| {died} | "
+            f"| {_s(m.get('booked_s'))} | {died} | "
             f"{_s(m.get('to_join_s'))} | {_s(m.get('stall_s'))} | "
             f"{_s(m.get('total_stall_s'))} | {_s(m.get('late_data_s'))} |"
         )

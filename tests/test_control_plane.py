@@ -186,6 +186,10 @@ def test_a_rank_dies_its_gang_is_dropped_and_its_batches_replayed(tmp_path: Any)
     assert gangs_of(summary) == [0, 2]
     died = {e.job_rank: e.cause for e in summary.events.of(RankDied)}
     assert died == {3: "ActorDiedError: the rank's process exited", 2: "its gang lost a rank"}
+    # Learned as rank 3's call failed (step 5 began at 1 s + 4 steps of 0.1 s); booked once
+    # the interval's other calls had answered.
+    for e in summary.events.of(RankDied):
+        assert e.noticed_at is not None and 1.4 <= e.noticed_at <= e.at
     [dropped] = summary.events.of(GangDropped)
     assert dropped.gang_id == 1 and dropped.reason == "rank(s) [2, 3] died"
     # Synced at step 4: gang 1's batches of step 5 (the 5th of ranks 2 and 3) go to the others.

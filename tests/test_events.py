@@ -46,6 +46,7 @@ VALUES: dict[str, Any] = {
     "str": "x",
     "bool": True,
     "int | None": 3,
+    "float | None": 1.5,
     "tuple[int, ...]": (1, 2),
     "tuple[str, ...]": ("a at 127.0.0.1",),
 }
@@ -166,6 +167,7 @@ def test_events_become_json_where_they_leave_the_process(tmp_path: pathlib.Path)
             "gang_id": 1,
             "cause": "killed",
             "node": "n at 1.2.3.4",
+            "noticed_at": None,
         }
     ]
     assert stream.getvalue().splitlines()[-1] == format_event(written[0])

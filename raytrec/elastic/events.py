@@ -62,11 +62,16 @@ class Event:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RankDied(Event):
+    """A rank died; ``at`` is when the recovery started, ``noticed_at`` (when known) when the
+    coordinator learned of the death, earlier by however long the interval's other calls
+    took to answer."""
+
     kind: ClassVar[str] = "rank_died"
     job_rank: int
     gang_id: int | None
     cause: str = ""
     node: str = ""  # the node it ran on: "<node id> at <address>"
+    noticed_at: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
