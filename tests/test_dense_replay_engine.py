@@ -8,6 +8,8 @@ every step:
 - ``settle_failed_step(finish=True)``: a step whose dense all-reduce failed (after leaving
   garbage in its buffer: a failed collective writes nothing back, so the gradients are kept) is
   finished over the next generation's replica plane, and gives an ordinary step's update.
+- A gang leaves a failed step together: when one rank's replica group fails and its peer's
+  finishes, both stop at that step, and the gang's process group still works.
 """
 
 from __future__ import annotations
@@ -122,11 +124,14 @@ def worker(spec: RankSpec) -> dict[str, Any]:
             not torch.equal(a, b)
             for a, b in zip(engine.embedding_weights(), tables_before, strict=True)
         )
+        out["together"] = one_group_fails(engine, spec)  # in the same launch: it takes a while
         return out
 
 
-def test_a_zero_dense_gradient_keeps_every_rank_alike_and_the_others_weight() -> None:
-    results = run_gang_job(
+@pytest.fixture(scope="module")
+def results() -> dict[int, dict[str, Any]]:
+    """One launch of the job; every test reads its ranks' results."""
+    return run_gang_job(
         worker,
         num_gangs=G,
         gang_size=L,
@@ -134,6 +139,11 @@ def test_a_zero_dense_gradient_keeps_every_rank_alike_and_the_others_weight() ->
         plan=make_plan_for(CONFIG, SOURCE.num_dense),
         num_dense=SOURCE.num_dense,
     )
+
+
+def test_a_zero_dense_gradient_keeps_every_rank_alike_and_the_others_weight(
+    results: dict[int, dict[str, Any]],
+) -> None:
     ranks = sorted(results)
     for key in ("all", "none", "without0", "only0", "finished"):
         first = results[ranks[0]][key]
@@ -149,63 +159,60 @@ def test_a_zero_dense_gradient_keeps_every_rank_alike_and_the_others_weight() ->
     assert all(res["tables_moved"] for res in results.values())
 
 
-def one_group_fails(spec: RankSpec) -> dict[str, Any]:
-    """Replica group 1's all-reduce fails inside step 2 while group 0's succeeds: rank 0 of each
-    gang finishes the step, rank 1 does not."""
-    with engine_for(spec) as engine:
-        engine.broadcast_state(src=0)
-        source = SOURCE.split(G * L)[spec.rank].batches(BATCH)
-        inputs = (StepInput(b) for b in source)
-        for _ in engine.train_steps(inputs, 1):
+def one_group_fails(engine: RankEngine, spec: RankSpec) -> dict[str, Any]:
+    """Replica group 1's all-reduce fails inside a step while group 0's succeeds: rank 0 of each
+    gang finishes the step, rank 1 does not. Runs on generation 2's planes (the worker's own
+    variants used generation 1's) and re-forms as generation 3."""
+    assert engine.replica is not None
+    engine.join_replica_plane(generation=2, member_rank=spec.gang, size=G)
+    engine.broadcast_state(src=0)
+    source = SOURCE.split(G * L)[spec.rank].batches(BATCH)
+    inputs = (StepInput(b) for b in source)
+    for _ in engine.train_steps(inputs, 1):
+        pass
+    before = engine.step
+    assert engine.replica is not None
+    if spec.gang_rank == 1:
+        engine.replica = dataclasses.replace(engine.replica, pg=_FailingGroup())
+    started = time.monotonic()
+    try:
+        for _ in engine.train_steps(inputs, 3):
             pass
-        assert engine.replica is not None
-        if spec.gang_rank == 1:
-            engine.replica = dataclasses.replace(engine.replica, pg=_FailingGroup())
-        started = time.monotonic()
-        try:
-            for _ in engine.train_steps(inputs, 3):
-                pass
-        except StepFailed as e:
-            error = type(e.error).__name__
-        else:
-            raise AssertionError("the step should have failed")
-        out: dict[str, Any] = {
-            "error": error,
-            "left_after_s": time.monotonic() - started,
-            "holds_failed_step": engine.abandon_failed_step(),
-            "step": engine.step,  # after abandon_failed_step: a failed step counts from there
-            # The gang's process group is intact: a gang collective goes through.
-            "gang_works": engine.gang_agrees(True),
-        }
-        # Re-forming, as the coordinator's settlement does: the rank that finished the step
-        # is the source of the dense state, and the step held undone is dropped.
-        engine.join_replica_plane(generation=1, member_rank=spec.gang, size=G)
-        engine.broadcast_dense(src=0, gang_src=0)
-        engine.settle_failed_step(finish=False)
-        out["dense"] = _dense(engine)
-        return out
+    except StepFailed as e:
+        error = type(e.error).__name__
+    else:
+        raise AssertionError("the step should have failed")
+    out: dict[str, Any] = {
+        "error": error,
+        "left_after_s": time.monotonic() - started,
+        "holds_failed_step": engine.abandon_failed_step(),
+        "steps": engine.step - before,  # after abandon_failed_step: a failed step counts then
+        # The gang's process group is intact: a gang collective goes through.
+        "gang_works": engine.gang_agrees(True),
+    }
+    # Re-forming, as the coordinator's settlement does: the rank that finished the step is
+    # the source of the dense state, and the step held undone is dropped.
+    engine.join_replica_plane(generation=3, member_rank=spec.gang, size=G)
+    engine.broadcast_dense(src=0, gang_src=0)
+    engine.settle_failed_step(finish=False)
+    out["dense"] = _dense(engine)
+    return out
 
 
-def test_a_gang_leaves_a_step_together_when_one_ranks_replica_group_fails() -> None:
-    """Without the gang's agreement, rank 0 would go on into step 3's collectives over the gang,
-    wait there for rank 1 until the collective timeout, and the timed-out gloo pair would break
-    the gang's process group although both ranks live."""
-    results = run_gang_job(
-        one_group_fails,
-        num_gangs=G,
-        gang_size=L,
-        config=CONFIG,
-        plan=make_plan_for(CONFIG, SOURCE.num_dense),
-        num_dense=SOURCE.num_dense,
-        timeout_s=90.0,
-    )
-    for rank, out in results.items():
+def test_a_gang_leaves_a_step_together_when_one_ranks_replica_group_fails(
+    results: dict[int, dict[str, Any]],
+) -> None:
+    """Without the gang's agreement, rank 0 would go on into the next step's collectives over
+    the gang, wait there for rank 1 until the collective timeout, and the timed-out gloo pair
+    would break the gang's process group although both ranks live."""
+    together = {r: out["together"] for r, out in results.items()}
+    for rank, out in together.items():
         finished = rank % L == 0
         assert out["error"] == ("GangPeerFailed" if finished else "ReplicaPlaneError"), out
-        assert out["step"] == 2, out  # the failed step counts on both (its embedding update ran)
+        assert out["steps"] == 1, out  # the failed step counts on both (its embedding update ran)
         assert out["holds_failed_step"] is not finished, out
         assert out["gang_works"], out
         assert out["left_after_s"] < 10.0, out  # not the collective timeout
-    first = results[0]["dense"]
-    for out in results.values():  # one dense state everywhere again
+    first = together[0]["dense"]
+    for out in together.values():  # one dense state everywhere again
         assert all(np.array_equal(a, b) for a, b in zip(first, out["dense"], strict=True))
