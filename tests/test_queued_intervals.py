@@ -36,7 +36,7 @@ from raytrec.config import (
 )
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.control import Boundary, intervals_to_queue
-from raytrec.elastic.events import GenerationStarted, RankDied
+from raytrec.elastic.events import GangDropped, GenerationStarted, RankDied
 from raytrec.elastic.faults import FaultKind, FaultSpec
 
 # -- when the coordinator may queue an interval ---------------------------------------------
@@ -190,7 +190,12 @@ def test_a_survivor_trains_the_queued_interval_and_every_batch_counts_once(
 
     assert result.steps == 16, result.events
     died = result.events.of(RankDied)
-    assert [e.job_rank for e in died] == [2, 3], result.events  # 3: killed with its gang
+    # Rank 3 goes with its gang: booked as killed with it when its call was still running as
+    # Ray's notice of rank 2's death came, or not booked when its own call failed first (their
+    # collective broke); which comes first is a race.
+    assert [e.job_rank for e in died] in ([2, 3], [2]), result.events
+    (dropped,) = result.events.of(GangDropped)
+    assert dropped.gang_id == 1, result.events
     # The job re-formed at step 6: the survivor had trained the queued interval.
     generations = result.events.of(GenerationStarted)
     assert [e.step for e in generations][-1] == 6, generations
