@@ -11,6 +11,10 @@ docs/gpu.md for what was run where, and how). What one GPU can show:
   replica sync averages (Adam's two moments included), and goes through a sync on an NCCL
   replica plane (averaged and broadcast through NCCL on CUDA tensors).
 * A checkpoint of a real GPU engine with Adam restores every tensor bit for bit.
+* ``sync.rows: touched``'s premise on FBGEMM's CUDA kernels: every row whose weights or fused
+  optimizer state a step changed is in the rank's touched set, for every fused optimizer and
+  sharding type, UVM-cached and fp16 tables; and the touched-row average runs on CUDA tensors
+  through NCCL (ids agreed by all-gather, as on NCCL it is).
 * ``fit()`` runs GPU ranks as Ray actors (``num_gpus=1``) end to end.
 
 What one GPU cannot show: an NCCL replica group of two or more members (NCCL refuses two
@@ -148,7 +152,7 @@ def nccl_plane(spec: RankSpec) -> ReplicaPlane:
     store = dist.TCPStore(spec.store.host, spec.store.port, is_master=False)
     opts = dist.ProcessGroupNCCL.Options()
     pg = dist.ProcessGroupNCCL(dist.PrefixStore("test-plane", store), 0, 1, opts)
-    return ReplicaPlane(generation=0, replica_group=0, rank=0, size=1, pg=pg)
+    return ReplicaPlane(generation=0, replica_group=0, rank=0, size=1, pg=pg, backend="nccl")
 
 
 def variant_run(spec: RankSpec) -> dict[str, Any]:
@@ -178,6 +182,44 @@ def variant_run(spec: RankSpec) -> dict[str, Any]:
             ],
             "sync_kept": all(np.array_equal(a, b) for a, b in zip(before, after, strict=True)),
             "backend": dist.get_backend(),
+        }
+
+
+def touched_run(spec: RankSpec) -> dict[str, Any]:
+    """Steps with ``sync.rows: touched`` and a one-member plane (whose sync is skipped, so the
+    touched sets keep growing): the rows each step changed, against the rows the engine
+    recorded; then the touched-row average over a one-member NCCL plane."""
+    from raytrec.engine.touched_rows import average_rows
+
+    with engine_for(spec) as engine:
+        touched = engine.state.touched
+        assert touched is not None
+        source = batches()
+        missed, changed = 0, 0
+        run_steps(engine, source, 1)  # Adam's moments exist from here on
+        for _ in range(3):
+            before = [host(list(shard)) for shard in engine.state.table_shards()]
+            run_steps(engine, source, 1)
+            after = [host(list(shard)) for shard in engine.state.table_shards()]
+            for k, (old, new) in enumerate(zip(before, after, strict=True)):
+                rows = np.zeros(old[0].shape[0], dtype=bool)
+                for a, b in zip(old, new, strict=True):
+                    rows |= (a != b).reshape(a.shape[0], -1).any(1)
+                seen = np.zeros_like(rows)
+                seen[touched.rows(k, 0, optimizer_state=True).cpu().numpy()] = True
+                missed += int((rows & ~seen).sum())
+                changed += int(rows.sum())
+        state = [t for shard in engine.state.table_shards() for t in shard]
+        kept = host(state)
+        ids = [touched.rows(k, 0, optimizer_state=True) for k in touched.shards]
+        traffic = average_rows(nccl_plane(spec), engine.state.table_shards(), ids, max_share=1.0)
+        return {
+            "missed": missed,
+            "changed": changed,
+            "rows": sum(w.shape[0] for w in engine.embedding_weights()),
+            "averaged": traffic.rows,
+            "touched": sum(int(i.numel()) for i in ids),
+            "kept": all(np.array_equal(a, b) for a, b in zip(kept, host(state), strict=True)),
         }
 
 
@@ -213,13 +255,18 @@ def gpu_worker(
     tables: dict[str, np.ndarray],
     dense_init: dict[str, np.ndarray],
     variants: list[tuple[str, TrainConfig, ShardingPlan]],
+    touched: list[tuple[str, TrainConfig, ShardingPlan]],
     stores: list[StoreAddress],
     checkpoint_dir: str,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"parity": parity_run(spec, tables, dense_init), "variants": {}}
-    for (name, config, plan), store in zip(variants, stores[:-1], strict=True):
+    for (name, config, plan), store in zip(variants, stores, strict=False):
         variant_spec = dataclasses.replace(spec, config=config, plan=plan, store=store)
         out["variants"][name] = variant_run(variant_spec)
+    out["touched"] = {}
+    for (name, config, plan), store in zip(touched, stores[len(variants) :], strict=False):
+        touched_spec = dataclasses.replace(spec, config=config, plan=plan, store=store)
+        out["touched"][name] = touched_run(touched_spec)
     adam_name = "adam-row_wise"
     config, plan = next((c, p) for n, c, p in variants if n == adam_name)
     ckpt_spec = dataclasses.replace(spec, config=config, plan=plan, store=stores[-1])
@@ -242,6 +289,46 @@ def variant_config(embedding: str, sharding: str) -> TrainConfig:
 VARIANTS = {f"{o}-{s}": variant_config(o, s) for o in OPTIMIZERS for s in SHARDINGS}
 
 
+def touched_config(embedding: str, sharding: str, kernel: str, precision: str) -> TrainConfig:
+    base = variant_config(embedding, sharding)
+    # Tables far larger than the ids the batches hold, so most rows stay untouched.
+    table: dict[str, Any] = {
+        "compute_kernel": kernel,
+        "precision": precision,
+        "num_embeddings": 1000,
+    }
+    if kernel == "fused_uvm_caching":
+        table["cache_load_factor"] = 0.2
+    tables = tuple(t.model_copy(update=table) for t in base.model.tables)
+    return base.model_copy(
+        update={
+            "model": base.model.model_copy(update={"tables": tables}),
+            "sync": base.sync.model_copy(update={"rows": "touched"}),
+        }
+    )
+
+
+TOUCHED = {
+    f"{o}-{s}-fused-fp32": touched_config(o, s, "fused", "fp32")
+    for o in OPTIMIZERS
+    for s in SHARDINGS
+} | {
+    "rowwise_adagrad-table_wise-fused_uvm_caching-fp32": touched_config(
+        "rowwise_adagrad", "table_wise", "fused_uvm_caching", "fp32"
+    ),
+    "adam-row_wise-fused_uvm_caching-fp32": touched_config(
+        "adam", "row_wise", "fused_uvm_caching", "fp32"
+    ),
+    "adam-row_wise-fused_uvm-fp32": touched_config("adam", "row_wise", "fused_uvm", "fp32"),
+    "rowwise_adagrad-table_wise-fused-fp16": touched_config(
+        "rowwise_adagrad", "table_wise", "fused", "fp16"
+    ),
+    "rowwise_adagrad-column_wise-fused_uvm_caching-fp16": touched_config(
+        "rowwise_adagrad", "column_wise", "fused_uvm_caching", "fp16"
+    ),
+}
+
+
 @pytest.fixture(scope="module")
 def job() -> dict[str, Any]:
     gen = torch.Generator().manual_seed(11)
@@ -250,6 +337,7 @@ def job() -> dict[str, Any]:
         for t in PARITY_CONFIG.model.tables
     }
     variants = [(name, config, gpu_plan(config)) for name, config in VARIANTS.items()]
+    touched = [(name, config, gpu_plan(config)) for name, config in TOUCHED.items()]
     with tempfile.TemporaryDirectory() as root:
         results = run_gang_job(
             gpu_worker,
@@ -259,16 +347,18 @@ def job() -> dict[str, Any]:
             plan=gpu_plan(PARITY_CONFIG),
             num_dense=NUM_DENSE,
             timeout_s=600.0,
-            extra_stores=len(variants) + 1,
+            extra_stores=len(variants) + len(touched) + 1,
             tables=init,
             dense_init={
                 n: p.detach().numpy().copy()
                 for n, p in ReferenceDLRM(PARITY_CONFIG, init).dense_named().items()
             },
             variants=variants,
+            touched=touched,
             checkpoint_dir=root,
         )
-    return {"init": init, "result": results[0], "plans": dict((n, p) for n, _, p in variants)}
+    plans = dict((n, p) for n, _, p in variants + touched)
+    return {"init": init, "result": results[0], "plans": plans}
 
 
 def test_gpu_step_matches_single_process_reference(job: dict[str, Any]) -> None:
@@ -318,6 +408,22 @@ def test_fused_optimizer_and_sharding_train_on_gpu(job: dict[str, Any], name: st
         assert run["counters"] and set(run["counters"]) == {2}
     else:
         assert run["counters"] == []
+
+
+@pytest.mark.parametrize("name", list(TOUCHED))
+def test_touched_rows_cover_every_row_a_gpu_step_changes(job: dict[str, Any], name: str) -> None:
+    """``sync.rows: touched`` averages only the rows some member touched, which equals the full
+    average only if FBGEMM's CUDA kernels change no other row: checked per step, weights and
+    fused state, on what the engine recorded."""
+    run = job["result"]["touched"][name]
+    kernel = name.split("-")[2]
+    plan = job["plans"][name].plan["model.sparse_arch.embedding_bag_collection"]
+    assert {ps.compute_kernel for ps in plan.values()} == {kernel}
+    assert run["changed"] > 0  # the check can fail: steps changed rows
+    assert run["missed"] == 0, run
+    assert 0 < run["touched"] < run["rows"], run  # a real subset, not every row
+    assert run["averaged"] == run["touched"]
+    assert run["kept"]  # a mean over one member changes nothing, on NCCL as on gloo
 
 
 def test_gpu_checkpoint_restores_adam_bit_for_bit(job: dict[str, Any]) -> None:

@@ -71,7 +71,10 @@ def parse_record(
         )
         placeable = storages == ["data/0"]
         data_offset = archive.get_record_offset("data/0") if placeable else -1
-        data_size = archive.get_record_size("data/0") if placeable else -1
+        data_size = -1
+        if placeable:  # torch before 2.12 has no get_record_size: read the record's length
+            sized = getattr(archive, "get_record_size", None)
+            data_size = sized("data/0") if sized else len(archive.get_record("data/0"))
         pickled = archive.get_record("data.pkl")
         meta = seen.get(pickled) if seen is not None else None
         if meta is None:
