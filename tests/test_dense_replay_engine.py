@@ -14,7 +14,9 @@ every step:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -63,6 +65,11 @@ CONFIG = TrainConfig(
 class _FailingWork:
     def wait(self) -> None:
         raise RuntimeError("a member of the replica group died")
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        done: torch.futures.Future[Any] = torch.futures.Future()
+        done.set_exception(RuntimeError("a member of the replica group died"))
+        return done
 
 
 class _FailingGroup:
@@ -125,6 +132,7 @@ def worker(spec: RankSpec) -> dict[str, Any]:
             for a, b in zip(engine.embedding_weights(), tables_before, strict=True)
         )
         out["together"] = one_group_fails(engine, spec)  # in the same launch: it takes a while
+        out["released"] = released_by_abort(engine, spec)
         return out
 
 
@@ -197,6 +205,48 @@ def one_group_fails(engine: RankEngine, spec: RankSpec) -> dict[str, Any]:
     engine.settle_failed_step(finish=False)
     out["dense"] = _dense(engine)
     return out
+
+
+def released_by_abort(engine: RankEngine, spec: RankSpec) -> dict[str, Any]:
+    """Gang 1's ranks wait in a replica collective for gang 0, whose ranks are alive but do not
+    come (as a rank that left the step on another error does not); the coordinator's abort, from
+    another thread as the rank actor's control call, must end the wait at once, not at the
+    collective timeout (120 s here). Generation 4's planes; generation 5 works after."""
+    engine.join_replica_plane(generation=4, member_rank=spec.gang, size=G)
+    plane = engine.replica
+    assert plane is not None
+    out: dict[str, Any] = {}
+    if spec.gang == 1:
+        timer = threading.Timer(0.5, engine.abort_replica_planes)
+        timer.start()
+        started = time.monotonic()
+        try:
+            plane.mean_(torch.ones(4))
+        except ReplicaPlaneError:
+            out["error"] = "ReplicaPlaneError"
+        out["waited_s"] = time.monotonic() - started
+        timer.join()
+    else:
+        time.sleep(3.0)  # then come, so that gang 1's abandoned collective ends too
+        with contextlib.suppress(ReplicaPlaneError):
+            plane.mean_(torch.ones(4))
+    engine.join_replica_plane(generation=5, member_rank=spec.gang, size=G)
+    assert engine.replica is not None
+    ones = torch.ones(4) * (spec.gang + 1)
+    engine.replica.mean_(ones)
+    out["next_generation_mean"] = ones.tolist()
+    return out
+
+
+def test_an_abort_releases_a_collective_waiting_for_a_member_that_does_not_come(
+    results: dict[int, dict[str, Any]],
+) -> None:
+    for rank, res in results.items():
+        out = res["released"]
+        if rank // L == 1:
+            assert out.get("error") == "ReplicaPlaneError", out
+            assert out["waited_s"] < 5.0, out  # the abort came at 0.5 s; the timeout is 120 s
+        assert out["next_generation_mean"] == [1.5] * 4, out
 
 
 def test_a_gang_leaves_a_step_together_when_one_ranks_replica_group_fails(

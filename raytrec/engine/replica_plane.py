@@ -21,6 +21,7 @@ waits in the next step's gang collectives until the coordinator, told of the los
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -92,6 +93,13 @@ class ReplicaPlane:
     # For a lower level of a hierarchical schedule: (level, group index); None: all live gangs.
     level_group: tuple[int, int] | None = None
     backend: str = "gloo"  # nccl: collectives take CUDA tensors and have no bitwise reductions
+    # Set by abort(); each waiting collective's wake-up (see _wait).
+    _aborted: threading.Event = dataclasses.field(
+        default_factory=threading.Event, init=False, repr=False, compare=False
+    )
+    _waiting: set[threading.Event] = dataclasses.field(
+        default_factory=set, init=False, repr=False, compare=False
+    )
 
     @classmethod
     def build(
@@ -195,8 +203,29 @@ class ReplicaPlane:
         """Waits for a collective. When it fails (a member died, or the group was aborted),
         this member aborts the group too: gloo's ring collectives only fail fast at the dead
         member's neighbours, and aborting closes this member's connections, so the failure
-        reaches every member at once instead of after the collective timeout."""
+        reaches every member at once instead of after the collective timeout.
+
+        Gloo's own wait cannot be interrupted: its ``abort`` fails later collectives but
+        leaves one already waiting for a member that will never come (alive, but gone from
+        the step) to the collective timeout. So a gloo collective is waited for on an event
+        that its completion or :meth:`abort` sets, whichever comes first. NCCL's abort ends
+        its collectives itself, and its ``wait`` does not block the CPU."""
+        woken = threading.Event()
+        self._waiting.add(woken)
         try:
+            if self._aborted.is_set():
+                raise RuntimeError("the plane was aborted")
+            if self.backend != "nccl":
+                done = threading.Event()  # set by the collective's own completion only
+
+                def finished(_: Any) -> None:
+                    done.set()
+                    woken.set()
+
+                work.get_future().add_done_callback(finished)
+                woken.wait()
+                if not done.is_set():
+                    raise RuntimeError("the plane was aborted while this collective waited")
             work.wait()
         except Exception as e:
             self.abort()
@@ -204,9 +233,15 @@ class ReplicaPlane:
                 f"replica plane of generation {self.generation}, replica group "
                 f"{self.replica_group}: a collective failed ({str(e).splitlines()[0][:200]})"
             ) from e
+        finally:
+            self._waiting.discard(woken)
 
     def abort(self) -> None:
-        """Closes this member's connections; pending and later collectives fail at once."""
+        """Closes this member's connections; a collective waiting now (see :meth:`_wait`) and
+        later ones fail at once. Safe from another thread (the rank actor's control calls)."""
+        self._aborted.set()
+        for woken in list(self._waiting):
+            woken.set()
         if self.pg is not None and hasattr(self.pg, "abort"):
             self.pg.abort()
 
