@@ -7,8 +7,10 @@ each trained since that level's last sync (weights) or its last sync with optimi
 (the fused optimizer's state): a row's new value is the mean over the members that looked it
 up; rows nobody looked up are unchanged. The first sync of the weights (step 2) and of the
 optimizer state (step 4) have no touched sets yet and must be plain means of every member.
-Both transports (``sync.rows: all`` and ``touched``) are run. With two gangs, rows both looked
-up must equal a ``merge: mean`` run's rows bit for bit.
+After step 8 every member takes gang 0's full state (a heal, ``broadcast_state``): the next
+syncs (steps 10 and 12) again have no touched sets and must be plain means. Both transports
+(``sync.rows: all`` and ``touched``) are run. With two gangs, rows both looked up must equal a
+``merge: mean`` run's rows bit for bit.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from raytrec.engine.rank_engine import RankSpec, StoreAddress
 pytestmark = pytest.mark.multiprocess
 
 BATCH = 16
-STEPS = 8
+STEPS = 12
+HEAL = 8  # after this step's sync every member takes gang 0's state
 SOURCE = SyntheticCriteo(num_dense=4, num_sparse=2, num_embeddings=(200, 300), seed=11)
 FEATURES = SOURCE.sparse_features
 # name -> (gangs, fused optimizer, sync.merge, sync.rows)
@@ -87,12 +90,14 @@ def snapshot(e: Any) -> dict[str, list[np.ndarray]]:
 
 
 def run(spec: RankSpec) -> dict[str, Any]:
-    """8 steps on this gang's own batches; the state around every sync and the ids trained."""
+    """12 steps on this gang's own batches with a heal after step 8; the state around every
+    sync and the ids trained."""
     gangs = spec.config.scaling.num_gangs
     with engine_for(spec) as e:
         feed = SOURCE.split(gangs)[spec.gang].batches(BATCH)
         ids: dict[int, dict[str, np.ndarray]] = {}
         syncs: dict[int, dict[str, Any]] = {}
+        healed: dict[str, list[np.ndarray]] = {}
         for step in range(1, STEPS + 1):
             batch = next(feed)
             kjt = batch.sparse_features
@@ -108,7 +113,10 @@ def run(spec: RankSpec) -> dict[str, Any]:
                     "state": decision.optimizer_state,
                     "traffic": e.replicas.last_traffic,
                 }
-        return {"ids": ids, "syncs": syncs}
+            if step == HEAL:
+                e.broadcast_state(src=0)
+                healed = snapshot(e)
+        return {"ids": ids, "syncs": syncs, "healed": healed}
 
 
 def worker(
@@ -152,7 +160,8 @@ def touched_since(ids: dict[int, dict[str, np.ndarray]], table: str, after: int,
 def reference(members: list[dict[str, Any]], step: int) -> tuple[dict[str, list], int]:
     """Every table's expected post-sync tensors at ``step``, from the members' pre-sync state
     and ids; and how many rows only some (not all, not none) of the members looked up."""
-    syncs = sorted(members[0]["syncs"])
+    # A heal overwrites the state: touched sets count from the first sync after it.
+    syncs = [s for s in sorted(members[0]["syncs"]) if (s > HEAL) == (step > HEAL)]
     state_syncs = [s for s in syncs if members[0]["syncs"][s]["state"]]
     carries_state = members[0]["syncs"][step]["state"]
     last = max((s for s in syncs if s < step), default=None)
@@ -196,11 +205,15 @@ def test_each_row_is_the_mean_over_the_members_that_touched_it(
 ) -> None:
     g = RUNS[name][0]
     members = [job[r][name] for r in range(g)]
-    assert sorted(members[0]["syncs"]) == [2, 4, 6, 8]
+    assert sorted(members[0]["syncs"]) == [2, 4, 6, 8, 10, 12]
+    for m in members:  # the heal copied gang 0's state
+        for table, tensors in m["healed"].items():
+            for x, y in zip(tensors, members[0]["healed"][table], strict=True):
+                np.testing.assert_array_equal(x, y)
     partial_rows = 0
-    for step in (2, 4, 6, 8):
+    for step in (2, 4, 6, 8, 10, 12):
         expected, partial = reference(members, step)
-        if step > 4:
+        if step in (6, 8):
             partial_rows += partial
         for table, tensors in expected.items():
             for j, want in enumerate(tensors):
@@ -219,6 +232,9 @@ def test_each_row_is_the_mean_over_the_members_that_touched_it(
                     np.testing.assert_array_equal(got, members[0]["syncs"][step]["post"][table][j])
     # The touched syncs were not plain means in disguise: rows looked up by only some members.
     assert partial_rows > 20, partial_rows
+    for step in (2, 4, 10, 12):  # no touched sets: every row of every shard
+        t = members[0]["syncs"][step]["traffic"]
+        assert t.whole_shards == t.shards, (step, t)
     traffic = members[0]["syncs"][8]["traffic"]
     rows = sum(t[0].shape[0] for t in members[0]["syncs"][8]["post"].values())
     if RUNS[name][3] == "touched":
