@@ -149,30 +149,24 @@ def grid_rank(rank: int, gangs: int, a: argparse.Namespace, ports: list[int], ou
     cells = []
     try:
         for (every, merge), port in zip(GRID, ports, strict=True):
-            keys = [*a.set, "data.source=synthetic", "sync.rows=touched"]
-            keys += [
-                f"scaling.num_workers={gangs}",
-                f"sync.sync_every={every}",
-                f"sync.merge={merge}",
-            ]
+            keys = [*a.set, "data.source=synthetic", "sync.rows=touched", f"sync.merge={merge}",
+                    f"scaling.num_workers={gangs}", f"sync.sync_every={every}"]  # fmt: skip
             cfg = build_config(["--gang-size", "1", *(x for kv in keys for x in ("--set", kv))])
             source, batch = synthetic_source(cfg), cfg.data.batch_size
             steps = a.grid_rows // (gangs * batch)
-            spec = RankSpec(rank=rank, gang=rank, gang_rank=0, gang_size=1, config=cfg,
-                            plan=job_plan(cfg, source.num_dense, build_train_model),
-                            num_dense=source.num_dense, timeout_s=600,
-                            store=StoreAddress(host="127.0.0.1", port=port))  # fmt: skip
-            e = RankEngine(spec)
+            e = RankEngine(RankSpec(rank=rank, gang=rank, gang_rank=0, gang_size=1, config=cfg,
+                plan=job_plan(cfg, source.num_dense, build_train_model), num_dense=source.num_dense,
+                store=StoreAddress(host="127.0.0.1", port=port), timeout_s=600))  # fmt: skip
             e.build()
             e.join_replica_plane(generation=0, member_rank=rank, size=gangs)
             e.sync()  # a no-op (every gang starts alike) that makes the touched sets known
             feed = (StepInput(b) for b in source.split(gangs)[rank].batches(batch))
             got: list[list[np.ndarray]] = [[], [], []]
-            sent = 0
+            sent, tail = 0, steps - steps // 4
             for ev in e.train_steps(feed, steps):
-                if isinstance(ev, StepBegins) and ev.step > steps - steps // 4:
+                if isinstance(ev, StepBegins) and ev.step > tail:
                     got[2].append(source.teacher_logits(ev.input.batch).numpy())
-                elif isinstance(ev, StepResult) and ev.step > steps - steps // 4:
+                elif isinstance(ev, StepResult) and ev.step > tail:
                     got[0].append(ev.logits.float().numpy())
                     got[1].append(ev.labels.numpy())
                 elif isinstance(ev, Synced):
@@ -201,10 +195,8 @@ def grid(a: argparse.Namespace) -> list[dict[str, Any]]:
         if bad := [v for v in got.values() if isinstance(v, str)]:
             raise SystemExit(f"auc_vs_oracle --grid: a rank failed:\n{bad[0]}")
         ranks = [got[r] for r in range(gangs)]
-        cells = [
-            [*ranks[0][i][:4], *(np.concatenate([c[i][k] for c in ranks]) for k in (4, 5, 6))]
-            for i in range(len(GRID))
-        ]
+        cells = [[*ranks[0][i][:4], *(np.concatenate([c[i][k] for c in ranks]) for k in (4, 5, 6))]
+                 for i in range(len(GRID))]  # fmt: skip
         for i, (every, merge, steps, sent, logits, labels, teacher) in enumerate(cells):
             base = cells[i - i % 2][4]  # the mean cell of the same period, on the same rows
             pick = [rng.integers(0, len(labels), len(labels)) for _ in range(50)]
@@ -244,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tail", type=int, default=4, help="intervals averaged for the tail AUC")
     p.add_argument("--grid", metavar="JSON", help="run the merge grid, results into JSON")
     p.add_argument("--grid-gangs", type=int, nargs="+", default=[2, 4, 8])
-    p.add_argument("--grid-rows", type=int, default=160_000, help="rows trained per cell")
+    p.add_argument("--grid-rows", type=int, default=122_880, help="rows trained per cell")
     a = parse(p, argv)
     if a.grid:
         body = "\n".join(render_grid(grid(a), a.grid_rows))
