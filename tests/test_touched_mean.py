@@ -10,7 +10,9 @@ optimizer state (step 4) have no touched sets yet and must be plain means of eve
 After step 8 every member takes gang 0's full state (a heal, ``broadcast_state``): the next
 syncs (steps 10 and 12) again have no touched sets and must be plain means. Both transports
 (``sync.rows: all`` and ``touched``) are run. With two gangs, rows both looked up must equal a
-``merge: mean`` run's rows bit for bit.
+``merge: mean`` run's rows bit for bit. A hierarchical run (four gangs, groups of two every 2
+steps, all every 4) checks each group's sync, a level's sets counting from its own or a higher
+level's last sync.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from raytrec.config import (
 )
 from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.rank_engine import RankSpec, StoreAddress
+from raytrec.sync.schedule import plan_sync
 
 pytestmark = pytest.mark.multiprocess
 
@@ -48,11 +51,13 @@ RUNS = {
     "two/mean/all": (2, "rowwise_adagrad", "mean", "all"),
     "four/touched_mean/touched": (4, "adagrad", "touched_mean", "touched"),
     "four/touched_mean/all": (4, "adagrad", "touched_mean", "all"),
+    # Groups of two every 2 steps, all four every 4; optimizer state with every sync.
+    "hier/touched_mean/touched": (4, "rowwise_adagrad", "touched_mean", "touched"),
 }
 WEIGHTED = [name for name, run in RUNS.items() if run[2] == "touched_mean"]
 
 
-def config(gangs: int, embedding: str, merge: str, rows: str) -> TrainConfig:
+def config(gangs: int, embedding: str, merge: str, rows: str, *, hier: bool) -> TrainConfig:
     return TrainConfig(
         model=ModelConfig(
             tables=tuple(
@@ -65,11 +70,14 @@ def config(gangs: int, embedding: str, merge: str, rows: str) -> TrainConfig:
         optimizer=OptimizerConfig(embedding=embedding, embedding_lr=0.05),  # type: ignore[arg-type]
         scaling=ScalingConfig(num_workers=gangs, gang_size=1),
         sync=SyncConfig(
-            sync_every=2,
-            optimizer_state_every=4,
             merge=merge,  # type: ignore[arg-type]
             rows=rows,  # type: ignore[arg-type]
             dense="with_schedule",
+            **(
+                {"sync_every": 4, "levels": ((2, 2),)}
+                if hier
+                else {"sync_every": 2, "optimizer_state_every": 4}
+            ),
         ),
         data=DataConfig(batch_size=BATCH),
         seed=3,
@@ -94,6 +102,8 @@ def run(spec: RankSpec) -> dict[str, Any]:
     sync and the ids trained."""
     gangs = spec.config.scaling.num_gangs
     with engine_for(spec) as e:
+        if spec.config.sync.levels:
+            e.join_sync_plan(plan_sync(spec.config.sync, generation=0, live_gangs=range(gangs)))
         feed = SOURCE.split(gangs)[spec.gang].batches(BATCH)
         ids: dict[int, dict[str, np.ndarray]] = {}
         syncs: dict[int, dict[str, Any]] = {}
@@ -111,6 +121,8 @@ def run(spec: RankSpec) -> dict[str, Any]:
                     "pre": pre,
                     "post": snapshot(e),
                     "state": decision.optimizer_state,
+                    "level": decision.level,
+                    "group": decision.group_of(spec.gang),
                     "traffic": e.replicas.last_traffic,
                 }
             if step == HEAL:
@@ -138,7 +150,7 @@ def job() -> dict[int, Any]:
     """One launch of 4 processes runs every case."""
     planned = []
     for name, args in RUNS.items():
-        cfg = config(*args)
+        cfg = config(*args, hier=name.startswith("hier/"))
         planned.append((name, cfg, make_plan_for(cfg, SOURCE.num_dense)))
     return run_gang_job(
         worker,
@@ -160,8 +172,12 @@ def touched_since(ids: dict[int, dict[str, np.ndarray]], table: str, after: int,
 def reference(members: list[dict[str, Any]], step: int) -> tuple[dict[str, list], int]:
     """Every table's expected post-sync tensors at ``step``, from the members' pre-sync state
     and ids; and how many rows only some (not all, not none) of the members looked up."""
-    # A heal overwrites the state: touched sets count from the first sync after it.
-    syncs = [s for s in sorted(members[0]["syncs"]) if (s > HEAL) == (step > HEAL)]
+    # A heal overwrites the state: touched sets count from the first sync after it. A level's
+    # sets count from its last sync or a higher level's (whose groups contain its groups).
+    at = members[0]["syncs"]
+    syncs = [
+        s for s in sorted(at) if (s > HEAL) == (step > HEAL) and at[s]["level"] >= at[step]["level"]
+    ]
     state_syncs = [s for s in syncs if members[0]["syncs"][s]["state"]]
     carries_state = members[0]["syncs"][step]["state"]
     last = max((s for s in syncs if s < step), default=None)
@@ -199,12 +215,34 @@ def reference(members: list[dict[str, Any]], step: int) -> tuple[dict[str, list]
     return expected, partial
 
 
+def check_group(name: str, members: list[dict[str, Any]], step: int) -> int:
+    """The sync at ``step`` of one group of ``members`` against the closed form; how many rows
+    only some of them looked up."""
+    g = len(members)
+    expected, partial = reference(members, step)
+    for table, tensors in expected.items():
+        for j, want in enumerate(tensors):
+            for i, m in enumerate(members):
+                got = m["syncs"][step]["post"][table][j]
+                pre = m["syncs"][step]["pre"][table][j]
+                where = f"{name} step {step} table {table} tensor {j} member {i}"
+                if want is None:
+                    np.testing.assert_array_equal(got, pre, err_msg=where)
+                    continue
+                if g == 2:  # one or two terms: exact
+                    np.testing.assert_array_equal(got, want, err_msg=where)
+                else:  # three or four terms: the ring's order of the sum may round
+                    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8, err_msg=where)
+                # Every member holds the same result.
+                np.testing.assert_array_equal(got, members[0]["syncs"][step]["post"][table][j])
+    return partial
+
+
 @pytest.mark.parametrize("name", WEIGHTED)
 def test_each_row_is_the_mean_over_the_members_that_touched_it(
     job: dict[int, Any], name: str
 ) -> None:
-    g = RUNS[name][0]
-    members = [job[r][name] for r in range(g)]
+    members = [job[r][name] for r in range(RUNS[name][0])]
     assert sorted(members[0]["syncs"]) == [2, 4, 6, 8, 10, 12]
     for m in members:  # the heal copied gang 0's state
         for table, tensors in m["healed"].items():
@@ -212,24 +250,9 @@ def test_each_row_is_the_mean_over_the_members_that_touched_it(
                 np.testing.assert_array_equal(x, y)
     partial_rows = 0
     for step in (2, 4, 6, 8, 10, 12):
-        expected, partial = reference(members, step)
-        if step in (6, 8):
-            partial_rows += partial
-        for table, tensors in expected.items():
-            for j, want in enumerate(tensors):
-                for i, m in enumerate(members):
-                    got = m["syncs"][step]["post"][table][j]
-                    pre = m["syncs"][step]["pre"][table][j]
-                    where = f"{name} step {step} table {table} tensor {j} member {i}"
-                    if want is None:
-                        np.testing.assert_array_equal(got, pre, err_msg=where)
-                        continue
-                    if g == 2:  # one or two terms: exact
-                        np.testing.assert_array_equal(got, want, err_msg=where)
-                    else:  # three or four terms: the ring's order of the sum may round
-                        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8, err_msg=where)
-                    # Every member holds the same result.
-                    np.testing.assert_array_equal(got, members[0]["syncs"][step]["post"][table][j])
+        for group in {m["syncs"][step]["group"] for m in members}:
+            partial = check_group(name, [members[r] for r in group], step)
+            partial_rows += partial if step in (6, 8) else 0
     # The touched syncs were not plain means in disguise: rows looked up by only some members.
     assert partial_rows > 20, partial_rows
     for step in (2, 4, 10, 12):  # no touched sets: every row of every shard
@@ -244,7 +267,7 @@ def test_each_row_is_the_mean_over_the_members_that_touched_it(
 
 
 def test_rows_untouched_by_every_member_are_left_alone(job: dict[int, Any]) -> None:
-    for name in WEIGHTED:
+    for name in [n for n in WEIGHTED if not n.startswith("hier/")]:
         g = RUNS[name][0]
         members = [job[r][name] for r in range(g)]
         untouched = 0
