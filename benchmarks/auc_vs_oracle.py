@@ -10,17 +10,13 @@ noise), the share of rank time spent waiting for data, and rows trained per seco
 
     .venv/bin/python -m benchmarks.auc_vs_oracle --grid JSON [--write docs/benchmarks.md]
 
-``--grid`` trains the same model on engines over gloo (no Ray; gangs of one rank, each drawing
-its own rows from the synthetic teacher), cell after cell: gangs x ``sync.sync_every`` x
-``sync.merge``, ``--grid-rows`` rows each, and reports the last quarter's AUC against the
-teacher's on the same rows and the bytes one rank sent in syncs (``sync.rows: touched``).
+``--grid`` trains the model on engines over gloo (gangs of one rank), cell after cell: gangs x
+``sync.sync_every`` x ``sync.merge``, and reports the AUC against the teacher's and sync bytes.
 """
 
 from __future__ import annotations
 
-import argparse
 import glob
-import itertools
 import json
 import math
 import os
@@ -134,10 +130,10 @@ def render(
     return lines
 
 
-GRID = list(itertools.product((1, 4, 16, 64), ("mean", "touched_mean")))  # (sync every, merge)
+GRID = [(every, merge) for every in (1, 4, 16, 64) for merge in ("mean", "touched_mean")]
 
 
-def grid_rank(rank: int, gangs: int, a: argparse.Namespace, ports: list[int], out: Any) -> None:
+def grid_rank(rank: int, gangs: int, a: Any, ports: list[int], out: Any) -> None:
     """Gang ``rank`` of a grid job: every (period, merge) cell in turn, each on a fresh store; per
     cell the last quarter's logits, labels and teacher logits, and the bytes it sent in syncs."""
     from raytrec.data.from_config import synthetic_source
@@ -178,7 +174,7 @@ def grid_rank(rank: int, gangs: int, a: argparse.Namespace, ports: list[int], ou
         out.put((rank, traceback.format_exc()))
 
 
-def grid(a: argparse.Namespace) -> list[dict[str, Any]]:
+def grid(a: Any) -> list[dict[str, Any]]:
     """Every cell, one after another; the results go to ``a.grid`` after each number of gangs."""
     results: list[dict[str, Any]] = []
     rng = np.random.default_rng(0)
