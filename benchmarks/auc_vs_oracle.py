@@ -7,19 +7,30 @@ overrides), data and runs in a temporary directory, and reports the final progre
 AUC and the mean of the last ``--tail`` intervals against the oracle's (the teacher's own click
 probabilities), the spread of the oracle's AUC over chunks as large as an interval (sampling
 noise), the share of rank time spent waiting for data, and rows trained per second.
+
+    .venv/bin/python -m benchmarks.auc_vs_oracle --grid JSON [--write docs/benchmarks.md]
+
+``--grid`` trains the model on engines over gloo (gangs of one rank), cell after cell: gangs x
+``sync.sync_every`` x ``sync.merge``, and reports the AUC against the teacher's and sync bytes.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import math
 import os
 import statistics
 import tempfile
 import time
+import traceback
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from benchmarks.common import parse, parser, publish
 from jobs.train import build_config
@@ -119,6 +130,98 @@ def render(
     return lines
 
 
+GRID = [(every, merge) for every in (1, 4, 16, 64) for merge in ("mean", "touched_mean")]
+
+
+def grid_rank(rank: int, gangs: int, a: Any, ports: list[int], out: Any) -> None:
+    """Gang ``rank`` of a grid job: every (period, merge) cell in turn, each on a fresh store; per
+    cell the last quarter's logits, labels and teacher logits, and the bytes it sent in syncs."""
+    from raytrec.data.from_config import synthetic_source
+    from raytrec.engine.plan import job_plan
+    from raytrec.engine.rank_engine import RankEngine, RankSpec, StepInput, StoreAddress
+    from raytrec.engine.stepping import StepBegins, StepResult, Synced
+    from raytrec.models import build_train_model
+
+    cells = []
+    try:
+        for (every, merge), port in zip(GRID, ports, strict=True):
+            keys = [*a.set, "data.source=synthetic", "sync.rows=touched", f"sync.merge={merge}",
+                    f"scaling.num_workers={gangs}", f"sync.sync_every={every}"]  # fmt: skip
+            cfg = build_config(["--gang-size", "1", *(x for kv in keys for x in ("--set", kv))])
+            source, batch = synthetic_source(cfg), cfg.data.batch_size
+            steps = a.grid_rows // (gangs * batch)
+            e = RankEngine(RankSpec(rank=rank, gang=rank, gang_rank=0, gang_size=1, config=cfg,
+                plan=job_plan(cfg, source.num_dense, build_train_model), num_dense=source.num_dense,
+                store=StoreAddress(host="127.0.0.1", port=port), timeout_s=600))  # fmt: skip
+            e.build()
+            e.join_replica_plane(generation=0, member_rank=rank, size=gangs)
+            e.sync()  # a no-op (every gang starts alike) that makes the touched sets known
+            feed = (StepInput(b) for b in source.split(gangs)[rank].batches(batch))
+            got: list[list[np.ndarray]] = [[], [], []]
+            sent, tail = 0, steps - steps // 4
+            for ev in e.train_steps(feed, steps):
+                if isinstance(ev, StepBegins) and ev.step > tail:
+                    got[2].append(source.teacher_logits(ev.input.batch).numpy())
+                elif isinstance(ev, StepResult) and ev.step > tail:
+                    got[0].append(ev.logits.float().numpy())
+                    got[1].append(ev.labels.numpy())
+                elif isinstance(ev, Synced):
+                    sent += e.replicas.last_traffic.bytes_sent  # type: ignore[union-attr]
+            e.close()
+            cells.append((every, merge, steps, sent, *(np.concatenate(x) for x in got)))
+        out.put((rank, cells))
+    except BaseException:
+        out.put((rank, traceback.format_exc()))
+
+
+def grid(a: Any) -> list[dict[str, Any]]:
+    """Every cell, one after another; the results go to ``a.grid`` after each number of gangs."""
+    results: list[dict[str, Any]] = []
+    rng = np.random.default_rng(0)
+    for gangs in a.grid_gangs:
+        stores = [dist.TCPStore("127.0.0.1", 0, is_master=True) for _ in GRID]
+        ctx, ports = mp.get_context("spawn"), [st.port for st in stores]
+        out = ctx.Queue()
+        procs = [ctx.Process(target=grid_rank, args=(r, gangs, a, ports, out)) for r in range(gangs)]  # fmt: skip  # noqa: E501
+        for p in procs:
+            p.start()
+        got = dict(out.get() for _ in procs)
+        for p in procs:
+            p.join()
+        if bad := [v for v in got.values() if isinstance(v, str)]:
+            raise SystemExit(f"auc_vs_oracle --grid: a rank failed:\n{bad[0]}")
+        ranks = [got[r] for r in range(gangs)]
+        cells = [[*ranks[0][i][:4], *(np.concatenate([c[i][k] for c in ranks]) for k in (4, 5, 6))]
+                 for i in range(len(GRID))]  # fmt: skip
+        for i, (every, merge, steps, sent, logits, labels, teacher) in enumerate(cells):
+            base = cells[i - i % 2][4]  # the mean cell of the same period, on the same rows
+            pick = [rng.integers(0, len(labels), len(labels)) for _ in range(50)]
+            diff = [auc(logits[j], labels[j]) - auc(base[j], labels[j]) for j in pick]
+            results.append(dict(gangs=gangs, every=every, merge=merge, steps=steps, bytes=sent,
+                                auc=auc(logits, labels), oracle=auc(teacher, labels),
+                                diff_std=float(np.std(diff))))  # fmt: skip
+            print(results[-1], flush=True)
+        Path(a.grid).write_text(json.dumps(results, indent=1))
+    return results
+
+
+def render_grid(results: list[dict[str, Any]], rows: int) -> list[str]:
+    by = {(r["gangs"], r["every"], r["merge"]): r for r in results}
+    lines = [f"Each cell trains {rows:,} rows. AUC / oracle over the last quarter of the steps "
+             "(the same rows for both merges; the difference's bootstrap std over those rows in "
+             "brackets); MB: what one rank sent in syncs.", "",
+             "| gangs | sync every | steps | mean: AUC / oracle | touched_mean: AUC / oracle "
+             "| difference (std) | mean: MB | touched_mean: MB |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for (g, every, merge), m in by.items():
+        if merge == "mean" and (t := by.get((g, every, "touched_mean"))):
+            rm, rt = m["auc"] / m["oracle"], t["auc"] / t["oracle"]
+            lines.append(f"| {g} | {every} | {m['steps']} | {rm:.4f} | {rt:.4f} | {rt - rm:+.4f} "
+                         f"({t['diff_std'] / t['oracle']:.4f}) | {m['bytes'] / 1e6:.1f} "
+                         f"| {t['bytes'] / 1e6:.1f} |")  # fmt: skip
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from raytrec.api import fit
 
@@ -127,7 +230,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="as jobs.train --set"
     )
     p.add_argument("--tail", type=int, default=4, help="intervals averaged for the tail AUC")
+    p.add_argument("--grid", metavar="JSON", help="run the merge grid, results into JSON")
+    p.add_argument("--grid-gangs", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--grid-rows", type=int, default=122_880, help="rows trained per cell")
     a = parse(p, argv)
+    if a.grid:
+        body = "\n".join(render_grid(grid(a), a.grid_rows))
+        publish(a, body, name="merge-grid", heading="## Sync merge: mean against touched_mean")
+        return 0
     with tempfile.TemporaryDirectory(prefix="raytrec-auc-") as tmp:
         overrides = [x for kv in a.set for x in ("--set", kv)]
         config = build_config(["--storage-path", tmp, *overrides])

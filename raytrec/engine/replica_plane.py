@@ -174,6 +174,15 @@ class ReplicaPlane:
         if wide is not flat:
             flat.copy_(wide)
 
+    def sum_(self, flat: torch.Tensor) -> torch.Tensor:
+        """The sum over the group of one contiguous buffer: half precision summed in fp32 and
+        returned in fp32 (``flat`` then holds its own values still), any other dtype summed in
+        ``flat`` itself and returned."""
+        wide = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
+        if self.pg is not None:
+            self._wait(self.pg.allreduce([wide]))
+        return wide
+
     @property
     def device(self) -> torch.device:
         """Where this plane's collectives take their tensors."""

@@ -235,11 +235,11 @@ class ReplicaSync:
         level = len(self.config.levels) if decision is None else decision.level
         assert level is not None
         touched = model.touched
-        if (
-            self.config.rows == "touched"
-            and touched is not None
-            and touched.valid(level, optimizer_state=optimizer_state, generation=plane.generation)
-        ):
+        known = touched is not None and touched.valid(
+            level, optimizer_state=optimizer_state, generation=plane.generation
+        )
+        weighted = self.config.merge == "touched_mean"
+        if touched is not None and known and (weighted or self.config.rows == "touched"):
             counters = model.embedding_step_counters() if optimizer_state else []
             self.last_traffic = average_rows(
                 plane,
@@ -248,8 +248,16 @@ class ReplicaSync:
                 max_share=self.config.touched_max_share,
                 extra=counters,
                 apart=dense,
+                weights_touched=(
+                    [touched.rows(k, level, optimizer_state=False) for k in touched.shards]
+                    if weighted
+                    else None
+                ),
+                every_row=self.config.rows == "all",
             )
         else:
+            # rows: all with merge: mean, or touched sets unknown (each level's first sync of a
+            # generation, after a heal or a load): the plain mean of every row.
             tensors = model.shard_state(optimizer_state=optimizer_state)
             # Dense state in a buffer of its own, so the gang's ranks keep identical copies.
             plane.average_(tensors, apart=dense)
