@@ -42,12 +42,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=256, help="rows per rank per step")
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--log-every", type=int, default=25, help="steps between progress records")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rank-niceness", type=lambda x: None if x == "ray" else int(x), default=0)
     p.add_argument("--rounds", type=int, default=40, help="raytrec windows")
     p.add_argument("--window-s", type=float, default=12.0, help="seconds per turn")
     p.add_argument("--settle-s", type=float, default=3.0, help="left out of a window")
-    p.add_argument("--timeout-s", type=float, default=900.0, help="for either side's warmup")
     p.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--marks-file", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--driver", type=Path, help=argparse.SUPPRESS)
@@ -68,12 +65,10 @@ def build_config(a: argparse.Namespace, *, run_dir: str) -> TrainConfig:
         scaling=ScalingConfig(
             num_workers=a.world_size,
             gang_size=a.world_size // a.gangs,
-            rank_niceness=a.rank_niceness,
         ),
         data=DataConfig(batch_size=a.batch_size),
         num_steps=FOREVER,
         log_every=a.log_every,
-        seed=a.seed,
         storage_path=run_dir,
     )
 
@@ -224,7 +219,7 @@ def turns(a: argparse.Namespace) -> str:
     try:
         for cmd, records in commands:  # each up and past its warmup, then stopped
             sides.append(Side(cmd, records))
-            sides[-1].wait_for_step(a.warmup_steps, a.timeout_s)
+            sides[-1].wait_for_step(a.warmup_steps, timeout_s=900)
             sides[-1].signal(signal.SIGSTOP)
         for i in [0, 1] * a.rounds + [0]:
             sides[i].signal(signal.SIGCONT)
@@ -269,12 +264,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.driver:
         return run_driver(a)
     table = turns(a)
-    nice = "15 (Ray)" if a.rank_niceness is None else a.rank_niceness
     shape = (
         f"T = {a.world_size} ranks a side, batch {a.batch_size} per rank, DLRM "
         + "{} tables x {:,} x {}".format(*a.model)
-        + f", raytrec ranks at nice {nice}; "
-        f"{a.rounds} rounds of {a.window_s:g} s windows, {a.settle_s:g} s settling left out."
+        + f", raytrec ranks at nice 0; {a.rounds} rounds of {a.window_s:g} s windows, "
+        f"{a.settle_s:g} s settling left out."
     )
     common.publish(a, f"- {shape}\n\n{table}", name="throughput", heading="## throughput")
     return 0
