@@ -87,8 +87,6 @@ class Run:
     slowest_wall_ms: float = 0.0
     interval_cpu_ms: list[float] = dataclasses.field(default_factory=list)
     cpu_s: float = 0.0  # the coordinator's, whole run
-    fake_cpu_s: float = 0.0
-    wall_s: float = 0.0
     events: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     # (CPU time, the fake's CPU time) at each history row: one per interval.
     rows: list[tuple[float, float]] = dataclasses.field(default_factory=list)
@@ -101,20 +99,21 @@ class Run:
         self.slowest_wall_ms = max(self.slowest_wall_ms, wall_ms)
 
 
+def then(module: Any, name: str, after: Callable[[Any], None]) -> Any:
+    """Patches ``module.name`` to call ``after`` with each value it returns."""
+    inner = getattr(module, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        value = inner(*args, **kwargs)
+        after(value)
+        return value
+
+    return mock.patch.object(module, name, timed)
+
+
 @contextlib.contextmanager
 def timed_decisions(run: Run, group: TimedGroup) -> Iterator[None]:
     """Wraps the pure decisions where the coordinator's parts call them."""
-    patches = contextlib.ExitStack()
-
-    def wrap(module: Any, name: str, after: Callable[[Any], None]) -> None:
-        inner = getattr(module, name)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            value = inner(*args, **kwargs)
-            after(value)
-            return value
-
-        patches.enter_context(mock.patch.object(module, name, timed))
 
     def on_decide(_value: Any) -> None:
         if group.failed_at is not None:
@@ -128,16 +127,16 @@ def timed_decisions(run: Run, group: TimedGroup) -> Iterator[None]:
         if any(isinstance(d, Drain) and d.gangs for d in value):
             run.note("drain", group.draining_at, group)
 
-    with patches:
-        wrap(actors.recovery, "decide", on_decide)
-        wrap(actors.recovery, "find_hung_ranks", on_hung)
-        wrap(actors.growth, "failed_heals", lambda _v: run.note("heal", group.builds_at, group))
-        wrap(actors.coordinator, "decide", on_drain)
-        wrap(
-            actors.coordinator,
-            "aggregate_interval",
-            lambda _v: run.rows.append((time.process_time(), group.cpu_s)),
-        )
+    def on_interval(_value: Any) -> None:
+        run.rows.append((time.process_time(), group.cpu_s))
+
+    with (
+        then(actors.recovery, "decide", on_decide),
+        then(actors.recovery, "find_hung_ranks", on_hung),
+        then(actors.growth, "failed_heals", lambda _v: run.note("heal", group.builds_at, group)),
+        then(actors.coordinator, "decide", on_drain),
+        then(actors.coordinator, "aggregate_interval", on_interval),
+    ):
         yield
 
 
@@ -185,11 +184,9 @@ def run_one(ranks: int, g: int) -> Run:
             group=group,
             clock=group.clock,
         )
-        cpu0, wall0 = time.process_time(), time.perf_counter()
+        cpu0 = time.process_time()
         with timed_decisions(run, group):
             summary = coordinator.run()
-        run.wall_s = time.perf_counter() - wall0
-        run.fake_cpu_s = group.cpu_s
         run.cpu_s = time.process_time() - cpu0 - group.cpu_s
     pairs = itertools.pairwise(run.rows)
     run.interval_cpu_ms = [1e3 * ((c1 - c0) - (f1 - f0)) for (c0, f0), (c1, f1) in pairs]
@@ -237,11 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = []
     for ranks, g in SHAPES:
         runs.append(run := run_one(ranks, g))
-        print(
-            f"{ranks} ranks, gangs of {g}: {run.wall_s:.1f} s wall, coordinator CPU "
-            f"{run.cpu_s:.2f} s, fake {run.fake_cpu_s:.2f} s; events {dict(run.events)}",
-            flush=True,
-        )
+        print(f"{ranks} ranks, gangs of {g}: coordinator CPU {run.cpu_s:.2f} s", flush=True)
     publish(a, table(runs), name="control-plane-scale", heading="## Control plane")
     return 0
 
