@@ -61,38 +61,28 @@ def build_engine(tables: int, rows: int, dim: int) -> tuple[RankEngine, Callable
 def evict(paths: Sequence[Path]) -> None:
     """Drops the files' pages from the page cache (only these files: the machine is shared)."""
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def raw_write(directory: Path, sizes: dict[str, int], payload: memoryview) -> list[Path]:
+def raw_write(directory: Path, sizes: dict[str, int], payload: memoryview) -> None:
+    """Files of ``sizes`` in ``directory``, made of ``payload`` repeated, written durably."""
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
-    paths = []
     for name, size in sizes.items():
-        path = directory / name
-        with open(path, "wb") as f:
-            done = 0
-            while done < size:
-                n = min(size - done, len(payload))
-                f.write(payload[:n])
-                done += n
+        with open(directory / name, "wb") as f:
+            for start in range(0, size, len(payload)):
+                f.write(payload[: size - start])
             f.flush()
             os.fsync(f.fileno())
-        paths.append(path)
     _fsync_dir(str(directory))
-    return paths
 
 
 def raw_read(paths: Sequence[Path], buffers: dict[Path, bytearray]) -> None:
     for path in paths:
         with open(path, "rb", buffering=0) as f:
-            view = memoryview(buffers[path])
-            got = 0
+            view, got = memoryview(buffers[path]), 0
             while got < len(view):
                 n = f.readinto(view[got:])
                 if not n:
@@ -140,12 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=600_000, help="rows per table")
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument(
-        "--reader-threads",
-        type=int,
-        default=DEFAULT_THREADS,
-        help=f"threads of the checkpoint reader (default on this machine: {DEFAULT_THREADS})",
-    )
+    threads = f"threads of the checkpoint reader (default on this machine: {DEFAULT_THREADS})"
+    p.add_argument("--reader-threads", type=int, default=DEFAULT_THREADS, help=threads)
     a = parse(p, argv)
     quiet_known_warnings()
     torch.set_num_threads(1)
