@@ -273,7 +273,7 @@ def analyse(out: dict[str, Any]) -> dict[str, Any]:
             # When the coordinator learned of it; the log books it once the recovery starts.
             seen = hit["at"] if hit.get("noticed_at") is None else hit["noticed_at"]
             mark |= {"at": hit["at"], "step": hit["step"], "detected_s": seen - kill_at}
-            mark["booked_s"] = hit["at"] - kill_at
+            mark |= {"booked_s": hit["at"] - kill_at}
         if f["kind"] == "node":
             died = next((e for e in after if e["kind"] == "node_died"), None)
             if died is not None:
@@ -292,17 +292,14 @@ def analyse(out: dict[str, Any]) -> dict[str, Any]:
     pace = [
         (after["at"] - before["at"]) / after["steps"]
         for before, after in itertools.pairwise(rows)
-        if not any(before["at"] < t <= after["at"] for t in ats)
+        if not _holds(before, after, ats)
     ]
     step_s = statistics.median(pace) if pace else 0.0
-    for m in marks:
-        if "at" not in m:
-            continue
+    for m in (m for m in marks if "at" in m):
         before = [r for r in rows if r["at"] <= m["at"]]
         after = [r for r in rows if r["at"] > m["at"]]
         if before and after:
-            gap = after[0]["at"] - before[-1]["at"]
-            m["stall_s"] = gap - after[0]["steps"] * step_s
+            m["stall_s"] = after[0]["at"] - before[-1]["at"] - after[0]["steps"] * step_s
     saves = [e["at"] for e in events if e["kind"] == "checkpoint_saved"]
     first_fault = out["faults"][0]["kill_mono"] - offset if out["faults"] else None
     summary = out["summary"]
@@ -318,11 +315,16 @@ def analyse(out: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _holds(before: dict[str, Any], after: dict[str, Any], times: Sequence[float]) -> bool:
+    """Whether one of ``times`` falls in the interval that ends with the row ``after``."""
+    return any(before["at"] < t <= after["at"] for t in times)
+
+
 def _rest_of_run(
     rows: list[dict[str, Any]],
     marks: list[dict[str, Any]],
     first_fault: float | None,
-    saves: Sequence[float] = (),
+    saves: Sequence[float],
 ) -> dict[str, float] | None:
     """Adds to each loss mark the stall it causes over the rest of the run (``total_stall_s``)
     and the late data waits in it (``late_data_s``).
@@ -339,12 +341,9 @@ def _rest_of_run(
     if first_fault is None:
         return None
 
-    def holds(before: dict[str, Any], after: dict[str, Any], times: Sequence[float]) -> bool:
-        return any(before["at"] < t <= after["at"] for t in times)
-
     def other(before: dict[str, Any], after: dict[str, Any]) -> bool:
         """A checkpoint save, or an evaluation at the interval's end, took time in it."""
-        return holds(before, after, saves) or after.get("eval_auc") is not None
+        return _holds(before, after, saves) or after.get("eval_auc") is not None
 
     clean = [
         (before, after)
@@ -365,7 +364,7 @@ def _rest_of_run(
             if not m["at"] < after["at"] <= end or not after["steps"]:
                 continue
             excess = after["at"] - before["at"] - after["steps"] * pace
-            if holds(before, after, joins) or (not first and other(before, after)):
+            if _holds(before, after, joins) or (not first and other(before, after)):
                 continue
             if first or excess > noise:
                 total += max(0.0, excess)
