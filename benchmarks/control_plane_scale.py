@@ -199,33 +199,26 @@ def ms(values: list[float]) -> str:
     return f"{statistics.median(values):.1f} / {max(values):.1f}" if values else "-"
 
 
+def grew(small: list[float] | None, big: list[float] | None) -> str:
+    return f"{statistics.median(big) / statistics.median(small):.1f}x" if small and big else "-"
+
+
 def table(runs: list[Run]) -> str:
     by = {(r.ranks, r.gang_size): r for r in runs}
-    lines = [
-        "| ranks (gangs x ranks) | "
-        + " | ".join(EVENTS)
-        + " | slowest decision, wall | CPU per interval | run CPU |",
-        "|---|" + "---:|" * (len(EVENTS) + 3),
-    ]
+    heads = ["ranks (gangs x ranks)", *EVENTS, "slowest decision, wall", "CPU per interval"]
+    lines = [f"| {' | '.join(heads)} | run CPU |", "|---|" + "---:|" * len(heads)]
     for r in runs:
-        cells = [ms(r.decisions.get(e, [])) for e in EVENTS]
-        lines.append(
-            f"| {r.ranks:,} ({r.ranks // r.gang_size} x {r.gang_size}) | "
-            + " | ".join(cells)
-            + f" | {r.slowest_wall_ms:.1f} | {ms(r.interval_cpu_ms)} | {r.cpu_s:.2f} s |"
-        )
+        cells = [f"{r.ranks:,} ({r.ranks // r.gang_size} x {r.gang_size})"]
+        cells += [ms(r.decisions.get(e, [])) for e in EVENTS]
+        cells += [f"{r.slowest_wall_ms:.1f}", ms(r.interval_cpu_ms), f"{r.cpu_s:.2f} s"]
+        lines.append(f"| {' | '.join(cells)} |")
     for g in sorted({r.gang_size for r in runs}):
         small, big = by[(1024, g)], by[(4096, g)]
-        cells = []
-        for e in EVENTS:
-            a, b = small.decisions.get(e), big.decisions.get(e)
-            cells.append(f"{statistics.median(b) / statistics.median(a):.1f}x" if a and b else "-")
-        ratio = statistics.median(big.interval_cpu_ms) / statistics.median(small.interval_cpu_ms)
-        lines.append(
-            f"| 4,096 / 1,024 (gangs of {g}) | "
-            + " | ".join(cells)
-            + f" | - | {ratio:.1f}x | {big.cpu_s / small.cpu_s:.1f}x |"
-        )
+        cells = [f"4,096 / 1,024 (gangs of {g})"]
+        cells += [grew(small.decisions.get(e), big.decisions.get(e)) for e in EVENTS]
+        cells += ["-", grew(small.interval_cpu_ms, big.interval_cpu_ms)]
+        cells += [f"{big.cpu_s / small.cpu_s:.1f}x"]
+        lines.append(f"| {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
