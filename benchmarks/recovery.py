@@ -37,19 +37,12 @@ from raytrec.checkpoint.config import CheckpointConfig, checkpoint_root
 from raytrec.checkpoint.layout import CheckpointStore
 from raytrec.cluster import connect
 from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TestingConfig, TrainConfig
+from raytrec.elastic import events as ev
 from raytrec.elastic.config import ElasticConfig
-from raytrec.elastic.events import (
-    CheckpointRestored,
-    Event,
-    GangJoined,
-    GangPlaced,
-    GangRequested,
-    RankDied,
-)
 from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.observability.metrics import IntervalMetrics
 
-E = TypeVar("E", bound=Event)
+E = TypeVar("E", bound=ev.Event)
 
 HEADING = "## Recovery time: survivors against restart from checkpoint"
 FAIL_STEP, CHECKPOINT_EVERY, SYNC_EVERY = 16, 10, 4
@@ -62,7 +55,7 @@ def label(dims: Sequence[int]) -> str:
     return " x ".join(f"{d:,}" for d in dims)
 
 
-def _first(events: Sequence[Event], kind: type[E], *, after: float = -1.0) -> E:
+def _first(events: Sequence[ev.Event], kind: type[E], *, after: float = -1.0) -> E:
     if found := [e for e in events if isinstance(e, kind) and e.at >= after]:
         return found[0]
     raise ValueError(f"no {kind.kind!r} event at or after t={after:g}: {[e.kind for e in events]}")
@@ -89,7 +82,7 @@ class ElasticTimings:
 
 
 def elastic_timings(
-    events: Sequence[Event],
+    events: Sequence[ev.Event],
     rows: Sequence[IntervalMetrics],
     *,
     last_done: int,
@@ -98,7 +91,7 @@ def elastic_timings(
     """Reads the recovery and the heal out of one elastic run's events and history rows;
     ``last_done`` is the last step completed before the failure."""
     failed = _row(rows, last_done)
-    died = _first(events, RankDied, after=failed.at)
+    died = _first(events, ev.RankDied, after=failed.at)
     resumed = next((r for r in rows if r.at > died.at), None)
     if resumed is None:
         raise ValueError(f"no completed step after the rank died at t={died.at:g}")
@@ -107,9 +100,9 @@ def elastic_timings(
         resume_s=resumed.at - failed.at,
     )
     try:
-        requested = _first(events, GangRequested, after=died.at)
-        placed = _first(events, GangPlaced, after=requested.at)
-        joined = _first(events, GangJoined, after=placed.at)
+        requested = _first(events, ev.GangRequested, after=died.at)
+        placed = _first(events, ev.GangPlaced, after=requested.at)
+        joined = _first(events, ev.GangJoined, after=placed.at)
     except ValueError:
         return timings  # no new gang joined within the run: reported as not observed
     full = next((r for r in rows if r.at > joined.at and r.gangs == full_gangs), None)
@@ -125,7 +118,7 @@ def elastic_timings(
 
 
 def restart_seconds(
-    events: Sequence[Event],
+    events: Sequence[ev.Event],
     rows: Sequence[IntervalMetrics],
     arrivals: Sequence[tuple[float, float]],
     *,
@@ -135,7 +128,7 @@ def restart_seconds(
     its rows' (arrival time on the driver's clock, in seconds after calling ``fit``; ``at``).
     The coordinator clock's zero on the driver's clock is the smallest arrival - ``at`` (a row
     arrives no sooner than it is made): an upper bound by its polling."""
-    _first(events, CheckpointRestored)  # it did resume from the checkpoint
+    _first(events, ev.CheckpointRestored)  # it did resume from the checkpoint
     return min(arrival - at for arrival, at in arrivals) + _row(rows, last_done + 1).at
 
 
