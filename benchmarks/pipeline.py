@@ -264,18 +264,16 @@ def _free() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
-    model = (
-        f"DCNv2, the largest tables capped at {a.dcn_cap:,} rows, those over {a.uvm_rows:,} "
-        f"rows UVM-cached ({a.uvm_precision}, load factor {CACHE_LOAD_FACTOR:g})"
-        if a.dcn
-        else "DLRM {} tables x {:,} x {}".format(*a.model)
+    model, order = (
+        "DLRM {} tables x {:,} x {}".format(*a.model),
+        f"both sides up, taking turns of one {a.log_every}-step interval; paired: the intervals",
     )
-    order = (
-        "each side built alone, the sides in turns; paired: the repeats"
-        if a.dcn
-        else f"both sides up, taking turns of one {a.log_every}-step interval; paired: "
-        "the intervals"
-    )
+    if a.dcn:
+        model = (
+            f"DCNv2, the largest tables capped at {a.dcn_cap:,} rows, those over {a.uvm_rows:,} "
+            f"rows UVM-cached ({a.uvm_precision}, load factor {CACHE_LOAD_FACTOR:g})"
+        )
+        order = "each side built alone, the sides in turns; paired: the repeats"
     shape = (
         f"{'One GPU' if torch.cuda.is_available() else 'One CPU rank (no GPU here)'}, "
         f"{a.repeats} repeats of {a.steps} steps a side ({a.warmup_steps} of warmup"
