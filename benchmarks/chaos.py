@@ -462,12 +462,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="draws the nodes, ranks and moments")
     p.add_argument("--collective-timeout-s", type=float, default=10.0)
     p.add_argument("--timeout-s", type=float, default=900.0, help="stop the job after this")
-    p.add_argument(
-        "--run-on-s",
-        type=float,
-        default=None,
-        help="stop the job this long after the last fault (default: let it finish)",
-    )
+    run_on = "stop the job this long after the last fault (default: let it finish)"
+    p.add_argument("--run-on-s", type=float, help=run_on)
     p.add_argument("--json", type=pathlib.Path, help="write the raw outputs and report here")
     p.add_argument("--analyse", type=pathlib.Path, help="report on the --json file of a run")
     p.add_argument("--machine", default="2-core CPU VM")

@@ -50,18 +50,11 @@ def replace_block(path: Path, block: str, *, name: str, heading: str | None = No
 def parser(doc: str | None, module: str, page: str, **kwargs: Any) -> argparse.ArgumentParser:
     """The parser of ``benchmarks.<module>``, described by its module doc's first paragraph, with
     ``--write``; its namespace holds ``module`` (for :func:`publish`)."""
-    p = argparse.ArgumentParser(
-        prog=f"python -m benchmarks.{module}",
-        description=(doc or "").split("\n\n")[0],
-        **kwargs,
-    )
+    about = (doc or "").split("\n\n")[0]
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{module}", description=about, **kwargs)
     p.set_defaults(module=module)
-    p.add_argument(
-        "--write",
-        type=Path,
-        metavar="PAGE",
-        help=f"write the result block into this page (its page: {page}); without it, print only",
-    )
+    write = f"write the result block into this page (its page: {page}); without it, print only"
+    p.add_argument("--write", type=Path, metavar="PAGE", help=write)
     return p
 
 
