@@ -324,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"restart redoes steps {c + 1}..{FAIL_STEP - 1}; {a.batch_size} rows per rank per "
         f"step, `collective_timeout_s={COLLECTIVE_TIMEOUT_S:g}`; 1-minute load average "
         f"{load_start:.1f} at the start."
-        + "".join(f"\n- failed, not in the tables: {f}" for f in failures)
+        + "".join(f"\n- failed, not in the table: {f}" for f in failures)
     )
     publish(a, f"{setup}\n\n{table(ms, a)}", name="recovery", heading=HEADING)
     return 0
