@@ -7,7 +7,7 @@ measured on a local Ray cluster.
 
 ``sim``: Cruise and Meta's published experiment on the clock model of :mod:`raytrec.sync.simulate`,
 schedules in workers (``2-8,4-32,8-64``: groups of 8 every 2 steps, 32 every 4, all 64 every 8).
-``ray``: :func:`raytrec.fit` per schedule (sizes in gangs) and straggler seed, every rank sleeping
+``ray``: :func:`raytrec.fit` per :func:`schedules` entry and straggler seed, every rank sleeping
 ``--stall-s`` before a step with probability ``--rate``; speedups and AUC gaps paired per seed.
 The table is built from every run saved to ``--results`` with the same settings: another
 ``--straggler-seed`` adds a repeat, ``--rate 0`` the time without stalls.
