@@ -50,6 +50,7 @@ TOTAL_STALL_TARGET = 5.0
 HEAD_CPUS = {"synthetic": 0, "parquet": 1}
 #: examples/configs/local_cpu.yaml's batch size, and the passes over the rows with --data parquet.
 BATCH_SIZE, EPOCHS = 128, 4
+Json = dict[str, Any]  # a metrics row, an event, a fault, a mark or a report, as JSON has it
 NODES, GANG_SIZE = ("n0", "n1"), 2  # a worker node per gang, of a CPU per rank
 LOG_EVERY, FIRST_STEP = 2, 200  # no fault before FIRST_STEP
 MAX_DELAY_S = 1.0  # a fault lands a random moment up to this long after it is due
@@ -93,7 +94,7 @@ class RunDir:
     def __init__(self, storage: str) -> None:
         self.storage = storage
         self.path: str | None = None
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[Json] = []
         self.seen: list[float] = []
 
     def read(self, name: str) -> str:
@@ -126,7 +127,7 @@ def rank_pids(node: lc.WorkerNode) -> list[int]:
     return sorted(lc.session_pids(node.session, "ray::RankWorker"))  # title: class and method
 
 
-def run(a: argparse.Namespace) -> dict[str, Any]:
+def run(a: argparse.Namespace) -> Json:
     storage = tempfile.mkdtemp(prefix="rtchaos-", dir="/tmp")
     faults: list[Fault] = []
     started = time.monotonic()
@@ -252,9 +253,9 @@ def kill(
     return fault
 
 
-def analyse(out: dict[str, Any]) -> dict[str, Any]:
+def analyse(out: Json) -> Json:
     rows, events, offset = out["rows"], out["events"], out["offset"]
-    marks: list[dict[str, Any]] = []
+    marks: list[Json] = []
     losses = [e for e in events if e["kind"] in ("rank_died", "node_died")]
     for f in out["faults"]:
         kill_at = f["kill_mono"] - offset
@@ -315,16 +316,13 @@ def analyse(out: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _holds(before: dict[str, Any], after: dict[str, Any], times: Sequence[float]) -> bool:
+def _holds(before: Json, after: Json, times: Sequence[float]) -> bool:
     """Whether one of ``times`` falls in the interval that ends with the row ``after``."""
     return any(before["at"] < t <= after["at"] for t in times)
 
 
 def _rest_of_run(
-    rows: list[dict[str, Any]],
-    marks: list[dict[str, Any]],
-    first_fault: float | None,
-    saves: Sequence[float],
+    rows: list[Json], marks: list[Json], first_fault: float | None, saves: Sequence[float]
 ) -> dict[str, float] | None:
     """Adds to each loss mark the stall it causes over the rest of the run (``total_stall_s``)
     and the late data waits in it (``late_data_s``).
@@ -341,7 +339,7 @@ def _rest_of_run(
     if first_fault is None:
         return None
 
-    def other(before: dict[str, Any], after: dict[str, Any]) -> bool:
+    def other(before: Json, after: Json) -> bool:
         """A checkpoint save, or an evaluation at the interval's end, took time in it."""
         return _holds(before, after, saves) or after.get("eval_auc") is not None
 
@@ -376,7 +374,7 @@ def _rest_of_run(
     return {"pace_s": pace, "noise_s": noise}
 
 
-def _same_node(event: dict[str, Any], fault: dict[str, Any]) -> bool:
+def _same_node(event: Json, fault: Json) -> bool:
     """Whether a rank_died event names the fault's node ("<node id prefix> at <address>")."""
     prefix = str(event.get("node", "")).split(" ", 1)[0]
     return bool(prefix) and str(fault["node_id"] or "").startswith(prefix)
@@ -386,7 +384,7 @@ def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def table(report: dict[str, Any]) -> str:
+def table(report: Json) -> str:
     lines = [
         "| event | step | process gone after (s) | detected after (s) | booked after (s) "
         "| node_died after (s) | to join (s) | survivors' stall (s) | stall over the rest (s) "
@@ -407,7 +405,7 @@ def _verdict(value: float | None, target: float) -> str:
     return f"(target < {target:.0f} s: {'met' if met else '**missed**'})"
 
 
-def describe(a: argparse.Namespace, out: dict[str, Any], report: dict[str, Any]) -> str:
+def describe(a: argparse.Namespace, out: Json, report: Json) -> str:
     final, base = report["final"] or {}, report.get("baseline")
     data = "synthetic data"
     if a.data == "parquet":

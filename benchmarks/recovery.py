@@ -82,11 +82,7 @@ class ElasticTimings:
 
 
 def elastic_timings(
-    events: Sequence[ev.Event],
-    rows: Sequence[IntervalMetrics],
-    *,
-    last_done: int,
-    full_gangs: int,
+    events: Sequence[ev.Event], rows: Sequence[IntervalMetrics], *, last_done: int, full_gangs: int
 ) -> ElasticTimings:
     """Reads the recovery and the heal out of one elastic run's events and history rows;
     ``last_done`` is the last step completed before the failure."""
