@@ -130,7 +130,6 @@ def rank_pids(node: lc.WorkerNode) -> list[int]:
 def run(a: argparse.Namespace) -> Json:
     storage = tempfile.mkdtemp(prefix="rtchaos-", dir="/tmp")
     faults: list[Fault] = []
-    started = time.monotonic()
     with lc.local_cluster(head_cpus=HEAD_CPUS[a.data], temp_prefix="rtch-") as cluster:
         for name in NODES:
             cluster.add_node(name, num_cpus=GANG_SIZE)
@@ -154,7 +153,7 @@ def run(a: argparse.Namespace) -> Json:
             entrypoint += ["--set", f"data.epochs={EPOCHS}"]
         cluster.submit(job, *entrypoint, cwd=str(ROOT), runtime_env="examples/runtime_env.yaml")
         run_dir = RunDir(storage)
-        state = drive(a, cluster, job, run_dir, faults, started)
+        state = drive(a, cluster, job, run_dir, faults)
         logs = cluster.logs(job)
     summary = json.loads(run_dir.read("summary.json") or "{}")
     events = [json.loads(x) for x in run_dir.read("events.jsonl").splitlines() if x.strip()]
@@ -168,17 +167,12 @@ def run(a: argparse.Namespace) -> Json:
         "events": events,
         "offset": run_dir.offset() if run_dir.rows else None,
         "summary": summary,
-        "wall_s": round(time.monotonic() - started, 1),
+        "wall_s": round(time.perf_counter() - a.started, 1),
     }
 
 
 def drive(
-    a: argparse.Namespace,
-    cluster: lc.LocalCluster,
-    job: str,
-    run_dir: RunDir,
-    faults: list[Fault],
-    started: float,
+    a: argparse.Namespace, cluster: lc.LocalCluster, job: str, run_dir: RunDir, faults: list[Fault]
 ) -> str:
     """Carries out ``--schedule`` while the job trains; returns its final state."""
     schedule = SCHEDULES[a.schedule]
@@ -198,7 +192,7 @@ def drive(
         ran_on = last and time.monotonic() - faults[-1].kill_mono > a.run_on_s
         if ran_on:
             print(f"[chaos] {a.run_on_s:g} s after the last fault: stopping the job", flush=True)
-        if ran_on or time.monotonic() - started > a.timeout_s:
+        if ran_on or time.perf_counter() - a.started > a.timeout_s:
             # SIGTERM: the job stops at its next interval boundary and writes its summary.
             cluster.ray("job", "stop", "--no-wait", "--address", cluster.dashboard, job)
             return cluster.wait(job, 180)
