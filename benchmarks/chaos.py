@@ -17,6 +17,7 @@ coordinator's clock from when each row was first seen: the delays are upper boun
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
@@ -131,8 +132,9 @@ def run(a: argparse.Namespace) -> Json:
     storage = tempfile.mkdtemp(prefix="rtchaos-", dir="/tmp")
     faults: list[Fault] = []
     with lc.local_cluster(head_cpus=HEAD_CPUS[a.data], temp_prefix="rtch-") as cluster:
-        for name in NODES:
-            cluster.add_node(name, num_cpus=GANG_SIZE)
+        with concurrent.futures.ThreadPoolExecutor(len(NODES)) as pool:  # each takes seconds
+            list(pool.map(lambda name: cluster.add_node(name, num_cpus=GANG_SIZE), NODES))
+        cluster.nodes.sort(key=lambda n: n.name)
         job = f"chaos-{os.getpid()}"
         print(f"[chaos] cluster: {cluster.dashboard}, head in {cluster.temp_dir}", flush=True)
         entrypoint = [
