@@ -4,9 +4,8 @@
 
 ``python -m jobs.train`` (2 gangs x 2 ranks) on ``ray start`` nodes on 127.0.0.1 loses ranks
 (a rank process of a random node SIGKILLed from outside at a random moment, as the OOM killer
-does; a new gang joins on the freed CPUs) and nodes (every process of the node SIGKILLed at
-once, as in a host crash; a replacement node but after the last, whose gang joins), each
-once both gangs have trained two intervals.
+does; a new gang joins on the freed CPUs) and, last, a node (every process of the node SIGKILLed
+at once, as in a host crash), each once both gangs have trained two intervals.
 Reported from the job's events, metrics rows and summary: the time to ``rank_died`` and
 ``node_died``, the survivors' stall at each loss and join (the gap between the rows around it
 less their steps at the normal pace), the stall each loss causes over the rest of the run up
@@ -41,14 +40,10 @@ import raytrec.cluster.local as lc
 from benchmarks.common import ROOT, command, parse, parser, replace_block
 
 HEADING = "## Chaos: node and rank losses on a local cluster"
-#: The full run and the short one (the cluster test's): faults in order.
-SCHEDULES = {
-    "full": ("rank", "rank", "node", "rank", "rank", "node", "rank"),
-    # Rank kills, then one node: no replacement node to start (on a loaded machine a new
-    # node can miss the GCS's startup deadline).
-    "kills": ("rank", "rank", "rank", "rank", "rank", "node"),
-    "short": ("rank", "node"),
-}
+#: The faults in order: the full run, and the short one (the cluster test's). The node goes
+#: last: no replacement node to start (on a loaded machine a new node can miss the GCS's
+#: startup deadline).
+SCHEDULES = {"kills": ("rank",) * 5 + ("node",), "short": ("rank", "node")}
 STALL_TARGETS = {"loss": 3.0, "join": 1.0}
 #: The target for the stall a loss causes over the rest of the run, the one at it included.
 TOTAL_STALL_TARGET = 5.0
@@ -56,6 +51,10 @@ TOTAL_STALL_TARGET = 5.0
 HEAD_CPUS = {"synthetic": 0, "parquet": 1}
 #: examples/configs/local_cpu.yaml's batch size, and the passes over the rows with --data parquet.
 BATCH_SIZE, EPOCHS = 128, 4
+Json = dict[str, Any]  # a metrics row, an event, a fault, a mark or a report, as JSON has it
+NODES, GANG_SIZE = ("n0", "n1"), 2  # a worker node per gang, of a CPU per rank
+LOG_EVERY, FIRST_STEP = 2, 200  # no fault before FIRST_STEP
+MAX_DELAY_S = 1.0  # a fault lands a random moment up to this long after it is due
 
 
 @dataclasses.dataclass
@@ -65,7 +64,6 @@ class Fault:
     kill_mono: float  # time.monotonic() at the kill (the same clock on every process here)
     node: str  # the worker node's name
     node_id: str | None  # Ray's node id of the node (of the rank's node for a rank kill)
-    replacement_mono: float | None = None  # when a replacement node's `ray start` began
     # A rank kill: the process's title at the kill (the rank method it was in), and when the
     # process was gone (a zombie or reaped): how long the kernel took to end it, apart from
     # how long the job took to notice.
@@ -81,15 +79,12 @@ def watch_death(fault: Fault, pid: int, limit_s: float = 60.0) -> None:
     def watch() -> None:
         end = time.monotonic() + limit_s
         while time.monotonic() < end:
-            try:
-                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                    break
-            except psutil.NoSuchProcess:
-                break
-            time.sleep(0.005)
-        else:
+            with contextlib.suppress(psutil.NoSuchProcess):  # gone: reaped
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    time.sleep(0.005)
+                    continue
+            fault.gone_mono = time.monotonic()
             return
-        fault.gone_mono = time.monotonic()
 
     threading.Thread(target=watch, daemon=True).start()
 
@@ -100,7 +95,7 @@ class RunDir:
     def __init__(self, storage: str) -> None:
         self.storage = storage
         self.path: str | None = None
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[Json] = []
         self.seen: list[float] = []
 
     def read(self, name: str) -> str:
@@ -112,9 +107,8 @@ class RunDir:
         return path.read_text() if self.path is not None and path.exists() else ""
 
     def poll(self) -> None:
-        lines = self.read("metrics.jsonl").splitlines()
         now = time.monotonic()
-        for line in lines[len(self.rows) :]:
+        for line in self.read("metrics.jsonl").splitlines()[len(self.rows) :]:
             try:
                 self.rows.append(json.loads(line))
             except json.JSONDecodeError:
@@ -134,22 +128,19 @@ def rank_pids(node: lc.WorkerNode) -> list[int]:
     return sorted(lc.session_pids(node.session, "ray::RankWorker"))  # title: class and method
 
 
-def run(a: argparse.Namespace) -> dict[str, Any]:
+def run(a: argparse.Namespace) -> Json:
     storage = tempfile.mkdtemp(prefix="rtchaos-", dir="/tmp")
     faults: list[Fault] = []
-    schedule = SCHEDULES[a.schedule]
-    started = time.monotonic()
     with lc.local_cluster(head_cpus=HEAD_CPUS[a.data], temp_prefix="rtch-") as cluster:
-        with concurrent.futures.ThreadPoolExecutor(a.nodes) as pool:
-            names = [f"n{i}" for i in range(a.nodes)]
-            list(pool.map(lambda name: cluster.add_node(name, num_cpus=a.gang_size), names))
+        with concurrent.futures.ThreadPoolExecutor(len(NODES)) as pool:  # each takes seconds
+            list(pool.map(lambda name: cluster.add_node(name, num_cpus=GANG_SIZE), NODES))
         cluster.nodes.sort(key=lambda n: n.name)
         job = f"chaos-{os.getpid()}"
         print(f"[chaos] cluster: {cluster.dashboard}, head in {cluster.temp_dir}", flush=True)
         entrypoint = [
             "python", "-m", "jobs.train", "--config", "examples/configs/local_cpu.yaml",
-            "--num-workers", str(2 * a.gang_size), "--gang-size", str(a.gang_size),
-            "--steps", str(a.steps), "--log-every", str(a.log_every),
+            "--num-workers", str(2 * GANG_SIZE), "--gang-size", str(GANG_SIZE),
+            "--steps", str(a.steps), "--log-every", str(LOG_EVERY),
             "--storage-path", storage, "--set", "name=chaos",
             "--set", "checkpoint.every_n_steps=50",
             "--set", "elastic.min_gangs=1", "--set", "elastic.max_gangs=2",
@@ -159,17 +150,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         if a.data == "parquet":
             # Parquet written once by the job (the synthetic teacher's rows), read by index in
             # EPOCHS passes: a loss gives every survivor a new stream (a new Ray Data pipeline).
-            rows = -(-a.steps * 2 * a.gang_size * BATCH_SIZE // EPOCHS)
+            rows = -(-a.steps * 2 * GANG_SIZE * BATCH_SIZE // EPOCHS)
             entrypoint += ["--set", "data.source=generated", "--set", f"data.generated_rows={rows}"]
             entrypoint += ["--set", f"data.epochs={EPOCHS}"]
         cluster.submit(job, *entrypoint, cwd=str(ROOT), runtime_env="examples/runtime_env.yaml")
         run_dir = RunDir(storage)
-        state = drive(a, cluster, job, run_dir, schedule, faults, started)
+        state = drive(a, cluster, job, run_dir, faults)
         logs = cluster.logs(job)
     summary = json.loads(run_dir.read("summary.json") or "{}")
     events = [json.loads(x) for x in run_dir.read("events.jsonl").splitlines() if x.strip()]
-    if not a.keep_run:  # what the report needs is read
-        shutil.rmtree(storage, ignore_errors=True)
+    shutil.rmtree(storage, ignore_errors=True)  # what the report needs is read
     return {
         "state": state.split("\n", 1)[0],
         "status": state,
@@ -179,23 +169,15 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "events": events,
         "offset": run_dir.offset() if run_dir.rows else None,
         "summary": summary,
-        "wall_s": round(time.monotonic() - started, 1),
+        "wall_s": round(time.perf_counter() - a.started, 1),
     }
 
 
 def drive(
-    a: argparse.Namespace,
-    cluster: lc.LocalCluster,
-    job: str,
-    run_dir: RunDir,
-    schedule: tuple[str, ...],
-    faults: list[Fault],
-    started: float,
+    a: argparse.Namespace, cluster: lc.LocalCluster, job: str, run_dir: RunDir, faults: list[Fault]
 ) -> str:
-    """Carries out ``schedule`` while the job trains; returns its final state."""
-
-    spare = len(cluster.nodes)  # names of replacement nodes go on from here
-    dead: set[str] = set()
+    """Carries out ``--schedule`` while the job trains; returns its final state."""
+    schedule = SCHEDULES[a.schedule]
     full_since: int | None = None  # the first step at which both gangs trained again
     # The generation at the last fault: rows of that generation or before are not "again" (a
     # slow detection leaves rows of the old two gangs coming in after the kill).
@@ -208,12 +190,11 @@ def drive(
     draw = random.Random(a.seed)  # which node and rank, and the moment: replayable
     kill_at: float | None = None  # when the due fault is carried out (a random moment)
     while not ended:
-        ran_on = len(faults) == len(schedule) and a.run_on_s is not None
-        if ran_on and time.monotonic() - faults[-1].kill_mono > a.run_on_s:
+        last = len(faults) == len(schedule) and a.run_on_s is not None
+        ran_on = last and time.monotonic() - faults[-1].kill_mono > a.run_on_s
+        if ran_on:
             print(f"[chaos] {a.run_on_s:g} s after the last fault: stopping the job", flush=True)
-        if time.monotonic() - started > a.timeout_s or (
-            ran_on and time.monotonic() - faults[-1].kill_mono > a.run_on_s
-        ):
+        if ran_on or time.perf_counter() - a.started > a.timeout_s:
             # SIGTERM: the job stops at its next interval boundary and writes its summary.
             cluster.ray("job", "stop", "--no-wait", "--address", cluster.dashboard, job)
             return cluster.wait(job, 180)
@@ -226,66 +207,51 @@ def drive(
         due = (
             len(faults) < len(schedule)
             and full_since is not None
-            and run_dir.step >= max(a.first_step, full_since + 2 * a.log_every)
+            and run_dir.step >= max(FIRST_STEP, full_since + 2 * LOG_EVERY)
         )
         if due and kill_at is None:
-            kill_at = time.monotonic() + draw.uniform(0.0, a.max_delay_s)
+            kill_at = time.monotonic() + draw.uniform(0.0, MAX_DELAY_S)
         if due and kill_at is not None and time.monotonic() >= kill_at:
             kill_at = None
-            kind = schedule[len(faults)]
-            live = [n for n in cluster.nodes if n.name not in dead and rank_pids(n)]
-            # A rank kill lands on another node than the last one's, where there is one.
-            others = [n for n in live if not faults or n.name != faults[-1].node]
-            node = live[-1] if kind == "node" else draw.choice(others or live)
-            node_id = node.node_id()
-            if kind == "rank":
-                pid = draw.choice(rank_pids(node))
-                title = lc.process_title(pid)
-                kill_mono = time.monotonic()
-                os.kill(pid, signal.SIGKILL)
-                fault = Fault(kind, run_dir.step, kill_mono, node.name, node_id, title=title)
-                watch_death(fault, pid)
-            else:
-                # The host goes, as in a crash or a preemption without notice: every process
-                # of the node at once, the raylet first.
-                raylet = node.raylet_pid()
-                assert raylet is not None
-                rest = [p for p in lc.session_pids(node.session) if p != raylet]
-                kill_mono = time.monotonic()
-                for pid in (raylet, *rest):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-                fault = Fault(kind, run_dir.step, kill_mono, node.name, node_id)
-            faults.append(fault)
-            print(f"[chaos] step {fault.step}: killed a {kind} on {node.name}", flush=True)
+            faults.append(fault := kill(cluster, schedule[len(faults)], faults, draw, run_dir.step))
+            print(f"[chaos] step {fault.step}: killed a {fault.kind} on {fault.node}", flush=True)
             full_since, fault_generation = None, int(rows[-1]["generation"])
-            if kind == "node":
-                dead.add(node.name)
-                lc.stop_session(node.session, grace_s=2)  # what the node left (children)
-                if len(faults) < len(schedule):  # a replacement, except after the last fault
-                    fault.replacement_mono = time.monotonic()
-                    add_node(cluster, f"n{spare}", a.gang_size)
-                    spare += 1
         time.sleep(0.01 if kill_at is not None else 0.1)
     run_dir.poll()
     return ended[0]
 
 
-def add_node(cluster: lc.LocalCluster, name: str, cpus: int, tries: int = 3) -> lc.WorkerNode:
-    """A replacement worker node; started again when its start fails (on a loaded machine the
-    GCS can miss a new node's startup deadline)."""
-    for attempt in range(tries):
-        try:
-            return cluster.add_node(name if attempt == 0 else f"{name}r{attempt}", num_cpus=cpus)
-        except RuntimeError as e:
-            why = str(e).splitlines()[0]
-            print(f"[chaos] node {name} did not start ({why}); starting it again", flush=True)
-    raise RuntimeError(f"node {name} did not start in {tries} tries")
+def kill(
+    cluster: lc.LocalCluster, kind: str, faults: list[Fault], draw: random.Random, step: int
+) -> Fault:
+    """Kills a rank, on another node than the last fault's where there is one, or the last
+    node, as in a crash or a preemption without notice: every process of it at once, the
+    raylet first."""
+    live = [n for n in cluster.nodes if rank_pids(n)]
+    others = [n for n in live if not faults or n.name != faults[-1].node]
+    node = live[-1] if kind == "node" else draw.choice(others or live)
+    node_id = node.node_id()
+    if kind == "rank":
+        pid = draw.choice(rank_pids(node))
+        title = lc.process_title(pid)
+        fault = Fault(kind, step, time.monotonic(), node.name, node_id, title=title)
+        os.kill(pid, signal.SIGKILL)
+        watch_death(fault, pid)
+        return fault
+    raylet = node.raylet_pid()
+    assert raylet is not None
+    rest = [p for p in lc.session_pids(node.session) if p != raylet]
+    fault = Fault(kind, step, time.monotonic(), node.name, node_id)
+    for pid in (raylet, *rest):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    lc.stop_session(node.session, grace_s=2)  # what the node left (children)
+    return fault
 
 
-def analyse(out: dict[str, Any]) -> dict[str, Any]:
+def analyse(out: Json) -> Json:
     rows, events, offset = out["rows"], out["events"], out["offset"]
-    marks: list[dict[str, Any]] = []
+    marks: list[Json] = []
     losses = [e for e in events if e["kind"] in ("rank_died", "node_died")]
     for f in out["faults"]:
         kill_at = f["kill_mono"] - offset
@@ -302,21 +268,16 @@ def analyse(out: dict[str, Any]) -> dict[str, Any]:
         if on_node:
             hit = on_node[0]
             # When the coordinator learned of it; the log books it once the recovery starts.
-            seen = hit.get("noticed_at")
-            seen = hit["at"] if seen is None else seen
+            seen = hit["at"] if hit.get("noticed_at") is None else hit["noticed_at"]
             mark |= {"at": hit["at"], "step": hit["step"], "detected_s": seen - kill_at}
-            mark["booked_s"] = hit["at"] - kill_at
+            mark |= {"booked_s": hit["at"] - kill_at}
         if f["kind"] == "node":
             died = next((e for e in after if e["kind"] == "node_died"), None)
             if died is not None:
                 mark["node_died_s"] = died["at"] - kill_at
                 mark["named"] = died.get("node_id") == f["node_id"]
         marks.append(mark)
-    starts = [
-        (f["replacement_mono"] if f["kind"] == "node" else f["kill_mono"]) - offset
-        for f in out["faults"]
-        if f["kind"] == "rank" or f["replacement_mono"] is not None
-    ]
+    starts = [f["kill_mono"] - offset for f in out["faults"] if f["kind"] == "rank"]
     for e in (e for e in events if e["kind"] == "gang_joined"):
         start = max((s for s in starts if s <= e["at"]), default=None)
         mark = {"what": f"gang {e['gang_id']} joined", "step": e["step"], "type": "join"}
@@ -325,28 +286,25 @@ def analyse(out: dict[str, Any]) -> dict[str, Any]:
     marks.sort(key=lambda m: m.get("at", float("inf")))
     # The normal pace: seconds per step of the rows whose interval held no event.
     ats = [m["at"] for m in marks if "at" in m]
-    pace = []
-    for before, after in itertools.pairwise(rows):
-        if not any(before["at"] < t <= after["at"] for t in ats):
-            pace.append((after["at"] - before["at"]) / after["steps"])
+    pace = [
+        (after["at"] - before["at"]) / after["steps"]
+        for before, after in itertools.pairwise(rows)
+        if not _holds(before, after, ats)
+    ]
     step_s = statistics.median(pace) if pace else 0.0
-    for m in marks:
-        if "at" not in m:
-            continue
+    for m in (m for m in marks if "at" in m):
         before = [r for r in rows if r["at"] <= m["at"]]
         after = [r for r in rows if r["at"] > m["at"]]
         if before and after:
-            gap = after[0]["at"] - before[-1]["at"]
-            m["stall_s"] = gap - after[0]["steps"] * step_s
+            m["stall_s"] = after[0]["at"] - before[-1]["at"] - after[0]["steps"] * step_s
     saves = [e["at"] for e in events if e["kind"] == "checkpoint_saved"]
     first_fault = out["faults"][0]["kill_mono"] - offset if out["faults"] else None
-    baseline = _rest_of_run(rows, marks, first_fault, saves)
     summary = out["summary"]
     batches = summary.get("batches", {})
     return {
         "marks": marks,
         "step_s": step_s,
-        "baseline": baseline,
+        "baseline": _rest_of_run(rows, marks, first_fault, saves),
         "lost": batches.get("lost"),
         "doubled": None if not batches else batches["committed"] - batches["committed_distinct"],
         "final": summary.get("final"),
@@ -354,11 +312,13 @@ def analyse(out: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _holds(before: Json, after: Json, times: Sequence[float]) -> bool:
+    """Whether one of ``times`` falls in the interval that ends with the row ``after``."""
+    return any(before["at"] < t <= after["at"] for t in times)
+
+
 def _rest_of_run(
-    rows: list[dict[str, Any]],
-    marks: list[dict[str, Any]],
-    first_fault: float | None,
-    saves: Sequence[float] = (),
+    rows: list[Json], marks: list[Json], first_fault: float | None, saves: Sequence[float]
 ) -> dict[str, float] | None:
     """Adds to each loss mark the stall it causes over the rest of the run (``total_stall_s``)
     and the late data waits in it (``late_data_s``).
@@ -375,12 +335,9 @@ def _rest_of_run(
     if first_fault is None:
         return None
 
-    def holds(before: dict[str, Any], after: dict[str, Any], times: Sequence[float]) -> bool:
-        return any(before["at"] < t <= after["at"] for t in times)
-
-    def other(before: dict[str, Any], after: dict[str, Any]) -> bool:
+    def other(before: Json, after: Json) -> bool:
         """A checkpoint save, or an evaluation at the interval's end, took time in it."""
-        return holds(before, after, saves) or after.get("eval_auc") is not None
+        return _holds(before, after, saves) or after.get("eval_auc") is not None
 
     clean = [
         (before, after)
@@ -401,7 +358,7 @@ def _rest_of_run(
             if not m["at"] < after["at"] <= end or not after["steps"]:
                 continue
             excess = after["at"] - before["at"] - after["steps"] * pace
-            if holds(before, after, joins) or (not first and other(before, after)):
+            if _holds(before, after, joins) or (not first and other(before, after)):
                 continue
             if first or excess > noise:
                 total += max(0.0, excess)
@@ -413,7 +370,7 @@ def _rest_of_run(
     return {"pace_s": pace, "noise_s": noise}
 
 
-def _same_node(event: dict[str, Any], fault: dict[str, Any]) -> bool:
+def _same_node(event: Json, fault: Json) -> bool:
     """Whether a rank_died event names the fault's node ("<node id prefix> at <address>")."""
     prefix = str(event.get("node", "")).split(" ", 1)[0]
     return bool(prefix) and str(fault["node_id"] or "").startswith(prefix)
@@ -423,72 +380,65 @@ def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def table(report: dict[str, Any]) -> str:
+def table(report: Json) -> str:
     lines = [
         "| event | step | process gone after (s) | detected after (s) | booked after (s) "
         "| node_died after (s) | to join (s) | survivors' stall (s) | stall over the rest (s) "
         "| late data waits (s) |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    keys = ("gone_s", "detected_s", "booked_s", "node_died_s", "to_join_s", "stall_s")
     for m in report["marks"]:
-        died = _s(m.get("node_died_s"))
+        cells = [_s(m.get(k)) for k in (*keys, "total_stall_s", "late_data_s")]
         if m.get("named") is False:
-            died += " (**another node named**)"
-        lines.append(
-            f"| {m['what']} | {m['step']} | {_s(m.get('gone_s'))} | {_s(m.get('detected_s'))} "
-            f"| {_s(m.get('booked_s'))} | {died} | "
-            f"{_s(m.get('to_join_s'))} | {_s(m.get('stall_s'))} | "
-            f"{_s(m.get('total_stall_s'))} | {_s(m.get('late_data_s'))} |"
-        )
+            cells[3] += " (**another node named**)"
+        lines.append(f"| {m['what']} | {m['step']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def describe(a: argparse.Namespace, out: dict[str, Any], report: dict[str, Any]) -> str:
-    final = report["final"] or {}
+def _verdict(value: float | None, target: float) -> str:
+    met = value is not None and value < target
+    return f"(target < {target:.0f} s: {'met' if met else '**missed**'})"
+
+
+def describe(a: argparse.Namespace, out: Json, report: Json) -> str:
+    final, base = report["final"] or {}, report.get("baseline")
     data = "synthetic data"
     if a.data == "parquet":
         data = f"Parquet read by index through Ray Data ({EPOCHS} epochs)"
-    verdicts = []
+    stalls = []
     for kind, label in (("loss", "a loss"), ("join", "a join")):
-        stalls = [m["stall_s"] for m in report["marks"] if m["type"] == kind and "stall_s" in m]
-        value, target = statistics.median(stalls) if stalls else None, STALL_TARGETS[kind]
-        met = value is not None and value < target
-        verdicts.append(
-            f"median survivors' stall at {label} {_s(value)} s (target < {target:.0f} s: "
-            f"{'met' if met else '**missed**'})"
-        )
+        got = [m["stall_s"] for m in report["marks"] if m["type"] == kind and "stall_s" in m]
+        value = statistics.median(got) if got else None
+        target = _verdict(value, STALL_TARGETS[kind])
+        stalls.append(f"median survivors' stall at {label} {_s(value)} s {target}")
     losses = [m for m in report["marks"] if m["type"] == "loss"]
     detected = [m["detected_s"] for m in losses if "detected_s" in m]
-    totals = [m["total_stall_s"] for m in losses if "total_stall_s" in m]
-    worst = max(totals) if totals else None
-    verdicts.append(
-        f"{len(detected)} of {len(losses)} losses detected, the slowest after "
-        f"{_s(max(detected) if detected else None)} s; the largest stall a loss caused over "
-        f"the rest of the run {_s(worst)} s (target < {TOTAL_STALL_TARGET:.0f} s: "
-        f"{'met' if worst is not None and worst < TOTAL_STALL_TARGET else '**missed**'})"
-    )
+    worst = max((m["total_stall_s"] for m in losses if "total_stall_s" in m), default=None)
     return "\n".join(
         [
             f"Measured on {a.date}, machine: {a.machine}, whole run {out['wall_s']:.0f} s:",
             "",
             f"    {command(a, '--json', '--analyse')}",
             "",
-            f"- Cluster: `ray start` head ({HEAD_CPUS[a.data]} CPUs) + {a.nodes} worker nodes of "
-            f"{a.gang_size} CPUs on 127.0.0.1; job: 2 gangs x {a.gang_size} ranks, {data}, "
-            f"`examples/configs/local_cpu.yaml`, {a.steps} steps, `log_every={a.log_every}`, "
+            f"- Cluster: `ray start` head ({HEAD_CPUS[a.data]} CPUs) + {len(NODES)} worker nodes "
+            f"of {GANG_SIZE} CPUs on 127.0.0.1; job: 2 gangs x {GANG_SIZE} ranks, {data}, "
+            f"`examples/configs/local_cpu.yaml`, {a.steps} steps, `log_every={LOG_EVERY}`, "
             f"a checkpoint every 50 steps; normal pace {report['step_s']:.3f} s/step.",
             f"- Job {out['state'].lower()}; rows lost: {report['lost']} batches, doubled: "
             f"{report['doubled']} batches; replica check "
             f"{'passed' if report['replica_check'] else 'FAILED'}; final loss "
             f"{final.get('loss', float('nan')):.4f}, AUC {final.get('auc') or float('nan'):.4f} "
             f"at step {final.get('step')}.",
-            f"- {verdicts[0]}; {verdicts[1]}.",
-            f"- {verdicts[2]}."
+            f"- {stalls[0]}; {stalls[1]}.",
+            f"- {len(detected)} of {len(losses)} losses detected, the slowest after "
+            f"{_s(max(detected, default=None))} s; the largest stall a loss caused over the rest "
+            f"of the run {_s(worst)} s {_verdict(worst, TOTAL_STALL_TARGET)}."
             + (
-                f" No-fault pace {report['baseline']['pace_s']:.3f} s/step; an interval counts "
-                f"as slowed when it is {report['baseline']['noise_s']:.2f} s beyond it (the "
-                "largest excess before the first fault)."
-                if report.get("baseline")
+                f" No-fault pace {base['pace_s']:.3f} s/step; an interval counts as slowed when "
+                f"it is {base['noise_s']:.2f} s beyond it (the largest excess before the first "
+                "fault)."
+                if base
                 else ""
             ),
             "",
@@ -499,39 +449,21 @@ def describe(a: argparse.Namespace, out: dict[str, Any], report: dict[str, Any])
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = parser(__doc__, "chaos", "docs/fault_tolerance.md")
-    p.add_argument("--short", dest="schedule", action="store_const", const="short", default="full")
-    p.add_argument(
-        "--schedule", dest="schedule", choices=sorted(SCHEDULES), help="the faults, in order"
-    )
+    p.add_argument("--short", dest="schedule", action="store_const", const="short", default="kills")
+    p.add_argument("--schedule", choices=sorted(SCHEDULES), help="the faults, in order")
     p.add_argument("--data", choices=("synthetic", "parquet"), default="synthetic")
-    p.add_argument("--nodes", type=int, default=2, help="worker nodes at the start")
-    p.add_argument("--gang-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="default: 14000, 3500 with --short")
-    p.add_argument("--log-every", type=int, default=2)
-    p.add_argument("--first-step", type=int, default=200, help="no fault before this step")
     p.add_argument("--seed", type=int, default=0, help="draws the nodes, ranks and moments")
-    p.add_argument(
-        "--max-delay-s",
-        type=float,
-        default=1.0,
-        help="a fault lands a random moment up to this long after it is due",
-    )
     p.add_argument("--collective-timeout-s", type=float, default=10.0)
     p.add_argument("--timeout-s", type=float, default=900.0, help="stop the job after this")
-    p.add_argument(
-        "--run-on-s",
-        type=float,
-        default=None,
-        help="stop the job this long after the last fault (default: let it finish)",
-    )
+    run_on = "stop the job this long after the last fault (default: let it finish)"
+    p.add_argument("--run-on-s", type=float, help=run_on)
     p.add_argument("--json", type=pathlib.Path, help="write the raw outputs and report here")
     p.add_argument("--analyse", type=pathlib.Path, help="report on the --json file of a run")
-    p.add_argument("--keep-run", action="store_true", help="keep the run directory, /tmp/rtchaos-*")
     p.add_argument("--machine", default="2-core CPU VM")
     p.add_argument("--date", default=datetime.date.today().isoformat())
     a = parse(p, argv)
-    if a.steps is None:
-        a.steps = 3500 if a.schedule == "short" else 14000
+    a.steps = a.steps or (3500 if a.schedule == "short" else 14000)
     return a
 
 

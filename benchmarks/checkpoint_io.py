@@ -18,15 +18,13 @@ import os
 import shutil
 import statistics
 import tempfile
-from collections.abc import Sequence
-from datetime import timedelta
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from benchmarks.common import dlrm, parse, parser, publish, timed
+from benchmarks.common import dlrm, parse, parser, publish, rank_engine, timed
 from raytrec._quiet import quiet_known_warnings
 from raytrec.api import _plan
 from raytrec.checkpoint.layout import _fsync_dir, read_manifest
@@ -34,7 +32,7 @@ from raytrec.checkpoint.reader import DEFAULT_THREADS, DirectReader
 from raytrec.checkpoint.state import load_checkpoint, save_checkpoint
 from raytrec.config import DataConfig, OptimizerConfig, ScalingConfig, TrainConfig
 from raytrec.data.synthetic import SyntheticCriteo
-from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
+from raytrec.engine.rank_engine import RankEngine
 from raytrec.models import build_dlrm
 
 NUM_DENSE = 13
@@ -46,68 +44,45 @@ ROWS = [  # of the table: (operation, its timing, the raw operation, its timing)
 ]
 
 
-def build_engine(tables: int, rows: int, dim: int) -> RankEngine:
+def build_engine(tables: int, rows: int, dim: int) -> tuple[RankEngine, Callable[[], None]]:
+    """One rank's engine (gloo) of a DLRM of ``tables`` x ``rows`` x ``dim``, trained a step."""
     config = TrainConfig(
         model=dlrm(tables, rows, dim),
         optimizer=OptimizerConfig(embedding="rowwise_adagrad", dense="adagrad"),
         scaling=ScalingConfig(num_workers=1, gang_size=1),
         data=DataConfig(batch_size=256),
     )
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
-    spec = RankSpec(
-        rank=0,
-        gang=0,
-        gang_rank=0,
-        gang_size=1,
-        config=config,
-        plan=_plan(config, NUM_DENSE, build_dlrm),
-        num_dense=NUM_DENSE,
-        store=StoreAddress(host="127.0.0.1", port=store.port),
-    )
-    engine = RankEngine(spec)
-    engine.build()
-    engine._bench_store = store  # type: ignore[attr-defined]  # keep the master alive
-    engine.join_replica_plane(generation=0, member_rank=0, size=1)
+    engine, close = rank_engine(config, _plan(config, NUM_DENSE, build_dlrm), NUM_DENSE)
     source = SyntheticCriteo(num_sparse=tables, num_embeddings=rows, seed=1)
     engine.train_step(source.make_batch(0, 0, config.data.batch_size))
-    return engine
+    return engine, close
 
 
 def evict(paths: Sequence[Path]) -> None:
     """Drops the files' pages from the page cache (only these files: the machine is shared)."""
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def raw_write(directory: Path, sizes: dict[str, int], payload: memoryview) -> list[Path]:
+def raw_write(directory: Path, sizes: dict[str, int], payload: memoryview) -> None:
+    """Files of ``sizes`` in ``directory``, made of ``payload`` repeated, written durably."""
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
-    paths = []
     for name, size in sizes.items():
-        path = directory / name
-        with open(path, "wb") as f:
-            done = 0
-            while done < size:
-                n = min(size - done, len(payload))
-                f.write(payload[:n])
-                done += n
+        with open(directory / name, "wb") as f:
+            for start in range(0, size, len(payload)):
+                f.write(payload[: size - start])
             f.flush()
             os.fsync(f.fileno())
-        paths.append(path)
     _fsync_dir(str(directory))
-    return paths
 
 
 def raw_read(paths: Sequence[Path], buffers: dict[Path, bytearray]) -> None:
     for path in paths:
         with open(path, "rb", buffering=0) as f:
-            view = memoryview(buffers[path])
-            got = 0
+            view, got = memoryview(buffers[path]), 0
             while got < len(view):
                 n = f.readinto(view[got:])
                 if not n:
@@ -155,17 +130,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=600_000, help="rows per table")
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument(
-        "--reader-threads",
-        type=int,
-        default=DEFAULT_THREADS,
-        help=f"threads of the checkpoint reader (default on this machine: {DEFAULT_THREADS})",
-    )
+    threads = f"threads of the checkpoint reader (default on this machine: {DEFAULT_THREADS})"
+    p.add_argument("--reader-threads", type=int, default=DEFAULT_THREADS, help=threads)
     a = parse(p, argv)
     quiet_known_warnings()
     torch.set_num_threads(1)
     base = Path(tempfile.mkdtemp(prefix="raytrec-ckpt-bench-"))
-    engine = build_engine(a.tables, a.rows, a.dim)
+    engine, close = build_engine(a.tables, a.rows, a.dim)
     weights = engine.embedding_weights()
     expected = [w.clone() for w in weights]
     payload = weights[0].detach().numpy().view(np.uint8).reshape(-1).data
@@ -177,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     total = sum(sizes.values())
     state_mb = sum(t.numel() * 4 for t in [*weights, *engine.embedding_optimizer_states()]) / MB
-    engine.close()
+    close()
     shutil.rmtree(base, ignore_errors=True)
 
     def rates(name: str) -> tuple[float, float]:  # best (the least disturbed round), median

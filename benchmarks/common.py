@@ -19,9 +19,12 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from raytrec.config import ModelConfig, TrainConfig, criteo_tables
+
+if TYPE_CHECKING:
+    from raytrec.engine.rank_engine import RankEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -47,18 +50,11 @@ def replace_block(path: Path, block: str, *, name: str, heading: str | None = No
 def parser(doc: str | None, module: str, page: str, **kwargs: Any) -> argparse.ArgumentParser:
     """The parser of ``benchmarks.<module>``, described by its module doc's first paragraph, with
     ``--write``; its namespace holds ``module`` (for :func:`publish`)."""
-    p = argparse.ArgumentParser(
-        prog=f"python -m benchmarks.{module}",
-        description=(doc or "").split("\n\n")[0],
-        **kwargs,
-    )
+    about = (doc or "").split("\n\n")[0]
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{module}", description=about, **kwargs)
     p.set_defaults(module=module)
-    p.add_argument(
-        "--write",
-        type=Path,
-        metavar="PAGE",
-        help=f"write the result block into this page (its page: {page}); without it, print only",
-    )
+    write = f"write the result block into this page (its page: {page}); without it, print only"
+    p.add_argument("--write", type=Path, metavar="PAGE", help=write)
     return p
 
 
@@ -171,6 +167,32 @@ def plain_torchrec(cfg: TrainConfig, num_dense: int, device: Any, plan: Any) -> 
     dmp = DistributedModelParallel(model, env, device, plan=plan, sharders=sharders())
     dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     return dmp, build_dense_optimizer(dense, cfg.optimizer)
+
+
+def rank_engine(
+    cfg: TrainConfig, plan: Any, num_dense: int
+) -> tuple[RankEngine, Callable[[], None]]:
+    """A raytrec rank's engine for ``cfg`` alone (one gang of one rank, a replica plane of one),
+    built: ``(engine, close)``."""
+    import torch.distributed as dist
+
+    from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    address = StoreAddress(host="127.0.0.1", port=store.port)
+    spec = RankSpec(
+        rank=0, gang=0, gang_rank=0, gang_size=1, config=cfg, plan=plan, num_dense=num_dense,
+        store=address,
+    )  # fmt: skip
+    engine = RankEngine(spec)
+    engine.build()
+    engine.join_replica_plane(generation=0, member_rank=0, size=1)
+
+    def close() -> None:
+        engine.close()
+        store.set("closed", "1")  # the store's server (this object) lives until here
+
+    return engine, close
 
 
 def timed(fn: Callable[[], T]) -> tuple[T, float]:

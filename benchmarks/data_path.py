@@ -33,6 +33,10 @@ from raytrec.data.spec import FeatureSpec, criteo_spec
 from raytrec.data.synthetic import SyntheticCriteo
 
 VOCAB = 100_000
+BATCHES, ROW_REPEATS = 4, 2  # kjt: record batches per pass; passes of the per-row collate
+#: parquet: files, row groups per file, rank actors, CPUs for Ray Data's tasks, rows per batch,
+#: indexed read tasks per rank, and replays timed
+FILES, ROW_GROUPS, RANKS, DATA_CPUS, BATCH_SIZE, CONCURRENCY, REPLAYS = 8, 4, 2, 2, 512, 2, 20
 
 
 def make_record_batch(source: SyntheticCriteo, step: int, rows: int) -> pa.RecordBatch:
@@ -85,7 +89,7 @@ def kjt(a: argparse.Namespace) -> str:
 
     torch.set_num_threads(1)
     source = SyntheticCriteo(mean_length=3.0, num_embeddings=VOCAB)
-    rbs = [make_record_batch(source, s, a.rows) for s in range(a.batches)]
+    rbs = [make_record_batch(source, s, a.rows) for s in range(BATCHES)]
     spec = criteo_spec(num_embeddings=VOCAB)
     spec_mod = criteo_spec(num_embeddings=97, id_policy="modulo")  # ids >= 97 in every feature
     spec_hash = criteo_spec(num_embeddings=VOCAB, id_policy="hash")
@@ -116,15 +120,15 @@ def kjt(a: argparse.Namespace) -> str:
     for _, fn in methods:
         fn()  # warm up (allocator, caches, lazy imports)
     for r in range(a.repeats):  # the methods take turns: a load change hits them alike
-        for name, fn in methods[: None if r < a.row_repeats else -1]:
+        for name, fn in methods[: None if r < ROW_REPEATS else -1]:
             c0, w0 = time.thread_time(), time.perf_counter()
             fn()
             c, w = time.thread_time() - c0, time.perf_counter() - w0
-            best[name] = (min(best[name][0], c / a.batches), min(best[name][1], w / a.batches))
-    mib = sum(b.nbytes for bs in bufs for b in bs) / a.batches / 2**20
+            best[name] = (min(best[name][0], c / BATCHES), min(best[name][1], w / BATCHES))
+    mib = sum(b.nbytes for bs in bufs for b in bs) / BATCHES / 2**20
     lines = [
-        f"- {a.batches} record batches x {a.rows:,} rows, {mib:.2f} MiB of Arrow buffers read "
-        f"per batch; best of {a.repeats} passes ({a.row_repeats} for the per-row collate); "
+        f"- {BATCHES} record batches x {a.rows:,} rows, {mib:.2f} MiB of Arrow buffers read "
+        f"per batch; best of {a.repeats} passes ({ROW_REPEATS} for the per-row collate); "
         f"pyarrow {pa.__version__}, numpy {np.__version__}.",
         "",
         "| method | rows/s per core | CPU µs / batch | wall µs / batch | CPU time / copy floor |",
@@ -175,12 +179,12 @@ def parquet(a: argparse.Namespace) -> str:
 
     def run(path: str, mode: Any) -> dict[str, float]:
         source = ParquetSource(
-            paths=path, spec=criteo_spec(VOCAB), read_mode=mode, read_concurrency=a.concurrency
+            paths=path, spec=criteo_spec(VOCAB), read_mode=mode, read_concurrency=CONCURRENCY
         )
-        actors = [Rank.remote() for _ in range(a.ranks)]
+        actors = [Rank.remote() for _ in range(RANKS)]
         ray.get([r.__ray_ready__.remote() for r in actors])  # started before the clock
-        pairs = zip(actors, source.split(a.ranks), strict=True)
-        res = ray.get([r.call.remote(drain, s, a.batch_size) for r, s in pairs])
+        pairs = zip(actors, source.split(RANKS), strict=True)
+        res = ray.get([r.call.remote(drain, s, BATCH_SIZE) for r, s in pairs])
         for r in actors:
             ray.kill(r)
         rows = sum(x["rows"] for x in res)
@@ -191,9 +195,9 @@ def parquet(a: argparse.Namespace) -> str:
     runs: dict[str, list[dict[str, float]]] = {"streaming": [], "indexed": []}
     with tempfile.TemporaryDirectory() as tmp:
         write_synthetic_parquet(
-            tmp, rows=a.rows, files=a.files, row_groups_per_file=a.row_groups, num_embeddings=VOCAB
+            tmp, rows=a.rows, files=FILES, row_groups_per_file=ROW_GROUPS, num_embeddings=VOCAB
         )
-        connect(num_cpus=a.ranks + a.data_cpus)
+        connect(num_cpus=RANKS + DATA_CPUS)
         ray.data.DataContext.get_current().enable_progress_bars = False
         try:
             run(tmp, "indexed")  # warm-up: imports
@@ -201,10 +205,10 @@ def parquet(a: argparse.Namespace) -> str:
                 for mode in ("streaming", "indexed")[:: 1 if r % 2 == 0 else -1]:
                     runs[mode].append(run(tmp, mode))
                     print(f"{mode:9s} {runs[mode][-1]['rows_per_s']:>10,.0f} rows/s", flush=True)
-            shard: Any = ParquetSource(paths=tmp, spec=criteo_spec(VOCAB)).split(a.ranks)[0]
-            steps = shard.plan(a.batch_size).num_steps
-            ids = [batch_id(k % a.ranks, (k * 7) % steps) for k in range(a.replays)]
-            replay_s = ray.get(Rank.remote().call.remote(replay, shard, ids, a.batch_size))
+            shard: Any = ParquetSource(paths=tmp, spec=criteo_spec(VOCAB)).split(RANKS)[0]
+            steps = shard.plan(BATCH_SIZE).num_steps
+            ids = [batch_id(k % RANKS, (k * 7) % steps) for k in range(REPLAYS)]
+            replay_s = ray.get(Rank.remote().call.remote(replay, shard, ids, BATCH_SIZE))
         finally:
             ray.shutdown()
 
@@ -216,9 +220,9 @@ def parquet(a: argparse.Namespace) -> str:
 
     ratio = med("indexed", "rows_per_s") / med("streaming", "rows_per_s")
     lines = [
-        f"- {a.rows:,} rows in {a.files} files of {a.row_groups} row groups; {a.ranks} rank "
-        f"actors (1 CPU each) and {a.data_cpus} CPUs for Ray Data; batches of {a.batch_size} "
-        f"rows; indexed: {a.concurrency} read tasks per rank; {a.repeats} epochs per mode.",
+        f"- {a.rows:,} rows in {FILES} files of {ROW_GROUPS} row groups; {RANKS} rank "
+        f"actors (1 CPU each) and {DATA_CPUS} CPUs for Ray Data; batches of {BATCH_SIZE} "
+        f"rows; indexed: {CONCURRENCY} read tasks per rank; {a.repeats} epochs per mode.",
         "",
         "| mode | best rows/s | median rows/s | median s to first batch |",
         "|---|---:|---:|---:|",
@@ -239,16 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = parser(__doc__, "data_path", "docs/benchmarks.md (kjt), docs/data.md (parquet)")
     p.add_argument("--part", choices=("kjt", "parquet"), required=True)
     p.add_argument("--rows", type=int, help="rows per record batch (kjt: 8192) or in all (1048576)")
-    p.add_argument("--batches", type=int, default=4, help="kjt: record batches per pass")
     p.add_argument("--repeats", type=int, help="kjt: timed passes (15); parquet: epochs (3)")
-    p.add_argument("--row-repeats", type=int, default=2, help="kjt: passes of the per-row collate")
-    p.add_argument("--files", type=int, default=8)
-    p.add_argument("--row-groups", type=int, default=4, help="row groups per file")
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--data-cpus", type=int, default=2, help="CPUs for Ray Data's tasks")
-    p.add_argument("--batch-size", type=int, default=512)
-    p.add_argument("--concurrency", type=int, default=2, help="indexed: read tasks per rank")
-    p.add_argument("--replays", type=int, default=20)
     a = parse(p, argv)
     is_kjt = a.part == "kjt"
     a.rows = a.rows or (8192 if is_kjt else 1_048_576)

@@ -34,6 +34,7 @@ MLPERF_ROWS = (
     405_282, 10, 2_209, 11_938, 155, 4, 976, 14, 40_000_000, 40_000_000, 40_000_000, 590_152,
     12_973, 108, 36,
 )  # fmt: skip
+CACHE_LOAD_FACTOR = 0.2  # of the UVM-cached tables
 SIDES = ("raytrec", "plain")  # raytrec's first: see side()
 Interval = Callable[[], None]
 
@@ -46,7 +47,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=25, help="steps per timed interval")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--model", type=lambda x: common.dims(x, 3), default=(26, 10_000, 16))
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--batch-sizes", type=lambda x: [int(b) for b in x.split(",")], default=[512, 4096, 16384]
     )
@@ -55,7 +55,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dcn-cap", type=int, default=40_000_000, help="rows of the largest")
     p.add_argument("--dcn-batch", type=int, default=8192, help="--dcn: rows per step")
     p.add_argument("--uvm-rows", type=int, default=1_000_000, help="UVM-cache larger tables")
-    p.add_argument("--cache-load-factor", type=float, default=0.2, help="of UVM tables")
     p.add_argument("--uvm-precision", choices=("fp32", "fp16"), default="fp32")
     a = common.parse(p, argv)
     if a.warmup_steps % a.log_every or (a.steps - a.warmup_steps) % a.log_every:
@@ -77,7 +76,6 @@ def config(a: argparse.Namespace, batch_size: int) -> TrainConfig:
         train_pipeline="sparse_dist",
         num_steps=a.steps,
         log_every=a.log_every,
-        seed=a.seed,
         storage_path="unused",
     )
     if not a.dcn:
@@ -85,7 +83,7 @@ def config(a: argparse.Namespace, batch_size: int) -> TrainConfig:
     uvm = dict(compute_kernel="fused_uvm_caching", precision=a.uvm_precision)
     rows = [min(n, a.dcn_cap) for n in MLPERF_ROWS]
     tables = tuple(
-        t.model_copy(update=uvm | {"cache_load_factor": a.cache_load_factor})
+        t.model_copy(update=uvm | {"cache_load_factor": CACHE_LOAD_FACTOR})
         if t.num_embeddings > a.uvm_rows
         else t
         for t in criteo_tables(num_embeddings=rows, embedding_dim=128)
@@ -97,7 +95,7 @@ def config(a: argparse.Namespace, batch_size: int) -> TrainConfig:
     return cfg.replace(model=model)
 
 
-def check_managed_memory(cfg: TrainConfig, cache_load_factor: float) -> None:
+def check_managed_memory(cfg: TrainConfig) -> None:
     """FBGEMM keeps UVM tables in CUDA managed memory; asking for more of it than the GPU has
     free can hang the GPU on some drivers, so this benchmark does not (fp16 halves it)."""
     managed = sum(
@@ -106,7 +104,7 @@ def check_managed_memory(cfg: TrainConfig, cache_load_factor: float) -> None:
         if t.compute_kernel != "fused"
     )
     free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 2**40
-    if managed > free * (1 - cache_load_factor):
+    if managed > free * (1 - CACHE_LOAD_FACTOR):
         raise SystemExit(
             f"--dcn: the UVM tables take {managed / 2**30:.1f} GiB of managed memory, more than "
             f"the GPU's free {free / 2**30:.1f} GiB less their cache: lower --dcn-cap or use "
@@ -122,7 +120,7 @@ def side(
     TorchRec's then shares its process group (one rank: nothing to communicate)."""
     import torch.distributed as dist
 
-    from raytrec.engine.rank_engine import RankEngine, RankSpec, StepInput, StoreAddress
+    from raytrec.engine.rank_engine import StepInput
     from raytrec.engine.stepping import StepResult
     from raytrec.observability.rec_metrics import RankMetrics
 
@@ -130,17 +128,8 @@ def side(
     stream = itertools.cycle(batches)
     num_dense = batches[0].dense_features.shape[1]
     if name == "raytrec":
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        engine = RankEngine(
-            RankSpec(
-                rank=0, gang=0, gang_rank=0, gang_size=1, config=cfg, plan=plan,
-                num_dense=num_dense, store=StoreAddress(host="127.0.0.1", port=store.port),
-            )
-        )  # fmt: skip
-        engine.build()
-        engine.join_replica_plane(generation=0, member_rank=0, size=1)
+        engine, close = common.rank_engine(cfg, plan, num_dense)
         trained: list[tuple[int, Any]] = []  # what a rank reports at an interval's end
-
         inputs = (StepInput(batch) for batch in stream)
 
         def interval() -> None:
@@ -153,10 +142,6 @@ def side(
             torch.stack(losses).tolist()
             metrics.state()
             trained.clear()
-
-        def close() -> None:
-            engine.close()
-            store.set("closed", "1")  # the store's server (this object) lives until here
 
         return interval, close
 
@@ -206,16 +191,13 @@ def timed_intervals(sides: dict[str, Interval], a: argparse.Namespace) -> dict[s
 
 
 def repeat(
-    label: str, cfg: TrainConfig, plan: Any, batches: list[Any], a: argparse.Namespace, r: int
+    cfg: TrainConfig, plan: Any, batches: list[Any], a: argparse.Namespace, r: int
 ) -> tuple[dict[str, list[float]], list[float]]:
     """One repeat: each side's interval seconds, and the paired ratios (per interval; with
     ``--dcn``, of the repeat, each side built alone). Each side is freed before the next."""
     got: dict[str, list[float]] = {}
     for group in [[s] for s in SIDES[:: 1 - 2 * (r % 2)]] if a.dcn else [list(SIDES)]:
         built = {name: side(name, cfg, plan, batches, a.log_every) for name in group}
-        if torch.cuda.is_available():  # the UVM tables' caches are in here, their rows are not
-            held = torch.cuda.memory_allocated() / 2**30
-            print(f"{label} {', '.join(group)}: {held:.1f} GiB allocated on the GPU", flush=True)
         try:
             got |= timed_intervals({s: f for s, (f, _) in built.items()}, a)
         finally:
@@ -245,7 +227,7 @@ def runs(a: argparse.Namespace) -> str:
     for b in batch_sizes:
         label, cfg = f"{'DCNv2' if a.dcn else 'DLRM'}, {b:,}", config(a, b)
         if a.dcn:
-            check_managed_memory(cfg, a.cache_load_factor)
+            check_managed_memory(cfg)
         source = synthetic_source(cfg)
         batches = list(itertools.islice(source.split(1)[0].batches(b), 16))
         batches = [x.pin_memory() if gpu else x for x in batches]
@@ -253,13 +235,12 @@ def runs(a: argparse.Namespace) -> str:
         seconds: dict[str, list[float]] = {name: [] for name in SIDES}
         paired, per_repeat = [], []
         for r in range(a.repeats):
-            got, pairs = repeat(label, cfg, plan, batches, a, r)
+            got, pairs = repeat(cfg, plan, batches, a, r)
             paired += pairs
             per_repeat.append(sum(got["plain"]) / sum(got["raytrec"]))
-            rate = {s: a.log_every * b * len(got[s]) / sum(got[s]) for s in SIDES}
             for s in SIDES:
                 seconds[s] += got[s]
-            print(f"{label} repeat {r}:", *(f"{s} {v:,.0f}" for s, v in rate.items()), flush=True)
+            print(f"{label} repeat {r}: raytrec / TorchRec {per_repeat[-1]:.3f}", flush=True)
         rate = {s: a.log_every * b * len(seconds[s]) / sum(seconds[s]) for s in SIDES}
         if len(paired) > 2:
             bracket = "{:.3f} - {:.3f}".format(*common.bootstrap_median_ci(paired))
@@ -283,18 +264,16 @@ def _free() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
-    model = (
-        f"DCNv2, the largest tables capped at {a.dcn_cap:,} rows, those over {a.uvm_rows:,} "
-        f"rows UVM-cached ({a.uvm_precision}, load factor {a.cache_load_factor:g})"
-        if a.dcn
-        else "DLRM {} tables x {:,} x {}".format(*a.model)
+    model, order = (
+        "DLRM {} tables x {:,} x {}".format(*a.model),
+        f"both sides up, taking turns of one {a.log_every}-step interval; paired: the intervals",
     )
-    order = (
-        "each side built alone, the sides in turns; paired: the repeats"
-        if a.dcn
-        else f"both sides up, taking turns of one {a.log_every}-step interval; paired: "
-        "the intervals"
-    )
+    if a.dcn:
+        model = (
+            f"DCNv2, the largest tables capped at {a.dcn_cap:,} rows, those over {a.uvm_rows:,} "
+            f"rows UVM-cached ({a.uvm_precision}, load factor {CACHE_LOAD_FACTOR:g})"
+        )
+        order = "each side built alone, the sides in turns; paired: the repeats"
     shape = (
         f"{'One GPU' if torch.cuda.is_available() else 'One CPU rank (no GPU here)'}, "
         f"{a.repeats} repeats of {a.steps} steps a side ({a.warmup_steps} of warmup"

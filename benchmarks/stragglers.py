@@ -7,7 +7,7 @@ measured on a local Ray cluster.
 
 ``sim``: Cruise and Meta's published experiment on the clock model of :mod:`raytrec.sync.simulate`,
 schedules in workers (``2-8,4-32,8-64``: groups of 8 every 2 steps, 32 every 4, all 64 every 8).
-``ray``: :func:`raytrec.fit` per schedule (sizes in gangs) and straggler seed, every rank sleeping
+``ray``: :func:`raytrec.fit` per :func:`schedules` entry and straggler seed, every rank sleeping
 ``--stall-s`` before a step with probability ``--rate``; speedups and AUC gaps paired per seed.
 The table is built from every run saved to ``--results`` with the same settings: another
 ``--straggler-seed`` adds a repeat, ``--rate 0`` the time without stalls.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -104,45 +105,26 @@ def simulated(a: argparse.Namespace) -> str:
     )
 
 
-def parse_schedules(text: str, *, gangs: int, sync_dense: Any) -> list[tuple[str, SyncConfig]]:
-    """``sync`` (first: the reference), ``local-N`` and hierarchies ``P-S,...,P-gangs``."""
-    out: list[tuple[str, SyncConfig]] = []
-    pending: list[tuple[int, int]] = []
-    for item in (x.strip() for x in text.split(",")):
-        if item == "sync" and not pending:
-            out.append(("synchronous", SyncConfig(sync_every=1, dense=sync_dense)))
-        elif item.startswith("local-") and not pending:
-            n = int(item.removeprefix("local-"))
-            out.append((f"local SGD every {n}", SyncConfig(sync_every=n, dense="with_schedule")))
-        else:
-            try:
-                period, size = (int(x) for x in item.split("-"))
-            except ValueError:
-                raise SystemExit(f"--schedules: {item!r} is not sync, local-N or P-S") from None
-            pending.append((period, size))
-            if size == gangs:
-                levels = tuple(pending[:-1])
-                cfg = SyncConfig(sync_every=period, levels=levels, dense="with_schedule")
-                out.append((f"HSGD {','.join(f'{p}-{s}' for p, s in pending)}", cfg))
-                pending = []
-    if pending or not out or out[0][0] != "synchronous":
-        raise SystemExit(
-            f"--schedules: start with sync; end each hierarchy with a level of {gangs}"
-        )
-    return out
+def schedules() -> list[tuple[str, SyncConfig]]:
+    """Synchronous SGD (the reference), local SGD every 2, 4 and 8 steps, and the hierarchy of
+    pairs of gangs every 2 steps, fours every 4 and all 8 every 8 (dense parts with them)."""
+    lazy = functools.partial(SyncConfig, dense="with_schedule")
+    return [
+        ("synchronous", SyncConfig(sync_every=1)),
+        *((f"local SGD every {n}", lazy(sync_every=n)) for n in (2, 4, 8)),
+        ("HSGD 2-2,4-4,8-8", lazy(sync_every=8, levels=((2, 2), (4, 4)))),
+    ]
 
 
-SETUP = "gangs data steps log_every auc_intervals batch_size tables rows_per_table dim sync_dense"
+#: The job every schedule trains: 8 single-rank gangs of a tiny DLRM, so that the stalls, not
+#: the compute, dominate; the AUC is the mean of the last 3 intervals.
+GANGS, LOG_EVERY, BATCH_SIZE, AUC_INTERVALS, CPUS_PER_RANK = 8, 32, 128, 3, 0.25
 
 
 def setup_of(a: argparse.Namespace, *, stalls: bool = True) -> dict[str, Any]:
     """The settings a run's numbers depend on, apart from the schedule and straggler seed."""
     on = stalls and a.rate > 0 and a.stall_s > 0
-    return {
-        **{f: getattr(a, f) for f in (*SETUP.split(), "seed", "cpus_per_rank")},
-        "rate": a.rate if on else 0.0,
-        "stall_s": a.stall_s if on else 0.0,
-    }
+    return {"steps": a.steps, "rate": a.rate if on else 0.0, "stall_s": a.stall_s if on else 0.0}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -156,45 +138,46 @@ class Run:
     fit_s: float  # the whole fit() call, start-up and shutdown included
     rows: int
     auc: float  # mean AUC of the last intervals
-    oracle_auc: float | None
     charged_s: float  # the clock model's stall waiting for this seed's stalls
 
 
 def load_runs(path: Path) -> list[Run]:
-    return [Run(**r) for r in json.loads(path.read_text())] if path.exists() else []
+    """The runs saved to ``path`` (what an older version saved besides, left out)."""
+    names = {f.name for f in dataclasses.fields(Run)}
+    saved = json.loads(path.read_text()) if path.exists() else []
+    return [Run(**{k: v for k, v in r.items() if k in names}) for r in saved]
 
 
-def measure(a: argparse.Namespace, schedules: list[tuple[str, SyncConfig]]) -> None:
+def measure(a: argparse.Namespace) -> None:
+    """Trains the job under each schedule with this invocation's straggler seed, and saves
+    each run to ``--results`` (replacing a saved run of the same settings, schedule and seed)."""
     from raytrec import fit
     from raytrec.cluster import connect
     from raytrec.config import DataConfig, ScalingConfig, TestingConfig, TrainConfig
 
-    connect(num_cpus=a.gangs * a.cpus_per_rank + (os.cpu_count() or 2))
-    setup = setup_of(a)
-    seed = a.straggler_seed
+    connect(num_cpus=GANGS * CPUS_PER_RANK + (os.cpu_count() or 2))
+    setup, seed = setup_of(a), a.straggler_seed
     stragglers = StragglerSpec(rate=setup["rate"], stall_s=setup["stall_s"], seed=seed)
-    stalls = gang_stalls(stragglers, steps=a.steps, num_gangs=a.gangs, gang_size=1)
-    for label, sync in schedules:
+    stalls = gang_stalls(stragglers, steps=a.steps, num_gangs=GANGS, gang_size=1)
+    for label, sync in schedules():
         config = TrainConfig(
-            model=dlrm(a.tables, a.rows_per_table, a.dim, width=32),
-            scaling=ScalingConfig(num_workers=a.gangs, gang_size=1, cpus_per_rank=a.cpus_per_rank),
+            model=dlrm(8, 500, 8, width=32),
+            scaling=ScalingConfig(num_workers=GANGS, gang_size=1, cpus_per_rank=CPUS_PER_RANK),
             sync=sync,
-            data=DataConfig(batch_size=a.batch_size, source=a.data),
+            data=DataConfig(batch_size=BATCH_SIZE),
             testing=TestingConfig(stragglers=stragglers),
             num_steps=a.steps,
-            log_every=a.log_every,
-            seed=a.seed,
+            log_every=LOG_EVERY,  # interval ends are job-wide barriers: on job-wide syncs
             storage_path=str(a.results.parent),
             name="stragglers",
         )
         started = time.perf_counter()
-        result = fit(config, shutdown_ray=False, on_progress=lambda _m: None)
-        h = result.history
+        h = fit(config, shutdown_ray=False, on_progress=lambda _m: None).history
         rows = round(sum(m.samples_per_s * m.seconds for m in h))
-        aucs = [m.auc for m in h[-a.auc_intervals :]]
-        if rows != a.steps * a.gangs * a.batch_size or None in aucs:
+        aucs = [m.auc for m in h[-AUC_INTERVALS:]]
+        if rows != a.steps * GANGS * BATCH_SIZE or None in aucs:
             raise RuntimeError(f"{label}: trained {rows} rows, AUCs {aucs}")
-        plan = plan_sync(sync, generation=0, live_gangs=range(a.gangs))
+        plan = plan_sync(sync, generation=0, live_gangs=range(GANGS))
         run = Run(
             setup=setup,
             label=label,
@@ -203,23 +186,17 @@ def measure(a: argparse.Namespace, schedules: list[tuple[str, SyncConfig]]) -> N
             train_s=sum(m.seconds for m in h),
             fit_s=time.perf_counter() - started,
             auc=statistics.fmean(x for x in aucs if x is not None),
-            oracle_auc=result.oracle_auc,
             charged_s=simulate(plan, stalls, STALLS_ONLY, gang_size=1).seconds,
         )
-        key = (setup, label, seed)  # replaces a saved run of the same key
+        key = (setup, label, seed)
         runs = [r for r in load_runs(a.results) if (r.setup, r.label, r.straggler_seed) != key]
-        saved = [dataclasses.asdict(r) for r in [*runs, run]]
         a.results.parent.mkdir(parents=True, exist_ok=True)
-        a.results.write_text(json.dumps(saved, indent=1))
+        a.results.write_text(json.dumps([dataclasses.asdict(r) for r in [*runs, run]], indent=1))
         print(f"seed {seed} | {label:<22} | {run.train_s:7.1f} s | AUC {run.auc:.4f}")
 
 
 def on_ray(a: argparse.Namespace) -> str:
-    schedules = parse_schedules(a.schedules, gangs=a.gangs, sync_dense=a.sync_dense)
-    if any(a.log_every % s.sync_every for _, s in schedules):
-        # Interval ends are job-wide barriers: off a job-wide sync they would add waiting.
-        raise SystemExit(f"--log-every={a.log_every} is not a multiple of every sync period")
-    measure(a, schedules)
+    measure(a)
     saved = load_runs(a.results)
     runs = [r for r in saved if r.setup == setup_of(a)]
     quiet = [r for r in saved if r.setup == setup_of(a, stalls=False)]
@@ -230,7 +207,7 @@ def on_ray(a: argparse.Namespace) -> str:
         "| AUC vs synchronous |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for label, _ in schedules:
+    for label, _ in schedules():
         mine = [r for r in runs if r.label == label and r.straggler_seed in ref]
         if not mine:
             continue
@@ -265,21 +242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("what", choices=("sim", "ray"), help="the clock model, or a local Ray cluster")
     p.add_argument("--steps", type=int, help="steps per run (sim: 1000, ray: 256)")
     p.add_argument("--seeds", type=int, default=5, help="sim: straggler draws averaged")
-    p.add_argument("--gangs", type=int, default=8, help="ray: single-rank gangs")
-    p.add_argument("--data", choices=("synthetic", "generated"), default="synthetic")
-    p.add_argument("--log-every", type=int, default=32, help="a multiple of every sync period")
-    p.add_argument("--auc-intervals", type=int, default=3, help="AUC: mean of the last K")
-    p.add_argument("--batch-size", type=int, default=128, help="rows per rank per step")
-    p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--rows-per-table", type=int, default=500)
-    p.add_argument("--dim", type=int, default=8)
-    p.add_argument("--rate", type=float, default=0.05, help="stall probability per rank, step")
-    p.add_argument("--stall-s", type=float, default=1.0)
-    p.add_argument("--schedules", default="sync,local-2,local-4,local-8,2-2,4-4,8-8")
-    p.add_argument("--sync-dense", choices=("every_step", "with_schedule"), default="every_step")
-    p.add_argument("--seed", type=int, default=0, help="model and data seed")
-    p.add_argument("--straggler-seed", type=int, default=0)
-    p.add_argument("--cpus-per-rank", type=float, default=0.25)
+    p.add_argument("--rate", type=float, default=0.05, help="ray: stall probability per rank, step")
+    p.add_argument("--stall-s", type=float, default=1.0, help="ray: a stall's length")
+    p.add_argument("--straggler-seed", type=int, default=0, help="ray: the stalls' draw")
     p.add_argument("--results", type=Path, default=ROOT / "runs" / "stragglers" / "results.json")
     a = parse(p, argv)
     a.steps = a.steps or (1000 if a.what == "sim" else 256)

@@ -1,6 +1,6 @@
 """Training throughput on CPU: raytrec's ``fit()`` against plain TorchRec DMP under ``torchrun``.
 
-    .venv/bin/python -m benchmarks.throughput [--rounds 40] [--window-s 12] [--gangs 1]
+    .venv/bin/python -m benchmarks.throughput [--rounds 40] [--window-s 12] [--world-size 2]
 
 Both train :func:`build_config`'s job on the same cores, one torch thread per rank, and are up at
 once: they take turns of ``--window-s`` (the other one SIGSTOPped), torchrun first and last, so
@@ -37,23 +37,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     fmt = argparse.ArgumentDefaultsHelpFormatter
     p = common.parser(__doc__, "throughput", "docs/benchmarks.md", formatter_class=fmt)
     p.add_argument("--world-size", type=int, default=2, help="T: ranks a side")
-    p.add_argument("--gangs", type=int, default=1, help="raytrec's: gangs of T / GANGS ranks")
     p.add_argument("--model", type=lambda x: common.dims(x, 3), default=(26, 10_000, 16))
     p.add_argument("--batch-size", type=int, default=256, help="rows per rank per step")
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--log-every", type=int, default=25, help="steps between progress records")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rank-niceness", type=lambda x: None if x == "ray" else int(x), default=0)
     p.add_argument("--rounds", type=int, default=40, help="raytrec windows")
     p.add_argument("--window-s", type=float, default=12.0, help="seconds per turn")
     p.add_argument("--settle-s", type=float, default=3.0, help="left out of a window")
-    p.add_argument("--timeout-s", type=float, default=900.0, help="for either side's warmup")
-    p.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--marks-file", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--driver", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--marks-file", type=Path, help=argparse.SUPPRESS)  # a torchrun worker's
+    p.add_argument("--driver", type=Path, help=argparse.SUPPRESS)  # the raytrec side's records
     a = common.parse(p, argv)
-    if a.warmup_steps % a.log_every or a.world_size % a.gangs:
-        p.error("--log-every must divide --warmup-steps, and --gangs --world-size")
+    if a.warmup_steps % a.log_every:
+        p.error("--log-every must divide --warmup-steps")
     if not 0 <= a.settle_s < a.window_s / 2:
         p.error("--settle-s must be below half of --window-s")
     return a
@@ -65,15 +60,10 @@ def build_config(a: argparse.Namespace, *, run_dir: str) -> TrainConfig:
         model=common.dlrm(*a.model),
         optimizer=OptimizerConfig(embedding="rowwise_adagrad", dense="adagrad"),
         sharding=ShardingConfig(sharding_type="table_wise"),
-        scaling=ScalingConfig(
-            num_workers=a.world_size,
-            gang_size=a.world_size // a.gangs,
-            rank_niceness=a.rank_niceness,
-        ),
+        scaling=ScalingConfig(num_workers=a.world_size, gang_size=a.world_size),
         data=DataConfig(batch_size=a.batch_size),
         num_steps=FOREVER,
         log_every=a.log_every,
-        seed=a.seed,
         storage_path=run_dir,
     )
 
@@ -108,8 +98,7 @@ def torchrun_worker(a: argparse.Namespace) -> int:
             float(loss.detach())
             if step % a.log_every == 0:
                 now = time.perf_counter()
-                out.write(f"{step} {now} {now}\n")
-                out.flush()
+                print(step, now, now, file=out, flush=True)
     return 0
 
 
@@ -122,8 +111,7 @@ def run_driver(a: argparse.Namespace) -> int:
     with open(a.driver, "a") as out:
 
         def progress(m: Any) -> None:
-            out.write(f"{m.step} {m.elapsed_s} {time.perf_counter()}\n")
-            out.flush()
+            print(m.step, m.elapsed_s, time.perf_counter(), file=out, flush=True)
 
         fit(cfg, on_progress=progress)
     return 0
@@ -216,7 +204,7 @@ def turns(a: argparse.Namespace) -> str:
     torchrun = f"-m torch.distributed.run --standalone --nproc-per-node={a.world_size}".split()
     me = [sys.executable, *torchrun, "-m", "benchmarks.throughput", *a.argv]
     commands = [
-        ([*me, "--torchrun-worker", f"--marks-file={t_rec}"], t_rec),
+        ([*me, f"--marks-file={t_rec}"], t_rec),
         ([sys.executable, "-m", "benchmarks.throughput", *a.argv, f"--driver={r_rec}"], r_rec),
     ]
     sides: list[Side] = []
@@ -224,7 +212,7 @@ def turns(a: argparse.Namespace) -> str:
     try:
         for cmd, records in commands:  # each up and past its warmup, then stopped
             sides.append(Side(cmd, records))
-            sides[-1].wait_for_step(a.warmup_steps, a.timeout_s)
+            sides[-1].wait_for_step(a.warmup_steps, timeout_s=900)
             sides[-1].signal(signal.SIGSTOP)
         for i in [0, 1] * a.rounds + [0]:
             sides[i].signal(signal.SIGCONT)
@@ -252,7 +240,7 @@ def turns(a: argparse.Namespace) -> str:
             "| side | mean window rows/s | median window rows/s |",
             "|---|---:|---:|",
             f"| torchrun + DMP | {statistics.fmean(t_ok):,.0f} | {statistics.median(t_ok):,.0f} |",
-            f"| raytrec {a.gangs}x{a.world_size // a.gangs} | {statistics.fmean(r_ok):,.0f} "
+            f"| raytrec 1x{a.world_size} | {statistics.fmean(r_ok):,.0f} "
             f"| {statistics.median(r_ok):,.0f} |",
             "",
             f"raytrec / torchrun per round: median **{statistics.median(ratios):.3f}** (95% CI "
@@ -264,17 +252,16 @@ def turns(a: argparse.Namespace) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
-    if a.torchrun_worker:
+    if a.marks_file:
         return torchrun_worker(a)
     if a.driver:
         return run_driver(a)
     table = turns(a)
-    nice = "15 (Ray)" if a.rank_niceness is None else a.rank_niceness
     shape = (
         f"T = {a.world_size} ranks a side, batch {a.batch_size} per rank, DLRM "
         + "{} tables x {:,} x {}".format(*a.model)
-        + f", raytrec ranks at nice {nice}; "
-        f"{a.rounds} rounds of {a.window_s:g} s windows, {a.settle_s:g} s settling left out."
+        + f", raytrec ranks at nice 0; {a.rounds} rounds of {a.window_s:g} s windows, "
+        f"{a.settle_s:g} s settling left out."
     )
     common.publish(a, f"- {shape}\n\n{table}", name="throughput", heading="## throughput")
     return 0

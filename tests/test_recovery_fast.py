@@ -68,10 +68,7 @@ AFTER = [
 def test_elastic_timings_from_the_failure_and_from_the_request() -> None:
     t = recovery.elastic_timings(EVENTS, BEFORE + AFTER, last_done=13, full_gangs=2)
     failed_at = 44.9 + 0.05 * 13  # the row of step 13
-    assert t.detect_s == pytest.approx(75.686 - failed_at)
-    assert t.reform_s == pytest.approx(75.715 - 75.686)
-    assert t.resume_s == pytest.approx(75.788 - failed_at)
-    assert t.resumed_step == 15
+    assert t.resume_s == pytest.approx(75.788 - failed_at)  # step 15, after the death
     assert t.heal_start_s == pytest.approx(104.233 - 75.736)
     assert t.heal_transfer_s == pytest.approx(104.295 - 104.233)
     assert t.heal_join_s == pytest.approx(104.295 - 75.736)
@@ -96,7 +93,7 @@ def test_a_missing_row_or_event_is_an_error_not_a_number() -> None:
         recovery.elastic_timings(no_death, BEFORE + AFTER, last_done=13, full_gangs=2)
 
 
-def test_restart_timings_add_up_to_the_driver_clock() -> None:
+def test_the_restart_is_timed_on_the_driver_clock() -> None:
     events = [
         GenerationStarted(at=30.0, step=0, generation=0, gang_ids=(0, 1), reason="start"),
         CheckpointRestored(at=31.5, step=10, uri="c", saved_step=10, saved_generation=0),
@@ -105,24 +102,19 @@ def test_restart_timings_add_up_to_the_driver_clock() -> None:
     # Rows reach the driver in polls a second apart; the clock's zero is 9.0 s after fit().
     polls = {11: 42.1, 12: 42.1, 13: 43.1, 14: 43.1, 15: 44.1, 16: 44.1}
     arrivals = [(polls[r.step], r.at) for r in rows]
-    t = recovery.restart_timings(events, rows, arrivals, last_done=15)
-    # Smallest arrival - at: step 12 (42.1 - 32.5) and 14 (43.1 - 33.5): 9.6 s.
-    assert t.setup_s == pytest.approx(9.6)
-    assert (t.start_s, t.load_s) == pytest.approx((30.0, 1.5))
-    assert t.redo_s == pytest.approx(34.0 - 31.5)
-    assert t.step_s == pytest.approx(0.5)
-    assert t.redone_steps == 5
-    assert t.total_s == pytest.approx(9.6 + 34.5)  # the row of step 16 on the driver's clock
+    seconds = recovery.restart_seconds(events, rows, arrivals, last_done=15)
+    # Smallest arrival - at: step 12 (42.1 - 32.5) and 14 (43.1 - 33.5): 9.6 s; then the row
+    # of step 16 (at 34.5) on the driver's clock.
+    assert seconds == pytest.approx(9.6 + 34.5)
+    with pytest.raises(ValueError, match="no 'checkpoint_restored' event"):
+        recovery.restart_seconds(events[:1], rows, arrivals, last_done=15)
 
 
 def test_the_ratios_compare_the_restart_with_the_survivors() -> None:
     growing = recovery.elastic_timings(EVENTS, BEFORE + AFTER, last_done=13, full_gangs=2)
     alone = dataclasses.replace(growing, resume_s=2.0)
-    restart = recovery.RestartTimings(
-        setup_s=9.0, start_s=30.0, load_s=1.5, redo_s=2.5, step_s=0.5, redone_steps=5
-    )
     m = recovery.Measurement(
-        size="s", shape="2 x 2", repeat=0, survivors=alone, restart=restart, growing=growing
+        size="s", shape="2 x 2", repeat=0, survivors=alone, restart_s=43.5, growing=growing
     )
     assert m.ratio == pytest.approx(43.5 / 2.0)
     assert m.ratio_growing == pytest.approx(43.5 / (75.788 - (44.9 + 0.05 * 13)))
@@ -137,10 +129,10 @@ def test_last_checkpoint_before_the_failure() -> None:
 def test_the_section_is_appended_once_then_replaced(tmp_path: pathlib.Path) -> None:
     doc = tmp_path / "doc.md"
     doc.write_text("# Title\n\nBody.\n")
-    recovery.write_into(doc, "first")
-    recovery.write_into(doc, "second")
+    replace_block(doc, "first", name="recovery", heading=recovery.HEADING)
+    replace_block(doc, "second", name="recovery", heading=recovery.HEADING)
     assert doc.read_text() == (
-        f"# Title\n\nBody.\n\n{recovery.HEADING} (synthetic data)\n\n"
+        f"# Title\n\nBody.\n\n{recovery.HEADING}\n\n"
         "<!-- recovery:begin -->\nsecond\n<!-- recovery:end -->\n"
     )
 
