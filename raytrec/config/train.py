@@ -297,7 +297,8 @@ class SyncConfig(ConfigModel):
             why = "sync.rows=touched" if self.rows == "touched" else "sync.merge=touched_mean"
             raise ConfigError(
                 f"{why} tracks touched rows per schedule level, at most {MAX_TOUCHED_LEVELS} "
-                f"levels with the job-wide one; sync.levels has {len(self.levels)}"
+                f"levels with the job-wide one; sync.levels has {len(self.levels)} (fewer "
+                f"levels, or sync.rows=all with sync.merge=mean, which track none)"
             )
         every = self.optimizer_state_every
         if every is not None:
