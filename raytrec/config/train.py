@@ -268,11 +268,12 @@ class SyncConfig(ConfigModel):
     the gang (DDP) and averages dense parameters and dense optimizer state at the schedule's
     syncs, in the same groups as the embeddings, so a slow gang stalls only its group."""
 
-    rows: SyncRows = "touched"
-    """`touched` (the default) averages only the rows some member of the syncing group looked
-    up since that level's last sync (the same result as `all`: untouched rows are identical
-    already), with a full average at each level's first sync of a generation and after a heal
-    or a checkpoint load; `all` averages every row of every embedding shard at each sync."""
+    rows: SyncRows = "all"
+    """`all` averages every row of every embedding shard at each sync; `touched` only the rows
+    some member of the syncing group looked up since that level's last sync (the same result:
+    untouched rows are identical already), with a full average at each level's first sync of
+    a generation and after a heal or a checkpoint load. `touched` pays off on large tables; on
+    small ones its agreement on the rows costs more than the rows it saves."""
     touched_max_share: Annotated[float, Interval(gt=0, le=1)] = 0.5
     """With `rows: touched`: a shard of which some member touched more than this share of the
     rows is averaged whole."""
