@@ -63,13 +63,11 @@ CONFIG = TrainConfig(
 
 
 class _FailingWork:
-    def wait(self) -> None:
+    def wait(self, timeout: Any = None) -> None:
         raise RuntimeError("a member of the replica group died")
 
-    def get_future(self) -> torch.futures.Future[Any]:
-        done: torch.futures.Future[Any] = torch.futures.Future()
-        done.set_exception(RuntimeError("a member of the replica group died"))
-        return done
+    def is_completed(self) -> bool:
+        return True
 
 
 class _FailingGroup:

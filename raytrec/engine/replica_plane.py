@@ -33,6 +33,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from raytrec.sync.schedule import SyncPlan
 
 __all__ = [
+    "ABORT_POLL",
     "RENDEZVOUS_TIMEOUT_S",
     "LevelPlanes",
     "ReplicaPlane",
@@ -42,6 +43,8 @@ __all__ = [
 
 #: How long joining a gang world or a replica plane may wait for the other members.
 RENDEZVOUS_TIMEOUT_S = 300.0
+#: How often a gloo collective that is waiting looks whether its plane was aborted.
+ABORT_POLL = timedelta(milliseconds=100)
 
 
 def in_place_flat(
@@ -93,12 +96,9 @@ class ReplicaPlane:
     # For a lower level of a hierarchical schedule: (level, group index); None: all live gangs.
     level_group: tuple[int, int] | None = None
     backend: str = "gloo"  # nccl: collectives take CUDA tensors and have no bitwise reductions
-    # Set by abort(); each waiting collective's wake-up (see _wait).
+    # Set by abort(), from another thread too; a waiting collective looks at it (see _wait).
     _aborted: threading.Event = dataclasses.field(
         default_factory=threading.Event, init=False, repr=False, compare=False
-    )
-    _waiting: set[threading.Event] = dataclasses.field(
-        default_factory=set, init=False, repr=False, compare=False
     )
 
     @classmethod
@@ -214,43 +214,42 @@ class ReplicaPlane:
         member's neighbours, and aborting closes this member's connections, so the failure
         reaches every member at once instead of after the collective timeout.
 
-        Gloo's own wait cannot be interrupted: its ``abort`` fails later collectives but
-        leaves one already waiting for a member that will never come (alive, but gone from
-        the step) to the collective timeout. So a gloo collective is waited for on an event
-        that its completion or :meth:`abort` sets, whichever comes first. NCCL's abort ends
-        its collectives itself, and its ``wait`` does not block the CPU."""
-        woken = threading.Event()
-        self._waiting.add(woken)
+        Gloo's own ``abort`` fails later collectives but leaves one already waiting for a
+        member that will never come (alive, but gone from the step) to the collective timeout.
+        So a gloo collective is waited for in slices of :data:`ABORT_POLL`, and a wait that
+        :meth:`abort` marked ends after the slice it is in. (A wait on the collective's future
+        would end at once, but hands every collective from thread to thread: about 1 ms more
+        each on a busy machine, every step.) NCCL's abort ends its collectives itself."""
         try:
             if self._aborted.is_set():
                 raise RuntimeError("the plane was aborted")
-            if self.backend != "nccl":
-                done = threading.Event()  # set by the collective's own completion only
-
-                def finished(_: Any) -> None:
-                    done.set()
-                    woken.set()
-
-                work.get_future().add_done_callback(finished)
-                woken.wait()
-                if not done.is_set():
-                    raise RuntimeError("the plane was aborted while this collective waited")
-            work.wait()
+            if self.backend == "nccl":
+                work.wait()
+                return
+            while True:
+                try:
+                    work.wait(ABORT_POLL)
+                    return
+                except RuntimeError:
+                    if work.is_completed():
+                        work.wait()  # it ended meanwhile: its own result or error
+                        return
+                    if self._aborted.is_set():
+                        raise RuntimeError(
+                            "the plane was aborted while this collective waited"
+                        ) from None
         except Exception as e:
             self.abort()
             raise ReplicaPlaneError(
                 f"replica plane of generation {self.generation}, replica group "
                 f"{self.replica_group}: a collective failed ({str(e).splitlines()[0][:200]})"
             ) from e
-        finally:
-            self._waiting.discard(woken)
 
     def abort(self) -> None:
-        """Closes this member's connections; a collective waiting now (see :meth:`_wait`) and
-        later ones fail at once. Safe from another thread (the rank actor's control calls)."""
+        """Closes this member's connections; a collective waiting now (within
+        :data:`ABORT_POLL`) and later ones fail. Safe from another thread (the rank actor's
+        control calls)."""
         self._aborted.set()
-        for woken in list(self._waiting):
-            woken.set()
         if self.pg is not None and hasattr(self.pg, "abort"):
             self.pg.abort()
 
