@@ -163,10 +163,9 @@ class ReplicaPlane:
         summed: for a scratch buffer whose values are copied out afterwards."""
         if self.pg is None:
             return
-        # Half-precision tables (fp16 weights) are summed in fp32, so the mean loses no more
-        # than its own rounding. Gloo has no AVG reduction: sum, then divide.
-        wide = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
-        self._wait(self.pg.allreduce([wide]))
+        # Gloo has no AVG reduction: sum (half precision in fp32, so the mean loses no more
+        # than its own rounding), then divide.
+        wide = self.sum_(flat)
         if wide.is_floating_point():
             wide.div_(self.size)
         else:
