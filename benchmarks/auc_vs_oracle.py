@@ -145,14 +145,30 @@ def grid_rank(rank: int, gangs: int, a: Any, ports: list[int], out: Any) -> None
     cells = []
     try:
         for (every, merge), port in zip(GRID, ports, strict=True):
-            keys = [*a.set, "data.source=synthetic", "sync.rows=touched", f"sync.merge={merge}",
-                    f"scaling.num_workers={gangs}", f"sync.sync_every={every}"]  # fmt: skip
+            keys = [
+                *a.set,
+                "data.source=synthetic",
+                "sync.rows=touched",
+                f"sync.merge={merge}",
+                f"scaling.num_workers={gangs}",
+                f"sync.sync_every={every}",
+            ]
             cfg = build_config(["--gang-size", "1", *(x for kv in keys for x in ("--set", kv))])
             source, batch = synthetic_source(cfg), cfg.data.batch_size
             steps = a.grid_rows // (gangs * batch)
-            e = RankEngine(RankSpec(rank=rank, gang=rank, gang_rank=0, gang_size=1, config=cfg,
-                plan=job_plan(cfg, source.num_dense, build_train_model), num_dense=source.num_dense,
-                store=StoreAddress(host="127.0.0.1", port=port), timeout_s=600))  # fmt: skip
+            e = RankEngine(
+                RankSpec(
+                    rank=rank,
+                    gang=rank,
+                    gang_rank=0,
+                    gang_size=1,
+                    config=cfg,
+                    plan=job_plan(cfg, source.num_dense, build_train_model),
+                    num_dense=source.num_dense,
+                    store=StoreAddress(host="127.0.0.1", port=port),
+                    timeout_s=600,
+                )
+            )
             e.build()
             e.join_replica_plane(generation=0, member_rank=rank, size=gangs)
             e.sync()  # a no-op (every gang starts alike) that makes the touched sets known
@@ -182,7 +198,9 @@ def grid(a: Any) -> list[dict[str, Any]]:
         stores = [dist.TCPStore("127.0.0.1", 0, is_master=True) for _ in GRID]
         ctx, ports = mp.get_context("spawn"), [st.port for st in stores]
         out = ctx.Queue()
-        procs = [ctx.Process(target=grid_rank, args=(r, gangs, a, ports, out)) for r in range(gangs)]  # fmt: skip  # noqa: E501
+        procs = [
+            ctx.Process(target=grid_rank, args=(r, gangs, a, ports, out)) for r in range(gangs)
+        ]
         for p in procs:
             p.start()
         got = dict(out.get() for _ in procs)
@@ -191,15 +209,26 @@ def grid(a: Any) -> list[dict[str, Any]]:
         if bad := [v for v in got.values() if isinstance(v, str)]:
             raise SystemExit(f"auc_vs_oracle --grid: a rank failed:\n{bad[0]}")
         ranks = [got[r] for r in range(gangs)]
-        cells = [[*ranks[0][i][:4], *(np.concatenate([c[i][k] for c in ranks]) for k in (4, 5, 6))]
-                 for i in range(len(GRID))]  # fmt: skip
+        cells = [
+            [*ranks[0][i][:4], *(np.concatenate([c[i][k] for c in ranks]) for k in (4, 5, 6))]
+            for i in range(len(GRID))
+        ]
         for i, (every, merge, steps, sent, logits, labels, teacher) in enumerate(cells):
             base = cells[i - i % 2][4]  # the mean cell of the same period, on the same rows
             pick = [rng.integers(0, len(labels), len(labels)) for _ in range(50)]
             diff = [auc(logits[j], labels[j]) - auc(base[j], labels[j]) for j in pick]
-            results.append(dict(gangs=gangs, every=every, merge=merge, steps=steps, bytes=sent,
-                                auc=auc(logits, labels), oracle=auc(teacher, labels),
-                                diff_std=float(np.std(diff))))  # fmt: skip
+            results.append(
+                dict(
+                    gangs=gangs,
+                    every=every,
+                    merge=merge,
+                    steps=steps,
+                    bytes=sent,
+                    auc=auc(logits, labels),
+                    oracle=auc(teacher, labels),
+                    diff_std=float(np.std(diff)),
+                )
+            )
             print(results[-1], flush=True)
         Path(a.grid).write_text(json.dumps(results, indent=1))
     return results
@@ -207,18 +236,23 @@ def grid(a: Any) -> list[dict[str, Any]]:
 
 def render_grid(results: list[dict[str, Any]], rows: int) -> list[str]:
     by = {(r["gangs"], r["every"], r["merge"]): r for r in results}
-    lines = [f"Each cell trains {rows:,} rows. AUC / oracle over the last quarter of the steps "
-             "(the same rows for both merges; the difference's bootstrap std over those rows in "
-             "brackets); MB: what one rank sent in syncs.", "",
-             "| gangs | sync every | steps | mean: AUC / oracle | touched_mean: AUC / oracle "
-             "| difference (std) | mean: MB | touched_mean: MB |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        f"Each cell trains {rows:,} rows. AUC / oracle over the last quarter of the steps "
+        "(the same rows for both merges; the difference's bootstrap std over those rows in "
+        "brackets); MB: what one rank sent in syncs.",
+        "",
+        "| gangs | sync every | steps | mean: AUC / oracle | touched_mean: AUC / oracle "
+        "| difference (std) | mean: MB | touched_mean: MB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for (g, every, merge), m in by.items():
         if merge == "mean" and (t := by.get((g, every, "touched_mean"))):
             rm, rt = m["auc"] / m["oracle"], t["auc"] / t["oracle"]
-            lines.append(f"| {g} | {every} | {m['steps']} | {rm:.4f} | {rt:.4f} | {rt - rm:+.4f} "
-                         f"({t['diff_std'] / t['oracle']:.4f}) | {m['bytes'] / 1e6:.1f} "
-                         f"| {t['bytes'] / 1e6:.1f} |")  # fmt: skip
+            lines.append(
+                f"| {g} | {every} | {m['steps']} | {rm:.4f} | {rt:.4f} | {rt - rm:+.4f} "
+                f"({t['diff_std'] / t['oracle']:.4f}) | {m['bytes'] / 1e6:.1f} "
+                f"| {t['bytes'] / 1e6:.1f} |"
+            )
     return lines
 
 

@@ -181,9 +181,15 @@ def rank_engine(
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     address = StoreAddress(host="127.0.0.1", port=store.port)
     spec = RankSpec(
-        rank=0, gang=0, gang_rank=0, gang_size=1, config=cfg, plan=plan, num_dense=num_dense,
+        rank=0,
+        gang=0,
+        gang_rank=0,
+        gang_size=1,
+        config=cfg,
+        plan=plan,
+        num_dense=num_dense,
         store=address,
-    )  # fmt: skip
+    )
     engine = RankEngine(spec)
     engine.build()
     engine.join_replica_plane(generation=0, member_rank=0, size=1)
