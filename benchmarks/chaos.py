@@ -20,7 +20,6 @@ import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
-import datetime
 import glob
 import itertools
 import json
@@ -37,13 +36,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import raytrec.cluster.local as lc
-from benchmarks.common import ROOT, command, parse, parser, replace_block
+from benchmarks.common import ROOT, parse, parser, publish
 
 HEADING = "## Chaos: node and rank losses on a local cluster"
-#: The faults in order: the full run, and the short one (the cluster test's). The node goes
-#: last: no replacement node to start (on a loaded machine a new node can miss the GCS's
-#: startup deadline).
-SCHEDULES = {"kills": ("rank",) * 5 + ("node",), "short": ("rank", "node")}
+#: The faults in order: the full run, and --short (the cluster test's). The node goes last: no
+#: replacement node to start (on a loaded machine a new node can miss the GCS's startup deadline).
+SCHEDULES = {False: ("rank",) * 5 + ("node",), True: ("rank", "node")}
 STALL_TARGETS = {"loss": 3.0, "join": 1.0}
 #: The target for the stall a loss causes over the rest of the run, the one at it included.
 TOTAL_STALL_TARGET = 5.0
@@ -169,15 +167,14 @@ def run(a: argparse.Namespace) -> Json:
         "events": events,
         "offset": run_dir.offset() if run_dir.rows else None,
         "summary": summary,
-        "wall_s": round(time.perf_counter() - a.started, 1),
     }
 
 
 def drive(
     a: argparse.Namespace, cluster: lc.LocalCluster, job: str, run_dir: RunDir, faults: list[Fault]
 ) -> str:
-    """Carries out ``--schedule`` while the job trains; returns its final state."""
-    schedule = SCHEDULES[a.schedule]
+    """Carries out the faults while the job trains; returns its final state."""
+    schedule = SCHEDULES[a.short]
     full_since: int | None = None  # the first step at which both gangs trained again
     # The generation at the last fault: rows of that generation or before are not "again" (a
     # slow detection leaves rows of the old two gangs coming in after the kill).
@@ -402,55 +399,44 @@ def _verdict(value: float | None, target: float) -> str:
 
 
 def describe(a: argparse.Namespace, out: Json, report: Json) -> str:
-    final, base = report["final"] or {}, report.get("baseline")
+    final, base, marks = report["final"] or {}, report.get("baseline"), report["marks"]
     data = "synthetic data"
     if a.data == "parquet":
         data = f"Parquet read by index through Ray Data ({EPOCHS} epochs)"
     stalls = []
     for kind, label in (("loss", "a loss"), ("join", "a join")):
-        got = [m["stall_s"] for m in report["marks"] if m["type"] == kind and "stall_s" in m]
+        got = [m["stall_s"] for m in marks if m["type"] == kind and "stall_s" in m]
         value = statistics.median(got) if got else None
         target = _verdict(value, STALL_TARGETS[kind])
         stalls.append(f"median survivors' stall at {label} {_s(value)} s {target}")
-    losses = [m for m in report["marks"] if m["type"] == "loss"]
+    losses = [m for m in marks if m["type"] == "loss"]
     detected = [m["detected_s"] for m in losses if "detected_s" in m]
     worst = max((m["total_stall_s"] for m in losses if "total_stall_s" in m), default=None)
-    return "\n".join(
-        [
-            f"Measured on {a.date}, machine: {a.machine}, whole run {out['wall_s']:.0f} s:",
-            "",
-            f"    {command(a, '--json', '--analyse')}",
-            "",
-            f"- Cluster: `ray start` head ({HEAD_CPUS[a.data]} CPUs) + {len(NODES)} worker nodes "
-            f"of {GANG_SIZE} CPUs on 127.0.0.1; job: 2 gangs x {GANG_SIZE} ranks, {data}, "
-            f"`examples/configs/local_cpu.yaml`, {a.steps} steps, `log_every={LOG_EVERY}`, "
-            f"a checkpoint every 50 steps; normal pace {report['step_s']:.3f} s/step.",
-            f"- Job {out['state'].lower()}; rows lost: {report['lost']} batches, doubled: "
-            f"{report['doubled']} batches; replica check "
-            f"{'passed' if report['replica_check'] else 'FAILED'}; final loss "
-            f"{final.get('loss', float('nan')):.4f}, AUC {final.get('auc') or float('nan'):.4f} "
-            f"at step {final.get('step')}.",
-            f"- {stalls[0]}; {stalls[1]}.",
-            f"- {len(detected)} of {len(losses)} losses detected, the slowest after "
-            f"{_s(max(detected, default=None))} s; the largest stall a loss caused over the rest "
-            f"of the run {_s(worst)} s {_verdict(worst, TOTAL_STALL_TARGET)}."
-            + (
-                f" No-fault pace {base['pace_s']:.3f} s/step; an interval counts as slowed when "
-                f"it is {base['noise_s']:.2f} s beyond it (the largest excess before the first "
-                "fault)."
-                if base
-                else ""
-            ),
-            "",
-            table(report),
-        ]
-    )
+    slowed = ""
+    if base:
+        slowed = (
+            f" No-fault pace {base['pace_s']:.3f} s/step; an interval counts as slowed when it is "
+            f"{base['noise_s']:.2f} s beyond it (the largest excess before the first fault)."
+        )
+    return f"""- Cluster: `ray start` head ({HEAD_CPUS[a.data]} CPUs) + {len(NODES)} worker nodes \
+of {GANG_SIZE} CPUs on 127.0.0.1; job: 2 gangs x {GANG_SIZE} ranks, {data}, \
+`examples/configs/local_cpu.yaml`, {a.steps} steps, `log_every={LOG_EVERY}`, a checkpoint every \
+50 steps; normal pace {report["step_s"]:.3f} s/step.
+- Job {out["state"].lower()}; rows lost: {report["lost"]} batches, doubled: {report["doubled"]} \
+batches; replica check {"passed" if report["replica_check"] else "FAILED"}; final loss \
+{final.get("loss", float("nan")):.4f}, AUC {final.get("auc") or float("nan"):.4f} at step \
+{final.get("step")}.
+- {stalls[0]}; {stalls[1]}.
+- {len(detected)} of {len(losses)} losses detected, the slowest after \
+{_s(max(detected, default=None))} s; the largest stall a loss caused over the rest of the run \
+{_s(worst)} s {_verdict(worst, TOTAL_STALL_TARGET)}.{slowed}
+
+{table(report)}"""
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def main(argv: Sequence[str] | None = None) -> int:
     p = parser(__doc__, "chaos", "docs/fault_tolerance.md")
-    p.add_argument("--short", dest="schedule", action="store_const", const="short", default="kills")
-    p.add_argument("--schedule", choices=sorted(SCHEDULES), help="the faults, in order")
+    p.add_argument("--short", action="store_true", help="one rank loss, then the node")
     p.add_argument("--data", choices=("synthetic", "parquet"), default="synthetic")
     p.add_argument("--steps", type=int, default=None, help="default: 14000, 3500 with --short")
     p.add_argument("--seed", type=int, default=0, help="draws the nodes, ranks and moments")
@@ -459,31 +445,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     run_on = "stop the job this long after the last fault (default: let it finish)"
     p.add_argument("--run-on-s", type=float, help=run_on)
     p.add_argument("--json", type=pathlib.Path, help="write the raw outputs and report here")
-    p.add_argument("--analyse", type=pathlib.Path, help="report on the --json file of a run")
-    p.add_argument("--machine", default="2-core CPU VM")
-    p.add_argument("--date", default=datetime.date.today().isoformat())
     a = parse(p, argv)
-    a.steps = a.steps or (3500 if a.schedule == "short" else 14000)
-    return a
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    a = parse_args(argv)
-    # With --analyse: the report again, from a run's raw outputs.
-    out = json.loads(a.analyse.read_text())["out"] if a.analyse is not None else run(a)
-    if a.json:  # the raw outputs first: a report that fails can be made again from them
-        a.json.write_text(json.dumps({"out": out}, indent=1, default=str))
+    a.steps = a.steps or (3500 if a.short else 14000)
+    out = run(a)
     report = analyse(out) if out["rows"] else {"marks": []}
     if a.json:
         a.json.write_text(json.dumps({"out": out, "report": report}, indent=1, default=str))
     if not out["rows"]:
         print(out["status"], out["logs_tail"], sep="\n")
         return 1
-    text = describe(a, out, report)
-    print(text)
-    if a.write:
-        name = "chaos" if a.data == "synthetic" else f"chaos-{a.data}"
-        replace_block(a.write, text, name=name, heading=HEADING)
+    name = "chaos" if a.data == "synthetic" else f"chaos-{a.data}"
+    publish(a, describe(a, out, report), name=name, heading=HEADING)
     return 0 if out["state"] == "SUCCEEDED" else 1
 
 
