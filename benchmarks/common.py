@@ -1,5 +1,6 @@
 """What the benchmarks share: parsing, the command that reproduces a run, the machine's
-description, medians and confidence intervals, and writing a result block into a docs page.
+description, markdown tables, medians and confidence intervals, and writing a result block into a
+docs page.
 
 A benchmark owns one block of a page, between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``;
 the prose around it is written by hand and left alone. The page is re-read right before writing
@@ -17,7 +18,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -199,6 +200,14 @@ def rank_engine(
         store.set("closed", "1")  # the store's server (this object) lives until here
 
     return engine, close
+
+
+def md_table(heads: str, rows: Iterable[Sequence[object]], *, left: int = 1) -> str:
+    """A markdown table: ``heads`` (``"a | b"``), then ``rows``; the first ``left`` columns
+    left-aligned, the others right-aligned."""
+    head = heads.split(" | ")
+    lines = [head, ["---"] * left + ["---:"] * (len(head) - left), *rows]
+    return "\n".join("| " + " | ".join(map(str, cells)) + " |" for cells in lines)
 
 
 def timed(fn: Callable[[], T]) -> tuple[T, float]:

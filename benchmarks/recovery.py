@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from typing import TypeVar
 
-from benchmarks.common import ROOT, dims_list, dlrm, parse, parser, publish, spread
+from benchmarks.common import ROOT, dims_list, dlrm, md_table, parse, parser, publish, spread
 from raytrec import fit
 from raytrec.checkpoint.config import CheckpointConfig, checkpoint_root
 from raytrec.checkpoint.layout import CheckpointStore
@@ -47,7 +47,7 @@ E = TypeVar("E", bound=ev.Event)
 HEADING = "## Recovery time: survivors against restart from checkpoint"
 FAIL_STEP, CHECKPOINT_EVERY, SYNC_EVERY = 16, 10, 4
 STEPS_AFTER = 400  # run 3: room for the new gang to join
-COLLECTIVE_TIMEOUT_S, CPUS_PER_RANK = 10.0, 0.5
+COLLECTIVE_TIMEOUT_S, CPUS_PER_RANK, BATCH_SIZE = 10.0, 0.5, 256  # rows per rank per step
 STORAGE = ROOT / "runs" / "recovery"
 
 
@@ -153,14 +153,11 @@ def last_checkpoint_before(last_done: int, every: int) -> int:
     return (last_done // every) * every
 
 
+Dims = tuple[int, ...]
+
+
 def build_config(
-    a: argparse.Namespace,
-    size: tuple[int, ...],
-    shape: tuple[int, ...],
-    *,
-    faults: bool,
-    steps: int,
-    grow: bool = False,
+    size: Dims, shape: Dims, *, faults: bool, steps: int, grow: bool = False
 ) -> TrainConfig:
     """The job every run recovers; ``faults`` adds the killed rank, ``grow`` the new gang."""
     kill = FaultSpec(kind=FaultKind.KILL_RANK, step=FAIL_STEP, rank=shape[0] * shape[1] - 1)
@@ -170,7 +167,7 @@ def build_config(
             num_workers=shape[0] * shape[1], gang_size=shape[1], cpus_per_rank=CPUS_PER_RANK
         ),
         sync=SyncConfig(sync_every=SYNC_EVERY),
-        data=DataConfig(batch_size=a.batch_size),
+        data=DataConfig(batch_size=BATCH_SIZE),
         elastic=ElasticConfig(
             min_gangs=1,
             max_gangs=shape[0],
@@ -188,22 +185,19 @@ def build_config(
     )
 
 
-def run_elastic(
-    a: argparse.Namespace, size: tuple[int, ...], shape: tuple[int, ...], *, grow: bool
-) -> tuple[ElasticTimings, str]:
+def run_elastic(size: Dims, shape: Dims, *, grow: bool) -> tuple[ElasticTimings, str]:
     """An elastic run; returns its timings and the checkpoint before the failure."""
     # Alone, the survivors need up to sync_every steps to replay the lost gang's batches.
     steps = FAIL_STEP + (STEPS_AFTER if grow else 2 * SYNC_EVERY + 1)
-    config = build_config(a, size, shape, faults=True, steps=steps, grow=grow)
+    config = build_config(size, shape, faults=True, steps=steps, grow=grow)
     result = fit(config, shutdown_ray=False, on_progress=lambda _row: None)
     if result.steps != steps or result.lost_batches:
         raise RuntimeError(
             f"elastic run ended at step {result.steps} of {config.num_steps} with "
             f"{result.lost_batches} lost batches: {result.events}"
         )
-    timings = elastic_timings(
-        result.events, result.history, last_done=FAIL_STEP - 1, full_gangs=shape[0]
-    )
+    done = FAIL_STEP - 1
+    timings = elastic_timings(result.events, result.history, last_done=done, full_gangs=shape[0])
     wanted = last_checkpoint_before(FAIL_STEP - 1, CHECKPOINT_EVERY)
     store = CheckpointStore(checkpoint_root(result.run_dir))
     ref = next((c for c in store.committed() if c.step == wanted), None)
@@ -212,11 +206,9 @@ def run_elastic(
     return timings, ref.uri
 
 
-def run_restart(
-    a: argparse.Namespace, size: tuple[int, ...], shape: tuple[int, ...], checkpoint: str
-) -> float:
+def run_restart(size: Dims, shape: Dims, checkpoint: str) -> float:
     """A fresh job of the original shape resumes from ``checkpoint`` and trains through step S."""
-    config = build_config(a, size, shape, faults=False, steps=FAIL_STEP)
+    config = build_config(size, shape, faults=False, steps=FAIL_STEP)
     arrivals: list[tuple[float, float]] = []
     called = time.perf_counter()
 
@@ -235,9 +227,9 @@ def measure(a: argparse.Namespace) -> tuple[list[Measurement], list[str]]:
     for repeat, size, shape in itertools.product(range(a.repeats), a.sizes, a.shapes):
         where = f"repeat {repeat} | {label(size)} | {label(shape)}"
         try:
-            survivors, checkpoint = run_elastic(a, size, shape, grow=False)
-            restart = run_restart(a, size, shape, checkpoint)
-            growing, _ = run_elastic(a, size, shape, grow=True)
+            survivors, checkpoint = run_elastic(size, shape, grow=False)
+            restart = run_restart(size, shape, checkpoint)
+            growing, _ = run_elastic(size, shape, grow=True)
             m = Measurement(label(size), label(shape), repeat, survivors, restart, growing)
             out.append(m)
             took = f"survivors {survivors.resume_s:.2f} s, restart {restart:.2f} s"
@@ -266,46 +258,37 @@ COLUMNS = (
 def table(ms: Sequence[Measurement], a: argparse.Namespace) -> str:
     """Seconds from the failure, median (min to max) per size and shape, and what a joining
     gang costs the survivors."""
-    heads = ["model: tables x rows x dim", "gangs x ranks", *(c[0] for c in COLUMNS)]
-    lines = [f"| {' | '.join(heads)} |", "| --- | --- |" + " ---: |" * len(COLUMNS)]
+    rows = []
     for s, g in itertools.product(a.sizes, a.shapes):
         if mine := [m for m in ms if (m.size, m.shape) == (label(s), label(g))]:
             get = [(operator.attrgetter(path), spec) for _, path, spec in COLUMNS]
-            cells = [spread([value(m) for m in mine], spec) for value, spec in get]
             mib = s[0] * s[1] * s[2] * 4 / 2**20
-            size = f"{label(s)} ({mib:,.0f} MiB of weights)"
-            lines.append(f"| {size} | {label(g)} | " + " | ".join(cells) + " |")
+            rows.append([f"{label(s)} ({mib:,.0f} MiB of weights)", label(g)])
+            rows[-1] += [spread([value(m) for m in mine], spec) for value, spec in get]
+    heads = " | ".join(["model: tables x rows x dim", "gangs x ranks", *(c[0] for c in COLUMNS)])
 
     def median(name: str) -> str:
         xs = [x for m in ms if (x := getattr(m.growing, name)) is not None]
         return f"{statistics.median(xs):.2f} s" if xs else "-"
 
-    lines += [
-        "",
-        "**What a joining gang costs the survivors.** The new gang's actors start and build in "
+    return md_table(heads, rows, left=2) + (
+        "\n\n**What a joining gang costs the survivors.** The new gang's actors start and build in "
         f"the background (median {median('heal_start_s')}) while the survivors train; the "
         "survivors stop only for the join, a sync and the state broadcast (median "
         f"{median('heal_transfer_s')}). Their longest gap between two steps while the new gang "
         f"came in was {median('survivors_gap_s')} (median), on a machine where the new gang's "
-        "start competes with them for the same cores.",
-    ]
-    return "\n".join(lines)
+        "start competes with them for the same cores."
+    )
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def main(argv: Sequence[str] | None = None) -> int:
     p = parser(__doc__, "recovery", "docs/fault_tolerance.md")
     p.add_argument("--sizes", type=dims_list(3), default="26x10000x16,26x100000x32")
     p.add_argument("--shapes", type=dims_list(2), default="2x2,3x1", help="at least 2 gangs")
-    p.add_argument("--batch-size", type=int, default=256, help="rows per rank per step")
     p.add_argument("--repeats", type=int, default=2)
     a = parse(p, argv)
     if min(gangs for gangs, _ in a.shapes) < 2:
         p.error("--shapes: at least 2 gangs, so that one survives")
-    return a
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    a = parse_args(argv)
     load_start = os.getloadavg()[0]
     most = max((g[0] + 1) * g[1] for g in a.shapes)  # room for the new gang
     connect(num_cpus=most * CPUS_PER_RANK + (os.cpu_count() or 2))
@@ -317,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup = (
         f"- {a.repeats} repeats, median (min to max); synthetic data; `kill_rank@{FAIL_STEP}` "
         f"(the last gang's last rank), a checkpoint every {CHECKPOINT_EVERY} steps, so the "
-        f"restart redoes steps {c + 1}..{FAIL_STEP - 1}; {a.batch_size} rows per rank per "
+        f"restart redoes steps {c + 1}..{FAIL_STEP - 1}; {BATCH_SIZE} rows per rank per "
         f"step, `collective_timeout_s={COLLECTIVE_TIMEOUT_S:g}`; 1-minute load average "
         f"{load_start:.1f} at the start."
         + "".join(f"\n- failed, not in the table: {f}" for f in failures)
