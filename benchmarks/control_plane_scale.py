@@ -29,7 +29,7 @@ from unittest import mock
 import actors.coordinator
 import actors.growth
 import actors.recovery
-from benchmarks.common import parse, parser, publish
+from benchmarks.common import md_table, parse, parser, publish
 from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.decisions import Drain
@@ -204,22 +204,19 @@ def grew(small: list[float] | None, big: list[float] | None) -> str:
 
 
 def table(runs: list[Run]) -> str:
-    by = {(r.ranks, r.gang_size): r for r in runs}
-    heads = ["ranks (gangs x ranks)", *EVENTS, "slowest decision, wall", "CPU per interval"]
-    lines = [f"| {' | '.join(heads)} | run CPU |", "|---|" + "---:|" * len(heads)]
+    by, rows = {(r.ranks, r.gang_size): r for r in runs}, []
     for r in runs:
-        cells = [f"{r.ranks:,} ({r.ranks // r.gang_size} x {r.gang_size})"]
-        cells += [ms(r.decisions.get(e, [])) for e in EVENTS]
-        cells += [f"{r.slowest_wall_ms:.1f}", ms(r.interval_cpu_ms), f"{r.cpu_s:.2f} s"]
-        lines.append(f"| {' | '.join(cells)} |")
+        rows.append([f"{r.ranks:,} ({r.ranks // r.gang_size} x {r.gang_size})"])
+        rows[-1] += [ms(r.decisions.get(e, [])) for e in EVENTS]
+        rows[-1] += [f"{r.slowest_wall_ms:.1f}", ms(r.interval_cpu_ms), f"{r.cpu_s:.2f} s"]
     for g in sorted({r.gang_size for r in runs}):
         small, big = by[(1024, g)], by[(4096, g)]
-        cells = [f"4,096 / 1,024 (gangs of {g})"]
-        cells += [grew(small.decisions.get(e), big.decisions.get(e)) for e in EVENTS]
-        cells += ["-", grew(small.interval_cpu_ms, big.interval_cpu_ms)]
-        cells += [f"{big.cpu_s / small.cpu_s:.1f}x"]
-        lines.append(f"| {' | '.join(cells)} |")
-    return "\n".join(lines)
+        rows.append([f"4,096 / 1,024 (gangs of {g})"])
+        rows[-1] += [grew(small.decisions.get(e), big.decisions.get(e)) for e in EVENTS]
+        rows[-1] += ["-", grew(small.interval_cpu_ms, big.interval_cpu_ms)]
+        rows[-1] += [f"{big.cpu_s / small.cpu_s:.1f}x"]
+    heads = ["ranks (gangs x ranks)", *EVENTS, "slowest decision, wall", "CPU per interval"]
+    return md_table(" | ".join([*heads, "run CPU"]), rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -219,11 +219,7 @@ def runs(a: argparse.Namespace) -> str:
     gpu = torch.cuda.is_available()
     memory = torch.cuda.get_device_properties(0).total_memory if gpu else 2**40
     batch_sizes = [a.dcn_batch] if a.dcn else a.batch_sizes
-    lines = [
-        "| model, rows per step | TorchRec + pipeline samples/s | raytrec 1x1 + pipeline "
-        "samples/s | raytrec / TorchRec | paired ratio: median (95% CI) | per-repeat ratios |",
-        "|---|---:|---:|---:|---:|---|",
-    ]
+    rows = []
     for b in batch_sizes:
         label, cfg = f"{'DCNv2' if a.dcn else 'DLRM'}, {b:,}", config(a, b)
         if a.dcn:
@@ -246,12 +242,13 @@ def runs(a: argparse.Namespace) -> str:
             bracket = "{:.3f} - {:.3f}".format(*common.bootstrap_median_ci(paired))
         else:  # too few pairs for an interval: their range
             bracket = f"range {min(paired):.3f} - {max(paired):.3f}"
-        lines.append(
-            f"| {label} | {rate['plain']:,.0f} | {rate['raytrec']:,.0f} | "
-            f"**{rate['raytrec'] / rate['plain']:.3f}** | {statistics.median(paired):.3f} "
-            f"({bracket}) | {', '.join(f'{x:.3f}' for x in per_repeat)} |"
-        )
-    return "\n".join(lines)
+        rates = [f"{rate['plain']:,.0f}", f"{rate['raytrec']:,.0f}"]
+        paired_cell = f"{statistics.median(paired):.3f} ({bracket})"
+        ratios = [f"**{rate['raytrec'] / rate['plain']:.3f}**", paired_cell]
+        rows.append([label, *rates, *ratios, ", ".join(f"{x:.3f}" for x in per_repeat)])
+    heads = "model, rows per step | TorchRec + pipeline samples/s | raytrec 1x1 + pipeline "
+    heads += "samples/s | raytrec / TorchRec | paired ratio: median (95% CI) | per-repeat ratios"
+    return common.md_table(heads, rows)
 
 
 def _free() -> None:
