@@ -16,6 +16,7 @@ noise), the share of rank time spent waiting for data, and rows trained per seco
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import math
@@ -23,23 +24,23 @@ import os
 import statistics
 import tempfile
 import time
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from benchmarks.common import parse, parser, publish
+from benchmarks.common import md_table, parse, parser, publish
 from jobs.train import build_config
 from raytrec.api import Result
 from raytrec.config import TrainConfig
 from raytrec.data.generate import auc
+from raytrec.engine.rank_engine import RankSpec, StoreAddress
+from raytrec.testing.gloo_job import engine_for, run_gang_job
 
 TARGET_RATIO = 0.97
 TARGET_WAIT = 0.05
+TAIL = 4  # intervals averaged for the tail AUC
 
 
 def oracle_noise(data_path: str, chunk_rows: int) -> tuple[float, float, int]:
@@ -83,9 +84,7 @@ def describe(config: TrainConfig) -> list[str]:
     ]
 
 
-def render(
-    result: Result, wall_s: float, tail: int, noise: tuple[float, float, int] | None
-) -> list[str]:
+def render(result: Result, wall_s: float, noise: tuple[float, float, int] | None) -> list[str]:
     """The verdicts, then one row per interval (markdown). The first interval (start-up, warm
     caches) is left out of the wait and throughput figures and reported on its own."""
     history, oracle = result.history, result.oracle_auc
@@ -93,7 +92,7 @@ def render(
     if oracle is None or None in aucs:
         raise SystemExit("auc_vs_oracle: every interval needs an AUC, and the data an oracle's")
     scored = [float(a) for a in aucs if a is not None]
-    tail = max(1, min(tail, len(scored)))
+    tail = min(TAIL, len(scored))
     tail_auc = statistics.fmean(scored[-tail:])
     waits = [m.data_wait_fraction for m in history[1:]]
     lines = [
@@ -116,65 +115,43 @@ def render(
             f"chunks of {interval_rows:,} rows of this data is {noise[0]:.4f} +- {noise[1]:.4f} "
             f"(std), i.e. +- {noise[1] / oracle:.3f} in the ratio."
         )
-    lines += [
-        "",
-        "| step | AUC | AUC / oracle | NE | data wait | rows/s |",
-        "|---:|---:|---:|---:|---:|---:|",
-    ]
+    rows = []
     for m in history:
         a, ne = m.auc if m.auc is not None else math.nan, m.ne if m.ne is not None else math.nan
-        lines.append(
-            f"| {m.step} | {a:.4f} | {a / oracle:.3f} | {ne:.3f} | "
-            f"{m.data_wait_fraction:.1%} | {m.samples_per_s:,.0f} |"
-        )
-    return lines
+        rows.append([m.step, f"{a:.4f}", f"{a / oracle:.3f}", f"{ne:.3f}"])
+        rows[-1] += [f"{m.data_wait_fraction:.1%}", f"{m.samples_per_s:,.0f}"]
+    heads = "step | AUC | AUC / oracle | NE | data wait | rows/s"
+    return [*lines, "", md_table(heads, rows, left=0)]
 
 
 GRID = [(every, merge) for every in (1, 4, 16, 64) for merge in ("mean", "touched_mean")]
 
 
-def grid_rank(rank: int, gangs: int, a: Any, ports: list[int], out: Any) -> None:
-    """Gang ``rank`` of a grid job: every (period, merge) cell in turn, each on a fresh store; per
-    cell the last quarter's logits, labels and teacher logits, and the bytes it sent in syncs."""
-    from raytrec.data.from_config import synthetic_source
-    from raytrec.engine.plan import job_plan
-    from raytrec.engine.rank_engine import RankEngine, RankSpec, StepInput, StoreAddress
-    from raytrec.engine.stepping import StepBegins, StepResult, Synced
-    from raytrec.models import build_train_model
+def grid_config(a: Any, gangs: int, every: int, merge: str) -> TrainConfig:
+    """The main job's configuration (``--set`` applied) for ``gangs`` gangs of one rank, syncing
+    the touched rows every ``every`` steps by ``merge``."""
+    keys = [*a.set, "data.source=synthetic", "sync.rows=touched", f"sync.merge={merge}"]
+    keys += [f"scaling.num_workers={gangs}", f"sync.sync_every={every}"]
+    return build_config(["--gang-size", "1", *(x for kv in keys for x in ("--set", kv))])
 
-    cells = []
-    try:
-        for (every, merge), port in zip(GRID, ports, strict=True):
-            keys = [
-                *a.set,
-                "data.source=synthetic",
-                "sync.rows=touched",
-                f"sync.merge={merge}",
-                f"scaling.num_workers={gangs}",
-                f"sync.sync_every={every}",
-            ]
-            cfg = build_config(["--gang-size", "1", *(x for kv in keys for x in ("--set", kv))])
-            source, batch = synthetic_source(cfg), cfg.data.batch_size
-            steps = a.grid_rows // (gangs * batch)
-            e = RankEngine(
-                RankSpec(
-                    rank=rank,
-                    gang=rank,
-                    gang_rank=0,
-                    gang_size=1,
-                    config=cfg,
-                    plan=job_plan(cfg, source.num_dense, build_train_model),
-                    num_dense=source.num_dense,
-                    store=StoreAddress(host="127.0.0.1", port=port),
-                    timeout_s=600,
-                )
-            )
-            e.build()
-            e.join_replica_plane(generation=0, member_rank=rank, size=gangs)
+
+def grid_rank(spec: RankSpec, *, a: Any, stores: list[StoreAddress]) -> list[tuple[Any, ...]]:
+    """Gang ``spec.gang`` of a grid job: every (period, merge) cell in turn, each on a fresh store;
+    per cell the last quarter's logits, labels and teacher logits, and the bytes sent in syncs."""
+    from raytrec.data.from_config import synthetic_source
+    from raytrec.engine.rank_engine import StepInput
+    from raytrec.engine.stepping import StepBegins, StepResult, Synced
+
+    cells, gangs = [], spec.config.scaling.num_workers
+    for (every, merge), store in zip(GRID, [spec.store, *stores], strict=True):
+        cfg = grid_config(a, gangs, every, merge)
+        source, batch = synthetic_source(cfg), cfg.data.batch_size
+        steps, sent = a.grid_rows // (gangs * batch), 0
+        got: list[list[np.ndarray]] = [[], [], []]
+        tail = steps - steps // 4
+        feed = (StepInput(b) for b in source.split(gangs)[spec.gang].batches(batch))
+        with engine_for(dataclasses.replace(spec, config=cfg, store=store)) as e:
             e.sync()  # a no-op (every gang starts alike) that makes the touched sets known
-            feed = (StepInput(b) for b in source.split(gangs)[rank].batches(batch))
-            got: list[list[np.ndarray]] = [[], [], []]
-            sent, tail = 0, steps - steps // 4
             for ev in e.train_steps(feed, steps):
                 if isinstance(ev, StepBegins) and ev.step > tail:
                     got[2].append(source.teacher_logits(ev.input.batch).numpy())
@@ -183,31 +160,32 @@ def grid_rank(rank: int, gangs: int, a: Any, ports: list[int], out: Any) -> None
                     got[1].append(ev.labels.numpy())
                 elif isinstance(ev, Synced):
                     sent += e.replicas.last_traffic.bytes_sent  # type: ignore[union-attr]
-            e.close()
-            cells.append((every, merge, steps, sent, *(np.concatenate(x) for x in got)))
-        out.put((rank, cells))
-    except BaseException:
-        out.put((rank, traceback.format_exc()))
+        cells.append((every, merge, steps, sent, *(np.concatenate(x) for x in got)))
+    return cells
 
 
 def grid(a: Any) -> list[dict[str, Any]]:
     """Every cell, one after another; the results go to ``a.grid`` after each number of gangs."""
+    from raytrec.data.from_config import synthetic_source
+    from raytrec.engine.plan import job_plan
+    from raytrec.models import build_train_model
+
     results: list[dict[str, Any]] = []
     rng = np.random.default_rng(0)
     for gangs in a.grid_gangs:
-        stores = [dist.TCPStore("127.0.0.1", 0, is_master=True) for _ in GRID]
-        ctx, ports = mp.get_context("spawn"), [st.port for st in stores]
-        out = ctx.Queue()
-        procs = [
-            ctx.Process(target=grid_rank, args=(r, gangs, a, ports, out)) for r in range(gangs)
-        ]
-        for p in procs:
-            p.start()
-        got = dict(out.get() for _ in procs)
-        for p in procs:
-            p.join()
-        if bad := [v for v in got.values() if isinstance(v, str)]:
-            raise SystemExit(f"auc_vs_oracle --grid: a rank failed:\n{bad[0]}")
+        cfg = grid_config(a, gangs, *GRID[0])
+        num_dense = synthetic_source(cfg).num_dense
+        plan = job_plan(cfg, num_dense, build_train_model)
+        shape = {"num_gangs": gangs, "gang_size": 1, "num_dense": num_dense}
+        got = run_gang_job(
+            grid_rank,
+            config=cfg,
+            plan=plan,
+            timeout_s=3600,
+            extra_stores=len(GRID) - 1,
+            a=a,
+            **shape,
+        )
         ranks = [got[r] for r in range(gangs)]
         cells = [
             [*ranks[0][i][:4], *(np.concatenate([c[i][k] for c in ranks]) for k in (4, 5, 6))]
@@ -217,43 +195,31 @@ def grid(a: Any) -> list[dict[str, Any]]:
             base = cells[i - i % 2][4]  # the mean cell of the same period, on the same rows
             pick = [rng.integers(0, len(labels), len(labels)) for _ in range(50)]
             diff = [auc(logits[j], labels[j]) - auc(base[j], labels[j]) for j in pick]
-            results.append(
-                dict(
-                    gangs=gangs,
-                    every=every,
-                    merge=merge,
-                    steps=steps,
-                    bytes=sent,
-                    auc=auc(logits, labels),
-                    oracle=auc(teacher, labels),
-                    diff_std=float(np.std(diff)),
-                )
-            )
+            r = dict(gangs=gangs, every=every, merge=merge, steps=steps, bytes=sent)
+            r |= dict(auc=auc(logits, labels), oracle=auc(teacher, labels))
+            results.append(r | dict(diff_std=float(np.std(diff))))
             print(results[-1], flush=True)
         Path(a.grid).write_text(json.dumps(results, indent=1))
     return results
 
 
 def render_grid(results: list[dict[str, Any]], rows: int) -> list[str]:
-    by = {(r["gangs"], r["every"], r["merge"]): r for r in results}
-    lines = [
+    by, lines = {(r["gangs"], r["every"], r["merge"]): r for r in results}, []
+    for (g, every, merge), m in by.items():
+        if merge == "mean" and (t := by.get((g, every, "touched_mean"))):
+            rm, rt = m["auc"] / m["oracle"], t["auc"] / t["oracle"]
+            diff = f"{rt - rm:+.4f} ({t['diff_std'] / t['oracle']:.4f})"
+            mb = [f"{m['bytes'] / 1e6:.1f}", f"{t['bytes'] / 1e6:.1f}"]
+            lines.append([g, every, m["steps"], f"{rm:.4f}", f"{rt:.4f}", diff, *mb])
+    heads = "gangs | sync every | steps | mean: AUC / oracle | touched_mean: AUC / oracle "
+    heads += "| difference (std) | mean: MB | touched_mean: MB"
+    return [
         f"Each cell trains {rows:,} rows. AUC / oracle over the last quarter of the steps "
         "(the same rows for both merges; the difference's bootstrap std over those rows in "
         "brackets); MB: what one rank sent in syncs.",
         "",
-        "| gangs | sync every | steps | mean: AUC / oracle | touched_mean: AUC / oracle "
-        "| difference (std) | mean: MB | touched_mean: MB |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        md_table(heads, lines, left=0),
     ]
-    for (g, every, merge), m in by.items():
-        if merge == "mean" and (t := by.get((g, every, "touched_mean"))):
-            rm, rt = m["auc"] / m["oracle"], t["auc"] / t["oracle"]
-            lines.append(
-                f"| {g} | {every} | {m['steps']} | {rm:.4f} | {rt:.4f} | {rt - rm:+.4f} "
-                f"({t['diff_std'] / t['oracle']:.4f}) | {m['bytes'] / 1e6:.1f} "
-                f"| {t['bytes'] / 1e6:.1f} |"
-            )
-    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -263,7 +229,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="as jobs.train --set"
     )
-    p.add_argument("--tail", type=int, default=4, help="intervals averaged for the tail AUC")
     p.add_argument("--grid", metavar="JSON", help="run the merge grid, results into JSON")
     p.add_argument("--grid-gangs", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--grid-rows", type=int, default=122_880, help="rows trained per cell")
@@ -282,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         interval_rows = config.log_every * config.scaling.world_size * config.data.batch_size
         generated = bool(result.data.path) and os.path.isdir(path)
         noise = oracle_noise(path, interval_rows) if generated else None
-    body = "\n".join([*describe(config), *render(result, wall_s, a.tail, noise)])
+    body = "\n".join([*describe(config), *render(result, wall_s, noise)])
     publish(a, body, name="auc-vs-oracle", heading="## AUC against the oracle")
     return 0
 

@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch.distributed as dist
-from gloo_job import engine_for, make_plan_for, run_gang_job, run_steps
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
@@ -43,6 +42,7 @@ from raytrec.config import (
 )
 from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
+from raytrec.testing.gloo_job import engine_for, make_plan_for, run_gang_job, run_steps
 
 pytestmark = pytest.mark.multiprocess
 

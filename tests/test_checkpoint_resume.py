@@ -39,7 +39,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_job import engine_for, make_plan_for, run_gang_job, run_steps
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import FileSystemReader
 from torchrec.distributed.types import ShardingPlan
@@ -60,6 +59,7 @@ from raytrec.config import (
 from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
 from raytrec.serving.model_spec import MODEL_SPEC
+from raytrec.testing.gloo_job import engine_for, make_plan_for, run_gang_job, run_steps
 
 pytestmark = pytest.mark.multiprocess
 

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gloo_job import engine_for, make_plan_for, run_gang_job, run_steps
 from test_engine_2d import dense_params, gather_tables, load_tables, local_shards, max_diff
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -30,6 +29,7 @@ from raytrec.data.source import Batch
 from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.rank_engine import RankSpec
 from raytrec.models import DeepFM, build_model
+from raytrec.testing.gloo_job import engine_for, make_plan_for, run_gang_job, run_steps
 
 pytestmark = pytest.mark.multiprocess
 

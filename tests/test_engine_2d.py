@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gloo_job import engine_for, make_plan_for, run_gang_job, run_steps
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.types import ShardingPlan
@@ -44,6 +43,7 @@ from raytrec.data.source import Batch
 from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
 from raytrec.models import build_dlrm
+from raytrec.testing.gloo_job import engine_for, make_plan_for, run_gang_job, run_steps
 
 pytestmark = pytest.mark.multiprocess
 

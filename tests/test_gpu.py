@@ -35,7 +35,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_job import engine_for, run_gang_job, run_steps
 from test_engine_2d import BATCH, NUM_DENSE, SOURCE, ReferenceDLRM, job_config, max_diff
 from torchrec.distributed.types import ShardingPlan
 
@@ -48,6 +47,7 @@ from raytrec.engine.plan import apply_embedding_optimizer, make_plan
 from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
 from raytrec.engine.replica_plane import ReplicaPlane
 from raytrec.models import build_dlrm
+from raytrec.testing.gloo_job import engine_for, run_gang_job, run_steps
 
 pytestmark = [
     pytest.mark.gpu,

@@ -28,7 +28,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_job import run_gang_job
 from test_engine_2d import BATCH, NUM_DENSE, SOURCE, job_config
 from test_gpu import dense_arrays, full_tables, sharded_tables
 from test_pipeline import FAIL_AT, RUNS, STEPS, _assert_same_run, _train
@@ -40,6 +39,7 @@ from raytrec.engine.plan import job_plan
 from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
 from raytrec.engine.replica_plane import ReplicaPlane
 from raytrec.models import build_train_model
+from raytrec.testing.gloo_job import run_gang_job
 
 pytestmark = [
     pytest.mark.gpu,

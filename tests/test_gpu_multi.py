@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch  # noqa: F401 (the skip conditions below are evaluated in this namespace)
-from gloo_job import run_gang_job
 from test_engine_2d import NUM_DENSE, SOURCE, job_config
 from test_pipeline import FAIL_AT, RUNS, STEPS, _assert_same_run, _train
 
@@ -32,6 +31,7 @@ from raytrec.config import ScalingConfig, TrainConfig
 from raytrec.engine.plan import job_plan
 from raytrec.engine.rank_engine import RankEngine, RankSpec
 from raytrec.models import build_train_model
+from raytrec.testing.gloo_job import run_gang_job
 
 
 def gpus(n: int) -> pytest.MarkDecorator:

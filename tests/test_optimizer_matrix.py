@@ -36,7 +36,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from gloo_job import engine_for, make_plan_for, run_gang_job
 from torchrec.distributed.types import ShardingPlan
 
 from raytrec.checkpoint.layout import CheckpointStore
@@ -56,6 +55,7 @@ from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.dense_optimizer import DENSE_OPTIMIZERS, dense_optimizer_kwargs
 from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
 from raytrec.engine.replica_plane import ReplicaPlaneError
+from raytrec.testing.gloo_job import engine_for, make_plan_for, run_gang_job
 
 pytestmark = pytest.mark.multiprocess
 

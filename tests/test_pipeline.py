@@ -28,13 +28,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from gloo_job import engine_for, make_plan_for, run_gang_job
 from test_engine_2d import NUM_DENSE, SOURCE, job_config
 
 from raytrec.config import ScalingConfig
 from raytrec.data.source import Batch
 from raytrec.engine.rank_engine import RankEngine, RankSpec
 from raytrec.engine.stepping import StepBegins, StepFailed, StepInput, StepResult
+from raytrec.testing.gloo_job import engine_for, make_plan_for, run_gang_job
 
 pytestmark = pytest.mark.multiprocess
 

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from gloo_job import engine_for, make_plan_for, run_gang_job, run_steps
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from raytrec.checkpoint.state import save_checkpoint
@@ -31,6 +30,7 @@ from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.rank_engine import RankSpec
 from raytrec.serving.export import STATE_FILE, export, load_model
 from raytrec.serving.model_spec import ModelSpec, write_model_spec
+from raytrec.testing.gloo_job import engine_for, make_plan_for, run_gang_job, run_steps
 
 pytestmark = pytest.mark.multiprocess
 

@@ -1,4 +1,5 @@
-"""A multiprocess harness that runs a G x L job of :class:`RankEngine` ranks on gloo.
+"""A multiprocess harness that runs a G x L job of :class:`RankEngine` ranks on gloo (for tests
+and benchmarks).
 
 :func:`run_gang_job` hosts the job's rendezvous store, spawns one process per
 rank, calls ``worker_fn(spec, **kwargs)`` in each and returns every rank's
@@ -186,14 +187,14 @@ def run_gang_job(
                 store=address,
                 timeout_s=timeout_s,
             )
-            p = ctx.Process(
+            proc = ctx.Process(
                 target=_child,
                 args=(worker_fn, spec, kwargs, results),
                 name=f"rank{rank}",
                 daemon=True,
             )
-            p.start()
-            procs.append(p)
+            proc.start()
+            procs.append(proc)
         deadline = time.monotonic() + timeout_s
         dead_since: dict[int, float] = {}
         while len(out) < world:
