@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import dlrm, parse, parser, publish, rank_engine, timed
+from benchmarks.common import dlrm, md_table, parse, parser, publish, rank_engine, timed
 from raytrec._quiet import quiet_known_warnings
 from raytrec.api import _plan
 from raytrec.checkpoint.layout import _fsync_dir, read_manifest
@@ -166,17 +166,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"- {a.repeats} rounds, the methods taking turns; each figure is the checkpoint's bytes "
         "over wall time, the best round (the least disturbed by other jobs) and the median. "
         "Cold: the files were evicted from the page cache (`posix_fadvise(DONTNEED)`) first.",
-        "",
-        "| operation | best MB/s | median MB/s | raw operation | best MB/s | median MB/s "
-        "| best / raw best | median / raw median |",
-        "|---|---:|---:|---|---:|---:|---:|---:|",
     ]
+    rows = []
     for label, key, raw_label, raw in ROWS:
         (best, median), (raw_best, raw_median) = rates(key), rates(raw)
-        lines.append(
-            f"| {label} | {best:,.0f} | {median:,.0f} | {raw_label} | {raw_best:,.0f} | "
-            f"{raw_median:,.0f} | {best / raw_best:.2f} | {median / raw_median:.2f} |"
-        )
+        rows.append([label, f"{best:,.0f}", f"{median:,.0f}", raw_label, f"{raw_best:,.0f}"])
+        rows[-1] += [f"{raw_median:,.0f}", f"{best / raw_best:.2f}", f"{median / raw_median:.2f}"]
+    heads = "operation | best MB/s | median MB/s | raw operation | best MB/s | median MB/s | best "
+    lines += ["", md_table(heads + "/ raw best | median / raw median", rows)]
     publish(a, "\n".join(lines), name="checkpoint-io", heading="## Save and load throughput")
     return 0
 

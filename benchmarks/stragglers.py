@@ -21,14 +21,13 @@ import functools
 import json
 import os
 import statistics
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.common import ROOT, command, dlrm, parse, parser, replace_block, spread
+from benchmarks.common import ROOT, command, dlrm, md_table, parse, parser, publish, spread
 from raytrec.config import SyncConfig
 from raytrec.sync.schedule import plan_sync
 from raytrec.sync.simulate import CostModel, gang_stalls, simulate
@@ -65,11 +64,7 @@ def seed_figure(label: str, seed_range: tuple[float, float] | None) -> str:
 
 
 def simulated(a: argparse.Namespace) -> str:
-    lines = [
-        "| workers | stall rate | sync SGD step | schedule | speedup, hosts of 4 "
-        "| speedup, per worker | published (Cruise and Meta) |",
-        "| ---: | ---: | ---: | --- | ---: | ---: | --- |",
-    ]
+    rows: list[list[str]] = []
     cost = CostModel()
     for workers, rate, hsgd, seed_range in SCALES:
         labels = [(f"local SGD every {n}", f"{n}-{workers}") for n in (2, 4, 8)]
@@ -92,16 +87,18 @@ def simulated(a: argparse.Namespace) -> str:
                     cfg = to_sync_config(spec_, gang_size=g)
                     speed.setdefault((g, label), []).append(base / seconds(cfg))
         for i, (label, _) in enumerate(labels):
-            lead = f"| {workers} | {100 * rate:.0f}% | {1e3 * np.mean(step4):.0f} ms"
+            lead = [f"{workers}", f"{100 * rate:.0f}%", f"{1e3 * np.mean(step4):.0f} ms"]
             h, w = speed[(4, label)], speed[(1, label)]
-            lines.append(
-                f"{lead if i == 0 else '| | | '} | {label} | {np.mean(h):.2f}x ({min(h):.2f}-"
-                f"{max(h):.2f}) | {np.mean(w):.2f}x | {seed_figure(label, seed_range)} |"
+            hosts = f"{np.mean(h):.2f}x ({min(h):.2f}-{max(h):.2f})"
+            figure = seed_figure(label, seed_range)
+            rows.append(
+                [*(lead if i == 0 else ["", "", ""]), label, hosts, f"{np.mean(w):.2f}x", figure]
             )
+    heads = "workers | stall rate | sync SGD step | schedule | speedup, hosts of 4 | speedup, per "
+    heads += "worker | published (Cruise and Meta)"
     return (
-        "Reproduce with `.venv/bin/python -m benchmarks.stragglers sim --write docs/stragglers.md` "
-        f"({a.steps} steps, mean over {a.seeds} straggler seeds; the range is the min-max over "
-        "seeds).\n\n" + "\n".join(lines)
+        f"{a.steps} steps, mean over {a.seeds} straggler seeds; the range is the min-max over "
+        f"seeds.\n\n{md_table(heads, rows, left=0)}"
     )
 
 
@@ -135,7 +132,6 @@ class Run:
     label: str
     straggler_seed: int
     train_s: float  # first step to last, summed over the coordinator's intervals
-    fit_s: float  # the whole fit() call, start-up and shutdown included
     rows: int
     auc: float  # mean AUC of the last intervals
     charged_s: float  # the clock model's stall waiting for this seed's stalls
@@ -171,7 +167,6 @@ def measure(a: argparse.Namespace) -> None:
             storage_path=str(a.results.parent),
             name="stragglers",
         )
-        started = time.perf_counter()
         h = fit(config, shutdown_ray=False, on_progress=lambda _m: None).history
         rows = round(sum(m.samples_per_s * m.seconds for m in h))
         aucs = [m.auc for m in h[-AUC_INTERVALS:]]
@@ -184,7 +179,6 @@ def measure(a: argparse.Namespace) -> None:
             straggler_seed=seed,
             rows=rows,
             train_s=sum(m.seconds for m in h),
-            fit_s=time.perf_counter() - started,
             auc=statistics.fmean(x for x in aucs if x is not None),
             charged_s=simulate(plan, stalls, STALLS_ONLY, gang_size=1).seconds,
         )
@@ -201,12 +195,7 @@ def on_ray(a: argparse.Namespace) -> str:
     runs = [r for r in saved if r.setup == setup_of(a)]
     quiet = [r for r in saved if r.setup == setup_of(a, stalls=False)]
     ref = {r.straggler_seed: r for r in runs if r.label == "synchronous"}
-    lines = [
-        "| schedule | training time | rows/s | speedup | stall charged (clock model) "
-        "| training time without stalls | stall cost measured | AUC, last intervals "
-        "| AUC vs synchronous |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    rows = []
     for label, _ in schedules():
         mine = [r for r in runs if r.label == label and r.straggler_seed in ref]
         if not mine:
@@ -219,12 +208,12 @@ def on_ray(a: argparse.Namespace) -> str:
         speedup = spread([ref[r.straggler_seed].train_s / r.train_s for r in mine], unit="x")
         gap = spread([100 * (r.auc / ref[r.straggler_seed].auc - 1) for r in mine], "+.2f", "%")
         charged = spread([r.charged_s for r in mine], ".1f", " s")
-        lines.append(
-            f"| {label} | {spread(t, '.1f', ' s')} | {spread(rates, ',.0f')} "
-            f"| {'reference' if first else speedup} | {charged} | {spread(base, '.1f', ' s')} "
-            f"| {spread([cost], '.1f', ' s')} | {spread([r.auc for r in mine], '.4f')} "
-            f"| {'reference' if first else gap} |"
-        )
+        rows.append([label, spread(t, ".1f", " s"), spread(rates, ",.0f")])
+        rows[-1] += ["reference" if first else speedup, charged, spread(base, ".1f", " s")]
+        rows[-1] += [spread([cost], ".1f", " s"), spread([r.auc for r in mine], ".4f")]
+        rows[-1].append("reference" if first else gap)
+    heads = "schedule | training time | rows/s | speedup | stall charged (clock model) | training "
+    heads += "time without stalls | stall cost measured | AUC, last intervals | AUC vs synchronous"
     seeds = sorted({r.straggler_seed for r in runs})
     cmd = command(a, "--straggler-seed", "--rate")
     each = " ".join(map(str, seeds))
@@ -233,7 +222,7 @@ def on_ray(a: argparse.Namespace) -> str:
         f"for s in {each}; do {cmd} --rate 0 --straggler-seed $s; done\n"
         f"for s in {each}; do {cmd} --straggler-seed $s --write docs/stragglers.md; done\n```\n\n"
         f"Straggler seeds {', '.join(map(str, seeds))}: "
-        "median (min to max); speedups and AUC gaps paired per seed.\n\n" + "\n".join(lines)
+        "median (min to max); speedups and AUC gaps paired per seed.\n\n" + md_table(heads, rows)
     )
 
 
@@ -248,10 +237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--results", type=Path, default=ROOT / "runs" / "stragglers" / "results.json")
     a = parse(p, argv)
     a.steps = a.steps or (1000 if a.what == "sim" else 256)
-    block = simulated(a) if a.what == "sim" else on_ray(a)
-    print(block)
-    if a.write:
-        replace_block(a.write, block, name="straggler_sim" if a.what == "sim" else "stragglers_ray")
+    sim = a.what == "sim"
+    publish(
+        a, simulated(a) if sim else on_ray(a), name="straggler_sim" if sim else "stragglers_ray"
+    )
     return 0
 
 

@@ -31,14 +31,13 @@ from raytrec.cluster.local import session_pids, stop_session
 from raytrec.config import DataConfig, OptimizerConfig, ScalingConfig, ShardingConfig, TrainConfig
 
 FOREVER = 10**8  # steps of either side's job: this script stops it
+MODEL, BATCH_SIZE = (26, 10_000, 16), 256  # tables x rows x dim; rows per rank per step
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     fmt = argparse.ArgumentDefaultsHelpFormatter
     p = common.parser(__doc__, "throughput", "docs/benchmarks.md", formatter_class=fmt)
     p.add_argument("--world-size", type=int, default=2, help="T: ranks a side")
-    p.add_argument("--model", type=lambda x: common.dims(x, 3), default=(26, 10_000, 16))
-    p.add_argument("--batch-size", type=int, default=256, help="rows per rank per step")
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--log-every", type=int, default=25, help="steps between progress records")
     p.add_argument("--rounds", type=int, default=40, help="raytrec windows")
@@ -57,11 +56,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def build_config(a: argparse.Namespace, *, run_dir: str) -> TrainConfig:
     """The job both sides train (the shape of ``python -m jobs.train``'s), until stopped."""
     return TrainConfig(
-        model=common.dlrm(*a.model),
+        model=common.dlrm(*MODEL),
         optimizer=OptimizerConfig(embedding="rowwise_adagrad", dense="adagrad"),
         sharding=ShardingConfig(sharding_type="table_wise"),
         scaling=ScalingConfig(num_workers=a.world_size, gang_size=a.world_size),
-        data=DataConfig(batch_size=a.batch_size),
+        data=DataConfig(batch_size=BATCH_SIZE),
         num_steps=FOREVER,
         log_every=a.log_every,
         storage_path=run_dir,
@@ -224,7 +223,7 @@ def turns(a: argparse.Namespace) -> str:
     finally:
         for side in sides:
             side.stop_all()
-    gap_s, per_step = a.window_s / 2, a.world_size * a.batch_size
+    gap_s, per_step = a.window_s / 2, a.world_size * BATCH_SIZE
     t, r = (
         window_rates(s.records_now(), windows[i], per_step, gap_s=gap_s, settle_s=a.settle_s)
         for i, s in enumerate(sides)
@@ -234,19 +233,15 @@ def turns(a: argparse.Namespace) -> str:
         raise RuntimeError(f"no round timed on both sides; records in {tmp}")
     shutil.rmtree(tmp, ignore_errors=True)  # kept above, where the records explain a failure
     lo, hi = common.bootstrap_median_ci(ratios)
-    t_ok, r_ok = [x for x in t if x], [x for x in r if x]
-    return "\n".join(
-        [
-            "| side | mean window rows/s | median window rows/s |",
-            "|---|---:|---:|",
-            f"| torchrun + DMP | {statistics.fmean(t_ok):,.0f} | {statistics.median(t_ok):,.0f} |",
-            f"| raytrec 1x{a.world_size} | {statistics.fmean(r_ok):,.0f} "
-            f"| {statistics.median(r_ok):,.0f} |",
-            "",
-            f"raytrec / torchrun per round: median **{statistics.median(ratios):.3f}** (95% CI "
-            f"{lo:.3f} - {hi:.3f}), raytrec ahead in {sum(x > 1 for x in ratios)} of {len(ratios)} "
-            "rounds. Per-round ratios: " + ", ".join(f"{x:.3f}" for x in ratios) + ".",
-        ]
+    rows = []
+    for name, rates in (("torchrun + DMP", t), (f"raytrec 1x{a.world_size}", r)):
+        ok = [x for x in rates if x]
+        rows.append([name, f"{statistics.fmean(ok):,.0f}", f"{statistics.median(ok):,.0f}"])
+    return (
+        common.md_table("side | mean window rows/s | median window rows/s", rows)
+        + f"\n\nraytrec / torchrun per round: median **{statistics.median(ratios):.3f}** (95% CI "
+        f"{lo:.3f} - {hi:.3f}), raytrec ahead in {sum(x > 1 for x in ratios)} of {len(ratios)} "
+        "rounds. Per-round ratios: " + ", ".join(f"{x:.3f}" for x in ratios) + "."
     )
 
 
@@ -258,8 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_driver(a)
     table = turns(a)
     shape = (
-        f"T = {a.world_size} ranks a side, batch {a.batch_size} per rank, DLRM "
-        + "{} tables x {:,} x {}".format(*a.model)
+        f"T = {a.world_size} ranks a side, batch {BATCH_SIZE} per rank, DLRM "
+        + "{} tables x {:,} x {}".format(*MODEL)
         + f", raytrec ranks at nice 0; {a.rounds} rounds of {a.window_s:g} s windows, "
         f"{a.settle_s:g} s settling left out."
     )
