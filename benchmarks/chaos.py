@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import raytrec.cluster.local as lc
-from benchmarks.common import ROOT, parse, parser, publish
+from benchmarks.common import ROOT, md_table, parse, parser, publish, spread
 
 HEADING = "## Chaos: node and rank losses on a local cluster"
 #: The faults in order: the full run, and --short (the cluster test's). The node goes last: no
@@ -373,24 +373,17 @@ def _same_node(event: Json, fault: Json) -> bool:
     return bool(prefix) and str(fault["node_id"] or "").startswith(prefix)
 
 
-def _s(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
 def table(report: Json) -> str:
-    lines = [
-        "| event | step | process gone after (s) | detected after (s) | booked after (s) "
-        "| node_died after (s) | to join (s) | survivors' stall (s) | stall over the rest (s) "
-        "| late data waits (s) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    keys = ("gone_s", "detected_s", "booked_s", "node_died_s", "to_join_s", "stall_s")
+    rows = []
+    keys = ["gone_s", "detected_s", "booked_s", "node_died_s", "to_join_s", "stall_s"]
+    keys += ["total_stall_s", "late_data_s"]
     for m in report["marks"]:
-        cells = [_s(m.get(k)) for k in (*keys, "total_stall_s", "late_data_s")]
+        rows.append([m["what"], m["step"], *(spread([m.get(k)]) for k in keys)])
         if m.get("named") is False:
-            cells[3] += " (**another node named**)"
-        lines.append(f"| {m['what']} | {m['step']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            rows[-1][5] += " (**another node named**)"
+    heads = "event | step | process gone after (s) | detected after (s) | booked after (s) "
+    heads += "| node_died after (s) | to join (s) | survivors' stall (s) | stall over the rest (s) "
+    return md_table(heads + "| late data waits (s)", rows)
 
 
 def _verdict(value: float | None, target: float) -> str:
@@ -408,7 +401,7 @@ def describe(a: argparse.Namespace, out: Json, report: Json) -> str:
         got = [m["stall_s"] for m in marks if m["type"] == kind and "stall_s" in m]
         value = statistics.median(got) if got else None
         target = _verdict(value, STALL_TARGETS[kind])
-        stalls.append(f"median survivors' stall at {label} {_s(value)} s {target}")
+        stalls.append(f"median survivors' stall at {label} {spread([value])} s {target}")
     losses = [m for m in marks if m["type"] == "loss"]
     detected = [m["detected_s"] for m in losses if "detected_s" in m]
     worst = max((m["total_stall_s"] for m in losses if "total_stall_s" in m), default=None)
@@ -428,8 +421,8 @@ batches; replica check {"passed" if report["replica_check"] else "FAILED"}; fina
 {final.get("step")}.
 - {stalls[0]}; {stalls[1]}.
 - {len(detected)} of {len(losses)} losses detected, the slowest after \
-{_s(max(detected, default=None))} s; the largest stall a loss caused over the rest of the run \
-{_s(worst)} s {_verdict(worst, TOTAL_STALL_TARGET)}.{slowed}
+{spread([max(detected, default=None)])} s; the largest stall a loss caused over the rest of the \
+run {spread([worst])} s {_verdict(worst, TOTAL_STALL_TARGET)}.{slowed}
 
 {table(report)}"""
 
