@@ -9,6 +9,8 @@
   (:mod:`~raytrec.testing.fake_model`), their training (:mod:`~raytrec.testing.fake_training`)
   and the fault schedule they carry out (:mod:`~raytrec.testing.fake_faults`), on a manual
   clock.
+- :mod:`raytrec.testing.gloo_job`: :func:`~raytrec.testing.gloo_job.run_gang_job`, a job of
+  real rank engines, one process per rank on gloo (multi-process tests and benchmarks).
 """
 
 from __future__ import annotations
