@@ -44,6 +44,7 @@ from actors.drain import GangDrain
 from actors.evaluation import JobEvaluation
 from actors.gang_placement import JobPlacement
 from actors.growth import GangGrowth
+from actors.job import Booked, Committed, JobRecord, Outcome, Prepared, apply_outcome
 from actors.nodes import JobNodes
 from actors.ports import JobPorts
 from actors.recovery import Dispatched, FailureRecovery, IntervalOutcome
@@ -150,14 +151,22 @@ class Coordinator:
         self.features = features  # the row layout trained on, saved with the model
         self.elastic = config.elastic
         self.topology = config.scaling.topology()
-        self.membership = Membership.initial(self.topology)
-        self.max_gangs = self.elastic.resolved_max_gangs(self.topology.num_gangs)
-        self.step = 0
-        # The step the job's data ends at: num_steps, or for a re-shared source the end of its
-        # rows (earlier when the data holds fewer batches, later after a gang is lost).
-        self.end_step = self.num_steps
-        if table is not None:
-            self.end_step = min(self.num_steps, table.length(0))
+        replayable = all(s.replayable for s in shards)
+        self._stream_id = batch_id if replayable else None
+        membership = Membership.initial(self.topology)
+        # The state the job's parts share (actors/job.py): only the loop changes it (apply).
+        self.state = JobRecord(
+            membership=membership,
+            step=0,
+            # The step the job's data ends at: num_steps, or for a re-shared source the end of
+            # its rows (earlier when the data holds fewer batches, later after a gang is lost).
+            end_step=self.num_steps if table is None else min(self.num_steps, table.length(0)),
+            max_gangs=self.elastic.resolved_max_gangs(self.topology.num_gangs),
+            accounting=BatchAccounting(
+                membership.gang_ids, stream_id=self._stream_id, batch_size=config.data.batch_size
+            ),
+            last_save=(0, self.clock.monotonic()),
+        )
         self.first_batch_s = 0.0
         self.events = EventLog()
         self._t0 = self.clock.monotonic()
@@ -166,14 +175,8 @@ class Coordinator:
         self._lock = threading.Lock()
         self._store_address: StoreAddress | None = None
         self._infos: dict[int, RankInfo] = {}  # job rank -> what its build returned
-        replayable = all(s.replayable for s in shards)
-        self._stream_id = batch_id if replayable else None
-        self.accounting = BatchAccounting(
-            self.membership.gang_ids, stream_id=self._stream_id, batch_size=config.data.batch_size
-        )
         self._stop = threading.Event()  # a stop was asked for (request_stop)
         self._seq = 0  # the last train call's number
-        self._ready = 0  # batches every live rank holds prepared beyond the job's step
         # Intervals in flight at once: the running one and one queued behind it, unless the
         # gangs may drift apart between syncs (hierarchical levels with dense state synced on
         # the schedule): then a survivor of a failure could be a whole interval further on
@@ -187,12 +190,22 @@ class Coordinator:
             call=self._call,
             live_ranks=self._live_ranks,
             gang_of=self._gang_of,
-            step=lambda: self.step,
+            step=lambda: self.state.step,
             sync=self._sync_unless_synced,
             record=self.events.append,
             now=self._now,
             clock=self.clock,
             cluster_nodes=self.group.nodes,
+            view=self.state,
+            apply=self.apply,
+            answers=self.answers,
+            build=self._build,
+            new_generation=lambda reason: self._new_generation(reason=reason),
+            account=self._account,
+            ranks_in_gang_order=self._ranks_in_gang_order,
+            at=self._at,
+            job_state=self.job_state,
+            stop_asked=self._stop_asked,
         )
         # Held-out evaluation (raytrec.eval_plan): its shard and plan, when configured.
         self.evaluation = (
@@ -202,12 +215,41 @@ class Coordinator:
         )
         self.placement = JobPlacement(self)
         self.nodes = JobNodes(self.ports)
-        self.streams = DataStreams(self, table)
+        self.streams = DataStreams(
+            self.ports,
+            table,
+            shards=shards,
+            new_shard=new_shard,
+            stream_id=self._stream_id,
+            batch_size=config.data.batch_size,
+        )
         self.growth = GangGrowth(self)
-        self.drains = GangDrain(self)
+        self.drains = GangDrain(
+            self.ports,
+            run_dir=run_dir,
+            streams=self.streams,
+            draining_nodes=self.group.draining_nodes,
+            kill_gang=self.placement.kill_gang,
+            fit_growth=self.growth.fit_to_cap,
+            request_growth=self.growth.request,
+        )
         self.recovery = FailureRecovery(self)
-        self.total_loss = TotalLossRecovery(self)
-        self.checkpoints = JobCheckpoints(self)
+        self.total_loss = TotalLossRecovery(
+            self.ports,
+            topology=self.topology,
+            streams=self.streams,
+            nodes=self.nodes,
+            place_job=self.placement.place_job,
+            shutdown=self.shutdown,
+            request_growth=self.growth.request,
+        )
+        self.checkpoints = JobCheckpoints(
+            self.ports,
+            run_dir=run_dir,
+            config=config.checkpoint,
+            streams=self.streams,
+            progress=self.progress,
+        )
 
     # -- queries (answered while run() is in progress) ----------------------
 
@@ -249,7 +291,7 @@ class Coordinator:
                 self.shards[rank] if starts is None else self.streams.shard_of(starts[rank].shard)
             )
 
-        refused = self.placement.place_job(self.membership.gangs, shard_of)
+        refused = self.placement.place_job(self.state.membership.gangs, shard_of)
         if refused is not None:
             raise ConfigError(refused)
         if self.resume_from is not None:
@@ -260,9 +302,9 @@ class Coordinator:
             return infos
         # A rank lost while the job starts is a loss like any other: its gang is dropped and
         # the others start on (or, with no gang left, the job fails as a total loss does).
-        for _ in range(self.max_gangs + 2):
+        for _ in range(self.state.max_gangs + 2):
             try:
-                if self.membership.generation == 0 and not self._infos:
+                if self.state.membership.generation == 0 and not self._infos:
                     self._build(sorted(self.placement.started))
                     self._new_generation(reason="job started")
                 self._call(self._live_ranks(), lambda w, _r: w.broadcast_state(0))  # gang 0's state
@@ -296,7 +338,7 @@ class Coordinator:
         t0 = clock.perf_counter()
         prepared = True
         try:
-            n = min(every, self.end_step)
+            n = min(every, self.state.end_step)
             self._call(self._live_ranks(), lambda w, _r: w.prepare(n, first=True))
         except RankFailed as e:
             stopped_by = e.cause
@@ -308,7 +350,7 @@ class Coordinator:
         if stopped_by is None:
             stopped_by = self._train(prepared=prepared, train_start=train_start)
         # A job stopped before its first step trained nothing: no model to save.
-        trained = stopped_by is None or self.step > 0
+        trained = stopped_by is None or self.state.step > 0
         final = os.path.join(self.run_dir, "final_model") if trained else None
         for _ in range(MAX_TRANSIENT + 1):
             try:
@@ -321,7 +363,9 @@ class Coordinator:
                 self.recovery.recover_until_stable(
                     self.recovery.probe(e)
                 )  # lost at the very end: re-form
-                if stopped_by is None and self.step < self.end_step:  # rebuilt from a checkpoint
+                if (
+                    stopped_by is None and self.state.step < self.state.end_step
+                ):  # rebuilt from a checkpoint
                     stopped_by = self._train(prepared=False, train_start=train_start)
         else:
             raise JobFailedError("the job kept losing ranks while it finished")
@@ -330,7 +374,7 @@ class Coordinator:
             per_rank = table.template.plan(table.batch_size).num_steps
             if per_rank < self.num_steps:  # the job's rows were all the data had
                 stopped_by = RuntimeError(
-                    f"the data source ran out after {self.step} steps: its "
+                    f"the data source ran out after {self.state.step} steps: its "
                     f"{self.cfg.data.epochs} epoch(s) hold {per_rank} batches per rank, fewer "
                     f"than num_steps={self.num_steps} (every row was trained once); lower "
                     "num_steps or raise data.epochs"
@@ -351,18 +395,18 @@ class Coordinator:
         stopped_by: BaseException | None,
         ranks: list[RankInfo],
     ) -> RunSummary:
-        acc = self.accounting
+        acc = self.state.accounting
         return RunSummary(
             history=self.progress(),
             final_state_path=final,
-            steps=self.step,
+            steps=self.state.step,
             wall_s=self.clock.perf_counter() - self._started,
             ranks=ranks,
             state_digests=digests,
             stopped_by=stopped_by,
             first_batch_s=self.first_batch_s,
             events=EventLog(self.events),  # a copy: the job's own log goes on
-            generation=self.membership.generation,
+            generation=self.state.membership.generation,
             committed_batches=acc.committed(),
             committed_count=acc.committed_count(),
             committed_rows=acc.committed_rows if self._stream_id is not None else None,
@@ -384,15 +428,15 @@ class Coordinator:
         every = self.cfg.log_every
         stopped_by: BaseException | None = None
         stop: BaseException | None = None  # a rank could not prepare all it was asked to
-        self._ready = min(every, self.end_step - self.step) if prepared else 0
+        self.apply(Prepared(min(every, self.state.end_step - self.state.step) if prepared else 0))
         inflight: deque[Dispatched] = deque()  # sent, in order; the first one is running
-        while stopped_by is None and self.step < self.end_step:
+        while stopped_by is None and self.state.step < self.state.end_step:
             try:
                 if not inflight:
                     t0 = self.clock.perf_counter()  # the interval's time includes what precedes it
-                    n = min(every, self.end_step - self.step)
+                    n = min(every, self.state.end_step - self.state.step)
                     # Bad input, or the end of the data, in what is next; else a user's request.
-                    data_stop = str(stop) if stop is not None and self._ready < n else None
+                    data_stop = str(stop) if stop is not None and self.state.ready < n else None
                     halt = self._stopping(data_stop=data_stop, asked=self._stop_asked)
                     if halt is not None:
                         stopped_by = stop if halt.cause == "data" else StopRequested(halt.reason)
@@ -406,17 +450,17 @@ class Coordinator:
                         stopped_by = StopRequested(halt.reason)
                         break
                     # A join may have shared the rows left among more ranks: the end is sooner.
-                    n = min(every, self.end_step - self.step)
+                    n = min(every, self.state.end_step - self.state.step)
                     if n <= 0:
                         break
-                    if self._ready < n:
+                    if self.state.ready < n:
                         try:
                             self._prepare(self._live_ranks(), n)
                         except RankFailed as e:
                             stopped_by = e.cause  # bad input, or the end of the data
                             break
-                        self._ready = n
-                    inflight.append(self._dispatch(self.step, n, t0=t0))
+                        self.apply(Prepared(n))
+                    inflight.append(self._dispatch(self.state.step, n, t0=t0))
                 dispatched = inflight.popleft()
                 result = self.recovery.collect(dispatched)
             except RankCallError as e:
@@ -424,13 +468,14 @@ class Coordinator:
             if result.failed:
                 self.recovery.settle_queued(inflight, result)
                 self.recovery.recover_until_stable(result)
-                self._ready, stop = 0, None  # recovery may have re-opened the ranks' feeds
+                self.apply(Prepared(0))  # recovery may have re-opened the ranks' feeds
+                stop = None
                 continue
             # The interval's share of the timeline ends here; the next one's starts here.
             end = self.clock.perf_counter()
             reports = [result.reports[r] for r in sorted(result.reports)]
             step = max(r.step for r in reports)
-            self._ready = min(r.ready for r in reports)  # batches held beyond ``step``
+            self.apply(Prepared(min(r.ready for r in reports)))  # batches held beyond ``step``
             stop = next((r.stop for r in reports if r.stop is not None), stop)
             if inflight:
                 inflight[0] = dataclasses.replace(
@@ -443,14 +488,14 @@ class Coordinator:
             row = aggregate_interval(
                 reports,
                 wall_s=end - dispatched.t0,
-                generation=self.membership.generation,
-                gangs=self.membership.num_gangs,
+                generation=self.state.membership.generation,
+                gangs=self.state.membership.num_gangs,
                 elapsed_s=end - train_start,
                 auc=metrics.auc,
                 ne=metrics.ne,
                 at=self._now(),
             )
-            row = dataclasses.replace(row, end_step=self.end_step)
+            row = dataclasses.replace(row, end_step=self.state.end_step)
             if held_out is not None:
                 row = dataclasses.replace(
                     row,
@@ -467,8 +512,10 @@ class Coordinator:
                     if isinstance(decision, Stop):
                         self.evaluation.early_stopped(decision)
                         return EarlyStopped(decision.reason)  # nothing is queued after it
-            going_on = stop is None or self._ready >= min(every, self.end_step - self.step)
-            if not inflight and going_on and self.step < self.end_step:
+            going_on = stop is None or self.state.ready >= min(
+                every, self.state.end_step - self.state.step
+            )
+            if not inflight and going_on and self.state.step < self.state.end_step:
                 self._checkpoint()
         return stopped_by
 
@@ -480,21 +527,21 @@ class Coordinator:
             self._save_if_due(Observations(save=True))
         except RankCallError as e:
             self.recovery.recover_until_stable(self.recovery.probe(e))
-            self._ready = 0  # recovery may have re-opened the ranks' feeds
+            self.apply(Prepared(0))  # recovery may have re-opened the ranks' feeds
 
     def _top_up(self, inflight: deque[Dispatched], step: int) -> None:
         """Queues the intervals :func:`~raytrec.elastic.control.intervals_to_queue` allows
         behind the one running. ``step``: where the last interval collected ended."""
         boundary = Boundary(
             step=step,
-            end_step=self.end_step,
+            end_step=self.state.end_step,
             every=self.cfg.log_every,
             depth=self._depth,
-            ready=self._ready,
+            ready=self.state.ready,
             work_at_boundary=bool(self.growth.pending or self.growth.building)
             or self._stop_asked()
             or self._drain_due(),
-            live_gangs=self.membership.num_gangs,
+            live_gangs=self.state.membership.num_gangs,
             min_gangs=self.elastic.min_gangs,
         )
         end = inflight[-1].end if inflight else None
@@ -530,7 +577,7 @@ class Coordinator:
             return self.evaluation.run()
         except RankCallError as e:
             self.recovery.recover_until_stable(self.recovery.probe(e))
-            self._ready = 0  # recovery may have re-opened the ranks' feeds
+            self.apply(Prepared(0))  # recovery may have re-opened the ranks' feeds
             return None
 
     def _finish(
@@ -539,16 +586,19 @@ class Coordinator:
         """Ends on a job-wide sync, checks the replicas, saves the final model (none when
         ``final`` is None) and a checkpoint when the policy says so (``stopping``: the job stops
         on request)."""
-        if self.step % self.cfg.sync.sync_every or self.membership.last_sync_step != self.step:
+        if (
+            self.state.step % self.cfg.sync.sync_every
+            or self.state.membership.last_sync_step != self.state.step
+        ):
             self._call(
                 self._live_ranks(), lambda w, _r: w.sync()
             )  # end on a sync: every replica the same
-        self._commit_all()
+        self.apply(Committed())
         if checkpoint:
             self._save_if_due(Observations(save=True, final=True, stopping=stopping))
         digests = self._final_digests()
         if final is not None:
-            first_gang = self.membership.gangs[0]
+            first_gang = self.state.membership.gangs[0]
             self._call(list(first_gang.job_ranks), lambda w, _r: w.save(final))
         return digests
 
@@ -557,18 +607,18 @@ class Coordinator:
     def job_state(self) -> JobState:
         """The job's state values :func:`~raytrec.elastic.boundary.decide` reads."""
         return JobState(
-            membership=self.membership,
-            step=self.step,
-            end_step=self.end_step,
-            max_gangs=self.max_gangs,
+            membership=self.state.membership,
+            step=self.state.step,
+            end_step=self.state.end_step,
+            max_gangs=self.state.max_gangs,
             elastic=self.elastic,
             sync_every=self.cfg.sync.sync_every,
             transient=self.recovery.transient,
             within_host=self.topology.layout is Layout.REPLICAS_WITHIN_HOST,
             replayable=self._stream_id is not None,
-            point=self.total_loss.point,
+            point=self.state.point,
             checkpoint=self.cfg.checkpoint,
-            last_save=self.checkpoints.last_save,
+            last_save=self.state.last_save,
             evaluation=None if self.evaluation is None else self.evaluation.state(),
         )
 
@@ -621,15 +671,15 @@ class Coordinator:
                     return
                 case Fail():
                     self.events.append(
-                        JobFailed(at=self._now(), step=self.step, reason=decision.reason)
+                        JobFailed(at=self._now(), step=self.state.step, reason=decision.reason)
                     )
                     raise JobFailedError(decision.reason)
                 case Wait() if not waited:
                     self.events.append(
                         ResourcesWaited(
                             at=self._now(),
-                            step=self.step,
-                            live_gangs=self.membership.num_gangs,
+                            step=self.state.step,
+                            live_gangs=self.state.membership.num_gangs,
                             min_gangs=self.elastic.min_gangs,
                             deadline=decision.deadline,
                         )
@@ -656,14 +706,14 @@ class Coordinator:
         is queued behind, still running. ``t0``: where the interval's wall-clock time starts
         (default: now; an interval sent early starts when the one before it is collected)."""
         self._seq += 1
-        ready = min(self._depth * self.cfg.log_every, self.end_step - start - n)
+        ready = min(self._depth * self.cfg.log_every, self.state.end_step - start - n)
         ranks = self._live_ranks()
         now = self.clock.monotonic()
         if after is None:
             # Nothing was running: silence counts from now, not from the last interval's end
             # (a checkpoint, a join or a recovery may have run in between).
             for r in ranks:
-                step = self.recovery.progress.get(r, (self.step, now))[0]
+                step = self.recovery.progress.get(r, (self.state.step, now))[0]
                 self.recovery.progress[r] = (step, now)
         seq = self._seq
         refs = self.group.call(ranks, lambda w, _r: w.train(n, ready, seq=seq, after=after))
@@ -714,7 +764,7 @@ class Coordinator:
 
     def _new_generation(self, *, reason: str) -> None:
         """Replica plane and sync plan of the current membership, on every live rank."""
-        m = self.membership
+        m = self.state.membership
         ranks = self._live_ranks()
         self._call(
             ranks,
@@ -727,7 +777,7 @@ class Coordinator:
         self.events.append(
             GenerationStarted(
                 at=self._now(),
-                step=self.step,
+                step=self.state.step,
                 generation=m.generation,
                 gang_ids=m.gang_ids,
                 reason=reason,
@@ -738,23 +788,23 @@ class Coordinator:
         """The generation's sync schedule over the live gangs, gangs on one host together."""
         locality = {
             g.gang_id: tuple(sorted({self.nodes.of_slot(s) for s in g.ranks}))
-            for g in self.membership.gangs
+            for g in self.state.membership.gangs
         }
         return plan_sync(
             self.cfg.sync,
-            generation=self.membership.generation,
-            live_gangs=self.membership.gang_ids,
+            generation=self.state.membership.generation,
+            live_gangs=self.state.membership.gang_ids,
             locality=locality,
         )
 
     def _live_ranks(self) -> list[int]:
-        return sorted(r for g in self.membership.gangs for r in g.job_ranks)
+        return sorted(r for g in self.state.membership.gangs for r in g.job_ranks)
 
     def _ranks_in_gang_order(self) -> list[int]:
-        return [r for g in self.membership.gangs for r in g.job_ranks]
+        return [r for g in self.state.membership.gangs for r in g.job_ranks]
 
     def _gang_of(self, rank: int) -> int:
-        gang = self.membership.gang_of_rank(rank)
+        gang = self.state.membership.gang_of_rank(rank)
         assert gang is not None, f"rank {rank} is in no live gang"
         return gang
 
@@ -770,52 +820,39 @@ class Coordinator:
     def _start_copies_differ(self) -> dict[int, str]:
         """After the start's broadcast of gang 0's state: the ranks whose state differs from
         gang 0's (killed here), with why, as recovery takes them."""
-        first = self.membership.gangs[0].gang_id
-        others = [g.gang_id for g in self.membership.gangs[1:]]
+        first = self.state.membership.gangs[0].gang_id
+        others = [g.gang_id for g in self.state.membership.gangs[1:]]
         ranks = self._live_ranks()
         digests = dict(zip(ranks, self._call(ranks, lambda w, _r: w.state_digest()), strict=True))
-        failed = failed_heals(self.membership, peer=first, joined=others, digests=digests)
+        failed = failed_heals(self.state.membership, peer=first, joined=others, digests=digests)
         why = f"its state differed from gang {first}'s after the start's broadcast"
         bad = {r: why for ranks in failed.values() for r in ranks}
         for r in bad:
             self.group.kill(r)
         return bad
 
-    def make_room_for_replays(self) -> None:
-        """Replays come before a rank's own batches: after a loss in the last steps the job
-        goes on until every live rank has trained the replays it holds (an endless source;
-        a re-shared one sets its end when it shares the rows out)."""
-        streams = self.accounting.streams
-        if streams is None or self.streams.table is not None:
-            return
-        most = max((len(streams.position(r)[2]) for r in self._live_ranks()), default=0)
-        self.end_step = max(self.end_step, self.step + most)
-
     def _account(self, reports: list[RankReport], *, completed_through: int | None = None) -> None:
         """Books the ranks' trained batches; a job-wide sync among them commits."""
         sync = self.cfg.sync
-        last_sync = self.accounting.record(
+        last_sync = self.state.accounting.record(
             reports,
             gang_of=self._gang_of,
-            live_gangs=self.membership.gang_ids,
-            last_sync_step=self.membership.last_sync_step,
+            live_gangs=self.state.membership.gang_ids,
+            last_sync_step=self.state.membership.last_sync_step,
             is_job_wide_sync=lambda s: s % sync.sync_every == 0 or s <= sync.warmup_steps,
             completed_through=completed_through,
         )
-        if last_sync is not None:
-            self.membership = self.membership.synced(last_sync)
-        self.step = max((r.step for r in reports), default=self.step)
+        self.apply(Booked(max((r.step for r in reports), default=self.state.step), last_sync))
 
     def _sync_unless_synced(self) -> None:
         """A job-wide sync and its commit, unless the job synced at its step already."""
-        if self.membership.last_sync_step != self.step:
+        if self.state.membership.last_sync_step != self.state.step:
             self._call(self._live_ranks(), lambda w, _r: w.sync())
-            self._commit_all()
+            self.apply(Committed())
 
-    def _commit_all(self) -> None:
-        """A job-wide sync just completed: everything trained so far is in every replica."""
-        self.accounting.commit(self.membership.gang_ids)
-        self.membership = self.membership.synced(self.step)
+    def apply(self, outcome: Outcome) -> None:
+        """Applies a part's outcome to the job's shared state (:func:`actors.job.apply_outcome`)."""
+        apply_outcome(self.state, outcome)
 
     # -- end of job ---------------------------------------------------------------------------
 
@@ -823,7 +860,7 @@ class Coordinator:
         """Checks that the final sync left every replica of every shard identical."""
         ranks = self._live_ranks()
         digests = dict(zip(ranks, self._call(ranks, lambda w, _r: w.state_digest()), strict=True))
-        disagree = replicas_disagree(self.membership, digests)
+        disagree = replicas_disagree(self.state.membership, digests)
         if disagree is not None:
             raise RuntimeError(disagree)
         return digests

@@ -35,7 +35,7 @@ def check_invariants(
     # re-shared rows that lost a gang in its last steps (a documented limit: replays the
     # others cannot even out, beyond the shortest rank's end).
     stopped = summary.stopped_by is not None
-    pending = job.accounting.replay_pending() if stopped or s.data == "reshared" else 0
+    pending = job.state.accounting.replay_pending() if stopped or s.data == "reshared" else 0
     if summary.lost_batches != pending:
         problems.append(f"{summary.lost_batches - pending} batches lost")
     if not summary.committed_count == len(committed) == len(set(committed)):
@@ -57,8 +57,8 @@ def check_invariants(
         problems.append("batches committed but no final model saved")
     # Those replays are the only batches a stream may miss before its committed ones.
     queued: list[int] = []
-    if pending and job.accounting.streams is not None:
-        queued = [i for r in job._live_ranks() for i in job.accounting.streams.position(r)[2]]
+    if pending and job.state.accounting.streams is not None:
+        queued = [i for r in job._live_ranks() for i in job.state.accounting.streams.position(r)[2]]
         if len(queued) != pending:
             problems.append(f"{pending} replays pending, {len(queued)} queued on the ranks")
     steps: dict[int, list[int]] = {}

@@ -168,7 +168,7 @@ def _done(
         detail,
         exit_code,
         tuple(phases),
-        job.step,
+        job.state.step,
         round(time.monotonic() - t0, 4),
     )
 

@@ -54,7 +54,11 @@ class JobPlacement:
         placed."""
         specs = placement_specs(self.job.topology, per_rank=self.per_rank())
         # Names stay unique when a rebuilt job is placed again in a later generation.
-        suffix = f"-gen{self.job.membership.generation}" if self.job.membership.generation else ""
+        suffix = (
+            f"-gen{self.job.state.membership.generation}"
+            if self.job.state.membership.generation
+            else ""
+        )
         pgs = [self.job.group.place(s, name=f"{self.prefix}-{s.name}{suffix}") for s in specs]
         asked = describe_bundles(specs)
         since = self.job.clock.monotonic()
@@ -82,7 +86,7 @@ class JobPlacement:
             self.job.events.append(
                 PlacementWaiting(
                     at=self.job._now(),
-                    step=self.job.step,
+                    step=self.job.state.step,
                     waited_s=round(now - since, 1),
                     wait_s=self.job.elastic.resource_wait_s,
                     asked=asked,
@@ -134,14 +138,14 @@ class JobPlacement:
         self.job.group.start_rank(spec, shard, placement=pg, bundle=bundle)
         self.started.add(rank)
         if account:
-            self.job.accounting.add_rank(
-                rank, shard=getattr(shard, "index", rank), step=self.job.step
+            self.job.state.accounting.add_rank(
+                rank, shard=getattr(shard, "index", rank), step=self.job.state.step
             )
         else:
             self.job.growth.shards_of_new[rank] = shard
 
     def kill_gang(self, gang_id: int) -> None:
-        self.release(gang_id, self.job.membership.gang(gang_id).job_ranks)
+        self.release(gang_id, self.job.state.membership.gang(gang_id).job_ranks)
 
     def release(self, gang_id: int, ranks: Sequence[int]) -> None:
         """Kills the gang's rank actors and removes its placement group."""

@@ -23,6 +23,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from actors.job import Committed, Joining
 from raytrec.cluster.placement import placement_specs, rank_resources
 from raytrec.cluster.topology import Layout
 from raytrec.elastic.control import gangs_to_request
@@ -63,7 +64,6 @@ class GangGrowth:
         self.pending: list[Placement] = []  # requested for gangs not started yet
         self.building: dict[int, Building] = {}  # gang id -> a new gang being built
         self.shards_of_new: dict[int, Any] = {}  # job rank -> its data shard, until it joins
-        self.joining: set[int] = set()  # gangs added to the membership but not healed yet
 
     def request(self) -> None:
         """Keeps one pending placement group per gang the job could still add
@@ -72,9 +72,9 @@ class GangGrowth:
         if job.topology.layout is not Layout.REPLICAS_ACROSS_HOSTS or job.new_shard is None:
             return  # one placement group for the whole job, or no data for a new gang
         want = gangs_to_request(
-            live=job.membership.num_gangs,
+            live=job.state.membership.num_gangs,
             outstanding=len(self.pending) + len(self.building),
-            max_gangs=job.max_gangs,
+            max_gangs=job.state.max_gangs,
             min_gangs=job.elastic.min_gangs,
             grow=job.elastic.grow,
         )
@@ -88,9 +88,21 @@ class GangGrowth:
             self.pending.append(self.job.group.place(spec))
         self.job.events.append(
             GangRequested(
-                at=self.job._now(), step=self.job.step, count=want, outstanding=len(self.pending)
+                at=self.job._now(),
+                step=self.job.state.step,
+                count=want,
+                outstanding=len(self.pending),
             )
         )
+
+    def fit_to_cap(self) -> None:
+        """Gives back the placement requested beyond the job's gang cap."""
+        while (
+            self.pending
+            and self.job.state.membership.num_gangs + len(self.pending) + len(self.building)
+            > self.job.state.max_gangs
+        ):
+            self.job.group.release(self.pending.pop())
 
     def start_ready(self) -> None:
         """Starts building the gangs whose placement became ready. Building a gang (its ranks'
@@ -106,7 +118,7 @@ class GangGrowth:
         if not ready:
             return
         self.pending = [pg for pg in self.pending if pg not in ready]
-        gangs, self.job.membership = self.job.membership.reserve(
+        gangs, self.job.state.membership = self.job.state.membership.reserve(
             [[0] * self.job.topology.gang_size for _ in ready]  # nodes filled in once built
         )
         for gang, pg in zip(gangs, ready, strict=True):
@@ -152,7 +164,9 @@ class GangGrowth:
                 self.job.nodes.saw(info)
             new_ranks += b.gang.job_ranks
             nodes = self.job.nodes.rank_names(b.gang.job_ranks)
-            self.job.events.append(GangPlaced(at=self.job._now(), step=self.job.step, nodes=nodes))
+            self.job.events.append(
+                GangPlaced(at=self.job._now(), step=self.job.state.step, nodes=nodes)
+            )
         # Join at a sync boundary: the live gangs agree first, so the peer's state is the job's.
         try:
             self.job._call(self.job._live_ranks(), lambda w, _r: w.sync())
@@ -162,50 +176,55 @@ class GangGrowth:
             for b in built:
                 self.abandon(b.gang)
             raise
-        self.job._commit_all()
+        self.job.apply(Committed())
         peer = decision.gangs[0].heal_from
         gangs = self.job.nodes.with_nodes([b.gang for b in built])
         reshare = self.job.streams.table is not None
         for r in new_ranks:  # they train from this step on
             shard = self.shards_of_new.pop(r)
             if not reshare:  # else booked with the share they are given below
-                self.job.accounting.add_rank(
-                    r, shard=getattr(shard, "index", r), step=self.job.step
+                self.job.state.accounting.add_rank(
+                    r, shard=getattr(shard, "index", r), step=self.job.state.step
                 )
-        self.job.membership = self.job.membership.with_gangs(gangs, step=self.job.step)
-        self.joining = {g.gang_id for g in gangs}
-        self.job.accounting.add_gangs(g.gang_id for g in gangs)
+        self.job.state.membership = self.job.state.membership.with_gangs(
+            gangs, step=self.job.state.step
+        )
+        self.job.apply(Joining(frozenset(g.gang_id for g in gangs)))
+        self.job.state.accounting.add_gangs(g.gang_id for g in gangs)
         self.job._new_generation(reason=f"gangs {[g.gang_id for g in gangs]} joined")
-        step = self.job.step
+        step = self.job.state.step
         self.job._call(new_ranks, lambda w, _r: w.set_step(step))
-        src = self.job.membership.member_index(peer)
+        src = self.job.state.membership.member_index(peer)
         self.job._call(self.job._live_ranks(), lambda w, _r: w.broadcast_state(src))
         gangs = tuple(self._verify_heals(gangs, peer=peer))
         new_ranks = [r for g in gangs for r in g.job_ranks]
         fresh = self.job.streams.reshare(self.job._ranks_in_gang_order(), joining=new_ranks)
-        self.joining = set()
+        self.job.apply(Joining(frozenset()))
         for g in gangs:
             self.job.events.append(
                 GangHealed(
-                    at=self.job._now(), step=self.job.step, gang_id=g.gang_id, peer_gang_id=peer
+                    at=self.job._now(),
+                    step=self.job.state.step,
+                    gang_id=g.gang_id,
+                    peer_gang_id=peer,
                 )
             )
             self.job.events.append(
                 GangJoined(
                     at=self.job._now(),
-                    step=self.job.step,
+                    step=self.job.state.step,
                     gang_id=g.gang_id,
-                    generation=self.job.membership.generation,
+                    generation=self.job.state.membership.generation,
                 )
             )
         # Ranks given a new stream have nothing read yet (the others read ahead already).
         ready = fresh if reshare else new_ranks
-        n = min(self.job.cfg.log_every, self.job.end_step - self.job.step)
+        n = min(self.job.cfg.log_every, self.job.state.end_step - self.job.state.step)
         self.job._call(ready, lambda w, _r: w.prepare(n))
         # Every rank holds n now when all were given a new stream; else the others hold what
         # they held (nothing, right after a recovery: they prepare before the next interval).
         everyone = set(ready) >= set(self.job._live_ranks())
-        self.job._ready = n if everyone else min(self.job._ready, n)
+        self.job.state.ready = n if everyone else min(self.job.state.ready, n)
 
     def _verify_heals(self, gangs: Sequence[Gang], *, peer: int) -> list[Gang]:
         """Compares each joined gang's state with the peer it healed from, before any
@@ -213,14 +232,14 @@ class GangGrowth:
         (a new generation without it), released and placed again. Returns the gangs that
         healed."""
         ranks = [
-            *self.job.membership.gang(peer).job_ranks,
+            *self.job.state.membership.gang(peer).job_ranks,
             *(r for g in gangs for r in g.job_ranks),
         ]
         digests = dict(
             zip(ranks, self.job._call(ranks, lambda w, _r: w.state_digest()), strict=True)
         )
         failed = failed_heals(
-            self.job.membership, peer=peer, joined=[g.gang_id for g in gangs], digests=digests
+            self.job.state.membership, peer=peer, joined=[g.gang_id for g in gangs], digests=digests
         )
         if not failed:
             return list(gangs)
@@ -228,7 +247,7 @@ class GangGrowth:
             self.job.events.append(
                 HealFailed(
                     at=self.job._now(),
-                    step=self.job.step,
+                    step=self.job.state.step,
                     gang_id=gid,
                     peer_gang_id=peer,
                     job_ranks=bad,
@@ -238,13 +257,12 @@ class GangGrowth:
         if self.job.streams.table is None:  # else not booked until the rows are shared out
             for g in dropped:
                 for r in g.job_ranks:
-                    self.job.accounting.forget_rank(r)  # it trained nothing
-        survivors = [g for g in self.job.membership.gang_ids if g not in failed]
-        self.job.accounting.drop(
-            list(failed), survivors, ranks_of=lambda g: self.job.membership.gang(g).job_ranks
+                    self.job.state.accounting.forget_rank(r)  # it trained nothing
+        survivors = [g for g in self.job.state.membership.gang_ids if g not in failed]
+        self.job.state.accounting.drop(
+            list(failed), survivors, ranks_of=lambda g: self.job.state.membership.gang(g).job_ranks
         )
-        self.job.membership = self.job.membership.without(failed)
-        self.joining -= set(failed)
+        self.job.state.membership = self.job.state.membership.without(failed)
         self.job._new_generation(reason=f"gangs {sorted(failed)} did not heal")
         for g in dropped:
             self.job.placement.release(g.gang_id, g.job_ranks)

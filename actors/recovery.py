@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
+from actors.job import Committed, Joining
 from raytrec.elastic.boundary import MAX_TRANSIENT, Loss, Observations, decide
 from raytrec.elastic.control import group_broke
 from raytrec.elastic.decisions import Fail, Reform, TotalLoss
@@ -150,7 +151,7 @@ class FailureRecovery:
     def _next_look(self, pending: dict[int, Any], now: float) -> float:
         """Seconds until the heartbeats are read again
         (:func:`~raytrec.elastic.policy.next_hang_check`)."""
-        seen = (self.progress.get(r, (self.job.step, now))[1] for r in pending)
+        seen = (self.progress.get(r, (self.job.state.step, now))[1] for r in pending)
         return next_hang_check(seen, now=now, config=self.job.elastic)
 
     def _hung_ranks(self, pending: dict[int, Any], now: float) -> tuple[int, ...]:
@@ -160,20 +161,22 @@ class FailureRecovery:
             if step > self.progress.get(r, (-1, now))[0]:
                 self.progress[r] = (step, now)
         progress = {
-            r: self.progress.get(r, (self.job.step, now)) if r in pending else (self.job.step, now)
+            r: self.progress.get(r, (self.job.state.step, now))
+            if r in pending
+            else (self.job.state.step, now)
             for r in self.job._live_ranks()
         }
         state = ElasticState(
-            membership=self.job.membership,
+            membership=self.job.state.membership,
             sync_every=self.job.cfg.sync.sync_every,
-            max_gangs=self.job.max_gangs,
+            max_gangs=self.job.state.max_gangs,
             progress=progress,
         )
         return find_hung_ranks(state, now=now, config=self.job.elastic)
 
     def _silence(self, rank: int, now: float) -> tuple[int, float]:
         """(the last step ``rank`` finished, seconds since it did), as the coordinator saw it."""
-        step, at = self.progress.get(rank, (self.job.step, now))
+        step, at = self.progress.get(rank, (self.job.state.step, now))
         return step, round(now - at, 3)
 
     def settle_queued(self, inflight: deque[Dispatched], result: IntervalOutcome) -> None:
@@ -222,10 +225,10 @@ class FailureRecovery:
         has not returned) and returns them. Their gang is dropped anyway; left alone they
         would sit in the gang's collectives with the dead rank until the collective timeout.
         A rank in no live gang (one still joining) has none."""
-        gang = self.job.membership.gang_of_rank(rank)
+        gang = self.job.state.membership.gang_of_rank(rank)
         if gang is None:
             return []
-        peers = [p for p in self.job.membership.gang(gang).job_ranks if p in pending]
+        peers = [p for p in self.job.state.membership.gang(gang).job_ranks if p in pending]
         for peer in peers:
             self.job.group.kill(peer)
         self.peers_killed.update(peers)
@@ -290,7 +293,7 @@ class FailureRecovery:
 
     def recover_until_stable(self, result: IntervalOutcome) -> None:
         """Recovers; a further loss during recovery starts it over with the new losses."""
-        for _ in range(self.job.max_gangs + self.job.membership.num_gangs + 1):
+        for _ in range(self.job.state.max_gangs + self.job.state.membership.num_gangs + 1):
             try:
                 self.recover(result)
                 return
@@ -303,7 +306,7 @@ class FailureRecovery:
         still members (a hung rank answers a probe; a peer the coordinator killed stays lost
         because its gang lost a rank, not because it was killed) and, unless booked, the
         reports that came back."""
-        member = self.job.membership.gang_of_rank
+        member = self.job.state.membership.gang_of_rank
         earlier = {r: c for r, c in before.dead.items() if member(r) is not None}
         probed.dead = {**probed.dead, **earlier}
         hung = {r for r in before.hung if member(r) is not None} | set(probed.hung)
@@ -325,7 +328,7 @@ class FailureRecovery:
             # collective timeout (an overloaded host, a long pause). Nobody is dropped; the job
             # re-forms as it was, unless that keeps happening.
             errors = tuple(f"rank {r}: {e}" for r, e in sorted(result.errored.items()))
-            seen = Observations(loss=Loss(errors=errors, joining=tuple(self.job.growth.joining)))
+            seen = Observations(loss=Loss(errors=errors, joining=tuple(self.job.state.joining)))
             (retry,) = decide(self.job.job_state(), seen, self.job.clock.monotonic())
             self.transient += 1
             if isinstance(retry, Fail):
@@ -334,8 +337,8 @@ class FailureRecovery:
             self.transient = 0
         # A gang that was joining has no state of its own yet: if anything fails meanwhile,
         # it goes too and is requested again.
-        failed_gangs = sorted({self.job._gang_of(r) for r in lost} | self.job.growth.joining)
-        self.job.growth.joining = set()
+        failed_gangs = sorted({self.job._gang_of(r) for r in lost} | self.job.state.joining)
+        self.job.apply(Joining(frozenset()))
         self.job.nodes.settle_deaths(result, now=now)
         for r, cause in sorted(result.dead.items()):
             if r in result.logged:
@@ -344,7 +347,7 @@ class FailureRecovery:
             self.job.events.append(
                 RankDied(
                     at=now,
-                    step=self.job.step,
+                    step=self.job.state.step,
                     job_rank=r,
                     gang_id=self.job._gang_of(r),
                     cause=cause,
@@ -354,11 +357,11 @@ class FailureRecovery:
             )
         if set(result.hung) - result.logged:
             result.logged |= set(result.hung)
-            silence = [result.silence.get(r, (self.job.step, 0.0)) for r in result.hung]
+            silence = [result.silence.get(r, (self.job.state.step, 0.0)) for r in result.hung]
             self.job.events.append(
                 HangDetected(
                     at=now,
-                    step=self.job.step,
+                    step=self.job.state.step,
                     job_ranks=tuple(result.hung),
                     gang_ids=tuple(sorted({self.job._gang_of(r) for r in result.hung})),
                     last_step=min(step for step, _ in silence),
@@ -386,7 +389,7 @@ class FailureRecovery:
                     self.job.events.append(
                         JobFailed(
                             at=self.job._now(),
-                            step=self.job.step,
+                            step=self.job.state.step,
                             reason=decision.reason,
                             needs_checkpoint=decision.needs_checkpoint,
                         )
@@ -395,8 +398,8 @@ class FailureRecovery:
                 case Reform():
                     failed_gangs = sorted(set(failed_gangs) | set(decision.drop))
         failed = set(failed_gangs)
-        survivors = [g.gang_id for g in self.job.membership.gangs if g.gang_id not in failed]
-        survivor_ranks = [r for g in survivors for r in self.job.membership.gang(g).job_ranks]
+        survivors = [g.gang_id for g in self.job.state.membership.gangs if g.gang_id not in failed]
+        survivor_ranks = [r for g in survivors for r in self.job.state.membership.gang(g).job_ranks]
         alive = set(survivor_ranks)
         self.abort_planes(set(survivor_ranks))
         recovered = self._recover_ranks(survivor_ranks, result)
@@ -414,8 +417,8 @@ class FailureRecovery:
         # next batches in their stream order, one per step up to the failure.
         reports = [result.reports[r] for r in survivor_ranks if r in result.reports]
         reports += [rep for rep in result.later if rep.rank in alive] + recovered
-        lost_ranks = [r for g in failed_gangs for r in self.job.membership.gang(g).job_ranks]
-        reports += self.job.accounting.lost_rank_reports(lost_ranks, fail_step=fail_step)
+        lost_ranks = [r for g in failed_gangs for r in self.job.state.membership.gang(g).job_ranks]
+        reports += self.job.state.accounting.lost_rank_reports(lost_ranks, fail_step=fail_step)
         # Syncs before the failed step completed on every gang; the one at it did not.
         self.job._account(reports, completed_through=fail_step - 1)
         result.booked = True
@@ -424,30 +427,32 @@ class FailureRecovery:
         settled = settle_failed_step(
             recovered,
             every_step=self.job.cfg.sync.dense == "every_step",
-            committed_through=self.job.membership.last_sync_step,
+            committed_through=self.job.state.membership.last_sync_step,
         )
         source_gang = self.job._gang_of(settled.source)
         source_slot = next(
-            s for s in self.job.membership.gang(source_gang).ranks if s.job_rank == settled.source
+            s
+            for s in self.job.state.membership.gang(source_gang).ranks
+            if s.job_rank == settled.source
         )
         replay = self.drop(failed_gangs, survivors, dense_through=settled.dense_through)
-        acc = self.job.accounting
+        acc = self.job.state.accounting
         for gid in failed_gangs:
             self.job.events.append(
                 GangDropped(
                     at=self.job._now(),
-                    step=self.job.step,
+                    step=self.job.state.step,
                     gang_id=gid,
                     reason=_why(result, gid, self.job),
                 )
             )
             self.job.placement.kill_gang(gid)
         if failed_gangs:
-            self.job.membership = self.job.membership.without(failed_gangs)
+            self.job.state.membership = self.job.state.membership.without(failed_gangs)
             reason = f"lost gangs {failed_gangs}"
         else:
-            self.job.membership = dataclasses.replace(
-                self.job.membership, generation=self.job.membership.generation + 1
+            self.job.state.membership = dataclasses.replace(
+                self.job.state.membership, generation=self.job.state.membership.generation + 1
             )
             reason = "collectives timed out with every rank alive"
         if replay:
@@ -466,8 +471,8 @@ class FailureRecovery:
         self.job._call(live, lambda w, _r: w.sync())
         # Committed as soon as the sync is done: a loss in the calls that follow must not
         # hand these batches out again (they are in every replica already).
-        self.job._commit_all()
-        src = self.job.membership.member_index(source_gang)
+        self.job.apply(Committed())
+        src = self.job.state.membership.member_index(source_gang)
         self.job._call(live, lambda w, _r: w.broadcast_dense(src, source_slot.gang_rank))
         self.job._call(live, lambda w, _r: w.settle_failed_step(settled.finish))
         self.job.events.append(
@@ -483,7 +488,7 @@ class FailureRecovery:
         # Re-sharing hands each rank its replays again with its new stream; it runs even with
         # nothing to replay: the lost gangs' rows not read yet are shared out.
         self.job.streams.reshare(self.job._ranks_in_gang_order())
-        self.job.make_room_for_replays()
+        self.job.streams.make_room_for_replays()
         self.job.growth.request()
 
     def _recover_ranks(self, ranks: list[int], result: IntervalOutcome) -> list[RankReport]:
@@ -504,16 +509,16 @@ class FailureRecovery:
     ) -> dict[int, list[int]]:
         """The dropped gangs' uncommitted batches, split over the survivors' ranks; those trained
         at or before ``dense_through`` are replayed for their embedding rows only."""
-        return self.job.accounting.drop(
+        return self.job.state.accounting.drop(
             gangs,
             survivors,
-            ranks_of=lambda g: self.job.membership.gang(g).job_ranks,
+            ranks_of=lambda g: self.job.state.membership.gang(g).job_ranks,
             dense_through=dense_through,
         )
 
 
 def _why(result: IntervalOutcome, gang: int, coordinator: Coordinator) -> str:
-    ranks = coordinator.membership.gang(gang).job_ranks
+    ranks = coordinator.state.membership.gang(gang).job_ranks
     dead = [r for r in ranks if r in result.dead]
     hung = [r for r in ranks if r in result.hung]
     if dead:

@@ -763,7 +763,9 @@ def decided(j: Job) -> Iterator[list[tuple[int, float, Decision]]]:
         def record(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
             out = _inner(*args, **kwargs)
             now = j.group.clock.now
-            seen.extend((j.coordinator.step, now, d) for d in out if not isinstance(d, Continue))
+            seen.extend(
+                (j.coordinator.state.step, now, d) for d in out if not isinstance(d, Continue)
+            )
             return out
 
         patches.enter_context(mock.patch.object(module, "decide", record))
@@ -802,7 +804,7 @@ def test_three_failures_and_three_growths_in_one_run(tmp_path: Any) -> None:
         (35, 35, 5),
         (53, 53, 6),
     ]
-    m = j.coordinator.membership
+    m = j.coordinator.state.membership
     assert m.gang_ids == (1, 4, 5, 6) and m.generation == 6 == summary.generation
     assert [e.generation for e in summary.events.of(GenerationStarted)] == list(range(7))
     assert [e.gang_id for e in summary.events.of(GangDropped)] == [0, 2, 3]
@@ -838,7 +840,9 @@ def test_production_size_node_loss_and_rank_kill_keep_every_batch(tmp_path: Any)
     # (the lost node's two gangs have nowhere to go).
     grows = [d for _, _, d in seen if isinstance(d, Grow)]
     assert [[n.gang.gang_id for n in d.gangs] for d in grows] == [[512]]
-    assert j.coordinator.membership.num_gangs == 510 and len(j.coordinator.growth.pending) == 2
+    assert (
+        j.coordinator.state.membership.num_gangs == 510 and len(j.coordinator.growth.pending) == 2
+    )
 
 
 def below_min_gangs(tmp_path: Any, *faults: Fault | NodesJoin) -> Job:
@@ -885,7 +889,7 @@ def test_below_min_gangs_recovers_when_a_node_arrives_in_time(tmp_path: Any) -> 
     assert [list(e.nodes) for e in summary.events.of(GangPlaced)] == [
         ["fake-node-2 at 127.0.0.1"] * 2
     ] * 2
-    assert j.coordinator.membership.gang_ids == (0, 1, 4, 5) == tuple(gangs_of(summary))
+    assert j.coordinator.state.membership.gang_ids == (0, 1, 4, 5) == tuple(gangs_of(summary))
 
 
 def test_within_host_node_loss_without_a_checkpoint_fails_naming_the_lost_shards(

@@ -106,13 +106,9 @@ def test_only_the_api_imports_actors() -> None:
 #: Modules of actors/ that still hold the whole coordinator (``job: Coordinator``) rather than
 #: narrow ports (actors/ports.py): each is to be given the calls, events and clock it needs.
 HOLD_THE_COORDINATOR = {
-    "actors.checkpoints",
-    "actors.drain",
     "actors.gang_placement",
     "actors.growth",
     "actors.recovery",
-    "actors.reshare",
-    "actors.total_loss",
 }
 #: The fault-space harness builds a coordinator over the fake worker group and checks its state.
 HARNESS = {"actors.fault_invariants", "actors.fault_space"}
