@@ -34,12 +34,13 @@ import dataclasses
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from torchrec.distributed.types import ShardingPlan
 
 from actors.checkpoints import JobCheckpoints
+from actors.control_calls import ControlCalls
 from actors.drain import GangDrain
 from actors.evaluation import JobEvaluation
 from actors.gang_placement import JobPlacement
@@ -77,15 +78,12 @@ from raytrec.elastic.events import (
 )
 from raytrec.elastic.heal import failed_heals, replicas_disagree
 from raytrec.elastic.membership import Membership
-from raytrec.elastic.rank_protocol import RankProtocol, StateDigest
+from raytrec.elastic.rank_protocol import StateDigest
 from raytrec.elastic.report import RankInfo, RankReport, RunSummary
 from raytrec.elastic.workers import (
-    Answer,
     Clock,
     RankCallError,
     RankFailed,
-    RankLost,
-    RankTimedOut,
     SystemClock,
     WorkerGroup,
 )
@@ -183,6 +181,15 @@ class Coordinator:
         # than the others, and the job sends the next interval only after the last one.
         hierarchical = bool(config.sync.levels) and config.sync.dense != "every_step"
         self._depth = 1 if hierarchical else 2
+        # Control calls wait for every rank; building a gang's ranks on a loaded machine, or the
+        # data pipeline's first batches, can take minutes.
+        self.calls = ControlCalls(
+            self.group,
+            self.clock,
+            timeout_s=max(self.elastic.step_timeout_s, RENDEZVOUS_TIMEOUT_S),
+            on_lost=lambda rank, pending: self.recovery.release(rank, pending),
+        )
+        self._call, self.answers = self.calls.call, self.calls.answers
         # The parts of the job with state of their own, each in its module: where the ranks
         # run, where they read, gangs being added, drains, failures, the rebuild after a total
         # loss, and checkpoints. The decisions they carry out are made in raytrec.elastic.
@@ -223,7 +230,15 @@ class Coordinator:
             stream_id=self._stream_id,
             batch_size=config.data.batch_size,
         )
-        self.growth = GangGrowth(self)
+        self.growth = GangGrowth(
+            self.ports,
+            config=config,
+            group=self.group,
+            placement=self.placement,
+            nodes=self.nodes,
+            streams=self.streams,
+            new_shard=new_shard,
+        )
         self.drains = GangDrain(
             self.ports,
             run_dir=run_dir,
@@ -739,29 +754,6 @@ class Coordinator:
             raise error
         return sorted((self._infos[r] for r in ranks), key=lambda x: x.rank)
 
-    def answers(
-        self, ranks: list[int], invoke: Callable[[RankProtocol, int], R]
-    ) -> tuple[dict[int, R], RankCallError | None]:
-        """Calls ``method`` on ``ranks``; returns the answers of those whose call returned, and
-        the first error (a timeout, naming the ranks stuck, before any other), so a caller
-        keeps what came back when some did not."""
-        futures = self.group.call(ranks, invoke)
-        error: RankCallError | None = None
-        try:
-            self._wait_all(futures)
-        except RankTimedOut as e:
-            error = e
-        stuck = set(error.ranks) if isinstance(error, RankTimedOut) else set()
-        answers: dict[int, R] = {}
-        for r in ranks:
-            if r in stuck:
-                continue
-            try:
-                answers[r] = self.group.result(futures[r])
-            except RankCallError as e:
-                error = error or e
-        return answers, error
-
     def _new_generation(self, *, reason: str) -> None:
         """Replica plane and sync plan of the current membership, on every live rank."""
         m = self.state.membership
@@ -868,50 +860,8 @@ class Coordinator:
     def shutdown(self) -> None:
         """Ends every rank actor and releases every placement group, pending ones included."""
         self.placement.shutdown()
-
-    # -- helpers ----------------------------------------------------------------
-
-    def _call(self, ranks: list[int], invoke: Callable[[RankProtocol, int], R]) -> list[R]:
-        """Calls one method on ``ranks`` (``invoke``, as in :meth:`WorkerGroup.call`) and
-        returns their answers in order; raises :class:`RankLost` or :class:`RankFailed` for
-        the first rank whose call failed."""
-        futures = self.group.call(ranks, invoke)
-        self._wait_all(futures)
-        return [self.group.result(futures[r]) for r in ranks]
+        self.growth.shutdown()
 
     def _prepare(self, ranks: list[int], n: int) -> None:
         """Has ``ranks`` read ``n`` batches ahead."""
         self._call(ranks, lambda w, _r: w.prepare(n))
-
-    def _wait_all(self, futures: Mapping[int, Answer[Any]]) -> None:
-        """Waits for every answer of a control call; raises :class:`RankTimedOut` naming the
-        ranks whose answer did not come (recovery counts them as hung)."""
-        # Control calls (build, join, sync, prepare, recover) are not what hang detection
-        # watches (that is _collect's job); building a gang's ranks on a loaded machine,
-        # or the data pipeline's first batches, can take minutes.
-        timeout = max(self.elastic.step_timeout_s, RENDEZVOUS_TIMEOUT_S)
-        deadline = self.clock.monotonic() + timeout
-        pending = dict(futures)
-        rank_of = {id(f): r for r, f in futures.items()}
-        while pending:
-            left = max(0.0, deadline - self.clock.monotonic())
-            ready = self.group.wait(list(pending.values()), num_returns=1, timeout=left)
-            if not ready:
-                stuck = sorted(pending)
-                method = next(iter(futures.values())).method
-                raise RankTimedOut(
-                    stuck,
-                    f"{method} did not return on ranks {stuck} of {sorted(futures)} "
-                    f"within {timeout:g}s",
-                )
-            for future in ready:
-                rank = rank_of[id(future)]
-                pending.pop(rank, None)
-                try:
-                    self.group.result(future)
-                except RankLost:
-                    # Its gang peers and the other gangs' replica collectives are released
-                    # now; their calls then end at once (failed), not at the timeout.
-                    self.recovery.release(rank, set(pending))
-                except RankFailed:
-                    pass  # raised to the caller below, with the others' answers in

@@ -141,8 +141,10 @@ class JobPlacement:
             self.job.state.accounting.add_rank(
                 rank, shard=getattr(shard, "index", rank), step=self.job.state.step
             )
-        else:
-            self.job.growth.shards_of_new[rank] = shard
+
+    def keep(self, gang_id: int, pg: Placement) -> None:
+        """The placement group of a gang placed by growth."""
+        self.pgs[gang_id] = pg
 
     def kill_gang(self, gang_id: int) -> None:
         self.release(gang_id, self.job.state.membership.gang(gang_id).job_ranks)
@@ -161,9 +163,6 @@ class JobPlacement:
         for r in sorted(self.started):
             self.job.group.kill(r)
         self.started.clear()
-        for pg in [*self.pgs.values(), *self.job.growth.pending]:
+        for pg in self.pgs.values():
             self.job.group.release(pg)
         self.pgs.clear()
-        self.job.growth.pending.clear()
-        self.job.growth.building.clear()
-        self.job.growth.shards_of_new.clear()

@@ -107,7 +107,6 @@ def test_only_the_api_imports_actors() -> None:
 #: narrow ports (actors/ports.py): each is to be given the calls, events and clock it needs.
 HOLD_THE_COORDINATOR = {
     "actors.gang_placement",
-    "actors.growth",
     "actors.recovery",
 }
 #: The fault-space harness builds a coordinator over the fake worker group and checks its state.
