@@ -76,7 +76,7 @@ from raytrec.elastic.events import (
     JobFailed,
     ResourcesWaited,
 )
-from raytrec.elastic.heal import failed_heals, replicas_disagree
+from raytrec.elastic.heal import replicas_disagree
 from raytrec.elastic.membership import Membership
 from raytrec.elastic.rank_protocol import StateDigest
 from raytrec.elastic.report import RankInfo, RankReport, RunSummary
@@ -220,8 +220,19 @@ class Coordinator:
             if evaluation is None
             else JobEvaluation(*evaluation, config=config.eval, job=self.ports)
         )
-        self.placement = JobPlacement(self)
         self.nodes = JobNodes(self.ports)
+        self.placement = JobPlacement(
+            self.ports,
+            run_dir=run_dir,
+            config=config,
+            plan=plan,
+            num_dense=num_dense,
+            model_factory=model_factory,
+            features=features,
+            store=lambda: self._store_address,
+            group=self.group,
+            nodes=self.nodes,
+        )
         self.streams = DataStreams(
             self.ports,
             table,
@@ -248,7 +259,6 @@ class Coordinator:
             fit_growth=self.growth.fit_to_cap,
             request_growth=self.growth.request,
         )
-        self.recovery = FailureRecovery(self)
         self.total_loss = TotalLossRecovery(
             self.ports,
             topology=self.topology,
@@ -256,6 +266,16 @@ class Coordinator:
             nodes=self.nodes,
             place_job=self.placement.place_job,
             shutdown=self.shutdown,
+            request_growth=self.growth.request,
+        )
+        self.recovery = FailureRecovery(
+            self.ports,
+            config=config,
+            group=self.group,
+            placement=self.placement,
+            nodes=self.nodes,
+            streams=self.streams,
+            total_loss=self.total_loss,
             request_growth=self.growth.request,
         )
         self.checkpoints = JobCheckpoints(
@@ -323,7 +343,7 @@ class Coordinator:
                     self._build(sorted(self.placement.started))
                     self._new_generation(reason="job started")
                 self._call(self._live_ranks(), lambda w, _r: w.broadcast_state(0))  # gang 0's state
-                differ = self._start_copies_differ()
+                differ = self.recovery.start_copies_differ()
                 if not differ:
                     break
                 # A gang whose copy of gang 0's state came out different is dropped (and
@@ -725,11 +745,7 @@ class Coordinator:
         ranks = self._live_ranks()
         now = self.clock.monotonic()
         if after is None:
-            # Nothing was running: silence counts from now, not from the last interval's end
-            # (a checkpoint, a join or a recovery may have run in between).
-            for r in ranks:
-                step = self.recovery.progress.get(r, (self.state.step, now))[0]
-                self.recovery.progress[r] = (step, now)
+            self.recovery.quiet_since(ranks, now)  # nothing was running
         seq = self._seq
         refs = self.group.call(ranks, lambda w, _r: w.train(n, ready, seq=seq, after=after))
         return Dispatched(
@@ -808,20 +824,6 @@ class Coordinator:
         return round(monotonic - self._t0, 3)
 
     # -- accounting -----------------------------------------------------------------------------
-
-    def _start_copies_differ(self) -> dict[int, str]:
-        """After the start's broadcast of gang 0's state: the ranks whose state differs from
-        gang 0's (killed here), with why, as recovery takes them."""
-        first = self.state.membership.gangs[0].gang_id
-        others = [g.gang_id for g in self.state.membership.gangs[1:]]
-        ranks = self._live_ranks()
-        digests = dict(zip(ranks, self._call(ranks, lambda w, _r: w.state_digest()), strict=True))
-        failed = failed_heals(self.state.membership, peer=first, joined=others, digests=digests)
-        why = f"its state differed from gang {first}'s after the start's broadcast"
-        bad = {r: why for ranks in failed.values() for r in ranks}
-        for r in bad:
-            self.group.kill(r)
-        return bad
 
     def _account(self, reports: list[RankReport], *, completed_through: int | None = None) -> None:
         """Books the ranks' trained batches; a job-wide sync among them commits."""

@@ -103,24 +103,20 @@ def test_only_the_api_imports_actors() -> None:
     assert importers == ["raytrec.api"]
 
 
-#: Modules of actors/ that still hold the whole coordinator (``job: Coordinator``) rather than
-#: narrow ports (actors/ports.py): each is to be given the calls, events and clock it needs.
-HOLD_THE_COORDINATOR = {
-    "actors.gang_placement",
-    "actors.recovery",
-}
 #: The fault-space harness builds a coordinator over the fake worker group and checks its state.
 HARNESS = {"actors.fault_invariants", "actors.fault_space"}
 
 
 def test_no_component_holds_the_coordinator() -> None:
+    """The parts of the job see it through narrow ports (actors/ports.py), not the coordinator:
+    no module of actors/ imports it, not even for type checking."""
     graph = import_graph(type_only_too=True)
     holders = {
         m
         for m, deps in graph.items()
         if m.startswith("actors.") and m != "actors.coordinator" and "actors.coordinator" in deps
     }
-    assert holders == HOLD_THE_COORDINATOR | HARNESS
+    assert holders == HARNESS
 
 
 def modules_over(root: pathlib.Path, limit: int, allowed: Iterable[str] = ()) -> dict[str, int]:
