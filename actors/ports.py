@@ -18,10 +18,10 @@ from actors.job import JobView, Outcome
 from raytrec.elastic.boundary import JobState
 from raytrec.elastic.events import Event
 from raytrec.elastic.rank_protocol import RankProtocol
-from raytrec.elastic.report import RankInfo
+from raytrec.elastic.report import RankInfo, RankReport
 from raytrec.elastic.workers import Clock, NodeInfo, RankCallError
 
-__all__ = ["JobPorts", "RankAnswers", "RankCalls"]
+__all__ = ["Booking", "JobPorts", "RankAnswers", "RankCalls"]
 
 R = TypeVar("R")
 
@@ -43,6 +43,14 @@ class RankAnswers(Protocol):
     def __call__(
         self, ranks: list[int], invoke: Callable[[RankProtocol, int], R], /
     ) -> tuple[dict[int, R], RankCallError | None]: ...
+
+
+class Booking(Protocol):
+    """Books ranks' reports; ``completed_through``: the syncs up to it completed everywhere."""
+
+    def __call__(
+        self, reports: list[RankReport], /, *, completed_through: int | None = None
+    ) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,8 +83,8 @@ class JobPorts:
     build: Callable[[list[int]], list[RankInfo]]
     #: Joins the live ranks to the membership's replica planes and sync plan (``reason``).
     new_generation: Callable[[str], None]
-    #: Books ranks' reports (``completed_through``: syncs up to it completed everywhere).
-    account: Callable[..., None]
+    #: Books ranks' reports.
+    account: Booking
     #: The live ranks, gang by gang.
     ranks_in_gang_order: Callable[[], list[int]]
     #: The clock's monotonic time as the event log's time.

@@ -24,9 +24,6 @@ import actors.coordinator
 import actors.gang_placement
 import actors.recovery
 from actors.coordinator import Coordinator
-from actors.fault_invariants import check_invariants
-from actors.fault_schedule import Settings
-from actors.fault_space import parquet_shards
 from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
 from raytrec.data.synthetic import batch_id, split_batch_id
@@ -70,6 +67,9 @@ from raytrec.testing.fake_faults import (
     SlowRank,
 )
 from raytrec.testing.fake_group import FakeWorkerGroup
+from simulation.fault_invariants import check_invariants
+from simulation.fault_schedule import Settings
+from simulation.fault_space import parquet_shards
 
 BUILD_S = 1.0  # the fake's build time: training starts then
 STEP_S = 0.1
@@ -564,7 +564,7 @@ def test_the_scale_benchmark_measures_every_kind_of_decision() -> None:
     assert len(run.interval_cpu_ms) == len(run.rows) - 1 > 10
 
 
-# -- found by the fault-space simulation (actors.fault_space) ------------------------
+# -- found by the fault-space simulation (simulation.fault_space) ------------------------
 
 
 def test_a_joining_gang_lost_while_it_heals_on_re_shared_rows_is_placed_again(

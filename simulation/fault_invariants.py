@@ -1,4 +1,4 @@
-"""What must hold after a fault schedule's job ended (:mod:`actors.fault_space`): every batch
+"""What must hold after a fault schedule's job ended (:mod:`simulation.fault_space`): every batch
 trained is in the final model once, none lost, each stream a gap-free prefix, replicas identical,
 and with Parquet read by index every row of the job's data trained once.
 """
@@ -10,9 +10,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from actors.fault_schedule import BATCH_SIZE, Settings
 from raytrec.data.synthetic import split_batch_id
 from raytrec.testing.fake_group import FakeWorkerGroup
+from simulation.fault_schedule import BATCH_SIZE, Settings
 
 if TYPE_CHECKING:
     from actors.coordinator import Coordinator
