@@ -8,7 +8,8 @@ its copy is the job's state, with the batch accounting, which a rebuild after a 
 resume rewinds to. A resume loads the checkpoint into every gang, resharded to this job's shape,
 and continues the saved data streams on any number of ranks. It sees the job through
 :class:`~actors.ports.JobPorts`: the point a total loss goes back to and the last save's step and
-time are an outcome (:class:`~actors.job.PointSaved`) the loop applies.
+time are an outcome (:class:`~actors.job.PointSaved`) that a save or a restore returns and the
+loop applies.
 """
 
 from __future__ import annotations
@@ -69,9 +70,10 @@ class JobCheckpoints:
             step=int(extra["step"]),
         )
 
-    def restore(self, uri: str, starts: dict[int, StreamStart] | None) -> None:
+    def restore(self, uri: str, starts: dict[int, StreamStart] | None) -> PointSaved:
         """Every gang loads the checkpoint (resharded to this job's shape); step counters go to
-        its step, and each rank's stream to ``starts`` (else its own shard at that step)."""
+        its step, and each rank's stream to ``starts`` (else its own shard at that step).
+        Returns the point a total loss now goes back to, for the loop to apply."""
         job = self.job
         ranks = job.live_ranks()
         if starts is None:
@@ -89,16 +91,17 @@ class JobCheckpoints:
             if not self.streams.reshare(job.ranks_in_gang_order()):  # rows left uneven
                 self.streams.queue_replays(starts)
         point = RollbackPoint(uri=uri, step=step, accounting=self.accounting_snapshot())
-        job.apply(PointSaved(point, at=saved_at))
         job.record(
             CheckpointRestored(
                 at=job.now(), step=step, uri=uri, saved_step=step, saved_generation=generation
             )
         )
+        return PointSaved(point, at=saved_at)
 
-    def save(self) -> None:
+    def save(self) -> PointSaved:
         """Saves a checkpoint (a :class:`~raytrec.elastic.decisions.Checkpoint` decided here):
-        one gang writes, after a job-wide sync (so its copy is the job's state)."""
+        one gang writes, after a job-wide sync (so its copy is the job's state). Returns the
+        point a total loss now goes back to and the save's time, for the loop to apply."""
         cfg, job = self.config, self.job
         job.sync()
         writer = list(job.view.membership.gangs[0].job_ranks)
@@ -118,8 +121,9 @@ class JobCheckpoints:
         )
         self.last = refs[0][1]
         point = RollbackPoint(uri=refs[0][1], step=step, accounting=accounting)
-        job.apply(PointSaved(point, at=job.clock.monotonic()))
+        saved = PointSaved(point, at=job.clock.monotonic())
         job.record(CheckpointSaved(at=job.now(), step=step, uri=refs[0][1]))
+        return saved
 
     def metrics(self) -> dict[str, float]:
         """The metrics of the interval that ended at the job's step (the held-out ones when an

@@ -192,7 +192,9 @@ class Coordinator:
         self._call, self.answers = self.calls.call, self.calls.answers
         # The parts of the job with state of their own, each in its module: where the ranks
         # run, where they read, gangs being added, drains, failures, the rebuild after a total
-        # loss, and checkpoints. The decisions they carry out are made in raytrec.elastic.
+        # loss, and checkpoints. They get these ports (not the coordinator) and the peers they
+        # call; what they change in self.state are outcomes that self.apply applies. The
+        # decisions they carry out are made in raytrec.elastic.
         self.ports = JobPorts(
             call=self._call,
             live_ranks=self._live_ranks,
@@ -332,7 +334,7 @@ class Coordinator:
         if self.resume_from is not None:
             infos = self._build(sorted(self.placement.started))
             self._new_generation(reason="job started")
-            self.checkpoints.restore(self.resume_from, starts)
+            self.apply(self.checkpoints.restore(self.resume_from, starts))
             self.growth.request()
             return infos
         # A rank lost while the job starts is a loss like any other: its gang is dropped and
@@ -729,7 +731,7 @@ class Coordinator:
         for decision in decide(self.job_state(), seen, self.clock.monotonic()):
             match decision:
                 case Checkpoint():
-                    self.checkpoints.save()
+                    self.apply(self.checkpoints.save())
 
     # -- one interval -------------------------------------------------------------------------
 
