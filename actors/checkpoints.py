@@ -1,38 +1,54 @@
 """Checkpoints of a running job: when to save, saving, and starting from one.
 
-:class:`JobCheckpoints` is a part of :class:`~actors.coordinator.Coordinator` with state of its own
-(the last save's step and time, the last checkpoint). When to save is a
-:class:`~raytrec.elastic.decisions.Checkpoint` of :func:`~raytrec.elastic.boundary.decide` (the
-rule: :func:`~raytrec.checkpoint.config.save_decision`); one gang writes after a job-wide sync, so
+:class:`JobCheckpoints` is a part of the job with state of its own (the last checkpoint saved).
+When to save is a :class:`~raytrec.elastic.decisions.Checkpoint` of
+:func:`~raytrec.elastic.boundary.decide` (the rule:
+:func:`~raytrec.checkpoint.config.save_decision`); one gang writes after a job-wide sync, so
 its copy is the job's state, with the batch accounting, which a rebuild after a total loss or a
-resume rewinds to. A resume loads the checkpoint into every gang, resharded to this job's shape, and
-continues the saved data streams on any number of ranks.
+resume rewinds to. A resume loads the checkpoint into every gang, resharded to this job's shape,
+and continues the saved data streams on any number of ranks. It sees the job through
+:class:`~actors.ports.JobPorts`: the point a total loss goes back to and the last save's step and
+time are an outcome (:class:`~actors.job.PointSaved`) that a save or a restore returns and the
+loop applies.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from raytrec.checkpoint.config import SCORE_ATTRIBUTES, checkpoint_root
+from actors.job import PointSaved, Rewound
+from actors.ports import JobPorts
+from actors.reshare import DataStreams
+from raytrec.checkpoint.config import SCORE_ATTRIBUTES, CheckpointConfig, checkpoint_root
 from raytrec.elastic.decisions import RollbackPoint
 from raytrec.elastic.events import CheckpointRestored, CheckpointSaved
 from raytrec.elastic.rollback import StreamStart
-
-if TYPE_CHECKING:
-    from actors.coordinator import Coordinator
+from raytrec.observability.metrics import IntervalMetrics
 
 __all__ = ["JobCheckpoints"]
 
 
 class JobCheckpoints:
-    """Saves and restores the job's checkpoints (module doc)."""
+    """Saves and restores the job's checkpoints (module doc). ``progress``: the job's metrics
+    rows so far."""
 
-    def __init__(self, job: Coordinator) -> None:
+    def __init__(
+        self,
+        job: JobPorts,
+        *,
+        run_dir: str,
+        config: CheckpointConfig,
+        streams: DataStreams,
+        progress: Callable[[], Sequence[IntervalMetrics]],
+    ) -> None:
         self.job = job
-        self.root = checkpoint_root(job.run_dir)
+        self.config = config
+        self.streams = streams
+        self.progress = progress
+        self.root = checkpoint_root(run_dir)
         self.last: str | None = None  # the last checkpoint this run saved
-        self.last_save = (0, job.clock.monotonic())  # (step, clock) of the last save (or start)
 
     def resume_streams(self, uri: str) -> dict[int, StreamStart] | None:
         """Where each rank of this job reads after resuming from ``uri``: the checkpoint's own
@@ -45,78 +61,75 @@ class JobCheckpoints:
 
         extra = read_manifest(uri).extra
         snapshot = extra.get("accounting")
-        if self.job._stream_id is None or not snapshot or snapshot.get("streams") is None:
+        if self.streams.stream_id is None or not snapshot or snapshot.get("streams") is None:
             return None
-        return self.job.streams.rewind_to(
+        return self.streams.rewind_to(
             snapshot,
-            order=self.job._ranks_in_gang_order(),
-            gang_ids=self.job.membership.gang_ids,
+            order=self.job.ranks_in_gang_order(),
+            gang_ids=self.job.view.membership.gang_ids,
             step=int(extra["step"]),
         )
 
-    def restore(self, uri: str, starts: dict[int, StreamStart] | None) -> None:
+    def restore(self, uri: str, starts: dict[int, StreamStart] | None) -> PointSaved:
         """Every gang loads the checkpoint (resharded to this job's shape); step counters go to
-        its step, and each rank's stream to ``starts`` (else its own shard at that step)."""
-        ranks = self.job._live_ranks()
+        its step, and each rank's stream to ``starts`` (else its own shard at that step).
+        Returns the point a total loss now goes back to, for the loop to apply."""
+        job = self.job
+        ranks = job.live_ranks()
         if starts is None:
-            loaded = self.job._call(ranks, lambda w, _r: w.load_checkpoint(uri))
+            loaded = job.call(ranks, lambda w, _r: w.load_checkpoint(uri))
         else:
-            loaded = self.job._call(ranks, lambda w, r: w.load_checkpoint(uri, starts[r].at))
+            loaded = job.call(ranks, lambda w, r: w.load_checkpoint(uri, starts[r].at))
         step, generation = loaded[0]["step"], loaded[0]["generation"]
-        self.job.step = step
-        self.last_save = (step, self.job.clock.monotonic())
+        job.apply(Rewound(step, synced=True))
+        saved_at = job.clock.monotonic()
         if starts is None:
             for r in ranks:
-                self.job.accounting.restart(r, at=step)
+                job.view.accounting.restart(r, at=step)
         else:
-            self.job.streams.continue_streams(starts, gang_of=self.job._gang_of, step=step)
-            if not self.job.streams.reshare(self.job._ranks_in_gang_order()):  # rows left uneven
-                self.job.streams.queue_replays(starts)
-        self.job.membership = self.job.membership.synced(step)
-        self.job.total_loss.point = RollbackPoint(
-            uri=uri, step=step, accounting=self.accounting_snapshot()
-        )
-        self.job.events.append(
+            self.streams.continue_streams(starts, gang_of=job.gang_of, step=step)
+            if not self.streams.reshare(job.ranks_in_gang_order()):  # rows left uneven
+                self.streams.queue_replays(starts)
+        point = RollbackPoint(uri=uri, step=step, accounting=self.accounting_snapshot())
+        job.record(
             CheckpointRestored(
-                at=self.job._now(), step=step, uri=uri, saved_step=step, saved_generation=generation
+                at=job.now(), step=step, uri=uri, saved_step=step, saved_generation=generation
             )
         )
+        return PointSaved(point, at=saved_at)
 
-    def save(self) -> None:
+    def save(self) -> PointSaved:
         """Saves a checkpoint (a :class:`~raytrec.elastic.decisions.Checkpoint` decided here):
-        one gang writes, after a job-wide sync (so its copy is the job's state)."""
-        cfg = self.job.cfg.checkpoint
-        if self.job.membership.last_sync_step != self.job.step:
-            self.job._call(self.job._live_ranks(), lambda w, _r: w.sync())
-            self.job._commit_all()
-        writer = list(self.job.membership.gangs[0].job_ranks)
+        one gang writes, after a job-wide sync (so its copy is the job's state). Returns the
+        point a total loss now goes back to and the save's time, for the loop to apply."""
+        cfg, job = self.config, self.job
+        job.sync()
+        writer = list(job.view.membership.gangs[0].job_ranks)
         # The accounting goes into the checkpoint: a rebuild from it rewinds to this state.
         accounting = self.accounting_snapshot()
+        step, m = job.step(), job.view.membership
         extra = {
-            "step": self.job.step,
-            "gangs": self.job.membership.num_gangs,
+            "step": step,
+            "gangs": m.num_gangs,
             "accounting": accounting,
             "metrics": self.metrics(),
         }
-        generation, num_gangs = self.job.membership.generation, self.job.membership.num_gangs
-        refs = self.job._call(
+        generation, num_gangs = m.generation, m.num_gangs
+        refs = job.call(
             writer,
             lambda w, _r: w.save_checkpoint(self.root, generation, extra, cfg, num_gangs),
         )
         self.last = refs[0][1]
-        self.job.total_loss.point = RollbackPoint(
-            uri=refs[0][1], step=self.job.step, accounting=accounting
-        )
-        self.last_save = (self.job.step, self.job.clock.monotonic())
-        self.job.events.append(
-            CheckpointSaved(at=self.job._now(), step=self.job.step, uri=refs[0][1])
-        )
+        point = RollbackPoint(uri=refs[0][1], step=step, accounting=accounting)
+        saved = PointSaved(point, at=job.clock.monotonic())
+        job.record(CheckpointSaved(at=job.now(), step=step, uri=refs[0][1]))
+        return saved
 
     def metrics(self) -> dict[str, float]:
         """The metrics of the interval that ended at the job's step (the held-out ones when an
         evaluation ran there): what ranks a checkpoint (``checkpoint_score_attribute``)."""
-        rows = self.job.progress()
-        if not rows or rows[-1].step != self.job.step:
+        rows = self.progress()
+        if not rows or rows[-1].step != self.job.step():
             return {}
         row = rows[-1]
         values = {k: getattr(row, k) for k in SCORE_ATTRIBUTES}
@@ -125,7 +138,7 @@ class JobCheckpoints:
     def accounting_snapshot(self) -> dict[str, Any]:
         """The batch accounting (and the table of re-shared streams its positions name) as
         JSON, for a checkpoint and for a rewind to it."""
-        snapshot = self.job.accounting.snapshot(self.job._ranks_in_gang_order())
-        if self.job.streams.table is not None:
-            snapshot["streams_table"] = self.job.streams.table.to_json()
+        snapshot = self.job.view.accounting.snapshot(self.job.ranks_in_gang_order())
+        if self.streams.table is not None:
+            snapshot["streams_table"] = self.streams.table.to_json()
         return snapshot

@@ -34,16 +34,18 @@ import dataclasses
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from torchrec.distributed.types import ShardingPlan
 
 from actors.checkpoints import JobCheckpoints
+from actors.control_calls import ControlCalls
 from actors.drain import GangDrain
 from actors.evaluation import JobEvaluation
 from actors.gang_placement import JobPlacement
 from actors.growth import GangGrowth
+from actors.job import Booked, Committed, JobRecord, Outcome, Prepared, apply_outcome
 from actors.nodes import JobNodes
 from actors.ports import JobPorts
 from actors.recovery import Dispatched, FailureRecovery, IntervalOutcome
@@ -74,17 +76,14 @@ from raytrec.elastic.events import (
     JobFailed,
     ResourcesWaited,
 )
-from raytrec.elastic.heal import failed_heals, replicas_disagree
+from raytrec.elastic.heal import replicas_disagree
 from raytrec.elastic.membership import Membership
-from raytrec.elastic.rank_protocol import RankProtocol, StateDigest
+from raytrec.elastic.rank_protocol import StateDigest
 from raytrec.elastic.report import RankInfo, RankReport, RunSummary
 from raytrec.elastic.workers import (
-    Answer,
     Clock,
     RankCallError,
     RankFailed,
-    RankLost,
-    RankTimedOut,
     SystemClock,
     WorkerGroup,
 )
@@ -150,14 +149,22 @@ class Coordinator:
         self.features = features  # the row layout trained on, saved with the model
         self.elastic = config.elastic
         self.topology = config.scaling.topology()
-        self.membership = Membership.initial(self.topology)
-        self.max_gangs = self.elastic.resolved_max_gangs(self.topology.num_gangs)
-        self.step = 0
-        # The step the job's data ends at: num_steps, or for a re-shared source the end of its
-        # rows (earlier when the data holds fewer batches, later after a gang is lost).
-        self.end_step = self.num_steps
-        if table is not None:
-            self.end_step = min(self.num_steps, table.length(0))
+        replayable = all(s.replayable for s in shards)
+        self._stream_id = batch_id if replayable else None
+        membership = Membership.initial(self.topology)
+        # The state the job's parts share (actors/job.py): only the loop changes it (apply).
+        self.state = JobRecord(
+            membership=membership,
+            step=0,
+            # The step the job's data ends at: num_steps, or for a re-shared source the end of
+            # its rows (earlier when the data holds fewer batches, later after a gang is lost).
+            end_step=self.num_steps if table is None else min(self.num_steps, table.length(0)),
+            max_gangs=self.elastic.resolved_max_gangs(self.topology.num_gangs),
+            accounting=BatchAccounting(
+                membership.gang_ids, stream_id=self._stream_id, batch_size=config.data.batch_size
+            ),
+            last_save=(0, self.clock.monotonic()),
+        )
         self.first_batch_s = 0.0
         self.events = EventLog()
         self._t0 = self.clock.monotonic()
@@ -166,33 +173,48 @@ class Coordinator:
         self._lock = threading.Lock()
         self._store_address: StoreAddress | None = None
         self._infos: dict[int, RankInfo] = {}  # job rank -> what its build returned
-        replayable = all(s.replayable for s in shards)
-        self._stream_id = batch_id if replayable else None
-        self.accounting = BatchAccounting(
-            self.membership.gang_ids, stream_id=self._stream_id, batch_size=config.data.batch_size
-        )
         self._stop = threading.Event()  # a stop was asked for (request_stop)
         self._seq = 0  # the last train call's number
-        self._ready = 0  # batches every live rank holds prepared beyond the job's step
         # Intervals in flight at once: the running one and one queued behind it, unless the
         # gangs may drift apart between syncs (hierarchical levels with dense state synced on
         # the schedule): then a survivor of a failure could be a whole interval further on
         # than the others, and the job sends the next interval only after the last one.
         hierarchical = bool(config.sync.levels) and config.sync.dense != "every_step"
         self._depth = 1 if hierarchical else 2
+        # Control calls wait for every rank; building a gang's ranks on a loaded machine, or the
+        # data pipeline's first batches, can take minutes.
+        self.calls = ControlCalls(
+            self.group,
+            self.clock,
+            timeout_s=max(self.elastic.step_timeout_s, RENDEZVOUS_TIMEOUT_S),
+            on_lost=lambda rank, pending: self.recovery.release(rank, pending),
+        )
+        self._call, self.answers = self.calls.call, self.calls.answers
         # The parts of the job with state of their own, each in its module: where the ranks
         # run, where they read, gangs being added, drains, failures, the rebuild after a total
-        # loss, and checkpoints. The decisions they carry out are made in raytrec.elastic.
+        # loss, and checkpoints. They get these ports (not the coordinator) and the peers they
+        # call; what they change in self.state are outcomes that self.apply applies. The
+        # decisions they carry out are made in raytrec.elastic.
         self.ports = JobPorts(
             call=self._call,
             live_ranks=self._live_ranks,
             gang_of=self._gang_of,
-            step=lambda: self.step,
+            step=lambda: self.state.step,
             sync=self._sync_unless_synced,
             record=self.events.append,
             now=self._now,
             clock=self.clock,
             cluster_nodes=self.group.nodes,
+            view=self.state,
+            apply=self.apply,
+            answers=self.answers,
+            build=self._build,
+            new_generation=lambda reason: self._new_generation(reason=reason),
+            account=self._account,
+            ranks_in_gang_order=self._ranks_in_gang_order,
+            at=self._at,
+            job_state=self.job_state,
+            stop_asked=self._stop_asked,
         )
         # Held-out evaluation (raytrec.eval_plan): its shard and plan, when configured.
         self.evaluation = (
@@ -200,14 +222,71 @@ class Coordinator:
             if evaluation is None
             else JobEvaluation(*evaluation, config=config.eval, job=self.ports)
         )
-        self.placement = JobPlacement(self)
         self.nodes = JobNodes(self.ports)
-        self.streams = DataStreams(self, table)
-        self.growth = GangGrowth(self)
-        self.drains = GangDrain(self)
-        self.recovery = FailureRecovery(self)
-        self.total_loss = TotalLossRecovery(self)
-        self.checkpoints = JobCheckpoints(self)
+        self.placement = JobPlacement(
+            self.ports,
+            run_dir=run_dir,
+            config=config,
+            plan=plan,
+            num_dense=num_dense,
+            model_factory=model_factory,
+            features=features,
+            store=lambda: self._store_address,
+            group=self.group,
+            nodes=self.nodes,
+        )
+        self.streams = DataStreams(
+            self.ports,
+            table,
+            shards=shards,
+            new_shard=new_shard,
+            stream_id=self._stream_id,
+            batch_size=config.data.batch_size,
+        )
+        self.growth = GangGrowth(
+            self.ports,
+            config=config,
+            group=self.group,
+            placement=self.placement,
+            nodes=self.nodes,
+            streams=self.streams,
+            new_shard=new_shard,
+        )
+        self.drains = GangDrain(
+            self.ports,
+            run_dir=run_dir,
+            streams=self.streams,
+            draining_nodes=self.group.draining_nodes,
+            kill_gang=self.placement.kill_gang,
+            fit_growth=self.growth.fit_to_cap,
+            request_growth=self.growth.request,
+        )
+        self.total_loss = TotalLossRecovery(
+            self.ports,
+            topology=self.topology,
+            streams=self.streams,
+            nodes=self.nodes,
+            place_job=self.placement.place_job,
+            shutdown=self.shutdown,
+            request_growth=self.growth.request,
+        )
+        self.recovery = FailureRecovery(
+            self.ports,
+            config=config,
+            group=self.group,
+            placement=self.placement,
+            nodes=self.nodes,
+            streams=self.streams,
+            total_loss=self.total_loss,
+            request_growth=self.growth.request,
+        )
+        self.checkpoints = JobCheckpoints(
+            self.ports,
+            run_dir=run_dir,
+            config=config.checkpoint,
+            streams=self.streams,
+            progress=self.progress,
+        )
 
     # -- queries (answered while run() is in progress) ----------------------
 
@@ -249,24 +328,24 @@ class Coordinator:
                 self.shards[rank] if starts is None else self.streams.shard_of(starts[rank].shard)
             )
 
-        refused = self.placement.place_job(self.membership.gangs, shard_of)
+        refused = self.placement.place_job(self.state.membership.gangs, shard_of)
         if refused is not None:
             raise ConfigError(refused)
         if self.resume_from is not None:
             infos = self._build(sorted(self.placement.started))
             self._new_generation(reason="job started")
-            self.checkpoints.restore(self.resume_from, starts)
+            self.apply(self.checkpoints.restore(self.resume_from, starts))
             self.growth.request()
             return infos
         # A rank lost while the job starts is a loss like any other: its gang is dropped and
         # the others start on (or, with no gang left, the job fails as a total loss does).
-        for _ in range(self.max_gangs + 2):
+        for _ in range(self.state.max_gangs + 2):
             try:
-                if self.membership.generation == 0 and not self._infos:
+                if self.state.membership.generation == 0 and not self._infos:
                     self._build(sorted(self.placement.started))
                     self._new_generation(reason="job started")
                 self._call(self._live_ranks(), lambda w, _r: w.broadcast_state(0))  # gang 0's state
-                differ = self._start_copies_differ()
+                differ = self.recovery.start_copies_differ()
                 if not differ:
                     break
                 # A gang whose copy of gang 0's state came out different is dropped (and
@@ -296,7 +375,7 @@ class Coordinator:
         t0 = clock.perf_counter()
         prepared = True
         try:
-            n = min(every, self.end_step)
+            n = min(every, self.state.end_step)
             self._call(self._live_ranks(), lambda w, _r: w.prepare(n, first=True))
         except RankFailed as e:
             stopped_by = e.cause
@@ -308,7 +387,7 @@ class Coordinator:
         if stopped_by is None:
             stopped_by = self._train(prepared=prepared, train_start=train_start)
         # A job stopped before its first step trained nothing: no model to save.
-        trained = stopped_by is None or self.step > 0
+        trained = stopped_by is None or self.state.step > 0
         final = os.path.join(self.run_dir, "final_model") if trained else None
         for _ in range(MAX_TRANSIENT + 1):
             try:
@@ -321,7 +400,9 @@ class Coordinator:
                 self.recovery.recover_until_stable(
                     self.recovery.probe(e)
                 )  # lost at the very end: re-form
-                if stopped_by is None and self.step < self.end_step:  # rebuilt from a checkpoint
+                if (
+                    stopped_by is None and self.state.step < self.state.end_step
+                ):  # rebuilt from a checkpoint
                     stopped_by = self._train(prepared=False, train_start=train_start)
         else:
             raise JobFailedError("the job kept losing ranks while it finished")
@@ -330,7 +411,7 @@ class Coordinator:
             per_rank = table.template.plan(table.batch_size).num_steps
             if per_rank < self.num_steps:  # the job's rows were all the data had
                 stopped_by = RuntimeError(
-                    f"the data source ran out after {self.step} steps: its "
+                    f"the data source ran out after {self.state.step} steps: its "
                     f"{self.cfg.data.epochs} epoch(s) hold {per_rank} batches per rank, fewer "
                     f"than num_steps={self.num_steps} (every row was trained once); lower "
                     "num_steps or raise data.epochs"
@@ -351,18 +432,18 @@ class Coordinator:
         stopped_by: BaseException | None,
         ranks: list[RankInfo],
     ) -> RunSummary:
-        acc = self.accounting
+        acc = self.state.accounting
         return RunSummary(
             history=self.progress(),
             final_state_path=final,
-            steps=self.step,
+            steps=self.state.step,
             wall_s=self.clock.perf_counter() - self._started,
             ranks=ranks,
             state_digests=digests,
             stopped_by=stopped_by,
             first_batch_s=self.first_batch_s,
             events=EventLog(self.events),  # a copy: the job's own log goes on
-            generation=self.membership.generation,
+            generation=self.state.membership.generation,
             committed_batches=acc.committed(),
             committed_count=acc.committed_count(),
             committed_rows=acc.committed_rows if self._stream_id is not None else None,
@@ -384,15 +465,15 @@ class Coordinator:
         every = self.cfg.log_every
         stopped_by: BaseException | None = None
         stop: BaseException | None = None  # a rank could not prepare all it was asked to
-        self._ready = min(every, self.end_step - self.step) if prepared else 0
+        self.apply(Prepared(min(every, self.state.end_step - self.state.step) if prepared else 0))
         inflight: deque[Dispatched] = deque()  # sent, in order; the first one is running
-        while stopped_by is None and self.step < self.end_step:
+        while stopped_by is None and self.state.step < self.state.end_step:
             try:
                 if not inflight:
                     t0 = self.clock.perf_counter()  # the interval's time includes what precedes it
-                    n = min(every, self.end_step - self.step)
+                    n = min(every, self.state.end_step - self.state.step)
                     # Bad input, or the end of the data, in what is next; else a user's request.
-                    data_stop = str(stop) if stop is not None and self._ready < n else None
+                    data_stop = str(stop) if stop is not None and self.state.ready < n else None
                     halt = self._stopping(data_stop=data_stop, asked=self._stop_asked)
                     if halt is not None:
                         stopped_by = stop if halt.cause == "data" else StopRequested(halt.reason)
@@ -406,17 +487,17 @@ class Coordinator:
                         stopped_by = StopRequested(halt.reason)
                         break
                     # A join may have shared the rows left among more ranks: the end is sooner.
-                    n = min(every, self.end_step - self.step)
+                    n = min(every, self.state.end_step - self.state.step)
                     if n <= 0:
                         break
-                    if self._ready < n:
+                    if self.state.ready < n:
                         try:
                             self._prepare(self._live_ranks(), n)
                         except RankFailed as e:
                             stopped_by = e.cause  # bad input, or the end of the data
                             break
-                        self._ready = n
-                    inflight.append(self._dispatch(self.step, n, t0=t0))
+                        self.apply(Prepared(n))
+                    inflight.append(self._dispatch(self.state.step, n, t0=t0))
                 dispatched = inflight.popleft()
                 result = self.recovery.collect(dispatched)
             except RankCallError as e:
@@ -424,13 +505,14 @@ class Coordinator:
             if result.failed:
                 self.recovery.settle_queued(inflight, result)
                 self.recovery.recover_until_stable(result)
-                self._ready, stop = 0, None  # recovery may have re-opened the ranks' feeds
+                self.apply(Prepared(0))  # recovery may have re-opened the ranks' feeds
+                stop = None
                 continue
             # The interval's share of the timeline ends here; the next one's starts here.
             end = self.clock.perf_counter()
             reports = [result.reports[r] for r in sorted(result.reports)]
             step = max(r.step for r in reports)
-            self._ready = min(r.ready for r in reports)  # batches held beyond ``step``
+            self.apply(Prepared(min(r.ready for r in reports)))  # batches held beyond ``step``
             stop = next((r.stop for r in reports if r.stop is not None), stop)
             if inflight:
                 inflight[0] = dataclasses.replace(
@@ -443,14 +525,14 @@ class Coordinator:
             row = aggregate_interval(
                 reports,
                 wall_s=end - dispatched.t0,
-                generation=self.membership.generation,
-                gangs=self.membership.num_gangs,
+                generation=self.state.membership.generation,
+                gangs=self.state.membership.num_gangs,
                 elapsed_s=end - train_start,
                 auc=metrics.auc,
                 ne=metrics.ne,
                 at=self._now(),
             )
-            row = dataclasses.replace(row, end_step=self.end_step)
+            row = dataclasses.replace(row, end_step=self.state.end_step)
             if held_out is not None:
                 row = dataclasses.replace(
                     row,
@@ -467,8 +549,10 @@ class Coordinator:
                     if isinstance(decision, Stop):
                         self.evaluation.early_stopped(decision)
                         return EarlyStopped(decision.reason)  # nothing is queued after it
-            going_on = stop is None or self._ready >= min(every, self.end_step - self.step)
-            if not inflight and going_on and self.step < self.end_step:
+            going_on = stop is None or self.state.ready >= min(
+                every, self.state.end_step - self.state.step
+            )
+            if not inflight and going_on and self.state.step < self.state.end_step:
                 self._checkpoint()
         return stopped_by
 
@@ -480,21 +564,21 @@ class Coordinator:
             self._save_if_due(Observations(save=True))
         except RankCallError as e:
             self.recovery.recover_until_stable(self.recovery.probe(e))
-            self._ready = 0  # recovery may have re-opened the ranks' feeds
+            self.apply(Prepared(0))  # recovery may have re-opened the ranks' feeds
 
     def _top_up(self, inflight: deque[Dispatched], step: int) -> None:
         """Queues the intervals :func:`~raytrec.elastic.control.intervals_to_queue` allows
         behind the one running. ``step``: where the last interval collected ended."""
         boundary = Boundary(
             step=step,
-            end_step=self.end_step,
+            end_step=self.state.end_step,
             every=self.cfg.log_every,
             depth=self._depth,
-            ready=self._ready,
+            ready=self.state.ready,
             work_at_boundary=bool(self.growth.pending or self.growth.building)
             or self._stop_asked()
             or self._drain_due(),
-            live_gangs=self.membership.num_gangs,
+            live_gangs=self.state.membership.num_gangs,
             min_gangs=self.elastic.min_gangs,
         )
         end = inflight[-1].end if inflight else None
@@ -530,7 +614,7 @@ class Coordinator:
             return self.evaluation.run()
         except RankCallError as e:
             self.recovery.recover_until_stable(self.recovery.probe(e))
-            self._ready = 0  # recovery may have re-opened the ranks' feeds
+            self.apply(Prepared(0))  # recovery may have re-opened the ranks' feeds
             return None
 
     def _finish(
@@ -539,16 +623,19 @@ class Coordinator:
         """Ends on a job-wide sync, checks the replicas, saves the final model (none when
         ``final`` is None) and a checkpoint when the policy says so (``stopping``: the job stops
         on request)."""
-        if self.step % self.cfg.sync.sync_every or self.membership.last_sync_step != self.step:
+        if (
+            self.state.step % self.cfg.sync.sync_every
+            or self.state.membership.last_sync_step != self.state.step
+        ):
             self._call(
                 self._live_ranks(), lambda w, _r: w.sync()
             )  # end on a sync: every replica the same
-        self._commit_all()
+        self.apply(Committed())
         if checkpoint:
             self._save_if_due(Observations(save=True, final=True, stopping=stopping))
         digests = self._final_digests()
         if final is not None:
-            first_gang = self.membership.gangs[0]
+            first_gang = self.state.membership.gangs[0]
             self._call(list(first_gang.job_ranks), lambda w, _r: w.save(final))
         return digests
 
@@ -557,18 +644,18 @@ class Coordinator:
     def job_state(self) -> JobState:
         """The job's state values :func:`~raytrec.elastic.boundary.decide` reads."""
         return JobState(
-            membership=self.membership,
-            step=self.step,
-            end_step=self.end_step,
-            max_gangs=self.max_gangs,
+            membership=self.state.membership,
+            step=self.state.step,
+            end_step=self.state.end_step,
+            max_gangs=self.state.max_gangs,
             elastic=self.elastic,
             sync_every=self.cfg.sync.sync_every,
             transient=self.recovery.transient,
             within_host=self.topology.layout is Layout.REPLICAS_WITHIN_HOST,
             replayable=self._stream_id is not None,
-            point=self.total_loss.point,
+            point=self.state.point,
             checkpoint=self.cfg.checkpoint,
-            last_save=self.checkpoints.last_save,
+            last_save=self.state.last_save,
             evaluation=None if self.evaluation is None else self.evaluation.state(),
         )
 
@@ -621,15 +708,15 @@ class Coordinator:
                     return
                 case Fail():
                     self.events.append(
-                        JobFailed(at=self._now(), step=self.step, reason=decision.reason)
+                        JobFailed(at=self._now(), step=self.state.step, reason=decision.reason)
                     )
                     raise JobFailedError(decision.reason)
                 case Wait() if not waited:
                     self.events.append(
                         ResourcesWaited(
                             at=self._now(),
-                            step=self.step,
-                            live_gangs=self.membership.num_gangs,
+                            step=self.state.step,
+                            live_gangs=self.state.membership.num_gangs,
                             min_gangs=self.elastic.min_gangs,
                             deadline=decision.deadline,
                         )
@@ -644,7 +731,7 @@ class Coordinator:
         for decision in decide(self.job_state(), seen, self.clock.monotonic()):
             match decision:
                 case Checkpoint():
-                    self.checkpoints.save()
+                    self.apply(self.checkpoints.save())
 
     # -- one interval -------------------------------------------------------------------------
 
@@ -656,15 +743,11 @@ class Coordinator:
         is queued behind, still running. ``t0``: where the interval's wall-clock time starts
         (default: now; an interval sent early starts when the one before it is collected)."""
         self._seq += 1
-        ready = min(self._depth * self.cfg.log_every, self.end_step - start - n)
+        ready = min(self._depth * self.cfg.log_every, self.state.end_step - start - n)
         ranks = self._live_ranks()
         now = self.clock.monotonic()
         if after is None:
-            # Nothing was running: silence counts from now, not from the last interval's end
-            # (a checkpoint, a join or a recovery may have run in between).
-            for r in ranks:
-                step = self.recovery.progress.get(r, (self.step, now))[0]
-                self.recovery.progress[r] = (step, now)
+            self.recovery.quiet_since(ranks, now)  # nothing was running
         seq = self._seq
         refs = self.group.call(ranks, lambda w, _r: w.train(n, ready, seq=seq, after=after))
         return Dispatched(
@@ -689,32 +772,9 @@ class Coordinator:
             raise error
         return sorted((self._infos[r] for r in ranks), key=lambda x: x.rank)
 
-    def answers(
-        self, ranks: list[int], invoke: Callable[[RankProtocol, int], R]
-    ) -> tuple[dict[int, R], RankCallError | None]:
-        """Calls ``method`` on ``ranks``; returns the answers of those whose call returned, and
-        the first error (a timeout, naming the ranks stuck, before any other), so a caller
-        keeps what came back when some did not."""
-        futures = self.group.call(ranks, invoke)
-        error: RankCallError | None = None
-        try:
-            self._wait_all(futures)
-        except RankTimedOut as e:
-            error = e
-        stuck = set(error.ranks) if isinstance(error, RankTimedOut) else set()
-        answers: dict[int, R] = {}
-        for r in ranks:
-            if r in stuck:
-                continue
-            try:
-                answers[r] = self.group.result(futures[r])
-            except RankCallError as e:
-                error = error or e
-        return answers, error
-
     def _new_generation(self, *, reason: str) -> None:
         """Replica plane and sync plan of the current membership, on every live rank."""
-        m = self.membership
+        m = self.state.membership
         ranks = self._live_ranks()
         self._call(
             ranks,
@@ -727,7 +787,7 @@ class Coordinator:
         self.events.append(
             GenerationStarted(
                 at=self._now(),
-                step=self.step,
+                step=self.state.step,
                 generation=m.generation,
                 gang_ids=m.gang_ids,
                 reason=reason,
@@ -738,23 +798,23 @@ class Coordinator:
         """The generation's sync schedule over the live gangs, gangs on one host together."""
         locality = {
             g.gang_id: tuple(sorted({self.nodes.of_slot(s) for s in g.ranks}))
-            for g in self.membership.gangs
+            for g in self.state.membership.gangs
         }
         return plan_sync(
             self.cfg.sync,
-            generation=self.membership.generation,
-            live_gangs=self.membership.gang_ids,
+            generation=self.state.membership.generation,
+            live_gangs=self.state.membership.gang_ids,
             locality=locality,
         )
 
     def _live_ranks(self) -> list[int]:
-        return sorted(r for g in self.membership.gangs for r in g.job_ranks)
+        return sorted(r for g in self.state.membership.gangs for r in g.job_ranks)
 
     def _ranks_in_gang_order(self) -> list[int]:
-        return [r for g in self.membership.gangs for r in g.job_ranks]
+        return [r for g in self.state.membership.gangs for r in g.job_ranks]
 
     def _gang_of(self, rank: int) -> int:
-        gang = self.membership.gang_of_rank(rank)
+        gang = self.state.membership.gang_of_rank(rank)
         assert gang is not None, f"rank {rank} is in no live gang"
         return gang
 
@@ -767,55 +827,28 @@ class Coordinator:
 
     # -- accounting -----------------------------------------------------------------------------
 
-    def _start_copies_differ(self) -> dict[int, str]:
-        """After the start's broadcast of gang 0's state: the ranks whose state differs from
-        gang 0's (killed here), with why, as recovery takes them."""
-        first = self.membership.gangs[0].gang_id
-        others = [g.gang_id for g in self.membership.gangs[1:]]
-        ranks = self._live_ranks()
-        digests = dict(zip(ranks, self._call(ranks, lambda w, _r: w.state_digest()), strict=True))
-        failed = failed_heals(self.membership, peer=first, joined=others, digests=digests)
-        why = f"its state differed from gang {first}'s after the start's broadcast"
-        bad = {r: why for ranks in failed.values() for r in ranks}
-        for r in bad:
-            self.group.kill(r)
-        return bad
-
-    def make_room_for_replays(self) -> None:
-        """Replays come before a rank's own batches: after a loss in the last steps the job
-        goes on until every live rank has trained the replays it holds (an endless source;
-        a re-shared one sets its end when it shares the rows out)."""
-        streams = self.accounting.streams
-        if streams is None or self.streams.table is not None:
-            return
-        most = max((len(streams.position(r)[2]) for r in self._live_ranks()), default=0)
-        self.end_step = max(self.end_step, self.step + most)
-
     def _account(self, reports: list[RankReport], *, completed_through: int | None = None) -> None:
         """Books the ranks' trained batches; a job-wide sync among them commits."""
         sync = self.cfg.sync
-        last_sync = self.accounting.record(
+        last_sync = self.state.accounting.record(
             reports,
             gang_of=self._gang_of,
-            live_gangs=self.membership.gang_ids,
-            last_sync_step=self.membership.last_sync_step,
+            live_gangs=self.state.membership.gang_ids,
+            last_sync_step=self.state.membership.last_sync_step,
             is_job_wide_sync=lambda s: s % sync.sync_every == 0 or s <= sync.warmup_steps,
             completed_through=completed_through,
         )
-        if last_sync is not None:
-            self.membership = self.membership.synced(last_sync)
-        self.step = max((r.step for r in reports), default=self.step)
+        self.apply(Booked(max((r.step for r in reports), default=self.state.step), last_sync))
 
     def _sync_unless_synced(self) -> None:
         """A job-wide sync and its commit, unless the job synced at its step already."""
-        if self.membership.last_sync_step != self.step:
+        if self.state.membership.last_sync_step != self.state.step:
             self._call(self._live_ranks(), lambda w, _r: w.sync())
-            self._commit_all()
+            self.apply(Committed())
 
-    def _commit_all(self) -> None:
-        """A job-wide sync just completed: everything trained so far is in every replica."""
-        self.accounting.commit(self.membership.gang_ids)
-        self.membership = self.membership.synced(self.step)
+    def apply(self, outcome: Outcome) -> None:
+        """Applies a part's outcome to the job's shared state (:func:`actors.job.apply_outcome`)."""
+        apply_outcome(self.state, outcome)
 
     # -- end of job ---------------------------------------------------------------------------
 
@@ -823,7 +856,7 @@ class Coordinator:
         """Checks that the final sync left every replica of every shard identical."""
         ranks = self._live_ranks()
         digests = dict(zip(ranks, self._call(ranks, lambda w, _r: w.state_digest()), strict=True))
-        disagree = replicas_disagree(self.membership, digests)
+        disagree = replicas_disagree(self.state.membership, digests)
         if disagree is not None:
             raise RuntimeError(disagree)
         return digests
@@ -831,50 +864,8 @@ class Coordinator:
     def shutdown(self) -> None:
         """Ends every rank actor and releases every placement group, pending ones included."""
         self.placement.shutdown()
-
-    # -- helpers ----------------------------------------------------------------
-
-    def _call(self, ranks: list[int], invoke: Callable[[RankProtocol, int], R]) -> list[R]:
-        """Calls one method on ``ranks`` (``invoke``, as in :meth:`WorkerGroup.call`) and
-        returns their answers in order; raises :class:`RankLost` or :class:`RankFailed` for
-        the first rank whose call failed."""
-        futures = self.group.call(ranks, invoke)
-        self._wait_all(futures)
-        return [self.group.result(futures[r]) for r in ranks]
+        self.growth.shutdown()
 
     def _prepare(self, ranks: list[int], n: int) -> None:
         """Has ``ranks`` read ``n`` batches ahead."""
         self._call(ranks, lambda w, _r: w.prepare(n))
-
-    def _wait_all(self, futures: Mapping[int, Answer[Any]]) -> None:
-        """Waits for every answer of a control call; raises :class:`RankTimedOut` naming the
-        ranks whose answer did not come (recovery counts them as hung)."""
-        # Control calls (build, join, sync, prepare, recover) are not what hang detection
-        # watches (that is _collect's job); building a gang's ranks on a loaded machine,
-        # or the data pipeline's first batches, can take minutes.
-        timeout = max(self.elastic.step_timeout_s, RENDEZVOUS_TIMEOUT_S)
-        deadline = self.clock.monotonic() + timeout
-        pending = dict(futures)
-        rank_of = {id(f): r for r, f in futures.items()}
-        while pending:
-            left = max(0.0, deadline - self.clock.monotonic())
-            ready = self.group.wait(list(pending.values()), num_returns=1, timeout=left)
-            if not ready:
-                stuck = sorted(pending)
-                method = next(iter(futures.values())).method
-                raise RankTimedOut(
-                    stuck,
-                    f"{method} did not return on ranks {stuck} of {sorted(futures)} "
-                    f"within {timeout:g}s",
-                )
-            for future in ready:
-                rank = rank_of[id(future)]
-                pending.pop(rank, None)
-                try:
-                    self.group.result(future)
-                except RankLost:
-                    # Its gang peers and the other gangs' replica collectives are released
-                    # now; their calls then end at once (failed), not at the timeout.
-                    self.recovery.release(rank, set(pending))
-                except RankFailed:
-                    pass  # raised to the caller below, with the others' answers in

@@ -12,38 +12,55 @@ generation starts. No row is lost or trained twice.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection
 
+from actors.job import CapChanged, Committed, GangsDropped, Prepared
+from actors.ports import JobPorts
+from actors.reshare import DataStreams
 from raytrec.elastic.decisions import Drain
 from raytrec.elastic.drain_policy import REQUEST_FILE, DrainRequest, read_request
 from raytrec.elastic.events import DrainRejected, GangDrained
 from raytrec.errors import ConfigError
 
-if TYPE_CHECKING:
-    from actors.coordinator import Coordinator
-
 __all__ = ["GangDrain"]
 
 
 class GangDrain:
-    """Carries out drains at interval boundaries (module doc)."""
+    """Carries out drains at interval boundaries (module doc). Sees the job through ``job``;
+    ``draining_nodes``: the nodes the cluster is draining; ``kill_gang``: ends a gang's ranks
+    and placement; ``fit_growth``: gives back placement requested beyond the job's gang cap;
+    ``request_growth``: asks for the placement the job could still add."""
 
-    def __init__(self, job: Coordinator) -> None:
+    def __init__(
+        self,
+        job: JobPorts,
+        *,
+        run_dir: str,
+        streams: DataStreams,
+        draining_nodes: Callable[[], Collection[str]],
+        kill_gang: Callable[[int], None],
+        fit_growth: Callable[[], None],
+        request_growth: Callable[[], None],
+    ) -> None:
         self.job = job
+        self.run_dir = run_dir
+        self.streams = streams
+        self.draining_nodes = draining_nodes
+        self.kill_gang = kill_gang
+        self.fit_growth = fit_growth
+        self.request_growth = request_growth
 
     def request(self, *, take: bool) -> DrainRequest:
         """What is asked now: a user's request in the run directory and the nodes the cluster
         is draining. ``take``: a user's request is consumed (it is being carried out)."""
-        path = os.path.join(self.job.run_dir, REQUEST_FILE)
+        path = os.path.join(self.run_dir, REQUEST_FILE)
         try:
             request = read_request(path, remove=take)
         except ConfigError as e:  # a bad request must not stop a training job
             os.replace(path, f"{path}.rejected")
-            self.job.events.append(
-                DrainRejected(at=self.job._now(), step=self.job.step, reason=str(e))
-            )
+            self.job.record(DrainRejected(at=self.job.now(), step=self.job.step(), reason=str(e)))
             request = DrainRequest()
-        draining = self.job.group.draining_nodes()
+        draining = self.draining_nodes()
         if draining:
             request = request.merged(DrainRequest(nodes=frozenset(draining)))
         return request
@@ -52,44 +69,38 @@ class GangDrain:
         """Gives gangs back at this boundary (nothing in flight), as ``decision`` says: a
         job-wide sync commits their work, the rows they had not trained are shared again among
         the others, and their placement groups are released; no row is lost or trained twice."""
-        self.job.max_gangs = decision.max_gangs
+        job = self.job
+        job.apply(CapChanged(decision.max_gangs))
+        replay: dict[int, list[int]] = {}
         if decision.gangs:
-            self.job._call(self.job._live_ranks(), lambda w, _r: w.sync())
-            self.job._commit_all()
+            job.call(job.live_ranks(), lambda w, _r: w.sync())
+            job.apply(Committed())
             drained = list(decision.gangs)
-            survivors = [g for g in self.job.membership.gang_ids if g not in decision.gangs]
-            ranks = [r for g in drained for r in self.job.membership.gang(g).job_ranks]
+            m, acc = job.view.membership, job.view.accounting
+            survivors = [g for g in m.gang_ids if g not in decision.gangs]
+            ranks = [r for g in drained for r in m.gang(g).job_ranks]
             # They reported every batch up to this step and all of it is committed: this only
             # retires their streams where they stand, for the others or a later gang to go on.
-            self.job.accounting.lost_rank_reports(ranks, fail_step=self.job.step)
+            acc.lost_rank_reports(ranks, fail_step=job.step())
             # Replays queued for them and not read yet go to the others.
-            replay = self.job.recovery.drop(drained, survivors)
+            replay = acc.drop(drained, survivors, ranks_of=lambda g: m.gang(g).job_ranks)
             for gid in drained:
-                self.job.events.append(
-                    GangDrained(
-                        at=self.job._now(), step=self.job.step, gang_id=gid, reason=decision.reason
-                    )
+                job.record(
+                    GangDrained(at=job.now(), step=job.step(), gang_id=gid, reason=decision.reason)
                 )
-                self.job.placement.kill_gang(gid)
-            self.job.membership = self.job.membership.without(drained)
+                self.kill_gang(gid)
+            job.apply(GangsDropped(tuple(drained)))
         # Placement requested beyond the new cap is given back too.
-        while (
-            self.job.growth.pending
-            and self.job.membership.num_gangs
-            + len(self.job.growth.pending)
-            + len(self.job.growth.building)
-            > self.job.max_gangs
-        ):
-            self.job.group.release(self.job.growth.pending.pop())
+        self.fit_growth()
         if decision.gangs:
-            self.job._new_generation(reason=decision.reason)
-            if self.job.streams.reshare(self.job._ranks_in_gang_order()):
-                self.job._ready = 0  # new streams: every rank reads its share from the start
+            job.new_generation(decision.reason)
+            if self.streams.reshare(job.ranks_in_gang_order()):
+                job.apply(Prepared(0))  # new streams: every rank reads its share from the start
             elif replay:
-                acc = self.job.accounting
-                self.job._call(
+                acc = job.view.accounting
+                job.call(
                     sorted(replay), lambda w, r: w.replay(replay[r], acc.embedding_only(replay[r]))
                 )
-                self.job._ready = 0  # the replays come before what they had prepared
-                self.job.make_room_for_replays()
-        self.job.growth.request()
+                job.apply(Prepared(0))  # the replays come before what they had prepared
+                self.streams.make_room_for_replays()
+        self.request_growth()

@@ -1,12 +1,12 @@
 """Placing gangs and starting their ranks, and ending them.
 
-:class:`JobPlacement` is a part of :class:`~actors.coordinator.Coordinator` with state of its
-own: the placement group of every live gang (one for the whole job under
-``replicas_within_host``) and the job ranks whose actor was started and not yet ended. It places
-a whole job of the topology's shape (at the start, and again after a total loss), waiting for
-the cluster as :func:`~raytrec.elastic.boundary.decide` says, with a
-``placement_waiting`` event while it waits; it starts one rank actor per job rank and ends the
-actors and placement groups of gangs that are dropped, drained or given up.
+:class:`JobPlacement` is a part of the job with state of its own: the placement group of every
+live gang (one for the whole job under ``replicas_within_host``) and the job ranks whose actor was
+started and not yet ended. It places a whole job of the topology's shape (at the start, and again
+after a total loss), waiting for the cluster as :func:`~raytrec.elastic.boundary.decide` says,
+with a ``placement_waiting`` event while it waits; it starts one rank actor per job rank and ends
+the actors and placement groups of gangs that are dropped, drained or given up. It sees the job
+through :class:`~actors.ports.JobPorts`.
 """
 
 from __future__ import annotations
@@ -14,20 +14,24 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from torchrec.distributed.types import ShardingPlan
+
+from actors.nodes import JobNodes
+from actors.ports import JobPorts
 from raytrec.cluster.capacity import describe_bundles, describe_nodes
 from raytrec.cluster.placement import placement_specs, rank_resources
 from raytrec.cluster.topology import Layout
+from raytrec.config import TrainConfig
+from raytrec.data.spec import FeatureSpec
 from raytrec.elastic.boundary import Observations, PlacementSeen, decide
 from raytrec.elastic.decisions import Continue, Fail, Stop
 from raytrec.elastic.events import PlacementWaiting
 from raytrec.elastic.membership import Gang
-from raytrec.elastic.workers import Placement
-from raytrec.engine.rank_engine import RankSpec
-
-if TYPE_CHECKING:
-    from actors.coordinator import Coordinator
+from raytrec.elastic.workers import Placement, WorkerGroup
+from raytrec.engine.rank_engine import RankSpec, StoreAddress
+from raytrec.models import ModelFactory
 
 __all__ = ["PLACEMENT_REPORT_S", "JobPlacement"]
 
@@ -36,12 +40,36 @@ PLACEMENT_REPORT_S = 30.0
 
 
 class JobPlacement:
-    """The job's placement groups and started rank actors."""
+    """The job's placement groups and started rank actors. What a rank is started with:
+    ``config``, ``plan``, ``num_dense``, ``model_factory``, ``features`` and the job's store
+    (``store()``, once hosted)."""
 
-    def __init__(self, job: Coordinator) -> None:
+    def __init__(
+        self,
+        job: JobPorts,
+        *,
+        run_dir: str,
+        config: TrainConfig,
+        plan: ShardingPlan,
+        num_dense: int,
+        model_factory: ModelFactory,
+        features: FeatureSpec | None,
+        store: Callable[[], StoreAddress | None],
+        group: WorkerGroup,
+        nodes: JobNodes,
+    ) -> None:
         self.job = job
+        self.cfg = config
+        self.topology = config.scaling.topology()
+        self.plan = plan
+        self.num_dense = num_dense
+        self.model_factory = model_factory
+        self.features = features
+        self.store = store
+        self.group = group
+        self.nodes = nodes
         # Placement group names are unique in the Ray session: the run's name and a random tag.
-        self.prefix = f"{os.path.basename(job.run_dir)}-{secrets.token_hex(3)}"
+        self.prefix = f"{os.path.basename(run_dir)}-{secrets.token_hex(3)}"
         self.pgs: dict[int, Placement] = {}  # gang id -> its placement group
         self.started: set[int] = set()  # job ranks whose process was started and not ended
 
@@ -52,48 +80,52 @@ class JobPlacement:
         ``placement_waiting`` event says so every ``PLACEMENT_REPORT_S``; returns why it gave
         up (a :class:`~raytrec.elastic.decisions.Fail`), with nothing left behind, or None once
         placed."""
-        specs = placement_specs(self.job.topology, per_rank=self.per_rank())
+        specs = placement_specs(self.topology, per_rank=self.per_rank())
         # Names stay unique when a rebuilt job is placed again in a later generation.
-        suffix = f"-gen{self.job.membership.generation}" if self.job.membership.generation else ""
-        pgs = [self.job.group.place(s, name=f"{self.prefix}-{s.name}{suffix}") for s in specs]
+        suffix = (
+            f"-gen{self.job.view.membership.generation}"
+            if self.job.view.membership.generation
+            else ""
+        )
+        pgs = [self.group.place(s, name=f"{self.prefix}-{s.name}{suffix}") for s in specs]
         asked = describe_bundles(specs)
         since = self.job.clock.monotonic()
         while True:
             now = self.job.clock.monotonic()
-            left = since + self.job.elastic.resource_wait_s - now
+            left = since + self.cfg.elastic.resource_wait_s - now
             # At least three reports before giving up, however short the wait.
-            every = min(PLACEMENT_REPORT_S, self.job.elastic.resource_wait_s / 3)
-            ready = len(self.job.group.ready(pgs, timeout=max(0.0, min(every, left))))
+            every = min(PLACEMENT_REPORT_S, self.cfg.elastic.resource_wait_s / 3)
+            ready = len(self.group.ready(pgs, timeout=max(0.0, min(every, left))))
             now = self.job.clock.monotonic()
             seen = Observations(
                 placement=PlacementSeen(ready=ready == len(pgs), since=since, asked=asked),
-                stop_requested=self.job._stop_asked(),
+                stop_requested=self.job.stop_asked(),
             )
             (decision,) = decide(self.job.job_state(), seen, now)
             if isinstance(decision, Continue):
                 break
             if isinstance(decision, Fail | Stop):
                 for pg in pgs:
-                    self.job.group.release(pg)
+                    self.group.release(pg)
                 if isinstance(decision, Stop):  # `ray job stop` while it waited, say
                     return decision.reason
-                nodes = describe_nodes(self.job.group.nodes())
+                nodes = describe_nodes(self.group.nodes())
                 return f"{decision.reason}; the cluster's live nodes: {nodes}"
-            self.job.events.append(
+            self.job.record(
                 PlacementWaiting(
-                    at=self.job._now(),
-                    step=self.job.step,
+                    at=self.job.now(),
+                    step=self.job.step(),
                     waited_s=round(now - since, 1),
-                    wait_s=self.job.elastic.resource_wait_s,
+                    wait_s=self.cfg.elastic.resource_wait_s,
                     asked=asked,
-                    nodes=describe_nodes(self.job.group.nodes()),
+                    nodes=describe_nodes(self.group.nodes()),
                 )
             )
-        across = self.job.topology.layout is Layout.REPLICAS_ACROSS_HOSTS
+        across = self.topology.layout is Layout.REPLICAS_ACROSS_HOSTS
         for spec, pg in zip(specs, pgs, strict=True):
             for bundle, ranks in enumerate(spec.ranks):
                 for t in ranks:
-                    pos = self.job.topology.position(t)
+                    pos = self.topology.position(t)
                     gang = gangs[pos.gang]
                     self.pgs[gang.gang_id if across else -1] = pg  # within: one for the job
                     r = gang.ranks[pos.gang_rank].job_rank
@@ -101,7 +133,7 @@ class JobPlacement:
         return None
 
     def per_rank(self) -> dict[str, float]:
-        scaling = self.job.cfg.scaling
+        scaling = self.cfg.scaling
         return rank_resources(cpus_per_rank=scaling.cpus_per_rank, use_gpu=scaling.use_gpu)
 
     def start_rank(
@@ -117,49 +149,49 @@ class JobPlacement:
     ) -> None:
         """Starts rank ``rank``'s actor; ``account``: it trains from this step on (a gang built
         in the background is booked when it joins)."""
-        assert self.job._store_address is not None
+        store = self.store()
+        assert store is not None
         spec = RankSpec(
             rank=rank,
             gang=gang,
             gang_rank=gang_rank,
-            gang_size=self.job.topology.gang_size,
-            config=self.job.cfg,
-            plan=self.job.plan,
-            num_dense=self.job.num_dense,
-            store=self.job._store_address,
-            model_factory=self.job.model_factory,
-            timeout_s=self.job.elastic.collective_timeout_s,
-            features=self.job.features,
+            gang_size=self.topology.gang_size,
+            config=self.cfg,
+            plan=self.plan,
+            num_dense=self.num_dense,
+            store=store,
+            model_factory=self.model_factory,
+            timeout_s=self.cfg.elastic.collective_timeout_s,
+            features=self.features,
         )
-        self.job.group.start_rank(spec, shard, placement=pg, bundle=bundle)
+        self.group.start_rank(spec, shard, placement=pg, bundle=bundle)
         self.started.add(rank)
         if account:
-            self.job.accounting.add_rank(
-                rank, shard=getattr(shard, "index", rank), step=self.job.step
+            self.job.view.accounting.add_rank(
+                rank, shard=getattr(shard, "index", rank), step=self.job.step()
             )
-        else:
-            self.job.growth.shards_of_new[rank] = shard
+
+    def keep(self, gang_id: int, pg: Placement) -> None:
+        """The placement group of a gang placed by growth."""
+        self.pgs[gang_id] = pg
 
     def kill_gang(self, gang_id: int) -> None:
-        self.release(gang_id, self.job.membership.gang(gang_id).job_ranks)
+        self.release(gang_id, self.job.view.membership.gang(gang_id).job_ranks)
 
     def release(self, gang_id: int, ranks: Sequence[int]) -> None:
         """Kills the gang's rank actors and removes its placement group."""
         for r in ranks:
-            self.job.group.kill(r)
+            self.group.kill(r)
             self.started.discard(r)
-            self.job.nodes.forget(r)
+            self.nodes.forget(r)
         pg = self.pgs.pop(gang_id, None)
         if pg is not None:
-            self.job.group.release(pg)
+            self.group.release(pg)
 
     def shutdown(self) -> None:
         for r in sorted(self.started):
-            self.job.group.kill(r)
+            self.group.kill(r)
         self.started.clear()
-        for pg in [*self.pgs.values(), *self.job.growth.pending]:
-            self.job.group.release(pg)
+        for pg in self.pgs.values():
+            self.group.release(pg)
         self.pgs.clear()
-        self.job.growth.pending.clear()
-        self.job.growth.building.clear()
-        self.job.growth.shards_of_new.clear()

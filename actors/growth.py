@@ -10,21 +10,29 @@ broadcast of the full state from a live peer gang. The survivors pause only for 
 Below ``elastic.min_gangs`` training waits for placements, up to ``elastic.resource_wait_s``
 (the coordinator's loop, as :func:`~raytrec.elastic.boundary.decide` says).
 
-A part of the :class:`~actors.coordinator.Coordinator` with state of its own (the placements
-requested, the gangs being built and joining); it carries out the
+A part of the job with state of its own (the placements requested, the gangs being built); it
+sees the job through :class:`~actors.ports.JobPorts` and carries out the
 :class:`~raytrec.elastic.decisions.Grow` that :func:`~raytrec.elastic.boundary.decide` returns
 for the gangs built, and asks :func:`~raytrec.elastic.control.gangs_to_request` how much to keep
-pending and :func:`~raytrec.elastic.heal.failed_heals` whether each healed.
+pending and :func:`~raytrec.elastic.heal.failed_heals` whether each healed. The membership, the
+gangs joining and the ranks' prepared batches it changes are outcomes (:mod:`actors.job`) the
+loop applies.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
+from actors.gang_placement import JobPlacement
+from actors.job import Committed, GangsDropped, GangsJoined, Joining, Prepared, Reserved
+from actors.nodes import JobNodes
+from actors.ports import JobPorts
+from actors.reshare import DataStreams
 from raytrec.cluster.placement import placement_specs, rank_resources
 from raytrec.cluster.topology import Layout
+from raytrec.config import TrainConfig
 from raytrec.elastic.control import gangs_to_request
 from raytrec.elastic.decisions import Grow
 from raytrec.elastic.events import (
@@ -37,10 +45,7 @@ from raytrec.elastic.events import (
 from raytrec.elastic.heal import failed_heals
 from raytrec.elastic.membership import Gang
 from raytrec.elastic.report import RankInfo
-from raytrec.elastic.workers import Placement, RankCallError
-
-if TYPE_CHECKING:
-    from actors.coordinator import Coordinator
+from raytrec.elastic.workers import Placement, RankCallError, WorkerGroup
 
 __all__ = ["Building", "GangGrowth"]
 
@@ -54,43 +59,65 @@ class Building:
 
 
 class GangGrowth:
-    """Grows the coordinator's job by whole gangs (module doc). Owns the placements requested
-    for gangs not started yet, the gangs being built and the gangs joining; reads and changes
-    the job (membership, accounting, events) through the coordinator it is part of."""
+    """Grows the job by whole gangs (module doc). Owns the placements requested for gangs not
+    started yet, the gangs being built and their data shards. ``new_shard``: job rank -> the
+    data shard a rank of a new gang starts with (None: no data for a new gang)."""
 
-    def __init__(self, job: Coordinator) -> None:
+    def __init__(
+        self,
+        job: JobPorts,
+        *,
+        config: TrainConfig,
+        group: WorkerGroup,
+        placement: JobPlacement,
+        nodes: JobNodes,
+        streams: DataStreams,
+        new_shard: Callable[[int], Any] | None,
+    ) -> None:
         self.job = job
+        self.cfg = config
+        self.topology = config.scaling.topology()
+        self.group = group
+        self.placement = placement
+        self.nodes = nodes
+        self.streams = streams
+        self.new_shard = new_shard
         self.pending: list[Placement] = []  # requested for gangs not started yet
         self.building: dict[int, Building] = {}  # gang id -> a new gang being built
         self.shards_of_new: dict[int, Any] = {}  # job rank -> its data shard, until it joins
-        self.joining: set[int] = set()  # gangs added to the membership but not healed yet
 
     def request(self) -> None:
         """Keeps one pending placement group per gang the job could still add
         (:func:`~raytrec.elastic.control.gangs_to_request`)."""
-        job = self.job
-        if job.topology.layout is not Layout.REPLICAS_ACROSS_HOSTS or job.new_shard is None:
+        job, elastic = self.job, self.cfg.elastic
+        if self.topology.layout is not Layout.REPLICAS_ACROSS_HOSTS or self.new_shard is None:
             return  # one placement group for the whole job, or no data for a new gang
         want = gangs_to_request(
-            live=job.membership.num_gangs,
+            live=job.view.membership.num_gangs,
             outstanding=len(self.pending) + len(self.building),
-            max_gangs=job.max_gangs,
-            min_gangs=job.elastic.min_gangs,
-            grow=job.elastic.grow,
+            max_gangs=job.view.max_gangs,
+            min_gangs=elastic.min_gangs,
+            grow=elastic.grow,
         )
         if want <= 0:
             return
-        per_rank = rank_resources(
-            cpus_per_rank=self.job.cfg.scaling.cpus_per_rank, use_gpu=self.job.cfg.scaling.use_gpu
-        )
-        spec = placement_specs(self.job.topology, per_rank=per_rank, gangs=(0,))[0]
+        scaling = self.cfg.scaling
+        per_rank = rank_resources(cpus_per_rank=scaling.cpus_per_rank, use_gpu=scaling.use_gpu)
+        spec = placement_specs(self.topology, per_rank=per_rank, gangs=(0,))[0]
         for _ in range(want):
-            self.pending.append(self.job.group.place(spec))
-        self.job.events.append(
-            GangRequested(
-                at=self.job._now(), step=self.job.step, count=want, outstanding=len(self.pending)
-            )
+            self.pending.append(self.group.place(spec))
+        job.record(
+            GangRequested(at=job.now(), step=job.step(), count=want, outstanding=len(self.pending))
         )
+
+    def fit_to_cap(self) -> None:
+        """Gives back the placement requested beyond the job's gang cap."""
+        while (
+            self.pending
+            and self.job.view.membership.num_gangs + len(self.pending) + len(self.building)
+            > self.job.view.max_gangs
+        ):
+            self.group.release(self.pending.pop())
 
     def start_ready(self) -> None:
         """Starts building the gangs whose placement became ready. Building a gang (its ranks'
@@ -102,21 +129,24 @@ class GangGrowth:
     def _start_ready(self) -> None:
         if not self.pending:
             return
-        ready = self.job.group.ready(self.pending, timeout=0)
+        ready = self.group.ready(self.pending, timeout=0)
         if not ready:
             return
         self.pending = [pg for pg in self.pending if pg not in ready]
-        gangs, self.job.membership = self.job.membership.reserve(
-            [[0] * self.job.topology.gang_size for _ in ready]  # nodes filled in once built
+        assert self.new_shard is not None  # else nothing was requested
+        gangs, reserved = self.job.view.membership.reserve(
+            [[0] * self.topology.gang_size for _ in ready]  # nodes filled in once built
         )
+        self.job.apply(Reserved(reserved))
         for gang, pg in zip(gangs, ready, strict=True):
-            self.job.placement.pgs[gang.gang_id] = pg
+            self.placement.keep(gang.gang_id, pg)
             for slot in gang.ranks:
-                shard = self.job.new_shard(slot.job_rank)
-                self.job.placement.start_rank(
+                shard = self.new_shard(slot.job_rank)
+                self.placement.start_rank(
                     slot.job_rank, gang.gang_id, slot.gang_rank, pg, 0, shard, account=False
                 )
-            builds = self.job.group.call(gang.job_ranks, lambda w, _r: w.build())
+                self.shards_of_new[slot.job_rank] = shard
+            builds = self.group.call(gang.job_ranks, lambda w, _r: w.build())
             self.building[gang.gang_id] = Building(gang=gang, builds=builds)
 
     def built(self) -> list[Building]:
@@ -125,11 +155,11 @@ class GangGrowth:
         built: list[Building] = []
         for gid, b in list(self.building.items()):
             futures = list(b.builds.values())
-            done = self.job.group.wait(futures, num_returns=len(futures), timeout=0)
+            done = self.group.wait(futures, num_returns=len(futures), timeout=0)
             failed = False
             for future in done:
                 try:
-                    self.job.group.result(future)
+                    self.group.result(future)
                 except RankCallError:
                     failed = True  # e.g. its node went away; a peer's build would wait it out
             if failed:
@@ -147,65 +177,68 @@ class GangGrowth:
         check that each healed."""
         new_ranks: list[int] = []
         for b in built:
-            infos: list[RankInfo] = [self.job.group.result(f) for f in b.builds.values()]
+            infos: list[RankInfo] = [self.group.result(f) for f in b.builds.values()]
             for info in infos:
-                self.job.nodes.saw(info)
+                self.nodes.saw(info)
             new_ranks += b.gang.job_ranks
-            nodes = self.job.nodes.rank_names(b.gang.job_ranks)
-            self.job.events.append(GangPlaced(at=self.job._now(), step=self.job.step, nodes=nodes))
+            nodes = self.nodes.rank_names(b.gang.job_ranks)
+            self.job.record(GangPlaced(at=self.job.now(), step=self.job.step(), nodes=nodes))
         # Join at a sync boundary: the live gangs agree first, so the peer's state is the job's.
         try:
-            self.job._call(self.job._live_ranks(), lambda w, _r: w.sync())
+            self.job.call(self.job.live_ranks(), lambda w, _r: w.sync())
         except RankCallError:
             # A survivor failed: recovery takes over; the new gangs, not members yet, are let
             # go (their placement is requested again once the job has re-formed).
             for b in built:
                 self.abandon(b.gang)
             raise
-        self.job._commit_all()
+        self.job.apply(Committed())
         peer = decision.gangs[0].heal_from
-        gangs = self.job.nodes.with_nodes([b.gang for b in built])
-        reshare = self.job.streams.table is not None
+        gangs = self.nodes.with_nodes([b.gang for b in built])
+        reshare = self.streams.table is not None
         for r in new_ranks:  # they train from this step on
             shard = self.shards_of_new.pop(r)
             if not reshare:  # else booked with the share they are given below
-                self.job.accounting.add_rank(
-                    r, shard=getattr(shard, "index", r), step=self.job.step
+                self.job.view.accounting.add_rank(
+                    r, shard=getattr(shard, "index", r), step=self.job.step()
                 )
-        self.job.membership = self.job.membership.with_gangs(gangs, step=self.job.step)
-        self.joining = {g.gang_id for g in gangs}
-        self.job.accounting.add_gangs(g.gang_id for g in gangs)
-        self.job._new_generation(reason=f"gangs {[g.gang_id for g in gangs]} joined")
-        step = self.job.step
-        self.job._call(new_ranks, lambda w, _r: w.set_step(step))
-        src = self.job.membership.member_index(peer)
-        self.job._call(self.job._live_ranks(), lambda w, _r: w.broadcast_state(src))
+        self.job.apply(GangsJoined(tuple(gangs)))
+        self.job.apply(Joining(frozenset(g.gang_id for g in gangs)))
+        self.job.view.accounting.add_gangs(g.gang_id for g in gangs)
+        self.job.new_generation(f"gangs {[g.gang_id for g in gangs]} joined")
+        step = self.job.step()
+        self.job.call(new_ranks, lambda w, _r: w.set_step(step))
+        src = self.job.view.membership.member_index(peer)
+        self.job.call(self.job.live_ranks(), lambda w, _r: w.broadcast_state(src))
         gangs = tuple(self._verify_heals(gangs, peer=peer))
         new_ranks = [r for g in gangs for r in g.job_ranks]
-        fresh = self.job.streams.reshare(self.job._ranks_in_gang_order(), joining=new_ranks)
-        self.joining = set()
+        fresh = self.streams.reshare(self.job.ranks_in_gang_order(), joining=new_ranks)
+        self.job.apply(Joining(frozenset()))
         for g in gangs:
-            self.job.events.append(
+            self.job.record(
                 GangHealed(
-                    at=self.job._now(), step=self.job.step, gang_id=g.gang_id, peer_gang_id=peer
+                    at=self.job.now(),
+                    step=self.job.step(),
+                    gang_id=g.gang_id,
+                    peer_gang_id=peer,
                 )
             )
-            self.job.events.append(
+            self.job.record(
                 GangJoined(
-                    at=self.job._now(),
-                    step=self.job.step,
+                    at=self.job.now(),
+                    step=self.job.step(),
                     gang_id=g.gang_id,
-                    generation=self.job.membership.generation,
+                    generation=self.job.view.membership.generation,
                 )
             )
         # Ranks given a new stream have nothing read yet (the others read ahead already).
         ready = fresh if reshare else new_ranks
-        n = min(self.job.cfg.log_every, self.job.end_step - self.job.step)
-        self.job._call(ready, lambda w, _r: w.prepare(n))
+        n = min(self.cfg.log_every, self.job.view.end_step - self.job.step())
+        self.job.call(ready, lambda w, _r: w.prepare(n))
         # Every rank holds n now when all were given a new stream; else the others hold what
         # they held (nothing, right after a recovery: they prepare before the next interval).
-        everyone = set(ready) >= set(self.job._live_ranks())
-        self.job._ready = n if everyone else min(self.job._ready, n)
+        everyone = set(ready) >= set(self.job.live_ranks())
+        self.job.apply(Prepared(n if everyone else min(self.job.view.ready, n)))
 
     def _verify_heals(self, gangs: Sequence[Gang], *, peer: int) -> list[Gang]:
         """Compares each joined gang's state with the peer it healed from, before any
@@ -213,45 +246,52 @@ class GangGrowth:
         (a new generation without it), released and placed again. Returns the gangs that
         healed."""
         ranks = [
-            *self.job.membership.gang(peer).job_ranks,
+            *self.job.view.membership.gang(peer).job_ranks,
             *(r for g in gangs for r in g.job_ranks),
         ]
         digests = dict(
-            zip(ranks, self.job._call(ranks, lambda w, _r: w.state_digest()), strict=True)
+            zip(ranks, self.job.call(ranks, lambda w, _r: w.state_digest()), strict=True)
         )
         failed = failed_heals(
-            self.job.membership, peer=peer, joined=[g.gang_id for g in gangs], digests=digests
+            self.job.view.membership, peer=peer, joined=[g.gang_id for g in gangs], digests=digests
         )
         if not failed:
             return list(gangs)
         for gid, bad in sorted(failed.items()):
-            self.job.events.append(
+            self.job.record(
                 HealFailed(
-                    at=self.job._now(),
-                    step=self.job.step,
+                    at=self.job.now(),
+                    step=self.job.step(),
                     gang_id=gid,
                     peer_gang_id=peer,
                     job_ranks=bad,
                 )
             )
         dropped = [g for g in gangs if g.gang_id in failed]
-        if self.job.streams.table is None:  # else not booked until the rows are shared out
+        if self.streams.table is None:  # else not booked until the rows are shared out
             for g in dropped:
                 for r in g.job_ranks:
-                    self.job.accounting.forget_rank(r)  # it trained nothing
-        survivors = [g for g in self.job.membership.gang_ids if g not in failed]
-        self.job.accounting.drop(
-            list(failed), survivors, ranks_of=lambda g: self.job.membership.gang(g).job_ranks
+                    self.job.view.accounting.forget_rank(r)  # it trained nothing
+        survivors = [g for g in self.job.view.membership.gang_ids if g not in failed]
+        self.job.view.accounting.drop(
+            list(failed), survivors, ranks_of=lambda g: self.job.view.membership.gang(g).job_ranks
         )
-        self.job.membership = self.job.membership.without(failed)
-        self.joining -= set(failed)
-        self.job._new_generation(reason=f"gangs {sorted(failed)} did not heal")
+        self.job.apply(GangsDropped(tuple(failed)))
+        self.job.new_generation(f"gangs {sorted(failed)} did not heal")
         for g in dropped:
-            self.job.placement.release(g.gang_id, g.job_ranks)
+            self.placement.release(g.gang_id, g.job_ranks)
         self.request()
         return [g for g in gangs if g.gang_id not in failed]
 
+    def shutdown(self) -> None:
+        """Gives back every placement requested and forgets the gangs being built."""
+        for pg in self.pending:
+            self.group.release(pg)
+        self.pending.clear()
+        self.building.clear()
+        self.shards_of_new.clear()
+
     def abandon(self, gang: Gang) -> None:
-        self.job.placement.release(gang.gang_id, gang.job_ranks)
+        self.placement.release(gang.gang_id, gang.job_ranks)
         for r in gang.job_ranks:
             self.shards_of_new.pop(r, None)

@@ -44,6 +44,10 @@ class JobNodes:
         # boundaries until the node table says whether they died (report_late_deaths).
         self._suspects: set[str] = set()
 
+    def forget_all(self) -> None:
+        """Every rank is gone (the job is torn down to be rebuilt)."""
+        self.of_rank.clear()
+
     def index(self, node_id: str) -> int:
         """A small index for a Ray node id (in order of first sight)."""
         return self._index.setdefault(node_id, len(self._index))

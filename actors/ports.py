@@ -2,8 +2,10 @@
 
 A component holding the whole :class:`~actors.coordinator.Coordinator` can change anything, so
 a reader has to read everything. A component holding :class:`JobPorts` can call methods on
-ranks, ask for a job-wide sync, read the step, the clock and the cluster's nodes, and record
-events; it returns what it found, and the coordinator applies it.
+ranks, ask for a job-wide sync, read the job's shared state (:class:`~actors.job.JobView`, read
+only), the clock and the cluster's nodes, and record events; what it changed in the shared state
+is an outcome (:data:`~actors.job.Outcome`) it returns or hands to ``apply``, and the loop
+applies it (:func:`actors.job.apply_outcome`).
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
+from actors.job import JobView, Outcome
+from raytrec.elastic.boundary import JobState
 from raytrec.elastic.events import Event
 from raytrec.elastic.rank_protocol import RankProtocol
-from raytrec.elastic.workers import Clock, NodeInfo
+from raytrec.elastic.report import RankInfo, RankReport
+from raytrec.elastic.workers import Clock, NodeInfo, RankCallError
 
-__all__ = ["JobPorts", "RankCalls"]
+__all__ = ["Booking", "JobPorts", "RankAnswers", "RankCalls"]
 
 R = TypeVar("R")
 
@@ -29,6 +34,23 @@ class RankCalls(Protocol):
     def __call__(
         self, ranks: list[int], invoke: Callable[[RankProtocol, int], R], /
     ) -> list[R]: ...
+
+
+class RankAnswers(Protocol):
+    """Like :class:`RankCalls`, but returns the answers of the ranks whose call returned, and
+    the first error (a timeout before any other), instead of raising it."""
+
+    def __call__(
+        self, ranks: list[int], invoke: Callable[[RankProtocol, int], R], /
+    ) -> tuple[dict[int, R], RankCallError | None]: ...
+
+
+class Booking(Protocol):
+    """Books ranks' reports; ``completed_through``: the syncs up to it completed everywhere."""
+
+    def __call__(
+        self, reports: list[RankReport], /, *, completed_through: int | None = None
+    ) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,3 +73,23 @@ class JobPorts:
     clock: Clock
     #: The cluster's nodes, as the worker group sees them.
     cluster_nodes: Callable[[], Sequence[NodeInfo]]
+    #: The job's shared state, read only.
+    view: JobView
+    #: Hands an outcome to the loop, which applies it to the shared state at once.
+    apply: Callable[[Outcome], None]
+    #: Calls on ranks that keep what came back when some did not.
+    answers: RankAnswers
+    #: Builds ranks (their node becomes known) and returns what each build returned.
+    build: Callable[[list[int]], list[RankInfo]]
+    #: Joins the live ranks to the membership's replica planes and sync plan (``reason``).
+    new_generation: Callable[[str], None]
+    #: Books ranks' reports.
+    account: Booking
+    #: The live ranks, gang by gang.
+    ranks_in_gang_order: Callable[[], list[int]]
+    #: The clock's monotonic time as the event log's time.
+    at: Callable[[float], float]
+    #: The job's state as :func:`~raytrec.elastic.boundary.decide` reads it.
+    job_state: Callable[[], JobState]
+    #: Whether the job was asked to stop.
+    stop_asked: Callable[[], bool]

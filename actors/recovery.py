@@ -1,25 +1,32 @@
 """Failures while the job trains: finding them, and re-forming the job without the lost gangs.
 
-:class:`FailureRecovery` is a part of :class:`~actors.coordinator.Coordinator` with state of its
-own: each rank's last observed progress (its heartbeat) and the count of failures in a row with
-every rank alive. It collects an interval's reports and finds what went wrong while it waits
-(a rank or node died, a rank raised, a rank hung: no step finished for
-``elastic.step_timeout_s``, :func:`~raytrec.elastic.policy.find_hung_ranks`), waits out the
-intervals queued behind a failed one, and recovers: the one decision function
-(:func:`~raytrec.elastic.boundary.decide`) says whether to drop the gangs that lost a rank and
-re-form among the survivors, or, with no intact gang left, to rebuild from a checkpoint
-(:class:`~actors.total_loss.TotalLossRecovery`). Re-forming books what every rank trained, hands
-a lost gang's uncommitted batches to the survivors and starts a new generation with a job-wide
-sync.
+:class:`FailureRecovery` is a part of the job with state of its own: each rank's last observed
+progress (its heartbeat) and the count of failures in a row with every rank alive. It collects an
+interval's reports and finds what went wrong while it waits (a rank or node died, a rank raised, a
+rank hung: no step finished for ``elastic.step_timeout_s``,
+:func:`~raytrec.elastic.policy.find_hung_ranks`), waits out the intervals queued behind a failed
+one, and recovers: the one decision function (:func:`~raytrec.elastic.boundary.decide`) says whether
+to drop the gangs that lost a rank and re-form among the survivors, or, with no intact gang left, to
+rebuild from a checkpoint (:class:`~actors.total_loss.TotalLossRecovery`). Re-forming books what
+every rank trained, hands a lost gang's uncommitted batches to the survivors and starts a new
+generation with a job-wide sync. It sees the job through :class:`~actors.ports.JobPorts`; the
+membership it re-forms is an outcome (:mod:`actors.job`) the loop applies.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Collection
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection
+from typing import Any
 
+from actors.gang_placement import JobPlacement
+from actors.job import Committed, GangsDropped, Joining, Regenerated
+from actors.nodes import JobNodes
+from actors.ports import JobPorts
+from actors.reshare import DataStreams
+from actors.total_loss import TotalLossRecovery
+from raytrec.config import TrainConfig
 from raytrec.elastic.boundary import MAX_TRANSIENT, Loss, Observations, decide
 from raytrec.elastic.control import group_broke
 from raytrec.elastic.decisions import Fail, Reform, TotalLoss
@@ -31,14 +38,18 @@ from raytrec.elastic.events import (
     JobFailed,
     RankDied,
 )
+from raytrec.elastic.heal import failed_heals
 from raytrec.elastic.job_state import ElasticState
 from raytrec.elastic.policy import find_hung_ranks, next_hang_check
 from raytrec.elastic.report import RankReport
-from raytrec.elastic.workers import RankCallError, RankFailed, RankLost, RankTimedOut
+from raytrec.elastic.workers import (
+    RankCallError,
+    RankFailed,
+    RankLost,
+    RankTimedOut,
+    WorkerGroup,
+)
 from raytrec.errors import JobFailedError
-
-if TYPE_CHECKING:
-    from actors.coordinator import Coordinator
 
 __all__ = ["MAX_TRANSIENT", "Dispatched", "FailureRecovery", "IntervalOutcome"]
 
@@ -83,15 +94,43 @@ class IntervalOutcome:
 
 
 class FailureRecovery:
-    """Finds failures while an interval runs and re-forms the job after them (module doc)."""
+    """Finds failures while an interval runs and re-forms the job after them (module doc).
+    ``total_loss``: rebuilds the job when no gang is intact; ``request_growth``: asks for the
+    placement the job could still add."""
 
-    def __init__(self, job: Coordinator) -> None:
+    def __init__(
+        self,
+        job: JobPorts,
+        *,
+        config: TrainConfig,
+        group: WorkerGroup,
+        placement: JobPlacement,
+        nodes: JobNodes,
+        streams: DataStreams,
+        total_loss: TotalLossRecovery,
+        request_growth: Callable[[], None],
+    ) -> None:
         self.job = job
+        self.elastic = config.elastic
+        self.sync = config.sync
+        self.group = group
+        self.placement = placement
+        self.nodes = nodes
+        self.streams = streams
+        self.total_loss = total_loss
+        self.request_growth = request_growth
         # Job rank -> (the last step it reported finishing, when the coordinator saw it): the
         # hang rule's input.
         self.progress: dict[int, tuple[int, float]] = {}
         self.transient = 0  # re-forms in a row with no rank lost
         self.peers_killed: set[int] = set()  # ranks killed because their gang lost a rank
+
+    def quiet_since(self, ranks: list[int], now: float) -> None:
+        """Nothing was running on ``ranks`` until ``now``: their silence counts from now, not
+        from their last report (a checkpoint, a join or a recovery may have run in between)."""
+        for r in ranks:
+            step = self.progress.get(r, (self.job.step(), now))[0]
+            self.progress[r] = (step, now)
 
     def collect(self, dispatched: Dispatched) -> IntervalOutcome:
         """Waits for every rank's ``train`` report and sorts out what happened.
@@ -104,10 +143,10 @@ class FailureRecovery:
         pending = dict(dispatched.refs)
         rank_of = {id(x): r for r, x in pending.items()}
         deadline: float | None = None
-        elastic = self.job.elastic
+        elastic = self.elastic
         wake = elastic.poll_s
         while pending:
-            ready = self.job.group.wait(list(pending.values()), num_returns=1, timeout=wake)
+            ready = self.group.wait(list(pending.values()), num_returns=1, timeout=wake)
             now = self.job.clock.monotonic()
             for future in ready:
                 rank = rank_of.get(id(future))
@@ -115,7 +154,7 @@ class FailureRecovery:
                     continue  # a lost gang's peer, already counted
                 del pending[rank]
                 try:
-                    report: RankReport = self.job.group.result(future)
+                    report: RankReport = self.group.result(future)
                     out.reports[rank] = report
                     self.progress[rank] = (report.step, now)
                 except RankLost as e:
@@ -150,30 +189,32 @@ class FailureRecovery:
     def _next_look(self, pending: dict[int, Any], now: float) -> float:
         """Seconds until the heartbeats are read again
         (:func:`~raytrec.elastic.policy.next_hang_check`)."""
-        seen = (self.progress.get(r, (self.job.step, now))[1] for r in pending)
-        return next_hang_check(seen, now=now, config=self.job.elastic)
+        seen = (self.progress.get(r, (self.job.step(), now))[1] for r in pending)
+        return next_hang_check(seen, now=now, config=self.elastic)
 
     def _hung_ranks(self, pending: dict[int, Any], now: float) -> tuple[int, ...]:
         """The ranks still training that count as hung at ``now``, by the policy's rule, after
         reading their heartbeats. Ranks that already reported are not expected to progress."""
-        for r, step in self.job.group.progress(list(pending)).items():
+        for r, step in self.group.progress(list(pending)).items():
             if step > self.progress.get(r, (-1, now))[0]:
                 self.progress[r] = (step, now)
         progress = {
-            r: self.progress.get(r, (self.job.step, now)) if r in pending else (self.job.step, now)
-            for r in self.job._live_ranks()
+            r: self.progress.get(r, (self.job.step(), now))
+            if r in pending
+            else (self.job.step(), now)
+            for r in self.job.live_ranks()
         }
         state = ElasticState(
-            membership=self.job.membership,
-            sync_every=self.job.cfg.sync.sync_every,
-            max_gangs=self.job.max_gangs,
+            membership=self.job.view.membership,
+            sync_every=self.sync.sync_every,
+            max_gangs=self.job.view.max_gangs,
             progress=progress,
         )
-        return find_hung_ranks(state, now=now, config=self.job.elastic)
+        return find_hung_ranks(state, now=now, config=self.elastic)
 
     def _silence(self, rank: int, now: float) -> tuple[int, float]:
         """(the last step ``rank`` finished, seconds since it did), as the coordinator saw it."""
-        step, at = self.progress.get(rank, (self.job.step, now))
+        step, at = self.progress.get(rank, (self.job.step(), now))
         return step, round(now - at, 3)
 
     def settle_queued(self, inflight: deque[Dispatched], result: IntervalOutcome) -> None:
@@ -186,18 +227,18 @@ class FailureRecovery:
         and is booked with the rest. Ranks of gangs that lost a rank are left alone: they are
         killed with their gang. A survivor whose queued call does not end counts as hung.
         """
-        lost_gangs = {self.job._gang_of(r) for r in [*result.dead, *result.hung]}
+        lost_gangs = {self.job.gang_of(r) for r in [*result.dead, *result.hung]}
         while inflight:
             d = inflight.popleft()
-            refs = {r: x for r, x in d.refs.items() if self.job._gang_of(r) not in lost_gangs}
+            refs = {r: x for r, x in d.refs.items() if self.job.gang_of(r) not in lost_gangs}
             self.abort_planes(set(refs))
             # A survivor may train the whole queued interval (nothing in it waits for the lost
             # gang): give it the interval's own hang timeout, as _collect does.
             timeout = max(
-                2 * self.job.elastic.collective_timeout_s + self.job.elastic.poll_s,
-                self.job.elastic.step_timeout_s * max(1, d.n),
+                2 * self.elastic.collective_timeout_s + self.elastic.poll_s,
+                self.elastic.step_timeout_s * max(1, d.n),
             )
-            ready = self.job.group.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+            ready = self.group.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
             done = {id(f) for f in ready}
             now = self.job.clock.monotonic()
             for r, future in refs.items():
@@ -206,7 +247,7 @@ class FailureRecovery:
                     result.silence[r] = self._silence(r, now)
                     continue
                 try:
-                    report = self.job.group.result(future)
+                    report = self.group.result(future)
                 except RankLost as e:
                     result.dead[r] = e.cause
                     result.noticed.setdefault(r, now)
@@ -215,19 +256,19 @@ class FailureRecovery:
                 else:
                     if not report.skipped:
                         result.later.append(report)
-            lost_gangs |= {self.job._gang_of(r) for r in [*result.dead, *result.hung]}
+            lost_gangs |= {self.job.gang_of(r) for r in [*result.dead, *result.hung]}
 
     def kill_gang_peers(self, rank: int, pending: Collection[int]) -> list[int]:
         """Rank ``rank`` is dead: kills its gang peers among ``pending`` (the ranks whose call
         has not returned) and returns them. Their gang is dropped anyway; left alone they
         would sit in the gang's collectives with the dead rank until the collective timeout.
         A rank in no live gang (one still joining) has none."""
-        gang = self.job.membership.gang_of_rank(rank)
+        gang = self.job.view.membership.gang_of_rank(rank)
         if gang is None:
             return []
-        peers = [p for p in self.job.membership.gang(gang).job_ranks if p in pending]
+        peers = [p for p in self.job.view.membership.gang(gang).job_ranks if p in pending]
         for peer in peers:
-            self.job.group.kill(peer)
+            self.group.kill(peer)
         self.peers_killed.update(peers)
         return peers
 
@@ -243,9 +284,25 @@ class FailureRecovery:
 
     def abort_planes(self, ranks: set[int]) -> None:
         # Fire and forget: the answer does not matter, only that blocked collectives fail.
-        self.job.group.call(
-            sorted(ranks & self.job.placement.started), lambda w, _r: w.abort_replica_planes()
+        self.group.call(
+            sorted(ranks & self.placement.started), lambda w, _r: w.abort_replica_planes()
         )
+
+    def start_copies_differ(self) -> dict[int, str]:
+        """After the start's broadcast of gang 0's state: the ranks whose state differs from
+        gang 0's (killed here), with why, as :meth:`recover` takes them."""
+        m = self.job.view.membership
+        first, others = m.gangs[0].gang_id, [g.gang_id for g in m.gangs[1:]]
+        ranks = self.job.live_ranks()
+        digests = dict(
+            zip(ranks, self.job.call(ranks, lambda w, _r: w.state_digest()), strict=True)
+        )
+        failed = failed_heals(m, peer=first, joined=others, digests=digests)
+        why = f"its state differed from gang {first}'s after the start's broadcast"
+        bad = {r: why for ranks in failed.values() for r in ranks}
+        for r in bad:
+            self.group.kill(r)
+        return bad
 
     # -- failures ---------------------------------------------------------------------------
 
@@ -254,11 +311,11 @@ class FailureRecovery:
         out = IntervalOutcome()
         if isinstance(error, RankTimedOut):  # their call never came back: they count as hung
             now = self.job.clock.monotonic()
-            members = set(self.job._live_ranks())
+            members = set(self.job.live_ranks())
             out.hung = [r for r in error.ranks if r in members]
             out.silence = {r: self._silence(r, now) for r in out.hung}
-        refs = self.job.group.call(self.job._live_ranks(), lambda w, _r: w.step())
-        ready = self.job.group.wait(list(refs.values()), num_returns=len(refs), timeout=10)
+        refs = self.group.call(self.job.live_ranks(), lambda w, _r: w.step())
+        ready = self.group.wait(list(refs.values()), num_returns=len(refs), timeout=10)
         done = {id(f) for f in ready}
         now = self.job.clock.monotonic()
         for r, future in refs.items():
@@ -268,7 +325,7 @@ class FailureRecovery:
                     out.silence[r] = self._silence(r, now)
                 continue
             try:
-                self.job.group.result(future)
+                self.group.result(future)
             except RankLost as e:
                 out.dead[r] = _PEER_KILLED if r in self.peers_killed else e.cause
                 out.noticed[r] = now
@@ -280,7 +337,7 @@ class FailureRecovery:
                 # counts as lost: a total loss (rebuilt from the last checkpoint, or a clear
                 # failure without one).
                 lost = f"a collective failed while the job re-formed, every rank alive ({error})"
-                out.dead = {r: lost for r in self.job._live_ranks()}
+                out.dead = {r: lost for r in self.job.live_ranks()}
                 return out
             if not isinstance(error, RankLost):
                 raise error  # nobody died: a real error of its own
@@ -290,7 +347,7 @@ class FailureRecovery:
 
     def recover_until_stable(self, result: IntervalOutcome) -> None:
         """Recovers; a further loss during recovery starts it over with the new losses."""
-        for _ in range(self.job.max_gangs + self.job.membership.num_gangs + 1):
+        for _ in range(self.job.view.max_gangs + self.job.view.membership.num_gangs + 1):
             try:
                 self.recover(result)
                 return
@@ -303,7 +360,7 @@ class FailureRecovery:
         still members (a hung rank answers a probe; a peer the coordinator killed stays lost
         because its gang lost a rank, not because it was killed) and, unless booked, the
         reports that came back."""
-        member = self.job.membership.gang_of_rank
+        member = self.job.view.membership.gang_of_rank
         earlier = {r: c for r, c in before.dead.items() if member(r) is not None}
         probed.dead = {**probed.dead, **earlier}
         hung = {r for r in before.hung if member(r) is not None} | set(probed.hung)
@@ -318,14 +375,14 @@ class FailureRecovery:
 
     def recover(self, result: IntervalOutcome) -> None:
         """Drops every gang that lost a rank and re-forms the job among the survivors."""
-        now = self.job._now()
+        now = self.job.now()
         lost = set(result.dead) | set(result.hung)
         if not lost:
             # Collectives gave up but every rank is alive and answered: a stall longer than the
             # collective timeout (an overloaded host, a long pause). Nobody is dropped; the job
             # re-forms as it was, unless that keeps happening.
             errors = tuple(f"rank {r}: {e}" for r, e in sorted(result.errored.items()))
-            seen = Observations(loss=Loss(errors=errors, joining=tuple(self.job.growth.joining)))
+            seen = Observations(loss=Loss(errors=errors, joining=tuple(self.job.view.joining)))
             (retry,) = decide(self.job.job_state(), seen, self.job.clock.monotonic())
             self.transient += 1
             if isinstance(retry, Fail):
@@ -334,33 +391,33 @@ class FailureRecovery:
             self.transient = 0
         # A gang that was joining has no state of its own yet: if anything fails meanwhile,
         # it goes too and is requested again.
-        failed_gangs = sorted({self.job._gang_of(r) for r in lost} | self.job.growth.joining)
-        self.job.growth.joining = set()
-        self.job.nodes.settle_deaths(result, now=now)
+        failed_gangs = sorted({self.job.gang_of(r) for r in lost} | self.job.view.joining)
+        self.job.apply(Joining(frozenset()))
+        self.nodes.settle_deaths(result, now=now)
         for r, cause in sorted(result.dead.items()):
             if r in result.logged:
                 continue
             result.logged.add(r)
-            self.job.events.append(
+            self.job.record(
                 RankDied(
                     at=now,
-                    step=self.job.step,
+                    step=self.job.step(),
                     job_rank=r,
-                    gang_id=self.job._gang_of(r),
+                    gang_id=self.job.gang_of(r),
                     cause=cause,
-                    node=self.job.nodes.rank_names([r])[0],
-                    noticed_at=self.job._at(result.noticed[r]) if r in result.noticed else None,
+                    node=self.nodes.rank_names([r])[0],
+                    noticed_at=self.job.at(result.noticed[r]) if r in result.noticed else None,
                 )
             )
         if set(result.hung) - result.logged:
             result.logged |= set(result.hung)
-            silence = [result.silence.get(r, (self.job.step, 0.0)) for r in result.hung]
-            self.job.events.append(
+            silence = [result.silence.get(r, (self.job.step(), 0.0)) for r in result.hung]
+            self.job.record(
                 HangDetected(
                     at=now,
-                    step=self.job.step,
+                    step=self.job.step(),
                     job_ranks=tuple(result.hung),
-                    gang_ids=tuple(sorted({self.job._gang_of(r) for r in result.hung})),
+                    gang_ids=tuple(sorted({self.job.gang_of(r) for r in result.hung})),
                     last_step=min(step for step, _ in silence),
                     silent_s=max(silent for _, silent in silence),
                 )
@@ -380,13 +437,13 @@ class FailureRecovery:
             )
             match decision:
                 case TotalLoss():
-                    self.job.total_loss.recover(decision, why=lambda g: _why(result, g, self.job))
+                    self.total_loss.recover(decision, why=lambda g: _why(result, g, self.job))
                     return
                 case Fail():
-                    self.job.events.append(
+                    self.job.record(
                         JobFailed(
-                            at=self.job._now(),
-                            step=self.job.step,
+                            at=self.job.now(),
+                            step=self.job.step(),
                             reason=decision.reason,
                             needs_checkpoint=decision.needs_checkpoint,
                         )
@@ -395,8 +452,8 @@ class FailureRecovery:
                 case Reform():
                     failed_gangs = sorted(set(failed_gangs) | set(decision.drop))
         failed = set(failed_gangs)
-        survivors = [g.gang_id for g in self.job.membership.gangs if g.gang_id not in failed]
-        survivor_ranks = [r for g in survivors for r in self.job.membership.gang(g).job_ranks]
+        survivors = [g.gang_id for g in self.job.view.membership.gangs if g.gang_id not in failed]
+        survivor_ranks = [r for g in survivors for r in self.job.view.membership.gang(g).job_ranks]
         alive = set(survivor_ranks)
         self.abort_planes(set(survivor_ranks))
         recovered = self._recover_ranks(survivor_ranks, result)
@@ -414,65 +471,65 @@ class FailureRecovery:
         # next batches in their stream order, one per step up to the failure.
         reports = [result.reports[r] for r in survivor_ranks if r in result.reports]
         reports += [rep for rep in result.later if rep.rank in alive] + recovered
-        lost_ranks = [r for g in failed_gangs for r in self.job.membership.gang(g).job_ranks]
-        reports += self.job.accounting.lost_rank_reports(lost_ranks, fail_step=fail_step)
+        lost_ranks = [r for g in failed_gangs for r in self.job.view.membership.gang(g).job_ranks]
+        reports += self.job.view.accounting.lost_rank_reports(lost_ranks, fail_step=fail_step)
         # Syncs before the failed step completed on every gang; the one at it did not.
-        self.job._account(reports, completed_through=fail_step - 1)
+        self.job.account(reports, completed_through=fail_step - 1)
         result.booked = True
         # Whose dense state the job goes on from, and which of the lost gangs' batches have
         # their dense gradient in it already (those are replayed for their embedding rows only).
         settled = settle_failed_step(
             recovered,
-            every_step=self.job.cfg.sync.dense == "every_step",
-            committed_through=self.job.membership.last_sync_step,
+            every_step=self.sync.dense == "every_step",
+            committed_through=self.job.view.membership.last_sync_step,
         )
-        source_gang = self.job._gang_of(settled.source)
+        source_gang = self.job.gang_of(settled.source)
         source_slot = next(
-            s for s in self.job.membership.gang(source_gang).ranks if s.job_rank == settled.source
+            s
+            for s in self.job.view.membership.gang(source_gang).ranks
+            if s.job_rank == settled.source
         )
         replay = self.drop(failed_gangs, survivors, dense_through=settled.dense_through)
-        acc = self.job.accounting
+        acc = self.job.view.accounting
         for gid in failed_gangs:
-            self.job.events.append(
+            self.job.record(
                 GangDropped(
-                    at=self.job._now(),
-                    step=self.job.step,
+                    at=self.job.now(),
+                    step=self.job.step(),
                     gang_id=gid,
                     reason=_why(result, gid, self.job),
                 )
             )
-            self.job.placement.kill_gang(gid)
+            self.placement.kill_gang(gid)
         if failed_gangs:
-            self.job.membership = self.job.membership.without(failed_gangs)
+            self.job.apply(GangsDropped(tuple(failed_gangs)))
             reason = f"lost gangs {failed_gangs}"
         else:
-            self.job.membership = dataclasses.replace(
-                self.job.membership, generation=self.job.membership.generation + 1
-            )
+            self.job.apply(Regenerated())
             reason = "collectives timed out with every rank alive"
         if replay:
             # Handed over once the books and the membership agree, before any call that may
             # cut this recovery short: what is booked is sent even if it starts over (a
             # re-share below hands each rank its whole queue again).
-            self.job._call(
+            self.job.call(
                 sorted(replay), lambda w, r: w.replay(replay[r], acc.embedding_only(replay[r]))
             )
-        self.job._new_generation(reason=reason)
+        self.job.new_generation(reason)
         # The re-formed job's first sync: every replica (and dense state) identical again, and
         # the survivors' batches so far are in the model: committed. The failed step's dense
         # update is then finished among the survivors, or dropped where the state taken has it.
-        live = self.job._live_ranks()
-        self.job._call(live, lambda w, _r: w.set_step(fail_step))
-        self.job._call(live, lambda w, _r: w.sync())
+        live = self.job.live_ranks()
+        self.job.call(live, lambda w, _r: w.set_step(fail_step))
+        self.job.call(live, lambda w, _r: w.sync())
         # Committed as soon as the sync is done: a loss in the calls that follow must not
         # hand these batches out again (they are in every replica already).
-        self.job._commit_all()
-        src = self.job.membership.member_index(source_gang)
-        self.job._call(live, lambda w, _r: w.broadcast_dense(src, source_slot.gang_rank))
-        self.job._call(live, lambda w, _r: w.settle_failed_step(settled.finish))
-        self.job.events.append(
+        self.job.apply(Committed())
+        src = self.job.view.membership.member_index(source_gang)
+        self.job.call(live, lambda w, _r: w.broadcast_dense(src, source_slot.gang_rank))
+        self.job.call(live, lambda w, _r: w.settle_failed_step(settled.finish))
+        self.job.record(
             FailedStepSettled(
-                at=self.job._now(),
+                at=self.job.now(),
                 step=fail_step,
                 dense_through=settled.dense_through,
                 dense_from=settled.source,
@@ -482,9 +539,9 @@ class FailureRecovery:
         )
         # Re-sharing hands each rank its replays again with its new stream; it runs even with
         # nothing to replay: the lost gangs' rows not read yet are shared out.
-        self.job.streams.reshare(self.job._ranks_in_gang_order())
-        self.job.make_room_for_replays()
-        self.job.growth.request()
+        self.streams.reshare(self.job.ranks_in_gang_order())
+        self.streams.make_room_for_replays()
+        self.request_growth()
 
     def _recover_ranks(self, ranks: list[int], result: IntervalOutcome) -> list[RankReport]:
         """``recover`` on every survivor. Its report is the only record of what the rank trained
@@ -504,16 +561,16 @@ class FailureRecovery:
     ) -> dict[int, list[int]]:
         """The dropped gangs' uncommitted batches, split over the survivors' ranks; those trained
         at or before ``dense_through`` are replayed for their embedding rows only."""
-        return self.job.accounting.drop(
+        return self.job.view.accounting.drop(
             gangs,
             survivors,
-            ranks_of=lambda g: self.job.membership.gang(g).job_ranks,
+            ranks_of=lambda g: self.job.view.membership.gang(g).job_ranks,
             dense_through=dense_through,
         )
 
 
-def _why(result: IntervalOutcome, gang: int, coordinator: Coordinator) -> str:
-    ranks = coordinator.membership.gang(gang).job_ranks
+def _why(result: IntervalOutcome, gang: int, job: JobPorts) -> str:
+    ranks = job.view.membership.gang(gang).job_ranks
     dead = [r for r in ranks if r in result.dead]
     hung = [r for r in ranks if r in result.hung]
     if dead:

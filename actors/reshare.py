@@ -18,17 +18,20 @@ Sources that cannot cut their rows again (the synthetic one, endless; Parquet st
 ``streaming_split``) are not re-shared: their ranks keep their streams (a joining gang continues
 a lost rank's synthetic stream instead).
 
-A part of the :class:`~actors.coordinator.Coordinator` with state of its own (the table of
-streams), which also rewinds the streams to a checkpoint (a resume, or a rebuild after a total
-loss).
+A part of the job with state of its own (the table of streams), which also rewinds the streams
+to a checkpoint (a resume, or a rebuild after a total loss). It sees the job through
+:class:`~actors.ports.JobPorts`; the end step and the accounting it changes are outcomes
+(:class:`~actors.job.DataEnds`, :class:`~actors.job.AccountingRewound`) the loop applies.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from actors.job import AccountingRewound, DataEnds
+from actors.ports import JobPorts
 from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.parquet_recut import hand_off, recut
 from raytrec.data.parquet_streams import (
@@ -43,9 +46,6 @@ from raytrec.elastic.accounting import BatchAccounting
 from raytrec.elastic.events import DataReshared
 from raytrec.elastic.rollback import StreamStart, plan_streams
 from raytrec.errors import JobFailedError
-
-if TYPE_CHECKING:
-    from actors.coordinator import Coordinator
 
 __all__ = ["DataStreams", "StreamTable"]
 
@@ -96,12 +96,26 @@ class StreamTable:
 class DataStreams:
     """Where every rank reads (module doc): the table of re-shared streams of a re-shareable
     source, re-sharing the rows left when the ranks change, and rewinding the streams to a
-    checkpoint. Changes the job's accounting and end step through the coordinator it is part
-    of."""
+    checkpoint. ``shards``: the job's initial data shards; ``new_shard``: job rank -> the shard
+    of a rank added later (None: the source makes none); ``stream_id``: names a batch (None:
+    the source cannot)."""
 
-    def __init__(self, job: Coordinator, table: StreamTable | None) -> None:
+    def __init__(
+        self,
+        job: JobPorts,
+        table: StreamTable | None,
+        *,
+        shards: Sequence[BatchShard] = (),
+        new_shard: Callable[[int], BatchShard] | None = None,
+        stream_id: Callable[[int, int], int] | None = None,
+        batch_size: int = 0,
+    ) -> None:
         self.job = job
         self.table = table
+        self.shards = shards
+        self.new_shard = new_shard
+        self.stream_id = stream_id
+        self.batch_size = batch_size
 
     def reshare(self, ranks: Sequence[int], *, joining: Sequence[int] = ()) -> list[int]:
         """Shares the rows no rank has trained among ``ranks`` (gang order; ``joining``: those
@@ -116,7 +130,7 @@ class DataStreams:
         already has as many batches left and no rows are orphaned): queued replays are then
         still to be sent."""
         table = self.table
-        streams = self.job.accounting.streams
+        streams = self.job.view.accounting.streams
         if table is None or streams is None:
             return []
         remaining: dict[int, list[tuple[int, int]]] = {}
@@ -142,7 +156,7 @@ class DataStreams:
         if not joining and not orphaned and len(left) == 1:
             # Every row left is some live rank's, and all have as many batches left: their
             # streams stay as they are (and so do the ids of the batches still to come).
-            self.job.end_step = self.job.step + left.pop()
+            self.job.apply(DataEnds(self.job.view.step + left.pop()))
             return []
         if joining and not orphaned and self._hand_off(ranks, joining):
             return list(joining)
@@ -153,7 +167,7 @@ class DataStreams:
         replays: dict[int, list[int]] = {}
         for r, sid in zip(ranks, ids, strict=True):
             if r in joining:
-                self.job.accounting.add_rank(r, shard=sid, step=self.job.step)
+                self.job.view.accounting.add_rank(r, shard=sid, step=self.job.view.step)
                 replays[r] = []
             else:
                 old, _, queued_ids = streams.position(r)
@@ -161,8 +175,8 @@ class DataStreams:
                 streams.switch(r, shard=sid)
                 streams.retire({old: table.length(old)})
         new_stream = dict(zip(ranks, ids, strict=True))
-        acc = self.job.accounting
-        self.job._call(
+        acc = self.job.view.accounting
+        self.job.call(
             list(ranks),
             lambda w, r: w.set_shard(
                 table.shard(new_stream[r]), replays[r], acc.embedding_only(replays[r])
@@ -172,15 +186,15 @@ class DataStreams:
         # at the very end of the data): the job then ends with the shortest rank, and the
         # replays beyond it stay untrained, counted in Result.lost_batches.
         batches = min(q + stream_length(s) for q, s in zip(queued, shared.streams, strict=True))
-        self.job.end_step = self.job.step + batches
-        self.job.events.append(
+        self.job.apply(DataEnds(self.job.view.step + batches))
+        self.job.record(
             DataReshared(
-                at=self.job._now(),
-                step=self.job.step,
+                at=self.job.now(),
+                step=self.job.view.step,
                 ranks=len(ranks),
                 rows=sum(b - a for runs in remaining.values() for a, b in runs),
                 batches=batches,
-                end_step=self.job.end_step,
+                end_step=self.job.view.end_step,
                 left_over=shared.left_over,
             )
         )
@@ -189,7 +203,7 @@ class DataStreams:
     def _hand_off(self, ranks: Sequence[int], joining: Sequence[int]) -> bool:
         """The join of :meth:`reshare` that leaves the others' streams running; False when the
         rows left do not allow it."""
-        table, streams = self.table, self.job.accounting.streams
+        table, streams = self.table, self.job.view.accounting.streams
         assert table is not None and streams is not None
         staying = [r for r in ranks if r not in joining]
         positions = {r: streams.position(r) for r in staying}
@@ -204,20 +218,20 @@ class DataStreams:
             table.made[sid] = stream  # the same batches, ending sooner
         new_stream = dict(zip(joining, table.add(plan.streams), strict=True))
         for r, sid in new_stream.items():
-            self.job.accounting.add_rank(r, shard=sid, step=self.job.step)
+            self.job.view.accounting.add_rank(r, shard=sid, step=self.job.view.step)
         # The others learn the new streams (any rank may have to replay any batch).
         made = dict(table.made)
-        self.job._call(staying, lambda w, _r: w.set_streams(made))
-        self.job._call(list(joining), lambda w, r: w.set_shard(table.shard(new_stream[r]), [], []))
-        self.job.end_step = self.job.step + plan.batches
-        self.job.events.append(
+        self.job.call(staying, lambda w, _r: w.set_streams(made))
+        self.job.call(list(joining), lambda w, r: w.set_shard(table.shard(new_stream[r]), [], []))
+        self.job.apply(DataEnds(self.job.view.step + plan.batches))
+        self.job.record(
             DataReshared(
-                at=self.job._now(),
-                step=self.job.step,
+                at=self.job.now(),
+                step=self.job.view.step,
                 ranks=len(joining),
                 rows=plan.rows,
                 batches=plan.batches,
-                end_step=self.job.end_step,
+                end_step=self.job.view.end_step,
                 handed_off=True,
             )
         )
@@ -234,7 +248,7 @@ class DataStreams:
         """The batch accounting back to ``snapshot`` (a checkpoint's) for gangs ``gang_ids``, and
         where each rank of ``order`` (gang order) reads from there on; add the ranks with
         ``add_rank`` (placing them does), then :meth:`_continue_streams`."""
-        spare = [getattr(shard, "index", t) for t, shard in enumerate(self.job.shards)]
+        spare = [getattr(shard, "index", t) for t, shard in enumerate(self.shards)]
         if self.table is not None and "streams_table" in snapshot:
             self.table.load(snapshot["streams_table"])
             # More ranks than saved streams and spare shards: the others start with nothing to
@@ -245,12 +259,10 @@ class DataStreams:
         plan = plan_streams(
             snapshot["streams"], num_ranks=len(order), spare_shards=spare, step=step
         )
-        self.job.accounting = BatchAccounting.rewound(
-            snapshot,
-            gang_ids=gang_ids,
-            stream_id=self.job._stream_id,
-            batch_size=self.job.cfg.data.batch_size,
+        rewound = BatchAccounting.rewound(
+            snapshot, gang_ids=gang_ids, stream_id=self.stream_id, batch_size=self.batch_size
         )
+        self.job.apply(AccountingRewound(rewound))
         return dict(zip(order, plan, strict=True))
 
     def continue_streams(
@@ -258,16 +270,16 @@ class DataStreams:
     ) -> None:
         """Books each rank as reading from ``starts`` at job step ``step``."""
         for r, s in starts.items():
-            self.job.accounting.resume_rank(
+            self.job.view.accounting.resume_rank(
                 r, gang=gang_of(r), step=step, stream_at=s.at, replay=s.replay
             )
 
     def queue_replays(self, starts: Mapping[int, StreamStart]) -> None:
         """Hands each rank the unread replay batches of the stream it continues."""
         replay = {r: list(s.replay) for r, s in starts.items() if s.replay}
-        acc = self.job.accounting
+        acc = self.job.view.accounting
         if replay:
-            self.job._call(
+            self.job.call(
                 sorted(replay), lambda w, r: w.replay(replay[r], acc.embedding_only(replay[r]))
             )
 
@@ -275,10 +287,19 @@ class DataStreams:
         """The data shard with this index: one of the job's initial shards, or a new one."""
         if self.table is not None:
             return self.table.shard(index)
-        for t, shard in enumerate(self.job.shards):
+        for t, shard in enumerate(self.shards):
             if getattr(shard, "index", t) == index:
                 return shard
-        if self.job.new_shard is None:
+        if self.new_shard is None:
             raise JobFailedError(f"no data shard {index} to continue after a rebuild")
-        new: BatchShard = self.job.new_shard(index)
-        return new
+        return self.new_shard(index)
+
+    def make_room_for_replays(self) -> None:
+        """Replays come before a rank's own batches: after a loss in the last steps the job
+        goes on until every live rank has trained the replays it holds (an endless source;
+        a re-shared one sets its end when it shares the rows out)."""
+        streams = self.job.view.accounting.streams
+        if streams is None or self.table is not None:
+            return
+        most = max((len(streams.position(r)[2]) for r in self.job.live_ranks()), default=0)
+        self.job.apply(DataEnds(max(self.job.view.end_step, self.job.view.step + most)))

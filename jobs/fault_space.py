@@ -5,7 +5,7 @@
 
 A campaign prints the outcomes by class, the phases its faults landed in, and for each distinct
 defect a shrunk schedule as a one-line reproducer; it exits 1 when it found a defect. A replay
-prints the schedule's outcome and exits 1 when it is a defect. (actors.fault_space)
+prints the schedule's outcome and exits 1 when it is a defect. (simulation.fault_space)
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from raytrec._quiet import quiet_known_warnings
 
     quiet_known_warnings()  # before torch.fx's notice, which TorchRec's imports trigger
-    from actors.fault_campaign import campaign
-    from actors.fault_schedule import Schedule
-    from actors.fault_space import run_schedule
+    from simulation.fault_campaign import campaign
+    from simulation.fault_schedule import Schedule
+    from simulation.fault_space import run_schedule
 
     if args.replay is not None:
         try:

@@ -46,7 +46,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         ray.shutdown()
     session.config.stash[_EXIT_STATUS] = int(exitstatus)
     # The process ends without running exit handlers (below): remove what they would have.
-    fault_space = sys.modules.get("actors.fault_space")
+    fault_space = sys.modules.get("simulation.fault_space")
     if fault_space is not None and fault_space._DATA_ROOT:
         shutil.rmtree(fault_space._DATA_ROOT[0], ignore_errors=True)
 

@@ -24,9 +24,6 @@ import actors.coordinator
 import actors.gang_placement
 import actors.recovery
 from actors.coordinator import Coordinator
-from actors.fault_invariants import check_invariants
-from actors.fault_schedule import Settings
-from actors.fault_space import parquet_shards
 from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
 from raytrec.data.synthetic import batch_id, split_batch_id
@@ -70,6 +67,9 @@ from raytrec.testing.fake_faults import (
     SlowRank,
 )
 from raytrec.testing.fake_group import FakeWorkerGroup
+from simulation.fault_invariants import check_invariants
+from simulation.fault_schedule import Settings
+from simulation.fault_space import parquet_shards
 
 BUILD_S = 1.0  # the fake's build time: training starts then
 STEP_S = 0.1
@@ -564,7 +564,7 @@ def test_the_scale_benchmark_measures_every_kind_of_decision() -> None:
     assert len(run.interval_cpu_ms) == len(run.rows) - 1 > 10
 
 
-# -- found by the fault-space simulation (actors.fault_space) ------------------------
+# -- found by the fault-space simulation (simulation.fault_space) ------------------------
 
 
 def test_a_joining_gang_lost_while_it_heals_on_re_shared_rows_is_placed_again(
@@ -763,7 +763,9 @@ def decided(j: Job) -> Iterator[list[tuple[int, float, Decision]]]:
         def record(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
             out = _inner(*args, **kwargs)
             now = j.group.clock.now
-            seen.extend((j.coordinator.step, now, d) for d in out if not isinstance(d, Continue))
+            seen.extend(
+                (j.coordinator.state.step, now, d) for d in out if not isinstance(d, Continue)
+            )
             return out
 
         patches.enter_context(mock.patch.object(module, "decide", record))
@@ -802,7 +804,7 @@ def test_three_failures_and_three_growths_in_one_run(tmp_path: Any) -> None:
         (35, 35, 5),
         (53, 53, 6),
     ]
-    m = j.coordinator.membership
+    m = j.coordinator.state.membership
     assert m.gang_ids == (1, 4, 5, 6) and m.generation == 6 == summary.generation
     assert [e.generation for e in summary.events.of(GenerationStarted)] == list(range(7))
     assert [e.gang_id for e in summary.events.of(GangDropped)] == [0, 2, 3]
@@ -838,7 +840,9 @@ def test_production_size_node_loss_and_rank_kill_keep_every_batch(tmp_path: Any)
     # (the lost node's two gangs have nowhere to go).
     grows = [d for _, _, d in seen if isinstance(d, Grow)]
     assert [[n.gang.gang_id for n in d.gangs] for d in grows] == [[512]]
-    assert j.coordinator.membership.num_gangs == 510 and len(j.coordinator.growth.pending) == 2
+    assert (
+        j.coordinator.state.membership.num_gangs == 510 and len(j.coordinator.growth.pending) == 2
+    )
 
 
 def below_min_gangs(tmp_path: Any, *faults: Fault | NodesJoin) -> Job:
@@ -885,7 +889,7 @@ def test_below_min_gangs_recovers_when_a_node_arrives_in_time(tmp_path: Any) -> 
     assert [list(e.nodes) for e in summary.events.of(GangPlaced)] == [
         ["fake-node-2 at 127.0.0.1"] * 2
     ] * 2
-    assert j.coordinator.membership.gang_ids == (0, 1, 4, 5) == tuple(gangs_of(summary))
+    assert j.coordinator.state.membership.gang_ids == (0, 1, 4, 5) == tuple(gangs_of(summary))
 
 
 def test_within_host_node_loss_without_a_checkpoint_fails_naming_the_lost_shards(

@@ -1,5 +1,5 @@
 """Seeded random fault schedules through the real coordinator over the fake worker group
-(actors.fault_space): thousands of them with no defect and every fault kind and phase
+(simulation.fault_space): thousands of them with no defect and every fault kind and phase
 reached; the shrinker; the one-line reproducer's round trip."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from actors.fault_campaign import campaign, shrink
-from actors.fault_schedule import Schedule, Settings, generate, reproducer
-from actors.fault_space import Outcome, run_schedule
+from simulation.fault_campaign import campaign, shrink
+from simulation.fault_schedule import Schedule, Settings, generate, reproducer
+from simulation.fault_space import Outcome, run_schedule
 
 SCHEDULES = 2000
 #: The issue's bound (2,000 schedules in 3 minutes on this 2-core machine), as CPU seconds of

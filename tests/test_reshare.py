@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from actors.job import DataEnds, Outcome
 from actors.reshare import DataStreams, StreamTable
 from raytrec.data.generate import write_synthetic_parquet
 from raytrec.data.parquet import IndexedParquetShard, ParquetSource
@@ -27,13 +28,20 @@ ROWS, B, STEPS = 1000, 16, 20  # 3 ranks x 21 batches per epoch; the job takes 2
 
 
 class Job:
-    """What :class:`DataStreams` needs of the coordinator, with ranks that keep their feed in
-    memory: ``feeds[r]``: the batch ids it trains next, replays first."""
+    """What :class:`DataStreams` needs of the job (its ports, and its shared state as ``view``),
+    with ranks that keep their feed in memory: ``feeds[r]``: the batch ids it trains next,
+    replays first."""
 
     def __init__(self, shards: Sequence[IndexedParquetShard], *, sync: int = 4) -> None:
         self.sync = sync
         self.step = 0
         self.events = EventLog()
+        self.view, self.call, self.now, self.record = (
+            self,
+            self._call,
+            self._now,
+            self.events.append,
+        )
         self.table = StreamTable(shards[0], batch_size=B)
         self.streams = DataStreams(self, self.table)  # type: ignore[arg-type]
         self.end_step = STEPS
@@ -49,6 +57,11 @@ class Job:
 
     def _now(self) -> float:
         return time.monotonic()
+
+    def apply(self, outcome: Outcome) -> None:
+        """The outcome of a re-share: where the data now ends."""
+        assert isinstance(outcome, DataEnds)
+        self.end_step = outcome.end_step
 
     def _call(self, ranks: list[int], invoke: Any) -> list[Any]:
         """A call on ranks, as the coordinator makes it (``invoke(rank, job_rank)``)."""

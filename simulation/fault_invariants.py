@@ -1,4 +1,4 @@
-"""What must hold after a fault schedule's job ended (:mod:`actors.fault_space`): every batch
+"""What must hold after a fault schedule's job ended (:mod:`simulation.fault_space`): every batch
 trained is in the final model once, none lost, each stream a gap-free prefix, replicas identical,
 and with Parquet read by index every row of the job's data trained once.
 """
@@ -10,9 +10,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from actors.fault_schedule import BATCH_SIZE, Settings
 from raytrec.data.synthetic import split_batch_id
 from raytrec.testing.fake_group import FakeWorkerGroup
+from simulation.fault_schedule import BATCH_SIZE, Settings
 
 if TYPE_CHECKING:
     from actors.coordinator import Coordinator
@@ -35,7 +35,7 @@ def check_invariants(
     # re-shared rows that lost a gang in its last steps (a documented limit: replays the
     # others cannot even out, beyond the shortest rank's end).
     stopped = summary.stopped_by is not None
-    pending = job.accounting.replay_pending() if stopped or s.data == "reshared" else 0
+    pending = job.state.accounting.replay_pending() if stopped or s.data == "reshared" else 0
     if summary.lost_batches != pending:
         problems.append(f"{summary.lost_batches - pending} batches lost")
     if not summary.committed_count == len(committed) == len(set(committed)):
@@ -57,8 +57,8 @@ def check_invariants(
         problems.append("batches committed but no final model saved")
     # Those replays are the only batches a stream may miss before its committed ones.
     queued: list[int] = []
-    if pending and job.accounting.streams is not None:
-        queued = [i for r in job._live_ranks() for i in job.accounting.streams.position(r)[2]]
+    if pending and job.state.accounting.streams is not None:
+        queued = [i for r in job._live_ranks() for i in job.state.accounting.streams.position(r)[2]]
         if len(queued) != pending:
             problems.append(f"{pending} replays pending, {len(queued)} queued on the ranks")
     steps: dict[int, list[int]] = {}

@@ -5,8 +5,8 @@ checkpoints, growth, data source) and up to a few faults, each at a step or at o
 calls (its ``nth`` call of a :class:`~actors.rank.RankWorker` method): so a fault lands inside
 an interval, at a sync, at a checkpoint save, at any stage of a join, inside any call of a
 re-forming or of a rebuild after a total loss, at the final sync. :func:`generate` draws one from
-a seed; :func:`~actors.fault_space.run_schedule` runs it. Schedules are JSON, so a failing one is
-replayed from one line (:func:`reproducer`).
+a seed; :func:`~simulation.fault_space.run_schedule` runs it. Schedules are JSON, so a failing
+one is replayed from one line (:func:`reproducer`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Fault schedules run through the real control plane (deterministic simulation).
 
-:func:`run_schedule` runs a :class:`~actors.fault_schedule.Schedule` (drawn from a seed by
-:func:`~actors.fault_schedule.generate`) through the real
+:func:`run_schedule` runs a :class:`~simulation.fault_schedule.Schedule` (drawn from a seed by
+:func:`~simulation.fault_schedule.generate`) through the real
 :class:`~actors.coordinator.Coordinator` over the fake worker group
 (:mod:`raytrec.testing.fake_group`) and a manual clock, and classifies how it ended:
 
@@ -15,8 +15,8 @@
   (:class:`~raytrec.testing.fake_group.FakeUsageError`), a broken invariant, or a hang (the clock,
   call or wall budget ran out).
 
-A failing schedule is replayed from one line (:func:`~actors.fault_schedule.reproducer`),
-after :mod:`actors.fault_campaign` shrank it to the fewest faults that still fail.
+A failing schedule is replayed from one line (:func:`~simulation.fault_schedule.reproducer`),
+after :mod:`simulation.fault_campaign` shrank it to the fewest faults that still fail.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from actors.fault_invariants import check_invariants
-from actors.fault_schedule import BATCH_SIZE, KINDS, MAX_STEPS, Schedule, Settings
 from raytrec.elastic.rank_protocol import RankProtocol
 from raytrec.elastic.workers import Answer
 from raytrec.errors import ConfigError, JobFailedError
 from raytrec.testing import fake_faults as ff
 from raytrec.testing.fake_group import FakeUsageError, FakeWorkerGroup
+from simulation.fault_invariants import check_invariants
+from simulation.fault_schedule import BATCH_SIZE, KINDS, MAX_STEPS, Schedule, Settings
 
 if TYPE_CHECKING:
     from actors.coordinator import Coordinator
@@ -168,7 +168,7 @@ def _done(
         detail,
         exit_code,
         tuple(phases),
-        job.step,
+        job.state.step,
         round(time.monotonic() - t0, 4),
     )
 

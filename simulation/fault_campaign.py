@@ -1,11 +1,11 @@
 """Campaigns over the fault space: many seeded schedules, a summary, shrunk reproducers.
 
 :func:`campaign` runs the schedules of seeds ``seed .. seed + n - 1``
-(:func:`~actors.fault_schedule.generate`) on ``workers`` processes and sums up their
+(:func:`~simulation.fault_schedule.generate`) on ``workers`` processes and sums up their
 outcomes by class and the phases their faults landed in. Each distinct defect (its kind and
 message) is :func:`shrink`-ed: faults are removed and settings simplified for as long as the
 schedule still fails the same way, and the result is printed as one line that replays it
-(:func:`~actors.fault_schedule.reproducer`). ``python -m jobs.fault_space`` is the
+(:func:`~simulation.fault_schedule.reproducer`). ``python -m jobs.fault_space`` is the
 command.
 """
 
@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from actors import fault_space
-from actors.fault_schedule import Schedule, generate
-from actors.fault_space import Outcome, run_schedule
+from simulation import fault_space
+from simulation.fault_schedule import Schedule, generate
+from simulation.fault_space import Outcome, run_schedule
 
 __all__ = ["CampaignResult", "campaign", "defect_signature", "shrink"]
 
@@ -57,7 +57,7 @@ class CampaignResult:
 
 
 def reproducer_line(schedule: Schedule) -> str:
-    from actors.fault_schedule import reproducer
+    from simulation.fault_schedule import reproducer
 
     return reproducer(schedule)
 
@@ -93,7 +93,7 @@ def campaign(
     progress: Callable[[int, CampaignResult], None] | None = None,
 ) -> CampaignResult:
     """Runs the schedules of seeds ``seed .. seed + n - 1`` (module doc)."""
-    from actors.fault_space import parquet_shards
+    from simulation.fault_space import parquet_shards
 
     for world in (2, 3, 4, 6, 8):  # the tiny Parquet files, made once before forking
         parquet_shards(world, 1)
