@@ -277,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             heading="## Sync traffic: where touched rows start to pay",
         )
         return
-    a.rows = a.rows or [2_000, 20_000, 250_000, 2_000_000]
+    a.rows = a.rows or [2_000, 6_000, 10_000, 250_000, 2_000_000]
     a.shares = a.shares or [0.01, 0.05, 0.25, 1.0]
     a.modes = MODES
     results = measure(a)
