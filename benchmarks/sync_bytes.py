@@ -11,6 +11,14 @@ buffers the sync hands to gloo; the model (:func:`raytrec.sync.traffic.expected_
 predicts them from the shapes alone. The production table applies the model to the MLPerf
 DLRM-DCNv2 tables on 1024 GPUs in gangs of 256 (4 replicas), uniformly random ids (an upper
 bound for touched syncs: real ids repeat more).
+
+``touched`` is the setting as a job runs it: a rank whose shards all-reduce fewer bytes than
+:data:`raytrec.engine.touched_rows.WHOLE_SYNC_BELOW_BYTES` syncs them whole, as ``all`` does.
+``--crossover`` instead times a touched sync that never falls back (``touched, forced``)
+against ``all`` at 5% of the rows per rank over a range of small table sizes: where it starts
+to win is where that threshold is set.
+
+    .venv/bin/python -m benchmarks.sync_bytes --crossover --write docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from raytrec.config import (
     TableConfig,
     TrainConfig,
 )
+from raytrec.engine import touched_rows
 from raytrec.engine.plan import apply_embedding_optimizer, make_plan
 from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
 from raytrec.models import build_train_model
@@ -43,7 +52,11 @@ from raytrec.sync.traffic import expected_sync_bytes, touched_share
 #: MLPerf DLRM-DCNv2's multi-hot sizes: ids per sample of each table, in MLPERF_ROWS' order.
 MLPERF_HOT = (3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1)
 MODES = ("all", "touched")
+#: ``touched`` with the whole-sync threshold at 0: the touched path at every size.
+FORCED = "touched, forced"
 NUM_DENSE = 4
+#: Tables whose whole sync moves fewer bytes than this are timed ``--small-repeats`` times.
+SMALL_BYTES = 16_000_000
 
 
 def job(rows: int, dim: int) -> TrainConfig:
@@ -71,6 +84,7 @@ def rank_main(rank: int, a: Any, ports: list[int], out: Any) -> None:
 
 def measure_rank(rank: int, a: Any, ports: list[int]) -> list[tuple[Any, ...]]:
     results = []
+    threshold = touched_rows.WHOLE_SYNC_BELOW_BYTES
     for rows, port in zip(a.rows, ports, strict=True):
         cfg = job(rows, a.dim)
         model = build_train_model(cfg.model, NUM_DENSE, torch.device("cpu"), cfg.seed)
@@ -90,14 +104,19 @@ def measure_rank(rank: int, a: Any, ports: list[int]) -> list[tuple[Any, ...]]:
         e.sync()  # the generation's first sync averages every row; from here sets are valid
         touched = e.state.touched
         assert touched is not None
+        repeats = a.small_repeats if row_bytes(a.dim) * rows < SMALL_BYTES else a.repeats
         gen = torch.Generator().manual_seed(1000 * rank + rows)
         for share in a.shares:
-            for repeat in range(a.repeats):
-                order = MODES if repeat % 2 == 0 else MODES[::-1]
+            for repeat in range(repeats):
+                # Each pair in a fresh order, so a slow spell of the machine hits every mode.
+                order = a.modes if repeat % 2 == 0 else a.modes[::-1]
                 for mode in order:
                     ids = torch.randperm(rows, generator=gen)[: round(share * rows)]
                     touched.mark(0, ids)
-                    e.replicas.config = cfg.sync.model_copy(update={"rows": mode})
+                    e.replicas.config = cfg.sync.model_copy(
+                        update={"rows": "all" if mode == "all" else "touched"}
+                    )
+                    touched_rows.WHOLE_SYNC_BELOW_BYTES = 0 if mode == FORCED else threshold
                     e.replica.average_([torch.zeros(1)])  # type: ignore[union-attr]
                     t0 = time.perf_counter()
                     e.sync()
@@ -105,8 +124,20 @@ def measure_rank(rank: int, a: Any, ports: list[int]) -> list[tuple[Any, ...]]:
                     traffic = e.replicas.last_traffic
                     assert traffic is not None
                     results.append((rows, share, repeat, mode, traffic.bytes_sent, took))
+        touched_rows.WHOLE_SYNC_BELOW_BYTES = threshold
         e.close()
     return results
+
+
+def row_bytes(dim: int) -> int:
+    """fp32 weights and row-wise Adagrad's one fp32 per row."""
+    return dim * 4 + 4
+
+
+def ratio_ci(ratios: Sequence[float]) -> str:
+    """The median of paired ratios with its 95% bootstrap confidence interval."""
+    lo, hi = common.bootstrap_median_ci(ratios)
+    return f"{statistics.median(ratios):.2f} [{lo:.2f}, {hi:.2f}]"
 
 
 def measure(a: Any) -> list[tuple[int, float, int, str, int, float]]:
@@ -127,31 +158,70 @@ def measure(a: Any) -> list[tuple[int, float, int, str, int, float]]:
     return [(*x[:5], max(x[5], y[5])) for x, y in zip(got[0], got[1], strict=True)]
 
 
-def measured_table(a: Any, results: Sequence[tuple[int, float, int, str, int, float]]) -> str:
+Result = tuple[int, float, int, str, int, float]
+
+
+def pick(results: Sequence[Result], rows: int, share: float, mode: str) -> list[Result]:
+    return [r for r in results if r[0] == rows and r[1] == share and r[3] == mode]
+
+
+def measured_table(a: Any, results: Sequence[Result]) -> str:
     lines = [
         "| rows x dim | touched per rank | bytes, all | bytes, touched | model | bytes ratio "
-        "| time, all | time, touched | time ratio (min to max) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| time, all | time, touched | time, all / touched (min to max) "
+        "| time, touched / all [95% CI] |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    row_bytes = a.dim * 4 + 4  # fp32 weights and row-wise Adagrad's one fp32 per row
     for rows in a.rows:
         for share in a.shares:
-            pick = {
-                m: [r for r in results if r[0] == rows and r[1] == share and r[3] == m]
-                for m in MODES
-            }
-            full = statistics.median(r[4] for r in pick["all"])
-            part = statistics.median(r[4] for r in pick["touched"])
-            model = expected_sync_bytes(rows=rows, row_bytes=row_bytes, members=2, share=share)
-            ratios = [f[5] / t[5] for f, t in zip(pick["all"], pick["touched"], strict=True)]
+            got = {m: pick(results, rows, share, m) for m in MODES}
+            full = statistics.median(r[4] for r in got["all"])
+            part = statistics.median(r[4] for r in got["touched"])
+            nbytes = row_bytes(a.dim)
+            # Below the threshold a touched sync is a whole one.
+            small = nbytes * rows < touched_rows.WHOLE_SYNC_BELOW_BYTES
+            model = expected_sync_bytes(
+                rows=rows, row_bytes=nbytes, members=2, share=None if small else share
+            )
+            ratios = [f[5] / t[5] for f, t in zip(got["all"], got["touched"], strict=True)]
+            spec = ".0f" if rows * nbytes >= SMALL_BYTES else ".2f"
             lines.append(
                 f"| {rows:,} x {a.dim} | {share:.0%} | {full / 1e6:.2f} MB | {part / 1e6:.3f} MB "
                 f"| {model / 1e6:.3f} MB | {full / part:.1f}x "
-                f"| {common.spread([r[5] * 1e3 for r in pick['all']], '.0f', ' ms')} "
-                f"| {common.spread([r[5] * 1e3 for r in pick['touched']], '.1f', ' ms')} "
-                f"| {common.spread(ratios, '.1f', 'x')} |"
+                f"| {common.spread([r[5] * 1e3 for r in got['all']], spec, ' ms')} "
+                f"| {common.spread([r[5] * 1e3 for r in got['touched']], spec, ' ms')} "
+                f"| {common.spread(ratios, '.1f', 'x')} | {ratio_ci([1 / r for r in ratios])} |"
             )
     return "\n".join(lines)
+
+
+def crossover_table(a: Any, results: Sequence[Result]) -> str:
+    """``touched, forced`` against ``all`` by size at one share; where touched starts to win."""
+    lines = [
+        "| rows x dim | bytes, whole sync | time, all | time, touched (forced) "
+        "| time, touched / all [95% CI] |",
+        "|---|---|---|---|---|",
+    ]
+    wins: list[int] = []
+    (share,) = a.shares
+    for rows in a.rows:
+        full, part = pick(results, rows, share, "all"), pick(results, rows, share, FORCED)
+        ratios = [t[5] / f[5] for f, t in zip(full, part, strict=True)]
+        nbytes = rows * row_bytes(a.dim)
+        if common.bootstrap_median_ci(ratios)[1] < 1:
+            wins.append(nbytes)
+        lines.append(
+            f"| {rows:,} x {a.dim} | {nbytes / 1e6:.2f} MB "
+            f"| {common.spread([r[5] * 1e3 for r in full], '.2f', ' ms')} "
+            f"| {common.spread([r[5] * 1e3 for r in part], '.2f', ' ms')} | {ratio_ci(ratios)} |"
+        )
+    first = f"{min(wins) / 1e6:.2f} MB" if wins else "none of these sizes"
+    return (
+        "\n".join(lines) + f"\n\nA forced touched sync at {share:.0%} of the rows per rank is "
+        f"faster than the full average (the whole 95% interval below 1) from {first}; the "
+        f"threshold in force (`WHOLE_SYNC_BELOW_BYTES`) is "
+        f"{touched_rows.WHOLE_SYNC_BELOW_BYTES / 1e6:.1f} MB.\n"
+    )
 
 
 def production_table(gangs: int, gang_size: int, global_batch: int, periods: Sequence[int]) -> str:
@@ -178,15 +248,38 @@ def production_table(gangs: int, gang_size: int, global_batch: int, periods: Seq
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = common.parser(__doc__, "sync_bytes", "docs/benchmarks.md")
-    p.add_argument(
-        "--rows", type=lambda x: [int(r) for r in x.split(",")], default=[250_000, 2_000_000]
-    )
+    ints = lambda x: [int(r) for r in x.split(",")]  # noqa: E731
+    p.add_argument("--rows", type=ints, default=None, help="table sizes (rows)")
     p.add_argument("--dim", type=int, default=64)
-    p.add_argument(
-        "--shares", type=lambda x: [float(s) for s in x.split(",")], default=[0.01, 0.05, 0.25, 1.0]
-    )
+    p.add_argument("--shares", type=lambda x: [float(s) for s in x.split(",")], default=None)
     p.add_argument("--repeats", type=int, default=4, help="pairs per share and size")
+    p.add_argument(
+        "--small-repeats",
+        type=int,
+        default=40,
+        help=f"pairs per share and size for tables whose whole sync is under {SMALL_BYTES:,} bytes",
+    )
+    p.add_argument(
+        "--crossover",
+        action="store_true",
+        help="time a touched sync that never syncs whole against all, by size, at 5%% touched",
+    )
     a = common.parse(p, argv)
+    if a.crossover:
+        a.rows = a.rows or [1_000, 2_000, 4_000, 8_000, 16_000, 32_000, 64_000]
+        a.shares = a.shares or [0.05]
+        a.modes = ("all", FORCED)
+        results = measure(a)
+        common.publish(
+            a,
+            crossover_table(a, results),
+            name="sync_crossover",
+            heading="## Sync traffic: where touched rows start to pay",
+        )
+        return
+    a.rows = a.rows or [2_000, 6_000, 10_000, 250_000, 2_000_000]
+    a.shares = a.shares or [0.01, 0.05, 0.25, 1.0]
+    a.modes = MODES
     results = measure(a)
     body = (
         f"{measured_table(a, results)}\n\nModelled at production shapes (MLPerf DLRM-DCNv2 tables, "

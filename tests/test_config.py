@@ -249,5 +249,6 @@ def test_sync_merge() -> None:
     with pytest.raises(ConfigError, match=r"sync.merge=touched_mean tracks .* at most 15"):
         SyncConfig(merge="touched_mean", rows="all", levels=deeper, sync_every=2**16)
     with pytest.raises(ConfigError, match=r"sync.rows=touched tracks .* at most 15 .*rows=all"):
-        SyncConfig(rows="touched", levels=deeper, sync_every=2**16)
-    assert SyncConfig(levels=deeper, sync_every=2**16).levels == deeper  # nothing tracked
+        SyncConfig(levels=deeper, sync_every=2**16)  # rows: touched is the default
+    untracked = SyncConfig(rows="all", levels=deeper, sync_every=2**16)
+    assert untracked.levels == deeper  # nothing tracked

@@ -16,7 +16,8 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
-from raytrec.engine.touched_rows import TouchedRows
+from raytrec.engine import touched_rows
+from raytrec.engine.touched_rows import TouchedRows, shard_bytes, syncs_whole
 from raytrec.sync.traffic import (
     agreement,
     allgather_bytes,
@@ -119,3 +120,15 @@ def test_the_hook_records_each_tables_local_rows_by_level() -> None:
     touched.close()
     lookup(tbe, [[8], [], [], [], [], []])
     assert touched.rows(0, 0, optimizer_state=False).numel() == 0
+
+
+def test_whole_sync_is_decided_from_the_shards_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    tbe = kernel()  # 16 rows of 4 fp32 weights; row-wise Adagrad keeps one fp32 a row
+    assert shard_bytes([tbe], optimizer_state=False) == 16 * 4 * 4
+    assert shard_bytes([tbe], optimizer_state=True) == 16 * 4 * 4 + 16 * 4
+    lookup(tbe, [[1, 3], [], [0], [5], [2, 2], []])  # stepping changes no shape
+    assert shard_bytes([tbe], optimizer_state=True) == 16 * 4 * 4 + 16 * 4
+    assert syncs_whole(touched_rows.WHOLE_SYNC_BELOW_BYTES - 1)
+    assert not syncs_whole(touched_rows.WHOLE_SYNC_BELOW_BYTES)
+    monkeypatch.setattr(touched_rows, "WHOLE_SYNC_BELOW_BYTES", 321)  # read at each call
+    assert syncs_whole(320) and not syncs_whole(321)

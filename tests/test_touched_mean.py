@@ -33,9 +33,16 @@ from raytrec.config import (
     TrainConfig,
 )
 from raytrec.data.synthetic import SyntheticCriteo
+from raytrec.engine import touched_rows
 from raytrec.engine.rank_engine import RankSpec, StoreAddress
 from raytrec.sync.schedule import plan_sync
-from raytrec.testing.gloo_job import engine_for, make_plan_for, run_gang_job
+from raytrec.testing.gloo_job import (
+    count_sync_collectives,
+    engine_for,
+    make_plan_for,
+    run_gang_job,
+    whole_sync_below,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -55,6 +62,9 @@ RUNS = {
     "hier/touched_mean/touched": (4, "rowwise_adagrad", "touched_mean", "touched"),
 }
 WEIGHTED = [name for name, run in RUNS.items() if run[2] == "touched_mean"]
+# These tables are far below WHOLE_SYNC_BELOW_BYTES, under which sync.rows: touched sends every
+# row as `all` does: the runs above lower it to 0 in their processes, this one keeps it.
+WHOLE = {"whole/touched_mean/touched": (2, "rowwise_adagrad", "touched_mean", "touched")}
 
 
 def config(gangs: int, embedding: str, merge: str, rows: str, *, hier: bool) -> TrainConfig:
@@ -101,6 +111,7 @@ def run(spec: RankSpec) -> dict[str, Any]:
     """12 steps on this gang's own batches with a heal after step 8; the state around every
     sync and the ids trained."""
     gangs = spec.config.scaling.num_gangs
+    counts = count_sync_collectives()
     with engine_for(spec) as e:
         if spec.config.sync.levels:
             e.join_sync_plan(plan_sync(spec.config.sync, generation=0, live_gangs=range(gangs)))
@@ -116,6 +127,7 @@ def run(spec: RankSpec) -> dict[str, Any]:
             decision = e.decide(step)
             if decision.due:
                 pre = snapshot(e)
+                before = len(counts)
                 e.sync(decision)
                 syncs[step] = {
                     "pre": pre,
@@ -124,6 +136,7 @@ def run(spec: RankSpec) -> dict[str, Any]:
                     "level": decision.level,
                     "group": decision.group_of(spec.gang),
                     "traffic": e.replicas.last_traffic,
+                    "collectives": sum(counts[before:]),
                 }
             if step == HEAL:
                 e.broadcast_state(src=0)
@@ -138,7 +151,8 @@ def worker(
     out = {}
     for (name, cfg, plan), store in zip(runs, [spec.store, *stores], strict=True):
         if spec.rank < cfg.scaling.num_gangs:
-            out[name] = run(dataclasses.replace(spec, config=cfg, plan=plan, store=store))
+            with whole_sync_below(touched_rows.WHOLE_SYNC_BELOW_BYTES if name in WHOLE else 0):
+                out[name] = run(dataclasses.replace(spec, config=cfg, plan=plan, store=store))
     return out
 
 
@@ -149,7 +163,7 @@ def worker(
 def job() -> dict[int, Any]:
     """One launch of 4 processes runs every case."""
     planned = []
-    for name, args in RUNS.items():
+    for name, args in (RUNS | WHOLE).items():
         cfg = config(*args, hier=name.startswith("hier/"))
         planned.append((name, cfg, make_plan_for(cfg, SOURCE.num_dense)))
     return run_gang_job(
@@ -303,3 +317,19 @@ def test_two_members_that_both_touched_a_row_get_the_plain_mean_bit_for_bit(
                     w["post"][table][0][shared], p["post"][table][0][shared]
                 )
         assert both > 5, both
+
+
+def test_small_tables_send_every_row_as_all_does(job: dict[int, Any]) -> None:
+    """Below the threshold in force, ``rows: touched`` syncs as ``rows: all`` does: the same
+    collectives, the same traffic and the same tables, bit for bit."""
+    for r in range(2):
+        small, full = job[r]["whole/touched_mean/touched"], job[r]["two/touched_mean/all"]
+        assert sorted(small["syncs"]) == sorted(full["syncs"]) == [2, 4, 6, 8, 10, 12]
+        for step, sync in small["syncs"].items():
+            other = full["syncs"][step]
+            assert sync["traffic"] == other["traffic"], step
+            assert sync["traffic"].whole_shards == sync["traffic"].shards, step
+            assert sync["collectives"] == other["collectives"], step
+            for table, tensors in sync["post"].items():
+                for x, y in zip(tensors, other["post"][table], strict=True):
+                    np.testing.assert_array_equal(x, y)

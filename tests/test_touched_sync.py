@@ -15,6 +15,13 @@ and sync in generation 1, gang 3 rejoins in generation 2 with a full copy of gan
 (with more than two members a mean of equal values can round), each level's first sync of a new
 generation and the first after the heal must be full averages, and the job must end with every
 gang holding the same state.
+
+These tables are far below :data:`~raytrec.engine.touched_rows.WHOLE_SYNC_BELOW_BYTES`, under
+which a touched sync averages a rank's shards whole; those runs lower it to 0 in their
+processes (``whole_sync_below``). The ``mixed/`` runs keep it: two gangs x two ranks, one table
+above it (its rank syncs touched rows) and one below (its rank syncs whole, in the collectives
+of ``sync.rows: all``: one all-reduce, with dense gradients averaged every step); both modes
+must again end bit for bit the same.
 """
 
 from __future__ import annotations
@@ -40,15 +47,27 @@ from raytrec.config import (
     TrainConfig,
 )
 from raytrec.data.synthetic import SyntheticCriteo
+from raytrec.engine import touched_rows
 from raytrec.engine.rank_engine import RankEngine, RankSpec, StepInput, StoreAddress
 from raytrec.sync.schedule import plan_sync
-from raytrec.testing.gloo_job import engine_for, make_plan_for, run_gang_job
+from raytrec.testing.gloo_job import (
+    count_sync_collectives,
+    engine_for,
+    make_plan_for,
+    run_gang_job,
+    whole_sync_below,
+)
 
 pytestmark = pytest.mark.multiprocess
 
 BATCH = 8
 MODES = ("all", "touched")
 SOURCE = SyntheticCriteo(num_dense=4, num_sparse=2, num_embeddings=(200, 300), seed=7)
+DIM = 8
+# One table whose shard (weights and row-wise Adagrad's one float a row) is twice the
+# threshold, and one far below it.
+LARGE_ROWS = 2 * touched_rows.WHOLE_SYNC_BELOW_BYTES // (4 * DIM + 4)
+MIXED = SyntheticCriteo(num_dense=4, num_sparse=2, num_embeddings=(LARGE_ROWS, 300), seed=7)
 COMBOS = [
     *(
         f"{e}-{s}-fp32"
@@ -60,9 +79,17 @@ COMBOS = [
 ]
 
 
-def config(combo: str, rows: str, *, gangs: int, gang_size: int, **sync: Any) -> TrainConfig:
+def config(
+    combo: str,
+    rows: str,
+    *,
+    gangs: int,
+    gang_size: int,
+    source: SyntheticCriteo = SOURCE,
+    **sync: Any,
+) -> TrainConfig:
     embedding, sharding, precision = combo.split("-")
-    dim = 256 if sharding == "column_wise" else 8  # column-wise: two 128-column shards
+    dim = 256 if sharding == "column_wise" else DIM  # column-wise: two 128-column shards
     return TrainConfig(
         model=ModelConfig(
             tables=tuple(
@@ -74,7 +101,7 @@ def config(combo: str, rows: str, *, gangs: int, gang_size: int, **sync: Any) ->
                     precision=precision,  # type: ignore[arg-type]
                 )
                 for i, (n, f) in enumerate(
-                    zip(SOURCE.embedding_sizes, SOURCE.sparse_features, strict=True)
+                    zip(source.embedding_sizes, source.sparse_features, strict=True)
                 )
             ),
             dense_arch_layers=(8, dim),
@@ -83,7 +110,7 @@ def config(combo: str, rows: str, *, gangs: int, gang_size: int, **sync: Any) ->
         optimizer=OptimizerConfig(embedding=embedding, embedding_lr=0.05),  # type: ignore[arg-type]
         sharding=ShardingConfig(sharding_type=sharding),  # type: ignore[arg-type]
         scaling=ScalingConfig(num_workers=gangs * gang_size, gang_size=gang_size),
-        sync=SyncConfig(rows=rows, dense="with_schedule", **sync),  # type: ignore[arg-type]
+        sync=SyncConfig(**({"rows": rows, "dense": "with_schedule"} | sync)),
         data=DataConfig(batch_size=BATCH),
         seed=4,
     )
@@ -106,23 +133,31 @@ def arrays(e: RankEngine) -> list[np.ndarray]:
     return [t.detach().float().numpy().copy() for t in e.shard_state() + e.dense_state()]
 
 
-def inputs(stream: int, rank: int, ranks: int) -> Iterator[StepInput]:
+def inputs(
+    stream: int, rank: int, ranks: int, source: SyntheticCriteo = SOURCE
+) -> Iterator[StepInput]:
     """Stream ``stream`` (0 or 1) of job rank ``rank``: every rank's batches differ."""
-    return (StepInput(b) for b in SOURCE.split(2 * ranks)[stream * ranks + rank].batches(BATCH))
+    return (StepInput(b) for b in source.split(2 * ranks)[stream * ranks + rank].batches(BATCH))
 
 
-def pair_run(spec: RankSpec) -> dict[str, Any]:
-    """8 steps, syncing every 2 (the job-wide schedule); the traffic of each sync."""
+def pair_run(spec: RankSpec, source: SyntheticCriteo = SOURCE) -> dict[str, Any]:
+    """8 steps, syncing every 2 (the job-wide schedule); the traffic of each sync and the
+    replica-plane collectives it ran."""
+    counts = count_sync_collectives()
     with engine_for(spec) as e:
-        feed = inputs(0, spec.rank, spec.config.scaling.num_workers)
-        traffic = []
+        feed = inputs(0, spec.rank, spec.config.scaling.num_workers, source)
+        traffic, collectives = [], []
         for _ in range(4):
+            before = len(counts)
             list(e.train_steps(feed, 2))
             traffic.append(e.replicas.last_traffic)
+            collectives.append(counts[before:])
         return {
             "digest": digest(e),
             "traffic": traffic,
+            "collectives": collectives,
             "rows": sum(w.shape[0] for w in e.embedding_weights()),
+            "bytes": touched_rows.shard_bytes(e.state.tables, optimizer_state=True),
         }
 
 
@@ -169,11 +204,15 @@ def worker(
     out = {}
     for (name, cfg, plan), store in zip(runs, [spec.store, *stores], strict=True):
         run_spec = dataclasses.replace(spec, config=cfg, plan=plan, store=store)
-        if name.startswith("four/"):
-            one = dataclasses.replace(run_spec, gang=spec.rank, gang_rank=0, gang_size=1)
-            out[name] = loss_and_heal_run(one)
-        else:
-            out[name] = pair_run(run_spec)
+        if name.startswith("mixed/"):  # the threshold in force
+            out[name] = pair_run(run_spec, MIXED)
+            continue
+        with whole_sync_below(0):  # tiny tables, synced by touched rows all the same
+            if name.startswith("four/"):
+                one = dataclasses.replace(run_spec, gang=spec.rank, gang_rank=0, gang_size=1)
+                out[name] = loss_and_heal_run(one)
+            else:
+                out[name] = pair_run(run_spec)
     return out
 
 
@@ -196,6 +235,8 @@ def job() -> dict[int, Any]:
         (f"four/{rows}", config(FOUR, rows, gangs=4, gang_size=1, sync_every=4, levels=((2, 2),)))
         for rows in MODES
     ]
+    mixed = dict(source=MIXED, sync_every=2, optimizer_state_every=4, dense="every_step")
+    runs += [(f"mixed/{rows}", config(FOUR, rows, gangs=2, gang_size=2, **mixed)) for rows in MODES]
     planned = [(name, cfg, make_plan_for(cfg, SOURCE.num_dense)) for name, cfg in runs]
     return run_gang_job(
         worker,
@@ -257,3 +298,32 @@ def test_four_gangs_through_a_loss_and_a_heal(job: dict[int, Any]) -> None:
                     gen,
                     step,
                 )
+
+
+def test_a_rank_below_the_threshold_syncs_whole_and_one_above_by_touched_rows(
+    job: dict[int, Any],
+) -> None:
+    """With the threshold in force: the rank holding the small table syncs it in the same
+    collectives as ``sync.rows: all`` (one, for a weights-only sync), the rank holding the
+    large one by touched rows, and both modes end bit for bit alike."""
+    threshold = touched_rows.WHOLE_SYNC_BELOW_BYTES
+    kinds = []
+    for rank, by_run in job.items():
+        full, touched = by_run["mixed/all"], by_run["mixed/touched"]
+        assert touched["digest"] == full["digest"], f"rank {rank}"
+        assert touched["digest"] == job[(rank + 2) % 4]["mixed/touched"]["digest"]
+        # Steps 2 and 4 (the first with optimizer state) average every row in either mode.
+        syncs = [sum(c) for c in touched["collectives"]]
+        whole = [sum(c) for c in full["collectives"]]
+        assert whole[2] == 1, whole  # all: one all-reduce of the weights (step 6)
+        if touched["bytes"] < threshold:
+            kinds.append("whole")
+            assert syncs == whole, (rank, syncs, whole)
+            assert touched["traffic"] == full["traffic"], rank
+        else:
+            kinds.append("touched")
+            for t, s, w in zip(touched["traffic"][2:], syncs[2:], whole[2:], strict=True):
+                assert t.whole_shards == 0 and 0 < t.rows < touched["rows"], (rank, t)
+                assert t.bytes_sent < full["traffic"][2].bytes_sent / 10, (rank, t)
+                assert s > w, (rank, syncs, whole)  # the agreement's collectives
+    assert sorted(kinds) == ["touched", "touched", "whole", "whole"], kinds

@@ -268,12 +268,13 @@ class SyncConfig(ConfigModel):
     the gang (DDP) and averages dense parameters and dense optimizer state at the schedule's
     syncs, in the same groups as the embeddings, so a slow gang stalls only its group."""
 
-    rows: SyncRows = "all"
-    """`all` averages every row of every embedding shard at each sync; `touched` only the rows
-    some member of the syncing group looked up since that level's last sync (the same result:
-    untouched rows are identical already), with a full average at each level's first sync of
-    a generation and after a heal or a checkpoint load. `touched` pays off on large tables; on
-    small ones its agreement on the rows costs more than the rows it saves."""
+    rows: SyncRows = "touched"
+    """`touched` (the default) averages only the rows some member of the syncing group looked
+    up since that level's last sync (the same result as `all`: untouched rows are identical
+    already), with a full average at each level's first sync of a generation and after a heal
+    or a checkpoint load; a rank whose shards' sync would carry under 2 MB averages them whole
+    in one all-reduce, as `all` does, since agreeing on the rows costs more than it saves
+    there. `all` averages every row of every embedding shard at each sync."""
     touched_max_share: Annotated[float, Interval(gt=0, le=1)] = 0.5
     """With `rows: touched`: a shard of which some member touched more than this share of the
     rows is averaged whole."""

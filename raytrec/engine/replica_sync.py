@@ -27,7 +27,13 @@ from raytrec.engine.replica_plane import (
     ReplicaPlaneError,
     in_place_flat,
 )
-from raytrec.engine.touched_rows import SyncTraffic, average_rows, full_traffic
+from raytrec.engine.touched_rows import (
+    SyncTraffic,
+    average_rows,
+    full_traffic,
+    shard_bytes,
+    syncs_whole,
+)
 from raytrec.sync.schedule import SyncDecision, SyncPlan, plan_sync
 
 __all__ = ["GangPeerFailed", "ReplicaSync"]
@@ -66,6 +72,7 @@ class ReplicaSync:
         self.levels: LevelPlanes | None = None  # this rank's group at each schedule level
         self._job_wide_plan: SyncPlan | None = None  # decide()'s plan when none was joined
         self.last_traffic: SyncTraffic | None = None  # what this rank's last sync moved
+        self._shard_bytes: dict[bool, int] = {}  # by optimizer_state: the shapes never change
 
     def join_replica_plane(self, *, generation: int, member_rank: int, size: int) -> None:
         """(Re)builds this rank's replica group for ``generation``.
@@ -239,7 +246,10 @@ class ReplicaSync:
             level, optimizer_state=optimizer_state, generation=plane.generation
         )
         weighted = self.config.merge == "touched_mean"
-        if touched is not None and known and (weighted or self.config.rows == "touched"):
+        rows = self.config.rows
+        if rows == "touched" and syncs_whole(self._bytes(optimizer_state)):
+            rows = "all"  # small shards: one whole all-reduce costs less than agreeing on rows
+        if touched is not None and known and (weighted or rows == "touched"):
             counters = model.embedding_step_counters() if optimizer_state else []
             self.last_traffic = average_rows(
                 plane,
@@ -253,11 +263,12 @@ class ReplicaSync:
                     if weighted
                     else None
                 ),
-                every_row=self.config.rows == "all",
+                every_row=rows == "all",
             )
         else:
-            # rows: all with merge: mean, or touched sets unknown (each level's first sync of a
-            # generation, after a heal or a load): the plain mean of every row.
+            # rows: all with merge: mean, shards below WHOLE_SYNC_BELOW_BYTES, or touched sets
+            # unknown (each level's first sync of a generation, after a heal or a load): the
+            # plain mean of every row.
             tensors = model.shard_state(optimizer_state=optimizer_state)
             # Dense state in a buffer of its own, so the gang's ranks keep identical copies.
             plane.average_(tensors, apart=dense)
@@ -265,6 +276,13 @@ class ReplicaSync:
         model.shard_state_written(synced=True)
         if touched is not None:
             touched.synced(level, optimizer_state=optimizer_state, generation=plane.generation)
+
+    def _bytes(self, optimizer_state: bool) -> int:
+        """What a whole sync of this rank's shards all-reduces (:func:`shard_bytes`)."""
+        if optimizer_state not in self._shard_bytes:
+            found = shard_bytes(self._model.tables, optimizer_state=optimizer_state)
+            self._shard_bytes[optimizer_state] = found
+        return self._shard_bytes[optimizer_state]
 
     def _plane_for(self, decision: SyncDecision) -> ReplicaPlane:
         """This rank's group at the decision's level, checked against the decision's groups."""

@@ -36,7 +36,28 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 from raytrec.engine.replica_plane import ReplicaPlane
 from raytrec.sync.traffic import agreement, allgather_bytes, allreduce_bytes
 
-__all__ = ["SyncTraffic", "TouchedRows", "average_rows", "full_traffic"]
+__all__ = [
+    "WHOLE_SYNC_BELOW_BYTES",
+    "SyncTraffic",
+    "TouchedRows",
+    "average_rows",
+    "full_traffic",
+    "shard_bytes",
+    "syncs_whole",
+]
+
+#: A rank whose shards (with the optimizer state the sync carries) all-reduce fewer bytes than
+#: this syncs them whole even with ``sync.rows: touched``: in the one all-reduce of
+#: ``sync.rows: all``, without agreeing on the touched rows first. The agreement costs two or
+#: three collectives more, whose latency outweighs the bytes a touched sync saves on small
+#: shards. Every member of a replica group holds shards of the same shapes, so all decide
+#: alike with no exchange. Set where a touched sync at 5% of the rows per rank stops being
+#: slower than the full average on two gangs of one rank over gloo (docs/benchmarks.md):
+#:
+#:     .venv/bin/python -m benchmarks.sync_bytes --crossover
+#:
+#: Read at each sync, so a test may lower it.
+WHOLE_SYNC_BELOW_BYTES = 2_000_000
 
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
@@ -295,6 +316,23 @@ def average_rows(
     if not weighted:
         averaged += sum(shards[k][0].shape[0] for k in whole)
     return SyncTraffic(bytes_sent=sent, rows=averaged, whole_shards=len(whole), shards=len(shards))
+
+
+def shard_bytes(
+    kernels: Sequence[SplitTableBatchedEmbeddingBagsCodegen], *, optimizer_state: bool
+) -> int:
+    """Bytes the all-reduce of a whole sync carries for the shards ``kernels`` hold: their
+    weights and, with ``optimizer_state``, their fused optimizer state (shapes alone)."""
+    tensors = [w for tbe in kernels for w in tbe.split_embedding_weights()]
+    if optimizer_state:
+        tensors += [s for tbe in kernels for st in tbe.split_optimizer_states() for s in st]
+    return _wire_bytes(tensors)
+
+
+def syncs_whole(nbytes: int) -> bool:
+    """Whether shards whose whole sync carries ``nbytes`` are synced whole whatever
+    ``sync.rows`` says (:data:`WHOLE_SYNC_BELOW_BYTES`)."""
+    return nbytes < WHOLE_SYNC_BELOW_BYTES
 
 
 def _wire_bytes(tensors: Sequence[torch.Tensor]) -> int:

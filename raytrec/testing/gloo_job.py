@@ -32,11 +32,21 @@ from torchrec.distributed.types import ShardingPlan
 
 from raytrec._quiet import quiet_known_warnings
 from raytrec.config import TrainConfig
+from raytrec.engine import touched_rows
 from raytrec.engine.plan import apply_embedding_optimizer, make_plan
 from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
+from raytrec.engine.replica_plane import ReplicaPlane
+from raytrec.engine.replica_sync import ReplicaSync
 from raytrec.models import build_train_model
 
-__all__ = ["GangJobError", "engine_for", "make_plan_for", "run_gang_job"]
+__all__ = [
+    "GangJobError",
+    "count_sync_collectives",
+    "engine_for",
+    "make_plan_for",
+    "run_gang_job",
+    "whole_sync_below",
+]
 
 _HOST = "127.0.0.1"
 _POLL_S = 0.2
@@ -75,6 +85,45 @@ def engine_for(spec: RankSpec, *, generation: int = 0) -> Iterator[RankEngine]:
         yield engine
     finally:
         engine.close()
+
+
+@contextlib.contextmanager
+def whole_sync_below(nbytes: int) -> Iterator[None]:
+    """In this process, for the block: shards whose whole sync carries fewer than ``nbytes`` are
+    synced whole whatever ``sync.rows`` says (0: a touched sync takes the touched path on the
+    smallest tables), as :data:`raytrec.engine.touched_rows.WHOLE_SYNC_BELOW_BYTES` does."""
+    before = touched_rows.WHOLE_SYNC_BELOW_BYTES
+    touched_rows.WHOLE_SYNC_BELOW_BYTES = nbytes
+    try:
+        yield
+    finally:
+        touched_rows.WHOLE_SYNC_BELOW_BYTES = before
+
+
+_WAITS = [0]  # replica-plane collectives this process waited for, once counting
+_SYNC_COLLECTIVES: list[int] = []  # per ReplicaSync.sync, in order
+
+
+def count_sync_collectives() -> list[int]:
+    """From now on in this process, each :meth:`ReplicaSync.sync` appends to the returned list
+    how many replica-plane collectives it ran (every one is waited for in
+    :meth:`ReplicaPlane._wait`)."""
+    wait, sync = ReplicaPlane._wait, ReplicaSync.sync
+    if not getattr(wait, "counted", False):
+
+        def counted_wait(plane: ReplicaPlane, work: Any) -> None:
+            _WAITS[0] += 1
+            wait(plane, work)
+
+        def counted_sync(self: ReplicaSync, *args: Any, **kwargs: Any) -> None:
+            before = _WAITS[0]
+            sync(self, *args, **kwargs)
+            _SYNC_COLLECTIVES.append(_WAITS[0] - before)
+
+        counted_wait.counted = True  # type: ignore[attr-defined]
+        ReplicaPlane._wait = counted_wait  # type: ignore[method-assign,assignment]
+        ReplicaSync.sync = counted_sync  # type: ignore[method-assign]
+    return _SYNC_COLLECTIVES
 
 
 def _child(
