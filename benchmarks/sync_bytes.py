@@ -23,31 +23,20 @@ to win is where that threshold is set.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
-import time
-import traceback
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from benchmarks import common
 from benchmarks.pipeline import MLPERF_ROWS
-from raytrec.config import (
-    ModelConfig,
-    OptimizerConfig,
-    ScalingConfig,
-    SyncConfig,
-    TableConfig,
-    TrainConfig,
-)
+from raytrec import config as rc
 from raytrec.engine import touched_rows
-from raytrec.engine.plan import apply_embedding_optimizer, make_plan
-from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
-from raytrec.models import build_train_model
+from raytrec.engine.rank_engine import RankSpec, StoreAddress
 from raytrec.sync.traffic import expected_sync_bytes, touched_share
+from raytrec.testing.gloo_job import engine_for, make_plan_for, run_gang_job, whole_sync_below
 
 #: MLPerf DLRM-DCNv2's multi-hot sizes: ids per sample of each table, in MLPERF_ROWS' order.
 MLPERF_HOT = (3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1)
@@ -57,75 +46,46 @@ FORCED = "touched, forced"
 NUM_DENSE = 4
 #: Tables whose whole sync moves fewer bytes than this are timed ``--small-repeats`` times.
 SMALL_BYTES = 16_000_000
+#: One timed sync: (rows, share, repeat, mode, bytes one rank sent, seconds).
+Result = tuple[int, float, int, str, int, float]
 
 
-def job(rows: int, dim: int) -> TrainConfig:
-    return TrainConfig(
-        model=ModelConfig(
-            tables=(
-                TableConfig(name="t0", num_embeddings=rows, embedding_dim=dim, features=("f0",)),
-            ),
-            dense_arch_layers=(8, dim),
-            over_arch_layers=(4, 1),
-        ),
-        optimizer=OptimizerConfig(embedding="rowwise_adagrad"),
-        scaling=ScalingConfig(num_workers=2, gang_size=1),
-        sync=SyncConfig(rows="touched", sync_every=1),
+def job(rows: int, dim: int) -> rc.TrainConfig:
+    table = rc.TableConfig(name="t0", num_embeddings=rows, embedding_dim=dim, features=("f0",))
+    model = rc.ModelConfig(tables=(table,), dense_arch_layers=(8, dim), over_arch_layers=(4, 1))
+    return rc.TrainConfig(
+        model=model,
+        optimizer=rc.OptimizerConfig(embedding="rowwise_adagrad"),
+        scaling=rc.ScalingConfig(num_workers=2, gang_size=1),
+        sync=rc.SyncConfig(rows="touched", sync_every=1),
     )
 
 
-def rank_main(rank: int, a: Any, ports: list[int], out: Any) -> None:
-    try:
-        out.put((rank, measure_rank(rank, a, ports)))
-    except BaseException:
-        out.put((rank, traceback.format_exc()))
-        raise
-
-
-def measure_rank(rank: int, a: Any, ports: list[int]) -> list[tuple[Any, ...]]:
-    results = []
-    threshold = touched_rows.WHOLE_SYNC_BELOW_BYTES
-    for rows, port in zip(a.rows, ports, strict=True):
+def measure_rank(spec: RankSpec, *, a: Any, stores: list[StoreAddress]) -> list[Result]:
+    """Gang ``spec.gang`` (one rank): every table size in turn, each on an engine of its own."""
+    results: list[Result] = []
+    for rows, store in zip(a.rows, [spec.store, *stores], strict=True):
         cfg = job(rows, a.dim)
-        model = build_train_model(cfg.model, NUM_DENSE, torch.device("cpu"), cfg.seed)
-        apply_embedding_optimizer(model, cfg.optimizer)
-        plan = make_plan(
-            model, gang_size=1, device_type="cpu", sharding=cfg.sharding,
-            tables=cfg.model.tables, batch_size=8,
-        )  # fmt: skip
-        store = StoreAddress(host="127.0.0.1", port=port)
-        spec = RankSpec(
-            rank=rank, gang=rank, gang_rank=0, gang_size=1, config=cfg, plan=plan,
-            num_dense=NUM_DENSE, store=store, timeout_s=600,
-        )  # fmt: skip
-        e = RankEngine(spec)
-        e.build()
-        e.join_replica_plane(generation=0, member_rank=rank, size=2)
-        e.sync()  # the generation's first sync averages every row; from here sets are valid
-        touched = e.state.touched
-        assert touched is not None
-        repeats = a.small_repeats if row_bytes(a.dim) * rows < SMALL_BYTES else a.repeats
-        gen = torch.Generator().manual_seed(1000 * rank + rows)
-        for share in a.shares:
-            for repeat in range(repeats):
-                # Each pair in a fresh order, so a slow spell of the machine hits every mode.
-                order = a.modes if repeat % 2 == 0 else a.modes[::-1]
-                for mode in order:
-                    ids = torch.randperm(rows, generator=gen)[: round(share * rows)]
-                    touched.mark(0, ids)
-                    e.replicas.config = cfg.sync.model_copy(
-                        update={"rows": "all" if mode == "all" else "touched"}
-                    )
-                    touched_rows.WHOLE_SYNC_BELOW_BYTES = 0 if mode == FORCED else threshold
-                    e.replica.average_([torch.zeros(1)])  # type: ignore[union-attr]
-                    t0 = time.perf_counter()
-                    e.sync()
-                    took = time.perf_counter() - t0
-                    traffic = e.replicas.last_traffic
-                    assert traffic is not None
-                    results.append((rows, share, repeat, mode, traffic.bytes_sent, took))
-        touched_rows.WHOLE_SYNC_BELOW_BYTES = threshold
-        e.close()
+        plan = make_plan_for(cfg, NUM_DENSE)
+        with engine_for(dataclasses.replace(spec, config=cfg, plan=plan, store=store)) as e:
+            e.sync()  # the generation's first sync averages every row; from here sets are valid
+            touched = e.state.touched
+            assert touched is not None
+            repeats = a.small_repeats if row_bytes(a.dim) * rows < SMALL_BYTES else a.repeats
+            gen = torch.Generator().manual_seed(1000 * spec.rank + rows)
+            for share in a.shares:
+                for repeat in range(repeats):
+                    # Each pair in a fresh order, so a slow spell of the machine hits every mode.
+                    for mode in a.modes if repeat % 2 == 0 else a.modes[::-1]:
+                        touched.mark(0, torch.randperm(rows, generator=gen)[: round(share * rows)])
+                        kind = "all" if mode == "all" else "touched"
+                        e.replicas.config = cfg.sync.model_copy(update={"rows": kind})
+                        threshold = 0 if mode == FORCED else touched_rows.WHOLE_SYNC_BELOW_BYTES
+                        e.replica.average_([torch.zeros(1)])  # type: ignore[union-attr]
+                        with whole_sync_below(threshold):
+                            took = common.timed(e.sync)[1]
+                        sent = e.replicas.last_traffic.bytes_sent  # type: ignore[union-attr]
+                        results.append((rows, share, repeat, mode, sent, took))
     return results
 
 
@@ -140,69 +100,55 @@ def ratio_ci(ratios: Sequence[float]) -> str:
     return f"{statistics.median(ratios):.2f} [{lo:.2f}, {hi:.2f}]"
 
 
-def measure(a: Any) -> list[tuple[int, float, int, str, int, float]]:
-    stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in a.rows]
-    ports = [s.port for s in stores]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, a, ports, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(out.get() for _ in procs)
-    for rank, res in got.items():
-        if isinstance(res, str):
-            raise SystemExit(f"rank {rank} failed:\n{res}")
-    for p in procs:
-        p.join()
-    # A sync ends when its slower rank is done: the larger of the two times.
+def measure(a: Any) -> list[Result]:
+    """Both gangs' timed syncs; a sync ends when its slower rank is done: the larger time."""
+    cfg = job(a.rows[0], a.dim)
+    got = run_gang_job(
+        measure_rank, num_gangs=2, gang_size=1, config=cfg, plan=make_plan_for(cfg, NUM_DENSE),
+        num_dense=NUM_DENSE, timeout_s=3600, extra_stores=len(a.rows) - 1, a=a,
+    )  # fmt: skip
     return [(*x[:5], max(x[5], y[5])) for x, y in zip(got[0], got[1], strict=True)]
-
-
-Result = tuple[int, float, int, str, int, float]
 
 
 def pick(results: Sequence[Result], rows: int, share: float, mode: str) -> list[Result]:
     return [r for r in results if r[0] == rows and r[1] == share and r[3] == mode]
 
 
+def ms(results: Sequence[Result], spec: str) -> str:
+    return common.spread([r[5] * 1e3 for r in results], spec, " ms")
+
+
 def measured_table(a: Any, results: Sequence[Result]) -> str:
-    lines = [
-        "| rows x dim | touched per rank | bytes, all | bytes, touched | model | bytes ratio "
-        "| time, all | time, touched | time, all / touched (min to max) "
-        "| time, touched / all [95% CI] |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    heads = "rows x dim | touched per rank | bytes, all | bytes, touched | model | bytes ratio "
+    heads += "| time, all | time, touched | time, all / touched (min to max) "
+    heads += "| time, touched / all [95% CI]"
+    lines = []
     for rows in a.rows:
         for share in a.shares:
-            got = {m: pick(results, rows, share, m) for m in MODES}
-            full = statistics.median(r[4] for r in got["all"])
-            part = statistics.median(r[4] for r in got["touched"])
+            full, part = (pick(results, rows, share, m) for m in MODES)
+            sent = [statistics.median(r[4] for r in x) for x in (full, part)]
             nbytes = row_bytes(a.dim)
             # Below the threshold a touched sync is a whole one.
             small = nbytes * rows < touched_rows.WHOLE_SYNC_BELOW_BYTES
             model = expected_sync_bytes(
                 rows=rows, row_bytes=nbytes, members=2, share=None if small else share
             )
-            ratios = [f[5] / t[5] for f, t in zip(got["all"], got["touched"], strict=True)]
+            ratios = [f[5] / t[5] for f, t in zip(full, part, strict=True)]
             spec = ".0f" if rows * nbytes >= SMALL_BYTES else ".2f"
-            lines.append(
-                f"| {rows:,} x {a.dim} | {share:.0%} | {full / 1e6:.2f} MB | {part / 1e6:.3f} MB "
-                f"| {model / 1e6:.3f} MB | {full / part:.1f}x "
-                f"| {common.spread([r[5] * 1e3 for r in got['all']], spec, ' ms')} "
-                f"| {common.spread([r[5] * 1e3 for r in got['touched']], spec, ' ms')} "
-                f"| {common.spread(ratios, '.1f', 'x')} | {ratio_ci([1 / r for r in ratios])} |"
-            )
-    return "\n".join(lines)
+            lines.append([
+                f"{rows:,} x {a.dim}", f"{share:.0%}", f"{sent[0] / 1e6:.2f} MB",
+                f"{sent[1] / 1e6:.3f} MB", f"{model / 1e6:.3f} MB", f"{sent[0] / sent[1]:.1f}x",
+                ms(full, spec), ms(part, spec), common.spread(ratios, ".1f", "x"),
+                ratio_ci([1 / r for r in ratios]),
+            ])  # fmt: skip
+    return common.md_table(heads, lines)
 
 
 def crossover_table(a: Any, results: Sequence[Result]) -> str:
     """``touched, forced`` against ``all`` by size at one share; where touched starts to win."""
-    lines = [
-        "| rows x dim | bytes, whole sync | time, all | time, touched (forced) "
-        "| time, touched / all [95% CI] |",
-        "|---|---|---|---|---|",
-    ]
-    wins: list[int] = []
+    heads = "rows x dim | bytes, whole sync | time, all | time, touched (forced) "
+    heads += "| time, touched / all [95% CI]"
+    lines, wins = [], []
     (share,) = a.shares
     for rows in a.rows:
         full, part = pick(results, rows, share, "all"), pick(results, rows, share, FORCED)
@@ -210,16 +156,13 @@ def crossover_table(a: Any, results: Sequence[Result]) -> str:
         nbytes = rows * row_bytes(a.dim)
         if common.bootstrap_median_ci(ratios)[1] < 1:
             wins.append(nbytes)
-        lines.append(
-            f"| {rows:,} x {a.dim} | {nbytes / 1e6:.2f} MB "
-            f"| {common.spread([r[5] * 1e3 for r in full], '.2f', ' ms')} "
-            f"| {common.spread([r[5] * 1e3 for r in part], '.2f', ' ms')} | {ratio_ci(ratios)} |"
-        )
+        row = [f"{rows:,} x {a.dim}", f"{nbytes / 1e6:.2f} MB", ms(full, ".2f"), ms(part, ".2f")]
+        lines.append([*row, ratio_ci(ratios)])
     first = f"{min(wins) / 1e6:.2f} MB" if wins else "none of these sizes"
     return (
-        "\n".join(lines) + f"\n\nA forced touched sync at {share:.0%} of the rows per rank is "
-        f"faster than the full average (the whole 95% interval below 1) from {first}; the "
-        f"threshold in force (`WHOLE_SYNC_BELOW_BYTES`) is "
+        common.md_table(heads, lines) + f"\n\nA forced touched sync at {share:.0%} of the rows "
+        f"per rank is faster than the full average (the whole 95% interval below 1) from {first}; "
+        f"the threshold in force (`WHOLE_SYNC_BELOW_BYTES`) is "
         f"{touched_rows.WHOLE_SYNC_BELOW_BYTES / 1e6:.1f} MB.\n"
     )
 
