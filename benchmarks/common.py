@@ -140,6 +140,24 @@ def publish(
         replace_block(a.write, block, name=name, heading=heading)
 
 
+def dlrm_job(model: tuple[int, ...], *, batch_size: int, world_size: int, **kw: Any) -> TrainConfig:
+    """The job of the raytrec-against-TorchRec benchmarks: a :func:`dlrm` of ``model`` (tables,
+    rows, dim) sharded table-wise on ``world_size`` ranks of one gang, row-wise Adagrad
+    embeddings and an Adagrad dense optimizer; ``kw``: further :class:`TrainConfig` fields."""
+    from raytrec.config import DataConfig, OptimizerConfig, ScalingConfig, ShardingConfig
+
+    return TrainConfig(
+        model=dlrm(*model),
+        optimizer=OptimizerConfig(embedding="rowwise_adagrad", dense="adagrad"),
+        sharding=ShardingConfig(sharding_type="table_wise"),
+        scaling=ScalingConfig(
+            num_workers=world_size, gang_size=world_size, use_gpu=kw.pop("use_gpu", False)
+        ),
+        data=DataConfig(batch_size=batch_size),
+        **kw,
+    )
+
+
 def dlrm(tables: int, rows: int, dim: int, width: int = 64) -> ModelConfig:
     """A DLRM over ``tables`` Criteo-style tables of ``rows`` x ``dim``, its MLPs ``width`` wide."""
     return ModelConfig(
@@ -182,15 +200,9 @@ def rank_engine(
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     address = StoreAddress(host="127.0.0.1", port=store.port)
     spec = RankSpec(
-        rank=0,
-        gang=0,
-        gang_rank=0,
-        gang_size=1,
-        config=cfg,
-        plan=plan,
-        num_dense=num_dense,
+        rank=0, gang=0, gang_rank=0, gang_size=1, config=cfg, plan=plan, num_dense=num_dense,
         store=address,
-    )
+    )  # fmt: skip
     engine = RankEngine(spec)
     engine.build()
     engine.join_replica_plane(generation=0, member_rank=0, size=1)
@@ -235,3 +247,12 @@ def bootstrap_median_ci(
     )
     tail = (1 - level) / 2
     return medians[int(tail * resamples)], medians[min(resamples - 1, int((1 - tail) * resamples))]
+
+
+def ratio_ci(ratios: Sequence[float], spec: str = ".2f", brackets: str = "[{}, {}]") -> str:
+    """The median of paired ratios with its 95% bootstrap confidence interval (``brackets``
+    formats its ends); with fewer than three ratios, their range instead."""
+    mid = format(statistics.median(ratios), spec)
+    if len(ratios) < 3:
+        return f"{mid} (range {min(ratios):{spec}} - {max(ratios):{spec}})"
+    return f"{mid} {brackets.format(*(format(x, spec) for x in bootstrap_median_ci(ratios)))}"

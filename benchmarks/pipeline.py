@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +25,7 @@ from typing import Any
 import torch
 
 from benchmarks import common
-from raytrec.config import DataConfig, OptimizerConfig, ScalingConfig, ShardingConfig, TrainConfig
+from raytrec.config import TrainConfig
 
 #: The MLPerf DLRM-DCNv2 (Criteo 1TB) tables' rows, as its reference caps them at 40 million.
 MLPERF_ROWS = (
@@ -67,17 +66,11 @@ def config(a: argparse.Namespace, batch_size: int) -> TrainConfig:
     rows x dim, or with ``--dcn`` MLPerf's DCNv2 shapes."""
     from raytrec.config.model import ModelConfig, criteo_tables
 
-    cfg = TrainConfig(
-        model=common.dlrm(*a.model),
-        optimizer=OptimizerConfig(embedding="rowwise_adagrad", dense="adagrad"),
-        sharding=ShardingConfig(sharding_type="table_wise"),
-        scaling=ScalingConfig(num_workers=1, gang_size=1, use_gpu=torch.cuda.is_available()),
-        data=DataConfig(batch_size=batch_size),
-        train_pipeline="sparse_dist",
-        num_steps=a.steps,
-        log_every=a.log_every,
+    cfg = common.dlrm_job(
+        a.model, batch_size=batch_size, world_size=1, use_gpu=torch.cuda.is_available(),
+        train_pipeline="sparse_dist", num_steps=a.steps, log_every=a.log_every,
         storage_path="unused",
-    )
+    )  # fmt: skip
     if not a.dcn:
         return cfg
     uvm = dict(compute_kernel="fused_uvm_caching", precision=a.uvm_precision)
@@ -238,13 +231,9 @@ def runs(a: argparse.Namespace) -> str:
                 seconds[s] += got[s]
             print(f"{label} repeat {r}: raytrec / TorchRec {per_repeat[-1]:.3f}", flush=True)
         rate = {s: a.log_every * b * len(seconds[s]) / sum(seconds[s]) for s in SIDES}
-        if len(paired) > 2:
-            bracket = "{:.3f} - {:.3f}".format(*common.bootstrap_median_ci(paired))
-        else:  # too few pairs for an interval: their range
-            bracket = f"range {min(paired):.3f} - {max(paired):.3f}"
         rates = [f"{rate['plain']:,.0f}", f"{rate['raytrec']:,.0f}"]
-        paired_cell = f"{statistics.median(paired):.3f} ({bracket})"
-        ratios = [f"**{rate['raytrec'] / rate['plain']:.3f}**", paired_cell]
+        ratios = [f"**{rate['raytrec'] / rate['plain']:.3f}**"]
+        ratios.append(common.ratio_ci(paired, ".3f", "({} - {})"))
         rows.append([label, *rates, *ratios, ", ".join(f"{x:.3f}" for x in per_repeat)])
     heads = "model, rows per step | TorchRec + pipeline samples/s | raytrec 1x1 + pipeline "
     heads += "samples/s | raytrec / TorchRec | paired ratio: median (95% CI) | per-repeat ratios"

@@ -94,12 +94,6 @@ def row_bytes(dim: int) -> int:
     return dim * 4 + 4
 
 
-def ratio_ci(ratios: Sequence[float]) -> str:
-    """The median of paired ratios with its 95% bootstrap confidence interval."""
-    lo, hi = common.bootstrap_median_ci(ratios)
-    return f"{statistics.median(ratios):.2f} [{lo:.2f}, {hi:.2f}]"
-
-
 def measure(a: Any) -> list[Result]:
     """Both gangs' timed syncs; a sync ends when its slower rank is done: the larger time."""
     cfg = job(a.rows[0], a.dim)
@@ -139,7 +133,7 @@ def measured_table(a: Any, results: Sequence[Result]) -> str:
                 f"{rows:,} x {a.dim}", f"{share:.0%}", f"{sent[0] / 1e6:.2f} MB",
                 f"{sent[1] / 1e6:.3f} MB", f"{model / 1e6:.3f} MB", f"{sent[0] / sent[1]:.1f}x",
                 ms(full, spec), ms(part, spec), common.spread(ratios, ".1f", "x"),
-                ratio_ci([1 / r for r in ratios]),
+                common.ratio_ci([1 / r for r in ratios]),
             ])  # fmt: skip
     return common.md_table(heads, lines)
 
@@ -157,7 +151,7 @@ def crossover_table(a: Any, results: Sequence[Result]) -> str:
         if common.bootstrap_median_ci(ratios)[1] < 1:
             wins.append(nbytes)
         row = [f"{rows:,} x {a.dim}", f"{nbytes / 1e6:.2f} MB", ms(full, ".2f"), ms(part, ".2f")]
-        lines.append([*row, ratio_ci(ratios)])
+        lines.append([*row, common.ratio_ci(ratios)])
     first = f"{min(wins) / 1e6:.2f} MB" if wins else "none of these sizes"
     return (
         common.md_table(heads, lines) + f"\n\nA forced touched sync at {share:.0%} of the rows "
@@ -169,24 +163,18 @@ def crossover_table(a: Any, results: Sequence[Result]) -> str:
 
 def production_table(gangs: int, gang_size: int, global_batch: int, periods: Sequence[int]) -> str:
     """Bytes per training step one GPU sends for syncs, every table row-wise sharded evenly."""
-    row_bytes = 128 * 4 + 4
-    lines = [
-        "| sync every | all: MB per step per GPU | touched: MB per step per GPU | ratio |",
-        "|---|---|---|---|",
-    ]
+    lines = []
     for every in periods:
         full = part = 0.0
         for rows, hot in zip(MLPERF_ROWS, MLPERF_HOT, strict=True):
-            shard = max(1, rows // gang_size)
+            shard = dict(rows=max(1, rows // gang_size), row_bytes=row_bytes(128), members=gangs)
             lookups = global_batch // gangs * every * hot  # one gang's, over the period
-            share = touched_share(lookups, rows)
-            full += expected_sync_bytes(rows=shard, row_bytes=row_bytes, members=gangs, share=None)
-            part += expected_sync_bytes(rows=shard, row_bytes=row_bytes, members=gangs, share=share)
-        lines.append(
-            f"| {every} | {full / every / 1e6:.1f} | {part / every / 1e6:.2f} "
-            f"| {full / part:.1f}x |"
-        )
-    return "\n".join(lines)
+            full += expected_sync_bytes(**shard, share=None)
+            part += expected_sync_bytes(**shard, share=touched_share(lookups, rows))
+        lines.append([every, f"{full / every / 1e6:.1f}", f"{part / every / 1e6:.2f}"])
+        lines[-1].append(f"{full / part:.1f}x")
+    heads = "sync every | all: MB per step per GPU | touched: MB per step per GPU | ratio"
+    return common.md_table(heads, lines)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -196,42 +184,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--shares", type=lambda x: [float(s) for s in x.split(",")], default=None)
     p.add_argument("--repeats", type=int, default=4, help="pairs per share and size")
-    p.add_argument(
-        "--small-repeats",
-        type=int,
-        default=40,
-        help=f"pairs per share and size for tables whose whole sync is under {SMALL_BYTES:,} bytes",
-    )
-    p.add_argument(
-        "--crossover",
-        action="store_true",
-        help="time a touched sync that never syncs whole against all, by size, at 5%% touched",
-    )
+    small = f"pairs per share and size for tables whose whole sync is under {SMALL_BYTES:,} bytes"
+    p.add_argument("--small-repeats", type=int, default=40, help=small)
+    cross = "time a touched sync that never syncs whole against all, by size, at 5%% touched"
+    p.add_argument("--crossover", action="store_true", help=cross)
     a = common.parse(p, argv)
     if a.crossover:
         a.rows = a.rows or [1_000, 2_000, 4_000, 8_000, 16_000, 32_000, 64_000]
-        a.shares = a.shares or [0.05]
-        a.modes = ("all", FORCED)
-        results = measure(a)
-        common.publish(
-            a,
-            crossover_table(a, results),
-            name="sync_crossover",
-            heading="## Sync traffic: where touched rows start to pay",
-        )
+        a.shares, a.modes = a.shares or [0.05], ("all", FORCED)
+        heading = "## Sync traffic: where touched rows start to pay"
+        common.publish(a, crossover_table(a, measure(a)), name="sync_crossover", heading=heading)
         return
     a.rows = a.rows or [2_000, 6_000, 10_000, 250_000, 2_000_000]
-    a.shares = a.shares or [0.01, 0.05, 0.25, 1.0]
-    a.modes = MODES
-    results = measure(a)
+    a.shares, a.modes = a.shares or [0.01, 0.05, 0.25, 1.0], MODES
     body = (
-        f"{measured_table(a, results)}\n\nModelled at production shapes (MLPerf DLRM-DCNv2 tables, "
-        "dim 128, row-wise Adagrad, global batch 65,536; 1024 GPUs in 4 gangs of 256; uniform "
-        f"ids):\n\n{production_table(4, 256, 65_536, (1, 8, 64, 512))}\n"
+        f"{measured_table(a, measure(a))}\n\nModelled at production shapes (MLPerf DLRM-DCNv2 "
+        "tables, dim 128, row-wise Adagrad, global batch 65,536; 1024 GPUs in 4 gangs of 256; "
+        f"uniform ids):\n\n{production_table(4, 256, 65_536, (1, 8, 64, 512))}\n"
     )
-    common.publish(
-        a, body, name="sync_bytes", heading="## Sync traffic: all rows against touched rows"
-    )
+    heading = "## Sync traffic: all rows against touched rows"
+    common.publish(a, body, name="sync_bytes", heading=heading)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from typing import Any
 
 from benchmarks import common
 from raytrec.cluster.local import session_pids, stop_session
-from raytrec.config import DataConfig, OptimizerConfig, ScalingConfig, ShardingConfig, TrainConfig
+from raytrec.config import TrainConfig
 
 FOREVER = 10**8  # steps of either side's job: this script stops it
 MODEL, BATCH_SIZE = (26, 10_000, 16), 256  # tables x rows x dim; rows per rank per step
@@ -55,16 +55,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def build_config(a: argparse.Namespace, *, run_dir: str) -> TrainConfig:
     """The job both sides train (the shape of ``python -m jobs.train``'s), until stopped."""
-    return TrainConfig(
-        model=common.dlrm(*MODEL),
-        optimizer=OptimizerConfig(embedding="rowwise_adagrad", dense="adagrad"),
-        sharding=ShardingConfig(sharding_type="table_wise"),
-        scaling=ScalingConfig(num_workers=a.world_size, gang_size=a.world_size),
-        data=DataConfig(batch_size=BATCH_SIZE),
-        num_steps=FOREVER,
-        log_every=a.log_every,
-        storage_path=run_dir,
-    )
+    return common.dlrm_job(
+        MODEL, batch_size=BATCH_SIZE, world_size=a.world_size, num_steps=FOREVER,
+        log_every=a.log_every, storage_path=run_dir,
+    )  # fmt: skip
 
 
 def torchrun_worker(a: argparse.Namespace) -> int:
@@ -232,15 +226,15 @@ def turns(a: argparse.Namespace) -> str:
     if not ratios:
         raise RuntimeError(f"no round timed on both sides; records in {tmp}")
     shutil.rmtree(tmp, ignore_errors=True)  # kept above, where the records explain a failure
-    lo, hi = common.bootstrap_median_ci(ratios)
     rows = []
     for name, rates in (("torchrun + DMP", t), (f"raytrec 1x{a.world_size}", r)):
         ok = [x for x in rates if x]
         rows.append([name, f"{statistics.fmean(ok):,.0f}", f"{statistics.median(ok):,.0f}"])
     return (
         common.md_table("side | mean window rows/s | median window rows/s", rows)
-        + f"\n\nraytrec / torchrun per round: median **{statistics.median(ratios):.3f}** (95% CI "
-        f"{lo:.3f} - {hi:.3f}), raytrec ahead in {sum(x > 1 for x in ratios)} of {len(ratios)} "
+        + "\n\nraytrec / torchrun per round: median "
+        + common.ratio_ci(ratios, ".3f", "(95% CI {} - {})")
+        + f", raytrec ahead in {sum(x > 1 for x in ratios)} of {len(ratios)} "
         "rounds. Per-round ratios: " + ", ".join(f"{x:.3f}" for x in ratios) + "."
     )
 
