@@ -51,7 +51,8 @@ HEAD_CPUS = {"synthetic": 0, "parquet": 1}
 BATCH_SIZE, EPOCHS = 128, 4
 Json = dict[str, Any]  # a metrics row, an event, a fault, a mark or a report, as JSON has it
 NODES, GANG_SIZE = ("n0", "n1"), 2  # a worker node per gang, of a CPU per rank
-LOG_EVERY, FIRST_STEP = 2, 200  # no fault before FIRST_STEP
+LOG_EVERY = 2
+FIRST_STEP = {False: 200, True: 60}  # no fault before this step (by --short): a no-fault pace
 MAX_DELAY_S = 1.0  # a fault lands a random moment up to this long after it is due
 
 
@@ -187,10 +188,7 @@ def drive(
     draw = random.Random(a.seed)  # which node and rank, and the moment: replayable
     kill_at: float | None = None  # when the due fault is carried out (a random moment)
     while not ended:
-        last = len(faults) == len(schedule) and a.run_on_s is not None
-        ran_on = last and time.monotonic() - faults[-1].kill_mono > a.run_on_s
-        if ran_on:
-            print(f"[chaos] {a.run_on_s:g} s after the last fault: stopping the job", flush=True)
+        ran_on = len(faults) == len(schedule) and ran_on_enough(a, run_dir, faults[-1])
         if ran_on or time.perf_counter() - a.started > a.timeout_s:
             # SIGTERM: the job stops at its next interval boundary and writes its summary.
             cluster.ray("job", "stop", "--no-wait", "--address", cluster.dashboard, job)
@@ -204,7 +202,7 @@ def drive(
         due = (
             len(faults) < len(schedule)
             and full_since is not None
-            and run_dir.step >= max(FIRST_STEP, full_since + 2 * LOG_EVERY)
+            and run_dir.step >= max(FIRST_STEP[a.short], full_since + 2 * LOG_EVERY)
         )
         if due and kill_at is None:
             kill_at = time.monotonic() + draw.uniform(0.0, MAX_DELAY_S)
@@ -216,6 +214,26 @@ def drive(
         time.sleep(0.01 if kill_at is not None else 0.1)
     run_dir.poll()
     return ended[0]
+
+
+def ran_on_enough(a: argparse.Namespace, run_dir: RunDir, last: Fault) -> bool:
+    """Whether the job has run long enough after the last fault: ``--run-on-s`` seconds, or with
+    ``--short`` until Ray has named the lost node (``node_died``) and the survivors trained two
+    intervals past it. Stopped then (the job stops at its next interval boundary, writes its
+    summary), the short run lasts as long as its faults take, however long a join takes on a
+    loaded machine: a fixed number of steps could end before the node loss."""
+    if a.run_on_s is not None:
+        if time.monotonic() - last.kill_mono <= a.run_on_s:
+            return False
+        print(f"[chaos] {a.run_on_s:g} s after the last fault: stopping the job", flush=True)
+        return True
+    if not a.short:
+        return False
+    died = [json.loads(x) for x in run_dir.read("events.jsonl").splitlines() if "node_died" in x]
+    if not died or run_dir.step < int(died[0]["step"]) + 2 * LOG_EVERY:
+        return False
+    print(f"[chaos] step {run_dir.step}: the node loss is booked; stopping the job", flush=True)
+    return True
 
 
 def kill(
@@ -431,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = parser(__doc__, "chaos", "docs/fault_tolerance.md")
     p.add_argument("--short", action="store_true", help="one rank loss, then the node")
     p.add_argument("--data", choices=("synthetic", "parquet"), default="synthetic")
-    p.add_argument("--steps", type=int, default=None, help="default: 14000, 3500 with --short")
+    p.add_argument("--steps", type=int, default=None, help="default: 14000; --short: until stopped")
     p.add_argument("--seed", type=int, default=0, help="draws the nodes, ranks and moments")
     p.add_argument("--collective-timeout-s", type=float, default=10.0)
     p.add_argument("--timeout-s", type=float, default=900.0, help="stop the job after this")
@@ -439,7 +457,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--run-on-s", type=float, help=run_on)
     p.add_argument("--json", type=pathlib.Path, help="write the raw outputs and report here")
     a = parse(p, argv)
-    a.steps = a.steps or (3500 if a.short else 14000)
+    # --short stops by itself once its faults are dealt with (ran_on_enough): its steps are a cap.
+    a.steps = a.steps or (100_000 if a.short else 14000)
     out = run(a)
     report = analyse(out) if out["rows"] else {"marks": []}
     if a.json:
@@ -449,7 +468,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     name = "chaos" if a.data == "synthetic" else f"chaos-{a.data}"
     publish(a, describe(a, out, report), name=name, heading=HEADING)
-    return 0 if out["state"] == "SUCCEEDED" else 1
+    # A job stopped by the harness (--run-on-s, --short) ends STOPPED, its summary written.
+    done = out["state"] == "SUCCEEDED" or (out["state"] == "STOPPED" and out["summary"])
+    return 0 if done else 1
 
 
 if __name__ == "__main__":
