@@ -77,7 +77,7 @@ def test_three_failures_and_growth_in_one_run(cluster: Cluster, tmp_path: str) -
             max_gangs=3,
             step_timeout_s=15,  # the hung rank is singled out this long after its last step
             collective_timeout_s=8,
-            resource_wait_s=60,
+            resource_wait_s=180,  # a new node and actors can take a minute on a loaded machine
             poll_s=0.2,
         ),
         testing=TestingConfig(
