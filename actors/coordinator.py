@@ -34,7 +34,7 @@ import dataclasses
 import os
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from torchrec.distributed.types import ShardingPlan
@@ -78,7 +78,7 @@ from raytrec.elastic.events import (
 )
 from raytrec.elastic.heal import replicas_disagree
 from raytrec.elastic.membership import Membership
-from raytrec.elastic.rank_protocol import StateDigest
+from raytrec.elastic.rank_protocol import GenerationPlan, ReformPlan, StateDigest
 from raytrec.elastic.report import RankInfo, RankReport, RunSummary
 from raytrec.elastic.workers import (
     Clock,
@@ -209,7 +209,9 @@ class Coordinator:
             apply=self.apply,
             answers=self.answers,
             build=self._build,
-            new_generation=lambda reason: self._new_generation(reason=reason),
+            new_generation=lambda reason, before=None: self._new_generation(
+                reason=reason, before=before
+            ),
             account=self._account,
             ranks_in_gang_order=self._ranks_in_gang_order,
             at=self._at,
@@ -772,18 +774,26 @@ class Coordinator:
             raise error
         return sorted((self._infos[r] for r in ranks), key=lambda x: x.rank)
 
-    def _new_generation(self, *, reason: str) -> None:
-        """Replica plane and sync plan of the current membership, on every live rank."""
+    def _new_generation(
+        self, *, reason: str, before: Mapping[int, ReformPlan] | None = None
+    ) -> None:
+        """Replica plane and sync plan of the current membership, on every live rank, in one
+        call; ``before``: what a rank carries out in that call first (its replays)."""
         m = self.state.membership
-        ranks = self._live_ranks()
-        self._call(
-            ranks,
-            lambda w, r: w.join_replica_plane(
-                m.generation, m.member_index(self._gang_of(r)), m.num_gangs
-            ),
-        )
-        plan = self._sync_plan()
-        self._call(ranks, lambda w, _r: w.join_sync_plan(plan))
+        sync_plan = self._sync_plan()
+
+        def plan(r: int) -> ReformPlan:
+            generation = GenerationPlan(
+                generation=m.generation,
+                member_rank=m.member_index(self._gang_of(r)),
+                size=m.num_gangs,
+                sync_plan=sync_plan,
+            )
+            first = (before or {}).get(r, ReformPlan())
+            return dataclasses.replace(first, generation=generation)
+
+        plans = {r: plan(r) for r in self._live_ranks()}
+        self._call(sorted(plans), lambda w, r: w.reform(plans[r]))
         self.events.append(
             GenerationStarted(
                 at=self._now(),

@@ -44,6 +44,7 @@ from raytrec.elastic.events import (
 )
 from raytrec.elastic.heal import failed_heals
 from raytrec.elastic.membership import Gang
+from raytrec.elastic.rank_protocol import ReformPlan
 from raytrec.elastic.report import RankInfo
 from raytrec.elastic.workers import Placement, RankCallError, WorkerGroup
 
@@ -206,10 +207,14 @@ class GangGrowth:
         self.job.apply(Joining(frozenset(g.gang_id for g in gangs)))
         self.job.view.accounting.add_gangs(g.gang_id for g in gangs)
         self.job.new_generation(f"gangs {[g.gang_id for g in gangs]} joined")
-        step = self.job.step()
-        self.job.call(new_ranks, lambda w, _r: w.set_step(step))
+        # The new ranks take the job's step, then every member takes the peer's state.
         src = self.job.view.membership.member_index(peer)
-        self.job.call(self.job.live_ranks(), lambda w, _r: w.broadcast_state(src))
+        heal = ReformPlan(broadcast_state_from=src)
+        heal_new = dataclasses.replace(heal, step=self.job.step())
+        joined = set(new_ranks)
+        self.job.call(
+            self.job.live_ranks(), lambda w, r: w.reform(heal_new if r in joined else heal)
+        )
         gangs = tuple(self._verify_heals(gangs, peer=peer))
         new_ranks = [r for g in gangs for r in g.job_ranks]
         fresh = self.streams.reshare(self.job.ranks_in_gang_order(), joining=new_ranks)

@@ -11,17 +11,17 @@ applies it (:func:`actors.job.apply_outcome`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from actors.job import JobView, Outcome
 from raytrec.elastic.boundary import JobState
 from raytrec.elastic.events import Event
-from raytrec.elastic.rank_protocol import RankProtocol
+from raytrec.elastic.rank_protocol import RankProtocol, ReformPlan
 from raytrec.elastic.report import RankInfo, RankReport
 from raytrec.elastic.workers import Clock, NodeInfo, RankCallError
 
-__all__ = ["Booking", "JobPorts", "RankAnswers", "RankCalls"]
+__all__ = ["Booking", "JobPorts", "NewGeneration", "RankAnswers", "RankCalls"]
 
 R = TypeVar("R")
 
@@ -53,6 +53,13 @@ class Booking(Protocol):
     ) -> None: ...
 
 
+class NewGeneration(Protocol):
+    """Joins the live ranks to the membership's replica planes and sync plan (``reason``), in
+    one call on each; ``before``: what a rank carries out first in that call (its replays)."""
+
+    def __call__(self, reason: str, /, before: Mapping[int, ReformPlan] | None = None) -> None: ...
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class JobPorts:
     """The job as a component sees it (module doc)."""
@@ -81,8 +88,7 @@ class JobPorts:
     answers: RankAnswers
     #: Builds ranks (their node becomes known) and returns what each build returned.
     build: Callable[[list[int]], list[RankInfo]]
-    #: Joins the live ranks to the membership's replica planes and sync plan (``reason``).
-    new_generation: Callable[[str], None]
+    new_generation: NewGeneration
     #: Books ranks' reports.
     account: Booking
     #: The live ranks, gang by gang.

@@ -35,7 +35,12 @@ from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.parquet_streams import Stream
 from raytrec.data.source import Batch, BatchShard
 from raytrec.elastic.faults import FaultKind, FaultSpec, Phase
-from raytrec.elastic.rank_protocol import LoadedCheckpoint, RankProtocol, StateDigest
+from raytrec.elastic.rank_protocol import (
+    LoadedCheckpoint,
+    RankProtocol,
+    ReformPlan,
+    StateDigest,
+)
 from raytrec.elastic.report import RankInfo, RankReport, TrainedBatch
 from raytrec.engine.rank_engine import RankEngine, RankSpec
 from raytrec.engine.stepping import (
@@ -147,6 +152,25 @@ class RankWorker:
             prefetch=data.prefetch_batches,
             background=self.spec.config.feed_in_background,
         )
+
+    def reform(self, plan: ReformPlan) -> None:
+        """Carries out ``plan``'s parts in order, as the separate calls would (one call instead
+        of one per part: the coordinator waits on every rank once)."""
+        if plan.replay is not None:
+            self.replay(list(plan.replay), list(plan.embedding_only))
+        if (g := plan.generation) is not None:
+            self.join_replica_plane(g.generation, g.member_rank, g.size)
+            self.join_sync_plan(g.sync_plan)
+        if plan.step is not None:
+            self.set_step(plan.step)
+        if plan.sync:
+            self.sync()
+        if plan.broadcast_state_from is not None:
+            self.broadcast_state(plan.broadcast_state_from)
+        if plan.dense_from is not None:
+            self.broadcast_dense(*plan.dense_from)
+        if plan.finish_failed_step is not None:
+            self.settle_failed_step(plan.finish_failed_step)
 
     def join_replica_plane(self, generation: int, member_rank: int, size: int) -> None:
         self._enter(Phase.JOIN)

@@ -41,6 +41,7 @@ from raytrec.elastic.events import (
 from raytrec.elastic.heal import failed_heals
 from raytrec.elastic.job_state import ElasticState
 from raytrec.elastic.policy import find_hung_ranks, next_hang_check
+from raytrec.elastic.rank_protocol import ReformPlan
 from raytrec.elastic.report import RankReport
 from raytrec.elastic.workers import (
     RankCallError,
@@ -507,26 +508,29 @@ class FailureRecovery:
         else:
             self.job.apply(Regenerated())
             reason = "collectives timed out with every rank alive"
-        if replay:
-            # Handed over once the books and the membership agree, before any call that may
-            # cut this recovery short: what is booked is sent even if it starts over (a
-            # re-share below hands each rank its whole queue again).
-            self.job.call(
-                sorted(replay), lambda w, r: w.replay(replay[r], acc.embedding_only(replay[r]))
-            )
-        self.job.new_generation(reason)
+        # The replays are handed over once the books and the membership agree, first in the
+        # call that joins the new generation, before any part that may cut this recovery
+        # short: what is booked is sent even if it starts over (a re-share below hands each
+        # rank its whole queue again).
+        replays = {
+            r: ReformPlan(replay=tuple(ids), embedding_only=tuple(acc.embedding_only(ids)))
+            for r, ids in replay.items()
+        }
+        self.job.new_generation(reason, replays or None)
         # The re-formed job's first sync: every replica (and dense state) identical again, and
         # the survivors' batches so far are in the model: committed. The failed step's dense
         # update is then finished among the survivors, or dropped where the state taken has it.
         live = self.job.live_ranks()
-        self.job.call(live, lambda w, _r: w.set_step(fail_step))
-        self.job.call(live, lambda w, _r: w.sync())
-        # Committed as soon as the sync is done: a loss in the calls that follow must not
+        synced = ReformPlan(step=fail_step, sync=True)
+        self.job.call(live, lambda w, _r: w.reform(synced))
+        # Committed as soon as the sync is done: a loss in the call that follows must not
         # hand these batches out again (they are in every replica already).
         self.job.apply(Committed())
-        src = self.job.view.membership.member_index(source_gang)
-        self.job.call(live, lambda w, _r: w.broadcast_dense(src, source_slot.gang_rank))
-        self.job.call(live, lambda w, _r: w.settle_failed_step(settled.finish))
+        dense = ReformPlan(
+            dense_from=(self.job.view.membership.member_index(source_gang), source_slot.gang_rank),
+            finish_failed_step=settled.finish,
+        )
+        self.job.call(live, lambda w, _r: w.reform(dense))
         self.job.record(
             FailedStepSettled(
                 at=self.job.now(),

@@ -937,3 +937,55 @@ def test_a_slow_rank_only_costs_time_unless_it_outlasts_the_collective_timeout(
     stuck, stuck_seen = run("stuck", SlowRank(rank=5, step_s=40.0))
     (reform,) = [d for _, _, d in stuck_seen if isinstance(d, Reform)]
     assert reform.hung_ranks == (5,) and reform.drop == (2,) and stuck.steps == 10
+
+
+# -- calls per change -----------------------------------------------------------------------
+
+
+def record_calls(j: Job, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The method of every call the coordinator makes on the ranks, in order, from now on."""
+    names: list[str] = []
+    call = j.group.call
+
+    class Name:
+        def __getattr__(self, method: str) -> Any:
+            return lambda *_a, **_k: method
+
+    def recording(ranks: Sequence[int], invoke: Any) -> Any:
+        if ranks:
+            names.append(invoke(Name(), ranks[0]))
+        return call(ranks, invoke)
+
+    monkeypatch.setattr(j.group, "call", recording)
+    return names
+
+
+def test_a_loss_and_a_join_re_form_the_ranks_in_one_call_each_between_barriers(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a loss the survivors are waited on five times (abort, recover, then one re-form
+    call to join the new generation with their replays, one to take the step and sync, one to
+    settle the dense state); a joining gang's heal is one call after the generation's."""
+    faults = (NodesJoin(at=1.0), RankDies(rank=1, step=8))
+    j = job(tmp_path, *faults, gangs=2, max_gangs=3, grow=True, num_steps=40)
+    names = record_calls(j, monkeypatch)
+    summary = j.run()
+    assert [e.gang_id for e in summary.events.of(GangDropped)] == [0]
+    assert [e.gang_id for e in summary.events.of(GangJoined)] == [2, 3]
+    loss = names.index("recover") - 1
+    assert names[loss : loss + 5] == [
+        "abort_replica_planes",
+        "recover",
+        "reform",  # replays and the new generation
+        "reform",  # the step and the re-formed job's sync
+        "reform",  # the dense state and the failed step
+    ]
+    joins = [
+        i
+        for i in range(len(names))
+        if names[i : i + 4] == ["sync", "reform", "reform", "state_digest"]
+    ]
+    assert len(joins) == 2  # sync, generation, heal (the step and the peer's state), check
+    parts = {"replay", "join_replica_plane", "join_sync_plan", "set_step", "broadcast_dense"}
+    assert parts.isdisjoint(names) and "settle_failed_step" not in names
+    assert_exactly_once(summary, j.group)

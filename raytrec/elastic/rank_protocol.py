@@ -12,6 +12,7 @@ Pure declarations: no Ray, no torch.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Protocol, TypedDict
 
 if TYPE_CHECKING:
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from raytrec.observability.rec_metrics import MetricState
     from raytrec.sync.schedule import SyncPlan
 
-__all__ = ["LoadedCheckpoint", "RankProtocol", "StateDigest"]
+__all__ = ["GenerationPlan", "LoadedCheckpoint", "RankProtocol", "ReformPlan", "StateDigest"]
 
 
 class LoadedCheckpoint(TypedDict):
@@ -42,6 +43,42 @@ class StateDigest(TypedDict):
     dense: str
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerationPlan:
+    """A rank's place in a new generation: member ``member_rank`` of ``size`` in replica plane
+    ``generation`` (its gang's index among the live gangs), with the generation's sync plan."""
+
+    generation: int
+    member_rank: int
+    size: int
+    sync_plan: SyncPlan
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReformPlan:
+    """What one rank carries out in one :meth:`RankProtocol.reform` call, in this order (a part
+    left at its default is skipped): queue the replays, join the new generation, take the step,
+    sync the replica plane, take a member's full state, take a member's dense state, settle the
+    failed step. Parts that are collectives run on every rank of the call at once, so they need
+    no barrier in between; what needs the coordinator between two parts (a commit after a sync,
+    an event once a generation is joined) ends a plan."""
+
+    #: Batches to train next, before the rank's own (a lost gang's uncommitted ones).
+    replay: tuple[int, ...] | None = None
+    #: Those of ``replay`` that update their embedding rows only.
+    embedding_only: tuple[int, ...] = ()
+    generation: GenerationPlan | None = None
+    step: int | None = None
+    #: A sync of the replica plane (embedding and optimizer state averaged).
+    sync: bool = False
+    #: The replica-plane member whose full state every member takes (a heal).
+    broadcast_state_from: int | None = None
+    #: (replica-plane member, its gang rank) whose dense state every member takes.
+    dense_from: tuple[int, int] | None = None
+    #: After a loss mid-step: finish the failed step's dense update (True) or drop it (False).
+    finish_failed_step: bool | None = None
+
+
 class RankProtocol(Protocol):
     """One rank of the job, as the coordinator drives it. Methods marked *collective* are called
     on every rank of a gang or of a replica plane at once; the others answer alone."""
@@ -57,6 +94,11 @@ class RankProtocol(Protocol):
 
     def join_sync_plan(self, plan: SyncPlan) -> None:
         """Takes the generation's sync schedule (hierarchical levels and their groups)."""
+        ...
+
+    def reform(self, plan: ReformPlan) -> None:
+        """Carries out ``plan``'s parts in order (:class:`ReformPlan`); its collectives run on
+        every rank of the call."""
         ...
 
     def broadcast_state(self, src: int) -> None:

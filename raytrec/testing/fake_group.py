@@ -176,6 +176,35 @@ class FakeWorkerGroup(TrainingRuns):
         }
         if not ops:
             return {}
+        if next(iter(ops.values())).kind is OpKind.PLAN:
+            out = self._plan(states, ops)
+        else:
+            out = self._carry_out(states, ops)
+        self.cpu_s += time.process_time() - t0
+        return cast(dict[int, Answer[R]], out)
+
+    def _plan(self, states: list[RankState], ops: Mapping[int, Op]) -> dict[int, FakeAnswer[Any]]:
+        """A ``reform`` call: its parts carried out in order as the calls they stand for, as if
+        the coordinator had made them one after the other; the first part that fails or does
+        not end at once on some rank ends the call (the coordinator would have stopped there).
+        A rank's answer is its answer to the last part it took part in."""
+        out = {r.spec.rank: self.answer(r) for r in states}
+        for name in _PLAN_ORDER:
+            part = {r: p for r, op in ops.items() for p in op.parts if p.method == name}
+            if not part:
+                continue
+            answers = self._carry_out([s for s in states if s.spec.rank in part], part)
+            out.update(answers)
+            now = self.clock.now
+            if any(a.done_at > now or a.error is not None for a in answers.values()):
+                break
+            self._time_passed()  # what the coordinator's wait between the calls did
+        return out
+
+    def _carry_out(
+        self, states: list[RankState], ops: Mapping[int, Op]
+    ) -> dict[int, FakeAnswer[Any]]:
+        """One call of one method on ``states``: its faults, then its answers."""
         [name] = {op.method for op in ops.values()}
         kind = next(iter(ops.values())).kind
         now = self.clock.now
@@ -213,8 +242,7 @@ class FakeWorkerGroup(TrainingRuns):
             answer.method = name
             rank.pending = [f for f in rank.pending if f.done_at > now]
             rank.pending.append(answer)
-        self.cpu_s += time.process_time() - t0
-        return cast(dict[int, Answer[R]], out)
+        return out
 
     def _due_at_call(self, rank: int, name: str) -> list[fake_faults.CallFault]:
         """The faults due at this call of ``rank``'s (its calls of ``name`` counted)."""
@@ -570,6 +598,19 @@ class FakeWorkerGroup(TrainingRuns):
                 f"{name} on ranks that are not one whole replica plane: generations "
                 f"{sorted(generations)}, members {members} of gangs {sorted(gangs)}"
             )
+
+
+#: The order in which a ``reform`` call carries out its parts (:class:`ReformPlan`).
+_PLAN_ORDER = (
+    "replay",
+    "join_replica_plane",
+    "join_sync_plan",
+    "set_step",
+    "sync",
+    "broadcast_state",
+    "broadcast_dense",
+    "settle_failed_step",
+)
 
 
 def _fresh(error: BaseException) -> BaseException:

@@ -21,7 +21,12 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
 
 from raytrec.data.parquet_streams import stream_length
 from raytrec.data.synthetic import batch_id
-from raytrec.elastic.rank_protocol import LoadedCheckpoint, RankProtocol, StateDigest
+from raytrec.elastic.rank_protocol import (
+    LoadedCheckpoint,
+    RankProtocol,
+    ReformPlan,
+    StateDigest,
+)
 from raytrec.elastic.report import RankInfo, RankReport, TrainedBatch
 from raytrec.elastic.workers import NODE_DIED, Answer, RankFailed, RankLost
 from raytrec.testing.fake_model import FakeUsageError
@@ -154,6 +159,7 @@ class OpKind(enum.Enum):
     GANG = "gang"  # a collective of one gang's ranks
     PLANE = "plane"  # a collective of one whole replica plane
     TRAIN = "train"  # the interval: every live rank, step by step
+    PLAN = "plan"  # calls carried out in order in one call (``reform``): ``parts``
 
 
 #: Carries out a collective over the call's ranks; the answer value of each.
@@ -172,6 +178,7 @@ class Op:
     together: Together | None = None
     args: tuple[Any, ...] = ()
     kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    parts: tuple[Op, ...] = ()
 
 
 def alone(
@@ -301,6 +308,28 @@ class FakeRank:
         pass
 
     # -- collectives ------------------------------------------------------------------------
+
+    def reform(self, plan: ReformPlan) -> None:
+        """The plan's parts, booked as the calls they stand for (faults strike them by those
+        names); the group carries them out in order and stops at the first that fails."""
+        parts: list[Any] = []
+        booked: Any = self  # its collectives answer the booked call, not None
+        if plan.replay is not None:
+            parts.append(self.replay(list(plan.replay), list(plan.embedding_only)))
+        if (g := plan.generation) is not None:
+            parts.append(self.join_replica_plane(g.generation, g.member_rank, g.size))
+            parts.append(self.join_sync_plan(g.sync_plan))
+        if plan.step is not None:
+            parts.append(self.set_step(plan.step))
+        if plan.sync:
+            parts.append(booked.sync())
+        if plan.broadcast_state_from is not None:
+            parts.append(booked.broadcast_state(plan.broadcast_state_from))
+        if plan.dense_from is not None:
+            parts.append(booked.broadcast_dense(*plan.dense_from))
+        if plan.finish_failed_step is not None:
+            parts.append(self.settle_failed_step(plan.finish_failed_step))
+        return _booked(Op("reform", OpKind.PLAN, parts=tuple(cast(Op, p) for p in parts)))
 
     def sync(self) -> None:
         return _booked(Op("sync", OpKind.PLANE, together=self._group.sync_all))
