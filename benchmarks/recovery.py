@@ -15,6 +15,10 @@ steps (the restart redoes steps 11..15) and ``log_every=1``:
 Survivors are timed from the failure (the row of step S-1) to their next completed step; the
 restart from calling ``fit`` to its row of step S (detection and stopping counted as 0, so a
 lower bound); the new gang from ``gang_requested`` to ``gang_joined`` and its first step.
+
+``--stall-only`` runs 1 and 3 alone, repeated, and prints the survivors' stall: at a loss (both
+runs), at a join (``gang_placed`` to ``gang_joined``: the live gangs' sync, the new generation
+and the heal) and their longest gap between two steps while the gang came in.
 """
 
 from __future__ import annotations
@@ -281,11 +285,32 @@ def table(ms: Sequence[Measurement], a: argparse.Namespace) -> str:
     )
 
 
+def stall_only(a: argparse.Namespace) -> int:
+    """``--stall-only`` (module doc): runs 1 and 3 for the first size and shape, printed."""
+    loss: list[float | None] = []
+    join: list[float | None] = []
+    gap: list[float | None] = []
+    for repeat, grow in itertools.product(range(a.repeats), (False, True)):
+        try:
+            t, _ = run_elastic(a.sizes[0], a.shapes[0], grow=grow)
+        except Exception as e:  # a failed run is reported; the others go on
+            print(f"repeat {repeat}, grow={grow}: failed: {e}"[:300], file=sys.stderr, flush=True)
+            continue
+        loss.append(t.resume_s)
+        join.append(t.heal_transfer_s)
+        gap.append(t.survivors_gap_s)
+        print(f"repeat {repeat}, grow={grow}: {t}", file=sys.stderr, flush=True)
+    heads = "survivors' stall at a loss | at a join | longest gap while a gang joins"
+    print(md_table(heads, [[spread(x, ".3f", " s") for x in (loss, join, gap)]], left=0))
+    return 0 if loss else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser(__doc__, "recovery", "docs/fault_tolerance.md")
     p.add_argument("--sizes", type=dims_list(3), default="26x10000x16,26x100000x32")
     p.add_argument("--shapes", type=dims_list(2), default="2x2,3x1", help="at least 2 gangs")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--stall-only", action="store_true", help="the survivors' stall alone")
     a = parse(p, argv)
     if min(gangs for gangs, _ in a.shapes) < 2:
         p.error("--shapes: at least 2 gangs, so that one survives")
@@ -293,6 +318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     most = max((g[0] + 1) * g[1] for g in a.shapes)  # room for the new gang
     connect(num_cpus=most * CPUS_PER_RANK + (os.cpu_count() or 2))
     STORAGE.mkdir(parents=True, exist_ok=True)
+    if a.stall_only:
+        return stall_only(a)
     ms, failures = measure(a)
     if not ms:
         return 1
