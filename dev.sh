@@ -21,9 +21,7 @@ setup() {
   echo "dev.sh: building $venv (first run only)..." >&2
   rm -rf "$venv"
   "$py" -m venv "$venv"
-  # --no-compile: pip would byte-compile all ~15,000 installed modules, one at a time; Python
-  # compiles the few thousand a job imports on first import instead, and caches them.
-  local pip=("$venv/bin/pip" install --quiet --disable-pip-version-check --no-compile)
+  local pip=("$venv/bin/pip" install --quiet --disable-pip-version-check)
   if [[ "${RAYTREC_CUDA:-}" == 1 ]] || { [[ -z "${RAYTREC_CUDA:-}" ]] && command -v nvidia-smi >/dev/null; }; then
     # CUDA host: the CUDA torch build with its nvidia-* wheels, and FBGEMM's CUDA kernels.
     "${pip[@]}" torch==2.13.0 fbgemm-gpu==1.8.0
