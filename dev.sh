@@ -21,6 +21,8 @@ setup() {
   echo "dev.sh: building $venv (first run only)..." >&2
   rm -rf "$venv"
   "$py" -m venv "$venv"
+  # pip byte-compiles what it installs (minutes): keep it. Where PYTHONDONTWRITEBYTECODE is set,
+  # --no-compile would leave every process (each Ray worker) compiling torch and ray from source.
   local pip=("$venv/bin/pip" install --quiet --disable-pip-version-check)
   if [[ "${RAYTREC_CUDA:-}" == 1 ]] || { [[ -z "${RAYTREC_CUDA:-}" ]] && command -v nvidia-smi >/dev/null; }; then
     # CUDA host: the CUDA torch build with its nvidia-* wheels, and FBGEMM's CUDA kernels.
