@@ -1,10 +1,8 @@
 """The coordinator: places gangs, hosts the rendezvous store and drives training elastically.
 
 A plain class, made a Ray actor only at the launch site (:func:`raytrec.api.fit`). It hosts the
-job's ``TCPStore`` (every gang world and replica plane rendezvous under their own prefix in it),
-creates one placement group per gang (:mod:`raytrec.cluster.placement`), starts one
-:class:`~actors.rank.RankWorker` per rank and runs training in intervals of ``log_every`` steps,
-recording one metrics row per interval.
+job's ``TCPStore``, places one placement group per gang, starts one :class:`~actors.rank.RankWorker`
+per rank and trains in intervals of ``log_every`` steps, one metrics row per interval.
 
 Elasticity, at interval granularity:
 
@@ -21,8 +19,9 @@ Elasticity, at interval granularity:
 
 Every decision is a value of one union (:mod:`raytrec.elastic.decisions`) returned by one pure
 function, :func:`raytrec.elastic.boundary.decide`, called at each boundary of the loop with the
-job's state and what was observed there; this class and its parts gather the observations and
-carry the decisions out (a ``match`` on the union).
+job's state and what was observed there; :mod:`actors.boundary_work` gathers the observations
+and carries the decisions out (a ``match`` on the union). The live ranks' plumbing (building,
+forming a generation, booking, syncing) is :mod:`actors.job_ranks`.
 
 Every failure, generation, heal and resize is an event (:mod:`raytrec.elastic.events`) with its
 time and step, returned in the run summary.
@@ -34,74 +33,54 @@ import dataclasses
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any
 
 from torchrec.distributed.types import ShardingPlan
 
+from actors.boundary_work import BoundaryWork
 from actors.checkpoints import JobCheckpoints
 from actors.control_calls import ControlCalls
 from actors.drain import GangDrain
 from actors.evaluation import JobEvaluation
 from actors.gang_placement import JobPlacement
 from actors.growth import GangGrowth
-from actors.job import Booked, Committed, JobRecord, Outcome, Prepared, apply_outcome
+from actors.job import Committed, JobRecord, Outcome, Prepared, apply_outcome
+from actors.job_ranks import JobRanks
 from actors.nodes import JobNodes
 from actors.ports import JobPorts
 from actors.recovery import Dispatched, FailureRecovery, IntervalOutcome
 from actors.reshare import DataStreams, StreamTable
 from actors.total_loss import TotalLossRecovery
-from raytrec.cluster.topology import Layout
 from raytrec.config import TrainConfig
 from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.source import BatchShard
 from raytrec.data.spec import FeatureSpec
 from raytrec.data.synthetic import batch_id
 from raytrec.elastic.accounting import BatchAccounting
-from raytrec.elastic.boundary import (
-    MAX_TRANSIENT,
-    JobState,
-    Observations,
-    decide,
-    evaluation_due,
-    save_due,
-)
+from raytrec.elastic.boundary import MAX_TRANSIENT, Observations
 from raytrec.elastic.control import Boundary, intervals_to_queue
-from raytrec.elastic.decisions import Checkpoint, Continue, Drain, Evaluate, Fail, Grow, Stop, Wait
-from raytrec.elastic.drain_policy import stop_requested
-from raytrec.elastic.events import (
-    Event,
-    EventLog,
-    GenerationStarted,
-    JobFailed,
-    ResourcesWaited,
-)
-from raytrec.elastic.heal import replicas_disagree
+from raytrec.elastic.events import Event, EventLog
 from raytrec.elastic.membership import Membership
-from raytrec.elastic.rank_protocol import GenerationPlan, ReformPlan, StateDigest
-from raytrec.elastic.report import RankInfo, RankReport, RunSummary
-from raytrec.elastic.workers import (
-    Clock,
-    RankCallError,
-    RankFailed,
-    SystemClock,
-    WorkerGroup,
-)
+from raytrec.elastic.rank_protocol import StateDigest
+from raytrec.elastic.report import RankInfo, RunSummary
+from raytrec.elastic.workers import Clock, RankCallError, RankFailed, SystemClock, WorkerGroup
 from raytrec.engine.rank_engine import RENDEZVOUS_TIMEOUT_S, StoreAddress
 from raytrec.errors import ConfigError, EarlyStopped, JobFailedError, StopRequested
 from raytrec.eval_plan import EvalPlan
 from raytrec.models import ModelFactory, build_dlrm
 from raytrec.observability.metrics import IntervalMetrics, aggregate_interval
-from raytrec.observability.rec_metrics import InterpretedMetrics, merge_metric_states
-from raytrec.sync.schedule import SyncPlan, plan_sync
+from raytrec.observability.rec_metrics import merge_metric_states
 
 __all__ = ["Coordinator", "JobFailedError", "RunSummary"]
-
-R = TypeVar("R")
 
 
 class Coordinator:
     """Owns the job's membership, store and training loop."""
+
+    # Parts the ports below reach lazily (they are built after the ports).
+    ranks: JobRanks
+    boundary: BoundaryWork
+    recovery: FailureRecovery
 
     def __init__(
         self,
@@ -172,8 +151,6 @@ class Coordinator:
         self._history: list[IntervalMetrics] = []
         self._lock = threading.Lock()
         self._store_address: StoreAddress | None = None
-        self._infos: dict[int, RankInfo] = {}  # job rank -> what its build returned
-        self._stop = threading.Event()  # a stop was asked for (request_stop)
         self._seq = 0  # the last train call's number
         # Intervals in flight at once: the running one and one queued behind it, unless the
         # gangs may drift apart between syncs (hierarchical levels with dense state synced on
@@ -197,10 +174,10 @@ class Coordinator:
         # decisions they carry out are made in raytrec.elastic.
         self.ports = JobPorts(
             call=self._call,
-            live_ranks=self._live_ranks,
-            gang_of=self._gang_of,
+            live_ranks=lambda: self.ranks.live(),
+            gang_of=lambda rank: self.ranks.gang_of(rank),
             step=lambda: self.state.step,
-            sync=self._sync_unless_synced,
+            sync=lambda: self.ranks.sync_unless_synced(),
             record=self.events.append,
             now=self._now,
             clock=self.clock,
@@ -208,15 +185,15 @@ class Coordinator:
             view=self.state,
             apply=self.apply,
             answers=self.answers,
-            build=self._build,
-            new_generation=lambda reason, before=None: self._new_generation(
-                reason=reason, before=before
+            build=lambda ranks: self.ranks.build(ranks),
+            new_generation=lambda reason, before=None: self.ranks.new_generation(reason, before),
+            account=lambda reports, completed_through=None: self.ranks.account(
+                reports, completed_through=completed_through
             ),
-            account=self._account,
-            ranks_in_gang_order=self._ranks_in_gang_order,
+            ranks_in_gang_order=lambda: self.ranks.in_gang_order(),
             at=self._at,
-            job_state=self.job_state,
-            stop_asked=self._stop_asked,
+            job_state=lambda: self.boundary.job_state(),
+            stop_asked=lambda: self.boundary.stop_asked(),
         )
         # Held-out evaluation (raytrec.eval_plan): its shard and plan, when configured.
         self.evaluation = (
@@ -225,6 +202,15 @@ class Coordinator:
             else JobEvaluation(*evaluation, config=config.eval, job=self.ports)
         )
         self.nodes = JobNodes(self.ports)
+        self.ranks = JobRanks(
+            self.state,
+            config=config,
+            calls=self.calls,
+            nodes=self.nodes,
+            events=self.events,
+            now=self._now,
+            apply=self.apply,
+        )
         self.placement = JobPlacement(
             self.ports,
             run_dir=run_dir,
@@ -289,6 +275,23 @@ class Coordinator:
             streams=self.streams,
             progress=self.progress,
         )
+        # What the loop does at a boundary: the decisions made there, carried out.
+        self.boundary = BoundaryWork(
+            self.state,
+            config=config,
+            run_dir=run_dir,
+            replayable=self._stream_id is not None,
+            clock=self.clock,
+            events=self.events,
+            apply=self.apply,
+            now=self._now,
+            recovery=self.recovery,
+            growth=self.growth,
+            drains=self.drains,
+            nodes=self.nodes,
+            checkpoints=self.checkpoints,
+            evaluation=self.evaluation,
+        )
 
     # -- queries (answered while run() is in progress) ----------------------
 
@@ -303,7 +306,7 @@ class Coordinator:
     def request_stop(self) -> None:
         """Asks the job to stop at the next interval boundary (answered while run() runs): it
         syncs, checkpoints when checkpoints are configured, and saves the final model."""
-        self._stop.set()
+        self.boundary.stop.set()
 
     def store_address(self) -> StoreAddress | None:
         """Where the job's rendezvous store listens, with the job's secret (for tests and
@@ -334,8 +337,8 @@ class Coordinator:
         if refused is not None:
             raise ConfigError(refused)
         if self.resume_from is not None:
-            infos = self._build(sorted(self.placement.started))
-            self._new_generation(reason="job started")
+            infos = self.ranks.build(sorted(self.placement.started))
+            self.ranks.new_generation("job started")
             self.apply(self.checkpoints.restore(self.resume_from, starts))
             self.growth.request()
             return infos
@@ -343,10 +346,10 @@ class Coordinator:
         # the others start on (or, with no gang left, the job fails as a total loss does).
         for _ in range(self.state.max_gangs + 2):
             try:
-                if self.state.membership.generation == 0 and not self._infos:
-                    self._build(sorted(self.placement.started))
-                    self._new_generation(reason="job started")
-                self._call(self._live_ranks(), lambda w, _r: w.broadcast_state(0))  # gang 0's state
+                if self.state.membership.generation == 0 and not self.ranks.infos:
+                    self.ranks.build(sorted(self.placement.started))
+                    self.ranks.new_generation("job started")
+                self._call(self.ranks.live(), lambda w, _r: w.broadcast_state(0))  # gang 0's state
                 differ = self.recovery.start_copies_differ()
                 if not differ:
                     break
@@ -358,7 +361,7 @@ class Coordinator:
         else:
             raise JobFailedError("the job kept losing ranks while it started")
         self.growth.request()
-        return sorted((self._infos[r] for r in self._live_ranks()), key=lambda x: x.rank)
+        return sorted((self.ranks.infos[r] for r in self.ranks.live()), key=lambda x: x.rank)
 
     def run(self) -> RunSummary:
         """Trains ``num_steps`` steps and writes the final model; returns the summary.
@@ -378,7 +381,7 @@ class Coordinator:
         prepared = True
         try:
             n = min(every, self.state.end_step)
-            self._call(self._live_ranks(), lambda w, _r: w.prepare(n, first=True))
+            self._call(self.ranks.live(), lambda w, _r: w.prepare(n, first=True))
         except RankFailed as e:
             stopped_by = e.cause
         except RankCallError as e:  # a rank lost (or stuck) before the first step
@@ -476,15 +479,19 @@ class Coordinator:
                     n = min(every, self.state.end_step - self.state.step)
                     # Bad input, or the end of the data, in what is next; else a user's request.
                     data_stop = str(stop) if stop is not None and self.state.ready < n else None
-                    halt = self._stopping(data_stop=data_stop, asked=self._stop_asked)
+                    halt = self.boundary.stopping(
+                        data_stop=data_stop, asked=self.boundary.stop_asked
+                    )
                     if halt is not None:
                         stopped_by = stop if halt.cause == "data" else StopRequested(halt.reason)
                         break
                     self.nodes.report_late_deaths()
-                    self._drain()
-                    self._admit()
-                    self._wait_for_gangs()
-                    halt = self._stopping(asked=self._stop.is_set)  # asked while it waited
+                    self.boundary.drain()
+                    self.boundary.admit()
+                    self.boundary.wait_for_gangs()
+                    halt = self.boundary.stopping(
+                        asked=self.boundary.stop.is_set
+                    )  # asked while it waited
                     if halt is not None:
                         stopped_by = StopRequested(halt.reason)
                         break
@@ -494,7 +501,7 @@ class Coordinator:
                         break
                     if self.state.ready < n:
                         try:
-                            self._prepare(self._live_ranks(), n)
+                            self.ranks.prepare(self.ranks.live(), n)
                         except RankFailed as e:
                             stopped_by = e.cause  # bad input, or the end of the data
                             break
@@ -521,9 +528,9 @@ class Coordinator:
                     inflight[0], t0=end, started=self.clock.monotonic()
                 )
             self._top_up(inflight, step)
-            self._account(reports)
+            self.ranks.account(reports)
             metrics = merge_metric_states([r.metrics for r in reports if r.metrics is not None])
-            held_out = self._evaluate() if not inflight and stop is None else None
+            held_out = self.boundary.evaluate() if not inflight and stop is None else None
             row = aggregate_interval(
                 reports,
                 wall_s=end - dispatched.t0,
@@ -545,28 +552,16 @@ class Coordinator:
                 )
             with self._lock:
                 self._history.append(row)
-            if held_out is not None and self.evaluation is not None:
-                seen = Observations(evaluated=True)
-                for decision in decide(self.job_state(), seen, self.clock.monotonic()):
-                    if isinstance(decision, Stop):
-                        self.evaluation.early_stopped(decision)
-                        return EarlyStopped(decision.reason)  # nothing is queued after it
+            if held_out is not None:
+                early = self.boundary.early_stop()
+                if early is not None:
+                    return EarlyStopped(early.reason)  # nothing is queued after it
             going_on = stop is None or self.state.ready >= min(
                 every, self.state.end_step - self.state.step
             )
             if not inflight and going_on and self.state.step < self.state.end_step:
-                self._checkpoint()
+                self.boundary.checkpoint()
         return stopped_by
-
-    def _checkpoint(self) -> None:
-        """Saves a checkpoint when one is due here; a rank lost during its sync or its save is
-        recovered from as anywhere else, and the checkpoint waits for the next boundary where
-        one is due."""
-        try:
-            self._save_if_due(Observations(save=True))
-        except RankCallError as e:
-            self.recovery.recover_until_stable(self.recovery.probe(e))
-            self.apply(Prepared(0))  # recovery may have re-opened the ranks' feeds
 
     def _top_up(self, inflight: deque[Dispatched], step: int) -> None:
         """Queues the intervals :func:`~raytrec.elastic.control.intervals_to_queue` allows
@@ -578,46 +573,15 @@ class Coordinator:
             depth=self._depth,
             ready=self.state.ready,
             work_at_boundary=bool(self.growth.pending or self.growth.building)
-            or self._stop_asked()
-            or self._drain_due(),
+            or self.boundary.stop_asked()
+            or self.boundary.drain_due(),
             live_gangs=self.state.membership.num_gangs,
             min_gangs=self.elastic.min_gangs,
         )
         end = inflight[-1].end if inflight else None
-        for start, n in intervals_to_queue(boundary, end, len(inflight), self._work_due):
+        for start, n in intervals_to_queue(boundary, end, len(inflight), self.boundary.work_due):
             after = inflight[-1].seq if inflight else None
             inflight.append(self._dispatch(start, n, after=after))
-
-    def _stop_asked(self) -> bool:
-        """Whether the job was asked to stop: :meth:`request_stop` (the driver's signal), or
-        ``raytrec.stop`` from another process (a file in the run directory)."""
-        if not self._stop.is_set() and stop_requested(self.run_dir):
-            self._stop.set()
-        return self._stop.is_set()
-
-    def _work_due(self, step: int) -> bool:
-        """Whether a checkpoint or an evaluation is due at the boundary at ``step`` (the rules
-        :func:`~raytrec.elastic.boundary.decide` applies when the job gets there)."""
-        state = self.job_state()
-        due = save_due(state, step=step, now=self.clock.monotonic()) is not None
-        return due or evaluation_due(state, step)
-
-    def _evaluate(self) -> InterpretedMetrics | None:
-        """Runs the held-out evaluation when one is due here; a rank lost meanwhile is
-        recovered from as anywhere else, and the evaluation waits for the next boundary."""
-        if self.evaluation is None:
-            return None
-        seen = Observations(evaluate=True)
-        if not any(
-            isinstance(d, Evaluate) for d in decide(self.job_state(), seen, self.clock.monotonic())
-        ):
-            return None
-        try:
-            return self.evaluation.run()
-        except RankCallError as e:
-            self.recovery.recover_until_stable(self.recovery.probe(e))
-            self.apply(Prepared(0))  # recovery may have re-opened the ranks' feeds
-            return None
 
     def _finish(
         self, final: str | None, *, checkpoint: bool, stopping: bool = False
@@ -630,110 +594,16 @@ class Coordinator:
             or self.state.membership.last_sync_step != self.state.step
         ):
             self._call(
-                self._live_ranks(), lambda w, _r: w.sync()
+                self.ranks.live(), lambda w, _r: w.sync()
             )  # end on a sync: every replica the same
         self.apply(Committed())
         if checkpoint:
-            self._save_if_due(Observations(save=True, final=True, stopping=stopping))
-        digests = self._final_digests()
+            self.boundary.save_if_due(Observations(save=True, final=True, stopping=stopping))
+        digests = self.ranks.final_digests()
         if final is not None:
             first_gang = self.state.membership.gangs[0]
             self._call(list(first_gang.job_ranks), lambda w, _r: w.save(final))
         return digests
-
-    # -- decisions at a boundary ----------------------------------------------------------------
-
-    def job_state(self) -> JobState:
-        """The job's state values :func:`~raytrec.elastic.boundary.decide` reads."""
-        return JobState(
-            membership=self.state.membership,
-            step=self.state.step,
-            end_step=self.state.end_step,
-            max_gangs=self.state.max_gangs,
-            elastic=self.elastic,
-            sync_every=self.cfg.sync.sync_every,
-            transient=self.recovery.transient,
-            within_host=self.topology.layout is Layout.REPLICAS_WITHIN_HOST,
-            replayable=self._stream_id is not None,
-            point=self.state.point,
-            checkpoint=self.cfg.checkpoint,
-            last_save=self.state.last_save,
-            evaluation=None if self.evaluation is None else self.evaluation.state(),
-        )
-
-    def _stopping(self, *, asked: Callable[[], bool], data_stop: str | None = None) -> Stop | None:
-        """The :class:`Stop` decided here, if any: ``data_stop`` (why a rank could not prepare
-        what is next), else ``asked()`` (a stop was requested; asked only then)."""
-        seen = Observations(data_stop=data_stop, stop_requested=data_stop is None and asked())
-        (decision, *_) = decide(self.job_state(), seen, self.clock.monotonic())
-        return decision if isinstance(decision, Stop) else None
-
-    def _drain_due(self) -> bool:
-        """Whether a drain would run at the next boundary (the request is left in place)."""
-        seen = Observations(drain=self.drains.request(take=False), node_of_rank=self.nodes.of_rank)
-        (decision, *_) = decide(self.job_state(), seen, self.clock.monotonic())
-        return isinstance(decision, Drain)
-
-    def _drain(self) -> None:
-        """Takes what is asked to be given back and carries out the :class:`Drain` decided."""
-        seen = Observations(drain=self.drains.request(take=True), node_of_rank=self.nodes.of_rank)
-        for decision in decide(self.job_state(), seen, self.clock.monotonic()):
-            match decision:
-                case Drain():
-                    self.drains.apply(decision)
-                case Continue():
-                    pass
-
-    def _admit(self) -> None:
-        """Starts building the gangs whose placement became ready, and joins the built ones as
-        the :class:`Grow` decided says."""
-        self.growth.start_ready()
-        built = self.growth.built()
-        if not built:
-            return
-        seen = Observations(built=tuple(b.gang for b in built))
-        for decision in decide(self.job_state(), seen, self.clock.monotonic()):
-            match decision:
-                case Grow():
-                    self.growth.join(built, decision)
-
-    def _wait_for_gangs(self) -> None:
-        """Below ``elastic.min_gangs`` training pauses until gangs join, for as long as the
-        :class:`Wait` decided says (then a :class:`Fail`); a stop asked meanwhile ends it."""
-        since = self._now()
-        waited = False
-        while True:
-            seen = Observations(waiting_since=since, stop_requested=self._stop.is_set())
-            (decision, *_) = decide(self.job_state(), seen, self._now())
-            match decision:
-                case Continue() | Stop():
-                    return
-                case Fail():
-                    self.events.append(
-                        JobFailed(at=self._now(), step=self.state.step, reason=decision.reason)
-                    )
-                    raise JobFailedError(decision.reason)
-                case Wait() if not waited:
-                    self.events.append(
-                        ResourcesWaited(
-                            at=self._now(),
-                            step=self.state.step,
-                            live_gangs=self.state.membership.num_gangs,
-                            min_gangs=self.elastic.min_gangs,
-                            deadline=decision.deadline,
-                        )
-                    )
-                    self.growth.request()
-                    waited = True
-            self.clock.sleep(self.elastic.poll_s)
-            self._admit()
-
-    def _save_if_due(self, seen: Observations) -> None:
-        """Saves a checkpoint when the :class:`Checkpoint` decision says so."""
-        for decision in decide(self.job_state(), seen, self.clock.monotonic()):
-            match decision:
-                case Checkpoint():
-                    self.apply(self.checkpoints.save())
 
     # -- one interval -------------------------------------------------------------------------
 
@@ -746,7 +616,7 @@ class Coordinator:
         (default: now; an interval sent early starts when the one before it is collected)."""
         self._seq += 1
         ready = min(self._depth * self.cfg.log_every, self.state.end_step - start - n)
-        ranks = self._live_ranks()
+        ranks = self.ranks.live()
         now = self.clock.monotonic()
         if after is None:
             self.recovery.quiet_since(ranks, now)  # nothing was running
@@ -761,72 +631,11 @@ class Coordinator:
             started=now,
         )
 
-    # -- membership plumbing -----------------------------------------------------------------
+    # -- end of job ---------------------------------------------------------------------------
 
-    def _build(self, ranks: list[int]) -> list[RankInfo]:
-        """Builds ``ranks``; the node of every rank that built is known even when another
-        failed (recovery names the nodes of the ranks it drops)."""
-        answers, error = self.answers(ranks, lambda w, _r: w.build())
-        for r, info in answers.items():
-            self._infos[r] = info
-            self.nodes.saw(info)
-        if error is not None:
-            raise error
-        return sorted((self._infos[r] for r in ranks), key=lambda x: x.rank)
-
-    def _new_generation(
-        self, *, reason: str, before: Mapping[int, ReformPlan] | None = None
-    ) -> None:
-        """Replica plane and sync plan of the current membership, on every live rank, in one
-        call; ``before``: what a rank carries out in that call first (its replays)."""
-        m = self.state.membership
-        sync_plan = self._sync_plan()
-
-        def plan(r: int) -> ReformPlan:
-            generation = GenerationPlan(
-                generation=m.generation,
-                member_rank=m.member_index(self._gang_of(r)),
-                size=m.num_gangs,
-                sync_plan=sync_plan,
-            )
-            first = (before or {}).get(r, ReformPlan())
-            return dataclasses.replace(first, generation=generation)
-
-        plans = {r: plan(r) for r in self._live_ranks()}
-        self._call(sorted(plans), lambda w, r: w.reform(plans[r]))
-        self.events.append(
-            GenerationStarted(
-                at=self._now(),
-                step=self.state.step,
-                generation=m.generation,
-                gang_ids=m.gang_ids,
-                reason=reason,
-            )
-        )
-
-    def _sync_plan(self) -> SyncPlan:
-        """The generation's sync schedule over the live gangs, gangs on one host together."""
-        locality = {
-            g.gang_id: tuple(sorted({self.nodes.of_slot(s) for s in g.ranks}))
-            for g in self.state.membership.gangs
-        }
-        return plan_sync(
-            self.cfg.sync,
-            generation=self.state.membership.generation,
-            live_gangs=self.state.membership.gang_ids,
-            locality=locality,
-        )
-
-    def _live_ranks(self) -> list[int]:
-        return sorted(r for g in self.state.membership.gangs for r in g.job_ranks)
-
-    def _ranks_in_gang_order(self) -> list[int]:
-        return [r for g in self.state.membership.gangs for r in g.job_ranks]
-
-    def _gang_of(self, rank: int) -> int:
-        gang = self.state.membership.gang_of_rank(rank)
-        assert gang is not None, f"rank {rank} is in no live gang"
-        return gang
+    def apply(self, outcome: Outcome) -> None:
+        """Applies a part's outcome to the job's shared state (:func:`actors.job.apply_outcome`)."""
+        apply_outcome(self.state, outcome)
 
     def _now(self) -> float:
         return self._at(self.clock.monotonic())
@@ -835,47 +644,7 @@ class Coordinator:
         """The clock's ``monotonic`` time as the event log's time (seconds since the start)."""
         return round(monotonic - self._t0, 3)
 
-    # -- accounting -----------------------------------------------------------------------------
-
-    def _account(self, reports: list[RankReport], *, completed_through: int | None = None) -> None:
-        """Books the ranks' trained batches; a job-wide sync among them commits."""
-        sync = self.cfg.sync
-        last_sync = self.state.accounting.record(
-            reports,
-            gang_of=self._gang_of,
-            live_gangs=self.state.membership.gang_ids,
-            last_sync_step=self.state.membership.last_sync_step,
-            is_job_wide_sync=lambda s: s % sync.sync_every == 0 or s <= sync.warmup_steps,
-            completed_through=completed_through,
-        )
-        self.apply(Booked(max((r.step for r in reports), default=self.state.step), last_sync))
-
-    def _sync_unless_synced(self) -> None:
-        """A job-wide sync and its commit, unless the job synced at its step already."""
-        if self.state.membership.last_sync_step != self.state.step:
-            self._call(self._live_ranks(), lambda w, _r: w.sync())
-            self.apply(Committed())
-
-    def apply(self, outcome: Outcome) -> None:
-        """Applies a part's outcome to the job's shared state (:func:`actors.job.apply_outcome`)."""
-        apply_outcome(self.state, outcome)
-
-    # -- end of job ---------------------------------------------------------------------------
-
-    def _final_digests(self) -> dict[int, StateDigest]:
-        """Checks that the final sync left every replica of every shard identical."""
-        ranks = self._live_ranks()
-        digests = dict(zip(ranks, self._call(ranks, lambda w, _r: w.state_digest()), strict=True))
-        disagree = replicas_disagree(self.state.membership, digests)
-        if disagree is not None:
-            raise RuntimeError(disagree)
-        return digests
-
     def shutdown(self) -> None:
         """Ends every rank actor and releases every placement group, pending ones included."""
         self.placement.shutdown()
         self.growth.shutdown()
-
-    def _prepare(self, ranks: list[int], n: int) -> None:
-        """Has ``ranks`` read ``n`` batches ahead."""
-        self._call(ranks, lambda w, _r: w.prepare(n))

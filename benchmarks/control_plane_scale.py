@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from unittest import mock
 
+import actors.boundary_work
 import actors.coordinator
 import actors.growth
 import actors.recovery
@@ -134,7 +135,7 @@ def timed_decisions(run: Run, group: TimedGroup) -> Iterator[None]:
         then(actors.recovery, "decide", on_decide),
         then(actors.recovery, "find_hung_ranks", on_hung),
         then(actors.growth, "failed_heals", lambda _v: run.note("heal", group.builds_at, group)),
-        then(actors.coordinator, "decide", on_drain),
+        then(actors.boundary_work, "decide", on_drain),
         then(actors.coordinator, "aggregate_interval", on_interval),
     ):
         yield

@@ -58,7 +58,7 @@ def check_invariants(
     # Those replays are the only batches a stream may miss before its committed ones.
     queued: list[int] = []
     if pending and job.state.accounting.streams is not None:
-        queued = [i for r in job._live_ranks() for i in job.state.accounting.streams.position(r)[2]]
+        queued = [i for r in job.ranks.live() for i in job.state.accounting.streams.position(r)[2]]
         if len(queued) != pending:
             problems.append(f"{pending} replays pending, {len(queued)} queued on the ranks")
     steps: dict[int, list[int]] = {}

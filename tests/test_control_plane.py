@@ -20,7 +20,7 @@ from unittest import mock
 
 import pytest
 
-import actors.coordinator
+import actors.boundary_work
 import actors.gang_placement
 import actors.recovery
 from actors.coordinator import Coordinator
@@ -757,7 +757,7 @@ def decided(j: Job) -> Iterator[list[tuple[int, float, Decision]]]:
     carried out, with the job's step and the clock when it was decided."""
     seen: list[tuple[int, float, Decision]] = []
     patches = contextlib.ExitStack()
-    for module in (actors.coordinator, actors.recovery, actors.gang_placement):
+    for module in (actors.boundary_work, actors.recovery, actors.gang_placement):
         inner = module.decide  # type: ignore[attr-defined]
 
         def record(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:

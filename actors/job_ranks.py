@@ -1,0 +1,151 @@
+"""The job's live ranks as the loop and its parts use them.
+
+Which ranks are live and in which gang, building ranks, forming a generation (replica planes and
+sync plan, one call per rank), booking what ranks trained, a job-wide sync and the final replica
+check: the plumbing every part of the job goes through, kept apart from the loop that decides
+when to use it (:mod:`actors.coordinator`). What it changes in the job's shared state is an
+outcome handed to ``apply`` (:mod:`actors.job`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+from actors.control_calls import ControlCalls
+from actors.job import Booked, Committed, JobView, Outcome
+from actors.nodes import JobNodes
+from raytrec.config import TrainConfig
+from raytrec.elastic.events import EventLog, GenerationStarted
+from raytrec.elastic.heal import replicas_disagree
+from raytrec.elastic.rank_protocol import GenerationPlan, ReformPlan, StateDigest
+from raytrec.elastic.report import RankInfo, RankReport
+from raytrec.sync.schedule import SyncPlan, plan_sync
+
+__all__ = ["JobRanks"]
+
+
+class JobRanks:
+    """The live ranks of the job (module doc). ``now``: the event log's time."""
+
+    def __init__(
+        self,
+        state: JobView,
+        *,
+        config: TrainConfig,
+        calls: ControlCalls,
+        nodes: JobNodes,
+        events: EventLog,
+        now: Callable[[], float],
+        apply: Callable[[Outcome], None],
+    ) -> None:
+        self.state = state
+        self.cfg = config
+        self.calls = calls
+        self.nodes = nodes
+        self.events = events
+        self.now = now
+        self.apply = apply
+        self.infos: dict[int, RankInfo] = {}  # job rank -> what its build returned
+
+    def live(self) -> list[int]:
+        """The live ranks, sorted."""
+        return sorted(r for g in self.state.membership.gangs for r in g.job_ranks)
+
+    def in_gang_order(self) -> list[int]:
+        """The live ranks, gang by gang."""
+        return [r for g in self.state.membership.gangs for r in g.job_ranks]
+
+    def gang_of(self, rank: int) -> int:
+        """The live gang of a live rank."""
+        gang = self.state.membership.gang_of_rank(rank)
+        assert gang is not None, f"rank {rank} is in no live gang"
+        return gang
+
+    def build(self, ranks: list[int]) -> list[RankInfo]:
+        """Builds ``ranks``; the node of every rank that built is known even when another
+        failed (recovery names the nodes of the ranks it drops)."""
+        answers, error = self.calls.answers(ranks, lambda w, _r: w.build())
+        for r, info in answers.items():
+            self.infos[r] = info
+            self.nodes.saw(info)
+        if error is not None:
+            raise error
+        return sorted((self.infos[r] for r in ranks), key=lambda x: x.rank)
+
+    def new_generation(
+        self, reason: str, /, before: Mapping[int, ReformPlan] | None = None
+    ) -> None:
+        """Replica plane and sync plan of the current membership, on every live rank, in one
+        call; ``before``: what a rank carries out in that call first (its replays)."""
+        m = self.state.membership
+        sync_plan = self.sync_plan()
+
+        def plan(r: int) -> ReformPlan:
+            generation = GenerationPlan(
+                generation=m.generation,
+                member_rank=m.member_index(self.gang_of(r)),
+                size=m.num_gangs,
+                sync_plan=sync_plan,
+            )
+            first = (before or {}).get(r, ReformPlan())
+            return dataclasses.replace(first, generation=generation)
+
+        plans = {r: plan(r) for r in self.live()}
+        self.calls.call(sorted(plans), lambda w, r: w.reform(plans[r]))
+        self.events.append(
+            GenerationStarted(
+                at=self.now(),
+                step=self.state.step,
+                generation=m.generation,
+                gang_ids=m.gang_ids,
+                reason=reason,
+            )
+        )
+
+    def sync_plan(self) -> SyncPlan:
+        """The generation's sync schedule over the live gangs, gangs on one host together."""
+        locality = {
+            g.gang_id: tuple(sorted({self.nodes.of_slot(s) for s in g.ranks}))
+            for g in self.state.membership.gangs
+        }
+        return plan_sync(
+            self.cfg.sync,
+            generation=self.state.membership.generation,
+            live_gangs=self.state.membership.gang_ids,
+            locality=locality,
+        )
+
+    def account(self, reports: list[RankReport], *, completed_through: int | None = None) -> None:
+        """Books the ranks' trained batches; a job-wide sync among them commits."""
+        sync = self.cfg.sync
+        last_sync = self.state.accounting.record(
+            reports,
+            gang_of=self.gang_of,
+            live_gangs=self.state.membership.gang_ids,
+            last_sync_step=self.state.membership.last_sync_step,
+            is_job_wide_sync=lambda s: s % sync.sync_every == 0 or s <= sync.warmup_steps,
+            completed_through=completed_through,
+        )
+        self.apply(Booked(max((r.step for r in reports), default=self.state.step), last_sync))
+
+    def sync_unless_synced(self) -> None:
+        """A job-wide sync and its commit, unless the job synced at its step already."""
+        if self.state.membership.last_sync_step != self.state.step:
+            self.calls.call(self.live(), lambda w, _r: w.sync())
+            self.apply(Committed())
+
+    def prepare(self, ranks: list[int], n: int) -> None:
+        """Has ``ranks`` read ``n`` batches ahead."""
+        self.calls.call(ranks, lambda w, _r: w.prepare(n))
+
+    def final_digests(self) -> dict[int, StateDigest]:
+        """Checks that the final sync left every replica of every shard identical."""
+        ranks = self.live()
+        digests = dict(
+            zip(ranks, self.calls.call(ranks, lambda w, _r: w.state_digest()), strict=True)
+        )
+        disagree = replicas_disagree(self.state.membership, digests)
+        if disagree is not None:
+            raise RuntimeError(disagree)
+        return digests
