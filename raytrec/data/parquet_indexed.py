@@ -47,11 +47,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-import ray
-import ray.data
 import ray.exceptions
-from ray.data import ReadTask
-from ray.data.block import BlockMetadata
 
 from raytrec.data.arrow_kjt import BadInputError, OnBadRows
 from raytrec.data.handover import read_while_starting
@@ -295,7 +291,12 @@ class IndexedParquetShard(BatchShard):
 
     def _ray_pipeline(self, pieces: list[Read]) -> Iterator[pa.Table]:
         """The preprocessed blocks of ``pieces``, in order, read by a Ray Data pipeline."""
-        source = _PieceSource(pieces, self.filesystem, self.source_spec.required_columns())
+        import ray.data  # here, not at the top: a rank on other data never pays its import (~1 s)
+
+        from raytrec.data.parquet_pieces import PieceSource
+
+        columns = self.source_spec.required_columns()
+        source = PieceSource(pieces, functools.partial(read, self.filesystem, columns=columns))
         # The same task pool for both stages: Ray Data then fuses them into one task per piece,
         # so no block crosses the object store in between.
         tasks = ray.data.TaskPoolStrategy(size=self.read_concurrency)
@@ -482,37 +483,6 @@ class _StepCutter:
                 f"the read ended at step {self.step} ({self.have} rows into it), "
                 f"expected the end of step {end_step - 1}"
             )
-
-
-class _PieceSource(ray.data.Datasource):
-    """A Ray Data datasource of one read task per piece (or gather), in the order given."""
-
-    def __init__(self, pieces: list[Read], fs: pafs.FileSystem, columns: Sequence[str]) -> None:
-        super().__init__()
-        self.pieces, self.fs, self.columns = pieces, fs, tuple(columns)
-
-    def get_name(self) -> str:
-        return "ParquetPieces"
-
-    def estimate_inmemory_data_size(self) -> int | None:
-        return None
-
-    def get_read_tasks(
-        self, parallelism: int, per_task_row_limit: int | None = None, data_context: object = None
-    ) -> list[ReadTask]:
-        # One task per piece whatever ``parallelism`` asks: the pieces are the plan's.
-        return [
-            ReadTask(
-                functools.partial(read, self.fs, p, self.columns),
-                BlockMetadata(
-                    num_rows=p.rows,
-                    size_bytes=None,
-                    exec_stats=None,
-                    input_files=p.paths if isinstance(p, Gather) else (p.path,),
-                ),
-            )
-            for p in self.pieces
-        ]
 
 
 def _no_rows_left(pieces: list[Piece], sid: int, step: int, rows: pa.Table) -> BadInputError:
