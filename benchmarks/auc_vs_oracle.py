@@ -1,17 +1,11 @@
 """AUC against the oracle, and data wait: one run of the main job's default configuration.
 
     .venv/bin/python -m benchmarks.auc_vs_oracle [--set KEY=VALUE ...] [--write docs/benchmarks.md]
-
-Trains what ``python -m jobs.train`` trains with no arguments (``--set`` adds the job's own
-overrides), data and runs in a temporary directory, and reports the final progressive-validation
-AUC and the mean of the last ``--tail`` intervals against the oracle's (the teacher's own click
-probabilities), the spread of the oracle's AUC over chunks as large as an interval (sampling
-noise), the share of rank time spent waiting for data, and rows trained per second.
-
     .venv/bin/python -m benchmarks.auc_vs_oracle --grid JSON [--write docs/benchmarks.md]
 
-``--grid`` trains the model on engines over gloo (gangs of one rank), cell after cell: gangs x
-``sync.sync_every`` x ``sync.merge``, and reports the AUC against the teacher's and sync bytes.
+``--grid``: the model on engines over gloo (gangs of one rank), gangs x ``sync.sync_every`` x
+``sync.merge``. What each figure counts: docs/benchmarks.md, "AUC against the oracle" and
+"Sync merge".
 """
 
 from __future__ import annotations
@@ -176,16 +170,10 @@ def grid(a: Any) -> list[dict[str, Any]]:
         cfg = grid_config(a, gangs, *GRID[0])
         num_dense = synthetic_source(cfg).num_dense
         plan = job_plan(cfg, num_dense, build_train_model)
-        shape = {"num_gangs": gangs, "gang_size": 1, "num_dense": num_dense}
         got = run_gang_job(
-            grid_rank,
-            config=cfg,
-            plan=plan,
-            timeout_s=3600,
-            extra_stores=len(GRID) - 1,
-            a=a,
-            **shape,
-        )
+            grid_rank, config=cfg, plan=plan, num_gangs=gangs, gang_size=1, num_dense=num_dense,
+            timeout_s=3600, extra_stores=len(GRID) - 1, a=a,
+        )  # fmt: skip
         ranks = [got[r] for r in range(gangs)]
         cells = [
             [*ranks[0][i][:4], *(np.concatenate([c[i][k] for c in ranks]) for k in (4, 5, 6))]

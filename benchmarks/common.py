@@ -1,15 +1,12 @@
 """What the benchmarks share: parsing, the command that reproduces a run, the machine's
-description, markdown tables, medians and confidence intervals, and writing a result block into a
-docs page.
-
-A benchmark owns one block of a page, between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``;
-the prose around it is written by hand and left alone. The page is re-read right before writing
-and replaced atomically, so an edit of another part made meanwhile survives.
+description, markdown tables, medians and confidence intervals, plain TorchRec and a lone rank
+engine, and writing a result block into a docs page (re-read right before, replaced atomically).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import platform
@@ -48,11 +45,13 @@ def replace_block(path: Path, block: str, *, name: str, heading: str | None = No
     os.replace(tmp, path)
 
 
-def parser(doc: str | None, module: str, page: str, **kwargs: Any) -> argparse.ArgumentParser:
+def parser(doc: str | None, module: str, page: str) -> argparse.ArgumentParser:
     """The parser of ``benchmarks.<module>``, described by its module doc's first paragraph, with
     ``--write``; its namespace holds ``module`` (for :func:`publish`)."""
-    about = (doc or "").split("\n\n")[0]
-    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{module}", description=about, **kwargs)
+    about, fmt = (doc or "").split("\n\n")[0], argparse.ArgumentDefaultsHelpFormatter
+    p = argparse.ArgumentParser(
+        prog=f"python -m benchmarks.{module}", description=about, formatter_class=fmt
+    )
     p.set_defaults(module=module)
     write = f"write the result block into this page (its page: {page}); without it, print only"
     p.add_argument("--write", type=Path, metavar="PAGE", help=write)
@@ -144,12 +143,11 @@ def dlrm_job(model: tuple[int, ...], *, batch_size: int, world_size: int, **kw: 
     """The job of the raytrec-against-TorchRec benchmarks: a :func:`dlrm` of ``model`` (tables,
     rows, dim) sharded table-wise on ``world_size`` ranks of one gang, row-wise Adagrad
     embeddings and an Adagrad dense optimizer; ``kw``: further :class:`TrainConfig` fields."""
-    from raytrec.config import DataConfig, OptimizerConfig, ScalingConfig, ShardingConfig
+    from raytrec.config import DataConfig, OptimizerConfig, ScalingConfig
 
     return TrainConfig(
         model=dlrm(*model),
         optimizer=OptimizerConfig(embedding="rowwise_adagrad", dense="adagrad"),
-        sharding=ShardingConfig(sharding_type="table_wise"),
         scaling=ScalingConfig(
             num_workers=world_size, gang_size=world_size, use_gpu=kw.pop("use_gpu", False)
         ),
@@ -195,7 +193,8 @@ def rank_engine(
     built: ``(engine, close)``."""
     import torch.distributed as dist
 
-    from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
+    from raytrec.engine.rank_engine import RankSpec, StoreAddress
+    from raytrec.testing.gloo_job import engine_for
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     address = StoreAddress(host="127.0.0.1", port=store.port)
@@ -203,15 +202,9 @@ def rank_engine(
         rank=0, gang=0, gang_rank=0, gang_size=1, config=cfg, plan=plan, num_dense=num_dense,
         store=address,
     )  # fmt: skip
-    engine = RankEngine(spec)
-    engine.build()
-    engine.join_replica_plane(generation=0, member_rank=0, size=1)
-
-    def close() -> None:
-        engine.close()
-        store.set("closed", "1")  # the store's server (this object) lives until here
-
-    return engine, close
+    stack = contextlib.ExitStack()
+    stack.callback(store.set, "closed", "1")  # the store's server (this object) lives until then
+    return stack.enter_context(engine_for(spec)), stack.close
 
 
 def md_table(heads: str, rows: Iterable[Sequence[object]], *, left: int = 1) -> str:

@@ -1,24 +1,11 @@
 """Recovery time after a lost rank: elastic survivors against restart from a checkpoint.
 
-    .venv/bin/python -m benchmarks.recovery --write docs/fault_tolerance.md
+    .venv/bin/python -m benchmarks.recovery [--write docs/fault_tolerance.md]
+    .venv/bin/python -m benchmarks.recovery --stall-only
 
-For each model size, job shape and repeat, three runs on one embedded Ray cluster; the last
-gang's last rank dies as it starts step S = 16 (``kill_rank@16``), with a checkpoint every 10
-steps (the restart redoes steps 11..15) and ``log_every=1``:
-
-1. **survivors**: the others re-form, replay its uncommitted batches and go on alone;
-2. **restart from checkpoint**: a new job of the original shape resumes from the last checkpoint
-   before S, redoes the lost steps and trains step S;
-3. **survivors and a new gang**: run 1 with ``elastic.grow=True``; a new gang is placed at once
-   on the freed resources, heals from a live peer and joins.
-
-Survivors are timed from the failure (the row of step S-1) to their next completed step; the
-restart from calling ``fit`` to its row of step S (detection and stopping counted as 0, so a
-lower bound); the new gang from ``gang_requested`` to ``gang_joined`` and its first step.
-
-``--stall-only`` runs 1 and 3 alone, repeated, and prints the survivors' stall: at a loss (both
-runs), at a join (``gang_placed`` to ``gang_joined``: the live gangs' sync, the new generation
-and the heal) and their longest gap between two steps while the gang came in.
+Per size, shape and repeat: the survivors alone, a restart from the checkpoint before the
+failure, and the survivors while a new gang joins (``--stall-only``: the first and the last, the
+survivors' stalls). What each column counts: docs/fault_tolerance.md, "Recovery time".
 """
 
 from __future__ import annotations
@@ -118,12 +105,9 @@ def elastic_timings(
 
 
 def restart_seconds(
-    events: Sequence[ev.Event],
-    rows: Sequence[IntervalMetrics],
-    arrivals: Sequence[tuple[float, float]],
-    *,
-    last_done: int,
-) -> float:
+    events: Sequence[ev.Event], rows: Sequence[IntervalMetrics],
+    arrivals: Sequence[tuple[float, float]], *, last_done: int,
+) -> float:  # fmt: skip
     """Seconds from calling ``fit`` to the restarted job's row of step ``last_done + 1``, from
     its rows' (arrival time on the driver's clock, in seconds after calling ``fit``; ``at``).
     The coordinator clock's zero on the driver's clock is the smallest arrival - ``at`` (a row
@@ -164,29 +148,21 @@ def build_config(
     size: Dims, shape: Dims, *, faults: bool, steps: int, grow: bool = False
 ) -> TrainConfig:
     """The job every run recovers; ``faults`` adds the killed rank, ``grow`` the new gang."""
-    kill = FaultSpec(kind=FaultKind.KILL_RANK, step=FAIL_STEP, rank=shape[0] * shape[1] - 1)
+    gangs, ranks = shape
+    kill = FaultSpec(kind=FaultKind.KILL_RANK, step=FAIL_STEP, rank=gangs * ranks - 1)
     return TrainConfig(
-        model=dlrm(*size),
-        scaling=ScalingConfig(
-            num_workers=shape[0] * shape[1], gang_size=shape[1], cpus_per_rank=CPUS_PER_RANK
+        model=dlrm(*size), sync=SyncConfig(sync_every=SYNC_EVERY), scaling=ScalingConfig(
+            num_workers=gangs * ranks, gang_size=ranks, cpus_per_rank=CPUS_PER_RANK
         ),
-        sync=SyncConfig(sync_every=SYNC_EVERY),
-        data=DataConfig(batch_size=BATCH_SIZE),
+        data=DataConfig(batch_size=BATCH_SIZE), num_steps=steps, log_every=1,
         elastic=ElasticConfig(
-            min_gangs=1,
-            max_gangs=shape[0],
-            grow=grow,
-            collective_timeout_s=COLLECTIVE_TIMEOUT_S,
-            step_timeout_s=120.0,
-            poll_s=0.2,
+            min_gangs=1, max_gangs=gangs, grow=grow, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+            step_timeout_s=120.0, poll_s=0.2,
         ),
         checkpoint=CheckpointConfig(every_n_steps=CHECKPOINT_EVERY, num_to_keep=None),
         testing=TestingConfig(faults=(kill,) if faults else ()),
-        num_steps=steps,
-        log_every=1,
-        storage_path=str(STORAGE / "jobs"),
-        name="recovery",
-    )
+        storage_path=str(STORAGE / "jobs"), name="recovery",
+    )  # fmt: skip
 
 
 def run_elastic(size: Dims, shape: Dims, *, grow: bool) -> tuple[ElasticTimings, str]:
