@@ -37,9 +37,9 @@ TARGET_WAIT = 0.05
 TAIL = 4  # intervals averaged for the tail AUC
 
 
-def oracle_noise(data_path: str, chunk_rows: int) -> tuple[float, float, int]:
+def oracle_noise(data_path: str, chunk_rows: int) -> tuple[float, float, int, int]:
     """Mean, standard deviation and number of the oracle's AUCs (the teacher's click probabilities
-    in generated Parquet, in row order) over whole consecutive chunks of ``chunk_rows`` rows."""
+    in generated Parquet, in row order) over whole consecutive chunks, and ``chunk_rows``."""
     import pyarrow.parquet as pq
 
     files = sorted(glob.glob(os.path.join(data_path, "*.parquet")))
@@ -50,7 +50,7 @@ def oracle_noise(data_path: str, chunk_rows: int) -> tuple[float, float, int]:
     n = len(prob) // chunk_rows
     chunks = [slice(i * chunk_rows, (i + 1) * chunk_rows) for i in range(n)]
     values = [auc(prob[c], label[c]) for c in chunks]
-    return statistics.fmean(values), statistics.stdev(values), n
+    return statistics.fmean(values), statistics.stdev(values), n, chunk_rows
 
 
 def describe(config: TrainConfig) -> list[str]:
@@ -78,7 +78,7 @@ def describe(config: TrainConfig) -> list[str]:
     ]
 
 
-def render(result: Result, wall_s: float, noise: tuple[float, float, int] | None) -> list[str]:
+def render(result: Result, wall_s: float, noise: tuple[float, float, int, int] | None) -> list[str]:
     """The verdicts, then one row per interval (markdown). The first interval (start-up, warm
     caches) is left out of the wait and throughput figures and reported on its own."""
     history, oracle = result.history, result.oracle_auc
@@ -102,11 +102,9 @@ def render(result: Result, wall_s: float, noise: tuple[float, float, int] | None
         f"`fit()` {wall_s:.0f} s including start-up and writing the data.",
     ]
     if noise is not None:
-        config = result.config
-        interval_rows = config.log_every * config.scaling.world_size * config.data.batch_size
         lines.append(
             f"- Sampling noise of one interval: the oracle's own AUC over {noise[2]} disjoint "
-            f"chunks of {interval_rows:,} rows of this data is {noise[0]:.4f} +- {noise[1]:.4f} "
+            f"chunks of {noise[3]:,} rows of this data is {noise[0]:.4f} +- {noise[1]:.4f} "
             f"(std), i.e. +- {noise[1] / oracle:.3f} in the ratio."
         )
     rows = []

@@ -148,15 +148,10 @@ def run(a: argparse.Namespace) -> Json:
     events = [json.loads(x) for x in run_dir.read("events.jsonl").splitlines() if x.strip()]
     shutil.rmtree(storage, ignore_errors=True)  # what the report needs is read
     return {
-        "state": state.split("\n", 1)[0],
-        "status": state,
-        "logs_tail": logs[-6000:],
-        "faults": [dataclasses.asdict(f) for f in faults],
-        "rows": run_dir.rows,
-        "events": events,
-        "offset": run_dir.offset() if run_dir.rows else None,
-        "summary": summary,
-    }
+        "state": state.split("\n", 1)[0], "status": state, "logs_tail": logs[-6000:],
+        "faults": [dataclasses.asdict(f) for f in faults], "rows": run_dir.rows, "events": events,
+        "offset": run_dir.offset() if run_dir.rows else None, "summary": summary,
+    }  # fmt: skip
 
 
 def drive(
@@ -208,17 +203,16 @@ def ran_on_enough(a: argparse.Namespace, run_dir: RunDir, last: Fault) -> bool:
     ``--short`` until ``node_died`` and two intervals past it (a fixed number of steps could end
     before the node loss on a loaded machine)."""
     if a.run_on_s is not None:
-        if time.monotonic() - last.kill_mono <= a.run_on_s:
-            return False
-        print(f"[chaos] {a.run_on_s:g} s after the last fault: stopping the job", flush=True)
-        return True
-    if not a.short:
-        return False
-    died = [json.loads(x) for x in run_dir.read("events.jsonl").splitlines() if "node_died" in x]
-    if not died or run_dir.step < int(died[0]["step"]) + 2 * LOG_EVERY:
-        return False
-    print(f"[chaos] step {run_dir.step}: the node loss is booked; stopping the job", flush=True)
-    return True
+        why = f"{a.run_on_s:g} s after the last fault"
+        done = time.monotonic() - last.kill_mono > a.run_on_s
+    else:
+        events = run_dir.read("events.jsonl").splitlines() if a.short else []
+        died = [json.loads(x) for x in events if "node_died" in x]
+        why = f"step {run_dir.step}: the node loss is booked"
+        done = bool(died) and run_dir.step >= int(died[0]["step"]) + 2 * LOG_EVERY
+    if done:
+        print(f"[chaos] {why}; stopping the job", flush=True)
+    return done
 
 
 def kill(
@@ -232,8 +226,7 @@ def kill(
     node_id = node.node_id()
     if kind == "rank":
         pid = draw.choice(rank_pids(node))
-        title = lc.process_title(pid)
-        fault = Fault(kind, step, time.monotonic(), node.name, node_id, title=title)
+        fault = Fault(kind, step, time.monotonic(), node.name, node_id, lc.process_title(pid))
         os.kill(pid, signal.SIGKILL)
         watch_death(fault, pid)
         return fault
@@ -301,14 +294,11 @@ def analyse(out: Json) -> Json:
     summary = out["summary"]
     batches = summary.get("batches", {})
     return {
-        "marks": marks,
-        "step_s": step_s,
-        "baseline": _rest_of_run(rows, marks, first_fault, saves),
-        "lost": batches.get("lost"),
+        "marks": marks, "step_s": step_s, "baseline": _rest_of_run(rows, marks, first_fault, saves),
+        "lost": batches.get("lost"), "final": summary.get("final"),
         "doubled": None if not batches else batches["committed"] - batches["committed_distinct"],
-        "final": summary.get("final"),
         "replica_check": summary.get("replica_check", {}).get("passed"),
-    }
+    }  # fmt: skip
 
 
 def _holds(before: Json, after: Json, times: Sequence[float]) -> bool:
@@ -368,10 +358,9 @@ def _same_node(event: Json, fault: Json) -> bool:
 
 def table(report: Json) -> str:
     rows = []
-    keys = ["gone_s", "detected_s", "booked_s", "node_died_s", "to_join_s", "stall_s"]
-    keys += ["total_stall_s", "late_data_s"]
+    keys = "gone_s detected_s booked_s node_died_s to_join_s stall_s total_stall_s late_data_s"
     for m in report["marks"]:
-        rows.append([m["what"], m["step"], *(spread([m.get(k)]) for k in keys)])
+        rows.append([m["what"], m["step"], *(spread([m.get(k)]) for k in keys.split())])
         if m.get("named") is False:
             rows[-1][5] += " (**another node named**)"
     heads = "event | step | process gone after (s) | detected after (s) | booked after (s) "
@@ -386,9 +375,8 @@ def _verdict(value: float | None, target: float) -> str:
 
 def describe(a: argparse.Namespace, out: Json, report: Json) -> str:
     final, base, marks = report["final"] or {}, report.get("baseline"), report["marks"]
-    data = "synthetic data"
-    if a.data == "parquet":
-        data = f"Parquet read by index through Ray Data ({EPOCHS} epochs)"
+    data = f"Parquet read by index through Ray Data ({EPOCHS} epochs)"
+    data = data if a.data == "parquet" else "synthetic data"
     stalls = []
     for kind, label in (("loss", "a loss"), ("join", "a join")):
         got = [m["stall_s"] for m in marks if m["type"] == kind and "stall_s" in m]

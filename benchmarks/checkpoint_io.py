@@ -81,11 +81,12 @@ def raw_read(paths: Sequence[Path], buffers: dict[Path, bytearray]) -> None:
 
 
 def one_round(
-    engine: RankEngine, root: Path, raw_dir: Path, payload: memoryview,
-    expected: list[torch.Tensor], times: dict[str, list[float]], reader_threads: int,
+    engine: RankEngine, base: Path, payload: memoryview, expected: list[torch.Tensor],
+    times: dict[str, list[float]], reader_threads: int,
 ) -> dict[str, int]:  # fmt: skip
-    """Save, raw write, then cold and warm load and raw read; returns the file sizes."""
-    ref, seconds = timed(lambda: save_checkpoint(engine, str(root), generation=0, num_to_keep=1))
+    """Save, raw write, cold and warm load and raw read, in ``base``; returns the file sizes."""
+    root, raw_dir = str(base / "checkpoints"), base / "raw"
+    ref, seconds = timed(lambda: save_checkpoint(engine, root, generation=0, num_to_keep=1))
     times["save"].append(seconds)
     sizes = dict(read_manifest(ref.uri).files)
     ckpt_files = [Path(ref.uri) / n for n in sizes]
@@ -128,9 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     times: dict[str, list[float]] = {k: [] for row in ROWS for k in row[1::2]}
     sizes: dict[str, int] = {}
     for _ in range(a.repeats):
-        sizes = one_round(
-            engine, base / "checkpoints", base / "raw", payload, expected, times, a.reader_threads
-        )
+        sizes = one_round(engine, base, payload, expected, times, a.reader_threads)
     total = sum(sizes.values())
     state_mb = sum(t.numel() * 4 for t in [*weights, *engine.embedding_optimizer_states()]) / MB
     close()

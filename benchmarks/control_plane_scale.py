@@ -77,8 +77,7 @@ class TimedGroup(FakeWorkerGroup):
 class Run:
     ranks: int
     gang_size: int
-    # Event -> decision times in ms (CPU time of this process), and the slowest in wall time;
-    # both less the fake's CPU time in between.
+    # Event -> decision times in ms (CPU time), the slowest in wall time; both less the fake's.
     decisions: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     slowest_wall_ms: float = 0.0
     interval_cpu_ms: list[float] = dataclasses.field(default_factory=list)

@@ -95,13 +95,11 @@ def elastic_timings(
     full = next((r for r in rows if r.at > joined.at and r.gangs == full_gangs), None)
     before = [r for r in rows if r.at < joined.at]  # at least the failure's row
     return dataclasses.replace(
-        timings,
-        heal_start_s=placed.at - requested.at,
-        heal_transfer_s=joined.at - placed.at,
+        timings, heal_start_s=placed.at - requested.at, heal_transfer_s=joined.at - placed.at,
         heal_join_s=joined.at - requested.at,
         heal_step_s=None if full is None else full.at - requested.at,
         survivors_gap_s=None if full is None else full.at - before[-1].at,
-    )
+    )  # fmt: skip
 
 
 def restart_seconds(

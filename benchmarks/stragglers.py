@@ -86,10 +86,8 @@ def simulated(a: argparse.Namespace) -> str:
             lead = [f"{workers}", f"{100 * rate:.0f}%", f"{1e3 * np.mean(step4):.0f} ms"]
             h, w = speed[(4, label)], speed[(1, label)]
             hosts = f"{np.mean(h):.2f}x ({min(h):.2f}-{max(h):.2f})"
-            figure = seed_figure(label, seed_range)
-            rows.append(
-                [*(lead if i == 0 else ["", "", ""]), label, hosts, f"{np.mean(w):.2f}x", figure]
-            )
+            rows.append([*(lead if i == 0 else [""] * 3), label, hosts, f"{np.mean(w):.2f}x"])
+            rows[-1].append(seed_figure(label, seed_range))
     heads = "workers | stall rate | sync SGD step | schedule | speedup, hosts of 4 | speedup, per "
     heads += "worker | published (Cruise and Meta)"
     return (
@@ -227,9 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parse(p, argv)
     a.steps = a.steps or (1000 if a.what == "sim" else 256)
     sim = a.what == "sim"
-    publish(
-        a, simulated(a) if sim else on_ray(a), name="straggler_sim" if sim else "stragglers_ray"
-    )
+    body, name = (simulated(a), "straggler_sim") if sim else (on_ray(a), "stragglers_ray")
+    publish(a, body, name=name)
     return 0
 
 

@@ -40,11 +40,10 @@ def job(rows: int, dim: int) -> rc.TrainConfig:
     table = rc.TableConfig(name="t0", num_embeddings=rows, embedding_dim=dim, features=("f0",))
     model = rc.ModelConfig(tables=(table,), dense_arch_layers=(8, dim), over_arch_layers=(4, 1))
     return rc.TrainConfig(
-        model=model,
-        optimizer=rc.OptimizerConfig(embedding="rowwise_adagrad"),
+        model=model, optimizer=rc.OptimizerConfig(embedding="rowwise_adagrad"),
         scaling=rc.ScalingConfig(num_workers=2, gang_size=1),
         sync=rc.SyncConfig(rows="touched", sync_every=1),
-    )
+    )  # fmt: skip
 
 
 def measure_rank(spec: RankSpec, *, a: Any, stores: list[StoreAddress]) -> list[Result]:
@@ -165,10 +164,9 @@ def production_table(gangs: int, gang_size: int, global_batch: int, periods: Seq
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = common.parser(__doc__, "sync_bytes", "docs/benchmarks.md")
-    ints = lambda x: [int(r) for r in x.split(",")]  # noqa: E731
-    p.add_argument("--rows", type=ints, default=None, help="table sizes (rows)")
+    p.add_argument("--rows", type=lambda x: list(map(int, x.split(","))), help="table sizes")
     p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--shares", type=lambda x: [float(s) for s in x.split(",")], default=None)
+    p.add_argument("--shares", type=lambda x: list(map(float, x.split(","))))
     p.add_argument("--repeats", type=int, default=4, help="pairs per share and size")
     small = f"pairs per share and size for tables whose whole sync is under {SMALL_BYTES:,} bytes"
     p.add_argument("--small-repeats", type=int, default=40, help=small)
