@@ -34,9 +34,8 @@ HEADING = "## Chaos: node and rank losses on a local cluster"
 #: The faults in order: the full run, and --short (the cluster test's). The node goes last: no
 #: replacement node to start (on a loaded machine a new node can miss the GCS's startup deadline).
 SCHEDULES = {False: ("rank",) * 5 + ("node",), True: ("rank", "node")}
-STALL_TARGETS = {"loss": 3.0, "join": 1.0}
-#: The target for the stall a loss causes over the rest of the run, the one at it included.
-TOTAL_STALL_TARGET = 5.0
+#: Targets (s): the survivors' stall at a loss and at a join, a loss's over the rest of the run.
+STALL_TARGETS = {"loss": 3.0, "join": 1.0, "rest": 5.0}
 #: The head's CPUs (never killed): with Parquet one, for Ray Data's read tasks (too few for a gang).
 HEAD_CPUS = {"synthetic": 0, "parquet": 1}
 #: examples/configs/local_cpu.yaml's batch size, and the passes over the rows with --data parquet.
@@ -60,8 +59,7 @@ class Fault:
 
 
 def watch_death(fault: Fault, pid: int, limit_s: float = 60.0) -> None:
-    """Sets ``fault.gone_mono`` once process ``pid`` is dead (checked every 5 ms, in a
-    thread, for at most ``limit_s``)."""
+    """Sets ``fault.gone_mono`` once process ``pid`` is dead (polled every 5 ms, in a thread)."""
     import psutil
 
     def watch() -> None:
@@ -218,8 +216,7 @@ def ran_on_enough(a: argparse.Namespace, run_dir: RunDir, last: Fault) -> bool:
 def kill(
     cluster: lc.LocalCluster, kind: str, faults: list[Fault], draw: random.Random, step: int
 ) -> Fault:
-    """Kills a rank, on another node than the last fault's where there is one, or the last
-    node: every process of it at once, the raylet first."""
+    """Kills a rank (off the last fault's node where it can), or the last node, its raylet first."""
     live = [n for n in cluster.nodes if rank_pids(n)]
     others = [n for n in live if not faults or n.name != faults[-1].node]
     node = live[-1] if kind == "node" else draw.choice(others or live)
@@ -403,7 +400,7 @@ batches; replica check {"passed" if report["replica_check"] else "FAILED"}; fina
 - {stalls[0]}; {stalls[1]}.
 - {len(detected)} of {len(losses)} losses detected, the slowest after \
 {spread([max(detected, default=None)])} s; the largest stall a loss caused over the rest of the \
-run {spread([worst])} s {_verdict(worst, TOTAL_STALL_TARGET)}.{slowed}
+run {spread([worst])} s {_verdict(worst, STALL_TARGETS["rest"])}.{slowed}
 
 {table(report)}"""
 

@@ -124,8 +124,7 @@ def machine(*, gpu: bool = False) -> str:
 def publish(
     a: argparse.Namespace, body: str, *, name: str, heading: str | None = None, gpu: bool = False
 ) -> None:
-    """Prints the result block (when, on what and the command that made it, then ``body``) and
-    writes it into ``--write``'s page."""
+    """Prints the result block (when, on what, the command, ``body``); writes it to ``--write``."""
     took = time.perf_counter() - a.started
     length = f"{took:.0f} s" if took < 600 else f"{took / 60:.0f} min"
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -182,8 +181,7 @@ def plain_torchrec(cfg: TrainConfig, num_dense: int, device: Any, plan: Any) -> 
 def rank_engine(
     cfg: TrainConfig, plan: Any, num_dense: int
 ) -> tuple[RankEngine, Callable[[], None]]:
-    """A raytrec rank's engine for ``cfg`` alone (one gang of one rank, a replica plane of one),
-    built: ``(engine, close)``."""
+    """A built rank engine for ``cfg`` alone (one gang of one rank): ``(engine, close)``."""
     import torch.distributed as dist
 
     from raytrec.engine.rank_engine import RankSpec, StoreAddress
@@ -201,8 +199,7 @@ def rank_engine(
 
 
 def md_table(heads: str, rows: Iterable[Sequence[object]], *, left: int = 1) -> str:
-    """A markdown table: ``heads`` (``"a | b"``), then ``rows``; the first ``left`` columns
-    left-aligned, the others right-aligned."""
+    """A markdown table of ``heads`` (``"a | b"``) and ``rows``, the first ``left`` left-aligned."""
     head = heads.split(" | ")
     lines = [head, ["---"] * left + ["---:"] * (len(head) - left), *rows]
     return "\n".join("| " + " | ".join(map(str, cells)) + " |" for cells in lines)
@@ -223,16 +220,14 @@ def spread(values: Sequence[float | None], spec: str = ".2f", unit: str = "") ->
 
 
 def bootstrap_median_ci(values: Sequence[float]) -> tuple[float, float]:
-    """A 95% percentile-bootstrap confidence interval for the median of ``values``: the medians
-    of 5,000 seeded resamples with replacement, their 2.5th and 97.5th percentiles."""
+    """A 95% percentile-bootstrap interval for the median of ``values`` (5,000 seeded resamples)."""
     rng = random.Random(0)
     medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(5000))
     return medians[125], medians[4875]
 
 
 def ratio_ci(ratios: Sequence[float], spec: str = ".2f", brackets: str = "[{}, {}]") -> str:
-    """The median of paired ratios with its 95% bootstrap confidence interval (``brackets``
-    formats its ends); with fewer than three ratios, their range instead."""
+    """The median of paired ratios and its 95% bootstrap interval; with under 3, their range."""
     mid = format(statistics.median(ratios), spec)
     if len(ratios) < 3:
         return f"{mid} (range {min(ratios):{spec}} - {max(ratios):{spec}})"

@@ -75,8 +75,7 @@ class ElasticTimings:
 def elastic_timings(
     events: Sequence[ev.Event], rows: Sequence[IntervalMetrics], *, last_done: int, full_gangs: int
 ) -> ElasticTimings:
-    """Reads the recovery and the heal out of one elastic run's events and history rows;
-    ``last_done`` is the last step completed before the failure."""
+    """The recovery and heal of one elastic run; ``last_done``: the last step before the failure."""
     failed = _row(rows, last_done)
     died = _first(events, ev.RankDied, after=failed.at)
     resumed = next((r for r in rows if r.at > died.at), None)
@@ -198,8 +197,7 @@ def run_restart(size: Dims, shape: Dims, checkpoint: str) -> float:
 
 
 def measure(a: argparse.Namespace) -> tuple[list[Measurement], list[str]]:
-    """Both ways of recovering for every size, shape and repeat; a run that fails is reported
-    and the others go on."""
+    """Every size, shape and repeat, both ways; a failed run is reported and the others go on."""
     out: list[Measurement] = []
     failures: list[str] = []
     for repeat, size, shape in itertools.product(range(a.repeats), a.sizes, a.shapes):
@@ -234,8 +232,7 @@ COLUMNS = (
 
 
 def table(ms: Sequence[Measurement], a: argparse.Namespace) -> str:
-    """Seconds from the failure, median (min to max) per size and shape, and what a joining
-    gang costs the survivors."""
+    """Seconds from the failure per size and shape, median (min to max), and what a join costs."""
     rows = []
     for s, g in itertools.product(a.sizes, a.shapes):
         if mine := [m for m in ms if (m.size, m.shape) == (label(s), label(g))]:

@@ -91,8 +91,7 @@ def torchrun_worker(a: argparse.Namespace) -> int:
 
 
 def run_driver(a: argparse.Namespace) -> int:
-    """The raytrec side (a process of its own): writes 'step elapsed_s
-    perf_counter' per metrics row to ``--driver`` until it is stopped."""
+    """The raytrec side, in a process of its own: 'step elapsed_s perf_counter' to ``--driver``."""
     from raytrec.api import fit
 
     cfg = build_config(a, run_dir=str(a.driver.parent))
