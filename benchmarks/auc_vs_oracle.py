@@ -32,8 +32,7 @@ from raytrec.data.generate import auc
 from raytrec.engine.rank_engine import RankSpec, StoreAddress
 from raytrec.testing.gloo_job import engine_for, run_gang_job
 
-TARGET_RATIO = 0.97
-TARGET_WAIT = 0.05
+TARGET_RATIO, TARGET_WAIT = 0.97, 0.05  # of the oracle's AUC; of rank time
 TAIL = 4  # intervals averaged for the tail AUC
 
 

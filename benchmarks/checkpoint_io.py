@@ -30,8 +30,7 @@ from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.rank_engine import RankEngine
 from raytrec.models import build_dlrm
 
-NUM_DENSE = 13
-MB = 1e6
+NUM_DENSE, MB = 13, 1e6
 ROWS = [  # of the table: (operation, its timing, the raw operation, its timing)
     ("save (save_checkpoint)", "save", "raw write (write + fsync)", "raw write"),
     ("load, cold cache (load_checkpoint)", "load cold", "raw read, cold cache", "raw read cold"),
