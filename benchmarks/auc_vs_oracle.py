@@ -1,17 +1,11 @@
 """AUC against the oracle, and data wait: one run of the main job's default configuration.
 
     .venv/bin/python -m benchmarks.auc_vs_oracle [--set KEY=VALUE ...] [--write docs/benchmarks.md]
-
-Trains what ``python -m jobs.train`` trains with no arguments (``--set`` adds the job's own
-overrides), data and runs in a temporary directory, and reports the final progressive-validation
-AUC and the mean of the last ``--tail`` intervals against the oracle's (the teacher's own click
-probabilities), the spread of the oracle's AUC over chunks as large as an interval (sampling
-noise), the share of rank time spent waiting for data, and rows trained per second.
-
     .venv/bin/python -m benchmarks.auc_vs_oracle --grid JSON [--write docs/benchmarks.md]
 
-``--grid`` trains the model on engines over gloo (gangs of one rank), cell after cell: gangs x
-``sync.sync_every`` x ``sync.merge``, and reports the AUC against the teacher's and sync bytes.
+``--grid``: the model on engines over gloo (gangs of one rank), gangs x ``sync.sync_every`` x
+``sync.merge``. What each figure counts: docs/benchmarks.md, "AUC against the oracle" and
+"Sync merge".
 """
 
 from __future__ import annotations
@@ -38,14 +32,13 @@ from raytrec.data.generate import auc
 from raytrec.engine.rank_engine import RankSpec, StoreAddress
 from raytrec.testing.gloo_job import engine_for, run_gang_job
 
-TARGET_RATIO = 0.97
-TARGET_WAIT = 0.05
+TARGET_RATIO, TARGET_WAIT = 0.97, 0.05  # of the oracle's AUC; of rank time
 TAIL = 4  # intervals averaged for the tail AUC
 
 
-def oracle_noise(data_path: str, chunk_rows: int) -> tuple[float, float, int]:
+def oracle_noise(data_path: str, chunk_rows: int) -> tuple[float, float, int, int]:
     """Mean, standard deviation and number of the oracle's AUCs (the teacher's click probabilities
-    in generated Parquet, in row order) over whole consecutive chunks of ``chunk_rows`` rows."""
+    in generated Parquet, in row order) over whole consecutive chunks, and ``chunk_rows``."""
     import pyarrow.parquet as pq
 
     files = sorted(glob.glob(os.path.join(data_path, "*.parquet")))
@@ -56,7 +49,7 @@ def oracle_noise(data_path: str, chunk_rows: int) -> tuple[float, float, int]:
     n = len(prob) // chunk_rows
     chunks = [slice(i * chunk_rows, (i + 1) * chunk_rows) for i in range(n)]
     values = [auc(prob[c], label[c]) for c in chunks]
-    return statistics.fmean(values), statistics.stdev(values), n
+    return statistics.fmean(values), statistics.stdev(values), n, chunk_rows
 
 
 def describe(config: TrainConfig) -> list[str]:
@@ -84,7 +77,7 @@ def describe(config: TrainConfig) -> list[str]:
     ]
 
 
-def render(result: Result, wall_s: float, noise: tuple[float, float, int] | None) -> list[str]:
+def render(result: Result, wall_s: float, noise: tuple[float, float, int, int] | None) -> list[str]:
     """The verdicts, then one row per interval (markdown). The first interval (start-up, warm
     caches) is left out of the wait and throughput figures and reported on its own."""
     history, oracle = result.history, result.oracle_auc
@@ -108,11 +101,9 @@ def render(result: Result, wall_s: float, noise: tuple[float, float, int] | None
         f"`fit()` {wall_s:.0f} s including start-up and writing the data.",
     ]
     if noise is not None:
-        config = result.config
-        interval_rows = config.log_every * config.scaling.world_size * config.data.batch_size
         lines.append(
             f"- Sampling noise of one interval: the oracle's own AUC over {noise[2]} disjoint "
-            f"chunks of {interval_rows:,} rows of this data is {noise[0]:.4f} +- {noise[1]:.4f} "
+            f"chunks of {noise[3]:,} rows of this data is {noise[0]:.4f} +- {noise[1]:.4f} "
             f"(std), i.e. +- {noise[1] / oracle:.3f} in the ratio."
         )
     rows = []
@@ -176,16 +167,10 @@ def grid(a: Any) -> list[dict[str, Any]]:
         cfg = grid_config(a, gangs, *GRID[0])
         num_dense = synthetic_source(cfg).num_dense
         plan = job_plan(cfg, num_dense, build_train_model)
-        shape = {"num_gangs": gangs, "gang_size": 1, "num_dense": num_dense}
         got = run_gang_job(
-            grid_rank,
-            config=cfg,
-            plan=plan,
-            timeout_s=3600,
-            extra_stores=len(GRID) - 1,
-            a=a,
-            **shape,
-        )
+            grid_rank, config=cfg, plan=plan, num_gangs=gangs, gang_size=1, num_dense=num_dense,
+            timeout_s=3600, extra_stores=len(GRID) - 1, a=a,
+        )  # fmt: skip
         ranks = [got[r] for r in range(gangs)]
         cells = [
             [*ranks[0][i][:4], *(np.concatenate([c[i][k] for c in ranks]) for k in (4, 5, 6))]

@@ -2,16 +2,8 @@
 
     .venv/bin/python -m benchmarks.chaos [--short] [--data parquet] [--write PAGE]
 
-``python -m jobs.train`` (2 gangs x 2 ranks) on ``ray start`` nodes on 127.0.0.1 loses ranks
-(a rank process of a random node SIGKILLed from outside at a random moment, as the OOM killer
-does; a new gang joins on the freed CPUs) and, last, a node (every process of the node SIGKILLed
-at once, as in a host crash), each once both gangs have trained two intervals.
-Reported from the job's events, metrics rows and summary: the time to ``rank_died`` and
-``node_died``, the survivors' stall at each loss and join (the gap between the rows around it
-less their steps at the normal pace), the stall each loss causes over the rest of the run up
-to the next fault (every later interval slower than the no-fault pace, late data waits
-included, joins apart) and the batches lost or doubled. Kill times are put on the
-coordinator's clock from when each row was first seen: the delays are upper bounds.
+What it kills, when, and what each column counts: docs/fault_tolerance.md, "Chaos". Kill times
+are put on the coordinator's clock from when each row was first seen: the delays are upper bounds.
 """
 
 from __future__ import annotations
@@ -42,9 +34,8 @@ HEADING = "## Chaos: node and rank losses on a local cluster"
 #: The faults in order: the full run, and --short (the cluster test's). The node goes last: no
 #: replacement node to start (on a loaded machine a new node can miss the GCS's startup deadline).
 SCHEDULES = {False: ("rank",) * 5 + ("node",), True: ("rank", "node")}
-STALL_TARGETS = {"loss": 3.0, "join": 1.0}
-#: The target for the stall a loss causes over the rest of the run, the one at it included.
-TOTAL_STALL_TARGET = 5.0
+#: Targets (s): the survivors' stall at a loss and at a join, a loss's over the rest of the run.
+STALL_TARGETS = {"loss": 3.0, "join": 1.0, "rest": 5.0}
 #: The head's CPUs (never killed): with Parquet one, for Ray Data's read tasks (too few for a gang).
 HEAD_CPUS = {"synthetic": 0, "parquet": 1}
 #: examples/configs/local_cpu.yaml's batch size, and the passes over the rows with --data parquet.
@@ -63,16 +54,12 @@ class Fault:
     kill_mono: float  # time.monotonic() at the kill (the same clock on every process here)
     node: str  # the worker node's name
     node_id: str | None  # Ray's node id of the node (of the rank's node for a rank kill)
-    # A rank kill: the process's title at the kill (the rank method it was in), and when the
-    # process was gone (a zombie or reaped): how long the kernel took to end it, apart from
-    # how long the job took to notice.
-    title: str = ""
-    gone_mono: float | None = None
+    title: str = ""  # a rank kill: the process's title (the rank method it was in)
+    gone_mono: float | None = None  # a rank kill: when the process was gone (zombie or reaped)
 
 
 def watch_death(fault: Fault, pid: int, limit_s: float = 60.0) -> None:
-    """Sets ``fault.gone_mono`` once process ``pid`` is dead (checked every 5 ms, in a
-    thread, for at most ``limit_s``)."""
+    """Sets ``fault.gone_mono`` once process ``pid`` is dead (polled every 5 ms, in a thread)."""
     import psutil
 
     def watch() -> None:
@@ -147,8 +134,7 @@ def run(a: argparse.Namespace) -> Json:
             "--set", f"elastic.step_timeout_s={2 * a.collective_timeout_s}",
         ]  # fmt: skip
         if a.data == "parquet":
-            # Parquet written once by the job (the synthetic teacher's rows), read by index in
-            # EPOCHS passes: a loss gives every survivor a new stream (a new Ray Data pipeline).
+            # Read by index in EPOCHS passes: a loss gives every survivor a new Ray Data stream.
             rows = -(-a.steps * 2 * GANG_SIZE * BATCH_SIZE // EPOCHS)
             entrypoint += ["--set", "data.source=generated", "--set", f"data.generated_rows={rows}"]
             entrypoint += ["--set", f"data.epochs={EPOCHS}"]
@@ -160,15 +146,10 @@ def run(a: argparse.Namespace) -> Json:
     events = [json.loads(x) for x in run_dir.read("events.jsonl").splitlines() if x.strip()]
     shutil.rmtree(storage, ignore_errors=True)  # what the report needs is read
     return {
-        "state": state.split("\n", 1)[0],
-        "status": state,
-        "logs_tail": logs[-6000:],
-        "faults": [dataclasses.asdict(f) for f in faults],
-        "rows": run_dir.rows,
-        "events": events,
-        "offset": run_dir.offset() if run_dir.rows else None,
-        "summary": summary,
-    }
+        "state": state.split("\n", 1)[0], "status": state, "logs_tail": logs[-6000:],
+        "faults": [dataclasses.asdict(f) for f in faults], "rows": run_dir.rows, "events": events,
+        "offset": run_dir.offset() if run_dir.rows else None, "summary": summary,
+    }  # fmt: skip
 
 
 def drive(
@@ -182,9 +163,8 @@ def drive(
     fault_generation = -1
     ended: list[str] = []  # the job's final state, once `ray job status` shows one
     # The `ray` CLI takes seconds to start here: asked in a thread, so faults stay on time.
-    waiter = threading.Thread(target=lambda: ended.append(cluster.wait(job, a.timeout_s)))
-    waiter.daemon = True
-    waiter.start()
+    wait = lambda: ended.append(cluster.wait(job, a.timeout_s))  # noqa: E731
+    threading.Thread(target=wait, daemon=True).start()
     draw = random.Random(a.seed)  # which node and rank, and the moment: replayable
     kill_at: float | None = None  # when the due fault is carried out (a random moment)
     while not ended:
@@ -218,38 +198,32 @@ def drive(
 
 def ran_on_enough(a: argparse.Namespace, run_dir: RunDir, last: Fault) -> bool:
     """Whether the job has run long enough after the last fault: ``--run-on-s`` seconds, or with
-    ``--short`` until Ray has named the lost node (``node_died``) and the survivors trained two
-    intervals past it. Stopped then (the job stops at its next interval boundary, writes its
-    summary), the short run lasts as long as its faults take, however long a join takes on a
-    loaded machine: a fixed number of steps could end before the node loss."""
+    ``--short`` until ``node_died`` and two intervals past it (a fixed number of steps could end
+    before the node loss on a loaded machine)."""
     if a.run_on_s is not None:
-        if time.monotonic() - last.kill_mono <= a.run_on_s:
-            return False
-        print(f"[chaos] {a.run_on_s:g} s after the last fault: stopping the job", flush=True)
-        return True
-    if not a.short:
-        return False
-    died = [json.loads(x) for x in run_dir.read("events.jsonl").splitlines() if "node_died" in x]
-    if not died or run_dir.step < int(died[0]["step"]) + 2 * LOG_EVERY:
-        return False
-    print(f"[chaos] step {run_dir.step}: the node loss is booked; stopping the job", flush=True)
-    return True
+        why = f"{a.run_on_s:g} s after the last fault"
+        done = time.monotonic() - last.kill_mono > a.run_on_s
+    else:
+        events = run_dir.read("events.jsonl").splitlines() if a.short else []
+        died = [json.loads(x) for x in events if "node_died" in x]
+        why = f"step {run_dir.step}: the node loss is booked"
+        done = bool(died) and run_dir.step >= int(died[0]["step"]) + 2 * LOG_EVERY
+    if done:
+        print(f"[chaos] {why}; stopping the job", flush=True)
+    return done
 
 
 def kill(
     cluster: lc.LocalCluster, kind: str, faults: list[Fault], draw: random.Random, step: int
 ) -> Fault:
-    """Kills a rank, on another node than the last fault's where there is one, or the last
-    node, as in a crash or a preemption without notice: every process of it at once, the
-    raylet first."""
+    """Kills a rank (off the last fault's node where it can), or the last node, its raylet first."""
     live = [n for n in cluster.nodes if rank_pids(n)]
     others = [n for n in live if not faults or n.name != faults[-1].node]
     node = live[-1] if kind == "node" else draw.choice(others or live)
     node_id = node.node_id()
     if kind == "rank":
         pid = draw.choice(rank_pids(node))
-        title = lc.process_title(pid)
-        fault = Fault(kind, step, time.monotonic(), node.name, node_id, title=title)
+        fault = Fault(kind, step, time.monotonic(), node.name, node_id, lc.process_title(pid))
         os.kill(pid, signal.SIGKILL)
         watch_death(fault, pid)
         return fault
@@ -285,7 +259,7 @@ def analyse(out: Json) -> Json:
             # When the coordinator learned of it; the log books it once the recovery starts.
             seen = hit["at"] if hit.get("noticed_at") is None else hit["noticed_at"]
             mark |= {"at": hit["at"], "step": hit["step"], "detected_s": seen - kill_at}
-            mark |= {"booked_s": hit["at"] - kill_at}
+            mark["booked_s"] = hit["at"] - kill_at
         if f["kind"] == "node":
             died = next((e for e in after if e["kind"] == "node_died"), None)
             if died is not None:
@@ -317,14 +291,11 @@ def analyse(out: Json) -> Json:
     summary = out["summary"]
     batches = summary.get("batches", {})
     return {
-        "marks": marks,
-        "step_s": step_s,
-        "baseline": _rest_of_run(rows, marks, first_fault, saves),
-        "lost": batches.get("lost"),
+        "marks": marks, "step_s": step_s, "baseline": _rest_of_run(rows, marks, first_fault, saves),
+        "lost": batches.get("lost"), "final": summary.get("final"),
         "doubled": None if not batches else batches["committed"] - batches["committed_distinct"],
-        "final": summary.get("final"),
         "replica_check": summary.get("replica_check", {}).get("passed"),
-    }
+    }  # fmt: skip
 
 
 def _holds(before: Json, after: Json, times: Sequence[float]) -> bool:
@@ -336,17 +307,8 @@ def _rest_of_run(
     rows: list[Json], marks: list[Json], first_fault: float | None, saves: Sequence[float]
 ) -> dict[str, float] | None:
     """Adds to each loss mark the stall it causes over the rest of the run (``total_stall_s``)
-    and the late data waits in it (``late_data_s``).
-
-    The no-fault pace and noise come from the rows before the first fault: a row is slower
-    than that pace when its gap to the row before exceeds its steps at the pace by more than
-    the largest excess seen before the first fault. Its excess counts towards the last loss
-    before it, up to the next loss; rows holding a join count towards the join, and rows
-    holding a checkpoint save (``saves``: their times) or ending with an evaluation towards
-    those, not here.
-    Late data: the row's data wait (its share of the rank time times its seconds) beyond the
-    median wait per step before the first fault, in the rows after the one at the loss.
-    """
+    and the late data waits in it (``late_data_s``), as docs/fault_tolerance.md defines them;
+    the pace, its noise and the data wait per step come from the rows before the first fault."""
     if first_fault is None:
         return None
 
@@ -393,10 +355,9 @@ def _same_node(event: Json, fault: Json) -> bool:
 
 def table(report: Json) -> str:
     rows = []
-    keys = ["gone_s", "detected_s", "booked_s", "node_died_s", "to_join_s", "stall_s"]
-    keys += ["total_stall_s", "late_data_s"]
+    keys = "gone_s detected_s booked_s node_died_s to_join_s stall_s total_stall_s late_data_s"
     for m in report["marks"]:
-        rows.append([m["what"], m["step"], *(spread([m.get(k)]) for k in keys)])
+        rows.append([m["what"], m["step"], *(spread([m.get(k)]) for k in keys.split())])
         if m.get("named") is False:
             rows[-1][5] += " (**another node named**)"
     heads = "event | step | process gone after (s) | detected after (s) | booked after (s) "
@@ -411,9 +372,8 @@ def _verdict(value: float | None, target: float) -> str:
 
 def describe(a: argparse.Namespace, out: Json, report: Json) -> str:
     final, base, marks = report["final"] or {}, report.get("baseline"), report["marks"]
-    data = "synthetic data"
-    if a.data == "parquet":
-        data = f"Parquet read by index through Ray Data ({EPOCHS} epochs)"
+    data = f"Parquet read by index through Ray Data ({EPOCHS} epochs)"
+    data = data if a.data == "parquet" else "synthetic data"
     stalls = []
     for kind, label in (("loss", "a loss"), ("join", "a join")):
         got = [m["stall_s"] for m in marks if m["type"] == kind and "stall_s" in m]
@@ -440,7 +400,7 @@ batches; replica check {"passed" if report["replica_check"] else "FAILED"}; fina
 - {stalls[0]}; {stalls[1]}.
 - {len(detected)} of {len(losses)} losses detected, the slowest after \
 {spread([max(detected, default=None)])} s; the largest stall a loss caused over the rest of the \
-run {spread([worst])} s {_verdict(worst, TOTAL_STALL_TARGET)}.{slowed}
+run {spread([worst])} s {_verdict(worst, STALL_TARGETS["rest"])}.{slowed}
 
 {table(report)}"""
 

@@ -1,14 +1,10 @@
 """Checkpoint save and load throughput next to the raw write and read speed of the same bytes.
 
     .venv/bin/python -m benchmarks.checkpoint_io [--tables 8] [--rows 600000] [--repeats 5]
-        [--reader-threads N]
 
-One rank (gloo) holds a DLRM whose tables and row-wise Adagrad state make a few hundred MB. Each
-round, taking turns: ``save_checkpoint`` (DCP's writer, manifest, commit marker, rename,
-keep-last-1) against ``write`` + ``fsync`` of the same bytes, and ``load_checkpoint`` (its
-reader with ``--reader-threads`` threads, by default as many as it uses on this machine)
-against ``readinto`` on one thread, cold (files evicted with ``posix_fadvise(DONTNEED)``) and
-warm. Figures: the checkpoint's bytes over wall time, best round and median.
+One rank (gloo), its tables and row-wise Adagrad state a few hundred MB; each round, taking
+turns, ``save_checkpoint`` against ``write`` + ``fsync``, and ``load_checkpoint`` against
+``readinto`` on one thread, cold (files evicted from the page cache) and warm.
 """
 
 from __future__ import annotations
@@ -24,19 +20,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import dlrm, md_table, parse, parser, publish, rank_engine, timed
+from benchmarks.common import dlrm_job, md_table, parse, parser, publish, rank_engine, timed
 from raytrec._quiet import quiet_known_warnings
 from raytrec.api import _plan
 from raytrec.checkpoint.layout import _fsync_dir, read_manifest
 from raytrec.checkpoint.reader import DEFAULT_THREADS, DirectReader
 from raytrec.checkpoint.state import load_checkpoint, save_checkpoint
-from raytrec.config import DataConfig, OptimizerConfig, ScalingConfig, TrainConfig
 from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.rank_engine import RankEngine
 from raytrec.models import build_dlrm
 
-NUM_DENSE = 13
-MB = 1e6
+NUM_DENSE, MB = 13, 1e6
 ROWS = [  # of the table: (operation, its timing, the raw operation, its timing)
     ("save (save_checkpoint)", "save", "raw write (write + fsync)", "raw write"),
     ("load, cold cache (load_checkpoint)", "load cold", "raw read, cold cache", "raw read cold"),
@@ -46,12 +40,7 @@ ROWS = [  # of the table: (operation, its timing, the raw operation, its timing)
 
 def build_engine(tables: int, rows: int, dim: int) -> tuple[RankEngine, Callable[[], None]]:
     """One rank's engine (gloo) of a DLRM of ``tables`` x ``rows`` x ``dim``, trained a step."""
-    config = TrainConfig(
-        model=dlrm(tables, rows, dim),
-        optimizer=OptimizerConfig(embedding="rowwise_adagrad", dense="adagrad"),
-        scaling=ScalingConfig(num_workers=1, gang_size=1),
-        data=DataConfig(batch_size=256),
-    )
+    config = dlrm_job((tables, rows, dim), batch_size=256, world_size=1)
     engine, close = rank_engine(config, _plan(config, NUM_DENSE, build_dlrm), NUM_DENSE)
     source = SyntheticCriteo(num_sparse=tables, num_embeddings=rows, seed=1)
     engine.train_step(source.make_batch(0, 0, config.data.batch_size))
@@ -91,16 +80,12 @@ def raw_read(paths: Sequence[Path], buffers: dict[Path, bytearray]) -> None:
 
 
 def one_round(
-    engine: RankEngine,
-    root: Path,
-    raw_dir: Path,
-    payload: memoryview,
-    expected: list[torch.Tensor],
-    times: dict[str, list[float]],
-    reader_threads: int,
-) -> dict[str, int]:
-    """Save, raw write, then cold and warm load and raw read; returns the file sizes."""
-    ref, seconds = timed(lambda: save_checkpoint(engine, str(root), generation=0, num_to_keep=1))
+    engine: RankEngine, base: Path, payload: memoryview, expected: list[torch.Tensor],
+    times: dict[str, list[float]], reader_threads: int,
+) -> dict[str, int]:  # fmt: skip
+    """Save, raw write, cold and warm load and raw read, in ``base``; returns the file sizes."""
+    root, raw_dir = str(base / "checkpoints"), base / "raw"
+    ref, seconds = timed(lambda: save_checkpoint(engine, root, generation=0, num_to_keep=1))
     times["save"].append(seconds)
     sizes = dict(read_manifest(ref.uri).files)
     ckpt_files = [Path(ref.uri) / n for n in sizes]
@@ -143,9 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     times: dict[str, list[float]] = {k: [] for row in ROWS for k in row[1::2]}
     sizes: dict[str, int] = {}
     for _ in range(a.repeats):
-        sizes = one_round(
-            engine, base / "checkpoints", base / "raw", payload, expected, times, a.reader_threads
-        )
+        sizes = one_round(engine, base, payload, expected, times, a.reader_threads)
     total = sum(sizes.values())
     state_mb = sum(t.numel() * 4 for t in [*weights, *engine.embedding_optimizer_states()]) / MB
     close()

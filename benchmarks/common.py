@@ -1,15 +1,12 @@
 """What the benchmarks share: parsing, the command that reproduces a run, the machine's
-description, markdown tables, medians and confidence intervals, and writing a result block into a
-docs page.
-
-A benchmark owns one block of a page, between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``;
-the prose around it is written by hand and left alone. The page is re-read right before writing
-and replaced atomically, so an edit of another part made meanwhile survives.
+description, markdown tables, medians and confidence intervals, plain TorchRec and a lone rank
+engine, and writing a result block into a docs page (re-read right before, replaced atomically).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import platform
@@ -48,11 +45,13 @@ def replace_block(path: Path, block: str, *, name: str, heading: str | None = No
     os.replace(tmp, path)
 
 
-def parser(doc: str | None, module: str, page: str, **kwargs: Any) -> argparse.ArgumentParser:
+def parser(doc: str | None, module: str, page: str) -> argparse.ArgumentParser:
     """The parser of ``benchmarks.<module>``, described by its module doc's first paragraph, with
     ``--write``; its namespace holds ``module`` (for :func:`publish`)."""
-    about = (doc or "").split("\n\n")[0]
-    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{module}", description=about, **kwargs)
+    about, fmt = (doc or "").split("\n\n")[0], argparse.ArgumentDefaultsHelpFormatter
+    p = argparse.ArgumentParser(
+        prog=f"python -m benchmarks.{module}", description=about, formatter_class=fmt
+    )
     p.set_defaults(module=module)
     write = f"write the result block into this page (its page: {page}); without it, print only"
     p.add_argument("--write", type=Path, metavar="PAGE", help=write)
@@ -122,19 +121,15 @@ def machine(*, gpu: bool = False) -> str:
     )
 
 
-def header(a: argparse.Namespace, *, gpu: bool = False) -> str:
-    """The result block's first lines: when, on what, and the command that made it."""
-    took = time.perf_counter() - a.started
-    length = f"{took:.0f} s" if took < 600 else f"{took / 60:.0f} min"
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    return f"Measured on {stamp} (whole run {length}); {machine(gpu=gpu)}.\n\n    {command(a)}\n"
-
-
 def publish(
     a: argparse.Namespace, body: str, *, name: str, heading: str | None = None, gpu: bool = False
 ) -> None:
-    """Prints the result block (:func:`header`, ``body``) and writes it into ``--write``'s page."""
-    block = f"{header(a, gpu=gpu)}\n{body}"
+    """Prints the result block (when, on what, the command, ``body``); writes it to ``--write``."""
+    took = time.perf_counter() - a.started
+    length = f"{took:.0f} s" if took < 600 else f"{took / 60:.0f} min"
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    block = f"Measured on {stamp} (whole run {length}); {machine(gpu=gpu)}.\n\n    {command(a)}\n"
+    block += f"\n{body}"
     print(block)
     if a.write:
         replace_block(a.write, block, name=name, heading=heading)
@@ -144,27 +139,22 @@ def dlrm_job(model: tuple[int, ...], *, batch_size: int, world_size: int, **kw: 
     """The job of the raytrec-against-TorchRec benchmarks: a :func:`dlrm` of ``model`` (tables,
     rows, dim) sharded table-wise on ``world_size`` ranks of one gang, row-wise Adagrad
     embeddings and an Adagrad dense optimizer; ``kw``: further :class:`TrainConfig` fields."""
-    from raytrec.config import DataConfig, OptimizerConfig, ScalingConfig, ShardingConfig
+    from raytrec.config import DataConfig, OptimizerConfig, ScalingConfig
 
+    use_gpu = kw.pop("use_gpu", False)
+    gang = ScalingConfig(num_workers=world_size, gang_size=world_size, use_gpu=use_gpu)
     return TrainConfig(
-        model=dlrm(*model),
-        optimizer=OptimizerConfig(embedding="rowwise_adagrad", dense="adagrad"),
-        sharding=ShardingConfig(sharding_type="table_wise"),
-        scaling=ScalingConfig(
-            num_workers=world_size, gang_size=world_size, use_gpu=kw.pop("use_gpu", False)
-        ),
-        data=DataConfig(batch_size=batch_size),
-        **kw,
-    )
+        model=dlrm(*model), optimizer=OptimizerConfig(embedding="rowwise_adagrad", dense="adagrad"),
+        scaling=gang, data=DataConfig(batch_size=batch_size), **kw,
+    )  # fmt: skip
 
 
 def dlrm(tables: int, rows: int, dim: int, width: int = 64) -> ModelConfig:
     """A DLRM over ``tables`` Criteo-style tables of ``rows`` x ``dim``, its MLPs ``width`` wide."""
     return ModelConfig(
         tables=criteo_tables(num_features=tables, num_embeddings=rows, embedding_dim=dim),
-        dense_arch_layers=(width, dim),
-        over_arch_layers=(width, 1),
-    )
+        dense_arch_layers=(width, dim), over_arch_layers=(width, 1),
+    )  # fmt: skip
 
 
 def plain_torchrec(cfg: TrainConfig, num_dense: int, device: Any, plan: Any) -> tuple[Any, Any]:
@@ -191,11 +181,11 @@ def plain_torchrec(cfg: TrainConfig, num_dense: int, device: Any, plan: Any) -> 
 def rank_engine(
     cfg: TrainConfig, plan: Any, num_dense: int
 ) -> tuple[RankEngine, Callable[[], None]]:
-    """A raytrec rank's engine for ``cfg`` alone (one gang of one rank, a replica plane of one),
-    built: ``(engine, close)``."""
+    """A built rank engine for ``cfg`` alone (one gang of one rank): ``(engine, close)``."""
     import torch.distributed as dist
 
-    from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
+    from raytrec.engine.rank_engine import RankSpec, StoreAddress
+    from raytrec.testing.gloo_job import engine_for
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     address = StoreAddress(host="127.0.0.1", port=store.port)
@@ -203,20 +193,13 @@ def rank_engine(
         rank=0, gang=0, gang_rank=0, gang_size=1, config=cfg, plan=plan, num_dense=num_dense,
         store=address,
     )  # fmt: skip
-    engine = RankEngine(spec)
-    engine.build()
-    engine.join_replica_plane(generation=0, member_rank=0, size=1)
-
-    def close() -> None:
-        engine.close()
-        store.set("closed", "1")  # the store's server (this object) lives until here
-
-    return engine, close
+    stack = contextlib.ExitStack()
+    stack.callback(store.set, "closed", "1")  # the store's server (this object) lives until then
+    return stack.enter_context(engine_for(spec)), stack.close
 
 
 def md_table(heads: str, rows: Iterable[Sequence[object]], *, left: int = 1) -> str:
-    """A markdown table: ``heads`` (``"a | b"``), then ``rows``; the first ``left`` columns
-    left-aligned, the others right-aligned."""
+    """A markdown table of ``heads`` (``"a | b"``) and ``rows``, the first ``left`` left-aligned."""
     head = heads.split(" | ")
     lines = [head, ["---"] * left + ["---:"] * (len(head) - left), *rows]
     return "\n".join("| " + " | ".join(map(str, cells)) + " |" for cells in lines)
@@ -236,22 +219,15 @@ def spread(values: Sequence[float | None], spec: str = ".2f", unit: str = "") ->
     return mid if len(xs) == 1 else f"{mid} ({min(xs):{spec}} to {max(xs):{spec}})"
 
 
-def bootstrap_median_ci(
-    values: Sequence[float], *, level: float = 0.95, resamples: int = 5000, seed: int = 0
-) -> tuple[float, float]:
-    """A percentile-bootstrap confidence interval for the median of ``values``: resampled with
-    replacement, the median of each resample, the middle ``level`` of those."""
-    rng = random.Random(seed)
-    medians = sorted(
-        statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)
-    )
-    tail = (1 - level) / 2
-    return medians[int(tail * resamples)], medians[min(resamples - 1, int((1 - tail) * resamples))]
+def bootstrap_median_ci(values: Sequence[float]) -> tuple[float, float]:
+    """A 95% percentile-bootstrap interval for the median of ``values`` (5,000 seeded resamples)."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(5000))
+    return medians[125], medians[4875]
 
 
 def ratio_ci(ratios: Sequence[float], spec: str = ".2f", brackets: str = "[{}, {}]") -> str:
-    """The median of paired ratios with its 95% bootstrap confidence interval (``brackets``
-    formats its ends); with fewer than three ratios, their range instead."""
+    """The median of paired ratios and its 95% bootstrap interval; with under 3, their range."""
     mid = format(statistics.median(ratios), spec)
     if len(ratios) < 3:
         return f"{mid} (range {min(ratios):{spec}} - {max(ratios):{spec}})"

@@ -2,13 +2,8 @@
 
     .venv/bin/python -m benchmarks.control_plane_scale --write docs/benchmarks.md
 
-The real coordinator drives the fake worker group (:mod:`raytrec.testing.fake_group`) on its manual
-clock at 1,024 and 4,096 ranks through 40 steps of faults, heals and drains (:func:`storm`). A
-decision's time (CPU time less the fake's) runs from the observation to the decision: a failed
-call to ``boundary.decide`` in recovery (*loss*), a heartbeat read to ``find_hung_ranks``
-(*heartbeat check*), builds seen done to ``failed_heals`` (*heal*), draining nodes read to a
-``Drain`` from ``boundary.decide`` (*drain*);
-the CPU per interval is between two history rows, less the fake's.
+The real coordinator drives the fake worker group (:mod:`raytrec.testing.fake_group`) on its
+manual clock through :func:`storm`; what each column counts: docs/benchmarks.md, "Control plane".
 """
 
 from __future__ import annotations
@@ -82,8 +77,7 @@ class TimedGroup(FakeWorkerGroup):
 class Run:
     ranks: int
     gang_size: int
-    # Event -> decision times in ms (CPU time of this process), and the slowest in wall time;
-    # both less the fake's CPU time in between.
+    # Event -> decision times in ms (CPU time), the slowest in wall time; both less the fake's.
     decisions: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     slowest_wall_ms: float = 0.0
     interval_cpu_ms: list[float] = dataclasses.field(default_factory=list)
@@ -165,26 +159,17 @@ def run_one(ranks: int, g: int) -> Run:
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = TrainConfig(
             scaling=ScalingConfig(num_workers=ranks, gang_size=g, ranks_per_host=g),
-            data=DataConfig(batch_size=8),
-            sync=SyncConfig(sync_every=4),
-            elastic=ElasticConfig(
+            data=DataConfig(batch_size=8), sync=SyncConfig(sync_every=4), num_steps=40,
+            log_every=2, storage_path=run_dir, elastic=ElasticConfig(
                 collective_timeout_s=10, step_timeout_s=30, poll_s=1, max_gangs=gangs
             ),
-            num_steps=40,
-            log_every=2,
-            storage_path=run_dir,
-        )
+        )  # fmt: skip
         group = TimedGroup(nodes=gangs + 2, cpus_per_node=g, faults=storm(g, run_dir), build_s=0.5)
+        # plan: only the ranks read it
         coordinator = actors.coordinator.Coordinator(
-            cfg,
-            plan=None,  # only the ranks read it
-            shards=[ff.FakeShard(i) for i in range(ranks)],
-            num_dense=13,
-            run_dir=run_dir,
-            new_shard=ff.FakeShard,
-            group=group,
-            clock=group.clock,
-        )
+            cfg, plan=None, shards=[ff.FakeShard(i) for i in range(ranks)], num_dense=13,
+            run_dir=run_dir, new_shard=ff.FakeShard, group=group, clock=group.clock,
+        )  # fmt: skip
         cpu0 = time.process_time()
         with timed_decisions(run, group):
             summary = coordinator.run()

@@ -3,13 +3,8 @@
     .venv/bin/python -m benchmarks.pipeline [--batch-sizes 512,4096,16384] [--run-s 5]
     .venv/bin/python -m benchmarks.pipeline --dcn [--dcn-cap 40000000 --uvm-precision fp16]
 
-In one process, on the same plan and batches: ``RankEngine.train_steps`` with
-``train_pipeline='sparse_dist'`` (a rank actor's loop, its losses and metric states read every
-``--log-every`` steps) against ``DistributedModelParallel`` stepped by ``TrainPipelineSparseDist``
-(its loss read as often). Both sides are up and take turns an interval at a time, paired per
-interval; with ``--dcn`` (the MLPerf DLRM-DCNv2 shapes, tables over ``--uvm-rows`` rows
-UVM-cached) two models do not fit, so each side is built alone, the sides in turns run by run.
-Without a GPU it runs on one CPU rank (a check of this script, no more).
+How the sides are built, take turns and are paired: docs/benchmarks.md, "The pipelined step on
+one GPU". Without a GPU it runs on one CPU rank (a check of this script, no more).
 """
 
 from __future__ import annotations
@@ -39,8 +34,7 @@ Interval = Callable[[], None]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
-    p = common.parser(__doc__, "pipeline", "docs/benchmarks.md", formatter_class=fmt)
+    p = common.parser(__doc__, "pipeline", "docs/benchmarks.md")
     p.add_argument("--steps", type=int, default=400, help="steps a side, warmup included")
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--log-every", type=int, default=25, help="steps per timed interval")

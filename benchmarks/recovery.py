@@ -1,24 +1,11 @@
 """Recovery time after a lost rank: elastic survivors against restart from a checkpoint.
 
-    .venv/bin/python -m benchmarks.recovery --write docs/fault_tolerance.md
+    .venv/bin/python -m benchmarks.recovery [--write docs/fault_tolerance.md]
+    .venv/bin/python -m benchmarks.recovery --stall-only
 
-For each model size, job shape and repeat, three runs on one embedded Ray cluster; the last
-gang's last rank dies as it starts step S = 16 (``kill_rank@16``), with a checkpoint every 10
-steps (the restart redoes steps 11..15) and ``log_every=1``:
-
-1. **survivors**: the others re-form, replay its uncommitted batches and go on alone;
-2. **restart from checkpoint**: a new job of the original shape resumes from the last checkpoint
-   before S, redoes the lost steps and trains step S;
-3. **survivors and a new gang**: run 1 with ``elastic.grow=True``; a new gang is placed at once
-   on the freed resources, heals from a live peer and joins.
-
-Survivors are timed from the failure (the row of step S-1) to their next completed step; the
-restart from calling ``fit`` to its row of step S (detection and stopping counted as 0, so a
-lower bound); the new gang from ``gang_requested`` to ``gang_joined`` and its first step.
-
-``--stall-only`` runs 1 and 3 alone, repeated, and prints the survivors' stall: at a loss (both
-runs), at a join (``gang_placed`` to ``gang_joined``: the live gangs' sync, the new generation
-and the heal) and their longest gap between two steps while the gang came in.
+Per size, shape and repeat: the survivors alone, a restart from the checkpoint before the
+failure, and the survivors while a new gang joins (``--stall-only``: the first and the last, the
+survivors' stalls). What each column counts: docs/fault_tolerance.md, "Recovery time".
 """
 
 from __future__ import annotations
@@ -88,8 +75,7 @@ class ElasticTimings:
 def elastic_timings(
     events: Sequence[ev.Event], rows: Sequence[IntervalMetrics], *, last_done: int, full_gangs: int
 ) -> ElasticTimings:
-    """Reads the recovery and the heal out of one elastic run's events and history rows;
-    ``last_done`` is the last step completed before the failure."""
+    """The recovery and heal of one elastic run; ``last_done``: the last step before the failure."""
     failed = _row(rows, last_done)
     died = _first(events, ev.RankDied, after=failed.at)
     resumed = next((r for r in rows if r.at > died.at), None)
@@ -108,22 +94,17 @@ def elastic_timings(
     full = next((r for r in rows if r.at > joined.at and r.gangs == full_gangs), None)
     before = [r for r in rows if r.at < joined.at]  # at least the failure's row
     return dataclasses.replace(
-        timings,
-        heal_start_s=placed.at - requested.at,
-        heal_transfer_s=joined.at - placed.at,
+        timings, heal_start_s=placed.at - requested.at, heal_transfer_s=joined.at - placed.at,
         heal_join_s=joined.at - requested.at,
         heal_step_s=None if full is None else full.at - requested.at,
         survivors_gap_s=None if full is None else full.at - before[-1].at,
-    )
+    )  # fmt: skip
 
 
 def restart_seconds(
-    events: Sequence[ev.Event],
-    rows: Sequence[IntervalMetrics],
-    arrivals: Sequence[tuple[float, float]],
-    *,
-    last_done: int,
-) -> float:
+    events: Sequence[ev.Event], rows: Sequence[IntervalMetrics],
+    arrivals: Sequence[tuple[float, float]], *, last_done: int,
+) -> float:  # fmt: skip
     """Seconds from calling ``fit`` to the restarted job's row of step ``last_done + 1``, from
     its rows' (arrival time on the driver's clock, in seconds after calling ``fit``; ``at``).
     The coordinator clock's zero on the driver's clock is the smallest arrival - ``at`` (a row
@@ -164,29 +145,21 @@ def build_config(
     size: Dims, shape: Dims, *, faults: bool, steps: int, grow: bool = False
 ) -> TrainConfig:
     """The job every run recovers; ``faults`` adds the killed rank, ``grow`` the new gang."""
-    kill = FaultSpec(kind=FaultKind.KILL_RANK, step=FAIL_STEP, rank=shape[0] * shape[1] - 1)
+    gangs, ranks = shape
+    kill = FaultSpec(kind=FaultKind.KILL_RANK, step=FAIL_STEP, rank=gangs * ranks - 1)
     return TrainConfig(
-        model=dlrm(*size),
-        scaling=ScalingConfig(
-            num_workers=shape[0] * shape[1], gang_size=shape[1], cpus_per_rank=CPUS_PER_RANK
+        model=dlrm(*size), sync=SyncConfig(sync_every=SYNC_EVERY), scaling=ScalingConfig(
+            num_workers=gangs * ranks, gang_size=ranks, cpus_per_rank=CPUS_PER_RANK
         ),
-        sync=SyncConfig(sync_every=SYNC_EVERY),
-        data=DataConfig(batch_size=BATCH_SIZE),
+        data=DataConfig(batch_size=BATCH_SIZE), num_steps=steps, log_every=1,
         elastic=ElasticConfig(
-            min_gangs=1,
-            max_gangs=shape[0],
-            grow=grow,
-            collective_timeout_s=COLLECTIVE_TIMEOUT_S,
-            step_timeout_s=120.0,
-            poll_s=0.2,
+            min_gangs=1, max_gangs=gangs, grow=grow, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+            step_timeout_s=120.0, poll_s=0.2,
         ),
         checkpoint=CheckpointConfig(every_n_steps=CHECKPOINT_EVERY, num_to_keep=None),
         testing=TestingConfig(faults=(kill,) if faults else ()),
-        num_steps=steps,
-        log_every=1,
-        storage_path=str(STORAGE / "jobs"),
-        name="recovery",
-    )
+        storage_path=str(STORAGE / "jobs"), name="recovery",
+    )  # fmt: skip
 
 
 def run_elastic(size: Dims, shape: Dims, *, grow: bool) -> tuple[ElasticTimings, str]:
@@ -224,8 +197,7 @@ def run_restart(size: Dims, shape: Dims, checkpoint: str) -> float:
 
 
 def measure(a: argparse.Namespace) -> tuple[list[Measurement], list[str]]:
-    """Both ways of recovering for every size, shape and repeat; a run that fails is reported
-    and the others go on."""
+    """Every size, shape and repeat, both ways; a failed run is reported and the others go on."""
     out: list[Measurement] = []
     failures: list[str] = []
     for repeat, size, shape in itertools.product(range(a.repeats), a.sizes, a.shapes):
@@ -260,8 +232,7 @@ COLUMNS = (
 
 
 def table(ms: Sequence[Measurement], a: argparse.Namespace) -> str:
-    """Seconds from the failure, median (min to max) per size and shape, and what a joining
-    gang costs the survivors."""
+    """Seconds from the failure per size and shape, median (min to max), and what a join costs."""
     rows = []
     for s, g in itertools.product(a.sizes, a.shapes):
         if mine := [m for m in ms if (m.size, m.shape) == (label(s), label(g))]:

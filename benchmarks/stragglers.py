@@ -1,16 +1,12 @@
-"""Straggler tolerance: synchronous against local and hierarchical SGD, simulated at scale and
-measured on a local Ray cluster.
+"""Straggler tolerance: synchronous against local and hierarchical SGD, simulated at scale
+(``sim``: :mod:`raytrec.sync.simulate`'s clock model) and measured on a local Ray cluster (``ray``).
 
     .venv/bin/python -m benchmarks.stragglers sim --write docs/stragglers.md
-    .venv/bin/python -m benchmarks.stragglers ray --rate 0 --straggler-seed 0
-    .venv/bin/python -m benchmarks.stragglers ray --straggler-seed 0 --write docs/stragglers.md
+    .venv/bin/python -m benchmarks.stragglers ray [--rate 0] --straggler-seed 0 [--write PAGE]
 
-``sim``: Cruise and Meta's published experiment on the clock model of :mod:`raytrec.sync.simulate`,
-schedules in workers (``2-8,4-32,8-64``: groups of 8 every 2 steps, 32 every 4, all 64 every 8).
-``ray``: :func:`raytrec.fit` per :func:`schedules` entry and straggler seed, every rank sleeping
-``--stall-s`` before a step with probability ``--rate``; speedups and AUC gaps paired per seed.
-The table is built from every run saved to ``--results`` with the same settings: another
-``--straggler-seed`` adds a repeat, ``--rate 0`` the time without stalls.
+Schedules in workers: ``2-8,4-32,8-64`` is groups of 8 every 2 steps, 32 every 4, all 64 every
+8. ``ray`` builds its table from every run saved to ``--results`` with the same settings:
+another ``--straggler-seed`` adds a repeat, ``--rate 0`` the time without stalls.
 """
 
 from __future__ import annotations
@@ -90,10 +86,8 @@ def simulated(a: argparse.Namespace) -> str:
             lead = [f"{workers}", f"{100 * rate:.0f}%", f"{1e3 * np.mean(step4):.0f} ms"]
             h, w = speed[(4, label)], speed[(1, label)]
             hosts = f"{np.mean(h):.2f}x ({min(h):.2f}-{max(h):.2f})"
-            figure = seed_figure(label, seed_range)
-            rows.append(
-                [*(lead if i == 0 else ["", "", ""]), label, hosts, f"{np.mean(w):.2f}x", figure]
-            )
+            rows.append([*(lead if i == 0 else [""] * 3), label, hosts, f"{np.mean(w):.2f}x"])
+            rows[-1].append(seed_figure(label, seed_range))
     heads = "workers | stall rate | sync SGD step | schedule | speedup, hosts of 4 | speedup, per "
     heads += "worker | published (Cruise and Meta)"
     return (
@@ -156,17 +150,13 @@ def measure(a: argparse.Namespace) -> None:
     stragglers = StragglerSpec(rate=setup["rate"], stall_s=setup["stall_s"], seed=seed)
     stalls = gang_stalls(stragglers, steps=a.steps, num_gangs=GANGS, gang_size=1)
     for label, sync in schedules():
+        # LOG_EVERY: interval ends are job-wide barriers, so they fall on job-wide syncs.
         config = TrainConfig(
-            model=dlrm(8, 500, 8, width=32),
+            model=dlrm(8, 500, 8, width=32), sync=sync, data=DataConfig(batch_size=BATCH_SIZE),
             scaling=ScalingConfig(num_workers=GANGS, gang_size=1, cpus_per_rank=CPUS_PER_RANK),
-            sync=sync,
-            data=DataConfig(batch_size=BATCH_SIZE),
-            testing=TestingConfig(stragglers=stragglers),
-            num_steps=a.steps,
-            log_every=LOG_EVERY,  # interval ends are job-wide barriers: on job-wide syncs
-            storage_path=str(a.results.parent),
-            name="stragglers",
-        )
+            testing=TestingConfig(stragglers=stragglers), num_steps=a.steps, log_every=LOG_EVERY,
+            storage_path=str(a.results.parent), name="stragglers",
+        )  # fmt: skip
         h = fit(config, shutdown_ray=False, on_progress=lambda _m: None).history
         rows = round(sum(m.samples_per_s * m.seconds for m in h))
         aucs = [m.auc for m in h[-AUC_INTERVALS:]]
@@ -174,14 +164,11 @@ def measure(a: argparse.Namespace) -> None:
             raise RuntimeError(f"{label}: trained {rows} rows, AUCs {aucs}")
         plan = plan_sync(sync, generation=0, live_gangs=range(GANGS))
         run = Run(
-            setup=setup,
-            label=label,
-            straggler_seed=seed,
-            rows=rows,
+            setup=setup, label=label, straggler_seed=seed, rows=rows,
             train_s=sum(m.seconds for m in h),
             auc=statistics.fmean(x for x in aucs if x is not None),
             charged_s=simulate(plan, stalls, STALLS_ONLY, gang_size=1).seconds,
-        )
+        )  # fmt: skip
         key = (setup, label, seed)
         runs = [r for r in load_runs(a.results) if (r.setup, r.label, r.straggler_seed) != key]
         a.results.parent.mkdir(parents=True, exist_ok=True)
@@ -238,9 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parse(p, argv)
     a.steps = a.steps or (1000 if a.what == "sim" else 256)
     sim = a.what == "sim"
-    publish(
-        a, simulated(a) if sim else on_ray(a), name="straggler_sim" if sim else "stragglers_ray"
-    )
+    body, name = (simulated(a), "straggler_sim") if sim else (on_ray(a), "stragglers_ray")
+    publish(a, body, name=name)
     return 0
 
 

@@ -1,24 +1,10 @@
 """Sync traffic: bytes and time of one replica sync, ``sync.rows: all`` against ``touched``,
-measured on two gangs of one rank on gloo, and modelled per training step at production shapes.
+measured on two gangs of one rank on gloo and modelled at production shapes; ``--crossover``:
+a touched sync that never syncs whole (``touched, forced``) against ``all`` by table size.
 
-    .venv/bin/python -m benchmarks.sync_bytes --write docs/benchmarks.md
+    .venv/bin/python -m benchmarks.sync_bytes [--crossover] --write docs/benchmarks.md
 
-Each gang holds one table (``--rows`` x ``--dim``, row-wise Adagrad) on a real engine. Before
-each timed sync every rank marks a random ``share`` of the rows touched (its own draw), then
-syncs; ``all`` and ``touched`` alternate, each pair in a fresh order, so load on a shared
-machine hits both alike. Bytes are what one rank sends (ring collectives), counted from the
-buffers the sync hands to gloo; the model (:func:`raytrec.sync.traffic.expected_sync_bytes`)
-predicts them from the shapes alone. The production table applies the model to the MLPerf
-DLRM-DCNv2 tables on 1024 GPUs in gangs of 256 (4 replicas), uniformly random ids (an upper
-bound for touched syncs: real ids repeat more).
-
-``touched`` is the setting as a job runs it: a rank whose shards all-reduce fewer bytes than
-:data:`raytrec.engine.touched_rows.WHOLE_SYNC_BELOW_BYTES` syncs them whole, as ``all`` does.
-``--crossover`` instead times a touched sync that never falls back (``touched, forced``)
-against ``all`` at 5% of the rows per rank over a range of small table sizes: where it starts
-to win is where that threshold is set.
-
-    .venv/bin/python -m benchmarks.sync_bytes --crossover --write docs/benchmarks.md
+What each figure counts: docs/benchmarks.md, "Sync traffic".
 """
 
 from __future__ import annotations
@@ -54,11 +40,10 @@ def job(rows: int, dim: int) -> rc.TrainConfig:
     table = rc.TableConfig(name="t0", num_embeddings=rows, embedding_dim=dim, features=("f0",))
     model = rc.ModelConfig(tables=(table,), dense_arch_layers=(8, dim), over_arch_layers=(4, 1))
     return rc.TrainConfig(
-        model=model,
-        optimizer=rc.OptimizerConfig(embedding="rowwise_adagrad"),
+        model=model, optimizer=rc.OptimizerConfig(embedding="rowwise_adagrad"),
         scaling=rc.ScalingConfig(num_workers=2, gang_size=1),
         sync=rc.SyncConfig(rows="touched", sync_every=1),
-    )
+    )  # fmt: skip
 
 
 def measure_rank(spec: RankSpec, *, a: Any, stores: list[StoreAddress]) -> list[Result]:
@@ -179,10 +164,9 @@ def production_table(gangs: int, gang_size: int, global_batch: int, periods: Seq
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = common.parser(__doc__, "sync_bytes", "docs/benchmarks.md")
-    ints = lambda x: [int(r) for r in x.split(",")]  # noqa: E731
-    p.add_argument("--rows", type=ints, default=None, help="table sizes (rows)")
+    p.add_argument("--rows", type=lambda x: list(map(int, x.split(","))), help="table sizes")
     p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--shares", type=lambda x: [float(s) for s in x.split(",")], default=None)
+    p.add_argument("--shares", type=lambda x: list(map(float, x.split(","))))
     p.add_argument("--repeats", type=int, default=4, help="pairs per share and size")
     small = f"pairs per share and size for tables whose whole sync is under {SMALL_BYTES:,} bytes"
     p.add_argument("--small-repeats", type=int, default=40, help=small)

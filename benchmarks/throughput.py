@@ -2,12 +2,8 @@
 
     .venv/bin/python -m benchmarks.throughput [--rounds 40] [--window-s 12] [--world-size 2]
 
-Both train :func:`build_config`'s job on the same cores, one torch thread per rank, and are up at
-once: they take turns of ``--window-s`` (the other one SIGSTOPped), torchrun first and last, so
-that the machine's drift falls on both alike. Each side's rows/s in a window come from its
-progress records (torchrun: its rank 0's interval marks; raytrec: its coordinator's history,
-Ray's round trips included), the first ``--settle-s`` after a resume left out; each raytrec
-window is compared with the torchrun windows just before and after it.
+The two take turns of ``--window-s`` on the same cores, the other SIGSTOPped; how a window is
+timed and the two compared: docs/benchmarks.md, "Throughput against torchrun".
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ MODEL, BATCH_SIZE = (26, 10_000, 16), 256  # tables x rows x dim; rows per rank 
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
-    p = common.parser(__doc__, "throughput", "docs/benchmarks.md", formatter_class=fmt)
+    p = common.parser(__doc__, "throughput", "docs/benchmarks.md")
     p.add_argument("--world-size", type=int, default=2, help="T: ranks a side")
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--log-every", type=int, default=25, help="steps between progress records")
@@ -96,8 +91,7 @@ def torchrun_worker(a: argparse.Namespace) -> int:
 
 
 def run_driver(a: argparse.Namespace) -> int:
-    """The raytrec side (a process of its own): writes 'step elapsed_s
-    perf_counter' per metrics row to ``--driver`` until it is stopped."""
+    """The raytrec side, in a process of its own: 'step elapsed_s perf_counter' to ``--driver``."""
     from raytrec.api import fit
 
     cfg = build_config(a, run_dir=str(a.driver.parent))
@@ -110,27 +104,18 @@ def run_driver(a: argparse.Namespace) -> int:
     return 0
 
 
-def child_env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("RAY_ADDRESS", None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(common.ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
 class Side:
     """One system: a process in a session of its own, and every process it starts."""
 
     def __init__(self, cmd: list[str], records: Path) -> None:
         self.records, self.log = records, records.with_suffix(".log")
-        with open(self.log, "w") as f:
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(common.ROOT), env.get("PYTHONPATH")]))
+        with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
-                cmd,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                cwd=common.ROOT,
-                env=child_env(),
+                cmd, stdout=out, stderr=subprocess.STDOUT, cwd=common.ROOT, env=env,
                 start_new_session=True,
-            )
+            )  # fmt: skip
 
     def signal(self, sig: int) -> None:
         """Signals every process of the session (a child that re-parented included) and their
@@ -162,13 +147,9 @@ class Side:
 
 
 def window_rates(
-    records: list[tuple[int, float, float]],
-    windows: list[tuple[float, float]],
-    rows_per_step: int,
-    *,
-    gap_s: float,
-    settle_s: float,
-) -> list[float | None]:
+    records: list[tuple[int, float, float]], windows: list[tuple[float, float]],
+    rows_per_step: int, *, gap_s: float, settle_s: float,
+) -> list[float | None]:  # fmt: skip
     """rows/s of each window ((start, end) in ``time.perf_counter``) from the records (step, t,
     perf_counter at which the record was written or seen). Records closer than ``gap_s`` in
     ``t`` are one stretch of running, assigned to the window most of its records were seen in;
