@@ -107,21 +107,38 @@ class TinyRecModel(nn.Module):
         return loss, (loss.detach(), logits.detach(), batch.labels)
 
 
-def test_a_user_model_factory(local_ray: None, tmp_path: str) -> None:
+@pytest.fixture(scope="module")
+def user_model_run(
+    local_ray: None, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Result, pathlib.Path]:
+    """One job of a user's model class, its ranks at ``scaling.rank_niceness=3``, each
+    writing its nice value to a file named by its process id (shared by the two tests below)."""
     from raytrec.config import ScalingConfig
 
     # Rank actors cannot import this test module; ship the factory by value,
     # as a notebook's classes are.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    tmp = tmp_path_factory.mktemp("user_model")
+    seen = tmp / "nice"
+    seen.mkdir()
+
+    class NiceRecordingModel(TinyRecModel):
+        def __init__(self, cfg: ModelConfig, num_dense: int, device: torch.device, seed: int):
+            (seen / str(os.getpid())).write_text(str(os.getpriority(os.PRIO_PROCESS, 0)))
+            super().__init__(cfg, num_dense, device, seed)
 
     config = TrainConfig(
         model=small_model(),
-        scaling=ScalingConfig(num_workers=2, gang_size=1),
+        scaling=ScalingConfig(num_workers=2, gang_size=1, rank_niceness=3),
         num_steps=8,
         log_every=4,
-        storage_path=str(tmp_path),
+        storage_path=str(tmp),
     )
-    result = fit(config, model_factory=TinyRecModel, shutdown_ray=False)
+    return fit(config, model_factory=NiceRecordingModel, shutdown_ray=False), seen
+
+
+def test_a_user_model_factory(user_model_run: tuple[Result, pathlib.Path]) -> None:
+    result, _ = user_model_run
     assert_replicas_agree(result)
     assert result.final_state_path is not None
     keys = checkpoint_keys(result.final_state_path)
@@ -129,27 +146,12 @@ def test_a_user_model_factory(local_ray: None, tmp_path: str) -> None:
     assert not isinstance(TinyRecModel, DLRMTrain)
 
 
-def test_rank_processes_run_at_the_configured_nice_value(local_ray: None, tmp_path: str) -> None:
+def test_rank_processes_run_at_the_configured_nice_value(
+    user_model_run: tuple[Result, pathlib.Path],
+) -> None:
     """Ray starts its workers 15 nicer than the raylet; ranks get ``scaling.rank_niceness``
     instead (as torchrun's workers run at the nice value they were started with)."""
-    from raytrec.config import ScalingConfig
-
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    seen = pathlib.Path(tmp_path) / "nice"
-    seen.mkdir()
-
-    def factory(cfg: ModelConfig, num_dense: int, device: torch.device, seed: int) -> nn.Module:
-        (seen / str(os.getpid())).write_text(str(os.getpriority(os.PRIO_PROCESS, 0)))
-        return TinyRecModel(cfg, num_dense, device, seed)
-
-    config = TrainConfig(
-        model=small_model(),
-        scaling=ScalingConfig(num_workers=2, gang_size=1, rank_niceness=3),
-        num_steps=2,
-        log_every=1,
-        storage_path=str(tmp_path),
-    )
-    fit(config, model_factory=factory, shutdown_ray=False)
+    _, seen = user_model_run
     # The local cluster's raylet runs at this process's nice value; a rank adds 3 to it. (The
     # driver also builds the model once, to plan the sharding: its file is not a rank's.)
     expected = min(os.getpriority(os.PRIO_PROCESS, 0) + 3, 19)
