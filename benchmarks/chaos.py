@@ -163,8 +163,9 @@ def drive(
     fault_generation = -1
     ended: list[str] = []  # the job's final state, once `ray job status` shows one
     # The `ray` CLI takes seconds to start here: asked in a thread, so faults stay on time.
-    wait = lambda: ended.append(cluster.wait(job, a.timeout_s))  # noqa: E731
-    threading.Thread(target=wait, daemon=True).start()
+    threading.Thread(
+        target=lambda: ended.append(cluster.wait(job, a.timeout_s)), daemon=True
+    ).start()
     draw = random.Random(a.seed)  # which node and rank, and the moment: replayable
     kill_at: float | None = None  # when the due fault is carried out (a random moment)
     while not ended:
@@ -355,9 +356,10 @@ def _same_node(event: Json, fault: Json) -> bool:
 
 def table(report: Json) -> str:
     rows = []
-    keys = "gone_s detected_s booked_s node_died_s to_join_s stall_s total_stall_s late_data_s"
+    keys = ["gone_s", "detected_s", "booked_s", "node_died_s", "to_join_s", "stall_s"]
+    keys += ["total_stall_s", "late_data_s"]
     for m in report["marks"]:
-        rows.append([m["what"], m["step"], *(spread([m.get(k)]) for k in keys.split())])
+        rows.append([m["what"], m["step"], *(spread([m.get(k)]) for k in keys)])
         if m.get("named") is False:
             rows[-1][5] += " (**another node named**)"
     heads = "event | step | process gone after (s) | detected after (s) | booked after (s) "
@@ -372,8 +374,9 @@ def _verdict(value: float | None, target: float) -> str:
 
 def describe(a: argparse.Namespace, out: Json, report: Json) -> str:
     final, base, marks = report["final"] or {}, report.get("baseline"), report["marks"]
-    data = f"Parquet read by index through Ray Data ({EPOCHS} epochs)"
-    data = data if a.data == "parquet" else "synthetic data"
+    data = "synthetic data"
+    if a.data == "parquet":
+        data = f"Parquet read by index through Ray Data ({EPOCHS} epochs)"
     stalls = []
     for kind, label in (("loss", "a loss"), ("join", "a join")):
         got = [m["stall_s"] for m in marks if m["type"] == kind and "stall_s" in m]
