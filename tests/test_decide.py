@@ -1,7 +1,7 @@
 """The one decision function, :func:`raytrec.elastic.boundary.decide`, as a pure function
 (milliseconds): every value of the union is reachable, and when several observations come
 together the precedence of its module doc holds. What each rule decides in detail is tested
-with the rule (test_control_decisions, test_elastic_policy, test_elastic_rollback,
+with the rule (test_elastic_rules, test_control_decisions, test_elastic_rollback,
 test_checkpoint_pure); the coordinator carrying the decisions out, in test_control_plane."""
 
 from __future__ import annotations
