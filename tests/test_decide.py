@@ -118,7 +118,8 @@ def test_a_host_lost_within_host_names_the_shards_without_a_copy() -> None:
     s = state(membership=Membership.initial(within), within_host=True, point=POINT)
     lost = frozenset(r for r in range(8) if within.host_of(r) == 1)
     d = one(s, Observations(loss=Loss(dead=lost)))
-    assert isinstance(d, TotalLoss) and d.lost_shards == within.shards_without_live_copy([1])
+    assert [{within.host_of(r) for r in grp} for grp in within.replica_groups] == [{0}, {1}]
+    assert isinstance(d, TotalLoss) and d.lost_shards == (1,)
 
 
 def test_peers_the_coordinator_killed_are_not_counted_as_lost_shards() -> None:
