@@ -4,7 +4,7 @@
 progress (its heartbeat) and the count of failures in a row with every rank alive. It collects an
 interval's reports and finds what went wrong while it waits (a rank or node died, a rank raised, a
 rank hung: no step finished for ``elastic.step_timeout_s``,
-:func:`~raytrec.elastic.policy.find_hung_ranks`), waits out the intervals queued behind a failed
+:func:`~raytrec.elastic.hangs.find_hung_ranks`), waits out the intervals queued behind a failed
 one, and recovers: the one decision function (:func:`~raytrec.elastic.boundary.decide`) says whether
 to drop the gangs that lost a rank and re-form among the survivors, or, with no intact gang left, to
 rebuild from a checkpoint (:class:`~actors.total_loss.TotalLossRecovery`). Re-forming books what
@@ -38,9 +38,8 @@ from raytrec.elastic.events import (
     JobFailed,
     RankDied,
 )
+from raytrec.elastic.hangs import find_hung_ranks, next_hang_check
 from raytrec.elastic.heal import failed_heals
-from raytrec.elastic.job_state import ElasticState
-from raytrec.elastic.policy import find_hung_ranks, next_hang_check
 from raytrec.elastic.rank_protocol import ReformPlan
 from raytrec.elastic.report import RankReport
 from raytrec.elastic.workers import (
@@ -137,8 +136,8 @@ class FailureRecovery:
         """Waits for every rank's ``train`` report and sorts out what happened.
 
         While it waits it reads the ranks' heartbeats (the last step each finished): a rank
-        that finishes no step for ``elastic.step_timeout_s`` is hung (the policy's rule,
-        :func:`~raytrec.elastic.policy.find_hung_ranks`), however many steps the interval has.
+        that finishes no step for ``elastic.step_timeout_s`` is hung (the hang rule,
+        :func:`~raytrec.elastic.hangs.find_hung_ranks`), however many steps the interval has.
         """
         out = IntervalOutcome()
         pending = dict(dispatched.refs)
@@ -189,12 +188,12 @@ class FailureRecovery:
 
     def _next_look(self, pending: dict[int, Any], now: float) -> float:
         """Seconds until the heartbeats are read again
-        (:func:`~raytrec.elastic.policy.next_hang_check`)."""
+        (:func:`~raytrec.elastic.hangs.next_hang_check`)."""
         seen = (self.progress.get(r, (self.job.step(), now))[1] for r in pending)
         return next_hang_check(seen, now=now, config=self.elastic)
 
     def _hung_ranks(self, pending: dict[int, Any], now: float) -> tuple[int, ...]:
-        """The ranks still training that count as hung at ``now``, by the policy's rule, after
+        """The ranks still training that count as hung at ``now``, by the hang rule, after
         reading their heartbeats. Ranks that already reported are not expected to progress."""
         for r, step in self.group.progress(list(pending)).items():
             if step > self.progress.get(r, (-1, now))[0]:
@@ -205,13 +204,7 @@ class FailureRecovery:
             else (self.job.step(), now)
             for r in self.job.live_ranks()
         }
-        state = ElasticState(
-            membership=self.job.view.membership,
-            sync_every=self.sync.sync_every,
-            max_gangs=self.job.view.max_gangs,
-            progress=progress,
-        )
-        return find_hung_ranks(state, now=now, config=self.elastic)
+        return find_hung_ranks(self.job.view.membership, progress, now=now, config=self.elastic)
 
     def _silence(self, rank: int, now: float) -> tuple[int, float]:
         """(the last step ``rank`` finished, seconds since it did), as the coordinator saw it."""

@@ -37,15 +37,6 @@ class Result(RunRecord):
     stopped_early: str | None = None  # why early stopping ended the job (eval.early_stopping_*)
 
     @property
-    def final_loss(self) -> float:
-        return self.history[-1].loss
-
-    @property
-    def final_auc(self) -> float | None:
-        """The last interval's AUC (progressive validation: on rows before training on them)."""
-        return self.history[-1].auc if self.history else None
-
-    @property
     def held_out_oracle_auc(self) -> float | None:
         """The oracle AUC of generated data's held-out split (data.generated_held_out_rows)."""
         return self.data.held_out_oracle_auc

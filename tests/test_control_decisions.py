@@ -26,9 +26,9 @@ from raytrec.elastic.drain_policy import (
     read_request,
     request_drain,
 )
+from raytrec.elastic.hangs import PAST_TIMEOUT_S, next_hang_check
 from raytrec.elastic.heal import failed_heals, replicas_disagree
 from raytrec.elastic.membership import Membership
-from raytrec.elastic.policy import PAST_TIMEOUT_S, next_hang_check
 from raytrec.errors import ConfigError
 from raytrec.eval_plan import early_stop_decision, eval_due
 

@@ -1,7 +1,7 @@
 """The one decision function, :func:`raytrec.elastic.boundary.decide`, as a pure function
 (milliseconds): every value of the union is reachable, and when several observations come
 together the precedence of its module doc holds. What each rule decides in detail is tested
-with the rule (test_control_decisions, test_elastic_policy, test_elastic_rollback,
+with the rule (test_elastic_rules, test_control_decisions, test_elastic_rollback,
 test_checkpoint_pure); the coordinator carrying the decisions out, in test_control_plane."""
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ def test_a_host_lost_within_host_names_the_shards_without_a_copy() -> None:
     s = state(membership=Membership.initial(within), within_host=True, point=POINT)
     lost = frozenset(r for r in range(8) if within.host_of(r) == 1)
     d = one(s, Observations(loss=Loss(dead=lost)))
-    assert isinstance(d, TotalLoss) and d.lost_shards == within.shards_without_live_copy([1])
+    assert [{within.host_of(r) for r in grp} for grp in within.replica_groups] == [{0}, {1}]
+    assert isinstance(d, TotalLoss) and d.lost_shards == (1,)
 
 
 def test_peers_the_coordinator_killed_are_not_counted_as_lost_shards() -> None:

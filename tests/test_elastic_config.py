@@ -54,7 +54,7 @@ def test_resolved_max_checks_the_initial_size() -> None:
 
 
 PLAN = (
-    "kill_rank@5:rank=3; remove_node@8:node=1, hang_rank@8:gang=2, "
+    "kill_rank@5:rank=3; kill_process@8:node=1, hang_rank@8:gang=2, "
     "slow_rank@10:node=0:stall_s=2.5:steps=3"
 )
 
@@ -63,14 +63,14 @@ def test_parse_builds_the_same_plan_as_dicts_and_the_api() -> None:
     parsed = FaultConfig.parse(PLAN)
     dicts = [
         {"kind": "kill_rank", "step": 5, "rank": 3},
-        {"kind": "remove_node", "step": 8, "node": 1},
+        {"kind": "kill_process", "step": 8, "node": 1, "steps": 1, "seed": 0},
         {"kind": "hang_rank", "step": 8, "gang": 2},
         {"kind": "slow_rank", "step": 10, "node": 0, "stall_s": 2.5, "steps": 3},
     ]
     api = FaultConfig(
         faults=(
             FaultSpec(kind=FaultKind.KILL_RANK, step=5, rank=3),
-            FaultSpec(kind=FaultKind.REMOVE_NODE, step=8, node=1),
+            FaultSpec(kind=FaultKind.KILL_PROCESS, step=8, node=1),
             FaultSpec(kind=FaultKind.HANG_RANK, step=8, gang=2),
             FaultSpec(kind=FaultKind.SLOW_RANK, step=10, node=0, stall_s=2.5, steps=3),
         )
@@ -83,15 +83,15 @@ def test_parse_builds_the_same_plan_as_dicts_and_the_api() -> None:
 
 def test_which_faults_fire_when_and_where() -> None:
     plan = FaultConfig.parse(PLAN)
-    assert [f.kind for f in plan.at_step(8)] == ["remove_node", "hang_rank"]
+    assert [f.kind for f in plan.at_step(8)] == ["kill_process", "hang_rank"]
     assert plan.at_step(7) == ()
-    assert plan.nodes_removed_at(8) == (1,) and plan.nodes_removed_at(5) == ()
     # kill_rank@5 hits job rank 3 only, whatever its gang and node.
     assert [f.kind for f in plan.for_rank(5, rank=3, gang=1, node=1)] == ["kill_rank"]
     assert plan.for_rank(5, rank=4, gang=1, node=1) == ()
-    # hang_rank@8 on gang 2 hits every rank of gang 2; remove_node is not a rank fault.
+    # hang_rank@8 on gang 2 hits every rank of gang 2; kill_process@8 every rank on node 1.
     assert [f.kind for f in plan.for_rank(8, rank=9, gang=2, node=4)] == ["hang_rank"]
-    assert plan.for_rank(8, rank=2, gang=1, node=1) == ()
+    assert [f.kind for f in plan.for_rank(8, rank=2, gang=1, node=1)] == ["kill_process"]
+    assert plan.for_rank(8, rank=2, gang=1, node=0) == ()
     # slow_rank@10 for 3 steps on node 0: steps 10, 11, 12 and no other.
     slow = [s for s in range(20) if plan.for_rank(s, rank=0, gang=0, node=0)]
     assert slow == [10, 11, 12]
@@ -103,7 +103,7 @@ def test_which_faults_fire_when_and_where() -> None:
         (
             {"kind": "explode", "step": 1, "rank": 0},
             r"faults\[1\].kind='explode': must be "
-            r"'kill_rank', 'kill_process', 'remove_node', 'hang_rank', 'slow_rank'",
+            r"'kill_rank', 'kill_process', 'hang_rank', 'slow_rank'",
         ),
         (
             {"kind": "kill_rank", "step": 1},
@@ -115,9 +115,10 @@ def test_which_faults_fire_when_and_where() -> None:
             r"faults\[1\]: kill_rank needs exactly one target .*got rank=0, gang=1",
         ),
         (
-            {"kind": "remove_node", "step": 1, "rank": 2},
-            r"faults\[1\]: remove_node targets a node: set node and neither rank nor gang, "
-            r"got rank=2",
+            {"kind": "remove_node", "step": 1, "node": 2},
+            r"faults\[1\]: remove_node is not carried out on Ray: a rank cannot take its node "
+            r"out of the cluster\. To lose every rank of a node, use kill_rank or kill_process "
+            r"with node=N",
         ),
         (
             {"kind": "kill_rank", "step": -1, "rank": 0},
@@ -171,7 +172,7 @@ def test_fault_string_errors(text: str, match: str) -> None:
 
 
 def test_targets_are_checked_against_the_job() -> None:
-    plan = FaultConfig.parse("kill_rank@1:rank=7, remove_node@2:node=4")
+    plan = FaultConfig.parse("kill_rank@1:rank=7, hang_rank@2:node=4")
     plan.check_targets(num_ranks=8, num_gangs=2, num_nodes=5)
     with pytest.raises(ConfigError, match=r"faults\[1\].node=4 is out of range .*allowed: 0..3"):
         plan.check_targets(num_ranks=8, num_gangs=2, num_nodes=4)

@@ -48,7 +48,7 @@ def test_node_loss_drops_the_gangs_on_it_and_reforms_the_groups(topo: Topology) 
     m = Membership.initial(topo)
     host = topo.num_hosts // 2 + 1
     lost = m.gangs_on_nodes([host])
-    assert lost == topo.gangs_lost_with_host(host)
+    assert lost == tuple(sorted({topo.position(r).gang for r in topo.ranks_on_host(host)}))
     after = m.without(lost)
     survivors = [g for g in range(topo.num_gangs) if g not in lost]
     assert after.generation == 1 and list(after.gang_ids) == survivors
@@ -93,7 +93,11 @@ def test_within_host_dead_shards_match_the_topology() -> None:
     m = Membership.initial(topo)
     for hosts in ([0], [3, 100], [5, 6, 7]):
         lost = [r for h in hosts for r in topo.ranks_on_host(h)]
-        assert m.dead_shards(lost) == topo.shards_without_live_copy(hosts)
+        # Independently: the replica groups whose every member sits on a lost host.
+        gone = {h for h in hosts if h < topo.num_hosts}
+        assert m.dead_shards(lost) == tuple(
+            k for k, grp in enumerate(topo.replica_groups) if {topo.host_of(r) for r in grp} <= gone
+        )
     assert m.dead_shards(topo.ranks_on_host(0)) == (0, 1)
     # One rank lost: its shard still has three live copies.
     assert m.dead_shards([0]) == ()

@@ -10,8 +10,10 @@ NCCL. For each layout, tests/test_pipeline.py's scenario runs with ``train_pipel
 
 * the pipelined runs train what the synchronous ones train (``torch.testing.assert_close``);
 * every batch is trained exactly once, the failed step's in-flight batches left unstarted;
-* after the last sync, rank k of every gang holds the same shards (the replica groups' NCCL
-  average and the gangs' NCCL all-to-alls agree).
+* after the last sync, rank k of every gang holds the same shards as rank k of every other
+  gang (the replica groups' NCCL average and the gangs' NCCL all-to-alls agree; a job of one
+  gang has no replica group of two), and every rank of the job holds the same dense
+  parameters (inside a gang, the gang's NCCL all-reduce of dense gradients).
 """
 
 from __future__ import annotations
@@ -77,7 +79,12 @@ def multi_gpu_job(spec: RankSpec, stores: list[Any]) -> dict[Any, Any]:
                 t.detach().cpu().float().numpy()
                 for t in engine.embedding_weights() + engine.embedding_optimizer_states()
             ]
-            out[pipeline, fail] = report | {"synced": shards, "device": str(engine.device)}
+            dense = [t.detach().cpu().float().numpy() for t in engine.dense_state()]
+            out[pipeline, fail] = report | {
+                "synced": shards,
+                "dense": dense,
+                "device": str(engine.device),
+            }
         finally:
             engine.close()
     return out
@@ -104,9 +111,19 @@ def test_pipelined_2d_training_on_several_ranks(layout: tuple[int, int], use_gpu
             assert plain["started"] == piped["started"] == list(range(STEPS)), (rank, fail)
             _assert_same_run(plain, piped)
         assert runs["sparse_dist", True]["unstarted"] == [FAIL_AT, FAIL_AT + 1]
-    for rank in results:
-        peer = (rank + gang_size) % (num_gangs * gang_size)  # same shard, the next gang
-        for key in RUNS:
+    world = num_gangs * gang_size
+    assert sorted(results) == list(range(world))
+    # Rank k of gang g is job rank g * gang_size + k: the same shard in every other gang.
+    replicas = [(r, p) for r in results for p in range(r % gang_size, world, gang_size) if p != r]
+    assert len(replicas) == world * (num_gangs - 1)
+    for key in RUNS:
+        for rank, peer in replicas:
             mine, theirs = results[rank][key]["synced"], results[peer][key]["synced"]
+            assert len(mine) == len(theirs) > 0, (rank, peer)
             for a, b in zip(mine, theirs, strict=True):
                 np.testing.assert_array_equal(a, b)
+        first = results[0][key]["dense"]
+        assert first, "the model has dense parameters"
+        for rank in range(1, world):
+            for a, b in zip(first, results[rank][key]["dense"], strict=True):
+                np.testing.assert_array_equal(a, b, err_msg=f"dense state of rank {rank}")

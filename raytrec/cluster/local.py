@@ -426,16 +426,6 @@ class AutoscalingCluster:
         with open(self.config_path) as f:
             return dict(json.load(f))
 
-    def set_max_workers(self, node_type: str, max_workers: int) -> None:
-        """Changes a node type's ``max_workers``; the autoscaler reads it at its next update
-        (nodes over the new maximum are terminated)."""
-        config = self.config()
-        config["available_node_types"][node_type]["max_workers"] = max_workers
-        tmp = f"{self.config_path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(config, f)
-        os.replace(tmp, self.config_path)
-
 
 @contextlib.contextmanager
 def autoscaling_cluster(

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from collections.abc import Iterable
 
 __all__ = ["Layout", "RankPosition", "Topology", "TopologyError"]
 
@@ -172,21 +171,3 @@ class Topology:
         _check_index("host", host, self.num_hosts)
         start = host * self.ranks_per_host
         return tuple(range(start, min(start + self.ranks_per_host, self.world_size)))
-
-    def gangs_lost_with_host(self, host: int) -> tuple[int, ...]:
-        """Gangs with any rank on ``host``: the model copies a failure of that host breaks."""
-        return tuple(sorted({self._gang_and_gang_rank(r)[0] for r in self.ranks_on_host(host)}))
-
-    def shards_without_live_copy(self, lost_hosts: Iterable[int]) -> tuple[int, ...]:
-        """Shard positions (replica groups) whose every member is on a lost host; sorted.
-
-        A non-empty answer means recovery needs a checkpoint, not just a surviving replica.
-        """
-        # Count lost members per replica group instead of scanning all groups, so the cost
-        # scales with the ranks lost rather than with the world size.
-        lost_members = [0] * self.gang_size
-        for host in set(lost_hosts):
-            for rank in self.ranks_on_host(host):
-                lost_members[self._gang_and_gang_rank(rank)[1]] += 1
-        g = self.num_gangs
-        return tuple(k for k, lost in enumerate(lost_members) if lost == g)

@@ -365,7 +365,7 @@ class TestingConfig(ConfigModel):
     faults: Seq[FaultSpec] = ()
     """Faults the ranks carry out on themselves at given steps (kill, hang, slow a rank; a
     corrupt heal), e.g. `[{kind: kill_rank, step: 120, rank: 3}]`; see the fault tolerance
-    guide. A `remove_node` fault is validated but not carried out by the runtime."""
+    guide. `remove_node` is refused: a rank cannot take its node out of the cluster."""
     stragglers: StragglerSpec | None = None
     """Random stalls of ranks, for straggler experiments; null: none."""
 

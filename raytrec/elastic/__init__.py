@@ -3,13 +3,12 @@
 - :mod:`~raytrec.elastic.config`: :class:`ElasticConfig` (gang bounds, timeouts, waits).
 - :mod:`~raytrec.elastic.faults`: :class:`FaultConfig` / :class:`FaultSpec`, planned faults.
 - :mod:`~raytrec.elastic.membership`: live gangs, generations and replica groups.
-- :mod:`~raytrec.elastic.job_state`: observations folded into the policy's state.
 - :mod:`~raytrec.elastic.decisions`: the one union of decisions (continue, re-form, total loss,
   grow, wait, drain, checkpoint, evaluate, stop, fail).
 - :mod:`~raytrec.elastic.boundary`: :func:`decide`, the one function that returns them, at
-  every boundary of the coordinator's loop.
-- :mod:`~raytrec.elastic.policy`: the membership rule (:func:`decide_membership`) and
-  :func:`apply`.
+  every boundary of the coordinator's loop, with the membership rules (a loss re-forms among
+  the intact gangs, growth, the wait below ``min_gangs``).
+- :mod:`~raytrec.elastic.hangs`: the hang rule (no step finished for ``step_timeout_s``).
 - :mod:`~raytrec.elastic.events`: the append-only event log returned with a run.
 - :mod:`~raytrec.elastic.rows` and :mod:`~raytrec.elastic.ledger`: exactly-once row accounting.
 - :mod:`~raytrec.elastic.dense`: where a failure leaves the dense parameters, and which replays
@@ -39,10 +38,8 @@ from raytrec.elastic.decisions import (
 )
 from raytrec.elastic.events import EventLog
 from raytrec.elastic.faults import FaultConfig, FaultKind, FaultSpec
-from raytrec.elastic.job_state import ElasticState, observe
 from raytrec.elastic.ledger import DataLedger, ExactlyOnce, ReplayPlan
 from raytrec.elastic.membership import Gang, Membership, RankSlot, ReplicaMember
-from raytrec.elastic.policy import apply, decide_membership, placement_requests, request_placements
 from raytrec.elastic.rows import RowRanges
 
 __all__ = [
@@ -52,7 +49,6 @@ __all__ = [
     "Decision",
     "Drain",
     "ElasticConfig",
-    "ElasticState",
     "Evaluate",
     "EventLog",
     "ExactlyOnce",
@@ -73,10 +69,5 @@ __all__ = [
     "Stop",
     "TotalLoss",
     "Wait",
-    "apply",
     "decide",
-    "decide_membership",
-    "observe",
-    "placement_requests",
-    "request_placements",
 ]

@@ -3,9 +3,11 @@
 :func:`decide` is pure: it takes the job's state (:class:`JobState`), what was observed at the
 boundary (:class:`Observations`) and the clock, and returns an ordered tuple of decisions from
 the union in :mod:`raytrec.elastic.decisions`, to be carried out in that order (a
-``(Continue(...),)`` when nothing applies). The rules it asks are pure functions of their own,
-each tested alone: the membership (:func:`raytrec.elastic.policy.decide_membership`), a total
-loss (:func:`raytrec.elastic.rollback.decide_total_loss`), a drain
+``(Continue(...),)`` when nothing applies). Each rule exists once, as a pure function tested
+alone: here, a loss (drop every gang that lost a rank, re-form among the intact ones), growth
+(built gangs heal from the first live gang) and the wait below ``min_gangs`` (wait while
+``now <= deadline``, then fail); elsewhere, a total loss
+(:func:`raytrec.elastic.rollback.decide_total_loss`), a drain
 (:func:`raytrec.elastic.drain_policy.decide_drain`), a checkpoint
 (:func:`raytrec.checkpoint.config.save_decision`), an evaluation and early stopping
 (:func:`raytrec.eval_plan.eval_due`, :func:`raytrec.eval_plan.early_stop_decision`).
@@ -51,9 +53,7 @@ from raytrec.elastic.decisions import (
     Wait,
 )
 from raytrec.elastic.drain_policy import DrainRequest, decide_drain
-from raytrec.elastic.job_state import ElasticState
 from raytrec.elastic.membership import Gang, Membership
-from raytrec.elastic.policy import decide_membership
 from raytrec.elastic.rollback import decide_total_loss, describe_total_loss
 from raytrec.eval_plan import early_stop_decision, eval_due
 
@@ -259,21 +259,24 @@ def _loss(state: JobState, loss: Loss) -> Reform | TotalLoss | Fail:
             reason="collectives timed out with every rank alive",
         )
     gangs = {g for r in lost if (g := m.gang_of_rank(r)) is not None} | set(loss.joining)
-    ranks = {r for g in gangs for r in m.gang(g).job_ranks}
-    membership = ElasticState(
-        membership=m,
-        sync_every=state.sync_every,
-        max_gangs=state.max_gangs,
-        dead_ranks=frozenset(lost | ranks),
-    )
-    decision = decide_membership(membership, now=0.0, config=state.elastic)
-    if isinstance(decision, Reform):
-        return dataclasses.replace(decision, hung_ranks=tuple(sorted(loss.hung)))
+    drop = tuple(sorted(gangs))
+    survivors = tuple(g for g in m.gang_ids if g not in gangs)
+    if survivors:
+        return Reform(
+            drop=drop,
+            survivors=survivors,
+            generation=m.generation + 1,
+            lost_ranks=tuple(sorted(lost | {r for g in drop for r in m.gang(g).job_ranks})),
+            hung_ranks=tuple(sorted(loss.hung)),
+            reason=(
+                f"lost ranks {sorted(lost)}: dropping gangs {list(drop)}; {len(survivors)} "
+                f"gangs form generation {m.generation + 1}"
+            ),
+        )
     own = tuple(sorted(r for r in lost if r not in loss.peers_killed))
-    failed = tuple(sorted(gangs))
     dead_shards = m.dead_shards(own)
     text = describe_total_loss(
-        within_host=state.within_host, lost_ranks=own, failed_gangs=failed, dead_shards=dead_shards
+        within_host=state.within_host, lost_ranks=own, failed_gangs=drop, dead_shards=dead_shards
     )
     return decide_total_loss(
         loss=text,
@@ -284,7 +287,7 @@ def _loss(state: JobState, loss: Loss) -> Reform | TotalLoss | Fail:
         step=state.step,
         lost_shards=dead_shards,
         lost_ranks=own,
-        lost_gangs=failed,
+        lost_gangs=drop,
     )
 
 

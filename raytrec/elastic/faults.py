@@ -2,22 +2,24 @@
 
 A :class:`FaultSpec` is one fault: ``kill_rank`` (the rank's process exits), ``kill_process``
 (the rank's process is SIGKILLed from another thread at a random moment, as the OOM killer
-does: mid-step, often mid-collective), ``remove_node``
-(the node and every rank on it go away), ``hang_rank`` (the rank stops making progress and never
+does: mid-step, often mid-collective), ``hang_rank`` (the rank stops making progress and never
 returns), ``slow_rank`` (the rank stalls ``stall_s`` seconds in each of ``steps`` steps) or
 ``corrupt_heal`` (the rank's first heal from a peer at or after ``step`` leaves one of its
 weights off by one, which the coordinator's heal check must catch). A
 fault is due at step ``step``: a rank carries it out as it starts that step (after ``step - 1``
 completed steps; ``kill_rank@16`` dies before training step 16). Rank faults
 target one job rank (``rank``), every rank of a gang (``gang``, a gang id) or every rank on a node
-(``node``); ``remove_node`` targets a node. A rank or gang that joins later is targeted by its id
+(``node``). A rank or gang that joins later is targeted by its id
 with ``later``. A ``phase`` (``heal``, ``sync``, ``checkpoint``, ``eval``, ``join``, ``reform``)
 makes a kill due as the rank enters that phase at or after ``step`` instead of at a step.
 
 A :class:`FaultConfig` is a plan of several faults, built from the API, from config dicts
 (``from_dicts``) or from short strings (``"kill_rank@12:rank=3"``,
 ``"slow_rank@5:gang=1:stall_s=2.5:steps=3"``). Which faults fire at a step is a pure function:
-ranks ask :meth:`FaultConfig.for_rank`, the coordinator asks :meth:`FaultConfig.nodes_removed_at`.
+ranks ask :meth:`FaultConfig.for_rank` and :meth:`FaultConfig.for_phase`.
+
+Removing a node is not a fault a plan can hold: a rank cannot take its node out of a Ray
+cluster, so ``remove_node`` is refused with the way to do it (:data:`NOT_FAULTS`).
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ __all__ = ["FaultConfig", "FaultKind", "FaultSpec", "Phase"]
 class FaultKind(enum.StrEnum):
     KILL_RANK = "kill_rank"
     KILL_PROCESS = "kill_process"
-    REMOVE_NODE = "remove_node"
     HANG_RANK = "hang_rank"
     SLOW_RANK = "slow_rank"
     CORRUPT_HEAL = "corrupt_heal"
@@ -63,7 +64,17 @@ class Phase(enum.StrEnum):
     REFORM = "reform"  # recover: a survivor's report after a failed interval
 
 
-#: Faults a rank carries out on itself; ``remove_node`` is carried out by the coordinator.
+#: Kinds refused with what to do instead: nothing in the job could carry them out.
+NOT_FAULTS = {
+    "remove_node": (
+        "remove_node is not carried out on Ray: a rank cannot take its node out of the "
+        "cluster. To lose every rank of a node, use kill_rank or kill_process with node=N; to "
+        "lose the node itself, remove it from the cluster (ray.cluster_utils.Cluster.remove_node "
+        "in a test, `ray stop` on a real node)"
+    ),
+}
+
+#: Faults a rank carries out on itself at a step.
 RANK_FAULTS = (
     FaultKind.KILL_RANK,
     FaultKind.KILL_PROCESS,
@@ -85,10 +96,9 @@ class FaultSpec(ConfigModel):
     kind: Lax[FaultKind]
     """`kill_rank` (the rank's process exits), `kill_process` (the rank's process is SIGKILLed
     from another thread at a random moment of a step drawn from `step` to `step + steps - 1`),
-    `remove_node` (the node and every rank on it go away), `hang_rank` (the rank stops making
-    progress), `slow_rank` (the rank stalls `stall_s` seconds in each of `steps` steps) or
-    `corrupt_heal` (the rank's first heal from a peer at or after `step` leaves one weight off
-    by one)."""
+    `hang_rank` (the rank stops making progress), `slow_rank` (the rank stalls `stall_s`
+    seconds in each of `steps` steps) or `corrupt_heal` (the rank's first heal from a peer at
+    or after `step` leaves one weight off by one)."""
     step: NonNegativeInt
     """The step before which a rank carries the fault out (`kill_rank` at 16 dies after 15
     completed steps)."""
@@ -97,8 +107,7 @@ class FaultSpec(ConfigModel):
     gang: NonNegativeInt | None = None
     """Target: every rank of this gang id."""
     node: NonNegativeInt | None = None
-    """Target: every rank on this host of the job's initial layout; the only target of
-    `remove_node`."""
+    """Target: every rank on this host of the job's initial layout."""
     stall_s: PositiveFloat | None = None
     """`slow_rank` only: seconds of stall per affected step."""
     steps: PositiveInt = 1
@@ -113,17 +122,19 @@ class FaultSpec(ConfigModel):
     seed: NonNegativeInt = 0
     """`kill_process`: seeds the draw of the step and the moment (with the job rank)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _not_a_fault(cls, data: Any) -> Any:
+        kind = data.get("kind") if isinstance(data, Mapping) else None
+        if isinstance(kind, str) and kind in NOT_FAULTS:
+            raise ConfigError(NOT_FAULTS[kind])
+        return data
+
     @model_validator(mode="after")
     def _one_target(self) -> FaultSpec:
         set_targets = [t for t in _TARGETS if getattr(self, t) is not None]
         given = ", ".join(f"{t}={getattr(self, t)!r}" for t in set_targets)
-        if self.kind is FaultKind.REMOVE_NODE:
-            if set_targets != ["node"]:
-                raise ConfigError(
-                    "remove_node targets a node: set node and neither rank nor gang, got "
-                    f"{given or 'no target'}"
-                )
-        elif len(set_targets) != 1:
+        if len(set_targets) != 1:
             raise ConfigError(
                 f"{self.kind} needs exactly one target of rank, gang, node; got {given or 'none'}"
             )
@@ -179,7 +190,7 @@ class FaultSpec(ConfigModel):
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
-        """``"<kind>@<step>[:key=value]...[:later]"``, e.g. ``"remove_node@40:node=2"``,
+        """``"<kind>@<step>[:key=value]...[:later]"``, e.g. ``"kill_rank@40:node=2"``,
         ``"kill_process@30:gang=1:steps=20:seed=4"``, ``"kill_rank@0:gang=3:later:phase=heal"``."""
         head, *pairs = text.strip().split(":")
         kind, sep, step = head.partition("@")
@@ -276,18 +287,6 @@ class FaultConfig(ConfigModel):
             i
             for i, f in enumerate(self.faults)
             if f.phase is phase and f.step <= step and f.hits_rank(rank=rank, gang=gang, node=node)
-        )
-
-    def nodes_removed_at(self, step: int) -> tuple[int, ...]:
-        """Nodes the coordinator removes at ``step``; sorted."""
-        return tuple(
-            sorted(
-                {
-                    f.node
-                    for f in self.at_step(step)
-                    if f.kind is FaultKind.REMOVE_NODE and f.node is not None
-                }
-            )
         )
 
     def check_targets(self, *, num_ranks: int, num_gangs: int, num_nodes: int) -> None:
