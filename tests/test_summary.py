@@ -172,7 +172,7 @@ def test_steps_beyond_the_data_s_are_explained_on_the_ledger_line(tmp_path: str)
     )
     summary = ledger(done)
     assert summary["step_account"] == {
-        "data_steps": 9,
+        "data_steps": 9,  # 36 batches committed by 4 ranks
         "end_step": 12,
         "gang_steps_missing": 4,
         "most_gangs_missing": 1,
@@ -184,17 +184,30 @@ def test_steps_beyond_the_data_s_are_explained_on_the_ledger_line(tmp_path: str)
         "[raytrec] ledger: 9 steps of data in 12 steps (a gang was missing for 4 steps; 4 "
         "batches replayed), 1,408 rows trained"
     )
-    # Stopped at step 8, when the data was to end at step 14.
+    # Stopped at step 8, when the data was to end at step 14: why it is not 9.
     stopped = dataclasses.replace(done, history=history[:2], steps=8)
     line = ledger_lines(ledger(stopped, stopped="StopRequested: asked"))[0]
     assert line.startswith(
-        "[raytrec] ledger: 8 of 14 steps (9 steps of data: a gang was missing for 4 steps; 4 "
-        "batches replayed), "
+        "[raytrec] ledger: 8 of 14 steps (a gang was missing for 4 steps; 4 batches replayed), "
     )
     # Two extra gangs for a while: fewer steps than the data's.
     grown = [dataclasses.replace(m, gangs=g) for m, g in zip(base.history, (2, 4, 4), strict=True)]
-    fast = dataclasses.replace(base, config=base.config.replace(num_steps=16), history=grown)
+    fast = dataclasses.replace(
+        base, config=base.config.replace(num_steps=16), history=grown, committed_count=64
+    )
     assert ledger_lines(ledger(fast))[0].startswith(
         "[raytrec] ledger: 16 steps of data in 12 steps (extra gangs trained for 16 gang-steps, "
         "up to 2 at once; 4 batches replayed), "
+    )
+
+
+def test_a_job_whose_data_ends_before_num_steps_says_so(tmp_path: str) -> None:
+    """num_steps asks for more than the data holds: 12 steps of data (48 batches, 4 ranks),
+    all at full strength."""
+    import dataclasses
+
+    base = result(tmp_path, AGREE)
+    short = dataclasses.replace(base, config=base.config.replace(num_steps=20))
+    assert ledger_lines(ledger(short))[0].startswith(
+        "[raytrec] ledger: 12 steps (the data held 12 of the 20 steps asked for), 1,408 rows"
     )

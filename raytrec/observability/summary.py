@@ -67,17 +67,21 @@ def replica_check(result: Result) -> dict[str, Any]:
 
 
 def step_account(result: Result) -> dict[str, Any]:
-    """Why the job took more (or fewer) steps than its data's: ``data_steps`` (the steps of
-    data at full strength: ``num_steps``), ``end_step`` (where the data ended as last known),
+    """Why the job took more (or fewer) steps than its data's: ``data_steps`` (the committed
+    batches over the configured ranks: the steps the data took at full strength; ``num_steps``
+    for a source that names no batches), ``end_step`` (where the data ended as last known),
     ``gang_steps_missing`` and ``gang_steps_extra`` (steps of each gang fewer or more than the
-    configured number, from the metrics rows; a step with one gang missing trains a gang's
+    configured number, from the metrics rows: a step with a gang missing trains that gang's
     batches fewer), the most gangs missing or extra at once, and ``batches_replayed``."""
     full = result.config.scaling.num_gangs
+    ranks = result.config.scaling.world_size
     missing = sum(max(0, full - m.gangs) * m.steps for m in result.history)
     extra = sum(max(0, m.gangs - full) * m.steps for m in result.history)
     ends = [m.end_step for m in result.history if m.end_step is not None]
+    committed = result.committed_count
+    data_steps = committed // ranks if committed % ranks == 0 else round(committed / ranks, 2)
     return {
-        "data_steps": result.config.num_steps,
+        "data_steps": data_steps if committed else result.config.num_steps,
         "end_step": ends[-1] if ends else result.config.num_steps,
         "gang_steps_missing": missing,
         "most_gangs_missing": max((full - m.gangs for m in result.history), default=0),
@@ -239,22 +243,27 @@ def _steps_why(account: Mapping[str, Any]) -> list[str]:
 
 
 def steps_said(summary: Mapping[str, Any]) -> str:
-    """The ledger's steps: ``300 steps``; ``300 steps of data in 452 steps (a gang was missing
-    for 300 steps; 8 batches replayed)`` for a finished job that took more or fewer; ``120 of
-    400 steps`` for one that ended early (``of`` the step its data would have ended at, and
-    why that is not the data's steps when it is not)."""
-    steps, data_steps = summary["steps"], summary["num_steps"]
+    """The ledger's steps. A finished job: ``300 steps``, or when it took more or fewer than
+    its data's, ``300 steps of data in 377 steps (a gang was missing for 150 steps; 8 batches
+    replayed)``, and ``(the data held 250 of the 300 steps asked for)`` when it ran out first.
+    One that ended early: ``120 of 400 steps``, ``of`` the step its data was to end at, with
+    why that moved when it did."""
+    steps, asked = summary["steps"], summary["num_steps"]
     account = summary.get("step_account") or {}
-    end = account.get("end_step") or data_steps
-    why = "; ".join(_steps_why(account))
+    why = _steps_why(account)
     if summary["ended"] == "finished":
+        data_steps = account.get("data_steps", asked)
+        notes = []
+        if data_steps < asked:
+            notes.append(f"the data held {data_steps} of the {asked} steps asked for")
         if steps == data_steps:
-            return f"{steps} steps"
-        return f"{data_steps} steps of data in {steps} steps" + (f" ({why})" if why else "")
-    said = f"{steps} of {end} steps"
-    if end != data_steps:
-        said += f" ({data_steps} steps of data" + (f": {why})" if why else ")")
-    return said
+            head = f"{steps} steps"
+        else:
+            head, notes = f"{data_steps} steps of data in {steps} steps", notes + why
+        return head + (f" ({'; '.join(notes)})" if notes else "")
+    end = account.get("end_step") or asked
+    moved = end != asked and why
+    return f"{steps} of {end} steps" + (f" ({'; '.join(why)})" if moved else "")
 
 
 def failure_line(summary: Mapping[str, Any]) -> str:
