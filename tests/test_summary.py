@@ -207,7 +207,12 @@ def test_a_job_whose_data_ends_before_num_steps_says_so(tmp_path: str) -> None:
     import dataclasses
 
     base = result(tmp_path, AGREE)
-    short = dataclasses.replace(base, config=base.config.replace(num_steps=20))
+    history = [dataclasses.replace(m, end_step=12) for m in base.history]
+    short = dataclasses.replace(base, config=base.config.replace(num_steps=20), history=history)
     assert ledger_lines(ledger(short))[0].startswith(
         "[raytrec] ledger: 12 steps (the data held 12 of the 20 steps asked for), 1,408 rows"
     )
+    # Early stopping at step 12, with data up to step 20: not the data running out.
+    history = [dataclasses.replace(m, end_step=20) for m in base.history]
+    early = dataclasses.replace(short, history=history, stopped_early="eval_auc stopped improving")
+    assert ledger_lines(ledger(early))[1].startswith("[raytrec] ledger: 12 steps, 1,408 rows")

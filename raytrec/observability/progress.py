@@ -10,8 +10,8 @@
   row, appended as it arrives;
 - TensorBoard scalars under ``tensorboard/`` in the run directory (tensorboardX), one tag per
   numeric field, and the job's events as they come: a text entry at their step (tag
-  ``events/text_summary``) and a running count per kind of mark (``events/failures``, ``events/gangs``,
-  ... as on the plot's strip: :mod:`raytrec.observability.incidents`);
+  ``events/text_summary``) and a running count per lane of the plot's strip
+  (``events/failures``, ``events/gangs``, ...: :mod:`raytrec.observability.incidents`);
 - and, at :meth:`ProgressReporter.close`, ``metrics.png``
 (:func:`raytrec.observability.plots.plot_run`).
 

@@ -251,17 +251,17 @@ def steps_said(summary: Mapping[str, Any]) -> str:
     steps, asked = summary["steps"], summary["num_steps"]
     account = summary.get("step_account") or {}
     why = _steps_why(account)
+    end = account.get("end_step") or asked
     if summary["ended"] == "finished":
         data_steps = account.get("data_steps", asked)
         notes = []
-        if data_steps < asked:
+        if data_steps < asked and steps >= end:  # not an early stop: the data ran out
             notes.append(f"the data held {data_steps} of the {asked} steps asked for")
         if steps == data_steps:
             head = f"{steps} steps"
         else:
             head, notes = f"{data_steps} steps of data in {steps} steps", notes + why
         return head + (f" ({'; '.join(notes)})" if notes else "")
-    end = account.get("end_step") or asked
     moved = end != asked and why
     return f"{steps} of {end} steps" + (f" ({'; '.join(why)})" if moved else "")
 
