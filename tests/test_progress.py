@@ -274,6 +274,7 @@ def test_events_go_to_tensorboard_as_text_and_running_counts(tmp_path: pathlib.P
         {"kind": "generation_started", "at": 1.3, "step": 20, "generation": 1},
         {"kind": "gang_joined", "at": 2.0, "step": 30, "gang_id": 2, "generation": 2},
         {"kind": "rank_died", "at": 3.0, "step": 35, "job_rank": 0, "gang_id": 0, "cause": "y"},
+        {"kind": "total_loss", "at": 3.1, "step": 35, "checkpoint_step": 30},  # not one more
     ):
         reporter.event(event)
     reporter.close()
@@ -289,6 +290,7 @@ def test_events_go_to_tensorboard_as_text_and_running_counts(tmp_path: pathlib.P
         (20, "gen 1"),
         (30, "gang 2 joined"),
         (35, "rank 0 died"),
+        (35, "total loss"),
     ]
     assert "cause=ActorDiedError" in texts[0][1]
 

@@ -89,6 +89,7 @@ def test_each_event_has_a_lane_and_a_short_label_or_none(
     assert mark is not None
     assert (mark.step, mark.lane, mark.label) == (event["step"], lane, label)
     assert mark.text.startswith(label or event["kind"])
+    assert mark.counts == (event["kind"] != "total_loss")  # a failure's outcome, not one more
 
 
 def test_failures_are_counted_as_a_user_counts_them() -> None:

@@ -137,12 +137,15 @@ def describe_failures(each: list[Mapping[str, Any]], *, name_up_to: int = 3) -> 
 @dataclasses.dataclass(frozen=True)
 class Mark:
     """One event on the plot: its step, its lane (a key of :data:`LANES`), a short label for
-    the strip (empty: the marker alone) and the full text (TensorBoard's)."""
+    the strip (empty: the marker alone), the full text (TensorBoard's), and whether it counts
+    in its lane's tally (what a failure led to, a total loss or the job failing, is drawn
+    with the failures but does not count as one)."""
 
     step: int
     lane: str
     label: str
     text: str
+    counts: bool = True
 
 
 def _full_text(event: Mapping[str, Any], short: str) -> str:
@@ -159,7 +162,8 @@ def mark_of(event: Any) -> Mark | None:
     lane, label = _lane_and_label(kind, e)
     if lane is None:
         return None
-    return Mark(step=step, lane=lane, label=label, text=_full_text(e, label or kind))
+    counts = kind not in ("total_loss", "job_failed")
+    return Mark(step=step, lane=lane, label=label, text=_full_text(e, label or kind), counts=counts)
 
 
 def _lane_and_label(kind: str, e: Mapping[str, Any]) -> tuple[str | None, str]:

@@ -66,9 +66,9 @@ def _series(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[list[float], l
 
 def _strip_labels(marks: Sequence[Mark], lo: float, hi: float) -> list[tuple[Mark, str]]:
     """The marks of one lane whose label has room, with its side (``right`` of its marker,
-    or ``left`` at the right edge): a label (its width estimated from its length, as axes
-    fraction) covers neither another label nor another marker. Crowded marks show their
-    marker alone."""
+    else ``left`` of it): a label (its width estimated from its length, as axes fraction)
+    stays inside the axes and covers neither another label nor another marker. Crowded
+    marks show their marker alone."""
     span = max(hi - lo, 1e-9)
     xs = [(m.step - lo) / span for m in marks]
     gap = 1.5 * _CHAR_WIDTH  # a marker's half width
@@ -108,10 +108,10 @@ def _one_per_step(marks: Sequence[Mark]) -> list[Mark]:
 
 def _draw_events(strip: Any, curves: Sequence[Any], marks: Sequence[Mark]) -> None:
     """The strip's lanes (only those with marks, in :data:`LANES` order, top to bottom, each
-    named with its count), their markers and labels, and the lines across the curves."""
+    named with its tally), their markers and labels, and the lines across the curves."""
     lanes = [lane for lane in LANES if any(m.lane == lane for m in marks)]
     strip.set_ylim(len(lanes) - 0.5, -0.5)
-    names = [f"{lane} ({sum(m.lane == lane for m in marks)})" for lane in lanes]
+    names = [f"{lane} ({sum(m.lane == lane and m.counts for m in marks)})" for lane in lanes]
     strip.set_yticks(range(len(lanes)), names, fontsize=8)
     strip.tick_params(axis="y", length=0)
     strip.tick_params(axis="x", labelbottom=False)

@@ -295,15 +295,16 @@ class ProgressReporter:
 
     def _board_event(self, row: dict[str, Any]) -> None:
         """The event in TensorBoard, if the plot would mark it: its text at its step, and the
-        running count of its lane."""
+        running tally of its lane (as the plot's strip counts them)."""
         mark = mark_of(row)
         if mark is None:
             return
-        self._marked[mark.lane] = self._marked.get(mark.lane, 0) + 1
         self._writer.add_text(EVENTS_TAG, mark.text, global_step=mark.step)
-        self._writer.add_scalar(
-            f"{EVENTS_TAG}/{mark.lane}", self._marked[mark.lane], global_step=mark.step
-        )
+        if mark.counts:
+            self._marked[mark.lane] = self._marked.get(mark.lane, 0) + 1
+            self._writer.add_scalar(
+                f"{EVENTS_TAG}/{mark.lane}", self._marked[mark.lane], global_step=mark.step
+            )
         self._writer.flush()
 
     # -- the end -----------------------------------------------------------------------------
