@@ -43,6 +43,7 @@ from raytrec.elastic.heal import failed_heals
 from raytrec.elastic.rank_protocol import ReformPlan
 from raytrec.elastic.report import RankReport
 from raytrec.elastic.workers import (
+    PEER_RELEASED,
     RankCallError,
     RankFailed,
     RankLost,
@@ -54,7 +55,7 @@ from raytrec.errors import JobFailedError
 __all__ = ["MAX_TRANSIENT", "Dispatched", "FailureRecovery", "IntervalOutcome"]
 
 # Why a rank the coordinator killed itself is gone: its gang lost another rank.
-_PEER_KILLED = "its gang lost a rank"
+_PEER_KILLED = PEER_RELEASED
 
 
 @dataclasses.dataclass(frozen=True)

@@ -79,7 +79,8 @@ def test_replicas_within_host_losing_a_host_without_a_checkpoint_fails_clearly(
     # Its ledger is written all the same: why it ended, what it had committed, no checkpoint.
     summary = read_summary(failed.value)
     assert summary["ended"] == "failed" and "cannot go on without a checkpoint" in summary["failed"]
-    assert summary["resume_from"] is None and summary["failures"]["rank_died"] >= 1
+    assert summary["resume_from"] is None and summary["failures"]["events"]["rank_died"] >= 1
+    assert summary["failures"]["count"] >= 1
     # What was committed before the loss (job-wide syncs every 4 steps: none, or 4 ranks'
     # batches of each step up to the last sync the coordinator booked), in rows too.
     committed = summary["batches"]["committed"]

@@ -7,12 +7,15 @@ import io
 import json
 import pathlib
 import struct
+from typing import Any
 
 import pytest
 
+from raytrec.elastic.workers import PEER_RELEASED
 from raytrec.observability.metrics import IntervalMetrics
 from raytrec.observability.progress import (
     EVENTS_FILE,
+    EVENTS_TAG,
     METRICS_FILE,
     PLOT_FILE,
     TAG_PREFIX,
@@ -49,11 +52,14 @@ def metrics_rows(n: int = 4, every: int = 10) -> list[IntervalMetrics]:
     return out
 
 
-def read_tensorboard(directory: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
-    """Scalars from tensorboardX event files, read as TFRecords (length, crc, data, crc)."""
+def read_tensorboard(
+    directory: pathlib.Path, *, text: bool = False
+) -> dict[str, list[tuple[int, Any]]]:
+    """Scalars (or, with ``text``, text summaries) from tensorboardX event files, read as
+    TFRecords (length, crc, data, crc)."""
     from tensorboardX.proto import event_pb2
 
-    out: dict[str, list[tuple[int, float]]] = {}
+    out: dict[str, list[tuple[int, Any]]] = {}
     for path in sorted(directory.glob("events.out.tfevents.*")):
         data, pos = path.read_bytes(), 0
         while pos < len(data):
@@ -61,7 +67,11 @@ def read_tensorboard(directory: pathlib.Path) -> dict[str, list[tuple[int, float
             event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
             pos += 12 + length + 4
             for value in event.summary.value:
-                out.setdefault(value.tag, []).append((event.step, value.simple_value))
+                is_text = value.metadata.plugin_data.plugin_name == "text"
+                if is_text != text:
+                    continue
+                got = value.tensor.string_val[0].decode() if text else value.simple_value
+                out.setdefault(value.tag, []).append((event.step, got))
     return out
 
 
@@ -246,6 +256,43 @@ def test_events_are_shown_as_they_come_and_written_to_events_jsonl(tmp_path: pat
     written = [json.loads(x) for x in (tmp_path / EVENTS_FILE).read_text().splitlines()]
     assert written == [died, reshared]
     reporter.close()
+
+
+def test_events_go_to_tensorboard_as_text_and_running_counts(tmp_path: pathlib.Path) -> None:
+    """What the plot marks, TensorBoard gets as it happens: a text at the event's step and a
+    running count per lane; bookkeeping and a rank raytrec ended on purpose are left out."""
+    reporter = ProgressReporter(TOTAL, run_dir=str(tmp_path), console=io.StringIO(), tty=False)
+    for row in metrics_rows():
+        reporter(row)
+    killed = {"kind": "rank_died", "at": 1.0, "step": 20, "job_rank": 3, "gang_id": 1}
+    for event in (
+        {"kind": "generation_started", "at": 0.5, "step": 0, "generation": 0},
+        {**killed, "cause": "ActorDiedError: exited"},
+        {**killed, "job_rank": 2, "cause": PEER_RELEASED},
+        {"kind": "gang_dropped", "at": 1.1, "step": 20, "gang_id": 1, "reason": "x"},
+        {"kind": "data_reshared", "at": 1.2, "step": 20, "ranks": 2, "end_step": 48},
+        {"kind": "generation_started", "at": 1.3, "step": 20, "generation": 1},
+        {"kind": "gang_joined", "at": 2.0, "step": 30, "gang_id": 2, "generation": 2},
+        {"kind": "rank_died", "at": 3.0, "step": 35, "job_rank": 0, "gang_id": 0, "cause": "y"},
+        {"kind": "total_loss", "at": 3.1, "step": 35, "checkpoint_step": 30},  # not one more
+    ):
+        reporter.event(event)
+    reporter.close()
+    board = read_tensorboard(tmp_path / TENSORBOARD_DIR)
+    assert board[f"{EVENTS_TAG}/failures"] == [(20, 1.0), (35, 2.0)]
+    assert board[f"{EVENTS_TAG}/gangs"] == [(20, 1.0), (30, 2.0)]
+    assert board[f"{EVENTS_TAG}/generations"] == [(20, 1.0)]
+    # tensorboardX files a text under "<tag>/text_summary".
+    texts = read_tensorboard(tmp_path / TENSORBOARD_DIR, text=True)[f"{EVENTS_TAG}/text_summary"]
+    assert [(step, text.split(":")[0]) for step, text in texts] == [
+        (20, "rank 3 died"),
+        (20, "gang 1 dropped"),
+        (20, "gen 1"),
+        (30, "gang 2 joined"),
+        (35, "rank 0 died"),
+        (35, "total loss"),
+    ]
+    assert "cause=ActorDiedError" in texts[0][1]
 
 
 def test_a_stop_says_why_in_sentences_and_what_was_saved() -> None:

@@ -10,6 +10,7 @@ import ray.train
 from raytrec.api import Result
 from raytrec.config import ScalingConfig, TrainConfig
 from raytrec.elastic.events import EventLog, GangDropped, GangJoined, NodeDied, RankDied
+from raytrec.elastic.workers import NODE_DIED, PEER_RELEASED
 from raytrec.observability.metrics import IntervalMetrics
 from raytrec.observability.summary import ledger, ledger_lines, write_ledger
 
@@ -43,7 +44,9 @@ def result(tmp_path: str, digests: dict[int, dict[str, str]]) -> Result:
         state_digests=digests,
         events=EventLog(
             [
-                RankDied(at=5.0, step=5, job_rank=2, gang_id=1),
+                RankDied(at=2.0, step=2, job_rank=1, gang_id=0, cause="ActorDiedError: exited"),
+                RankDied(at=2.0, step=2, job_rank=0, gang_id=0, cause=PEER_RELEASED),
+                RankDied(at=5.0, step=5, job_rank=2, gang_id=1, cause=NODE_DIED),
                 NodeDied(at=5.0, step=5, node=1, gang_ids=(1,)),
                 GangDropped(at=5.0, step=5, gang_id=1, reason="node 1 died"),
                 GangJoined(at=9.0, step=9, gang_id=2, generation=2),
@@ -76,7 +79,22 @@ def test_the_ledger_counts_what_the_job_did(tmp_path: str) -> None:
         "replayed": 4,
         "lost": 0,
     }
-    assert summary["failures"] == {"rank_died": 1, "node_died": 1}
+    # As a user counts them: rank 1's death and node 1's (rank 0 was ended by raytrec because
+    # its gang lost rank 1; rank 2 died with its node); every failure event kept by kind.
+    assert summary["failures"] == {
+        "count": 2,
+        "each": [
+            {
+                "step": 2,
+                "kind": "rank_died",
+                "what": "rank 1 died",
+                "cause": "ActorDiedError: exited",
+            },
+            {"step": 5, "kind": "node_died", "what": "node 1 died"},
+        ],
+        "events": {"rank_died": 3, "node_died": 1},
+        "ranks_released": [0],
+    }
     assert (summary["gangs_dropped"], summary["gangs_joined"], summary["generations"]) == (1, 1, 3)
     assert summary["replica_check"] == {
         "passed": True,
@@ -96,8 +114,8 @@ def test_the_ledger_counts_what_the_job_did(tmp_path: str) -> None:
         assert json.load(f) == json.loads(json.dumps(summary))
     done, batches, final = ledger_lines(summary)
     assert done == (
-        "[raytrec] ledger: 12 of 12 steps, 1,408 rows trained, 3 generation(s); failures: "
-        "1 rank_died, 1 node_died"
+        "[raytrec] ledger: 12 steps, 1,408 rows trained, 3 generations; failures: "
+        "2 (rank 1 died, node 1 died)"
     )
     assert batches == (
         "[raytrec] batches: 48 committed (48 distinct), 4 replayed, 0 lost; replica check: "
@@ -137,3 +155,64 @@ def test_a_failed_job_s_ledger_says_why_and_what_to_resume_from(tmp_path: str) -
     bare = dataclasses.replace(result(tmp_path, {}), checkpoint=None)
     assert "resume from checkpoint: none" in ledger_lines(ledger(bare, failed="x"))[-1]
     assert ledger(result(tmp_path, AGREE))["ended"] == "finished"
+
+
+def test_steps_beyond_the_data_s_are_explained_on_the_ledger_line(tmp_path: str) -> None:
+    """2 gangs x 2 ranks, 9 steps of data (36 batches): gang 1 missing for steps 5-8 and 4
+    batches replayed take 12 steps (4 ranks x 12 steps - 2 x 4 = 36 + 4 batches)."""
+    import dataclasses
+
+    base = result(tmp_path, AGREE)
+    history = [
+        dataclasses.replace(m, gangs=g, end_step=e)
+        for m, g, e in zip(base.history, (2, 1, 2), (9, 14, 12), strict=True)
+    ]
+    done = dataclasses.replace(
+        base, config=base.config.replace(num_steps=9), history=history, committed_count=36
+    )
+    summary = ledger(done)
+    assert summary["step_account"] == {
+        "data_steps": 9,  # 36 batches committed by 4 ranks
+        "end_step": 12,
+        "gang_steps_missing": 4,
+        "most_gangs_missing": 1,
+        "gang_steps_extra": 0,
+        "most_gangs_extra": 0,
+        "batches_replayed": 4,
+    }
+    assert ledger_lines(summary)[0].startswith(
+        "[raytrec] ledger: 9 steps of data in 12 steps (a gang was missing for 4 steps; 4 "
+        "batches replayed), 1,408 rows trained"
+    )
+    # Stopped at step 8, when the data was to end at step 14: why it is not 9.
+    stopped = dataclasses.replace(done, history=history[:2], steps=8)
+    line = ledger_lines(ledger(stopped, stopped="StopRequested: asked"))[0]
+    assert line.startswith(
+        "[raytrec] ledger: 8 of 14 steps (a gang was missing for 4 steps; 4 batches replayed), "
+    )
+    # Two extra gangs for a while: fewer steps than the data's.
+    grown = [dataclasses.replace(m, gangs=g) for m, g in zip(base.history, (2, 4, 4), strict=True)]
+    fast = dataclasses.replace(
+        base, config=base.config.replace(num_steps=16), history=grown, committed_count=64
+    )
+    assert ledger_lines(ledger(fast))[0].startswith(
+        "[raytrec] ledger: 16 steps of data in 12 steps (extra gangs trained for 16 gang-steps, "
+        "up to 2 at once; 4 batches replayed), "
+    )
+
+
+def test_a_job_whose_data_ends_before_num_steps_says_so(tmp_path: str) -> None:
+    """num_steps asks for more than the data holds: 12 steps of data (48 batches, 4 ranks),
+    all at full strength."""
+    import dataclasses
+
+    base = result(tmp_path, AGREE)
+    history = [dataclasses.replace(m, end_step=12) for m in base.history]
+    short = dataclasses.replace(base, config=base.config.replace(num_steps=20), history=history)
+    assert ledger_lines(ledger(short))[0].startswith(
+        "[raytrec] ledger: 12 steps (the data held 12 of the 20 steps asked for), 1,408 rows"
+    )
+    # Early stopping at step 12, with data up to step 20: not the data running out.
+    history = [dataclasses.replace(m, end_step=20) for m in base.history]
+    early = dataclasses.replace(short, history=history, stopped_early="eval_auc stopped improving")
+    assert ledger_lines(ledger(early))[1].startswith("[raytrec] ledger: 12 steps, 1,408 rows")

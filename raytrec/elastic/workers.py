@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from raytrec.engine.rank_engine import RankSpec, StoreAddress
 
 __all__ = [
+    "NODE_DIED",
+    "PEER_RELEASED",
     "Answer",
     "Clock",
     "NodeInfo",
@@ -60,6 +62,9 @@ Placement = Any
 
 #: Why a rank is gone when its node went with it (events and tests compare against it).
 NODE_DIED = "its node died"
+#: Why a rank the coordinator ended on purpose is gone: its gang lost another rank, so the gang
+#: was dropped (a consequence of that failure, not a failure of its own).
+PEER_RELEASED = "its gang lost a rank"
 
 
 class RankCallError(Exception):

@@ -1,104 +1,39 @@
-"""A PNG of a run: loss and AUC over steps, with failures and generation changes marked.
+"""A PNG of a run: loss and AUC over steps, with the job's events in a strip of markers above.
 
 Input is plain data: metrics rows (mappings with at least ``step`` and ``loss``; ``auc``,
 ``eval_auc`` and ``eval_log_loss`` when the run measured them) and events, mappings
 ``{"step": int, "kind": str, ...}`` such as
 ``{"step": 120, "kind": "rank_died", "job_rank": 3}`` or ``{"step": 140, "kind": "generation",
-"generation": 2}`` (the elastic event log's ``to_dicts()`` rows are of this shape). Failures and
-generation changes are marked, labelled from the kind and the keys that name a rank, gang or
-node.
-The figure is drawn with matplotlib's Agg canvas directly (no pyplot state), so it works on a
-driver with no display and in threads.
+"generation": 2}`` (the elastic event log's ``to_dicts()`` rows are of this shape). Each event
+worth showing (:func:`raytrec.observability.incidents.mark_of`) is a marker in one lane of a
+thin strip above the curves (failures, gang changes, generations, checkpoints), with a short
+label where there is room; failures and generation changes also draw a thin line across the
+curves. The strip has a fixed share of the figure, so any number of events leaves the curves
+their room. The figure is drawn with matplotlib's Agg canvas directly (no pyplot state), so it
+works on a driver with no display and in threads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from raytrec.observability.incidents import GENERATION_KINDS, LANES, Mark, marks_of
+
 __all__ = [
+    "GENERATION_KINDS",
     "build_figure",
-    "event_label",
-    "event_style",
     "generation_events",
-    "marks",
     "plot_run",
 ]
 
-# Event kinds that mean something broke (drawn red); generation changes are drawn blue. Other
-# kinds (placement requests and the like) are bookkeeping and are not drawn unless labelled.
-FAILURE_WORDS = (
-    "lost",
-    "total_loss",
-    "fail",
-    "died",
-    "dead",
-    "dropped",
-    "timeout",
-    "hang",
-    "error",
-)
-GENERATION_KINDS = ("generation", "generation_started")
-FAILURE_COLOR = "tab:red"
-GENERATION_COLOR = "tab:blue"
-OTHER_COLOR = "tab:gray"
-# Event keys worth naming in a label, and the word for each.
-_DETAIL_KEYS: tuple[tuple[str, str], ...] = (
-    ("rank", "rank"),
-    ("job_rank", "rank"),
-    ("gang", "gang"),
-    ("gang_id", "gang"),
-    ("node", "node"),
-    ("checkpoint_step", "back to step"),
-)
-
-
-def event_label(event: Mapping[str, Any]) -> str:
-    """``{"kind": "rank_died", "job_rank": 3}`` -> ``"rank died (rank 3)"``; ``label`` wins."""
-    if event.get("label"):
-        return str(event["label"])
-    kind = str(event.get("kind", "event"))
-    if kind in GENERATION_KINDS and "generation" in event:
-        return f"generation {event['generation']}"
-    text = kind.replace("_", " ")
-    details = [f"{word} {event[k]}" for k, word in _DETAIL_KEYS if event.get(k) is not None]
-    return f"{text} ({', '.join(details)})" if details else text
-
-
-def event_style(event: Mapping[str, Any]) -> str:
-    """The line colour of an event: failures red, generation changes blue, the rest gray."""
-    kind = str(event.get("kind", "")).lower()
-    if kind in GENERATION_KINDS:
-        return GENERATION_COLOR
-    if any(word in kind for word in FAILURE_WORDS):
-        return FAILURE_COLOR
-    return OTHER_COLOR
-
-
-def marks(events: Iterable[Mapping[str, Any]]) -> list[tuple[int, str, str]]:
-    """The vertical lines to draw: ``(step, label, color)``, one per step, in step order.
-
-    Failures and generation changes (not generation 0, the start) are drawn, and any event
-    that carries a ``label``. Events at the same step share one line (a rank's death and the
-    generation it starts often do), labelled with all of them and red if any is a failure.
-    """
-    by_step: dict[int, list[Mapping[str, Any]]] = {}
-    for event in events:
-        if event_style(event) == GENERATION_COLOR and event.get("generation") == 0:
-            continue  # generation 0 is the starting membership, not a change
-        if event_style(event) != OTHER_COLOR or event.get("label"):
-            by_step.setdefault(int(event["step"]), []).append(event)
-    out = []
-    for step in sorted(by_step):
-        group = by_step[step]
-        labels = list(dict.fromkeys(event_label(e) for e in group))
-        colors = {event_style(e) for e in group}
-        color = next((c for c in (FAILURE_COLOR, GENERATION_COLOR) if c in colors), OTHER_COLOR)
-        out.append((step, "; ".join(labels), color))
-    return out
+# Lanes whose events also draw a line across the curves, and its style.
+_LINES = {"failures": ("--", 1.0), "generations": (":", 1.0)}
+# A label's width in axes fraction per character (7-point text on a ~8 inch wide axes).
+_CHAR_WIDTH = 0.0068
 
 
 def generation_events(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -129,6 +64,88 @@ def _series(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[list[float], l
     return xs, ys
 
 
+def _strip_labels(marks: Sequence[Mark], lo: float, hi: float) -> list[tuple[Mark, str]]:
+    """The marks of one lane whose label has room, with its side (``right`` of its marker,
+    else ``left`` of it): a label (its width estimated from its length, as axes fraction)
+    stays inside the axes and covers neither another label nor another marker. Crowded
+    marks show their marker alone."""
+    span = max(hi - lo, 1e-9)
+    xs = [(m.step - lo) / span for m in marks]
+    gap = 1.5 * _CHAR_WIDTH  # a marker's half width
+    out: list[tuple[Mark, str]] = []
+    free = -1.0  # where the lane is free again
+    for i, (m, x) in enumerate(zip(marks, xs, strict=True)):
+        if not m.label:
+            free = max(free, x + gap)
+            continue
+        width = (len(m.label) + 1) * _CHAR_WIDTH
+        others = xs[:i] + xs[i + 1 :]
+        for side, a, b in (("right", x + gap, x + gap + width), ("left", x - gap - width, x)):
+            inside = a >= 0.0 and b <= 1.0 and a >= free
+            if inside and not any(a - gap < o < b + gap for o in others if o != x):
+                out.append((m, side))
+                free = max(b, x + gap)
+                break
+        else:
+            free = max(free, x + gap)
+    return out
+
+
+def _one_per_step(marks: Sequence[Mark]) -> list[Mark]:
+    """A lane's marks with those at one step merged: one marker, their labels joined."""
+    by_step: dict[int, list[Mark]] = {}
+    for m in marks:
+        by_step.setdefault(m.step, []).append(m)
+    return [
+        dataclasses.replace(
+            same[0],
+            label=", ".join(dict.fromkeys(m.label for m in same if m.label)),
+            text="; ".join(m.text for m in same),
+        )
+        for _, same in sorted(by_step.items())
+    ]
+
+
+def _draw_events(strip: Any, curves: Sequence[Any], marks: Sequence[Mark]) -> None:
+    """The strip's lanes (only those with marks, in :data:`LANES` order, top to bottom, each
+    named with its tally), their markers and labels, and the lines across the curves."""
+    lanes = [lane for lane in LANES if any(m.lane == lane for m in marks)]
+    strip.set_ylim(len(lanes) - 0.5, -0.5)
+    names = [f"{lane} ({sum(m.lane == lane and m.counts for m in marks)})" for lane in lanes]
+    strip.set_yticks(range(len(lanes)), names, fontsize=8)
+    strip.tick_params(axis="y", length=0)
+    strip.tick_params(axis="x", labelbottom=False)
+    for side in ("top", "right", "left"):
+        strip.spines[side].set_visible(False)
+    strip.grid(True, axis="x", alpha=0.3)
+    lo, hi = strip.get_xlim()
+    for y, lane in enumerate(lanes):
+        color, marker = LANES[lane]
+        own = _one_per_step([m for m in marks if m.lane == lane])
+        strip.scatter(
+            [m.step for m in own], [y] * len(own), marker=marker, s=36, color=color, zorder=3
+        )
+        for m, side in _strip_labels(own, lo, hi):
+            strip.annotate(
+                m.label,
+                xy=(m.step, y),
+                xytext=(5 if side == "right" else -5, 0),
+                textcoords="offset points",
+                ha="left" if side == "right" else "right",
+                va="center",
+                fontsize=7,
+                color=color,
+                clip_on=True,
+            )
+        if lane in _LINES:
+            style, width = _LINES[lane]
+            steps = sorted({m.step for m in own})
+            alpha = 1.0 if len(steps) <= 12 else 0.35  # many lines stay in the background
+            for step in steps:
+                for ax in curves:
+                    ax.axvline(step, color=color, linestyle=style, linewidth=width, alpha=alpha)
+
+
 def build_figure(
     rows: Sequence[Mapping[str, Any]],
     events: Sequence[Mapping[str, Any]] = (),
@@ -136,11 +153,19 @@ def build_figure(
     title: str = "",
 ) -> Any:
     """A matplotlib Figure: loss (top) and AUC (bottom) against step, the held-out evaluations'
-    log loss and AUC beside the training ones, events as vertical lines."""
+    log loss and AUC beside the training ones, and, when there are events, a strip of event
+    markers above them (``fig.axes``: loss, AUC, then the strip)."""
     from matplotlib.figure import Figure
 
+    marks = marks_of(events)
+    lanes = len({m.lane for m in marks})
     fig = Figure(figsize=(9, 6), dpi=100, layout="constrained")
-    loss_ax, auc_ax = fig.subplots(2, 1, sharex=True)
+    # The strip's height grows with its lanes (a few tenths of an inch each), whatever the
+    # number of events; the curves share the rest.
+    grid = fig.add_gridspec(3, 1, height_ratios=[0.25 * lanes + 0.01, 2.4, 2.4])
+    loss_ax = fig.add_subplot(grid[1])
+    auc_ax = fig.add_subplot(grid[2], sharex=loss_ax)
+    loss_ax.tick_params(axis="x", labelbottom=False)
     xs, ys = _series(rows, "loss")
     loss_ax.plot(xs, ys, marker="o", markersize=3, color="tab:orange", label="loss")
     loss_ax.set_ylabel("training loss")
@@ -168,20 +193,13 @@ def build_figure(
     auc_ax.set_xlabel("step")
     for ax in (loss_ax, auc_ax):
         ax.grid(True, alpha=0.3)
-    for step, label, color in marks(events):
-        for ax in (loss_ax, auc_ax):
-            ax.axvline(step, color=color, linestyle="--", linewidth=1.2)
-        loss_ax.annotate(
-            label,
-            xy=(step, 1.0),
-            xycoords=("data", "axes fraction"),
-            xytext=(3, -3),
-            textcoords="offset points",
-            rotation=90,
-            va="top",
-            fontsize=8,
-            color=color,
-        )
+    if marks:
+        strip = fig.add_subplot(grid[0], sharex=loss_ax)
+        steps = [m.step for m in marks] + [float(r["step"]) for r in rows if "step" in r]
+        lo, hi = min(steps), max(steps)
+        pad = max(1.0, 0.02 * (hi - lo))
+        loss_ax.set_xlim(lo - pad, hi + pad)
+        _draw_events(strip, (loss_ax, auc_ax), marks)
     if title:
         fig.suptitle(title)
     return fig
@@ -200,9 +218,5 @@ def plot_run(
     fig = build_figure(rows, events, title=title)
     FigureCanvasAgg(fig)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with warnings.catch_warnings():
-        # Many event labels can leave the constrained layout no room; matplotlib then draws
-        # the figure without it and says so on the user's terminal.
-        warnings.filterwarnings("ignore", message="constrained_layout not applied")
-        fig.savefig(path, format="png")
+    fig.savefig(path, format="png")
     return path

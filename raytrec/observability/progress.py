@@ -9,7 +9,9 @@
 - ``metrics.jsonl`` in the run directory: one JSON object per interval with every field of the
   row, appended as it arrives;
 - TensorBoard scalars under ``tensorboard/`` in the run directory (tensorboardX), one tag per
-  numeric field;
+  numeric field, and the job's events as they come: a text entry at their step (tag
+  ``events/text_summary``) and a running count per lane of the plot's strip
+  (``events/failures``, ``events/gangs``, ...: :mod:`raytrec.observability.incidents`);
 - and, at :meth:`ProgressReporter.close`, ``metrics.png``
 (:func:`raytrec.observability.plots.plot_run`).
 
@@ -26,13 +28,16 @@ import math
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TextIO, cast
+from typing import TYPE_CHECKING, Any, TextIO
+
+from raytrec.observability.incidents import as_dict, mark_of
 
 if TYPE_CHECKING:
     from raytrec.elastic.events import Event
 
 __all__ = [
     "EVENTS_FILE",
+    "EVENTS_TAG",
     "METRICS_FILE",
     "PLOT_FILE",
     "TENSORBOARD_DIR",
@@ -50,6 +55,7 @@ EVENTS_FILE = "events.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PLOT_FILE = "metrics.png"
 TAG_PREFIX = "train/"
+EVENTS_TAG = "events"
 
 
 def row_dict(row: Any) -> dict[str, Any]:
@@ -146,8 +152,7 @@ def format_line(
 def event_dict(event: Event | Mapping[str, Any]) -> dict[str, Any]:
     """An event as the JSON-ready dict written to ``events.jsonl``: an event value's
     ``to_dict()`` (:mod:`raytrec.elastic.events`), or a mapping as it is."""
-    to_dict = getattr(event, "to_dict", None)
-    return to_dict() if callable(to_dict) else dict(cast(Mapping[str, Any], event))
+    return as_dict(event)
 
 
 def format_event(event: Mapping[str, Any], *, prefix: str = "[raytrec]") -> str:
@@ -193,6 +198,7 @@ class ProgressReporter:
         self._bar: Any = None
         self._file: TextIO | None = None
         self._writer: Any = None
+        self._marked: dict[str, int] = {}  # TensorBoard's running count of events per lane
         self._closed = False
         if run_dir is not None:
             self.start(run_dir)
@@ -284,6 +290,22 @@ class ProgressReporter:
         if self.run_dir is not None:
             with open(os.path.join(self.run_dir, EVENTS_FILE), "a") as f:
                 f.write(json.dumps(row, default=_json_value) + "\n")
+        if self._writer is not None:
+            self._board_event(row)
+
+    def _board_event(self, row: dict[str, Any]) -> None:
+        """The event in TensorBoard, if the plot would mark it: its text at its step, and the
+        running tally of its lane (as the plot's strip counts them)."""
+        mark = mark_of(row)
+        if mark is None:
+            return
+        self._writer.add_text(EVENTS_TAG, mark.text, global_step=mark.step)
+        if mark.counts:
+            self._marked[mark.lane] = self._marked.get(mark.lane, 0) + 1
+            self._writer.add_scalar(
+                f"{EVENTS_TAG}/{mark.lane}", self._marked[mark.lane], global_step=mark.step
+            )
+        self._writer.flush()
 
     # -- the end -----------------------------------------------------------------------------
 

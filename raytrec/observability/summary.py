@@ -1,9 +1,12 @@
 """The run's ledger: what a finished (or stopped) job did, as ``summary.json`` in its run
 directory and a few closing lines on the console.
 
-Pure code over a :class:`~raytrec.result.Result`: steps, rows trained, the batch accounting
-(committed, replayed, lost), failures by kind, generations, the replica check (recomputed here
-from the ranks' final state digests), the final and best metrics, and where every artifact is.
+Pure code over a :class:`~raytrec.result.Result`: steps (and, when the job took more or fewer
+than its data's steps, why: gangs missing or extra, batches replayed), rows trained, the batch
+accounting (committed, replayed, lost), failures as a user counts them with every failure event
+by kind (:mod:`raytrec.observability.incidents`), generations, the replica check (recomputed
+here from the ranks' final state digests), the final and best metrics, and where every
+artifact is.
 """
 
 from __future__ import annotations
@@ -14,6 +17,11 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from raytrec.observability.incidents import (
+    FAILURE_EVENT_KINDS,
+    describe_failures,
+    failure_report,
+)
 from raytrec.observability.progress import EVENTS_FILE, METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
 
 if TYPE_CHECKING:
@@ -25,13 +33,15 @@ __all__ = [
     "failure_line",
     "ledger",
     "ledger_lines",
+    "step_account",
+    "steps_said",
     "write_ledger",
 ]
 
 SUMMARY_FILE = "summary.json"
 _EVAL_KEYS = ("eval_auc", "eval_ne", "eval_log_loss", "eval_rows")
-#: Event kinds counted as failures (raytrec.elastic.events).
-FAILURE_KINDS = ("rank_died", "node_died", "hang_detected", "heal_failed", "total_loss")
+#: Event kinds that record a failure, counted by kind in ``failures.events``.
+FAILURE_KINDS = FAILURE_EVENT_KINDS
 
 
 def replica_check(result: Result) -> dict[str, Any]:
@@ -56,6 +66,31 @@ def replica_check(result: Result) -> dict[str, Any]:
     }
 
 
+def step_account(result: Result) -> dict[str, Any]:
+    """Why the job took more (or fewer) steps than its data's: ``data_steps`` (the committed
+    batches over the configured ranks: the steps the data took at full strength; ``num_steps``
+    for a source that names no batches), ``end_step`` (where the data ended as last known),
+    ``gang_steps_missing`` and ``gang_steps_extra`` (steps of each gang fewer or more than the
+    configured number, from the metrics rows: a step with a gang missing trains that gang's
+    batches fewer), the most gangs missing or extra at once, and ``batches_replayed``."""
+    full = result.config.scaling.num_gangs
+    ranks = result.config.scaling.world_size
+    missing = sum(max(0, full - m.gangs) * m.steps for m in result.history)
+    extra = sum(max(0, m.gangs - full) * m.steps for m in result.history)
+    ends = [m.end_step for m in result.history if m.end_step is not None]
+    committed = result.committed_count
+    data_steps = committed // ranks if committed % ranks == 0 else round(committed / ranks, 2)
+    return {
+        "data_steps": data_steps if committed else result.config.num_steps,
+        "end_step": ends[-1] if ends else result.config.num_steps,
+        "gang_steps_missing": missing,
+        "most_gangs_missing": max((full - m.gangs for m in result.history), default=0),
+        "gang_steps_extra": extra,
+        "most_gangs_extra": max((m.gangs - full for m in result.history), default=0),
+        "batches_replayed": sum(b - a for a, b in result.replayed_batches),
+    }
+
+
 def _best(history: Sequence[Any], key: str, *, higher: bool) -> dict[str, Any] | None:
     rows = [m for m in history if getattr(m, key, None) is not None]
     if not rows:
@@ -71,6 +106,7 @@ def ledger(
     with its model saved; ``failed``: why it ended without one."""
     history = result.history
     kinds = collections.Counter(result.events.kinds())
+    account = step_account(result)
     distinct = sum(b - a for a, b in result.committed_batches)
     replayed = sum(b - a for a, b in result.replayed_batches)
     last = history[-1] if history else None
@@ -95,6 +131,7 @@ def ledger(
         "ended": "failed" if failed else "stopped" if stopped else "finished",
         "steps": result.steps,
         "num_steps": result.config.num_steps,
+        "step_account": account,
         "stopped": stopped,
         "failed": failed,
         "stopped_early": result.stopped_early,
@@ -116,7 +153,9 @@ def ledger(
             "replayed": replayed,
             "lost": result.lost_batches,
         },
-        "failures": {k: kinds[k] for k in FAILURE_KINDS if kinds[k]},
+        # As a user counts them (count, each), with every failure event by kind (events) and
+        # the ranks raytrec ended because their gang lost a rank (ranks_released).
+        "failures": failure_report(result.events),
         "gangs_dropped": kinds["gang_dropped"],
         "gangs_joined": kinds["gang_joined"],
         "gangs_drained": kinds["gang_drained"],
@@ -146,7 +185,7 @@ def ledger(
 def ledger_lines(summary: Mapping[str, Any], *, prefix: str = "[raytrec]") -> list[str]:
     """The closing lines: what was trained, the accounting, the check, where things are."""
     rows, batches, check = summary["rows"], summary["batches"], summary["replica_check"]
-    failures = ", ".join(f"{n} {k}" for k, n in summary["failures"].items()) or "none"
+    failures = describe_failures(summary["failures"]["each"])
     if check["passed"] is None:
         checked = check["why"]
     elif check["passed"]:
@@ -172,8 +211,8 @@ def ledger_lines(summary: Mapping[str, Any], *, prefix: str = "[raytrec]") -> li
     failed = [f"{prefix} {failure_line(summary)}"] if summary.get("failed") else []
     return [
         *early,
-        f"{prefix} ledger: {summary['steps']} of {summary['num_steps']} steps, "
-        f"{rows['trained']:,} rows trained, {summary['generations']} generation(s); "
+        f"{prefix} ledger: {steps_said(summary)}, {rows['trained']:,} rows trained, "
+        f"{summary['generations']} generation{'s' if summary['generations'] != 1 else ''}; "
         f"failures: {failures}",
         f"{prefix} batches: {batches['committed']} committed ({batches['committed_distinct']} "
         f"distinct), {batches['replayed']} replayed, {batches['lost']} lost; replica check: "
@@ -183,6 +222,48 @@ def ledger_lines(summary: Mapping[str, Any], *, prefix: str = "[raytrec]") -> li
         *([f"{prefix} best checkpoint: {best}"] if best else []),
         *failed,
     ]
+
+
+def _steps_why(account: Mapping[str, Any]) -> list[str]:
+    """``a gang was missing for 300 steps``, ``8 batches replayed``, ... (what applies)."""
+    why = []
+    for key, most, one, many in (
+        ("gang_steps_missing", "most_gangs_missing", "a gang was missing", "gangs were missing"),
+        ("gang_steps_extra", "most_gangs_extra", "an extra gang trained", "extra gangs trained"),
+    ):
+        n = account.get(key) or 0
+        if n and account.get(most, 1) <= 1:
+            why.append(f"{one} for {n:,} steps")
+        elif n:
+            why.append(f"{many} for {n:,} gang-steps, up to {account[most]} at once")
+    replayed = account.get("batches_replayed") or 0
+    if replayed:
+        why.append(f"{replayed:,} batch{'es' if replayed != 1 else ''} replayed")
+    return why
+
+
+def steps_said(summary: Mapping[str, Any]) -> str:
+    """The ledger's steps. A finished job: ``300 steps``, or when it took more or fewer than
+    its data's, ``300 steps of data in 377 steps (a gang was missing for 150 steps; 8 batches
+    replayed)``, and ``(the data held 250 of the 300 steps asked for)`` when it ran out first.
+    One that ended early: ``120 of 400 steps``, ``of`` the step its data was to end at, with
+    why that moved when it did."""
+    steps, asked = summary["steps"], summary["num_steps"]
+    account = summary.get("step_account") or {}
+    why = _steps_why(account)
+    end = account.get("end_step") or asked
+    if summary["ended"] == "finished":
+        data_steps = account.get("data_steps", asked)
+        notes = []
+        if data_steps < asked and steps >= end:  # not an early stop: the data ran out
+            notes.append(f"the data held {data_steps} of the {asked} steps asked for")
+        if steps == data_steps:
+            head = f"{steps} steps"
+        else:
+            head, notes = f"{data_steps} steps of data in {steps} steps", notes + why
+        return head + (f" ({'; '.join(notes)})" if notes else "")
+    moved = end != asked and why
+    return f"{steps} of {end} steps" + (f" ({'; '.join(why)})" if moved else "")
 
 
 def failure_line(summary: Mapping[str, Any]) -> str:
