@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from raytrec.data.synthetic import split_batch_id
-from raytrec.testing.fake_group import FakeWorkerGroup
+from simulation.doubles.fake_group import FakeWorkerGroup
 from simulation.fault_schedule import BATCH_SIZE, Settings
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 :class:`FakeRank` implements :class:`~raytrec.elastic.rank_protocol.RankProtocol`. Calling one
 of its methods does not carry the call out: it books it (an :class:`Op`), and the worker group
-(:class:`~raytrec.testing.fake_group.FakeWorkerGroup`) carries out the call on every rank it went
+(:class:`~simulation.doubles.fake_group.FakeWorkerGroup`) carries out the call on every rank it went
 to once it has dealt with the faults due at it (a rank that dies, hangs, or whose group breaks
 at this call). A method a rank answers alone (``@alone``) runs its body then; the collectives
 (``sync``, the broadcasts, checkpoints, ``save``) and ``train`` name the group function that
@@ -29,7 +29,7 @@ from raytrec.elastic.rank_protocol import (
 )
 from raytrec.elastic.report import RankInfo, RankReport, TrainedBatch
 from raytrec.elastic.workers import NODE_DIED, Answer, RankFailed, RankLost
-from raytrec.testing.fake_model import FakeUsageError
+from simulation.doubles.fake_model import FakeUsageError
 
 if TYPE_CHECKING:
     from raytrec.checkpoint.config import CheckpointConfig
@@ -38,8 +38,8 @@ if TYPE_CHECKING:
     from raytrec.engine.rank_engine import RankSpec
     from raytrec.observability.rec_metrics import MetricState
     from raytrec.sync.schedule import SyncPlan
-    from raytrec.testing.fake_group import FakeWorkerGroup
-    from raytrec.testing.fake_training import Run
+    from simulation.doubles.fake_group import FakeWorkerGroup
+    from simulation.doubles.fake_training import Run
 
 __all__ = ["FakeAnswer", "FakeNode", "FakePlacement", "FakeRank", "Op", "OpKind", "RankState"]
 
