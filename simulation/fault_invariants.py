@@ -16,7 +16,7 @@ from simulation.fault_schedule import BATCH_SIZE, Settings
 
 if TYPE_CHECKING:
     from actors.coordinator import Coordinator
-    from raytrec.elastic.report import RunSummary
+    from raytrec.elastic.run_record import RunSummary
 
 __all__ = ["check_invariants"]
 

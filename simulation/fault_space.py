@@ -41,7 +41,7 @@ from simulation.fault_schedule import BATCH_SIZE, KINDS, MAX_STEPS, Schedule, Se
 
 if TYPE_CHECKING:
     from actors.coordinator import Coordinator
-    from raytrec.elastic.report import RunSummary
+    from raytrec.elastic.run_record import RunSummary
 
 __all__ = ["Hang", "Outcome", "parquet_shards", "run_schedule"]
 

@@ -49,7 +49,7 @@ from raytrec.elastic.events import (
     RankDied,
     TotalLoss,
 )
-from raytrec.elastic.report import RunSummary
+from raytrec.elastic.run_record import RunSummary
 from raytrec.elastic.workers import NODE_DIED, RankLost
 from raytrec.errors import JobFailedError, StopRequested
 from simulation.doubles.fake_faults import (

@@ -48,9 +48,10 @@ from simulation.doubles.fake_rank import (
     Op,
     OpKind,
     RankState,
+    Run,
     stream_batches,
 )
-from simulation.doubles.fake_training import Run, TrainingRuns
+from simulation.doubles.fake_training import TrainingRuns
 
 if TYPE_CHECKING:
     from raytrec.cluster.placement import PlacementSpec

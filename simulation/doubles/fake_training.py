@@ -13,7 +13,6 @@ the others' collectives time out waiting for it.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -21,33 +20,12 @@ from raytrec.elastic.report import RankReport
 from raytrec.elastic.workers import RankFailed
 from simulation.doubles import fake_faults
 from simulation.doubles.fake_model import FakeUsageError, ModelCopy, mix, sync_copies
-from simulation.doubles.fake_rank import NEVER, FakeAnswer, FakeNode, Op, RankState
+from simulation.doubles.fake_rank import NEVER, FakeAnswer, FakeNode, Op, RankState, Run
 
 if TYPE_CHECKING:
     from simulation.doubles.fake_faults import ManualClock
 
-__all__ = ["Run", "TrainingRuns"]
-
-
-@dataclasses.dataclass(eq=False)
-class Run:
-    """One ``train`` call on the live ranks: ``n`` steps of ``step_s`` from ``start``, carried
-    out as the clock passes them; ``done_at``: when each step done so far finished."""
-
-    step0: int
-    start: float
-    done_at: list[float] = dataclasses.field(default_factory=list)
-    end: float = NEVER
-    failed: bool = False
-    futures: dict[int, FakeAnswer[Any]] = dataclasses.field(default_factory=dict)
-    states: list[RankState] = dataclasses.field(default_factory=list)
-    gangs: dict[int, list[RankState]] = dataclasses.field(default_factory=dict)
-    n: int = 0
-    step_s: float = 0.0
-    ready: int = 0
-    begun: int = -1  # the last step whose start (and its faults) was carried out
-    live: bool = True  # steps are still to be carried out
-    after: Run | None = None  # the live run it is queued behind
+__all__ = ["TrainingRuns"]
 
 
 class TrainingRuns:
