@@ -44,11 +44,12 @@ from actors.drain import GangDrain
 from actors.evaluation import JobEvaluation
 from actors.gang_placement import JobPlacement
 from actors.growth import GangGrowth
+from actors.interval import Dispatched, IntervalOutcome
 from actors.job import Committed, JobRecord, Outcome, Prepared, apply_outcome
 from actors.job_ranks import JobRanks
 from actors.nodes import JobNodes
 from actors.ports import JobPorts
-from actors.recovery import Dispatched, FailureRecovery, IntervalOutcome
+from actors.recovery import FailureRecovery
 from actors.reshare import DataStreams, StreamTable
 from actors.total_loss import TotalLossRecovery
 from raytrec.config import TrainConfig
@@ -62,7 +63,8 @@ from raytrec.elastic.control import Boundary, intervals_to_queue
 from raytrec.elastic.events import Event, EventLog
 from raytrec.elastic.membership import Membership
 from raytrec.elastic.rank_protocol import StateDigest
-from raytrec.elastic.report import RankInfo, RunSummary
+from raytrec.elastic.report import RankInfo
+from raytrec.elastic.run_record import RunSummary
 from raytrec.elastic.workers import Clock, RankCallError, RankFailed, SystemClock, WorkerGroup
 from raytrec.engine.rank_engine import RENDEZVOUS_TIMEOUT_S, StoreAddress
 from raytrec.errors import ConfigError, EarlyStopped, JobFailedError, StopRequested
@@ -401,13 +403,9 @@ class Coordinator:
                     final, checkpoint=stopped_by is None or stopping, stopping=stopping
                 )
                 break
-            except RankCallError as e:
-                self.recovery.recover_until_stable(
-                    self.recovery.probe(e)
-                )  # lost at the very end: re-form
-                if (
-                    stopped_by is None and self.state.step < self.state.end_step
-                ):  # rebuilt from a checkpoint
+            except RankCallError as e:  # lost at the very end: re-form, and train on if rebuilt
+                self.recovery.recover_until_stable(self.recovery.probe(e))  # from a checkpoint
+                if stopped_by is None and self.state.step < self.state.end_step:
                     stopped_by = self._train(prepared=False, train_start=train_start)
         else:
             raise JobFailedError("the job kept losing ranks while it finished")

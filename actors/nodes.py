@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from actors.interval import IntervalOutcome
 from actors.ports import JobPorts
 from raytrec.elastic.events import NodeDied
 from raytrec.elastic.membership import Gang, RankSlot
 from raytrec.elastic.report import RankInfo
 from raytrec.elastic.workers import NODE_DIED
-
-if TYPE_CHECKING:
-    from actors.recovery import IntervalOutcome
 
 __all__ = ["JobNodes"]
 

@@ -12,6 +12,11 @@ afterwards.
 Every batch the rank trains is logged with its id and step until the
 coordinator collects the log (``train``'s report, or ``recover`` after a
 failed interval), which is what the coordinator's exactly-once ledger is built from.
+
+Faults are not the rank's business: it calls its :class:`RankHooks` as a step begins, as it
+enters a phase of its work and after a heal, and the plain hooks do nothing. Tests and demos
+that configure ``testing.faults`` or ``testing.stragglers`` get hooks that carry them out
+(:mod:`actors.fault_injection`), chosen at launch.
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -34,7 +38,7 @@ from raytrec.data.feed import BatchFeed, DataExhausted
 from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.parquet_streams import Stream
 from raytrec.data.source import Batch, BatchShard
-from raytrec.elastic.faults import FaultKind, FaultSpec, Phase
+from raytrec.elastic.faults import Phase
 from raytrec.elastic.rank_protocol import (
     LoadedCheckpoint,
     RankProtocol,
@@ -53,7 +57,7 @@ from raytrec.engine.stepping import (
 from raytrec.observability.rec_metrics import MetricState, RankMetrics
 from raytrec.sync.schedule import SyncPlan
 
-__all__ = ["RankWorker", "progress_key"]
+__all__ = ["RankHooks", "RankWorker", "progress_key"]
 
 Item = tuple[int | None, Batch]  # (batch id, batch)
 
@@ -98,13 +102,35 @@ class IntervalOrder:
             self._cond.notify_all()
 
 
-class RankWorker:
-    """One rank of the job. Made a Ray actor by the coordinator (``ray.remote(RankWorker)``)."""
+class RankHooks:
+    """Where something outside a rank's own work may act on it: as a training step begins, as
+    the rank enters a phase of its work (:class:`~raytrec.elastic.faults.Phase`), and after it
+    took a peer's state in a heal. These do nothing; :mod:`actors.fault_injection` carries out
+    ``testing.faults`` and ``testing.stragglers`` in them."""
 
-    def __init__(self, spec: RankSpec, shard: BatchShard) -> None:
+    def attach(self, rank: RankWorker) -> None:
+        """The rank these hooks belong to, once it is constructed (in its own process)."""
+
+    def step_begins(self, step: int) -> float:
+        """Before training step ``step``; returns the seconds the rank was held up."""
+        return 0.0
+
+    def enters(self, phase: Phase) -> None:
+        """As the rank enters ``phase``."""
+
+    def healed(self) -> None:
+        """After the rank took a replica peer's state (``broadcast_state``)."""
+
+
+class RankWorker:
+    """One rank of the job. Made a Ray actor by the coordinator (``ray.remote(RankWorker)``);
+    ``hooks``: see :class:`RankHooks` (default: none that act)."""
+
+    def __init__(self, spec: RankSpec, shard: BatchShard, hooks: RankHooks | None = None) -> None:
         self.spec = spec
         self.shard = shard
         self.engine = RankEngine(spec)
+        self.hooks = hooks or RankHooks()
         self.metrics = RankMetrics()
         self._feed: BatchFeed[Item] | None = None
         self._lock = threading.Lock()
@@ -115,13 +141,10 @@ class RankWorker:
         self._last_end: float | None = None  # when the last train call ended (perf_counter)
         self._heartbeat: threading.Thread | None = None
         self._closed = threading.Event()
-        self._heal_corrupted = False
-        self._phase_fired: set[int] = set()  # phase faults (by index) carried out already
-        self._step_began: float | None = None  # perf_counter() as the last step began
-        self._step_s = 0.02  # the last step's duration: the scale of a process kill's moment
         # Queued replay batches that update their embedding rows only: their dense gradient is
         # already in the model (the coordinator's accounting says which).
         self._embedding_only: set[int] = set()
+        self.hooks.attach(self)
 
     def build(self) -> RankInfo:
         """Joins the gang world and shards the model; returns where this rank runs."""
@@ -173,7 +196,7 @@ class RankWorker:
             self.settle_failed_step(plan.finish_failed_step)
 
     def join_replica_plane(self, generation: int, member_rank: int, size: int) -> None:
-        self._enter(Phase.JOIN)
+        self.hooks.enters(Phase.JOIN)
         self.engine.join_replica_plane(generation=generation, member_rank=member_rank, size=size)
 
     def join_sync_plan(self, plan: SyncPlan) -> None:
@@ -182,17 +205,9 @@ class RankWorker:
     def broadcast_state(self, src: int) -> None:
         """Copies replica-group member ``src``'s full state to this rank (a heal, or the job's
         start)."""
-        self._enter(Phase.HEAL)
+        self.hooks.enters(Phase.HEAL)
         self.engine.broadcast_state(src=src)
-        spec = self.spec
-        if not self._heal_corrupted and spec.config.testing.fault_plan.corrupts_heal(
-            self.engine.step, rank=spec.rank, gang=spec.gang
-        ):
-            # An injected fault (tests of the coordinator's heal check): one weight is off.
-            self._heal_corrupted = True
-            with torch.no_grad():
-                self.engine.embedding_weights()[0].view(-1)[0] += 1.0
-            self.engine.embeddings_written()
+        self.hooks.healed()
 
     def broadcast_dense(self, src: int, gang_src: int = 0) -> None:
         self.engine.broadcast_dense(src=src, gang_src=gang_src)
@@ -318,13 +333,13 @@ class RankWorker:
         try:
             for event in engine.train_steps(inputs(), num_steps):
                 if isinstance(event, StepBegins):
-                    stall_s += self._inject(event.step)
+                    stall_s += self.hooks.step_begins(event.step)
                 elif isinstance(event, StepResult):
                     self._log_trained(event.step, event.batch_id, event.rows, loss=event.loss)
                     self.metrics.update(event.logits, event.labels)
                     rows += event.rows
                 elif isinstance(event, SyncBegins):
-                    self._enter(Phase.SYNC)
+                    self.hooks.enters(Phase.SYNC)
                 else:
                     sync_s += event.seconds
         except StepFailed as e:
@@ -410,7 +425,7 @@ class RankWorker:
         """After a failed ``train``: returns the batches trained since the last report, the
         step count, and whether this rank holds the failed step's dense update, not applied
         (the coordinator settles it once the job has re-formed: :meth:`settle_failed_step`)."""
-        self._enter(Phase.REFORM)
+        self.hooks.enters(Phase.REFORM)
         abandoned = self.engine.abandon_failed_step()
         trained, losses, short = self._take_log()
         return RankReport(
@@ -422,64 +437,8 @@ class RankWorker:
             abandoned_dense_update=abandoned,
         )
 
-    def _inject(self, step: int) -> float:
-        """Carries out the injected faults and stalls due before ``step``; returns seconds slept."""
-        cfg, spec = self.spec.config, self.spec
-        now = time.perf_counter()
-        if self._step_began is not None:  # a gap between intervals is not a step's length
-            self._step_s = min(now - self._step_began, 1.0)
-        self._step_began = now
-        slept = 0.0
-        if cfg.testing.stragglers is not None:
-            slept += cfg.testing.stragglers.stall_seconds(step, spec.rank)
-        for fault in cfg.testing.fault_plan.for_rank(
-            step, rank=spec.rank, gang=spec.gang, node=self._host()
-        ):
-            slept += self._carry_out(fault)
-        if slept:
-            time.sleep(slept)
-        return slept
-
-    def _host(self) -> int:
-        # A node target names a host of the job's initial layout (job rank // ranks_per_host);
-        # ranks that join later sit on hosts beyond it.
-        scaling = self.spec.config.scaling
-        return self.spec.rank // (scaling.ranks_per_host or scaling.gang_size)
-
-    def _enter(self, phase: Phase) -> None:
-        """Carries out the injected faults due as this rank enters ``phase`` (each once)."""
-        spec = self.spec
-        plan = spec.config.testing.fault_plan
-        due = plan.for_phase(
-            phase, self.engine.step, rank=spec.rank, gang=spec.gang, node=self._host()
-        )
-        slept = 0.0
-        for i in sorted(set(due) - self._phase_fired):
-            self._phase_fired.add(i)
-            slept += self._carry_out(plan.faults[i])
-        if slept:
-            time.sleep(slept)
-
-    def _carry_out(self, fault: FaultSpec) -> float:
-        """Carries out a rank fault; returns the seconds to stall."""
-        if fault.kind is FaultKind.KILL_RANK:
-            os._exit(1)  # a crash: no cleanup, no goodbye
-        if fault.kind is FaultKind.KILL_PROCESS:
-            # SIGKILL from another thread a random part of a step from now, whatever this
-            # rank is doing then (mid-collective, as often as not), as the OOM killer does.
-            _, moment = fault.kill_at(self.spec.rank)
-            timer = threading.Timer(moment * self._step_s, _sigkill)
-            timer.daemon = True
-            timer.start()
-            return 0.0
-        if fault.kind is FaultKind.HANG_RANK:
-            # Hung until the coordinator gives up on this rank and kills it; bounded so a
-            # test never leaves a sleeper behind.
-            return 10 * self.spec.config.elastic.step_timeout_s
-        return fault.stall_s or 0.0
-
     def sync(self) -> None:
-        self._enter(Phase.SYNC)
+        self.hooks.enters(Phase.SYNC)
         self.engine.sync()
 
     def evaluate(
@@ -488,7 +447,7 @@ class RankWorker:
         """Scores held-out batches ``batch_ids`` of ``shard`` (None: a padding round, scored
         for the gang's sharded forward and left out); returns the metric states of the rows
         scored (raytrec.eval_plan)."""
-        self._enter(Phase.EVAL)
+        self.hooks.enters(Phase.EVAL)
         metrics = RankMetrics(auc_window=1 << 62)  # every row counts for the AUC
         pad = next((i for i in batch_ids if i is not None), 0)
         for batch_id in batch_ids:
@@ -510,7 +469,7 @@ class RankWorker:
         writes for the job). Returns its step and location."""
         from raytrec.checkpoint.state import save_checkpoint
 
-        self._enter(Phase.CHECKPOINT)
+        self.hooks.enters(Phase.CHECKPOINT)
         ref = save_checkpoint(
             self.engine,
             root,
@@ -556,10 +515,6 @@ class RankWorker:
         if self._feed is not None:
             self._feed.close()
         self.engine.close()
-
-
-def _sigkill() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _digest(tensors: list[torch.Tensor]) -> str:

@@ -15,12 +15,12 @@ membership it re-forms is an outcome (:mod:`actors.job`) the loop applies.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Callable, Collection
 from typing import Any
 
 from actors.gang_placement import JobPlacement
+from actors.interval import Dispatched, IntervalOutcome
 from actors.job import Committed, GangsDropped, Joining, Regenerated
 from actors.nodes import JobNodes
 from actors.ports import JobPorts
@@ -52,46 +52,10 @@ from raytrec.elastic.workers import (
 )
 from raytrec.errors import JobFailedError
 
-__all__ = ["MAX_TRANSIENT", "Dispatched", "FailureRecovery", "IntervalOutcome"]
+__all__ = ["MAX_TRANSIENT", "FailureRecovery"]
 
 # Why a rank the coordinator killed itself is gone: its gang lost another rank.
 _PEER_KILLED = PEER_RELEASED
-
-
-@dataclasses.dataclass(frozen=True)
-class Dispatched:
-    """One interval's ``train`` calls, sent."""
-
-    n: int  # steps
-    end: int  # the step it ends at
-    seq: int  # numbers the job's train calls (actors.rank.IntervalOrder)
-    refs: dict[int, Any]  # job rank -> the future of its report
-    t0: float  # perf_counter() where the interval's wall-clock time starts
-    started: float  # monotonic() when sent: for the hang timeout
-
-
-@dataclasses.dataclass
-class IntervalOutcome:
-    """The outcome of one interval call on every live rank."""
-
-    reports: dict[int, RankReport] = dataclasses.field(default_factory=dict)
-    dead: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> cause
-    errored: dict[int, str] = dataclasses.field(default_factory=dict)
-    hung: list[int] = dataclasses.field(default_factory=list)
-    # Hung rank -> (the last step it finished, seconds it had been silent when found).
-    silence: dict[int, tuple[int, float]] = dataclasses.field(default_factory=dict)
-    # Reports of intervals queued behind the failed one that some survivors went on to train.
-    later: list[RankReport] = dataclasses.field(default_factory=list)
-    booked: bool = False  # recovery has booked the reports above
-    # Deaths, node deaths and hangs already in the event log (a recovery started over).
-    logged: set[int | str] = dataclasses.field(default_factory=set)
-    # Dead rank -> when the coordinator learned it (its clock): the event log books the death
-    # when the recovery starts, once every call of the interval has answered.
-    noticed: dict[int, float] = dataclasses.field(default_factory=dict)
-
-    @property
-    def failed(self) -> bool:
-        return bool(self.dead or self.errored or self.hung)
 
 
 class FailureRecovery:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.fault_injection import hooks_for
 from actors.rank import RankWorker, progress_key
 from raytrec.cluster.placement import PlacementSpec, rank_runtime_env
 from raytrec.data.source import BatchShard
@@ -120,7 +121,7 @@ class RayWorkerGroup:
                 ),
                 runtime_env=rank_runtime_env(scaling.rank_niceness),
             )
-            .remote(spec, shard)
+            .remote(spec, shard, hooks_for(spec.config))  # fault injection, when configured
         )
 
     def call(

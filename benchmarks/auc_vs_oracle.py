@@ -30,7 +30,7 @@ from raytrec.api import Result
 from raytrec.config import TrainConfig
 from raytrec.data.generate import auc
 from raytrec.engine.rank_engine import RankSpec, StoreAddress
-from raytrec.testing.gloo_job import engine_for, run_gang_job
+from simulation.gloo_job import engine_for, run_gang_job
 
 TARGET_RATIO, TARGET_WAIT = 0.97, 0.05  # of the oracle's AUC; of rank time
 TAIL = 4  # intervals averaged for the tail AUC

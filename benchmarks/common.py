@@ -185,7 +185,7 @@ def rank_engine(
     import torch.distributed as dist
 
     from raytrec.engine.rank_engine import RankSpec, StoreAddress
-    from raytrec.testing.gloo_job import engine_for
+    from simulation.gloo_job import engine_for
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     address = StoreAddress(host="127.0.0.1", port=store.port)

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.control_plane_scale --write docs/benchmarks.md
 
-The real coordinator drives the fake worker group (:mod:`raytrec.testing.fake_group`) on its
+The real coordinator drives the fake worker group (:mod:`simulation.doubles.fake_group`) on its
 manual clock through :func:`storm`; what each column counts: docs/benchmarks.md, "Control plane".
 """
 
@@ -30,8 +30,8 @@ from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.decisions import Drain
 from raytrec.elastic.drain_policy import request_drain
-from raytrec.testing import fake_faults as ff
-from raytrec.testing.fake_group import FakeWorkerGroup
+from simulation.doubles import fake_faults as ff
+from simulation.doubles.fake_group import FakeWorkerGroup
 
 SHAPES = ((1024, 4), (4096, 4), (1024, 16), (4096, 16))  # (ranks, gang size)
 EVENTS = ("loss", "heartbeat check", "heal", "drain")

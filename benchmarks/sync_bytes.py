@@ -22,7 +22,7 @@ from raytrec import config as rc
 from raytrec.engine import touched_rows
 from raytrec.engine.rank_engine import RankSpec, StoreAddress
 from raytrec.sync.traffic import expected_sync_bytes, touched_share
-from raytrec.testing.gloo_job import engine_for, make_plan_for, run_gang_job, whole_sync_below
+from simulation.gloo_job import engine_for, make_plan_for, run_gang_job, whole_sync_below
 
 #: MLPerf DLRM-DCNv2's multi-hot sizes: ids per sample of each table, in MLPERF_ROWS' order.
 MLPERF_HOT = (3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1)

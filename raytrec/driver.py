@@ -24,7 +24,7 @@ import ray.train
 
 from raytrec.config import ConfigError
 from raytrec.elastic.events import Event, EventLog
-from raytrec.elastic.report import RunSummary
+from raytrec.elastic.run_record import RunSummary
 from raytrec.errors import JobFailedError, StopRequested
 from raytrec.observability.metrics import IntervalMetrics
 from raytrec.observability.progress import ProgressReporter

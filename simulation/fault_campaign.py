@@ -5,7 +5,7 @@
 outcomes by class and the phases their faults landed in. Each distinct defect (its kind and
 message) is :func:`shrink`-ed: faults are removed and settings simplified for as long as the
 schedule still fails the same way, and the result is printed as one line that replays it
-(:func:`~simulation.fault_schedule.reproducer`). ``python -m jobs.fault_space`` is the
+(:func:`~simulation.fault_schedule.reproducer`). ``python -m simulation`` is the
 command.
 """
 

@@ -11,12 +11,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from raytrec.data.synthetic import split_batch_id
-from raytrec.testing.fake_group import FakeWorkerGroup
+from simulation.doubles.fake_group import FakeWorkerGroup
 from simulation.fault_schedule import BATCH_SIZE, Settings
 
 if TYPE_CHECKING:
     from actors.coordinator import Coordinator
-    from raytrec.elastic.report import RunSummary
+    from raytrec.elastic.run_record import RunSummary
 
 __all__ = ["check_invariants"]
 

@@ -139,7 +139,7 @@ class Schedule:
 
 def reproducer(schedule: Schedule) -> str:
     """One shell line that runs ``schedule`` again and prints its outcome."""
-    return f"python -m jobs.fault_space --replay '{schedule.to_json()}'"
+    return f"python -m simulation --replay '{schedule.to_json()}'"
 
 
 # -- generating -------------------------------------------------------------------------------

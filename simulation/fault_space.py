@@ -3,7 +3,7 @@
 :func:`run_schedule` runs a :class:`~simulation.fault_schedule.Schedule` (drawn from a seed by
 :func:`~simulation.fault_schedule.generate`) through the real
 :class:`~actors.coordinator.Coordinator` over the fake worker group
-(:mod:`raytrec.testing.fake_group`) and a manual clock, and classifies how it ended:
+(:mod:`simulation.doubles.fake_group`) and a manual clock, and classifies how it ended:
 
 - ``pass``: the job finished (or stopped on request) with every batch it trained committed
   exactly once, every row of its data trained (Parquet read by index) and replicas identical;
@@ -12,8 +12,8 @@
 - ``failed``: a documented, named failure (:class:`~raytrec.errors.JobFailedError`,
   :class:`~raytrec.errors.ConfigError`), with the exit code ``python -m jobs.train`` gives it;
 - ``defect``: anything else: another exception, a call the fake refuses
-  (:class:`~raytrec.testing.fake_group.FakeUsageError`), a broken invariant, or a hang (the clock,
-  call or wall budget ran out).
+  (:class:`~simulation.doubles.fake_group.FakeUsageError`), a broken invariant, or a hang (the
+  clock, call or wall budget ran out).
 
 A failing schedule is replayed from one line (:func:`~simulation.fault_schedule.reproducer`),
 after :mod:`simulation.fault_campaign` shrank it to the fewest faults that still fail.
@@ -34,14 +34,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from raytrec.elastic.rank_protocol import RankProtocol
 from raytrec.elastic.workers import Answer
 from raytrec.errors import ConfigError, JobFailedError
-from raytrec.testing import fake_faults as ff
-from raytrec.testing.fake_group import FakeUsageError, FakeWorkerGroup
+from simulation.doubles import fake_faults as ff
+from simulation.doubles.fake_group import FakeUsageError, FakeWorkerGroup
 from simulation.fault_invariants import check_invariants
 from simulation.fault_schedule import BATCH_SIZE, KINDS, MAX_STEPS, Schedule, Settings
 
 if TYPE_CHECKING:
     from actors.coordinator import Coordinator
-    from raytrec.elastic.report import RunSummary
+    from raytrec.elastic.run_record import RunSummary
 
 __all__ = ["Hang", "Outcome", "parquet_shards", "run_schedule"]
 

@@ -42,7 +42,7 @@ from raytrec.config import (
 )
 from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
-from raytrec.testing.gloo_job import engine_for, make_plan_for, run_gang_job, run_steps
+from simulation.gloo_job import engine_for, make_plan_for, run_gang_job, run_steps
 
 pytestmark = pytest.mark.multiprocess
 

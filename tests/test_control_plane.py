@@ -1,9 +1,9 @@
 """The real coordinator's control loop over the in-process fake worker group (milliseconds each).
 
 Each scenario runs :class:`actors.coordinator.Coordinator` end to end over
-:class:`raytrec.testing.fake_group.FakeWorkerGroup` with a manual clock, and checks what it decided:
-the gangs it ended with, the generation, the events with their measured fields, and the batch
-accounting. Every run ends by checking that each batch is in the final model exactly once (the
+:class:`simulation.doubles.fake_group.FakeWorkerGroup` with a manual clock, and checks what it
+decided: the gangs it ended with, the generation, the events with their measured fields, and the
+batch accounting. Every run ends by checking that each batch is in the final model exactly once (the
 fake's own record of the saved model's batches against the coordinator's committed ones) and that
 the replicas agree (the coordinator's final check, which raises otherwise).
 """
@@ -49,10 +49,10 @@ from raytrec.elastic.events import (
     RankDied,
     TotalLoss,
 )
-from raytrec.elastic.report import RunSummary
+from raytrec.elastic.run_record import RunSummary
 from raytrec.elastic.workers import NODE_DIED, RankLost
 from raytrec.errors import JobFailedError, StopRequested
-from raytrec.testing.fake_faults import (
+from simulation.doubles.fake_faults import (
     AtStep,
     FakeShard,
     Fault,
@@ -66,7 +66,7 @@ from raytrec.testing.fake_faults import (
     RankHangs,
     SlowRank,
 )
-from raytrec.testing.fake_group import FakeWorkerGroup
+from simulation.doubles.fake_group import FakeWorkerGroup
 from simulation.fault_invariants import check_invariants
 from simulation.fault_schedule import Settings
 from simulation.fault_space import parquet_shards

@@ -29,7 +29,7 @@ from raytrec.data.source import Batch
 from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.rank_engine import RankSpec
 from raytrec.models import DeepFM, build_model
-from raytrec.testing.gloo_job import engine_for, make_plan_for, run_gang_job, run_steps
+from simulation.gloo_job import engine_for, make_plan_for, run_gang_job, run_steps
 
 pytestmark = pytest.mark.multiprocess
 

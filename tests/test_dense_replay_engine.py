@@ -37,7 +37,7 @@ from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.rank_engine import RankEngine, RankSpec
 from raytrec.engine.replica_plane import ReplicaPlaneError
 from raytrec.engine.stepping import StepFailed, StepInput
-from raytrec.testing.gloo_job import engine_for, make_plan_for, run_gang_job
+from simulation.gloo_job import engine_for, make_plan_for, run_gang_job
 
 pytestmark = pytest.mark.multiprocess
 

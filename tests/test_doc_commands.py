@@ -179,7 +179,10 @@ class _Parsed(Exception):
 def parse_only(module: str, args: Sequence[str]) -> argparse.Namespace:
     """The namespace ``python -m module args`` parses its arguments into; its ``main`` is stopped
     right after ``parse_args``, before it does anything."""
-    assert importlib.util.find_spec(module) is not None, f"no module {module}"
+    spec = importlib.util.find_spec(module)
+    assert spec is not None, f"no module {module}"
+    if spec.submodule_search_locations is not None:  # a package runs as its __main__
+        module = f"{module}.__main__"
     main = getattr(importlib.import_module(module), "main", None)
     assert main is not None, f"{module} has no main(argv)"
     parse_args = argparse.ArgumentParser.parse_args

@@ -25,7 +25,7 @@ from raytrec.elastic.events import (
     GenerationStarted,
     RankDied,
 )
-from raytrec.elastic.report import RunRecord, RunSummary
+from raytrec.elastic.run_record import RunRecord, RunSummary
 from raytrec.errors import EarlyStopped
 from raytrec.observability.metrics import IntervalMetrics
 from raytrec.observability.progress import EVENTS_FILE, ProgressReporter, format_event

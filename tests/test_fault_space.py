@@ -132,7 +132,7 @@ def test_the_shrinker_keeps_only_the_fault_that_fails_and_simplifies_the_setting
 
 
 def test_a_reproducer_replays_the_schedule_it_prints(capsys: pytest.CaptureFixture[str]) -> None:
-    from jobs.fault_space import main
+    from simulation.__main__ import main
 
     schedule = Schedule(
         Settings(gangs=2, gang_size=2, grow=True, max_gangs=3, spare_nodes=1, data="reshared"),
@@ -140,7 +140,7 @@ def test_a_reproducer_replays_the_schedule_it_prints(capsys: pytest.CaptureFixtu
     )
     line = reproducer(schedule)
     argv = shlex.split(line)
-    assert argv[:4] == ["python", "-m", "jobs.fault_space", "--replay"]
+    assert argv[:4] == ["python", "-m", "simulation", "--replay"]
     assert Schedule.from_json(argv[4]) == schedule
     assert main(argv[3:]) == 0
     out = capsys.readouterr().out

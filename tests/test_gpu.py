@@ -47,7 +47,7 @@ from raytrec.engine.plan import apply_embedding_optimizer, make_plan
 from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
 from raytrec.engine.replica_plane import ReplicaPlane
 from raytrec.models import build_dlrm
-from raytrec.testing.gloo_job import engine_for, run_gang_job, run_steps
+from simulation.gloo_job import engine_for, run_gang_job, run_steps
 
 pytestmark = [
     pytest.mark.gpu,

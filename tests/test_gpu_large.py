@@ -39,7 +39,7 @@ from raytrec.engine.plan import job_plan
 from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
 from raytrec.engine.replica_plane import ReplicaPlane
 from raytrec.models import build_train_model
-from raytrec.testing.gloo_job import run_gang_job
+from simulation.gloo_job import run_gang_job
 
 pytestmark = [
     pytest.mark.gpu,

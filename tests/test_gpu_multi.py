@@ -33,7 +33,7 @@ from raytrec.config import ScalingConfig, TrainConfig
 from raytrec.engine.plan import job_plan
 from raytrec.engine.rank_engine import RankEngine, RankSpec
 from raytrec.models import build_train_model
-from raytrec.testing.gloo_job import run_gang_job
+from simulation.gloo_job import run_gang_job
 
 
 def gpus(n: int) -> pytest.MarkDecorator:

@@ -55,7 +55,7 @@ from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.dense_optimizer import DENSE_OPTIMIZERS, dense_optimizer_kwargs
 from raytrec.engine.rank_engine import RankEngine, RankSpec, StoreAddress
 from raytrec.engine.replica_plane import ReplicaPlaneError
-from raytrec.testing.gloo_job import engine_for, make_plan_for, run_gang_job
+from simulation.gloo_job import engine_for, make_plan_for, run_gang_job
 
 pytestmark = pytest.mark.multiprocess
 

@@ -34,7 +34,7 @@ from raytrec.config import ScalingConfig
 from raytrec.data.source import Batch
 from raytrec.engine.rank_engine import RankEngine, RankSpec
 from raytrec.engine.stepping import StepBegins, StepFailed, StepInput, StepResult
-from raytrec.testing.gloo_job import engine_for, make_plan_for, run_gang_job
+from simulation.gloo_job import engine_for, make_plan_for, run_gang_job
 
 pytestmark = pytest.mark.multiprocess
 

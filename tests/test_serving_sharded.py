@@ -30,7 +30,7 @@ from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine.rank_engine import RankSpec
 from raytrec.serving.export import STATE_FILE, export, load_model
 from raytrec.serving.model_spec import ModelSpec, write_model_spec
-from raytrec.testing.gloo_job import engine_for, make_plan_for, run_gang_job, run_steps
+from simulation.gloo_job import engine_for, make_plan_for, run_gang_job, run_steps
 
 pytestmark = pytest.mark.multiprocess
 

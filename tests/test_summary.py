@@ -1,4 +1,5 @@
-"""The run's ledger (raytrec.observability.summary) over a Result as fit() returns it."""
+"""The run's ledger (raytrec.result.ledger, written and printed by raytrec.observability.summary)
+over a Result as fit() returns it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from raytrec.config import ScalingConfig, TrainConfig
 from raytrec.elastic.events import EventLog, GangDropped, GangJoined, NodeDied, RankDied
 from raytrec.elastic.workers import NODE_DIED, PEER_RELEASED
 from raytrec.observability.metrics import IntervalMetrics
-from raytrec.observability.summary import ledger, ledger_lines, write_ledger
+from raytrec.observability.summary import ledger_lines, write_ledger
+from raytrec.result import ledger
 
 
 def row(step: int, loss: float, auc: float, rows: int) -> IntervalMetrics:

@@ -50,7 +50,7 @@ from raytrec.data.synthetic import SyntheticCriteo
 from raytrec.engine import touched_rows
 from raytrec.engine.rank_engine import RankEngine, RankSpec, StepInput, StoreAddress
 from raytrec.sync.schedule import plan_sync
-from raytrec.testing.gloo_job import (
+from simulation.gloo_job import (
     count_sync_collectives,
     engine_for,
     make_plan_for,

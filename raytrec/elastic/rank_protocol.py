@@ -1,7 +1,7 @@
 """What the coordinator may ask of a rank, typed end to end.
 
 :class:`RankProtocol` lists the rank actor's methods (:class:`actors.rank.RankWorker` on Ray;
-the fake rank of :mod:`raytrec.testing.fake_group` in tests) with their arguments and answers.
+an in-process fake rank in tests) with their arguments and answers.
 The coordinator calls ranks through :meth:`raytrec.elastic.workers.WorkerGroup.call` with a
 function of a rank, ``group.call(ranks, lambda w, r: w.replay(ids[r]))``: mypy checks the
 method's name, its arguments and its answer's type at every call site, and the answer comes back

@@ -4,9 +4,9 @@ The coordinator (:mod:`actors.coordinator`) never talks to Ray directly. It star
 their methods, waits for the answers, kills ranks, reads their progress, places and releases
 gang placement groups and reads the node table through a :class:`WorkerGroup`, and reads the
 time from a :class:`Clock`. :class:`actors.worker_group.RayWorkerGroup` is the Ray
-implementation; :class:`raytrec.testing.fake_group.FakeWorkerGroup` runs ranks in-process with a
-frozen clock, so the real control loop is tested without Ray (Ray Train v2 tests its controller
-the same way).
+implementation; the tests and the fault-space simulation run ranks in-process with a frozen
+clock behind the same seam, so the real control loop is tested without Ray (Ray Train v2 tests
+its controller the same way).
 
 A call is a function of a rank (:class:`~raytrec.elastic.rank_protocol.RankProtocol`) and its
 job rank: ``group.call(ranks, lambda w, r: w.replay(ids[r]))``. Mypy checks the method, its

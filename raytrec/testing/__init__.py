@@ -1,16 +1,13 @@
-"""Test doubles, for tests, demos and the fault-space simulation.
+"""Fault injection on a simulated multi-node Ray cluster, for users testing a job on one machine.
 
-- :mod:`raytrec.testing.ray_cluster`: fault injection on a simulated multi-node Ray cluster
-  (:func:`simulated_cluster`, :class:`NodeRemover`, :class:`NodeDrainer`, ...), re-exported
-  here. It imports Ray; the others do not.
-- :mod:`raytrec.testing.fake_group`: :class:`~raytrec.testing.fake_group.FakeWorkerGroup`, the
-  coordinator's worker group without Ray: fake ranks (:mod:`~raytrec.testing.fake_rank`, which
-  implement :class:`~raytrec.elastic.rank_protocol.RankProtocol`), their model copies
-  (:mod:`~raytrec.testing.fake_model`), their training (:mod:`~raytrec.testing.fake_training`)
-  and the fault schedule they carry out (:mod:`~raytrec.testing.fake_faults`), on a manual
-  clock.
-- :mod:`raytrec.testing.gloo_job`: :func:`~raytrec.testing.gloo_job.run_gang_job`, a job of
-  real rank engines, one process per rank on gloo (multi-process tests and benchmarks).
+:mod:`raytrec.testing.ray_cluster` (re-exported here; it imports Ray when first asked for):
+:func:`simulated_cluster` starts a multi-node cluster on 127.0.0.1, :class:`NodeRemover` and
+:class:`NodeDrainer` remove or drain the node of a chosen rank at a chosen step,
+:func:`running_coordinator` finds the job's coordinator and :func:`committed_row_ids` reads the
+rows a job committed. Rank faults (kill, hang, slow) are configured with ``testing.faults``.
+
+The project's own test doubles (the fake worker group the fault-space simulation drives, the
+gloo gang harness) live in the checkout's ``simulation/`` and are not installed.
 """
 
 from __future__ import annotations

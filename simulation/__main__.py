@@ -1,11 +1,13 @@
 """Runs seeded random fault schedules through the real control plane, or replays one.
 
-    python -m jobs.fault_space --schedules 100000 --seed 0 --workers 2
-    python -m jobs.fault_space --replay '<schedule json>'
+    python -m simulation --schedules 100000 --seed 0 --workers 2
+    python -m simulation --replay '<schedule json>'
 
 A campaign prints the outcomes by class, the phases its faults landed in, and for each distinct
 defect a shrunk schedule as a one-line reproducer; it exits 1 when it found a defect. A replay
 prints the schedule's outcome and exits 1 when it is a defect. (simulation.fault_space)
+
+Run from a checkout: the simulation and its doubles are not part of the installed package.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.fault_space", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m simulation", description=__doc__)
     parser.add_argument("--schedules", type=int, default=2000, help="how many schedules")
     parser.add_argument("--seed", type=int, default=0, help="the first schedule's seed")
     parser.add_argument("--workers", type=int, default=1, help="processes running schedules")

@@ -6,53 +6,31 @@ The live ranks train in lockstep (dense gradients are averaged every step), one 
 clock passes them, not when it is made: a rank that dies or is killed, or a replica plane
 aborted, in the middle of a step fails that step for every rank of the call (the others take the
 step's batch, update their embeddings and wait in a collective), and the steps after it never
-happen. Faults scheduled at a step (:mod:`raytrec.testing.fake_faults`) strike as it starts. A
+happen. Faults scheduled at a step (:mod:`simulation.doubles.fake_faults`) strike as it starts. A
 rank slower per step than the others by more than ``collective_timeout_s`` fails every step:
 the others' collectives time out waiting for it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from raytrec.elastic.report import RankReport
 from raytrec.elastic.workers import RankFailed
-from raytrec.testing import fake_faults
-from raytrec.testing.fake_model import FakeUsageError, ModelCopy, mix, sync_copies
-from raytrec.testing.fake_rank import NEVER, FakeAnswer, FakeNode, Op, RankState
+from simulation.doubles import fake_faults
+from simulation.doubles.fake_model import FakeUsageError, ModelCopy, mix, sync_copies
+from simulation.doubles.fake_rank import NEVER, FakeAnswer, FakeNode, Op, RankState, Run
 
 if TYPE_CHECKING:
-    from raytrec.testing.fake_faults import ManualClock
+    from simulation.doubles.fake_faults import ManualClock
 
-__all__ = ["Run", "TrainingRuns"]
-
-
-@dataclasses.dataclass(eq=False)
-class Run:
-    """One ``train`` call on the live ranks: ``n`` steps of ``step_s`` from ``start``, carried
-    out as the clock passes them; ``done_at``: when each step done so far finished."""
-
-    step0: int
-    start: float
-    done_at: list[float] = dataclasses.field(default_factory=list)
-    end: float = NEVER
-    failed: bool = False
-    futures: dict[int, FakeAnswer[Any]] = dataclasses.field(default_factory=dict)
-    states: list[RankState] = dataclasses.field(default_factory=list)
-    gangs: dict[int, list[RankState]] = dataclasses.field(default_factory=dict)
-    n: int = 0
-    step_s: float = 0.0
-    ready: int = 0
-    begun: int = -1  # the last step whose start (and its faults) was carried out
-    live: bool = True  # steps are still to be carried out
-    after: Run | None = None  # the live run it is queued behind
+__all__ = ["TrainingRuns"]
 
 
 class TrainingRuns:
     """The worker group's training (module doc), as a part of
-    :class:`~raytrec.testing.fake_group.FakeWorkerGroup`: the group's state it works on is
+    :class:`~simulation.doubles.fake_group.FakeWorkerGroup`: the group's state it works on is
     declared here."""
 
     clock: ManualClock

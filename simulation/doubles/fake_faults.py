@@ -1,6 +1,6 @@
 """What a test scripts for the fake worker group: its fault schedule, its clock and its shards.
 
-:class:`~raytrec.testing.fake_group.FakeWorkerGroup` carries out the schedule: a rank or node
+:class:`~simulation.doubles.fake_group.FakeWorkerGroup` carries out the schedule: a rank or node
 that dies (:class:`RankDies`, :class:`NodeDies`), hangs (:class:`RankHangs`), fails once
 (:class:`RankFails`) or is slow (:class:`SlowRank`); a node marked draining
 (:class:`NodeDrains`); a heal that goes wrong (:class:`HealCorrupted`); nodes that join later

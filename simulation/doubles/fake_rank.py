@@ -2,7 +2,7 @@
 
 :class:`FakeRank` implements :class:`~raytrec.elastic.rank_protocol.RankProtocol`. Calling one
 of its methods does not carry the call out: it books it (an :class:`Op`), and the worker group
-(:class:`~raytrec.testing.fake_group.FakeWorkerGroup`) carries out the call on every rank it went
+(:class:`~simulation.doubles.fake_group.FakeWorkerGroup`) carries out the call on every rank it went
 to once it has dealt with the faults due at it (a rank that dies, hangs, or whose group breaks
 at this call). A method a rank answers alone (``@alone``) runs its body then; the collectives
 (``sync``, the broadcasts, checkpoints, ``save``) and ``train`` name the group function that
@@ -17,7 +17,7 @@ import enum
 import functools
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
 from raytrec.data.parquet_streams import stream_length
 from raytrec.data.synthetic import batch_id
@@ -29,7 +29,7 @@ from raytrec.elastic.rank_protocol import (
 )
 from raytrec.elastic.report import RankInfo, RankReport, TrainedBatch
 from raytrec.elastic.workers import NODE_DIED, Answer, RankFailed, RankLost
-from raytrec.testing.fake_model import FakeUsageError
+from simulation.doubles.fake_model import FakeUsageError
 
 if TYPE_CHECKING:
     from raytrec.checkpoint.config import CheckpointConfig
@@ -38,10 +38,20 @@ if TYPE_CHECKING:
     from raytrec.engine.rank_engine import RankSpec
     from raytrec.observability.rec_metrics import MetricState
     from raytrec.sync.schedule import SyncPlan
-    from raytrec.testing.fake_group import FakeWorkerGroup
-    from raytrec.testing.fake_training import Run
+    from simulation.doubles.fake_faults import ManualClock
+    from simulation.doubles.fake_model import ModelCopy
 
-__all__ = ["FakeAnswer", "FakeNode", "FakePlacement", "FakeRank", "Op", "OpKind", "RankState"]
+__all__ = [
+    "FakeAnswer",
+    "FakeNode",
+    "FakePlacement",
+    "FakeRank",
+    "Op",
+    "OpKind",
+    "RankHost",
+    "RankState",
+    "Run",
+]
 
 NEVER = math.inf
 
@@ -142,6 +152,27 @@ class RankState:
         return RankLost(self.spec.rank, self.cause, node_died=self.cause == NODE_DIED)
 
 
+@dataclasses.dataclass(eq=False)
+class Run:
+    """One ``train`` call on the live ranks: ``n`` steps of ``step_s`` from ``start``, carried
+    out as the clock passes them; ``done_at``: when each step done so far finished."""
+
+    step0: int
+    start: float
+    done_at: list[float] = dataclasses.field(default_factory=list)
+    end: float = NEVER
+    failed: bool = False
+    futures: dict[int, FakeAnswer[Any]] = dataclasses.field(default_factory=dict)
+    states: list[RankState] = dataclasses.field(default_factory=list)
+    gangs: dict[int, list[RankState]] = dataclasses.field(default_factory=dict)
+    n: int = 0
+    step_s: float = 0.0
+    ready: int = 0
+    begun: int = -1  # the last step whose start (and its faults) was carried out
+    live: bool = True  # steps are still to be carried out
+    after: Run | None = None  # the live run it is queued behind
+
+
 def stream_batches(shard: object, batch_size: int) -> float:
     """Batches a shard's stream holds: a re-shared source's (Parquet read by index) are
     finite; the others' are endless."""
@@ -203,10 +234,33 @@ def _booked(op: Op) -> Any:
 # -- the rank protocol ------------------------------------------------------------------------
 
 
+class RankHost(Protocol):
+    """What a fake rank asks of the worker group it runs in
+    (:class:`~simulation.doubles.fake_group.FakeWorkerGroup`): the clock, its gang's model copy,
+    answers due later, and the functions that carry out its collectives (:data:`Together`)."""
+
+    clock: ManualClock
+    build_s: float
+    copies: dict[int, ModelCopy]
+
+    def answer(
+        self, rank: RankState, value: Any = None, *, due: float | None = None
+    ) -> FakeAnswer[Any]: ...
+    def abort_step(self, rank: RankState) -> None: ...
+    def sync_all(self, states: list[RankState], ops: Mapping[int, Op]) -> dict[int, Any]: ...
+    def broadcast_all(self, states: list[RankState], ops: Mapping[int, Op]) -> dict[int, Any]: ...
+    def broadcast_dense_all(
+        self, states: list[RankState], ops: Mapping[int, Op]
+    ) -> dict[int, Any]: ...
+    def save_checkpoint(self, states: list[RankState], ops: Mapping[int, Op]) -> dict[int, Any]: ...
+    def load_checkpoint(self, states: list[RankState], ops: Mapping[int, Op]) -> dict[int, Any]: ...
+    def save_model(self, states: list[RankState], ops: Mapping[int, Op]) -> dict[int, Any]: ...
+
+
 class FakeRank:
     """One fake rank as the coordinator calls it (:class:`RankProtocol`; module doc)."""
 
-    def __init__(self, group: FakeWorkerGroup, state: RankState) -> None:
+    def __init__(self, group: RankHost, state: RankState) -> None:
         self._group = group
         self._s = state
 

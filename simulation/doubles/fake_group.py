@@ -1,22 +1,22 @@
 """An in-process worker group: the real control loop without Ray.
 
 :class:`FakeWorkerGroup` implements :class:`~raytrec.elastic.workers.WorkerGroup` with fake
-ranks (:class:`~raytrec.testing.fake_rank.FakeRank`, a
+ranks (:class:`~simulation.doubles.fake_rank.FakeRank`, a
 :class:`~raytrec.elastic.rank_protocol.RankProtocol`) that "train" by taking batch ids from their
 streams (replays first, as a real feed does) and return well-formed
 :class:`~raytrec.elastic.report.RankReport`\\ s; no process, no process group. Its clock
-(:class:`~raytrec.testing.fake_faults.ManualClock`) advances only when the coordinator sleeps or
+(:class:`~simulation.doubles.fake_faults.ManualClock`) advances only when the coordinator sleeps or
 waits, so a test of minutes of job time runs in milliseconds and every timeout is exact.
 
 What the fake models, and where:
 
-- **Training** (:mod:`raytrec.testing.fake_training`): lockstep steps carried out as the clock
+- **Training** (:mod:`simulation.doubles.fake_training`): lockstep steps carried out as the clock
   passes them.
-- **State** (:mod:`raytrec.testing.fake_model`): each gang holds one model copy. Syncs merge the
+- **State** (:mod:`simulation.doubles.fake_model`): each gang holds one model copy. Syncs merge the
   gangs' copies, ``broadcast_state`` copies a member's, checkpoints save and load it, and
   ``state_digest`` hashes it, so heal verification and the final replica check behave as on real
   ranks; :meth:`FakeWorkerGroup.model_batches` says which batches the final model holds.
-- **Faults**, from a schedule (:mod:`raytrec.testing.fake_faults`). A rank or node that dies as
+- **Faults**, from a schedule (:mod:`simulation.doubles.fake_faults`). A rank or node that dies as
   a step starts fails its call at once; the ranks waiting for it in that step's collectives fail
   when the coordinator aborts their replica planes, or after ``collective_timeout_s``. A hung
   rank's call never returns and its heartbeat stops.
@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from raytrec.elastic.rank_protocol import LoadedCheckpoint, RankProtocol
 from raytrec.elastic.workers import NODE_DIED, Answer, NodeInfo, RankFailed, RankLost
-from raytrec.testing import fake_faults
-from raytrec.testing.fake_model import EMPTY, FakeUsageError, ModelCopy, mix, sync_copies
-from raytrec.testing.fake_rank import (
+from simulation.doubles import fake_faults
+from simulation.doubles.fake_model import EMPTY, FakeUsageError, ModelCopy, mix, sync_copies
+from simulation.doubles.fake_rank import (
     NEVER,
     FakeAnswer,
     FakeNode,
@@ -48,9 +48,10 @@ from raytrec.testing.fake_rank import (
     Op,
     OpKind,
     RankState,
+    Run,
     stream_batches,
 )
-from raytrec.testing.fake_training import Run, TrainingRuns
+from simulation.doubles.fake_training import TrainingRuns
 
 if TYPE_CHECKING:
     from raytrec.cluster.placement import PlacementSpec
@@ -63,7 +64,7 @@ R = TypeVar("R")
 
 
 class FakeWorkerGroup(TrainingRuns):
-    """Fake ranks on fake nodes, driven by a :class:`~raytrec.testing.fake_faults.ManualClock`
+    """Fake ranks on fake nodes, driven by a :class:`~simulation.doubles.fake_faults.ManualClock`
     (module doc).
 
     ``nodes`` nodes of ``cpus_per_node`` CPUs each to start with; ``step_s``: seconds a step
@@ -476,7 +477,7 @@ class FakeWorkerGroup(TrainingRuns):
         return FakeAnswer(rank.spec.rank, at, value=value)
 
     def _alone(self, rank: RankState, op: Op) -> FakeAnswer[Any]:
-        """A call ``rank`` answers by itself (:func:`~raytrec.testing.fake_rank.alone`)."""
+        """A call ``rank`` answers by itself (:func:`~simulation.doubles.fake_rank.alone`)."""
         if rank.died_at <= self.clock.now:
             return self.answer(rank)
         assert op.run is not None
