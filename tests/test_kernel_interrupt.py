@@ -17,6 +17,7 @@ Each interrupt's time to the stop is printed (``pytest -s``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -253,8 +254,12 @@ def kernel(tmp_path: pathlib.Path) -> Iterator[Kernel]:
     try:
         yield k
     finally:
-        if k.km.is_alive():
+        if k.km.is_alive():  # the test failed: its kernel and Ray's processes are ended
+            started = k.processes()
             k.km.shutdown_kernel(now=True)
+            for pid in gone(started, within_s=10):
+                with contextlib.suppress(psutil.Error):
+                    psutil.Process(pid).kill()
 
 
 def test_interrupting_the_kernel_stops_fit_and_leaves_nothing_behind(
@@ -315,5 +320,6 @@ def test_interrupting_the_kernel_stops_fit_and_leaves_nothing_behind(
     kernel.shutdown()
     left = gone(started, within_s=30)
     for pid in left:  # ours to end, so the next test starts clean
-        psutil.Process(pid).kill()
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()
     assert not left, f"processes of the kernel still running after its shutdown: {left}"
