@@ -73,7 +73,8 @@ def test_the_same_seed_gives_bitwise_identical_final_weights(
 
 
 def final_state(result: Result) -> dict[str, torch.Tensor]:
-    """Every tensor of the run's final model (the model's and the optimizers'), unsharded."""
+    """Every tensor of the run's final model (its weights: the optimizer state is not in it,
+    ``Result.state_digests`` covers that), unsharded."""
     assert result.final_state_path is not None
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "state.pt")
