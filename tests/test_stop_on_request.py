@@ -9,8 +9,9 @@ trained. Either way every process the job started (Ray's included: raylet, GCS, 
 runtime-env agents, workers) is gone once it has exited.
 
 Both signals reach the same handler (``raytrec.driver.StopOnSignal``), which these tests check
-with one signal each. A second signal while training stops at once: that, and SIGINT from a
-notebook's *Interrupt the kernel*, are held by ``tests/test_kernel_interrupt.py``.
+with one signal each. A second signal while training stops ``fit`` at once:
+``tests/test_kernel_interrupt.py`` holds that, and SIGINT from a notebook's *Interrupt the
+kernel*, in ``fit`` itself; the exit code 130 that ``jobs.train`` then ends with is not run here.
 """
 
 from __future__ import annotations
