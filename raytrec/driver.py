@@ -167,6 +167,7 @@ class StopOnSignal:
 
     def __init__(self) -> None:
         self.asked = False
+        self.again = ""  # why the second signal stopped the job at once
         self.training = False
         self._saved: dict[int, Any] = {}
 
@@ -174,7 +175,8 @@ class StopOnSignal:
         if not self.training:
             raise StopRequested(f"stopped on request (signal {signum}) before training started")
         if self.asked:
-            raise KeyboardInterrupt(f"signal {signum} again: stopping at once")
+            self.again = f"signal {signum} again: stopping at once"
+            raise KeyboardInterrupt(self.again)
         self.asked = True
         print(
             f"[raytrec] signal {signum}: stopping at the next interval boundary "
@@ -212,7 +214,7 @@ def follow(
             if stop.asked and not stop_sent:
                 coordinator.request_stop.remote()
                 stop_sent = True
-            done, _ = ray.wait([run_ref], timeout=1.0)
+            done = _wait(run_ref, stop, stop_sent, seconds=1.0)
             rows = ray.get(coordinator.progress.remote(seen))
             for row in rows:
                 on_progress(row)
@@ -224,6 +226,12 @@ def follow(
                 seen_events += len(events)
             if done:
                 return ray.get(run_ref)
+    except KeyboardInterrupt as e:
+        if stop.again and not str(e):
+            # Raised inside a call into Ray, the handler's exception comes out as Ray's own bare
+            # KeyboardInterrupt: it is given back its words.
+            raise KeyboardInterrupt(stop.again) from None
+        raise
     except ray.exceptions.RayTaskError as e:
         cause = getattr(e, "cause", None)
         if isinstance(cause, JobFailedError | ConfigError):
@@ -234,6 +242,21 @@ def follow(
             "the coordinator actor died, and the job with it: raytrec does not survive the "
             f"loss of its coordinator (its node, or the driver's Ray session, went away): {e}"
         ) from e
+
+
+def _wait(run_ref: Any, stop: StopOnSignal, stop_sent: bool, *, seconds: float) -> bool:
+    """Waits up to ``seconds`` for the job to end (True when it has), in slices of 0.1 s: a
+    signal's handler runs in this thread only between two calls into Ray (inside one, Ray looks
+    for signals once a second), and two signals that come before it runs reach it as one, so a
+    second interrupt sent within a second of the first would not stop the job at once. Returns
+    early when a first signal asks for a stop, so that the coordinator hears of it at once."""
+    deadline = time.monotonic() + seconds
+    while True:
+        done, _ = ray.wait([run_ref], timeout=0.1)
+        if done:
+            return True
+        if (stop.asked and not stop_sent) or time.monotonic() >= deadline:
+            return False
 
 
 def release_placement_groups(prefix: str) -> None:

@@ -1,13 +1,15 @@
 """Parquet read by index through fit() on a local Ray cluster (127.0.0.1): a gang lost
 mid-epoch, whose uncommitted batches the survivor reads again and whose untaken rows it trains
-too, so every row of the epoch is in the final model exactly once; and a resume from a
-checkpoint that goes on with the batches after it."""
+too, so every row of the epoch is in the final model exactly once, and the same job run again
+(same seed, same fault plan) ends with bitwise-identical weights and optimizer state; and a
+resume from a checkpoint that goes on with the batches after it."""
 
 from __future__ import annotations
 
 import pathlib
 
 import pytest
+from test_reproducible_cluster import assert_same_state, final_state
 
 from raytrec.api import fit
 from raytrec.checkpoint.config import CheckpointConfig
@@ -88,6 +90,12 @@ def test_a_lost_gang_s_rows_are_trained_by_the_survivors_exactly_once_over_the_e
     assert shard.plan(B).steps_per_epoch == EPOCH_STEPS
     trained = committed_row_ids(result, data.paths)
     assert sorted(trained.tolist()) == list(range(ROWS))
+
+    # Reproducible through the failure: the same job again ends with the same bits.
+    again = fit(config.replace(name="again"), shutdown_ray=False)
+    assert again.steps == result.steps and again.replayed_batches == result.replayed_batches
+    assert_same_state(final_state(result), final_state(again))
+    assert again.state_digests == result.state_digests  # the optimizer state too
 
 
 def test_a_resume_continues_on_the_batches_after_the_checkpoint(
