@@ -71,9 +71,20 @@ def check_capacity(
 
 def check_checkpoint(uri: str, config: TrainConfig) -> None:
     """A missing, partial or incompatible checkpoint fails here, before any actor starts."""
-    from raytrec.checkpoint.layout import read_manifest
-    from raytrec.checkpoint.manifest import check_compatible, signature_for
+    import posixpath
 
+    from raytrec.checkpoint.errors import CheckpointError
+    from raytrec.checkpoint.layout import MARKER, filesystem, read_manifest
+    from raytrec.checkpoint.manifest import check_compatible, signature_for
+    from raytrec.serving.export import STATE_FILE
+
+    fs, path = filesystem(uri)
+    if fs.exists(posixpath.join(path, STATE_FILE)) and not fs.exists(posixpath.join(path, MARKER)):
+        raise CheckpointError(
+            f"{uri} is a raytrec.export directory (the model unsharded, without optimizer "
+            "state), not a checkpoint: a job starts from a checkpoint directory; pass the "
+            "checkpoint the export was made from"
+        )
     manifest = read_manifest(uri)
     # Tables and optimizers here; each rank checks its dense shapes too before loading.
     expected = signature_for(config, manifest.signature.dense_params)

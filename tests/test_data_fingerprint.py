@@ -1,4 +1,5 @@
-"""The fingerprint of the data a run read, and the refusal to resume onto changed data."""
+"""What a job that starts from a checkpoint is checked for on the driver: the fingerprint of the
+data a run read and the refusal to resume onto changed data; an export passed as a checkpoint."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ from typing import Any
 
 import pytest
 
+from raytrec.checkpoint.errors import CheckpointError
 from raytrec.checkpoint.layout import CheckpointStore, read_manifest
 from raytrec.checkpoint.manifest import Manifest, ModelSignature
-from raytrec.config import ConfigError
+from raytrec.config import ConfigError, TrainConfig
 from raytrec.data.fingerprint import data_changes, data_fingerprint
 from raytrec.data.parquet import ParquetSource
 from raytrec.data.spec import criteo_spec
 from raytrec.data.synthetic import SyntheticCriteo
-from raytrec.preflight import check_same_data
+from raytrec.preflight import check_checkpoint, check_same_data
 
 
 def checkpoint_with(root: pathlib.Path, data: dict[str, Any] | None) -> str:
@@ -111,3 +113,11 @@ def test_synthetic_settings_and_source_kind_are_compared(
 def test_a_checkpoint_without_a_fingerprint_is_not_checked(tmp_path: pathlib.Path) -> None:
     uri = checkpoint_with(tmp_path / "checkpoints", None)
     check_same_data(uri, data_fingerprint(SyntheticCriteo(seed=3)))
+
+
+def test_an_export_directory_is_refused_as_a_start(tmp_path: pathlib.Path) -> None:
+    export = tmp_path / "exports" / "ctr"
+    export.mkdir(parents=True)
+    (export / "model.pt").write_bytes(b"")  # what raytrec.export writes, minus the rest
+    with pytest.raises(CheckpointError, match=r"ctr is a raytrec.export directory .* not a"):
+        check_checkpoint(str(export), TrainConfig())
