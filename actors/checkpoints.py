@@ -42,23 +42,29 @@ class JobCheckpoints:
         config: CheckpointConfig,
         streams: DataStreams,
         progress: Callable[[], Sequence[IntervalMetrics]],
+        data: dict[str, Any] | None = None,
+        init_from: str | None = None,
     ) -> None:
         self.job = job
+        self.data = data  # the fingerprint of the data read (raytrec.data.fingerprint)
+        self.init_from = init_from  # a checkpoint whose model (only) the job starts from
         self.config = config
         self.streams = streams
         self.progress = progress
         self.root = checkpoint_root(run_dir)
         self.last: str | None = None  # the last checkpoint this run saved
 
-    def resume_streams(self, uri: str) -> dict[int, StreamStart] | None:
+    def resume_streams(self, uri: str | None) -> dict[int, StreamStart] | None:
         """Where each rank of this job reads after resuming from ``uri``: the checkpoint's own
         streams continued (:func:`~raytrec.elastic.rollback.plan_streams`, on any number of
         ranks), with its batch accounting restored, so the job goes on with the batches the
         saved one had not trained and counts each batch once across both runs. None, when the
         checkpoint holds no accounting or the source cannot name its batches: the ranks then
-        read their own shards from the checkpoint's step."""
+        read their own shards from the checkpoint's step (and for no ``uri``: no resume)."""
         from raytrec.checkpoint.layout import read_manifest
 
+        if uri is None:
+            return None
         extra = read_manifest(uri).extra
         snapshot = extra.get("accounting")
         if self.streams.stream_id is None or not snapshot or snapshot.get("streams") is None:
@@ -98,6 +104,30 @@ class JobCheckpoints:
         )
         return PointSaved(point, at=saved_at)
 
+    def start_from(self, resume: str | None, starts: dict[int, StreamStart] | None) -> None:
+        """The job starts from a checkpoint: resumes ``resume`` (:meth:`restore`, continuing at
+        ``starts``), or else takes the model of ``init_from`` (:meth:`initialize`)."""
+        if resume is not None:
+            self.job.apply(self.restore(resume, starts))
+        elif self.init_from is not None:
+            self.initialize(self.init_from)
+
+    def initialize(self, uri: str) -> None:
+        """Every gang loads the model of ``uri`` (weights and optimizer state, resharded to this
+        job's shape) and nothing else: the step counters stay at 0 and each rank reads its own
+        shard of this job's data from the start (``fit(init_from=...)``)."""
+        job = self.job
+        loaded = job.call(job.live_ranks(), lambda w, _r: w.load_checkpoint(uri, 0, init=True))
+        job.record(
+            CheckpointRestored(
+                at=job.now(),
+                step=0,
+                uri=uri,
+                saved_step=loaded[0]["step"],
+                saved_generation=loaded[0]["generation"],
+            )
+        )
+
     def save(self) -> PointSaved:
         """Saves a checkpoint (a :class:`~raytrec.elastic.decisions.Checkpoint` decided here):
         one gang writes, after a job-wide sync (so its copy is the job's state). Returns the
@@ -114,6 +144,8 @@ class JobCheckpoints:
             "accounting": accounting,
             "metrics": self.metrics(),
         }
+        if self.data is not None:  # a resume checks it names the data it reads
+            extra["data"] = self.data
         generation, num_gangs = m.generation, m.num_gangs
         refs = job.call(
             writer,

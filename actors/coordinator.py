@@ -98,6 +98,8 @@ class Coordinator:
         group: WorkerGroup | None = None,
         clock: Clock | None = None,
         features: FeatureSpec | None = None,
+        init_from: str | None = None,  # a checkpoint whose model (only) to start from
+        data_fingerprint: dict[str, Any] | None = None,  # recorded in every checkpoint
     ) -> None:
         if group is None:
             from actors.worker_group import RayWorkerGroup
@@ -276,6 +278,8 @@ class Coordinator:
             config=config.checkpoint,
             streams=self.streams,
             progress=self.progress,
+            data=data_fingerprint,
+            init_from=init_from,
         )
         # What the loop does at a boundary: the decisions made there, carried out.
         self.boundary = BoundaryWork(
@@ -324,11 +328,7 @@ class Coordinator:
     def start(self) -> list[RankInfo]:
         """Hosts the store, places every gang, starts and builds the rank actors."""
         self._store_address = self.group.host_store()
-        starts = (
-            self.checkpoints.resume_streams(self.resume_from)
-            if self.resume_from is not None
-            else None
-        )
+        starts = self.checkpoints.resume_streams(self.resume_from)
 
         def shard_of(rank: int) -> Any:
             return (
@@ -338,10 +338,10 @@ class Coordinator:
         refused = self.placement.place_job(self.state.membership.gangs, shard_of)
         if refused is not None:
             raise ConfigError(refused)
-        if self.resume_from is not None:
+        if self.resume_from is not None or self.checkpoints.init_from is not None:
             infos = self.ranks.build(sorted(self.placement.started))
             self.ranks.new_generation("job started")
-            self.apply(self.checkpoints.restore(self.resume_from, starts))
+            self.checkpoints.start_from(self.resume_from, starts)
             self.growth.request()
             return infos
         # A rank lost while the job starts is a loss like any other: its gang is dropped and

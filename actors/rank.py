@@ -480,13 +480,18 @@ class RankWorker:
         )
         return ref.step, ref.uri
 
-    def load_checkpoint(self, uri: str, stream_start: int | None = None) -> LoadedCheckpoint:
+    def load_checkpoint(
+        self, uri: str, stream_start: int | None = None, *, init: bool = False
+    ) -> LoadedCheckpoint:
         """Loads a checkpoint (a collective in this gang) and restarts this rank's data stream
-        at batch ``stream_start`` of its shard (default: the checkpoint's step). Nothing changes
-        when the checkpoint does not fit."""
+        at batch ``stream_start`` of its shard (default: the checkpoint's step). With ``init``
+        only the model is taken (weights and optimizer state): the step counter goes back to 0.
+        Nothing changes when the checkpoint does not fit."""
         from raytrec.checkpoint.state import load_checkpoint
 
         loaded = load_checkpoint(self.engine, uri)
+        if init:
+            self.engine.step = 0
         self._open_feed(start_step=loaded.step if stream_start is None else stream_start)
         return LoadedCheckpoint(
             step=loaded.step, generation=loaded.generation, extra=dict(loaded.extra)

@@ -73,12 +73,20 @@ def parser() -> argparse.ArgumentParser:
         help="override one key, value read as YAML, e.g. --set sync.sync_every=2 (repeatable)",
     )
     p.add_argument("--print-config", action="store_true", help="print the config and exit")
-    p.add_argument(
+    start = p.add_mutually_exclusive_group()
+    start.add_argument(
         "--resume-from",
         metavar="CHECKPOINT",
-        help="start from a saved checkpoint (a directory or URI, e.g. the one a failed or "
-        "stopped job's last line names); the job may have another number of gangs, gang size "
-        "or sharding plan",
+        help="continue a saved job from its checkpoint (a directory or URI, e.g. the one a "
+        "failed or stopped job's last line names): its model, step and position in the same "
+        "data files (refused when they changed); the job may have another number of gangs, "
+        "gang size or sharding plan",
+    )
+    start.add_argument(
+        "--init-from",
+        metavar="CHECKPOINT",
+        help="start a new run from a checkpoint's model (weights and optimizer state, on any "
+        "shape) on this config's data, at step 0: no data position, step or ledger is taken",
     )
     p.add_argument(
         "--verbose",
@@ -213,13 +221,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_config:
         sys.stdout.write(dump(config))
         return EXIT_OK
-    return train(config, verbose=args.verbose, resume_from=args.resume_from)
+    return train(
+        config, verbose=args.verbose, resume_from=args.resume_from, init_from=args.init_from
+    )
 
 
-def train(config: TrainConfig, *, verbose: bool = False, resume_from: str | None = None) -> int:
+def train(
+    config: TrainConfig,
+    *,
+    verbose: bool = False,
+    resume_from: str | None = None,
+    init_from: str | None = None,
+) -> int:
     """Trains ``config`` with progress on the console and in the run directory (``verbose``:
     Ray's and the workers' own output on the console too, not only in ``logs/`` there),
-    from the checkpoint ``resume_from`` when one is given."""
+    from the checkpoint ``resume_from`` when one is given, or from the model of the checkpoint
+    ``init_from``."""
     from raytrec.api import TrainingStopped, fit
     from raytrec.data.arrow_kjt import BadInputError
     from raytrec.data.spec import SpecError
@@ -230,7 +247,11 @@ def train(config: TrainConfig, *, verbose: bool = False, resume_from: str | None
     result: Any = None
     try:
         result = fit(
-            config, on_progress=reporter, verbose=verbose, resume_from_checkpoint=resume_from
+            config,
+            on_progress=reporter,
+            verbose=verbose,
+            resume_from_checkpoint=resume_from,
+            init_from=init_from,
         )
     except (ConfigError, SpecError) as e:
         print(f"raytrec: configuration error: {_one_line(e)}{_where(e)}", file=sys.stderr)

@@ -27,7 +27,8 @@ from raytrec.cluster import (
     pin_ray_data_helpers,
     resolve_storage_path,
 )
-from raytrec.config import TrainConfig, validate_features
+from raytrec.config import ConfigError, TrainConfig, validate_features
+from raytrec.data.fingerprint import data_fingerprint
 from raytrec.data.from_config import (
     DataInfo,
     held_out,
@@ -63,6 +64,7 @@ from raytrec.preflight import (
     check_eval_is_there,
     check_gpus_here,
     check_length_known,
+    check_same_data,
     device_memory,
     indexed_resume_shards,
     vocabularies_of,
@@ -94,12 +96,16 @@ def fit(
     resume_from_checkpoint: str | ray.train.Checkpoint | None = None,
     eval_source: str | None = None,
     verbose: bool = False,
+    init_from: str | ray.train.Checkpoint | None = None,
 ) -> Result:
     """Trains ``config`` on Ray and returns the metrics history and the final state.
 
     ``source`` overrides ``config.data.source``. ``resume_from_checkpoint`` (a checkpoint
     directory or URI, or a ``ray.train.Checkpoint`` such as ``Result.checkpoint``) starts from a
-    saved job, which may have had another number of gangs, gang size or sharding plan.
+    saved job, which may have had another number of gangs, gang size or sharding plan, and
+    continues its data position (refused when the data's files changed). ``init_from`` (the
+    same kinds of checkpoint) starts a new run from a saved job's model only (weights and
+    optimizer state, on any shape) on this config's data, at step 0 with a ledger of its own.
     ``eval_source`` (held-out Parquet in the training data's schema) sets ``config.eval.path``:
     the model is evaluated on it every ``config.eval.every_n_steps`` and at the end. Raises
     :class:`TrainingStopped` when bad input or the end of the data stops training early (what
@@ -122,6 +128,7 @@ def fit(
             on_progress=on_progress,
             shutdown_ray=shutdown_ray,
             resume_from_checkpoint=resume_from_checkpoint,
+            init_from=init_from,
             eval_source=eval_source,
             logs=logs,
             stop=stop,
@@ -137,18 +144,18 @@ def _fit(
     on_progress: Callable[[IntervalMetrics], None] | None,
     shutdown_ray: bool | None,
     resume_from_checkpoint: str | ray.train.Checkpoint | None,
+    init_from: str | ray.train.Checkpoint | None,
     eval_source: str | None,
     logs: RunLogs,
     stop: StopOnSignal,
 ) -> Result:
     quiet_known_warnings()
-    resume = (
-        resume_from_checkpoint.path
-        if isinstance(resume_from_checkpoint, ray.train.Checkpoint)
-        else resume_from_checkpoint
-    )
-    if resume is not None:
-        check_checkpoint(resume, config)
+    resume, init = _path_of(resume_from_checkpoint), _path_of(init_from)
+    if resume is not None and init is not None:
+        raise ConfigError("resume_from_checkpoint and init_from exclude each other: pass one")
+    for checkpoint in (resume, init):
+        if checkpoint is not None:
+            check_checkpoint(checkpoint, config)
     config = config.replace(storage_path=resolve_storage_path(config.storage_path))
     if eval_source is not None:
         config = config.replace(eval=config.eval.replace(path=eval_source))
@@ -192,13 +199,15 @@ def _fit(
             pin_ray_data_helpers()
         info = DataInfo(kind="custom")
         if source is None:
-            source, info = source_from_config(config, vocabularies_of(resume))
+            source, info = source_from_config(config, vocabularies_of(resume or init))
             validate_features(config.model, source.sparse_features)
             if config.eval.path is None and info.held_out_path is not None:
                 # Generated data's held-out split is what the job evaluates on.
                 config = config.replace(eval=config.eval.replace(path=info.held_out_path))
         shards_of_plan = config.scaling.world_size
+        fingerprint = data_fingerprint(source)
         if resume is not None:
+            check_same_data(resume, fingerprint)
             shards_of_plan = indexed_resume_shards(resume, config, source) or shards_of_plan
         shards = source.split(shards_of_plan)
         # Resolved once, here: the coordinator, the progress bar and the ledger read this.
@@ -246,6 +255,8 @@ def _fit(
             resume_from=resume,
             evaluation=evaluation,
             features=features,
+            init_from=init,
+            data_fingerprint=fingerprint,
         )
         seen = Seen(reporter, reporter.event if isinstance(reporter, ProgressReporter) else None)
         failure: BaseException | None = None
@@ -288,6 +299,10 @@ def _fit(
     if stopped is not None:
         raise TrainingStopped(stopped, result) from stopped
     return result
+
+
+def _path_of(checkpoint: str | ray.train.Checkpoint | None) -> str | None:
+    return checkpoint.path if isinstance(checkpoint, ray.train.Checkpoint) else checkpoint
 
 
 def _plan(config: TrainConfig, num_dense: int, model_factory: ModelFactory) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import ray
 import ray.exceptions
@@ -28,6 +29,7 @@ __all__ = [
     "check_eval_is_there",
     "check_gpus_here",
     "check_length_known",
+    "check_same_data",
     "device_memory",
     "indexed_resume_shards",
     "vocabularies_of",
@@ -69,13 +71,44 @@ def check_capacity(
 
 def check_checkpoint(uri: str, config: TrainConfig) -> None:
     """A missing, partial or incompatible checkpoint fails here, before any actor starts."""
-    from raytrec.checkpoint.layout import read_manifest
-    from raytrec.checkpoint.manifest import check_compatible, signature_for
+    import posixpath
 
+    from raytrec.checkpoint.errors import CheckpointError
+    from raytrec.checkpoint.layout import MARKER, filesystem, read_manifest
+    from raytrec.checkpoint.manifest import check_compatible, signature_for
+    from raytrec.serving.export import STATE_FILE
+
+    fs, path = filesystem(uri)
+    if fs.exists(posixpath.join(path, STATE_FILE)) and not fs.exists(posixpath.join(path, MARKER)):
+        raise CheckpointError(
+            f"{uri} is a raytrec.export directory (the model unsharded, without optimizer "
+            "state), not a checkpoint: a job starts from a checkpoint directory; pass the "
+            "checkpoint the export was made from"
+        )
     manifest = read_manifest(uri)
     # Tables and optimizers here; each rank checks its dense shapes too before loading.
     expected = signature_for(config, manifest.signature.dense_params)
     check_compatible(manifest.signature, expected, where=uri)
+
+
+def check_same_data(uri: str, fingerprint: dict[str, Any] | None) -> None:
+    """A resume continues the saved job's data position, so its data must be the data the
+    saved job read: refused, naming each file added, removed or changed, when the checkpoint's
+    fingerprint (:mod:`raytrec.data.fingerprint`) differs from ``fingerprint``, this job's.
+    A checkpoint saved without one is not checked."""
+    from raytrec.checkpoint.layout import read_manifest
+    from raytrec.data.fingerprint import changes_line, data_changes
+
+    saved = read_manifest(uri).extra.get("data")
+    if not saved:
+        return
+    changes = data_changes(saved, fingerprint)
+    if changes:
+        raise ConfigError(
+            f"{uri} cannot be resumed on this data: it continues the saved job's position in "
+            f"its data, and the data changed ({changes_line(changes)}); restore those files, or "
+            "start a new run from its model with fit(..., init_from=...) (jobs.train --init-from)"
+        )
 
 
 def check_eval_is_there(config: TrainConfig) -> None:

@@ -175,8 +175,11 @@ class RankProtocol(Protocol):
         """Collective over one gang: writes a checkpoint; its step and location."""
         ...
 
-    def load_checkpoint(self, uri: str, stream_start: int | None = None) -> LoadedCheckpoint:
-        """Collective over a gang: loads a checkpoint, resharded to the gang's shape."""
+    def load_checkpoint(
+        self, uri: str, stream_start: int | None = None, *, init: bool = False
+    ) -> LoadedCheckpoint:
+        """Collective over a gang: loads a checkpoint, resharded to the gang's shape (with
+        ``init``, its model only: the step counter stays at 0)."""
         ...
 
     def save(self, path: str) -> None:

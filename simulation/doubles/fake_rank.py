@@ -410,7 +410,11 @@ class FakeRank:
             Op("save_checkpoint", OpKind.GANG, together=self._group.save_checkpoint, args=args)
         )
 
-    def load_checkpoint(self, uri: str, stream_start: int | None = None) -> LoadedCheckpoint:
+    def load_checkpoint(
+        self, uri: str, stream_start: int | None = None, *, init: bool = False
+    ) -> LoadedCheckpoint:
+        if init:
+            raise NotImplementedError("the fake rank does not start from a checkpoint's model")
         args = (uri, stream_start)
         return _booked(
             Op("load_checkpoint", OpKind.PLANE, together=self._group.load_checkpoint, args=args)
