@@ -54,7 +54,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result = raytrec.fit(config)
 
     best = result.best_checkpoints[0]
-    validation = raytrec.evaluate(best.checkpoint, splits["validation"], quiet=True)
+    exported = raytrec.export(best.checkpoint, os.path.join(result.run_dir, "exported"))
+    validation = raytrec.evaluate(exported.path, splits["validation"], quiet=True)
     summary: dict[str, Any] = {
         "overrides": args.overrides,
         "steps": result.config.num_steps,
@@ -64,10 +65,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     if args.no_test:
         print(f"[movielens] {json.dumps(summary)}")
-        return {"result": result, **summary}
-    test = raytrec.evaluate(best.checkpoint, splits["test"], quiet=True)
+        return {"result": result, "export": exported, **summary}
+    test = raytrec.evaluate(exported.path, splits["test"], quiet=True)
     summary |= {"test_auc": round(test.auc, 4), "test_log_loss": round(test.log_loss, 4)}
-    exported = raytrec.export(best.checkpoint, os.path.join(result.run_dir, "exported"))
     model = raytrec.load_model(exported.path)  # one process, no Ray
     rows = pq.read_table(splits["test"]).slice(0, 5)
     scores = raytrec.score(model, raytrec.make_batch(rows, exported.spec)[0]).tolist()
