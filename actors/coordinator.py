@@ -40,6 +40,7 @@ from torchrec.distributed.types import ShardingPlan
 from actors.boundary_work import BoundaryWork
 from actors.checkpoints import JobCheckpoints
 from actors.control_calls import ControlCalls
+from actors.coordinator_journal import CoordinatorJournal
 from actors.drain import GangDrain
 from actors.evaluation import JobEvaluation
 from actors.gang_placement import JobPlacement
@@ -104,9 +105,7 @@ class Coordinator:
         self.group: WorkerGroup = group
         self.clock: Clock = clock or SystemClock()
         if config.num_steps is None:
-            raise ValueError(
-                "the coordinator needs a resolved num_steps (raytrec.data.length, in fit)"
-            )
+            raise ValueError("the coordinator needs a resolved num_steps (raytrec.data.length)")
         self.cfg = config
         self.num_steps: int = config.num_steps
         self.plan = plan
@@ -145,6 +144,11 @@ class Coordinator:
             last_save=(0, self.clock.monotonic()),
         )
         self.first_batch_s = 0.0
+        # Commits, generations, checkpoints, re-shares: written to the run directory durably,
+        # for a coordinator that takes over this run if this one's process dies.
+        self.journal = CoordinatorJournal(
+            run_dir, faults=config.testing.fault_plan, resume_from=resume_from
+        )
         self.events = EventLog()
         self._t0 = self.clock.monotonic()
         self._started = self.clock.perf_counter()  # run() sets it again as it starts
@@ -322,11 +326,8 @@ class Coordinator:
     def start(self) -> list[RankInfo]:
         """Hosts the store, places every gang, starts and builds the rank actors."""
         self._store_address = self.group.host_store()
-        starts = (
-            self.checkpoints.resume_streams(self.resume_from)
-            if self.resume_from is not None
-            else None
-        )
+        resume = self.resume_from
+        starts = self.checkpoints.resume_streams(resume) if resume is not None else None
 
         def shard_of(rank: int) -> Any:
             return (
@@ -401,13 +402,10 @@ class Coordinator:
                     final, checkpoint=stopped_by is None or stopping, stopping=stopping
                 )
                 break
-            except RankCallError as e:
-                self.recovery.recover_until_stable(
-                    self.recovery.probe(e)
-                )  # lost at the very end: re-form
-                if (
-                    stopped_by is None and self.state.step < self.state.end_step
-                ):  # rebuilt from a checkpoint
+            except RankCallError as e:  # lost at the very end: re-form
+                self.recovery.recover_until_stable(self.recovery.probe(e))
+                if stopped_by is None and self.state.step < self.state.end_step:
+                    # rebuilt from a checkpoint: train the rest again
                     stopped_by = self._train(prepared=False, train_start=train_start)
         else:
             raise JobFailedError("the job kept losing ranks while it finished")
@@ -489,9 +487,8 @@ class Coordinator:
                     self.boundary.drain()
                     self.boundary.admit()
                     self.boundary.wait_for_gangs()
-                    halt = self.boundary.stopping(
-                        asked=self.boundary.stop.is_set
-                    )  # asked while it waited
+                    # Asked while it waited:
+                    halt = self.boundary.stopping(asked=self.boundary.stop.is_set)
                     if halt is not None:
                         stopped_by = StopRequested(halt.reason)
                         break
@@ -593,9 +590,8 @@ class Coordinator:
             self.state.step % self.cfg.sync.sync_every
             or self.state.membership.last_sync_step != self.state.step
         ):
-            self._call(
-                self.ranks.live(), lambda w, _r: w.sync()
-            )  # end on a sync: every replica the same
+            # End on a sync: every replica the same.
+            self._call(self.ranks.live(), lambda w, _r: w.sync())
         self.apply(Committed())
         if checkpoint:
             self.boundary.save_if_due(Observations(save=True, final=True, stopping=stopping))
@@ -636,6 +632,7 @@ class Coordinator:
     def apply(self, outcome: Outcome) -> None:
         """Applies a part's outcome to the job's shared state (:func:`actors.job.apply_outcome`)."""
         apply_outcome(self.state, outcome)
+        self.journal.applied(outcome, self.state)
 
     def _now(self) -> float:
         return self._at(self.clock.monotonic())

@@ -75,7 +75,9 @@ def test_the_ledger_counts_what_the_job_did(tmp_path: str) -> None:
         "committed_distinct": 48,
         "replayed": 4,
         "lost": 0,
+        "rolled_back": 0,
     }
+    assert summary["coordinator_restarts"] == 0
     assert summary["failures"] == {"rank_died": 1, "node_died": 1}
     assert (summary["gangs_dropped"], summary["gangs_joined"], summary["generations"]) == (1, 1, 3)
     assert summary["replica_check"] == {

@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from raytrec.elastic.events import CoordinatorRestarted
 from raytrec.observability.progress import EVENTS_FILE, METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
 
 if TYPE_CHECKING:
@@ -31,7 +32,14 @@ __all__ = [
 SUMMARY_FILE = "summary.json"
 _EVAL_KEYS = ("eval_auc", "eval_ne", "eval_log_loss", "eval_rows")
 #: Event kinds counted as failures (raytrec.elastic.events).
-FAILURE_KINDS = ("rank_died", "node_died", "hang_detected", "heal_failed", "total_loss")
+FAILURE_KINDS = (
+    "rank_died",
+    "node_died",
+    "hang_detected",
+    "heal_failed",
+    "total_loss",
+    "coordinator_lost",
+)
 
 
 def replica_check(result: Result) -> dict[str, Any]:
@@ -115,7 +123,13 @@ def ledger(
             "committed_distinct": distinct,
             "replayed": replayed,
             "lost": result.lost_batches,
+            # Committed before a coordinator's loss and after the checkpoint the next one
+            # resumed from: trained and committed again, counted once in "committed".
+            "rolled_back": sum(
+                e.rolled_back_batches for e in result.events.of(CoordinatorRestarted)
+            ),
         },
+        "coordinator_restarts": kinds["coordinator_restarted"],
         "failures": {k: kinds[k] for k in FAILURE_KINDS if kinds[k]},
         "gangs_dropped": kinds["gang_dropped"],
         "gangs_joined": kinds["gang_joined"],
