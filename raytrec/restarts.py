@@ -183,8 +183,9 @@ class CoordinatorSeat:
 
     def retire(self) -> None:
         """Ends the current coordinator (if it still runs) and releases what it held."""
-        with contextlib.suppress(Exception):
-            ray.kill(self.current)
+        if isinstance(self.current, ray.actor.ActorHandle):
+            with contextlib.suppress(Exception):
+                ray.kill(self.current)
         self._release()
 
     def merged(self, summary: RunSummary, seen_rows: list[Any], seen_events: list[Event]) -> Any:
