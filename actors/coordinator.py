@@ -98,6 +98,7 @@ class Coordinator:
         clock: Clock | None = None,
         features: FeatureSpec | None = None,
     ) -> None:
+        in_process = group is not None  # a fake group of the tests' or the simulation's
         if group is None:
             from actors.worker_group import RayWorkerGroup
 
@@ -145,9 +146,10 @@ class Coordinator:
         )
         self.first_batch_s = 0.0
         # Commits, generations, checkpoints, re-shares: written to the run directory durably,
-        # for a coordinator that takes over this run if this one's process dies.
+        # for a coordinator that takes over this run if this one's process dies (in process,
+        # with nothing to lose, without an fsync each).
         self.journal = CoordinatorJournal(
-            run_dir, faults=config.testing.fault_plan, resume_from=resume_from
+            run_dir, faults=config.testing.fault_plan, resume_from=resume_from, fsync=not in_process
         )
         self.events = EventLog()
         self._t0 = self.clock.monotonic()

@@ -49,8 +49,9 @@ def _sigkill_self() -> None:
 
 
 class CoordinatorJournal:
-    """Journals the job's transitions as the loop applies them (module doc). ``kill``: what a
-    ``kill_coordinator`` fault does (SIGKILL this process)."""
+    """Journals the job's transitions as the loop applies them (module doc). ``fsync``: each
+    record is synced to disk; ``kill``: what a ``kill_coordinator`` fault does (SIGKILL this
+    process)."""
 
     def __init__(
         self,
@@ -58,9 +59,10 @@ class CoordinatorJournal:
         *,
         faults: FaultConfig,
         resume_from: str | None,
+        fsync: bool = True,
         kill: Callable[[], None] = _sigkill_self,
     ) -> None:
-        self.writer = JournalWriter(run_dir)
+        self.writer = JournalWriter(run_dir, fsync=fsync)
         past = replay(read_journal(run_dir))
         self.attempt = past.restarts
         self._kill = kill

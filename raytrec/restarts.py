@@ -118,7 +118,13 @@ class CoordinatorSeat:
         self.current = start(resume_from, 0)
 
     def row(self, row: Any) -> None:
-        self._on_row(dataclasses.replace(row, at=round(row.at + self._offset, 3)))
+        # elapsed_s too, so that the time left, taken from the pace of the last rows, stays
+        # sound across a restart.
+        self._on_row(
+            dataclasses.replace(
+                row, at=round(row.at + self._offset, 3), elapsed_s=row.elapsed_s + self._offset
+            )
+        )
 
     def event(self, event: Event) -> None:
         self._on_event(dataclasses.replace(event, at=round(event.at + self._offset, 3)))
