@@ -227,7 +227,10 @@ def follow(
     except ray.exceptions.RayActorError as e:
         # Its process was killed (out of memory, ray.kill, a crash) or its node went away:
         # fit starts a new one while elastic.max_coordinator_restarts allows (raytrec.restarts).
-        raise CoordinatorDied(f"the coordinator actor died: {e}") from e
+        died = CoordinatorDied(f"the coordinator actor died: {e}")
+        # One that failed while it was made would fail again: not one to restart.
+        died.restartable = not e.actor_init_failed
+        raise died from e
 
 
 def release_placement_groups(prefix: str) -> None:
@@ -244,3 +247,5 @@ def release_placement_groups(prefix: str) -> None:
 class CoordinatorDied(JobFailedError):
     """The coordinator actor is gone. ``fit`` raises it when no new coordinator may take over
     (``elastic.max_coordinator_restarts``; see docs/fault_tolerance.md)."""
+
+    restartable = True  # False: it failed as it was made (a new one would too)

@@ -136,6 +136,8 @@ class CoordinatorSeat:
             try:
                 return drive(self.current, self.row, self.event, stop)
             except CoordinatorDied as e:
+                if not e.restartable:
+                    raise
                 self.lost(e, stop_asked=stop.asked)
 
     def journal(self) -> JournalState:

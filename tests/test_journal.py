@@ -209,3 +209,32 @@ def test_a_coordinator_that_keeps_dying_ends_the_job_with_its_ledger_and_checkpo
     assert ledger["batches"]["committed"] == 16 and ledger["rows"]["trained"] == 512
     assert ledger["failures"] == {"coordinator_lost": 3} and ledger["coordinator_restarts"] == 2
     assert os.path.exists(journal_path(run_dir))
+
+
+def test_a_coordinator_that_failed_as_it_was_made_is_not_restarted(
+    tmp_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[int] = []
+
+    def fails_to_start(*_: Any) -> Any:
+        died = CoordinatorDied("the coordinator actor died: its constructor raised")
+        died.restartable = False
+        raise died
+
+    monkeypatch.setattr("raytrec.restarts.drive", fails_to_start)
+    seat = CoordinatorSeat(
+        lambda _uri, attempt: started.append(attempt),
+        run_dir=str(tmp_path),
+        max_restarts=3,
+        resume_from=None,
+        on_row=lambda row: None,
+        on_event=lambda e: None,
+        release=lambda: None,
+    )
+
+    class Stop:
+        asked = False
+
+    with pytest.raises(CoordinatorDied, match="constructor raised"):
+        seat.drive(Stop())
+    assert started == [0] and seat.restarts == 0
