@@ -40,6 +40,7 @@ from torchrec.distributed.types import ShardingPlan
 from actors.boundary_work import BoundaryWork
 from actors.checkpoints import JobCheckpoints
 from actors.control_calls import ControlCalls
+from actors.coordinator_journal import CoordinatorJournal
 from actors.drain import GangDrain
 from actors.evaluation import JobEvaluation
 from actors.gang_placement import JobPlacement
@@ -101,6 +102,7 @@ class Coordinator:
         init_from: str | None = None,  # a checkpoint whose model (only) to start from
         data_fingerprint: dict[str, Any] | None = None,  # recorded in every checkpoint
     ) -> None:
+        in_process = group is not None  # a fake group of the tests' or the simulation's
         if group is None:
             from actors.worker_group import RayWorkerGroup
 
@@ -108,14 +110,11 @@ class Coordinator:
         self.group: WorkerGroup = group
         self.clock: Clock = clock or SystemClock()
         if config.num_steps is None:
-            raise ValueError(
-                "the coordinator needs a resolved num_steps (raytrec.data.length, in fit)"
-            )
+            raise ValueError("the coordinator needs a resolved num_steps (raytrec.data.length)")
         self.cfg = config
         self.num_steps: int = config.num_steps
         self.plan = plan
-        # Parquet read by index: the job's rows are every rank's first num_steps batches, shared
-        # again among the live ranks whenever the membership changes (actors/reshare.py).
+        # Parquet read by index: each rank's first num_steps batches, re-shared (actors/reshare.py)
         table: StreamTable | None = None
         indexed = [s for s in shards if isinstance(s, IndexedParquetShard)]
         if shards and len(indexed) == len(shards):
@@ -149,6 +148,11 @@ class Coordinator:
             last_save=(0, self.clock.monotonic()),
         )
         self.first_batch_s = 0.0
+        # Commits, generations, checkpoints, re-shares, durably for a coordinator taking over
+        # this run (in process, with nothing to lose, without an fsync each).
+        self.journal = CoordinatorJournal(
+            run_dir, faults=config.testing.fault_plan, resume_from=resume_from, fsync=not in_process
+        )
         self.events = EventLog()
         self._t0 = self.clock.monotonic()
         self._started = self.clock.perf_counter()  # run() sets it again as it starts
@@ -162,8 +166,7 @@ class Coordinator:
         # than the others, and the job sends the next interval only after the last one.
         hierarchical = bool(config.sync.levels) and config.sync.dense != "every_step"
         self._depth = 1 if hierarchical else 2
-        # Control calls wait for every rank; building a gang's ranks on a loaded machine, or the
-        # data pipeline's first batches, can take minutes.
+        # Control calls wait for every rank (building a gang, or a pipeline's first batches).
         self.calls = ControlCalls(
             self.group,
             self.clock,
@@ -487,9 +490,8 @@ class Coordinator:
                     self.boundary.drain()
                     self.boundary.admit()
                     self.boundary.wait_for_gangs()
-                    halt = self.boundary.stopping(
-                        asked=self.boundary.stop.is_set
-                    )  # asked while it waited
+                    # Asked while it waited:
+                    halt = self.boundary.stopping(asked=self.boundary.stop.is_set)
                     if halt is not None:
                         stopped_by = StopRequested(halt.reason)
                         break
@@ -591,9 +593,8 @@ class Coordinator:
             self.state.step % self.cfg.sync.sync_every
             or self.state.membership.last_sync_step != self.state.step
         ):
-            self._call(
-                self.ranks.live(), lambda w, _r: w.sync()
-            )  # end on a sync: every replica the same
+            # End on a sync: every replica the same.
+            self._call(self.ranks.live(), lambda w, _r: w.sync())
         self.apply(Committed())
         if checkpoint:
             self.boundary.save_if_due(Observations(save=True, final=True, stopping=stopping))
@@ -634,6 +635,7 @@ class Coordinator:
     def apply(self, outcome: Outcome) -> None:
         """Applies a part's outcome to the job's shared state (:func:`actors.job.apply_outcome`)."""
         apply_outcome(self.state, outcome)
+        self.journal.applied(outcome, self.state)
 
     def _now(self) -> float:
         return self._at(self.clock.monotonic())

@@ -15,7 +15,8 @@ within ``elastic.resource_wait_s``), 3 bad input data, 4 stopped on request (SIG
 ``ray job stop``: the job stopped at its next interval boundary, synced, checkpointed when
 checkpoints are configured, with its model and metrics saved; a second signal stops at once,
 130), 1 the job failed (it cannot go on: a shard lost every copy with no checkpoint, too few
-gangs for too long, ranks lost over and over, or a defect). Whatever ended a job that had
+gangs for too long, ranks lost over and over, a coordinator whose process died more often
+than ``elastic.max_coordinator_restarts`` allows, or a defect). Whatever ended a job that had
 started, its ``summary.json`` is written, and the last line names why, the checkpoint to resume
 from and the ledger.
 """

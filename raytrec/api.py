@@ -44,7 +44,6 @@ from raytrec.driver import (
     Seen,
     StopOnSignal,
     close_failed,
-    drive,
     interrupted,
     job_failure,
     release_placement_groups,
@@ -69,6 +68,7 @@ from raytrec.preflight import (
     indexed_resume_shards,
     vocabularies_of,
 )
+from raytrec.restarts import CoordinatorSeat
 from raytrec.result import KeptCheckpoint, Result, TrainingStopped, result_of
 
 __all__ = [
@@ -244,37 +244,60 @@ def _fit(
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         coordinator_cls = ray.remote(num_cpus=0, max_concurrency=4)(Coordinator)
         name = f"{COORDINATOR_PREFIX}{os.path.basename(run_dir)}-{os.getpid()}"
-        coordinator = coordinator_cls.options(scheduling_strategy=here, name=name).remote(
-            config,
-            plan,
-            shards,
-            source.dense_features,
-            run_dir,
-            model_factory,
-            new_shard=source.shard if isinstance(source, SyntheticCriteo) else None,
-            resume_from=resume,
-            evaluation=evaluation,
-            features=features,
-            init_from=init,
-            data_fingerprint=fingerprint,
-        )
+
+        def start_coordinator(resume_from: str | None, attempt: int) -> Any:
+            """Coordinator ``attempt`` of the run (0: the first; later ones take over from a
+            lost one, resuming from ``resume_from``)."""
+            splits = shards
+            if resume_from is not None and resume_from != resume:
+                splits = source.split(
+                    indexed_resume_shards(resume_from, config, source) or shards_of_plan
+                )
+            actor_name = name if attempt == 0 else f"{name}-{attempt}"
+            return coordinator_cls.options(scheduling_strategy=here, name=actor_name).remote(
+                config,
+                plan,
+                splits,
+                source.dense_features,
+                run_dir,
+                model_factory,
+                new_shard=source.shard if isinstance(source, SyntheticCriteo) else None,
+                resume_from=resume_from,
+                evaluation=evaluation,
+                features=features,
+                # A restart that resumes from this run's own checkpoint has its model already.
+                init_from=init if resume_from is None else None,
+                data_fingerprint=fingerprint,
+            )
+
         seen = Seen(reporter, reporter.event if isinstance(reporter, ProgressReporter) else None)
+        # A coordinator that died could not release the job's placement groups, and Ray keeps
+        # them for as long as this driver lives: they are released by their names.
+        seat = CoordinatorSeat(
+            start_coordinator,
+            run_dir=run_dir,
+            max_restarts=config.elastic.max_coordinator_restarts,
+            resume_from=resume,
+            on_row=seen.row,
+            on_event=seen.event,
+            release=lambda: release_placement_groups(os.path.basename(run_dir)),
+        )
         failure: BaseException | None = None
         try:
-            summary = drive(coordinator, seen.row, seen.event, stop)
+            summary = seat.merged(seat.drive(stop), seen.rows, seen.events)
         except BaseException as e:
             # Whatever ended the job, its ledger is written: what it committed, why it ended,
-            # and the checkpoint to resume from (asked of the coordinator while it lives).
+            # and the checkpoint to resume from (asked of the coordinator while it lives, else
+            # read from the run's journal).
             failure = job_failure(e)
-            summary = summary_after(coordinator, seen, wait_s=5 if interrupted(e) else 60)
+            wait_s = 5 if interrupted(e) else 60
+            summary = summary_after(seat.current, seen, wait_s=wait_s, run_dir=run_dir)
+            summary = seat.merged(summary, seen.rows, seen.events)
         finally:
             # The coordinator may already be gone; it is killed below regardless.
             with contextlib.suppress(Exception):
-                ray.get(coordinator.shutdown.remote(), timeout=60)
-            ray.kill(coordinator)
-            # A coordinator that died could not release the job's placement groups, and Ray
-            # keeps them for as long as this driver lives: release them by their names.
-            release_placement_groups(os.path.basename(run_dir))
+                ray.get(seat.current.shutdown.remote(), timeout=60)
+            seat.retire()
     finally:
         if shutdown_ray if shutdown_ray is not None else started:
             ray.shutdown()

@@ -23,7 +23,8 @@ import ray.exceptions
 import ray.train
 
 from raytrec.config import ConfigError
-from raytrec.elastic.events import Event, EventLog
+from raytrec.elastic.events import Event
+from raytrec.elastic.journal import read_journal, replay, summary_from_journal
 from raytrec.elastic.run_record import RunSummary
 from raytrec.errors import JobFailedError, StopRequested
 from raytrec.observability.metrics import IntervalMetrics
@@ -87,22 +88,16 @@ def job_failure(e: BaseException) -> BaseException:
     return failure
 
 
-def summary_after(coordinator: Any, seen: Seen, *, wait_s: float) -> RunSummary:
+def summary_after(coordinator: Any, seen: Seen, *, wait_s: float, run_dir: str) -> RunSummary:
     """The coordinator's :meth:`~actors.coordinator.Coordinator.summary_so_far`, or, when it
-    cannot answer (it died), what the driver saw: the metrics rows and events, no committed
-    batches."""
+    cannot answer (it died), what the run's journal says it committed
+    (:func:`~raytrec.elastic.journal.summary_from_journal`) with the metrics rows and events
+    the driver saw."""
     with contextlib.suppress(Exception):
         return ray.get(coordinator.summary_so_far.remote(), timeout=wait_s)
-    return RunSummary(
-        history=list(seen.rows),
-        final_state_path=None,
-        steps=seen.rows[-1].step if seen.rows else 0,
-        wall_s=time.perf_counter() - seen.started,
-        ranks=[],
-        state_digests={},
-        events=EventLog(seen.events),
-        committed_rows=None,
-    )
+    state = replay(read_journal(run_dir))
+    wall_s = time.perf_counter() - seen.started
+    return summary_from_journal(state, seen.rows, seen.events, wall_s=wall_s)
 
 
 def close_failed(
@@ -238,10 +233,12 @@ def follow(
             raise cause from None  # the coordinator's own words, not Ray's wrapper
         raise
     except ray.exceptions.RayActorError as e:
-        raise CoordinatorDied(
-            "the coordinator actor died, and the job with it: raytrec does not survive the "
-            f"loss of its coordinator (its node, or the driver's Ray session, went away): {e}"
-        ) from e
+        # Its process was killed (out of memory, ray.kill, a crash) or its node went away:
+        # fit starts a new one while elastic.max_coordinator_restarts allows (raytrec.restarts).
+        died = CoordinatorDied(f"the coordinator actor died: {e}")
+        # One that failed while it was made would fail again: not one to restart.
+        died.restartable = not e.actor_init_failed
+        raise died from e
 
 
 def _wait(run_ref: Any, stop: StopOnSignal, stop_sent: bool, *, seconds: float) -> bool:
@@ -271,4 +268,7 @@ def release_placement_groups(prefix: str) -> None:
 
 
 class CoordinatorDied(JobFailedError):
-    """The coordinator actor is gone; the job cannot continue (see docs/fault_tolerance.md)."""
+    """The coordinator actor is gone. ``fit`` raises it when no new coordinator may take over
+    (``elastic.max_coordinator_restarts``; see docs/fault_tolerance.md)."""
+
+    restartable = True  # False: it failed as it was made (a new one would too)

@@ -18,6 +18,7 @@ import ray.train
 from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.config import TrainConfig
 from raytrec.data.from_config import DataInfo
+from raytrec.elastic.events import CoordinatorRestarted
 from raytrec.elastic.run_record import RunRecord, RunSummary, record_fields
 from raytrec.errors import EarlyStopped
 from raytrec.observability.incidents import FAILURE_EVENT_KINDS, failure_report
@@ -276,7 +277,13 @@ def ledger(
             "committed_distinct": distinct,
             "replayed": replayed,
             "lost": result.lost_batches,
+            # Committed before a coordinator's loss and after the checkpoint the next one
+            # resumed from: trained and committed again, counted once in "committed".
+            "rolled_back": sum(
+                e.rolled_back_batches for e in result.events.of(CoordinatorRestarted)
+            ),
         },
+        "coordinator_restarts": kinds["coordinator_restarted"],
         # As a user counts them (count, each), with every failure event by kind (events) and
         # the ranks raytrec ended because their gang lost a rank (ranks_released).
         "failures": failure_report(result.events),

@@ -185,6 +185,10 @@ def parse_only(module: str, args: Sequence[str]) -> argparse.Namespace:
         module = f"{module}.__main__"
     main = getattr(importlib.import_module(module), "main", None)
     assert main is not None, f"{module} has no main(argv)"
+    return _parse_with(main, args, module)
+
+
+def _parse_with(main: Any, args: Sequence[str], what: str) -> argparse.Namespace:
     parse_args = argparse.ArgumentParser.parse_args
 
     def stop_after(self: argparse.ArgumentParser, *a: Any, **kw: Any) -> Any:
@@ -195,7 +199,7 @@ def parse_only(module: str, args: Sequence[str]) -> argparse.Namespace:
             main(list(args))
         except _Parsed as parsed:
             return parsed.namespace
-    raise AssertionError(f"{module}.main(argv) returned without parsing its arguments")
+    raise AssertionError(f"{what}'s main(argv) returned without parsing its arguments")
 
 
 def check_pytest(args: Sequence[str]) -> None:
@@ -219,6 +223,19 @@ def check_module(module: str, args: Sequence[str]) -> None:
         assert importlib.util.find_spec(module) is not None, f"no module {module}"
 
 
+def check_script(path: str, args: Sequence[str]) -> None:
+    """``python path/to/script.py args``: the script exists and its ``main(argv)`` parses them."""
+    script = ROOT / path
+    assert script.is_file(), f"no script {path}"
+    spec = importlib.util.spec_from_file_location(f"_doc_script_{script.stem}", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    main = getattr(module, "main", None)
+    assert main is not None, f"{path} has no main(argv)"
+    _parse_with(main, args, path)
+
+
 def check(words: list[str]) -> None:
     """Checks one command (module doc), or fails saying it is of no known form."""
     program, rest = words[0], words[1:]
@@ -240,6 +257,9 @@ def check(words: list[str]) -> None:
         return
     if program in PYTHONS and rest[:1] == ["-m"]:
         check_module(rest[1], rest[2:])
+        return
+    if program in PYTHONS and rest and rest[0].endswith(".py"):
+        check_script(rest[0], rest[1:])
         return
     if plain == "ray" and rest[:2] == ["job", "submit"]:
         assert "--" in rest, "ray job submit needs '-- <entrypoint>'"

@@ -1,7 +1,8 @@
 """What elastic training cannot survive fails clearly: a host lost under
 ``replicas_within_host`` (every copy of a shard with it) with no checkpoint to rebuild from,
-and the loss of the coordinator itself. One rank lost under that layout is survivable: the
-other copies of its shard live on its host, so its gang is dropped and the job goes on."""
+and the loss of the coordinator with no restart allowed. One rank lost under that layout is
+survivable: the other copies of its shard live on its host, so its gang is dropped and the job
+goes on."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import pytest
 import ray
 
 from raytrec.api import CoordinatorDied, fit
+from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.config import (
     DataConfig,
     ModelConfig,
     ScalingConfig,
+    SyncConfig,
     TestingConfig,
     TrainConfig,
     criteo_tables,
@@ -105,7 +108,7 @@ def test_replicas_within_host_losing_one_rank_drops_its_gang_and_goes_on(
     assert result.lost_batches == 0
 
 
-def test_losing_the_coordinator_fails_the_job_instead_of_hanging(
+def test_losing_the_coordinator_with_no_restart_left_fails_the_job_with_its_ledger(
     local_ray: None, tmp_path: str
 ) -> None:
     killed: list[int] = []
@@ -119,12 +122,29 @@ def test_losing_the_coordinator_fails_the_job_instead_of_hanging(
     slow = TestingConfig(
         faults=(FaultSpec(kind=FaultKind.SLOW_RANK, step=5, rank=0, stall_s=1.0, steps=10),)
     )
+    cfg = config(
+        str(tmp_path),
+        testing=slow,
+        sync=SyncConfig(sync_every=2),
+        checkpoint=CheckpointConfig(every_n_steps=2),
+        elastic=ElasticConfig(
+            collective_timeout_s=10, step_timeout_s=60, poll_s=0.2, max_coordinator_restarts=0
+        ),
+    )
     with pytest.raises(CoordinatorDied, match="coordinator actor died") as failed:
-        fit(config(str(tmp_path), testing=slow), on_progress=kill_at_step_4, shutdown_ray=False)
-    # The driver writes the ledger from what it saw: the rows up to the kill.
+        fit(cfg, on_progress=kill_at_step_4, shutdown_ray=False)
+    # The driver writes the ledger from the run's journal (what was committed when it died, and
+    # the checkpoint to resume from) and the rows it saw up to the kill.
     summary = read_summary(failed.value)
     assert summary["ended"] == "failed" and "coordinator actor died" in summary["failed"]
-    assert summary["steps"] >= 4 and summary["final"]["step"] == summary["steps"]
+    assert "max_coordinator_restarts=0" in summary["failed"]
+    assert summary["steps"] >= summary["final"]["step"] >= 4
+    committed = summary["batches"]["committed"]
+    assert committed >= 4 * 4 and committed % 4 == 0, summary["batches"]
+    assert summary["rows"]["trained"] == committed * 32
+    assert summary["resume_from"] is not None and os.path.isdir(summary["resume_from"])
+    assert summary["failures"]["events"] == {"coordinator_lost": 1}
+    assert summary["failures"]["count"] == 1
     # It is gone, not restarted or left half alive.
     with pytest.raises(RuntimeError, match="expected one running raytrec coordinator, found 0"):
         running_coordinator()

@@ -46,6 +46,7 @@ VALUES: dict[str, Any] = {
     "str": "x",
     "bool": True,
     "int | None": 3,
+    "str | None": "y",
     "float | None": 1.5,
     "tuple[int, ...]": (1, 2),
     "tuple[str, ...]": ("a at 127.0.0.1",),

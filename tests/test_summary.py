@@ -80,7 +80,9 @@ def test_the_ledger_counts_what_the_job_did(tmp_path: str) -> None:
         "committed_distinct": 48,
         "replayed": 4,
         "lost": 0,
+        "rolled_back": 0,
     }
+    assert summary["coordinator_restarts"] == 0
     # As a user counts them: rank 1's death and node 1's (rank 0 was ended by raytrec because
     # its gang lost rank 1; rank 2 died with its node); every failure event kept by kind.
     assert summary["failures"] == {

@@ -364,7 +364,8 @@ class TestingConfig(ConfigModel):
 
     faults: Seq[FaultSpec] = ()
     """Faults the ranks carry out on themselves at given steps (kill, hang, slow a rank; a
-    corrupt heal), e.g. `[{kind: kill_rank, step: 120, rank: 3}]`; see the fault tolerance
+    corrupt heal), e.g. `[{kind: kill_rank, step: 120, rank: 3}]`, and `kill_coordinator`
+    (the coordinator SIGKILLs its own process, once per run); see the fault tolerance
     guide. `remove_node` is refused: a rank cannot take its node out of the cluster."""
     stragglers: StragglerSpec | None = None
     """Random stalls of ranks, for straggler experiments; null: none."""

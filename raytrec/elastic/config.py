@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from pydantic import model_validator
 
-from raytrec.config.base import ConfigError, ConfigModel, PositiveFloat, PositiveInt
+from raytrec.config.base import (
+    ConfigError,
+    ConfigModel,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+)
 
 __all__ = ["ElasticConfig"]
 
@@ -43,6 +49,11 @@ class ElasticConfig(ConfigModel):
     """When a failure leaves some shard with no live copy (every gang lost a rank, or a host
     under `replicas_within_host`), rebuild the whole job from its last checkpoint (or the one
     it resumed from) and train on; false, or with no checkpoint, the job fails."""
+    max_coordinator_restarts: NonNegativeInt = 3
+    """How many times the driver starts a new coordinator when the coordinator's process dies
+    (an OOM kill, a defect, its actor killed); the new one continues the same run from its
+    newest checkpoint (from the start of the data without one). 0: the job fails with the
+    coordinator, with its ledger and the checkpoint to resume from."""
 
     @model_validator(mode="after")
     def _clocks_in_order(self) -> ElasticConfig:

@@ -18,6 +18,8 @@ from typing import Any, ClassVar, TypeVar, overload
 __all__ = [
     "CheckpointRestored",
     "CheckpointSaved",
+    "CoordinatorLost",
+    "CoordinatorRestarted",
     "DataReshared",
     "DrainRejected",
     "EarlyStopped",
@@ -264,6 +266,33 @@ class EarlyStopped(Event):
     best: float
     best_step: int
     reason: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CoordinatorLost(Event):
+    """The coordinator's process died (``attempt``: which coordinator of the run, 0 the
+    first); ``step``: the job's step at its last journal record."""
+
+    kind: ClassVar[str] = "coordinator_lost"
+    attempt: int
+    reason: str
+    #: Restarts still allowed (elastic.max_coordinator_restarts less those done).
+    restarts_left: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CoordinatorRestarted(Event):
+    """A new coordinator continues the run from checkpoint ``uri`` of ``checkpoint_step``
+    (None: from the start of the data, with a fresh model); the ranks, owned by the lost
+    coordinator, died with it and are placed again."""
+
+    kind: ClassVar[str] = "coordinator_restarted"
+    attempt: int
+    uri: str | None
+    checkpoint_step: int
+    #: Batches committed after the checkpoint, which the new coordinator trains (and commits)
+    #: again; each is counted once in the run's ledger.
+    rolled_back_batches: int
 
 
 E = TypeVar("E", bound=Event)

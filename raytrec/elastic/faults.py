@@ -5,7 +5,9 @@ A :class:`FaultSpec` is one fault: ``kill_rank`` (the rank's process exits), ``k
 does: mid-step, often mid-collective), ``hang_rank`` (the rank stops making progress and never
 returns), ``slow_rank`` (the rank stalls ``stall_s`` seconds in each of ``steps`` steps) or
 ``corrupt_heal`` (the rank's first heal from a peer at or after ``step`` leaves one of its
-weights off by one, which the coordinator's heal check must catch). A
+weights off by one, which the coordinator's heal check must catch) or ``kill_coordinator`` (the
+coordinator SIGKILLs its own process at the first interval boundary at or after ``step``, once
+per run; it has no target). A
 fault is due at step ``step``: a rank carries it out as it starts that step (after ``step - 1``
 completed steps; ``kill_rank@16`` dies before training step 16). Rank faults
 target one job rank (``rank``), every rank of a gang (``gang``, a gang id) or every rank on a node
@@ -51,6 +53,7 @@ class FaultKind(enum.StrEnum):
     HANG_RANK = "hang_rank"
     SLOW_RANK = "slow_rank"
     CORRUPT_HEAL = "corrupt_heal"
+    KILL_COORDINATOR = "kill_coordinator"
 
 
 class Phase(enum.StrEnum):
@@ -97,8 +100,10 @@ class FaultSpec(ConfigModel):
     """`kill_rank` (the rank's process exits), `kill_process` (the rank's process is SIGKILLed
     from another thread at a random moment of a step drawn from `step` to `step + steps - 1`),
     `hang_rank` (the rank stops making progress), `slow_rank` (the rank stalls `stall_s`
-    seconds in each of `steps` steps) or `corrupt_heal` (the rank's first heal from a peer at
-    or after `step` leaves one weight off by one)."""
+    seconds in each of `steps` steps), `corrupt_heal` (the rank's first heal from a peer at
+    or after `step` leaves one weight off by one) or `kill_coordinator` (the coordinator's
+    process is SIGKILLed at the first interval boundary at or after `step`, once per run; no
+    target)."""
     step: NonNegativeInt
     """The step before which a rank carries the fault out (`kill_rank` at 16 dies after 15
     completed steps)."""
@@ -134,7 +139,10 @@ class FaultSpec(ConfigModel):
     def _one_target(self) -> FaultSpec:
         set_targets = [t for t in _TARGETS if getattr(self, t) is not None]
         given = ", ".join(f"{t}={getattr(self, t)!r}" for t in set_targets)
-        if len(set_targets) != 1:
+        if self.kind is FaultKind.KILL_COORDINATOR:
+            if set_targets:
+                raise ConfigError(f"kill_coordinator has no target; got {given}")
+        elif len(set_targets) != 1:
             raise ConfigError(
                 f"{self.kind} needs exactly one target of rank, gang, node; got {given or 'none'}"
             )
@@ -155,7 +163,7 @@ class FaultSpec(ConfigModel):
                 )
             if self.steps != 1:
                 raise ConfigError(f"{self.kind}.steps={self.steps!r} is not allowed with phase")
-        if self.later and set_targets[0] == "node":
+        if self.later and (not set_targets or set_targets[0] == "node"):
             raise ConfigError(f"{self.kind}.later=True needs a rank or gang target, not node")
         if self.seed and self.kind is not FaultKind.KILL_PROCESS:
             raise ConfigError(f"{self.kind}.seed={self.seed!r} is only allowed for kill_process")
@@ -163,7 +171,10 @@ class FaultSpec(ConfigModel):
 
     @property
     def target(self) -> tuple[str, int]:
-        """``("rank" | "gang" | "node", index)``."""
+        """``("rank" | "gang" | "node", index)``; ``("coordinator", 0)`` for
+        ``kill_coordinator``."""
+        if self.kind is FaultKind.KILL_COORDINATOR:
+            return "coordinator", 0
         for t in _TARGETS:
             value = getattr(self, t)
             if value is not None:
@@ -182,7 +193,7 @@ class FaultSpec(ConfigModel):
     def hits_rank(self, *, rank: int, gang: int, node: int) -> bool:
         """Whether this fault targets the rank with job rank ``rank`` in ``gang`` on ``node``."""
         name, value = self.target
-        return {"rank": rank, "gang": gang, "node": node}[name] == value
+        return {"rank": rank, "gang": gang, "node": node}.get(name) == value
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> FaultSpec:
@@ -213,7 +224,8 @@ class FaultSpec(ConfigModel):
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind.value, "step": self.step}
         name, value = self.target
-        out[name] = value
+        if self.kind is not FaultKind.KILL_COORDINATOR:
+            out[name] = value
         if self.kind is FaultKind.SLOW_RANK:
             out.update(stall_s=self.stall_s, steps=self.steps)
         if self.kind is FaultKind.KILL_PROCESS:
@@ -289,13 +301,17 @@ class FaultConfig(ConfigModel):
             if f.phase is phase and f.step <= step and f.hits_rank(rank=rank, gang=gang, node=node)
         )
 
+    def coordinator_kills(self) -> tuple[int, ...]:
+        """The steps of the ``kill_coordinator`` faults, in the order given."""
+        return tuple(f.step for f in self.faults if f.kind is FaultKind.KILL_COORDINATOR)
+
     def check_targets(self, *, num_ranks: int, num_gangs: int, num_nodes: int) -> None:
         """Every target exists in a job of the given size (initial ranks, gangs, nodes); a
         target with ``later`` is beyond it (it joins later). ``corrupt_heal`` targets a gang or
         rank that joins later, so any id is allowed."""
         bounds = {"rank": num_ranks, "gang": num_gangs, "node": num_nodes}
         for i, f in enumerate(self.faults):
-            if f.kind is FaultKind.CORRUPT_HEAL:
+            if f.kind in (FaultKind.CORRUPT_HEAL, FaultKind.KILL_COORDINATOR):
                 continue
             name, value = f.target
             if f.later:

@@ -32,9 +32,16 @@ __all__ = [
 ]
 
 #: Event kinds that record something breaking, each counted by kind in ``summary.json``.
-FAILURE_EVENT_KINDS = ("rank_died", "node_died", "hang_detected", "heal_failed", "total_loss")
+FAILURE_EVENT_KINDS = (
+    "rank_died",
+    "node_died",
+    "hang_detected",
+    "heal_failed",
+    "total_loss",
+    "coordinator_lost",
+)
 #: The kinds a user counts as failures (with the rank deaths that are failures of their own).
-_COUNTED = ("rank_died", "node_died", "hang_detected", "heal_failed")
+_COUNTED = ("rank_died", "node_died", "hang_detected", "heal_failed", "coordinator_lost")
 #: The rows of the plot's event strip, top to bottom, with their colour and marker.
 LANES: dict[str, tuple[str, str]] = {
     "failures": ("tab:red", "X"),
@@ -76,6 +83,8 @@ def _what(event: Mapping[str, Any]) -> str:
         return f"{_ranks(event.get('job_ranks', ()))} hung"
     if kind == "heal_failed":
         return f"gang {event.get('gang_id', '?')}'s heal failed"
+    if kind == "coordinator_lost":
+        return "the coordinator died"
     return str(kind).replace("_", " ")
 
 
@@ -186,6 +195,8 @@ def _lane_and_label(kind: str, e: Mapping[str, Any]) -> tuple[str | None, str]:
         return "checkpoints", f"restored step {e.get('saved_step', '?')}"
     if kind == "early_stopped":
         return "other", "early stop"
+    if kind == "coordinator_restarted":
+        return "other", f"coordinator restarted from step {e.get('checkpoint_step', 0) or 0}"
     return None, ""
 
 
