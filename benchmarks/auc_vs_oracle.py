@@ -1,26 +1,19 @@
 """AUC against the oracle, and data wait: one run of the main job's default configuration.
 
     .venv/bin/python -m benchmarks.auc_vs_oracle [--set KEY=VALUE ...] [--write docs/benchmarks.md]
-    .venv/bin/python -m benchmarks.auc_vs_oracle --grid JSON [--write docs/benchmarks.md]
 
-``--grid``: the model on engines over gloo (gangs of one rank), gangs x ``sync.sync_every`` x
-``sync.merge``. What each figure counts: docs/benchmarks.md, "AUC against the oracle" and
-"Sync merge".
+What each figure counts: docs/benchmarks.md, "AUC against the oracle".
 """
 
 from __future__ import annotations
 
-import dataclasses
 import glob
-import json
 import math
 import os
 import statistics
 import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -29,8 +22,6 @@ from jobs.train import build_config
 from raytrec.api import Result
 from raytrec.config import TrainConfig
 from raytrec.data.generate import auc
-from raytrec.engine.rank_engine import RankSpec, StoreAddress
-from simulation.gloo_job import engine_for, run_gang_job
 
 TARGET_RATIO, TARGET_WAIT = 0.97, 0.05  # of the oracle's AUC; of rank time
 TAIL = 4  # intervals averaged for the tail AUC
@@ -115,98 +106,6 @@ def render(result: Result, wall_s: float, noise: tuple[float, float, int, int] |
     return [*lines, "", md_table(heads, rows, left=0)]
 
 
-GRID = [(every, merge) for every in (1, 4, 16, 64) for merge in ("mean", "touched_mean")]
-
-
-def grid_config(a: Any, gangs: int, every: int, merge: str) -> TrainConfig:
-    """The main job's configuration (``--set`` applied) for ``gangs`` gangs of one rank, syncing
-    the touched rows every ``every`` steps by ``merge``."""
-    keys = [*a.set, "data.source=synthetic", "sync.rows=touched", f"sync.merge={merge}"]
-    keys += [f"scaling.num_workers={gangs}", f"sync.sync_every={every}"]
-    return build_config(["--gang-size", "1", *(x for kv in keys for x in ("--set", kv))])
-
-
-def grid_rank(spec: RankSpec, *, a: Any, stores: list[StoreAddress]) -> list[tuple[Any, ...]]:
-    """Gang ``spec.gang`` of a grid job: every (period, merge) cell in turn, each on a fresh store;
-    per cell the last quarter's logits, labels and teacher logits, and the bytes sent in syncs."""
-    from raytrec.data.from_config import synthetic_source
-    from raytrec.engine.rank_engine import StepInput
-    from raytrec.engine.stepping import StepBegins, StepResult, Synced
-
-    cells, gangs = [], spec.config.scaling.num_workers
-    for (every, merge), store in zip(GRID, [spec.store, *stores], strict=True):
-        cfg = grid_config(a, gangs, every, merge)
-        source, batch = synthetic_source(cfg), cfg.data.batch_size
-        steps, sent = a.grid_rows // (gangs * batch), 0
-        got: list[list[np.ndarray]] = [[], [], []]
-        tail = steps - steps // 4
-        feed = (StepInput(b) for b in source.split(gangs)[spec.gang].batches(batch))
-        with engine_for(dataclasses.replace(spec, config=cfg, store=store)) as e:
-            e.sync()  # a no-op (every gang starts alike) that makes the touched sets known
-            for ev in e.train_steps(feed, steps):
-                if isinstance(ev, StepBegins) and ev.step > tail:
-                    got[2].append(source.teacher_logits(ev.input.batch).numpy())
-                elif isinstance(ev, StepResult) and ev.step > tail:
-                    got[0].append(ev.logits.float().numpy())
-                    got[1].append(ev.labels.numpy())
-                elif isinstance(ev, Synced):
-                    sent += e.replicas.last_traffic.bytes_sent  # type: ignore[union-attr]
-        cells.append((every, merge, steps, sent, *(np.concatenate(x) for x in got)))
-    return cells
-
-
-def grid(a: Any) -> list[dict[str, Any]]:
-    """Every cell, one after another; the results go to ``a.grid`` after each number of gangs."""
-    from raytrec.data.from_config import synthetic_source
-    from raytrec.engine.plan import job_plan
-    from raytrec.models import build_train_model
-
-    results: list[dict[str, Any]] = []
-    rng = np.random.default_rng(0)
-    for gangs in a.grid_gangs:
-        cfg = grid_config(a, gangs, *GRID[0])
-        num_dense = synthetic_source(cfg).num_dense
-        plan = job_plan(cfg, num_dense, build_train_model)
-        got = run_gang_job(
-            grid_rank, config=cfg, plan=plan, num_gangs=gangs, gang_size=1, num_dense=num_dense,
-            timeout_s=3600, extra_stores=len(GRID) - 1, a=a,
-        )  # fmt: skip
-        ranks = [got[r] for r in range(gangs)]
-        cells = [
-            [*ranks[0][i][:4], *(np.concatenate([c[i][k] for c in ranks]) for k in (4, 5, 6))]
-            for i in range(len(GRID))
-        ]
-        for i, (every, merge, steps, sent, logits, labels, teacher) in enumerate(cells):
-            base = cells[i - i % 2][4]  # the mean cell of the same period, on the same rows
-            pick = [rng.integers(0, len(labels), len(labels)) for _ in range(50)]
-            diff = [auc(logits[j], labels[j]) - auc(base[j], labels[j]) for j in pick]
-            r = dict(gangs=gangs, every=every, merge=merge, steps=steps, bytes=sent)
-            r |= dict(auc=auc(logits, labels), oracle=auc(teacher, labels))
-            results.append(r | dict(diff_std=float(np.std(diff))))
-            print(results[-1], flush=True)
-        Path(a.grid).write_text(json.dumps(results, indent=1))
-    return results
-
-
-def render_grid(results: list[dict[str, Any]], rows: int) -> list[str]:
-    by, lines = {(r["gangs"], r["every"], r["merge"]): r for r in results}, []
-    for (g, every, merge), m in by.items():
-        if merge == "mean" and (t := by.get((g, every, "touched_mean"))):
-            rm, rt = m["auc"] / m["oracle"], t["auc"] / t["oracle"]
-            diff = f"{rt - rm:+.4f} ({t['diff_std'] / t['oracle']:.4f})"
-            mb = [f"{m['bytes'] / 1e6:.1f}", f"{t['bytes'] / 1e6:.1f}"]
-            lines.append([g, every, m["steps"], f"{rm:.4f}", f"{rt:.4f}", diff, *mb])
-    heads = "gangs | sync every | steps | mean: AUC / oracle | touched_mean: AUC / oracle "
-    heads += "| difference (std) | mean: MB | touched_mean: MB"
-    return [
-        f"Each cell trains {rows:,} rows. AUC / oracle over the last quarter of the steps "
-        "(the same rows for both merges; the difference's bootstrap std over those rows in "
-        "brackets); MB: what one rank sent in syncs.",
-        "",
-        md_table(heads, lines, left=0),
-    ]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     from raytrec.api import fit
 
@@ -214,14 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="as jobs.train --set"
     )
-    p.add_argument("--grid", metavar="JSON", help="run the merge grid, results into JSON")
-    p.add_argument("--grid-gangs", type=int, nargs="+", default=[2, 4, 8])
-    p.add_argument("--grid-rows", type=int, default=122_880, help="rows trained per cell")
     a = parse(p, argv)
-    if a.grid:
-        body = "\n".join(render_grid(grid(a), a.grid_rows))
-        publish(a, body, name="merge-grid", heading="## Sync merge: mean against touched_mean")
-        return 0
     with tempfile.TemporaryDirectory(prefix="raytrec-auc-") as tmp:
         overrides = [x for kv in a.set for x in ("--set", kv)]
         config = build_config(["--storage-path", tmp, *overrides])

@@ -237,17 +237,18 @@ def test_configs_are_frozen_values_that_pickle_and_replace() -> None:
         cfg.scaling.replace(gang_size=3)
 
 
-def test_sync_merge() -> None:
-    assert SyncConfig().merge == "mean"
-    assert SyncConfig(merge="touched_mean", rows="all").merge == "touched_mean"
-    with pytest.raises(ConfigError, match=r"sync.merge='median': must be 'mean' or 'touched_mean'"):
-        SyncConfig(merge="median")  # type: ignore[arg-type]
+def test_sync_merge_was_removed() -> None:
+    with pytest.raises(ConfigError, match=r"^sync.merge was removed: .*touched_mean, lowered"):
+        SyncConfig(merge="touched_mean")  # type: ignore[call-arg]
+    with pytest.raises(ConfigError, match=r"^sync.merge was removed"):
+        TrainConfig(sync={"merge": "mean"})  # type: ignore[arg-type]
+
+
+def test_touched_rows_track_at_most_15_levels() -> None:
     # Touched rows are tracked per schedule level, at most 15 levels with the job-wide one.
     deep = tuple((2**i, 2**i) for i in range(1, 15))
-    assert SyncConfig(merge="touched_mean", levels=deep, sync_every=2**15).levels == deep
+    assert SyncConfig(levels=deep, sync_every=2**15).levels == deep
     deeper = (*deep, (2**15, 2**15))
-    with pytest.raises(ConfigError, match=r"sync.merge=touched_mean tracks .* at most 15"):
-        SyncConfig(merge="touched_mean", rows="all", levels=deeper, sync_every=2**16)
     with pytest.raises(ConfigError, match=r"sync.rows=touched tracks .* at most 15 .*rows=all"):
         SyncConfig(levels=deeper, sync_every=2**16)  # rows: touched is the default
     untracked = SyncConfig(rows="all", levels=deeper, sync_every=2**16)

@@ -220,6 +220,7 @@ def test_list_overrides_by_index_every_entry_and_from_the_end() -> None:
         ("model.tables[0].nmae=x", r"unknown key 'model.tables\[0\].nmae' \(did you mean "),
         ("scaling..x=1", r"bad key 'scaling..x'"),
         ("faults=[]", r"unknown key 'faults' \(it moved to 'testing.faults'\)"),
+        ("sync.merge=touched_mean", r"^sync.merge was removed: .*lowered the AUC in every "),
     ],
 )
 def test_bad_override_keys_name_the_path(override: str, message: str) -> None:

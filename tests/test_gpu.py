@@ -212,14 +212,7 @@ def touched_run(spec: RankSpec) -> dict[str, Any]:
         state = [t for shard in engine.state.table_shards() for t in shard]
         kept = host(state)
         ids = [touched.rows(k, 0, optimizer_state=True) for k in touched.shards]
-        weighted = ids if spec.config.sync.merge == "touched_mean" else None
-        traffic = average_rows(
-            nccl_plane(spec),
-            engine.state.table_shards(),
-            ids,
-            max_share=1.0,
-            weights_touched=weighted,
-        )
+        traffic = average_rows(nccl_plane(spec), engine.state.table_shards(), ids, max_share=1.0)
         return {
             "missed": missed,
             "changed": changed,
@@ -296,9 +289,7 @@ def variant_config(embedding: str, sharding: str) -> TrainConfig:
 VARIANTS = {f"{o}-{s}": variant_config(o, s) for o in OPTIMIZERS for s in SHARDINGS}
 
 
-def touched_config(
-    embedding: str, sharding: str, kernel: str, precision: str, merge: str = "mean"
-) -> TrainConfig:
+def touched_config(embedding: str, sharding: str, kernel: str, precision: str) -> TrainConfig:
     base = variant_config(embedding, sharding)
     # Tables far larger than the ids the batches hold, so most rows stay untouched.
     table: dict[str, Any] = {
@@ -312,7 +303,7 @@ def touched_config(
     return base.model_copy(
         update={
             "model": base.model.model_copy(update={"tables": tables}),
-            "sync": base.sync.model_copy(update={"rows": "touched", "merge": merge}),
+            "sync": base.sync.model_copy(update={"rows": "touched"}),
         }
     )
 
@@ -334,13 +325,6 @@ TOUCHED = {
     ),
     "rowwise_adagrad-column_wise-fused_uvm_caching-fp16": touched_config(
         "rowwise_adagrad", "column_wise", "fused_uvm_caching", "fp16"
-    ),
-    # sync.merge: touched_mean (its per-row counts summed over NCCL too).
-    "adam-row_wise-fused-fp32-touched_mean": touched_config(
-        "adam", "row_wise", "fused", "fp32", "touched_mean"
-    ),
-    "rowwise_adagrad-table_wise-fused_uvm_caching-fp16-touched_mean": touched_config(
-        "rowwise_adagrad", "table_wise", "fused_uvm_caching", "fp16", "touched_mean"
     ),
 }
 

@@ -76,6 +76,14 @@ else:
 
 #: Keys that moved, by their old path: an old config file is told where each went.
 MOVED_KEYS = {"faults": "testing.faults", "stragglers": "testing.stragglers"}
+#: Keys that were removed, by their path: an old config file is told why.
+REMOVED_KEYS = {
+    "sync.merge": (
+        "sync.merge was removed: its only other value, touched_mean, lowered the AUC in every "
+        "measurement (docs/benchmarks.md, docs/movielens.md); every sync is the plain mean, "
+        "so delete the key"
+    ),
+}
 
 
 class ConfigModel(BaseModel, metaclass=_Meta):
@@ -193,6 +201,8 @@ def _issue(err: ErrorDetails, cls: type[BaseModel], prefix: str) -> str:
         return f"{path}: {message}" if "[" in path else message
     if kind == "missing":
         return f"{path} is required"
+    if kind == "extra_forbidden" and path in REMOVED_KEYS:
+        return REMOVED_KEYS[path]
     if kind == "extra_forbidden":
         owner = _model_at(cls, loc[:-1])
         valid = list(owner.model_fields) if owner else []

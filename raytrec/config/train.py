@@ -70,7 +70,6 @@ Backend = Literal["auto", "gloo", "nccl"]
 EvalMetric = Literal["eval_auc", "eval_ne", "eval_log_loss"]
 DenseSync = Literal["every_step", "with_schedule"]
 SyncRows = Literal["all", "touched"]
-SyncMerge = Literal["mean", "touched_mean"]
 TrainPipelineName = Literal["auto", "off", "sparse_dist", "semi_sync"]
 
 #: Schedule levels (the job-wide one included) whose touched rows one rank can track.
@@ -278,29 +277,15 @@ class SyncConfig(ConfigModel):
     touched_max_share: Annotated[float, Interval(gt=0, le=1)] = 0.5
     """With `rows: touched`: a shard of which some member touched more than this share of the
     rows is averaged whole."""
-    merge: SyncMerge = "mean"
-    """How a sync combines the members' embedding rows. `mean`: every member's value counts
-    (a row only one of G gangs looked up keeps 1/G of that gang's change). `touched_mean`: a
-    row's weights, and apart its fused optimizer state, become the mean over the members that
-    touched it since that level's last sync (since its last sync carrying optimizer state, for
-    the state); rows no member touched stay as they are; a row every member touched gets the
-    plain mean. It tracks touched rows whatever `rows` is; `rows` still picks what travels:
-    `all` sends every row with a per-row count of touching members, `touched` only the union
-    of the touched rows. Where the touched sets are unknown (each level's first sync of a
-    generation, and first sync carrying optimizer state; after a heal or a checkpoint load) the
-    sync is the plain mean of every row. Dense state and step counters are always plain means.
-    `mean` learned as well or better in every measured case (docs/concepts.md, "Sync merge")."""
 
     @model_validator(mode="after")
     def _schedule_nests(self) -> SyncConfig:
         _check_sync_levels(self.levels, self.sync_every)
-        tracked = self.rows == "touched" or self.merge == "touched_mean"
-        if tracked and len(self.levels) + 1 > MAX_TOUCHED_LEVELS:
-            why = "sync.rows=touched" if self.rows == "touched" else "sync.merge=touched_mean"
+        if self.rows == "touched" and len(self.levels) + 1 > MAX_TOUCHED_LEVELS:
             raise ConfigError(
-                f"{why} tracks touched rows per schedule level, at most {MAX_TOUCHED_LEVELS} "
-                f"levels with the job-wide one; sync.levels has {len(self.levels)} (fewer "
-                f"levels, or sync.rows=all with sync.merge=mean, which track none)"
+                f"sync.rows=touched tracks touched rows per schedule level, at most "
+                f"{MAX_TOUCHED_LEVELS} levels with the job-wide one; sync.levels has "
+                f"{len(self.levels)} (fewer levels, or sync.rows=all, which tracks none)"
             )
         every = self.optimizer_state_every
         if every is not None:

@@ -81,7 +81,7 @@ def build_rank(spec: RankSpec) -> tuple[RankModel, dist.Store]:
         tables=(tables := fused_tables(model)),
         touched=(
             TouchedRows(tables, levels=len(cfg.sync.levels) + 1)
-            if cfg.sync.rows == "touched" or cfg.sync.merge == "touched_mean"
+            if cfg.sync.rows == "touched"
             else None
         ),
     )

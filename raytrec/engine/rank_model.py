@@ -37,8 +37,7 @@ class RankModel:
     dense_params: dict[str, nn.Parameter]
     dense_optimizer: KeyedOptimizerWrapper
     tables: tuple[SplitTableBatchedEmbeddingBagsCodegen, ...]  # fused_tables(model)
-    # With sync.rows="touched" or sync.merge="touched_mean": the rows this rank's lookups
-    # touched (TouchedRows.attach).
+    # With sync.rows="touched": the rows this rank's lookups touched (TouchedRows.attach).
     touched: TouchedRows | None = None
 
     def embedding_weights(self) -> list[torch.Tensor]:

@@ -245,11 +245,10 @@ class ReplicaSync:
         known = touched is not None and touched.valid(
             level, optimizer_state=optimizer_state, generation=plane.generation
         )
-        weighted = self.config.merge == "touched_mean"
         rows = self.config.rows
         if rows == "touched" and syncs_whole(self._bytes(optimizer_state)):
             rows = "all"  # small shards: one whole all-reduce costs less than agreeing on rows
-        if touched is not None and known and (weighted or rows == "touched"):
+        if touched is not None and known and rows == "touched":
             counters = model.embedding_step_counters() if optimizer_state else []
             self.last_traffic = average_rows(
                 plane,
@@ -258,17 +257,11 @@ class ReplicaSync:
                 max_share=self.config.touched_max_share,
                 extra=counters,
                 apart=dense,
-                weights_touched=(
-                    [touched.rows(k, level, optimizer_state=False) for k in touched.shards]
-                    if weighted
-                    else None
-                ),
-                every_row=rows == "all",
             )
         else:
-            # rows: all with merge: mean, shards below WHOLE_SYNC_BELOW_BYTES, or touched sets
-            # unknown (each level's first sync of a generation, after a heal or a load): the
-            # plain mean of every row.
+            # rows: all, shards below WHOLE_SYNC_BELOW_BYTES, or touched sets unknown (each
+            # level's first sync of a generation, after a heal or a load): the plain mean of
+            # every row.
             tensors = model.shard_state(optimizer_state=optimizer_state)
             # Dense state in a buffer of its own, so the gang's ranks keep identical copies.
             plane.average_(tensors, apart=dense)

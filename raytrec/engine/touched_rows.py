@@ -187,8 +187,6 @@ def average_rows(
     max_share: float,
     extra: Sequence[torch.Tensor] = (),
     apart: Sequence[torch.Tensor] = (),
-    weights_touched: Sequence[torch.Tensor] | None = None,
-    every_row: bool = False,
 ) -> SyncTraffic:
     """Averages over ``plane`` the rows of each shard that some member touched.
 
@@ -202,32 +200,20 @@ def average_rows(
     an OR-all-reduce of a bitmap of the shard's rows (:func:`raytrec.sync.traffic.agreement`).
     Then those rows of every tensor are gathered, averaged in one all-reduce per dtype and
     written back. A failed collective can leave some shards averaged and others not, as a
-    failure can between replica groups: the next generation's first sync averages every row.
-
-    With ``weights_touched`` (``sync.merge: touched_mean``) a row's value is instead the mean
-    over the members that touched it: each member sends its touched rows' values and zeros for
-    the others, and a count per row (one all-reduce for every shard); the sums are divided by
-    the counts, and rows no member touched are left as they are. The weights use
-    ``weights_touched[k]``, the optimizer state ``touched[k]`` (its rows since the last sync
-    that carried optimizer state, a superset). ``every_row`` (``sync.rows: all``) sends every
-    row of every shard, with no agreement on a union."""
+    failure can between replica groups: the next generation's first sync averages every row."""
     n = plane.size
     sent = 0
-    weighted = weights_touched is not None
     on = plane.device  # NCCL takes CUDA tensors; the bookkeeping stays on the CPU
+    counts = torch.tensor([t.numel() for t in touched], dtype=torch.int64)
+    every = plane.all_gather(counts.to(on)).cpu()
+    sent += allgather_bytes(counts.numel() * 8, n)
+    most = every.max(0).values.tolist()
     whole: list[int] = []
     by_ids: list[int] = []
     by_bitmap: list[int] = []
-    if every_row:
-        whole = list(range(len(shards)))
-    else:
-        counts = torch.tensor([t.numel() for t in touched], dtype=torch.int64)
-        every = plane.all_gather(counts.to(on)).cpu()
-        sent += allgather_bytes(counts.numel() * 8, n)
-        most = every.max(0).values.tolist()
-        for k, (shard, top) in enumerate(zip(shards, most, strict=True)):
-            how = agreement(shard[0].shape[0], top, n, max_share, bitmap=plane.backend != "nccl")
-            {"whole": whole, "ids": by_ids, "bitmap": by_bitmap, "none": []}[how].append(k)
+    for k, (shard, top) in enumerate(zip(shards, most, strict=True)):
+        how = agreement(shard[0].shape[0], top, n, max_share, bitmap=plane.backend != "nccl")
+        {"whole": whole, "ids": by_ids, "bitmap": by_bitmap, "none": []}[how].append(k)
     union: dict[int, torch.Tensor] = {}
     if by_ids:
         found: dict[int, list[torch.Tensor]] = {k: [] for k in by_ids}
@@ -255,66 +241,30 @@ def average_rows(
         sent += allreduce_bytes(packed.numel(), n)
         for k, bits in zip(by_bitmap, packed.split([b.numel() for b in bitmaps]), strict=True):
             union[k] = torch.nonzero(_unpack(bits, shards[k][0].shape[0])).flatten()
-    if weighted:  # a whole shard is every row of it, weighted like the others
-        for k in whole:
-            union[k] = torch.arange(shards[k][0].shape[0])
-        whole_tensors = list(extra)
-    else:
-        whole_tensors = [t for k in whole for t in shards[k]] + list(extra)
-    plane.average_(whole_tensors, apart=apart)
-    sent += allreduce_bytes(_wire_bytes(whole_tensors) + _wire_bytes(apart), n)
+    tensors: list[torch.Tensor] = [t for k in whole for t in shards[k]] + list(extra)
+    plane.average_(tensors, apart=apart)
+    sent += allreduce_bytes(_wire_bytes(tensors) + _wire_bytes(apart), n)
     # The touched rows of every tensor, gathered straight into one scratch buffer per dtype,
-    # averaged there and copied back (one copy each way). Weighted: each part's rows that this
-    # member touched (its slice of the counts); the others are zeroed before the sum.
-    by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor, slice | None]]] = {}
-    marks: list[torch.Tensor] = []
-    at = 0
+    # averaged there and copied back (one copy each way).
+    by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for k, ids in union.items():
         union[k] = ids = ids.to(shards[k][0].device)
-        kinds: list[slice | None] = [None, None]
-        if weights_touched is not None:
-            for i, own_rows in enumerate((weights_touched[k], touched[k])[: len(shards[k])]):
-                marks.append(torch.isin(ids, own_rows.to(ids.device)).cpu())
-                kinds[i] = slice(at, at + ids.numel())
-                at += ids.numel()
-        for i, t in enumerate(shards[k]):
-            by_dtype.setdefault(t.dtype, []).append((t, ids, kinds[min(i, 1)]))
-    counted = torch.cat(marks) if marks else torch.zeros(0, dtype=torch.bool)
-    touching = None
-    if marks:
-        # How many members touched each row: one sum all-reduce for every shard and dtype.
-        touching = plane.sum_(counted.to(torch.uint8 if n < 256 else torch.int32).to(on)).cpu()
-        sent += allreduce_bytes(touching.numel() * touching.element_size(), n)
+        for t in shards[k]:
+            by_dtype.setdefault(t.dtype, []).append((t, ids))
     for dtype, parts in by_dtype.items():
-        sizes = [ids.numel() * t[0].numel() for t, ids, _ in parts]
+        sizes = [ids.numel() * t[0].numel() for t, ids in parts]
         flat = torch.empty(sum(sizes), dtype=dtype, device=parts[0][0].device)
         views = [
             v.view(ids.numel(), *t.shape[1:])
-            for v, (t, ids, _) in zip(flat.split(sizes), parts, strict=True)
+            for v, (t, ids) in zip(flat.split(sizes), parts, strict=True)
         ]
-        for v, (t, ids, kind) in zip(views, parts, strict=True):
+        for v, (t, ids) in zip(views, parts, strict=True):
             torch.index_select(t, 0, ids, out=v)
-            if kind is not None:
-                v[~counted[kind].to(v.device)] = 0
+        plane.mean_(flat)
         sent += allreduce_bytes(_wire_bytes([flat]), n)
-        if touching is None:
-            plane.mean_(flat)
-            for v, (t, ids, _) in zip(views, parts, strict=True):
-                t.index_copy_(0, ids, v)
-            continue
-        wide = plane.sum_(flat)  # half precision summed (and divided) in fp32, as mean_ does
-        at = 0
-        for size, (t, ids, kind) in zip(sizes, parts, strict=True):
-            assert kind is not None
-            v = wide[at : at + size].view(ids.numel(), *t.shape[1:])
-            at += size
-            c = touching[kind].to(device=v.device)
-            keep = torch.nonzero(c).flatten()  # rows nobody touched stay as they are
-            c = c[keep].to(v.dtype).view(-1, *[1] * (v.dim() - 1))
-            t.index_copy_(0, ids[keep], (v[keep] / c).to(t.dtype))
-    averaged = sum(u.numel() for u in union.values())
-    if not weighted:
-        averaged += sum(shards[k][0].shape[0] for k in whole)
+        for v, (t, ids) in zip(views, parts, strict=True):
+            t.index_copy_(0, ids, v)
+    averaged = sum(shards[k][0].shape[0] for k in whole) + sum(u.numel() for u in union.values())
     return SyncTraffic(bytes_sent=sent, rows=averaged, whole_shards=len(whole), shards=len(shards))
 
 
