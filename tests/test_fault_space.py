@@ -91,23 +91,45 @@ def test_thousands_of_schedules_end_without_a_defect() -> None:
     assert result.phases["RankDies @ join: healing / broadcast_state"] > 0
 
 
-#: Schedules that campaigns found defective, each fixed since and kept as a named scenario in
-#: tests/test_control_plane.py (which says what went wrong); each must replay as a pass.
+#: Schedules that campaigns found defective, by the named scenario in tests/test_control_plane.py
+#: that keeps each fixed (and says what went wrong); each must replay as a pass.
+_JOINERS = Settings(gang_size=1, num_steps=8, grow=True, min_gangs=3, max_gangs=4, spare_nodes=1)
 FOUND = {
     "test_a_joining_gang_is_still_dropped_when_the_recovery_that_drops_it_starts_over": (
-        '{"faults":[{"kind":"rank_dies","on":"broadcast_state","rank":3},'
-        '{"kind":"rank_dies","rank":0,"step":2},{"kind":"rank_dies","nth":2,"on":"recover","rank":2}],'
-        '"seed":7772847,"settings":{"checkpoint_every":null,"data":"synthetic","gang_size":1,'
-        '"gangs":3,"grow":true,"layout":"replicas_across_hosts","log_every":2,"max_gangs":4,'
-        '"min_gangs":3,"num_steps":8,"spare_nodes":1,"sync_every":4}}'
+        # A fresh-seed campaign's: the never-healed copy was averaged in.
+        Schedule(
+            _JOINERS,
+            (
+                {"kind": "rank_dies", "on": "broadcast_state", "rank": 3},
+                {"kind": "rank_dies", "rank": 0, "step": 2},
+                {"kind": "rank_dies", "nth": 2, "on": "recover", "rank": 2},
+            ),
+            seed=7772847,
+        ),
+        # The same cause on re-shared rows: KeyError in RankStreams (the gang had no stream).
+        Schedule(
+            dataclasses.replace(_JOINERS, data="reshared"),
+            (
+                {"kind": "rank_dies", "rank": 0, "step": 2},
+                {"kind": "rank_dies", "on": "state_digest", "rank": 3},
+                {"kind": "rank_dies", "nth": 2, "on": "recover", "rank": 1},
+            ),
+        ),
     ),
 }
 
 
-@pytest.mark.parametrize("scenario", sorted(FOUND))
-def test_schedules_found_defective_replay_as_passes(scenario: str) -> None:
-    outcome = run_schedule(Schedule.from_json(FOUND[scenario]))
-    assert outcome.verdict == "pass", f"{scenario}: {outcome}"
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        pytest.param(schedule, id=f"{scenario}-{i}")
+        for scenario, schedules in FOUND.items()
+        for i, schedule in enumerate(schedules)
+    ],
+)
+def test_schedules_found_defective_replay_as_passes(schedule: Schedule) -> None:
+    outcome = run_schedule(schedule)
+    assert outcome.verdict == "pass", f"{outcome}: {reproducer(schedule)}"
 
 
 def test_a_campaign_starts_at_a_fresh_seed_and_prints_its_seeds(
