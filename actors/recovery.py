@@ -21,7 +21,7 @@ from typing import Any
 
 from actors.gang_placement import JobPlacement
 from actors.interval import Dispatched, IntervalOutcome
-from actors.job import Committed, GangsDropped, Joining, Regenerated
+from actors.job import Committed, GangsDropped, Regenerated
 from actors.nodes import JobNodes
 from actors.ports import JobPorts
 from actors.reshare import DataStreams
@@ -349,9 +349,10 @@ class FailureRecovery:
         else:
             self.transient = 0
         # A gang that was joining has no state of its own yet: if anything fails meanwhile,
-        # it goes too and is requested again.
+        # it goes too and is requested again. It stays marked joining until it is dropped
+        # (GangsDropped below): a recovery cut short by another loss starts over and must
+        # drop it again, else its never-healed copy would be averaged into the model.
         failed_gangs = sorted({self.job.gang_of(r) for r in lost} | self.job.view.joining)
-        self.job.apply(Joining(frozenset()))
         self.nodes.settle_deaths(result, now=now)
         for r, cause in sorted(result.dead.items()):
             if r in result.logged:
@@ -539,4 +540,6 @@ def _why(result: IntervalOutcome, gang: int, job: JobPorts) -> str:
         return f"rank(s) {dead} died"
     if hung:
         return f"rank(s) {hung} hung"
+    if gang in job.view.joining:
+        return "it was joining and had not healed yet"
     return f"rank(s) {[r for r in ranks if r in result.errored]} failed"

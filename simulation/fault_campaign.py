@@ -6,7 +6,8 @@ outcomes by class and the phases their faults landed in. Each distinct defect (i
 message) is :func:`shrink`-ed: faults are removed and settings simplified for as long as the
 schedule still fails the same way, and the result is printed as one line that replays it
 (:func:`~simulation.fault_schedule.reproducer`). ``python -m simulation`` is the
-command.
+command; it starts at a :func:`fresh_seed` unless given one, so each campaign explores
+schedules no earlier one ran, and prints its seeds so that it can be run again.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import collections
 import dataclasses
 import multiprocessing
 import re
+import secrets
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,7 +25,7 @@ from simulation import fault_space
 from simulation.fault_schedule import Schedule, generate
 from simulation.fault_space import Outcome, run_schedule
 
-__all__ = ["CampaignResult", "campaign", "defect_signature", "shrink"]
+__all__ = ["CampaignResult", "campaign", "defect_signature", "fresh_seed", "seed_range", "shrink"]
 
 
 @dataclasses.dataclass
@@ -33,6 +35,7 @@ class CampaignResult:
     shrunk schedule and that schedule's outcome."""
 
     schedules: int = 0
+    seed: int = 0  # the first schedule's seed: the campaign ran seeds seed .. seed + schedules - 1
     wall_s: float = 0.0
     outcomes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     phases: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
@@ -42,7 +45,8 @@ class CampaignResult:
     shrunk: dict[str, tuple[Schedule, Outcome]] = dataclasses.field(default_factory=dict)
 
     def lines(self) -> list[str]:
-        out = [f"{self.schedules} schedules in {self.wall_s:.1f}s"]
+        seeds = seed_range(self.seed, self.schedules)
+        out = [f"{self.schedules} schedules in {self.wall_s:.1f}s ({seeds})"]
         out += [f"  {n:7d}  {key}" for key, n in self.outcomes.most_common()]
         out.append("settings: " + ", ".join(f"{k} {n}" for k, n in sorted(self.settings.items())))
         out.append(f"phases covered: {len(self.phases)}")
@@ -54,6 +58,17 @@ class CampaignResult:
                 out.append(f"  shrunk to {len(schedule.faults)} fault(s): {shrunk.detail}")
                 out.append(f"  {reproducer_line(schedule)}")
         return out
+
+
+def fresh_seed() -> int:
+    """A first seed no campaign is likely to have run (32 random bits from the OS): a campaign
+    that always started at the same seed would test the same schedules every time."""
+    return secrets.randbits(32)
+
+
+def seed_range(seed: int, n: int) -> str:
+    """The seeds of a campaign of ``n`` schedules from ``seed``, and how to run them again."""
+    return f"seeds {seed} to {seed + n - 1}; again: --seed {seed} --schedules {n}"
 
 
 def reproducer_line(schedule: Schedule) -> str:
@@ -114,7 +129,7 @@ def campaign(
                 result.defects[signature] = (s, outcome)
         if progress is not None and done % 1000 == 0:
             progress(done, result)
-    result.schedules = n
+    result.schedules, result.seed = n, seed
     result.wall_s = time.monotonic() - t0
     if shrink_defects:
         for signature, (s, outcome) in result.defects.items():

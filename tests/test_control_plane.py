@@ -748,6 +748,32 @@ def test_a_rank_lost_while_replays_are_handed_over_starts_the_recovery_over(
     assert gangs_of(summary) == [1, 3] and summary.steps >= 24
 
 
+def test_a_joining_gang_is_still_dropped_when_the_recovery_that_drops_it_starts_over(
+    tmp_path: Any,
+) -> None:
+    """Rank 0 dies at step 2, below ``min_gangs``: gangs 3 and 4 join, and rank 3 dies in the
+    heal's broadcast. The recovery drops both joiners (neither has healed), but rank 2 dies in
+    its ``recover`` call and the recovery starts over. The joiners used to be forgotten as
+    joining when the first pass began, so the second kept gang 4, never healed, and averaged
+    its copy into the model (the fault-space campaign from seed 7,772,847)."""
+    faults = (
+        RankDies(rank=0, step=2),
+        RankDies(rank=3, on="broadcast_state"),
+        RankDies(rank=2, on="recover", nth=2),
+    )
+    growth = {"grow": True, "min_gangs": 3, "max_gangs": 4}  # below 3 gangs it waits for joiners
+    summary = job(tmp_path, *faults, gangs=3, gang_size=1, nodes=4, num_steps=8, **growth).run()
+    dropped = [(e.gang_id, e.reason) for e in summary.events.of(GangDropped)]
+    assert dropped == [
+        (0, "rank(s) [0] died"),
+        (2, "rank(s) [2] died"),
+        (3, "rank(s) [3] died"),
+        (4, "it was joining and had not healed yet"),
+    ]
+    assert [e.gang_id for e in summary.events.of(GangHealed)] == [5, 6, 7]
+    assert gangs_of(summary) == [1, 5, 6, 7] and summary.steps == 8
+
+
 # -- whole runs: the decisions in order ------------------------------------------------------
 
 

@@ -91,6 +91,66 @@ def test_thousands_of_schedules_end_without_a_defect() -> None:
     assert result.phases["RankDies @ join: healing / broadcast_state"] > 0
 
 
+#: Schedules that campaigns found defective, by the named scenario in tests/test_control_plane.py
+#: that keeps each fixed (and says what went wrong); each must replay as a pass.
+_JOINERS = Settings(gang_size=1, num_steps=8, grow=True, min_gangs=3, max_gangs=4, spare_nodes=1)
+FOUND = {
+    "test_a_joining_gang_is_still_dropped_when_the_recovery_that_drops_it_starts_over": (
+        # A fresh-seed campaign's: the never-healed copy was averaged in.
+        Schedule(
+            _JOINERS,
+            (
+                {"kind": "rank_dies", "on": "broadcast_state", "rank": 3},
+                {"kind": "rank_dies", "rank": 0, "step": 2},
+                {"kind": "rank_dies", "nth": 2, "on": "recover", "rank": 2},
+            ),
+            seed=7772847,
+        ),
+        # The same cause on re-shared rows: KeyError in RankStreams (the gang had no stream).
+        Schedule(
+            dataclasses.replace(_JOINERS, data="reshared"),
+            (
+                {"kind": "rank_dies", "rank": 0, "step": 2},
+                {"kind": "rank_dies", "on": "state_digest", "rank": 3},
+                {"kind": "rank_dies", "nth": 2, "on": "recover", "rank": 1},
+            ),
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        pytest.param(schedule, id=f"{scenario}-{i}")
+        for scenario, schedules in FOUND.items()
+        for i, schedule in enumerate(schedules)
+    ],
+)
+def test_schedules_found_defective_replay_as_passes(schedule: Schedule) -> None:
+    outcome = run_schedule(schedule)
+    assert outcome.verdict == "pass", f"{outcome}: {reproducer(schedule)}"
+
+
+def test_a_campaign_starts_at_a_fresh_seed_and_prints_its_seeds(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from simulation.__main__ import main
+
+    firsts = []
+    for _ in range(2):
+        assert main(["--schedules", "2", "--no-shrink"]) == 0
+        out = capsys.readouterr().out.splitlines()
+        first = int(out[0].split("seeds ")[1].split()[0])
+        # Said as it starts and again in the summary, with how to run the same schedules.
+        again = f"seeds {first} to {first + 1}; again: --seed {first} --schedules 2"
+        assert out[0] == f"fault_space: {again}" and f"({again})" in out[1]
+        firsts.append(first)
+    assert firsts[0] != firsts[1]  # 32 random bits each: equal once in 4 billion runs
+    assert main(["--schedules", "2", "--seed", "7"]) == 0
+    assert capsys.readouterr().out.startswith("fault_space: seeds 7 to 8;")
+
+
 def test_the_same_seed_gives_the_same_schedule_and_outcome() -> None:
     a, b = generate(7), generate(7)
     assert a == b and a.to_json() == b.to_json() and generate(8) != a
