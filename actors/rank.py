@@ -50,6 +50,7 @@ from raytrec.engine.stepping import (
     StepResult,
     SyncBegins,
 )
+from raytrec.observability.ray_errors import mark_ending
 from raytrec.observability.rec_metrics import MetricState, RankMetrics
 from raytrec.sync.schedule import SyncPlan
 
@@ -462,6 +463,9 @@ class RankWorker:
 
     def _carry_out(self, fault: FaultSpec) -> float:
         """Carries out a rank fault; returns the seconds to stall."""
+        if fault.kind in (FaultKind.KILL_RANK, FaultKind.KILL_PROCESS):
+            # Ray's report of this death goes to the run's logs, not the console.
+            mark_ending(f"{fault.kind.value} fault, rank {self.spec.rank}, step {self.engine.step}")
         if fault.kind is FaultKind.KILL_RANK:
             os._exit(1)  # a crash: no cleanup, no goodbye
         if fault.kind is FaultKind.KILL_PROCESS:
