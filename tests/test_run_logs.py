@@ -4,6 +4,7 @@ lines is driven by hand, as Ray's log thread would; no cluster is started."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import pathlib
@@ -134,3 +135,43 @@ def test_ray_s_reports_go_to_the_log_and_the_unexpected_ones_show_in_raytrec_s_w
         "[raytrec] Ray reports an error (The node died); its message is in /runs/r/logs/driver.log",
     ]
     assert capsys.readouterr().out.splitlines() == ([] if verbose else expected)
+
+
+def test_overlapping_quiet_executions_route_once_and_restore_once() -> None:
+    """Quiet datasets that run at once (two threads) share one routing: the first to start
+    enters it, the last to end leaves it, and a run that never started gives its share back."""
+    import gc
+
+    from raytrec.observability import quiet_data
+
+    entered: list[str] = []
+
+    @contextlib.contextmanager
+    def routing() -> Iterator[None]:
+        entered.append("enter")
+        yield
+        entered.append("leave")
+
+    shared = quiet_data._Shared(routing)
+    a, b = quiet_data._Lease(shared), quiet_data._Lease(shared)
+    a.release()
+    a.release()  # once only
+    assert entered == ["enter"]
+    b.release()
+    assert entered == ["enter", "leave"]
+    # Ray Data's callback: its native share ends as the execution starts, the rest at its end.
+    native, console = quiet_data._Shared(routing), quiet_data._Shared(routing)
+    saved = quiet_data._NATIVE, quiet_data._CONSOLE
+    quiet_data._NATIVE, quiet_data._CONSOLE = native, console
+    try:
+        run = quiet_data._QuietRun()
+        assert native._users == console._users == 1
+        run.before_execution_starts(None)
+        assert native._users == 0 and console._users == 1
+        run.after_execution_succeeds(None)
+        assert native._users == console._users == 0
+        quiet_data._QuietRun()  # planned, never started, dropped
+        gc.collect()
+        assert native._users == console._users == 0
+    finally:
+        quiet_data._NATIVE, quiet_data._CONSOLE = saved

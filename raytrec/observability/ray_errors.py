@@ -104,16 +104,18 @@ class RayErrors:
     ) -> None:
         self.verbose = verbose
         self._write, self._where, self._ended = write, where, ended
-        self._ray_print: Callable[..., None] | None = None
+        self._ray_print: Callable[..., None] | None = None  # Ray's, once installed
+        self._installed = False
 
     def install(self) -> None:
         """From now on, Ray's reports come here. Call once Ray is connected: Ray's handler of
         forwarded worker lines holds the same function, taken as it connected."""
         from ray._private import worker
 
-        if self._ray_print is None:
+        if not self._installed:
             self._ray_print = worker.print_to_stdstream
             worker.print_to_stdstream = self._print
+            self._installed = True
 
     def uninstall(self) -> None:
         """Ray prints its reports again; what processes of this job recorded is dropped."""
@@ -121,24 +123,29 @@ class RayErrors:
         from ray._private import worker
         from ray.experimental.internal_kv import _internal_kv_del
 
-        if self._ray_print is None:
+        if not self._installed:
             return
+        self._installed = False
         if worker.print_to_stdstream == self._print:
             worker.print_to_stdstream = self._ray_print
-        self._ray_print = None
         with contextlib.suppress(Exception):  # a process that was to end and did not
             if ray.is_initialized():
                 job = ray.get_runtime_context().get_job_id()
                 _internal_kv_del(f"{job}/", del_by_prefix=True, namespace=_NAMESPACE)
 
     def _print(self, data: Mapping[str, Any], ignore_prefix: bool = False) -> None:
+        # Runs in Ray's listener thread, which ends at the first exception: none escapes.
         ray_print = self._ray_print
         assert ray_print is not None
-        if data.get("pid") != "raylet":  # not a report (Ray calls it for nothing else by name)
+        if data.get("pid") != "raylet" or not self._installed:  # not a report, or not ours
             ray_print(data, ignore_prefix)
             return
-        for message in data.get("lines", []):
-            self.report(message)
+        try:
+            for message in data.get("lines", []):
+                self.report(message)
+        except Exception:
+            ray_print(data, ignore_prefix)
+            return
         if self.verbose:
             ray_print(data, ignore_prefix)
 
