@@ -22,6 +22,7 @@ import torch
 from actors.rank import RankHooks, RankWorker
 from raytrec.config import TrainConfig
 from raytrec.elastic.faults import FaultKind, FaultSpec, Phase
+from raytrec.observability.ray_errors import mark_ending
 
 __all__ = ["FaultInjection", "hooks_for"]
 
@@ -109,6 +110,10 @@ class FaultInjection(RankHooks):
 
     def _carry_out(self, fault: FaultSpec) -> float:
         """Carries out a rank fault; returns the seconds to stall."""
+        if fault.kind in (FaultKind.KILL_RANK, FaultKind.KILL_PROCESS):
+            # Ray's report of this death goes to the run's logs, not the console.
+            step = self.rank.engine.step
+            mark_ending(f"{fault.kind.value} fault, rank {self.rank.spec.rank}, step {step}")
         if fault.kind is FaultKind.KILL_RANK:
             os._exit(1)  # a crash: no cleanup, no goodbye
         if fault.kind is FaultKind.KILL_PROCESS:

@@ -92,7 +92,7 @@ def test_replicas_within_host_losing_a_host_without_a_checkpoint_fails_clearly(
 
 
 def test_replicas_within_host_losing_one_rank_drops_its_gang_and_goes_on(
-    local_ray: None, tmp_path: str
+    local_ray: None, tmp_path: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
     cfg = config(
         str(tmp_path),
@@ -106,6 +106,16 @@ def test_replicas_within_host_losing_one_rank_drops_its_gang_and_goes_on(
     assert dropped.gang_id == 0, dropped
     assert result.history[-1].gangs == 1
     assert result.lost_batches == 0
+    # The console shows raytrec's lines only: Ray's report of the rank raytrec killed (the
+    # raylet's "A worker died ..." block) is in the run's driver.log, and says so.
+    terminal = capfd.readouterr()
+    for line in (terminal.out + terminal.err).splitlines():
+        assert line.startswith("[raytrec]") or not line.strip(), line
+    assert "rank_died" in terminal.out
+    with open(os.path.join(result.run_dir, "logs", "driver.log")) as f:
+        driver = f.read()
+    assert "A worker died or was killed" in driver, driver
+    assert "(raytrec ended this process: kill_rank fault, rank 0, step 4)" in driver, driver
 
 
 def test_losing_the_coordinator_with_no_restart_left_fails_the_job_with_its_ledger(

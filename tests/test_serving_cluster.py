@@ -110,7 +110,7 @@ def test_the_predict_command_prints_one_line_and_writes_the_scores(
     """``python -m jobs.predict`` as a user runs it (its own embedded cluster, output not a
     terminal): one line on stdout, nothing on stderr (Ray's lines, Ray Data's progress bars and
     its actors' native warnings go to the predictions' ``_logs/``), and the same scores as
-    :func:`predict`'s dataset."""
+    :func:`predict`'s lazy dataset, which a user's script consumes without a line printed."""
     import os
     import subprocess
     import sys
@@ -136,7 +136,29 @@ def test_the_predict_command_prints_one_line_and_writes_the_scores(
     assert line.endswith(f"Ray's output: {out}/_logs")
     assert {"driver.log", "workers.log", "native.log"} <= set(os.listdir(out / "_logs"))
     written = pq.read_table(out).to_pandas().sort_values("row_id")
-    lazy = predict(result.checkpoint, str(held_out), batch_size=128, num_workers=2)
-    expected = lazy.to_pandas().sort_values("row_id")
+    assert written["row_id"].tolist() == list(range(HELD_OUT))
+
+    # The lazy dataset, consumed in a user's script (its own embedded cluster: one scoring actor
+    # leaves a CPU of the machine's two for reading): nothing printed (no Ray Data progress bar,
+    # INFO record or core worker line), the same scores.
+    lazy = tmp_path / "lazy.parquet"
+    script = (
+        "import sys, raytrec\n"
+        "scored = raytrec.predict(sys.argv[1], sys.argv[2], batch_size=128, num_workers=1)\n"
+        "scored.to_pandas().to_parquet(sys.argv[3])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, result.checkpoint.path, str(held_out), str(lazy)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout + done.stderr == ""
+    expected = pq.read_table(lazy).to_pandas().sort_values("row_id")
     assert written["row_id"].tolist() == expected["row_id"].tolist()
+    assert written["label"].tolist() == expected["label"].tolist()
     assert np.allclose(written["score"], expected["score"], atol=1e-7)

@@ -7,8 +7,11 @@ runs, the rest goes to files instead, unless ``verbose``:
   Data's execution plans); records at ERROR or above still show on the terminal;
 - ``logs/workers.log``: what every rank, coordinator and Ray Data task writes to stdout or
   stderr (Ray forwards it to the driver), each line prefixed as Ray prints it,
-  ``(RankWorker pid=123)``. Ray's own error reports (a worker killed, out of memory) are not
-  worker output and still show.
+  ``(RankWorker pid=123)``.
+
+Ray's own error reports (a worker died, a task killed for memory) go to ``driver.log`` too; one
+raytrec line shows each that raytrec did not expect, with where the report is
+(:mod:`raytrec.observability.ray_errors`).
 
 With ``verbose`` the terminal shows everything as Ray prints it, and the files are written too.
 Lines that come before the run directory exists (Ray starting, data being generated) are kept
@@ -26,10 +29,21 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TextIO
 
-__all__ = ["DRIVER_LOG", "LOG_DIR", "NATIVE_LOG", "WORKERS_LOG", "RunLogs", "native_stderr_to"]
+from raytrec.observability.ray_errors import RayErrors
+
+__all__ = [
+    "DRIVER_LOG",
+    "LOG_DIR",
+    "NATIVE_LOG",
+    "WORKERS_LOG",
+    "RunLogs",
+    "console_handlers",
+    "errors_only",
+    "native_stderr_to",
+]
 
 LOG_DIR = "logs"
 DRIVER_LOG = "driver.log"
@@ -90,8 +104,19 @@ class _SinkHandler(logging.Handler):
             self.handleError(record)
 
 
-def _errors_only(record: logging.LogRecord) -> bool:
+def errors_only(record: logging.LogRecord) -> bool:
+    """A logging filter that lets errors through, and nothing else."""
     return record.levelno >= logging.ERROR
+
+
+def console_handlers(names: Iterable[str]) -> list[logging.Handler]:
+    """The handlers of the loggers ``names`` that write to a console (not to a file)."""
+    return [
+        h
+        for name in names
+        for h in logging.getLogger(name).handlers
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+    ]
 
 
 def worker_line(data: Mapping[str, Any], line: str) -> str:
@@ -131,24 +156,32 @@ class RunLogs:
         self._handler = _SinkHandler(self._driver)
         self._filtered: list[logging.Handler] = []
         self._ray_print: tuple[str, Callable[[Any], None]] | None = None
+        self._errors = RayErrors(self._driver.write, self._driver_log, verbose=verbose)
+
+    def _driver_log(self) -> str:
+        if self.dir is None:
+            return f"{DRIVER_LOG} in the run directory's {LOG_DIR}/"
+        return os.path.join(self.dir, DRIVER_LOG)
 
     def __enter__(self) -> RunLogs:
         import ray.data  # noqa: F401  (sets up the "ray.data" logger's handlers)
 
+        if not self.verbose:
+            self._filtered = console_handlers(RAY_LOGGERS)
         for name in RAY_LOGGERS:
-            logger = logging.getLogger(name)
-            logger.addHandler(self._handler)
-            if self.verbose:
-                continue
-            for h in logger.handlers:
-                if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
-                    h.addFilter(_errors_only)
-                    self._filtered.append(h)
+            logging.getLogger(name).addHandler(self._handler)
+        for h in self._filtered:
+            h.addFilter(errors_only)
         self.connected()
         return self
 
     def connected(self) -> None:
-        """Takes the worker lines Ray forwards to this driver (once Ray is connected)."""
+        """Takes Ray's error reports and the worker lines Ray forwards to this driver (once Ray
+        is connected)."""
+        import ray
+
+        if ray.is_initialized():
+            self._errors.install()
         dispatcher = _dispatcher()
         if dispatcher is None or any(name == _OURS for name, _ in dispatcher.handlers):
             return
@@ -180,6 +213,7 @@ class RunLogs:
         return path
 
     def __exit__(self, *_: Any) -> None:
+        self._errors.uninstall()
         dispatcher = _dispatcher()
         if dispatcher is not None:
             dispatcher.remove_handler(_OURS)
@@ -191,7 +225,7 @@ class RunLogs:
         for name in RAY_LOGGERS:
             logging.getLogger(name).removeHandler(self._handler)
         for h in self._filtered:
-            h.removeFilter(_errors_only)
+            h.removeFilter(errors_only)
         self._driver.close()
         self._workers.close()
 

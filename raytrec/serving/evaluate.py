@@ -35,6 +35,7 @@ from raytrec.data.arrow_kjt import BadInputError, to_batch
 from raytrec.data.parquet import ParquetFileInfo, ParquetSource
 from raytrec.data.spec import FeatureSpec
 from raytrec.models.two_tower import TwoTower
+from raytrec.observability.quiet_data import progress_bars, quiet_dataset
 from raytrec.observability.rec_metrics import RankMetrics, merge_metric_states
 from raytrec.observability.run_logs import NATIVE_LOG, RunLogs, native_stderr_to
 from raytrec.serving.export import (
@@ -245,18 +246,24 @@ def predict(
     With ``output`` (a new directory), the predictions are written there as Parquet and a
     :class:`Predictions` is returned; Ray's and Ray Data's own output goes to
     ``<output>/_logs/`` (unless ``verbose``), progress bars show on a terminal only, and one
-    line says what was scored and where. Without it, the return is a lazy Ray Dataset (scored
-    when consumed, with Ray Data's own output).
+    line says what was scored and where. Without it, the return is a lazy Ray Dataset, scored
+    when consumed; unless ``verbose``, it runs without Ray Data's progress bars and log lines on
+    the console (they stay in Ray's session logs: :mod:`raytrec.observability.quiet_data`).
 
     Scored by ``num_workers`` actors of 1 CPU each (default: the cluster's CPUs less one, at
     least 1) with Ray Data; connects to Ray (``ray_address``, ``RAY_ADDRESS`` or an embedded
     local cluster) when not connected.
     """
     if output is None:
-        with RunLogs(verbose=verbose):  # connecting is quiet; the dataset runs later
-            return _scored(
+        # Connecting and reading are quiet; the dataset runs later, in the caller's hands.
+        with (
+            RunLogs(verbose=verbose),
+            contextlib.nullcontext() if verbose else progress_bars(False),
+        ):
+            data = _scored(
                 checkpoint, source, config, features, batch_size, num_workers, ray_address
             )[0]
+        return data if verbose else quiet_dataset(data)
     out = os.fspath(output)
     if os.path.exists(out) and os.listdir(out):
         raise FileExistsError(f"predict: the output directory {out} is not empty")
@@ -269,12 +276,10 @@ def predict(
         else native_stderr_to(os.path.join(logs_dir, NATIVE_LOG))
     )
     connected = ray.is_initialized()
-    context = ray.data.DataContext.get_current()
-    bars = context.enable_progress_bars
     # Progress bars on a terminal only (Ray Data draws them whatever stderr is).
-    context.enable_progress_bars = verbose or sys.stderr.isatty()
+    bars = progress_bars(verbose or sys.stderr.isatty())
     try:
-        with RunLogs(verbose=verbose) as logs, native:
+        with RunLogs(verbose=verbose) as logs, native, bars:
             logs.open_dir(logs_dir)
             data, info = _scored(
                 checkpoint, source, config, features, batch_size, num_workers, ray_address
@@ -282,7 +287,6 @@ def predict(
             logs.connected()  # Ray is connected now: its forwarded worker lines go to the file
             data.write_parquet(out)
     finally:
-        context.enable_progress_bars = bars
         if not connected and ray.is_initialized():
             ray.shutdown()  # an embedded cluster this call started goes with it, however it ends
     files = sorted(f for f in os.listdir(out) if f.endswith(".parquet"))
