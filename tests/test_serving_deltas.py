@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_serving import IDS, save_final_model, trained_like_model
 from torchrec.models.dlrm import DLRMTrain
 
 from raytrec.serving import deltas
@@ -24,7 +25,6 @@ from raytrec.serving.deltas import (
     write_delta,
 )
 from raytrec.serving.export import STATE_FILE, base_id, export, load_exported, load_model
-from tests.test_serving import IDS, save_final_model, trained_like_model
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "serving.md"
 
