@@ -25,6 +25,7 @@ import torch
 
 from actors.ports import JobPorts
 from raytrec.config.train import PublishConfig
+from raytrec.elastic.events import ModelPublished
 from raytrec.engine.publish_rows import PublishedRows
 from raytrec.serving.deltas import DeltaError, DeltaWriter, TableRows
 from raytrec.serving.export import base_id, export
@@ -81,17 +82,23 @@ class JobPublishing:
     def publish(self) -> None:
         """Publishes the model as it is at the job's step (after a job-wide sync)."""
         job = self.job
+        started = job.clock.monotonic()
         job.sync()
         step = job.step()
         gang = list(job.view.membership.gangs[0].job_ranks)
+        seq, rows = 0, 0
         if self.writer is None:
             self._write_base(gang)
         else:
             first = gang[0]
             parts = job.call(gang, lambda w, r: w.unpublished_rows(r == first))
-            self.writer.publish(step, assemble_rows(parts), parts[0].dense)
+            tables = assemble_rows(parts)
+            seq = self.writer.publish(step, tables, parts[0].dense)
+            rows = sum(ids.numel() for ids, _ in tables.values())
         job.call(job.live_ranks(), lambda w, _r: w.rows_published())
         self.last = step
+        stall = job.clock.monotonic() - started
+        job.record(ModelPublished(at=job.now(), step=step, delta=seq, rows=rows, stall_s=stall))
 
     def finish(self) -> None:
         """Waits for the last delta's write; raises its error, if it failed."""

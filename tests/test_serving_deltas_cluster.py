@@ -16,6 +16,7 @@ from raytrec.api import Result, fit
 from raytrec.config import DataConfig, ModelConfig, ScalingConfig, TrainConfig, criteo_tables
 from raytrec.config.train import PublishConfig
 from raytrec.data.generate import write_synthetic_parquet
+from raytrec.elastic.events import ModelPublished
 from raytrec.serving.deltas import DELTAS, DeltaError
 from raytrec.serving.export import STATE_FILE, export, load_exported, load_model
 
@@ -53,6 +54,10 @@ def test_base_and_deltas_equal_the_final_model_bit_for_bit(run: dict[str, object
     steps = [json.loads((serving / DELTAS / n / "manifest.json").read_text())["step"] for n in
              ("000001", "000002")]  # fmt: skip
     assert steps == [8, 12]
+    published = result.events.of(ModelPublished)
+    assert [(e.step, e.delta) for e in published] == [(4, 0), (8, 1), (12, 2)]
+    assert all(0 < e.rows <= 4 * IDS and e.stall_s > 0 for e in published[1:])
+    print("stall per publish (s):", [round(e.stall_s, 3) for e in published])
     export(result, tmp / "full", program=False, quiet=True)
     expected = torch.load(tmp / "full" / STATE_FILE, weights_only=True)
     model, info = load_exported(serving)
