@@ -7,7 +7,9 @@ model), the first gang's ranks copy out the rows that changed since the last pub
 clears its set: every replica holds what was published. The coordinator assembles each table's
 rows from its shards and writes the delta in a background thread, so training waits for the
 sync and the copy only. The first publish writes the base instead: the first gang saves the
-model as a final model, exported (without a program) into the publish directory.
+model as a final model, exported (without a program) into the publish directory. A directory
+that holds a base already (a resumed job) gets the next delta of its sequence instead, with
+every row.
 
 A rank lost during a publish is recovered from as anywhere else; no set was cleared, so the
 next publish carries those rows too. A failed write is raised by the next publish (or the last),
@@ -28,7 +30,7 @@ from raytrec.config.train import PublishConfig
 from raytrec.elastic.events import ModelPublished
 from raytrec.engine.publish_rows import PublishedRows
 from raytrec.serving.deltas import DeltaError, DeltaWriter, TableRows
-from raytrec.serving.export import base_id, export
+from raytrec.serving.export import MODEL_JSON, base_id, export
 
 __all__ = ["JobPublishing", "assemble_rows"]
 
@@ -71,6 +73,12 @@ class JobPublishing:
         self.run_dir = run_dir
         self.last: int | None = None  # the step last published
         self.writer: DeltaWriter | None = None
+        self.every_row = False  # the next delta carries every row
+        if os.path.exists(os.path.join(self.dir, MODEL_JSON)):
+            # A base is there (a resumed job, a restarted coordinator): its deltas go on, the
+            # first with every row (what the ranks marked may have gone with a lost write).
+            self.writer = DeltaWriter(self.dir, base_id(self.dir))
+            self.every_row = True
 
     def due(self, step: int, *, final: bool = False) -> bool:
         """Whether a publish is due at the boundary at ``step``: the first at or after each
@@ -90,13 +98,13 @@ class JobPublishing:
         if self.writer is None:
             self._write_base(gang)
         else:
-            first = gang[0]
-            parts = job.call(gang, lambda w, r: w.unpublished_rows(r == first))
+            first, every_row = gang[0], self.every_row
+            parts = job.call(gang, lambda w, r: w.unpublished_rows(r == first, every_row))
             tables = assemble_rows(parts)
             seq = self.writer.publish(step, tables, parts[0].dense)
             rows = sum(ids.numel() for ids, _ in tables.values())
         job.call(job.live_ranks(), lambda w, _r: w.rows_published())
-        self.last = step
+        self.last, self.every_row = step, False
         stall = job.clock.monotonic() - started
         job.record(ModelPublished(at=job.now(), step=step, delta=seq, rows=rows, stall_s=stall))
 

@@ -366,8 +366,9 @@ class PublishConfig(ConfigModel):
     end: the first publish writes the base export, each later one a delta; null: never."""
     dir: Name | None = None
     """Where the base export and its `deltas/` go (a local or shared directory the job's
-    coordinator and ranks can write); null: `serving/` in the run directory. A new job's
-    directory must be empty."""
+    coordinator and ranks can write); null: `serving/` in the run directory. A directory that
+    holds a base already (a resumed job) gets the next delta of its sequence, the first
+    carrying every row."""
 
 
 class TestingConfig(ConfigModel):

@@ -187,9 +187,9 @@ class RankProtocol(Protocol):
         """Collective over one gang: writes the model for serving."""
         ...
 
-    def unpublished_rows(self, dense: bool) -> PublishedRows:
-        """The rows that changed since the last publish, under global ids (with ``dense``, the
-        dense state dict too)."""
+    def unpublished_rows(self, dense: bool, every_row: bool = False) -> PublishedRows:
+        """The rows that changed since the last publish (``every_row``: all), under global ids
+        (with ``dense``, the dense state dict too)."""
         ...
 
     def rows_published(self) -> None:

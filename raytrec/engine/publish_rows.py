@@ -97,10 +97,12 @@ def read_unpublished(
     unpublished: UnpublishedRows,
     *,
     dense: bool,
+    every_row: bool = False,
 ) -> PublishedRows:
-    """Copies out the unpublished rows of this rank's shards (and, with ``dense``, the dense
-    state dict), keyed as an export is: the sharded model's state dict names each local shard's
-    table and its global row and column offsets; its tensor is one of the kernels' weights."""
+    """Copies out the unpublished rows of this rank's shards (``every_row``: all their rows),
+    and, with ``dense``, the dense state dict, keyed as an export is: the sharded model's state
+    dict names each local shard's table and its global row and column offsets; its tensor is
+    one of the kernels' weights."""
     weights = [w for tbe in kernels for w in tbe.split_embedding_weights()]
     index = {(w.data_ptr(), tuple(w.shape)): k for k, w in enumerate(weights)}
     shards: list[ShardRows] = []
@@ -115,7 +117,8 @@ def read_unpublished(
                     raise RuntimeError(
                         f"table {name}: a local shard is none of this rank's FBGEMM tables"
                     )
-                ids = unpublished.rows(k).to(t.device)
+                ids = torch.arange(t.shape[0]) if every_row else unpublished.rows(k)
+                ids = ids.to(t.device)
                 row, col = shard.metadata.shard_offsets
                 shards.append(
                     ShardRows(

@@ -353,7 +353,7 @@ class FakeRank:
         return StateDigest(shards=shards + (":off" if s.corrupt else ""), dense=f"{copy.dense:x}")
 
     @alone
-    def unpublished_rows(self, dense: bool) -> PublishedRows:
+    def unpublished_rows(self, dense: bool, every_row: bool = False) -> PublishedRows:
         raise FakeUsageError("the fake rank holds no tables to publish (publish.every_n_steps)")
 
     @alone
