@@ -19,6 +19,8 @@ from actors.evaluation import JobEvaluation
 from actors.growth import GangGrowth
 from actors.job import JobView, Outcome, Prepared
 from actors.nodes import JobNodes
+from actors.ports import JobPorts
+from actors.publishing import JobPublishing
 from actors.recovery import FailureRecovery
 from raytrec.cluster.topology import Layout
 from raytrec.config import TrainConfig
@@ -63,6 +65,7 @@ class BoundaryWork:
         nodes: JobNodes,
         checkpoints: JobCheckpoints,
         evaluation: JobEvaluation | None,
+        ports: JobPorts | None = None,
     ) -> None:
         self.state = state
         self.cfg = config
@@ -80,6 +83,12 @@ class BoundaryWork:
         self.nodes = nodes
         self.checkpoints = checkpoints
         self.evaluation = evaluation
+        # The model published for serving (``publish``), through the job's ports.
+        self.publishing = (
+            JobPublishing(ports, config=config.publish, run_dir=run_dir)
+            if ports is not None and config.publish.every_n_steps is not None
+            else None
+        )
         self.stop = threading.Event()  # a stop was asked for (Coordinator.request_stop)
 
     def job_state(self) -> JobState:
@@ -122,7 +131,8 @@ class BoundaryWork:
         :func:`~raytrec.elastic.boundary.decide` applies when the job gets there)."""
         state = self.job_state()
         due = save_due(state, step=step, now=self.clock.monotonic()) is not None
-        return due or evaluation_due(state, step)
+        publish = self.publishing is not None and self.publishing.due(step)
+        return due or publish or evaluation_due(state, step)
 
     def drain_due(self) -> bool:
         """Whether a drain would run at the next boundary (the request is left in place)."""
@@ -192,13 +202,24 @@ class BoundaryWork:
                     self.apply(self.checkpoints.save())
 
     def checkpoint(self) -> None:
-        """Saves a checkpoint when one is due here; a rank lost during its sync or its save is
-        recovered from as anywhere else, and the checkpoint waits for the next boundary where
-        one is due."""
+        """Saves a checkpoint, then publishes the model, when due here; a rank lost during
+        their sync or their writes is recovered from as anywhere else, and what was due waits
+        for the next boundary where it is."""
         try:
             self.save_if_due(Observations(save=True))
+            self.publish()
         except RankCallError as e:
             self.recover(e)
+
+    def publish(self, *, final: bool = False) -> None:
+        """Publishes the model for serving when due here (``final``: the job's end, where the
+        last write is also waited for)."""
+        if self.publishing is None:
+            return
+        if self.publishing.due(self.state.step, final=final):
+            self.publishing.publish()
+        if final:
+            self.publishing.finish()
 
     def evaluate(self) -> InterpretedMetrics | None:
         """Runs the held-out evaluation when one is due here; a rank lost meanwhile is

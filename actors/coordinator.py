@@ -300,6 +300,7 @@ class Coordinator:
             nodes=self.nodes,
             checkpoints=self.checkpoints,
             evaluation=self.evaluation,
+            ports=self.ports,
         )
 
     # -- queries (answered while run() is in progress) ----------------------
@@ -598,6 +599,7 @@ class Coordinator:
         self.apply(Committed())
         if checkpoint:
             self.boundary.save_if_due(Observations(save=True, final=True, stopping=stopping))
+        self.boundary.publish(final=True)
         digests = self.ranks.final_digests()
         if final is not None:
             first_gang = self.state.membership.gangs[0]

@@ -46,6 +46,7 @@ from raytrec.elastic.rank_protocol import (
     StateDigest,
 )
 from raytrec.elastic.report import RankInfo, RankReport, TrainedBatch
+from raytrec.engine.publish_rows import PublishedRows
 from raytrec.engine.rank_engine import RankEngine, RankSpec
 from raytrec.engine.stepping import (
     StepBegins,
@@ -507,6 +508,24 @@ class RankWorker:
         dcp.save(self.engine.model.state_dict(), checkpoint_id=path)
         if self.spec.gang_rank == 0:  # what rebuilds the model outside the job (raytrec.export)
             write_model_spec(path, self.spec.model_spec())
+
+    def unpublished_rows(self, dense: bool, every_row: bool = False) -> PublishedRows:
+        """The rows of this rank's shards that changed since the last publish (``every_row``:
+        all of them), copied out under their tables' global ids; with ``dense``, the dense
+        state dict too (one rank sends it)."""
+        from raytrec.engine.publish_rows import read_unpublished
+
+        state = self.engine.state
+        assert state.unpublished is not None, "publish.every_n_steps is not set"
+        state.write_back_caches()
+        return read_unpublished(
+            state.model, state.tables, state.unpublished, dense=dense, every_row=every_row
+        )
+
+    def rows_published(self) -> None:
+        """The job published the model as it is now: no row is unpublished."""
+        assert self.engine.state.unpublished is not None, "publish.every_n_steps is not set"
+        self.engine.state.unpublished.published()
 
     def state_digest(self) -> StateDigest:
         """Content hashes of this rank's shard state and dense state, to compare replicas."""

@@ -54,6 +54,7 @@ __all__ = [
     "EvalConfig",
     "ModelConfig",
     "OptimizerConfig",
+    "PublishConfig",
     "ScalingConfig",
     "ShardingConfig",
     "SyncConfig",
@@ -341,6 +342,20 @@ class EvalConfig(ConfigModel):
         return self
 
 
+class PublishConfig(ConfigModel):
+    """The model published for serving while the job trains: a base export, then numbered
+    deltas beside it (the rows changed since the last publish, and the dense parameters)."""
+
+    every_n_steps: PositiveInt | None = None
+    """Publish at the first interval boundary at or after every this many steps, and at the
+    end: the first publish writes the base export, each later one a delta; null: never."""
+    dir: Name | None = None
+    """Where the base export and its `deltas/` go (a local or shared directory the job's
+    coordinator and ranks can write); null: `serving/` in the run directory. A directory that
+    holds a base already (a resumed job) gets the next delta of its sequence, the first
+    carrying every row."""
+
+
 class TestingConfig(ConfigModel):
     """For tests, demos and benchmarks only: faults and stalls the job injects into itself.
     A production job leaves this section out."""
@@ -383,6 +398,8 @@ class TrainConfig(ConfigModel):
     """Checkpoint triggers and retention."""
     eval: EvalConfig = EvalConfig()
     """Held-out evaluation while training."""
+    publish: PublishConfig = PublishConfig()
+    """The model published for serving as a base export and deltas."""
     num_steps: PositiveInt | None = None
     """Steps every rank trains; null: every batch of `data.epochs` passes over Parquet data
     (`data.source` `parquet` or `generated`), worked out from the files before training. The

@@ -36,6 +36,7 @@ __all__ = [
     "HangDetected",
     "HealFailed",
     "JobFailed",
+    "ModelPublished",
     "NodeDied",
     "PlacementWaiting",
     "RankDied",
@@ -245,6 +246,18 @@ class TotalLoss(Event):
 class CheckpointSaved(Event):
     kind: ClassVar[str] = "checkpoint_saved"
     uri: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelPublished(Event):
+    """The model published for serving (``publish``): the base export (``delta`` 0) or a
+    delta of ``rows`` table rows. ``stall_s``: what training waited for (the sync, copying the
+    rows out, handing them to the writer), not the write, which goes on meanwhile."""
+
+    kind: ClassVar[str] = "model_published"
+    delta: int
+    rows: int
+    stall_s: float
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

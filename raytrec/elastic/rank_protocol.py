@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from raytrec.data.parquet_streams import Stream
     from raytrec.data.source import BatchShard
     from raytrec.elastic.report import RankInfo, RankReport
+    from raytrec.engine.publish_rows import PublishedRows
     from raytrec.observability.rec_metrics import MetricState
     from raytrec.sync.schedule import SyncPlan
 
@@ -184,6 +185,15 @@ class RankProtocol(Protocol):
 
     def save(self, path: str) -> None:
         """Collective over one gang: writes the model for serving."""
+        ...
+
+    def unpublished_rows(self, dense: bool, every_row: bool = False) -> PublishedRows:
+        """The rows that changed since the last publish (``every_row``: all), under global ids
+        (with ``dense``, the dense state dict too)."""
+        ...
+
+    def rows_published(self) -> None:
+        """The job published the model as it is now."""
         ...
 
     def state_digest(self) -> StateDigest: ...

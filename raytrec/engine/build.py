@@ -19,6 +19,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from raytrec._quiet import quiet_known_warnings
 from raytrec.engine.dense_optimizer import build_dense_optimizer
 from raytrec.engine.plan import apply_embedding_optimizer, sharders
+from raytrec.engine.publish_rows import UnpublishedRows
 from raytrec.engine.rank_model import RankModel, fused_tables
 from raytrec.engine.replica_plane import RENDEZVOUS_TIMEOUT_S
 from raytrec.engine.spec import RankSpec, dropout_seed, embedding_seed
@@ -84,5 +85,6 @@ def build_rank(spec: RankSpec) -> tuple[RankModel, dist.Store]:
             if cfg.sync.rows == "touched"
             else None
         ),
+        unpublished=UnpublishedRows(tables) if cfg.publish.every_n_steps is not None else None,
     )
     return built, store

@@ -23,6 +23,7 @@ from torchrec.optim.keyed import KeyedOptimizerWrapper
 from raytrec.engine.dense_optimizer import state_tensors
 
 if TYPE_CHECKING:
+    from raytrec.engine.publish_rows import UnpublishedRows
     from raytrec.engine.touched_rows import TouchedRows
 
 __all__ = ["RankModel", "fused_tables"]
@@ -39,6 +40,8 @@ class RankModel:
     tables: tuple[SplitTableBatchedEmbeddingBagsCodegen, ...]  # fused_tables(model)
     # With sync.rows="touched": the rows this rank's lookups touched (TouchedRows.attach).
     touched: TouchedRows | None = None
+    # With publish.every_n_steps: the rows that changed since the last publish.
+    unpublished: UnpublishedRows | None = None
 
     def embedding_weights(self) -> list[torch.Tensor]:
         """Views of this rank's embedding shards (one per local table shard), holding their true
@@ -62,6 +65,8 @@ class RankModel:
             tbe.reset_cache_states()
         if self.touched is not None and not synced:
             self.touched.forget()
+        if self.unpublished is not None and not synced:
+            self.unpublished.mark_all()
 
     def embedding_optimizer_states(self) -> list[torch.Tensor]:
         """Views of the fused optimizer state (Adagrad sums, Adam moments, ...)."""

@@ -257,6 +257,7 @@ class ReplicaSync:
                 max_share=self.config.touched_max_share,
                 extra=counters,
                 apart=dense,
+                written=None if model.unpublished is None else model.unpublished.masks,
             )
         else:
             # rows: all, shards below WHOLE_SYNC_BELOW_BYTES, or touched sets unknown (each
@@ -266,6 +267,8 @@ class ReplicaSync:
             # Dense state in a buffer of its own, so the gang's ranks keep identical copies.
             plane.average_(tensors, apart=dense)
             self.last_traffic = full_traffic(tensors, dense, plane.size, model.tables)
+            if model.unpublished is not None:
+                model.unpublished.mark_all()
         model.shard_state_written(synced=True)
         if touched is not None:
             touched.synced(level, optimizer_state=optimizer_state, generation=plane.generation)

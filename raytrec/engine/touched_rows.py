@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ __all__ = [
     "TouchedRows",
     "average_rows",
     "full_traffic",
+    "record_lookups",
     "shard_bytes",
     "syncs_whole",
 ]
@@ -72,6 +73,37 @@ class SyncTraffic:
     shards: int
 
 
+def record_lookups(
+    mark: Callable[[int, torch.Tensor], None],
+    first: int,
+    feature_tables: tuple[int, ...],
+    _: Any,
+    args: Any,
+    kwargs: Any,
+) -> None:
+    """A forward pre-hook of an FBGEMM kernel (bound with ``functools.partial``): calls
+    ``mark(first + table, ids)`` for the local rows each table of the kernel is looked up at.
+    Nothing in a forward without gradients (scoring changes no row)."""
+    if not torch.is_grad_enabled():
+        return  # scoring: no backward, so no row changes
+    named = ("indices", "offsets", "per_sample_weights", "feature_requires_grad", "vbe")
+    given = dict(zip(named, args, strict=False)) | kwargs
+    indices, offsets = given["indices"], given["offsets"]
+    per_rank = given.get("batch_size_per_feature_per_rank") or given.get("vbe")
+    if per_rank:  # variable batch sizes: feature f spans sum(per_rank[f]) bags
+        sizes = [sum(b) for b in per_rank]
+    else:
+        bags = (offsets.numel() - 1) // len(feature_tables)
+        sizes = [bags] * len(feature_tables)
+    ends = [0]
+    for n in sizes:
+        ends.append(ends[-1] + n)
+    bounds = offsets[ends].tolist()
+    for f, t in enumerate(feature_tables):
+        if bounds[f + 1] > bounds[f]:
+            mark(first + t, indices[bounds[f] : bounds[f + 1]])
+
+
 class TouchedRows:
     """Per local table shard (the order of :meth:`RankModel.table_shards`), the rows its
     lookups touched since each schedule level's last sync, and which levels' sets are valid."""
@@ -90,7 +122,9 @@ class TouchedRows:
             first = len(self.masks)
             for w in tbe.split_embedding_weights():
                 self.masks.append(torch.zeros(w.shape[0], dtype=dtype, device=w.device))
-            record = functools.partial(self._record, first, tuple(tbe.feature_table_map))
+            record = functools.partial(
+                record_lookups, self.mark, first, tuple(tbe.feature_table_map)
+            )
             self._hooks.append(tbe.register_forward_pre_hook(record, with_kwargs=True))
         # Level -> the generation in which its weights (or optimizer state) were last synced:
         # its set counts from then. A level missing here syncs every row next.
@@ -104,28 +138,6 @@ class TouchedRows:
     def mark(self, shard: int, ids: torch.Tensor) -> None:
         """Records a lookup of local rows ``ids`` of shard ``shard``."""
         self.masks[shard][ids] = self._all
-
-    def _record(
-        self, first: int, feature_tables: tuple[int, ...], _: Any, args: Any, kwargs: Any
-    ) -> None:
-        if not torch.is_grad_enabled():
-            return  # scoring: no backward, so no row changes
-        named = ("indices", "offsets", "per_sample_weights", "feature_requires_grad", "vbe")
-        given = dict(zip(named, args, strict=False)) | kwargs
-        indices, offsets = given["indices"], given["offsets"]
-        per_rank = given.get("batch_size_per_feature_per_rank") or given.get("vbe")
-        if per_rank:  # variable batch sizes: feature f spans sum(per_rank[f]) bags
-            sizes = [sum(b) for b in per_rank]
-        else:
-            bags = (offsets.numel() - 1) // len(feature_tables)
-            sizes = [bags] * len(feature_tables)
-        ends = [0]
-        for n in sizes:
-            ends.append(ends[-1] + n)
-        bounds = offsets[ends].tolist()
-        for f, t in enumerate(feature_tables):
-            if bounds[f + 1] > bounds[f]:
-                self.mark(first + t, indices[bounds[f] : bounds[f + 1]])
 
     def _bit(self, level: int, optimizer_state: bool) -> int:
         return 1 << (2 * level + int(optimizer_state))
@@ -187,6 +199,7 @@ def average_rows(
     max_share: float,
     extra: Sequence[torch.Tensor] = (),
     apart: Sequence[torch.Tensor] = (),
+    written: Sequence[torch.Tensor] | None = None,
 ) -> SyncTraffic:
     """Averages over ``plane`` the rows of each shard that some member touched.
 
@@ -200,7 +213,10 @@ def average_rows(
     an OR-all-reduce of a bitmap of the shard's rows (:func:`raytrec.sync.traffic.agreement`).
     Then those rows of every tensor are gathered, averaged in one all-reduce per dtype and
     written back. A failed collective can leave some shards averaged and others not, as a
-    failure can between replica groups: the next generation's first sync averages every row."""
+    failure can between replica groups: the next generation's first sync averages every row.
+
+    ``written[k]``: a mask of shard ``k``'s rows, set for every row this sync writes
+    (:mod:`raytrec.engine.publish_rows`)."""
     n = plane.size
     sent = 0
     on = plane.device  # NCCL takes CUDA tensors; the bookkeeping stays on the CPU
@@ -241,6 +257,11 @@ def average_rows(
         sent += allreduce_bytes(packed.numel(), n)
         for k, bits in zip(by_bitmap, packed.split([b.numel() for b in bitmaps]), strict=True):
             union[k] = torch.nonzero(_unpack(bits, shards[k][0].shape[0])).flatten()
+    if written is not None:
+        for k in whole:
+            written[k].fill_(True)
+        for k, ids in union.items():
+            written[k][ids.to(written[k].device)] = True
     tensors: list[torch.Tensor] = [t for k in whole for t in shards[k]] + list(extra)
     plane.average_(tensors, apart=apart)
     sent += allreduce_bytes(_wire_bytes(tensors) + _wire_bytes(apart), n)

@@ -19,6 +19,7 @@ gang size and sharding plan were. It writes, into one directory:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ import posixpath
 import re
 import shutil
 import tempfile
+import uuid
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -47,6 +49,7 @@ from raytrec.data.arrow_kjt import to_batch
 from raytrec.data.source import Batch
 from raytrec.data.spec import FeatureSpec
 from raytrec.models import build_model as build_arch
+from raytrec.serving.deltas import apply_deltas
 from raytrec.serving.model_spec import ModelSpec, read_model_spec
 
 __all__ = [
@@ -295,6 +298,7 @@ def export(
     doc = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
+        "base_id": uuid.uuid4().hex,  # what deltas published beside this export name
         "spec": spec.to_dict(),
         "source": {"uri": uri, "kind": kind, "step": step},
         "state_dict": {k: list(v.shape) for k, v in model.state_dict().items()},
@@ -374,29 +378,44 @@ def _read_doc(path: str) -> dict[str, Any]:
     return dict(doc)
 
 
+def base_id(path: str | os.PathLike[str]) -> str:
+    """The id deltas of the export at ``path`` name it by: ``model.json``'s ``base_id``, or
+    (an export written before there were deltas) the sha256 of ``model.json``."""
+    out = os.fspath(path)
+    recorded = _read_doc(out).get("base_id")
+    if recorded is not None:
+        return str(recorded)
+    with open(_in(out, MODEL_JSON), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def load_exported(path: str | os.PathLike[str]) -> tuple[nn.Module, ExportedModel]:
-    """:func:`load_model`, with what ``model.json`` says about the export."""
+    """:func:`load_model`, with what ``model.json`` says about the export (its ``step`` the
+    last applied delta's, when there are deltas)."""
     out = os.fspath(path)
     doc = _read_doc(out)
     spec = ModelSpec.from_dict(doc["spec"], where=_in(out, MODEL_JSON))
     state = torch.load(_in(out, STATE_FILE), map_location="cpu", weights_only=True)
+    last = apply_deltas(out, state, base_id(out))
     with quiet_notices():
         model = build_model(spec, state, where=out)
     source = doc["source"]
     info = ExportedModel(
         path=out,
         spec=spec,
-        step=source["step"],
+        step=source["step"] if last is None else last.step,
         source=source["uri"],
         source_kind=source["kind"],
-        program=None if doc["program"] is None else _in(out, doc["program"]),
+        # The program holds the base's weights, not the deltas'.
+        program=None if doc["program"] is None or last is not None else _in(out, doc["program"]),
         program_error=doc["program_error"],
     )
     return model, info
 
 
 def load_model(path: str | os.PathLike[str]) -> nn.Module:
-    """The exported model as a plain TorchRec ``DLRM`` / ``DLRM_DCN`` (or raytrec's
+    """The exported model, with its published deltas (``deltas/``) applied in order, as a
+    plain TorchRec ``DLRM`` / ``DLRM_DCN`` (or raytrec's
     :class:`~raytrec.models.DeepFM` of TorchRec's parts) in eval mode on the CPU:
     ``model(dense, kjt)`` gives logits ``[B, 1]`` (:func:`score` gives probabilities). One
     process, no Ray, no process group."""

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from raytrec.checkpoint.config import CheckpointConfig
     from raytrec.data.parquet_streams import Stream
     from raytrec.data.source import BatchShard
+    from raytrec.engine.publish_rows import PublishedRows
     from raytrec.engine.rank_engine import RankSpec
     from raytrec.observability.rec_metrics import MetricState
     from raytrec.sync.schedule import SyncPlan
@@ -350,6 +351,14 @@ class FakeRank:
         copy = self._group.copies[s.gang]
         shards = f"{s.spec.gang_rank}:{copy.base.digest:x}:{copy.own_digest:x}"
         return StateDigest(shards=shards + (":off" if s.corrupt else ""), dense=f"{copy.dense:x}")
+
+    @alone
+    def unpublished_rows(self, dense: bool, every_row: bool = False) -> PublishedRows:
+        raise FakeUsageError("the fake rank holds no tables to publish (publish.every_n_steps)")
+
+    @alone
+    def rows_published(self) -> None:
+        raise FakeUsageError("the fake rank holds no tables to publish (publish.every_n_steps)")
 
     @alone
     def evaluate(
