@@ -402,9 +402,8 @@ class Coordinator:
                 )
                 break
             except RankCallError as e:
-                self.recovery.recover_until_stable(
-                    self.recovery.probe(e)
-                )  # lost at the very end: re-form
+                # Lost at the very end: re-form.
+                self.recovery.recover_until_stable(self.recovery.probe(e))
                 if (
                     stopped_by is None and self.state.step < self.state.end_step
                 ):  # rebuilt from a checkpoint
@@ -523,6 +522,7 @@ class Coordinator:
             step = max(r.step for r in reports)
             self.apply(Prepared(min(r.ready for r in reports)))  # batches held beyond ``step``
             stop = next((r.stop for r in reports if r.stop is not None), stop)
+            self.boundary.observe(reports)  # a persistent straggler is evicted at a boundary
             if inflight:
                 inflight[0] = dataclasses.replace(
                     inflight[0], t0=end, started=self.clock.monotonic()
