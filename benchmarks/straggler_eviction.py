@@ -54,7 +54,7 @@ def train(a: argparse.Namespace, stragglers: StragglerSpec | None, evict: bool) 
 
 def measured(a: argparse.Namespace) -> str:
     from raytrec.cluster import connect
-    from raytrec.elastic.events import GangJoined, StragglerEvicted
+    from raytrec.elastic.events import GangJoined, GangRequested, StragglerEvicted
 
     # Room for a replacement gang next to the three.
     connect(num_cpus=(GANGS + 1) * CPUS_PER_RANK + (os.cpu_count() or 2))
@@ -71,13 +71,16 @@ def measured(a: argparse.Namespace) -> str:
             f"{e.others_s * 1e3:.0f} ms, {e.intervals} intervals)"
             for e in r.events.of(StragglerEvicted)
         )
+        asked = [e.step for e in r.events.of(GangRequested)]
         joined = ", ".join(f"gang {e.gang_id} at step {e.step}" for e in r.events.of(GangJoined))
+        if asked:
+            joined = f"asked for at step {asked[0]}; " + (joined or "not built by the job's end")
         rows.append([label, "on" if evict else "off", f"{train_s:.1f} s", f"{train_s / base:.2f}x"])
         rate = r.committed_count * BATCH_SIZE / train_s
         rows[-1] += [f"{r.committed_count:,}", f"{rate:,.0f}", evicted or "none", joined or "none"]
         print(" | ".join(rows[-1]), flush=True)
     heads = "run | eviction | training time | vs no straggler | batches committed | rows/s"
-    heads += " | evicted | replacement joined"
+    heads += " | evicted | replacement"
     return (
         f"{GANGS} gangs of 1 rank, {a.steps} steps of {BATCH_SIZE} rows per rank (synthetic "
         f"data), 8 tables x 500 rows x dim 8, local SGD every {SYNC_EVERY} steps with "
