@@ -38,6 +38,8 @@ from raytrec.elastic.decisions import (
 )
 from raytrec.elastic.drain_policy import stop_requested
 from raytrec.elastic.events import EventLog, JobFailed, ResourcesWaited
+from raytrec.elastic.report import RankReport
+from raytrec.elastic.straggler_policy import StragglerWatch, gang_step_seconds
 from raytrec.elastic.workers import Clock, RankCallError
 from raytrec.errors import JobFailedError
 from raytrec.observability.rec_metrics import InterpretedMetrics
@@ -90,6 +92,7 @@ class BoundaryWork:
             else None
         )
         self.stop = threading.Event()  # a stop was asked for (Coordinator.request_stop)
+        self.stragglers = StragglerWatch()  # gangs slower than the others, interval by interval
 
     def job_state(self) -> JobState:
         """The job's state values :func:`~raytrec.elastic.boundary.decide` reads."""
@@ -134,19 +137,36 @@ class BoundaryWork:
         publish = self.publishing is not None and self.publishing.due(step)
         return due or publish or evaluation_due(state, step)
 
+    def observe(self, reports: list[RankReport]) -> None:
+        """Books each gang's step time in the interval ``reports`` account for, when
+        ``elastic.straggler_eviction`` is set
+        (:class:`~raytrec.elastic.straggler_policy.StragglerWatch`)."""
+        eviction = self.elastic.straggler_eviction
+        if eviction is not None:
+            step_s = gang_step_seconds(reports, self.state.membership.gang_of_rank)
+            self.stragglers = self.stragglers.observe(step_s, eviction.factor)
+
+    def _drain_seen(self, *, take: bool) -> Observations:
+        return Observations(
+            drain=self.drains.request(take=take),
+            node_of_rank=self.nodes.of_rank,
+            stragglers=self.stragglers,
+        )
+
     def drain_due(self) -> bool:
         """Whether a drain would run at the next boundary (the request is left in place)."""
-        seen = Observations(drain=self.drains.request(take=False), node_of_rank=self.nodes.of_rank)
-        (decision, *_) = self._decide(seen)
+        (decision, *_) = self._decide(self._drain_seen(take=False))
         return isinstance(decision, Drain)
 
     def drain(self) -> None:
-        """Takes what is asked to be given back and carries out the :class:`Drain` decided."""
-        seen = Observations(drain=self.drains.request(take=True), node_of_rank=self.nodes.of_rank)
-        for decision in self._decide(seen):
+        """Takes what is asked to be given back and carries out the :class:`Drain` decided (a
+        persistent straggler's eviction among them: the runs of slow intervals start over)."""
+        for decision in self._decide(self._drain_seen(take=True)):
             match decision:
                 case Drain():
                     self.drains.apply(decision)
+                    if decision.straggler is not None:
+                        self.stragglers = StragglerWatch()
                 case Continue():
                     pass
 

@@ -60,7 +60,7 @@ from raytrec.data.spec import FeatureSpec
 from raytrec.data.synthetic import batch_id
 from raytrec.elastic.accounting import BatchAccounting
 from raytrec.elastic.boundary import MAX_TRANSIENT, Observations
-from raytrec.elastic.control import Boundary, intervals_to_queue
+from raytrec.elastic.control import Boundary, intervals_to_queue, queue_depth
 from raytrec.elastic.events import Event, EventLog
 from raytrec.elastic.membership import Membership
 from raytrec.elastic.rank_protocol import StateDigest
@@ -160,12 +160,7 @@ class Coordinator:
         self._lock = threading.Lock()
         self._store_address: StoreAddress | None = None
         self._seq = 0  # the last train call's number
-        # Intervals in flight at once: the running one and one queued behind it, unless the
-        # gangs may drift apart between syncs (hierarchical levels with dense state synced on
-        # the schedule): then a survivor of a failure could be a whole interval further on
-        # than the others, and the job sends the next interval only after the last one.
-        hierarchical = bool(config.sync.levels) and config.sync.dense != "every_step"
-        self._depth = 1 if hierarchical else 2
+        self._depth = queue_depth(config.sync)  # intervals in flight at once
         # Control calls wait for every rank (building a gang, or a pipeline's first batches).
         self.calls = ControlCalls(
             self.group,
@@ -427,8 +422,7 @@ class Coordinator:
 
     def summary_so_far(self) -> RunSummary:
         """What the job committed up to now, for a job whose :meth:`run` raised: its history,
-        events, committed batches and rows and last checkpoint (what it can resume from); no
-        final model or replica check."""
+        events, committed batches and rows and last checkpoint (what it can resume from)."""
         return self._summary(final=None, digests={}, stopped_by=None, ranks=[])
 
     def _summary(
@@ -439,7 +433,7 @@ class Coordinator:
         stopped_by: BaseException | None,
         ranks: list[RankInfo],
     ) -> RunSummary:
-        acc = self.state.accounting
+        acc, table = self.state.accounting, self.streams.table
         return RunSummary(
             history=self.progress(),
             final_state_path=final,
@@ -457,7 +451,7 @@ class Coordinator:
             replayed_batches=acc.replayed(),
             lost_batches=acc.lost_batches + acc.replay_pending(),
             checkpoint=self.checkpoints.last,
-            reshared_streams=None if self.streams.table is None else self.streams.table.to_json(),
+            reshared_streams=None if table is None else table.to_json(),
         )
 
     def _train(self, *, prepared: bool, train_start: float) -> BaseException | None:
@@ -524,6 +518,7 @@ class Coordinator:
             step = max(r.step for r in reports)
             self.apply(Prepared(min(r.ready for r in reports)))  # batches held beyond ``step``
             stop = next((r.stop for r in reports if r.stop is not None), stop)
+            self.boundary.observe(reports)  # a persistent straggler is evicted at a boundary
             if inflight:
                 inflight[0] = dataclasses.replace(
                     inflight[0], t0=end, started=self.clock.monotonic()

@@ -19,7 +19,7 @@ from actors.ports import JobPorts
 from actors.reshare import DataStreams
 from raytrec.elastic.decisions import Drain
 from raytrec.elastic.drain_policy import REQUEST_FILE, DrainRequest, read_request
-from raytrec.elastic.events import DrainRejected, GangDrained
+from raytrec.elastic.events import DrainRejected, GangDrained, StragglerEvicted
 from raytrec.errors import ConfigError
 
 __all__ = ["GangDrain"]
@@ -84,6 +84,17 @@ class GangDrain:
             acc.lost_rank_reports(ranks, fail_step=job.step())
             # Replays queued for them and not read yet go to the others.
             replay = acc.drop(drained, survivors, ranks_of=lambda g: m.gang(g).job_ranks)
+            if (slow := decision.straggler) is not None:
+                job.record(
+                    StragglerEvicted(
+                        at=job.now(),
+                        step=job.step(),
+                        gang_id=slow.gang,
+                        step_s=slow.step_s,
+                        others_s=slow.others_s,
+                        intervals=slow.intervals,
+                    )
+                )
             for gid in drained:
                 job.record(
                     GangDrained(at=job.now(), step=job.step(), gang_id=gid, reason=decision.reason)

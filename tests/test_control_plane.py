@@ -47,6 +47,7 @@ from raytrec.elastic.events import (
     JobFailed,
     NodeDied,
     RankDied,
+    StragglerEvicted,
     TotalLoss,
 )
 from raytrec.elastic.run_record import RunSummary
@@ -438,6 +439,47 @@ def test_a_draining_node_gives_its_gang_back_and_a_new_one_replaces_it(tmp_path:
     assert [e.gang_id for e in summary.events.of(GangJoined)] == [3]
     assert gangs_of(summary) == [0, 2, 3] and not replayed(summary)
     assert {j.group.node_of(r) for r in range(6, 8)} == {3}  # not on the draining node
+
+
+EVICTION = {"straggler_eviction": {"factor": 1.5, "intervals": 3}}
+
+
+def test_a_persistent_straggler_is_evicted_and_replaced(tmp_path: Any) -> None:
+    """Rank 2 takes 3x the others' step time for good: its gang (1) is slow in every interval,
+    and after 3 in a row it is drained at a boundary and a new gang replaces it."""
+    j = job(tmp_path, SlowRank(rank=2, step_s=0.3), nodes=4, grow=True, num_steps=40, **EVICTION)
+    summary = j.run()
+    [evicted] = summary.events.of(StragglerEvicted)
+    assert evicted.gang_id == 1
+    assert evicted.step_s == pytest.approx(0.3) and evicted.others_s == pytest.approx(STEP_S)
+    # Its third slow interval ends at step 6 with steps 7-8 already queued (nothing has to
+    # happen at 6 when that one is sent): it goes at the next boundary, slow 4 times by then.
+    assert (evicted.step, evicted.intervals) == (8, 4)
+    [drained] = summary.events.of(GangDrained)
+    assert drained.gang_id == 1 and drained.step == 8 and "persistent straggler" in drained.reason
+    assert [e.gang_id for e in summary.events.of(GangJoined)] == [3]
+    assert gangs_of(summary) == [0, 2, 3] and summary.steps == 40 and not replayed(summary)
+    # Back at the others' pace: 8 steps at 0.3 s, the join, then 0.1 s a step.
+    assert summary.wall_s < 8 * 0.3 + BUILD_S + 2 + 32 * STEP_S
+
+
+def test_a_gang_slow_for_fewer_intervals_than_configured_is_left_alone(tmp_path: Any) -> None:
+    """Slow for one interval (steps 1-2), then again as fast as the others: never evicted."""
+    once = SlowRank(rank=2, step_s=0.3, until_step=2)
+    (tmp_path / "3").mkdir(), (tmp_path / "1").mkdir()
+    summary = job(tmp_path / "3", once, nodes=4, grow=True, num_steps=40, **EVICTION).run()
+    assert not summary.events.of(StragglerEvicted) and not summary.events.of(GangDrained)
+    assert gangs_of(summary) == [0, 1, 2] and summary.steps == 40
+    # The one slow interval was seen: asked for one interval, the same run evicts gang 1.
+    eager = {"straggler_eviction": {"factor": 1.5, "intervals": 1}}
+    summary = job(tmp_path / "1", once, nodes=4, grow=True, num_steps=40, **eager).run()
+    assert [(e.gang_id, e.intervals) for e in summary.events.of(StragglerEvicted)] == [(1, 1)]
+
+
+def test_straggler_eviction_never_goes_below_min_gangs(tmp_path: Any) -> None:
+    slow = SlowRank(rank=2, step_s=0.3)
+    summary = job(tmp_path, slow, num_steps=16, min_gangs=3, **EVICTION).run()
+    assert not summary.events.of(StragglerEvicted) and gangs_of(summary) == [0, 1, 2]
 
 
 # -- failures while the job changes ---------------------------------------------------------

@@ -9,6 +9,8 @@
   every boundary of the coordinator's loop, with the membership rules (a loss re-forms among
   the intact gangs, growth, the wait below ``min_gangs``).
 - :mod:`~raytrec.elastic.hangs`: the hang rule (no step finished for ``step_timeout_s``).
+- :mod:`~raytrec.elastic.straggler_policy`: the persistent-straggler rule (a gang slower than the
+  others' median for ``straggler_eviction.intervals`` intervals in a row is drained, replaced).
 - :mod:`~raytrec.elastic.events`: the append-only event log returned with a run.
 - :mod:`~raytrec.elastic.rows` and :mod:`~raytrec.elastic.ledger`: exactly-once row accounting.
 - :mod:`~raytrec.elastic.dense`: where a failure leaves the dense parameters, and which replays

@@ -8,7 +8,8 @@ alone: here, a loss (drop every gang that lost a rank, re-form among the intact 
 (built gangs heal from the first live gang) and the wait below ``min_gangs`` (wait while
 ``now <= deadline``, then fail); elsewhere, a total loss
 (:func:`raytrec.elastic.rollback.decide_total_loss`), a drain
-(:func:`raytrec.elastic.drain_policy.decide_drain`), a checkpoint
+(:func:`raytrec.elastic.drain_policy.decide_drain`), a persistent straggler's eviction
+(:func:`raytrec.elastic.straggler_policy.decide_eviction`), a checkpoint
 (:func:`raytrec.checkpoint.config.save_decision`), an evaluation and early stopping
 (:func:`raytrec.eval_plan.eval_due`, :func:`raytrec.eval_plan.early_stop_decision`).
 
@@ -20,7 +21,8 @@ Precedence, when several observations are passed together:
    or ``Fail``, alone: nothing else runs at a boundary where something was lost;
 3. survivors too far apart to re-form: ``Fail``, alone;
 4. a stop (a rank could not prepare what comes next, then a user's request): ``Stop``, alone;
-5. a drain, then gangs built and waiting to join: ``Drain`` then ``Grow``;
+5. a drain (asked for, else a persistent straggler's eviction), then gangs built and waiting
+   to join: ``Drain`` then ``Grow``;
 6. fewer gangs than ``elastic.min_gangs`` (counting the drain and the joins before it):
    ``Wait``, or ``Fail`` alone at the deadline;
 7. an evaluation due, early stopping after one (``Stop``, alone), a checkpoint due:
@@ -55,6 +57,7 @@ from raytrec.elastic.decisions import (
 from raytrec.elastic.drain_policy import DrainRequest, decide_drain
 from raytrec.elastic.membership import Gang, Membership
 from raytrec.elastic.rollback import decide_total_loss, describe_total_loss
+from raytrec.elastic.straggler_policy import StragglerWatch, decide_eviction
 from raytrec.eval_plan import early_stop_decision, eval_due
 
 __all__ = [
@@ -144,6 +147,8 @@ class Observations:
     stop_requested: bool = False
     drain: DrainRequest = dataclasses.field(default_factory=DrainRequest)
     node_of_rank: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    #: Gangs slower than the others in the last intervals (a persistent straggler is evicted).
+    stragglers: StragglerWatch | None = None
     #: Gangs whose every rank is built, waiting to join.
     built: tuple[Gang, ...] = ()
     #: Since when training waited for gangs below min_gangs (this boundary's start, at first).
@@ -186,6 +191,14 @@ def decide(state: JobState, seen: Observations, now: float) -> tuple[Decision, .
         max_gangs=state.max_gangs,
         min_gangs=state.elastic.min_gangs,
     )
+    if drain is None and seen.stragglers is not None:
+        drain = decide_eviction(
+            state.membership,
+            seen.stragglers,
+            config=state.elastic.straggler_eviction,
+            max_gangs=state.max_gangs,
+            min_gangs=state.elastic.min_gangs,
+        )
     if drain is not None:
         out.append(drain)
         live -= len(drain.gangs)

@@ -8,6 +8,9 @@ coordinator polls.
 
 from __future__ import annotations
 
+from typing import Annotated
+
+from annotated_types import Gt
 from pydantic import model_validator
 
 from raytrec.config.base import (
@@ -18,7 +21,21 @@ from raytrec.config.base import (
     PositiveInt,
 )
 
-__all__ = ["ElasticConfig"]
+__all__ = ["ElasticConfig", "StragglerEviction"]
+
+
+class StragglerEviction(ConfigModel):
+    """Evicting a persistent straggler: a gang whose own step time stays above the other
+    gangs' median by `factor` for `intervals` intervals in a row is drained (every row kept)
+    and, where the cluster has room, replaced (docs/stragglers.md)."""
+
+    factor: Annotated[float, Gt(1)] = 1.5
+    """A gang is slow in an interval when its step time (the rank's time in the call, less
+    its sync and data waits, per step; its slowest rank's) exceeds `factor` times the median
+    of the other gangs'."""
+    intervals: PositiveInt = 3
+    """Intervals (`log_every` steps each) in a row a gang must be slow to be evicted; a gang
+    slow fewer times is left alone."""
 
 
 class ElasticConfig(ConfigModel):
@@ -54,6 +71,10 @@ class ElasticConfig(ConfigModel):
     (an OOM kill, a defect, its actor killed); the new one continues the same run from its
     newest checkpoint (from the start of the data without one). 0: the job fails with the
     coordinator, with its ledger and the checkpoint to resume from."""
+    straggler_eviction: StragglerEviction | None = None
+    """Evict a gang that stays slower than the others (off: null). Off by default: a slow
+    interval on a shared or heterogeneous cluster is not a degraded host, and an eviction
+    costs a job-wide sync and a new gang's build and heal."""
 
     @model_validator(mode="after")
     def _clocks_in_order(self) -> ElasticConfig:

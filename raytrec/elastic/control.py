@@ -14,6 +14,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from raytrec.config import SyncConfig
 
 __all__ = [
     "Boundary",
@@ -37,6 +41,15 @@ class Boundary:
     work_at_boundary: bool
     live_gangs: int
     min_gangs: int
+
+
+def queue_depth(sync: SyncConfig) -> int:
+    """Intervals in flight at once: the running one and one queued behind it, unless the gangs
+    may drift apart between syncs (hierarchical levels with dense state synced on the schedule):
+    then a survivor of a failure could be a whole interval further on than the others, and the
+    job sends the next interval only after the last one."""
+    hierarchical = bool(sync.levels) and sync.dense != "every_step"
+    return 1 if hierarchical else 2
 
 
 def intervals_to_queue(

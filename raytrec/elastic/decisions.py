@@ -13,7 +13,8 @@ Every decision about the job, whoever's rule makes it, is one of these frozen da
 - :class:`Grow`: placed gangs join, each healing from a live peer gang.
 - :class:`Wait`: too few gangs, or the job's placement groups not ready: wait until
   ``deadline``.
-- :class:`Drain`: give gangs back on purpose, without losing a row.
+- :class:`Drain`: give gangs back on purpose, without losing a row (a persistent straggler's:
+  ``straggler`` says why).
 - :class:`Checkpoint`: save one here.
 - :class:`Evaluate`: run the held-out evaluation here.
 - :class:`Stop`: stop training here and save what was trained (a user's request, the end of
@@ -42,6 +43,7 @@ __all__ = [
     "NewGang",
     "Reform",
     "RollbackPoint",
+    "SlowGang",
     "Stop",
     "TotalLoss",
     "Wait",
@@ -119,12 +121,25 @@ class Wait:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SlowGang:
+    """A gang slower than the others' median ``others_s`` (seconds a step) for the last
+    ``intervals`` intervals in a row; ``step_s``: its step time in the last of them."""
+
+    gang: int
+    step_s: float
+    others_s: float
+    intervals: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Drain:
-    """Give ``gangs`` back at this boundary; the job may have ``max_gangs`` from now on."""
+    """Give ``gangs`` back at this boundary; the job may have ``max_gangs`` from now on.
+    ``straggler``: the one gang is evicted as a persistent straggler (it is replaced)."""
 
     gangs: tuple[int, ...]
     max_gangs: int
     reason: str
+    straggler: SlowGang | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -41,6 +41,7 @@ __all__ = [
     "PlacementWaiting",
     "RankDied",
     "ResourcesWaited",
+    "StragglerEvicted",
     "TotalLoss",
 ]
 
@@ -153,6 +154,19 @@ class GangDrained(Event):
     kind: ClassVar[str] = "gang_drained"
     gang_id: int
     reason: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StragglerEvicted(Event):
+    """A gang evicted as a persistent straggler (``elastic.straggler_eviction``): its step time
+    ``step_s`` against the other gangs' median ``others_s`` for ``intervals`` intervals in a
+    row. It is drained (a ``gang_drained`` follows) and a replacement asked for."""
+
+    kind: ClassVar[str] = "straggler_evicted"
+    gang_id: int
+    step_s: float
+    others_s: float
+    intervals: int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -96,10 +96,14 @@ class RankFails:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SlowRank:
-    """Rank ``rank`` takes ``step_s`` seconds a step (and so does every rank, in lockstep)."""
+    """Rank ``rank`` takes ``step_s`` seconds a step (and so does every rank, in lockstep: the
+    faster ones report the wait as their sync time)."""
 
     rank: int
     step_s: float
+    #: From this step on it is as fast as the others (None: slow for good); a train call that
+    #: starts before it is slow throughout.
+    until_step: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

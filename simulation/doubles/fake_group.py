@@ -96,6 +96,11 @@ class FakeWorkerGroup(TrainingRuns):
             f for f in schedule if not isinstance(f, fake_faults.NodesJoin)
         ]
         self._slow = {f.rank: f.step_s for f in self._faults if isinstance(f, fake_faults.SlowRank)}
+        self._slow_until = {
+            f.rank: f.until_step
+            for f in self._faults
+            if isinstance(f, fake_faults.SlowRank) and f.until_step is not None
+        }
         # (rank, method) -> the faults due at one of its calls, and how many it has made.
         self._call_faults: dict[tuple[int, str], list[fake_faults.CallFault]] = {}
         for f in self._faults:

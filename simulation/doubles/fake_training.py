@@ -39,6 +39,8 @@ class TrainingRuns:
     _nodes: list[FakeNode]
     _faults: list[fake_faults.Fault]
     _timed: list[tuple[float, Callable[[], object]]]
+    _slow_until: dict[int, int]
+    step_s: float
     _runs: dict[int, Run]
     _live: list[Run]
     _collective_timeout_s: float
@@ -87,6 +89,9 @@ class TrainingRuns:
             if len(steps) != 1:
                 raise FakeUsageError(f"train on ranks at different steps {sorted(steps)}")
             step0, start = steps.pop(), now if prev is None else max(now, prev.end)
+        for r in states:  # a slow rank's slowness that ended (SlowRank.until_step)
+            if step0 >= self._slow_until.get(r.spec.rank, step0 + 1):
+                r.step_s = self.step_s
         step_s = max(r.step_s for r in states)
         run = Run(
             step0=step0, start=start, states=states, n=int(n), step_s=step_s, ready=int(ready)
@@ -184,6 +189,8 @@ class TrainingRuns:
                     losses=(0.5,) * run.n,
                     rows=run.n * r.spec.config.data.batch_size,
                     seconds=t - run.start,
+                    # A rank faster than the pace waited for the slowest in collectives.
+                    sync_s=max(0.0, run.step_s - r.step_s) * run.n,
                     ready=r.prepared,
                     idle_s=None if r.last_end is None else run.start - r.last_end,
                 )
