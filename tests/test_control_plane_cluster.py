@@ -162,6 +162,66 @@ def test_a_heal_that_does_not_match_its_peer_is_dropped_and_placed_again(
     assert_every_batch_once(result)
 
 
+# -- the rendezvous store, on the module's cluster (before the tests with clusters of their own)
+
+
+def listeners() -> list[tuple[str, str]]:
+    """(address, process name) of every listening TCP socket on this machine (``ss -ltnp``).
+    The kernel keeps a process's first 15 characters: ``ray::Coordinato``, ``ray::RankWorker``."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        local = line.split()[3]
+        for name in re.findall(r'\("([^"]+)",pid=', line):
+            found.append((local, name))
+    return found
+
+
+def test_the_rendezvous_listens_on_loopback_and_hides_the_jobs_keys(
+    cluster: Cluster, tmp_path: str
+) -> None:
+    seen: dict[str, Any] = {}
+
+    def look(row: IntervalMetrics) -> None:
+        if row.step < 4 or seen:
+            return
+        address = ray.get(running_coordinator().store_address.remote())
+        seen["address"] = address
+        seen["listeners"] = listeners()
+        outsider = torch.distributed.TCPStore(
+            address.host, address.port, is_master=False, timeout=datetime.timedelta(seconds=10)
+        )
+        # The job's heartbeat keys exist under its secret, and under no name an outsider knows.
+        seen["inside"] = outsider.check([f"{address.secret}/progress/0"])
+        seen["outside"] = outsider.check(["progress/0", "gang0/0", "/progress/0"])
+        outsider.set("progress/0", "123456")  # lands where the job never reads
+
+    config = small_job(
+        tmp_path,
+        elastic=ElasticConfig(step_timeout_s=30, collective_timeout_s=10, poll_s=0.2),
+        testing=TestingConfig(
+            faults=(FaultSpec(kind=FaultKind.SLOW_RANK, step=5, rank=0, stall_s=0.3, steps=4),)
+        ),
+        num_steps=12,
+        log_every=2,
+    )
+    result = fit(config, on_progress=look, shutdown_ray=False)
+
+    address = seen["address"]
+    assert address.host == "127.0.0.1" and len(address.secret) == 32
+    assert seen["inside"] and not seen["outside"]
+    store = [
+        (local, name) for local, name in seen["listeners"] if local.endswith(f":{address.port}")
+    ]
+    assert store == [(f"127.0.0.1:{address.port}", "ray::Coordinato")], seen["listeners"]
+    # Every socket the coordinator and the ranks listen on is on the loopback address.
+    mine = [
+        local for local, name in seen["listeners"] if name in ("ray::Coordinato", "ray::RankWorker")
+    ]
+    assert mine and all(local.startswith(("127.", "[::ffff:127.")) for local in mine), mine
+    assert result.steps == 12 and not result.events.of(RankDied)
+
+
 # -- a drain on request, rows recorded by the ranks themselves ------------------------------
 
 # The model factory below travels to the rank actors by value (they cannot import this file).
@@ -192,15 +252,10 @@ def recording_factory(out_dir: str) -> Any:
     return factory
 
 
-@pytest.fixture
-def three_cpus() -> Iterator[Cluster]:
-    with simulated_cluster(1, cpus_per_node=3) as c:  # 2 ranks at 1 CPU, 1 for Ray Data
-        yield c
-
-
 def test_a_gang_drained_mid_epoch_gives_back_its_rows_and_none_is_lost_or_doubled(
-    three_cpus: Cluster, tmp_path: str
+    local_ray: None, tmp_path: str
 ) -> None:
+    # On the shared cluster (one node: 2 ranks at 1 CPU, the rest for Ray Data).
     rows = 2 * 12 * 32  # 2 ranks x 12 batches of 32 rows
     data_dir = f"{tmp_path}/data"
     paths = write_synthetic_parquet(
@@ -281,60 +336,3 @@ def test_a_node_marked_for_removal_gives_its_gang_back(two_nodes: Cluster, tmp_p
     assert result.steps == 16 and result.history[-1].gangs == 1
     assert_replicas_agree(result)
     assert_every_batch_once(result)
-
-
-def listeners() -> list[tuple[str, str]]:
-    """(address, process name) of every listening TCP socket on this machine (``ss -ltnp``).
-    The kernel keeps a process's first 15 characters: ``ray::Coordinato``, ``ray::RankWorker``."""
-    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
-    found = []
-    for line in out.splitlines():
-        local = line.split()[3]
-        for name in re.findall(r'\("([^"]+)",pid=', line):
-            found.append((local, name))
-    return found
-
-
-def test_the_rendezvous_listens_on_loopback_and_hides_the_jobs_keys(
-    cluster: Cluster, tmp_path: str
-) -> None:
-    seen: dict[str, Any] = {}
-
-    def look(row: IntervalMetrics) -> None:
-        if row.step < 4 or seen:
-            return
-        address = ray.get(running_coordinator().store_address.remote())
-        seen["address"] = address
-        seen["listeners"] = listeners()
-        outsider = torch.distributed.TCPStore(
-            address.host, address.port, is_master=False, timeout=datetime.timedelta(seconds=10)
-        )
-        # The job's heartbeat keys exist under its secret, and under no name an outsider knows.
-        seen["inside"] = outsider.check([f"{address.secret}/progress/0"])
-        seen["outside"] = outsider.check(["progress/0", "gang0/0", "/progress/0"])
-        outsider.set("progress/0", "123456")  # lands where the job never reads
-
-    config = small_job(
-        tmp_path,
-        elastic=ElasticConfig(step_timeout_s=30, collective_timeout_s=10, poll_s=0.2),
-        testing=TestingConfig(
-            faults=(FaultSpec(kind=FaultKind.SLOW_RANK, step=5, rank=0, stall_s=0.3, steps=4),)
-        ),
-        num_steps=12,
-        log_every=2,
-    )
-    result = fit(config, on_progress=look, shutdown_ray=False)
-
-    address = seen["address"]
-    assert address.host == "127.0.0.1" and len(address.secret) == 32
-    assert seen["inside"] and not seen["outside"]
-    store = [
-        (local, name) for local, name in seen["listeners"] if local.endswith(f":{address.port}")
-    ]
-    assert store == [(f"127.0.0.1:{address.port}", "ray::Coordinato")], seen["listeners"]
-    # Every socket the coordinator and the ranks listen on is on the loopback address.
-    mine = [
-        local for local, name in seen["listeners"] if name in ("ray::Coordinato", "ray::RankWorker")
-    ]
-    assert mine and all(local.startswith(("127.", "[::ffff:127.")) for local in mine), mine
-    assert result.steps == 12 and not result.events.of(RankDied)

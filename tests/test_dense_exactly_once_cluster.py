@@ -214,13 +214,6 @@ def assert_every_row_once(result: Result) -> None:
     assert not len(wrong_dense), f"dense entries: {found}"
 
 
-@pytest.fixture(scope="module")
-def one_node() -> Iterator[Cluster]:
-    # Shared by the cases below (each job releases its placement groups); they keep its shape.
-    with simulated_cluster(1, cpus_per_node=2) as c:  # two gangs of one rank
-        yield c
-
-
 @pytest.mark.parametrize(
     ("dense", "failed_step", "pipeline"),
     [
@@ -232,8 +225,9 @@ def one_node() -> Iterator[Cluster]:
     ],
 )
 def test_a_rank_death_leaves_every_row_in_the_model_once(
-    one_node: Cluster, tmp_path: str, dense: str, failed_step: int, pipeline: str
+    local_ray: None, tmp_path: str, dense: str, failed_step: int, pipeline: str
 ) -> None:
+    # On the shared cluster: two gangs of one rank, no replacement gang (elastic.grow=False).
     # Rank 1 exits as it starts step 7. Dense gradients averaged every step: its batches of
     # steps 5 and 6 reached the survivor's dense parameters through the all-reduce, its
     # embedding updates since the sync at step 4 are lost, and the survivor's own step 7 loses

@@ -1,11 +1,11 @@
 """Held-out evaluation while the job trains (TrainConfig.eval, fit(eval_source=...)).
 
-2 gangs x 2 ranks train on 6 files of generated Parquet and evaluate on the 2 files held out
-(same teacher, other rows) every 4 steps and at the end. The evaluation scores every held-out
-row once (in rounds over the 4 ranks, the last one padded), merges AUC, NE and log loss over
-all of them: its NE is its log loss over the entropy of the held-out rows' click rate, read
-here from the files. (That scoring matches a single-process model and updates nothing is
-tests/test_engine_2d.py's parity test.)
+One job (2 gangs x 2 ranks, shared by both tests) trains on 6 files of generated Parquet and
+evaluates on the 2 files held out (same teacher, other rows) every 4 steps until early stopping
+ends it. The evaluation scores every held-out row once (in rounds over the 4 ranks, the last one
+padded), merges AUC, NE and log loss over all of them: its NE is its log loss over the entropy
+of the held-out rows' click rate, read here from the files. (That scoring matches a
+single-process model and updates nothing is tests/test_engine_2d.py's parity test.)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from raytrec.api import fit
+from raytrec.api import Result, fit
 from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.config import (
     DataConfig,
@@ -54,29 +54,51 @@ def split_data(tmp_path: pathlib.Path, *, seed: int) -> tuple[pathlib.Path, path
     return train, held
 
 
-def test_evaluation_scores_every_held_out_row_and_changes_nothing(
-    local_ray: None, tmp_path: pathlib.Path
-) -> None:
-    train, held = split_data(tmp_path, seed=5)
-    held_rows = sum(pq.read_metadata(p).num_rows for p in held.glob("*.parquet"))
+@pytest.fixture(scope="module")
+def early_stopped_run(
+    local_ray: None, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Result, pathlib.Path]:
+    """One job that both tests check (one fit: most of a run is its ranks starting).
+
+    Checkpoints ranked by held-out AUC, lowest first (``checkpoint_score_order="min"``, so
+    the best one is not simply the newest): one is saved at every evaluation, and after each
+    save only the best and the newest are left. Early stopping with a ``min_delta`` of 1 (no
+    AUC can improve by more) ends the job after ``patience`` evaluations past the first."""
+    tmp_path = tmp_path_factory.mktemp("eval")
+    train, held = split_data(tmp_path, seed=6)
     config = TrainConfig(
         model=ModelConfig(tables=criteo_tables(num_features=26, num_embeddings=500)),
         scaling=ScalingConfig(num_workers=4, gang_size=2),
-        data=DataConfig(source="parquet", path=str(train), batch_size=64),
+        data=DataConfig(source="parquet", path=str(train), batch_size=32),
         # 96 rows per batch: 11 batches over 4 ranks, so the third round is padded.
-        eval=EvalConfig(every_n_steps=4, batch_size=96),
-        num_steps=8,
+        eval=EvalConfig(
+            every_n_steps=4,
+            batch_size=96,
+            early_stopping_patience=3,
+            early_stopping_min_delta=1.0,
+        ),
+        checkpoint=CheckpointConfig(
+            checkpoint_score_attribute="eval_auc", checkpoint_score_order="min", num_to_keep=1
+        ),
+        num_steps=40,
         log_every=4,
         storage_path=str(tmp_path / "runs"),
     )
-    result = fit(config, eval_source=str(held), shutdown_ray=False)
+    return fit(config, eval_source=str(held), shutdown_ray=False), held
+
+
+def test_evaluation_scores_every_held_out_row_and_changes_nothing(
+    early_stopped_run: tuple[Result, pathlib.Path],
+) -> None:
+    result, held = early_stopped_run
+    held_rows = sum(pq.read_metadata(p).num_rows for p in held.glob("*.parquet"))
     labels = np.concatenate(
         [pq.read_table(p, columns=["label"])["label"].to_numpy() for p in held.glob("*.parquet")]
     )
     rate = float(labels.mean())
     entropy = -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
 
-    assert [m.step for m in result.history] == [4, 8]
+    assert [m.step for m in result.history] == [4, 8, 12, 16]
     for row in result.history:
         assert row.eval_rows == held_rows == 1024
         assert row.eval_auc is not None and 0.0 < row.eval_auc < 1.0
@@ -94,32 +116,9 @@ def test_evaluation_scores_every_held_out_row_and_changes_nothing(
 
 
 def test_the_best_checkpoint_by_eval_is_kept_and_early_stopping_ends_the_job(
-    local_ray: None, tmp_path: pathlib.Path
+    early_stopped_run: tuple[Result, pathlib.Path],
 ) -> None:
-    """Checkpoints ranked by held-out AUC, lowest first (``checkpoint_score_order="min"``, so
-    the best one is not simply the newest): one is saved at every evaluation, and after each
-    save only the best and the newest are left. Early stopping with a ``min_delta`` of 1 (no
-    AUC can improve by more) ends the job after ``patience`` evaluations past the first."""
-    train, held = split_data(tmp_path, seed=6)
-    config = TrainConfig(
-        model=ModelConfig(tables=criteo_tables(num_features=26, num_embeddings=500)),
-        scaling=ScalingConfig(num_workers=4, gang_size=2),
-        data=DataConfig(source="parquet", path=str(train), batch_size=32),
-        eval=EvalConfig(
-            every_n_steps=4,
-            batch_size=128,
-            early_stopping_patience=3,
-            early_stopping_min_delta=1.0,
-        ),
-        checkpoint=CheckpointConfig(
-            checkpoint_score_attribute="eval_auc", checkpoint_score_order="min", num_to_keep=1
-        ),
-        num_steps=40,
-        log_every=4,
-        storage_path=str(tmp_path / "runs"),
-    )
-    result = fit(config, eval_source=str(held), shutdown_ray=False)
-
+    result, _ = early_stopped_run
     # Early stopping: evaluations at 4, 8, 12 and 16, none better than the first by 1.
     assert [m.step for m in result.history] == [4, 8, 12, 16]
     assert result.steps == 16
