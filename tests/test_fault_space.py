@@ -34,6 +34,9 @@ FAULTS = {
     "NodeDrains",
     "AtStep",
     "AtCall",
+    "CoordinatorDies",
+    "CoordinatorLost",
+    "CoordinatorRestarted",
 }
 #: Phases of the job that faults must have landed in.
 PHASES = {
@@ -55,6 +58,8 @@ PHASES = {
     "resource wait",
     "final sync",
     "late placement",
+    "booking a step",
+    "restart",
 }
 
 
@@ -89,6 +94,11 @@ def test_thousands_of_schedules_end_without_a_defect() -> None:
     assert result.settings["layout=replicas_within_host"] > SCHEDULES // 10
     # A joining gang's rank lost while it heals, on re-shared rows, is in the space.
     assert result.phases["RankDies @ join: healing / broadcast_state"] > 0
+    # The coordinator lost, and followed by new ones or given up on (restarts spent).
+    assert result.outcomes["failed:CoordinatorDied"] > 20
+    assert result.phases["CoordinatorRestarted @ restart"] > 100
+    lost_in = {p.split(" @ ")[1].split(" / ")[0] for p in result.phases if "CoordinatorDies" in p}
+    assert lost_in >= {"start", "interval", "checkpoint save", "re-forming", "final sync"}
 
 
 #: Schedules that campaigns found defective, by the named scenario in tests/test_control_plane.py
@@ -130,6 +140,27 @@ FOUND = {
 def test_schedules_found_defective_replay_as_passes(schedule: Schedule) -> None:
     outcome = run_schedule(schedule)
     assert outcome.verdict == "pass", f"{outcome}: {reproducer(schedule)}"
+
+
+def test_a_coordinator_lost_in_a_checkpoint_save_is_followed_from_the_one_before() -> None:
+    # It dies as the second checkpoint (step 4) is saved: the next one resumes from step 2's
+    # and trains the batches committed after it again, each counted once (the invariants).
+    lost = {"kind": "coordinator_dies", "rank": 0, "on": "save_checkpoint", "nth": 2}
+    settings = Settings(gangs=2, num_steps=8, checkpoint_every=2, data="reshared")
+    outcome = run_schedule(Schedule(settings, (lost,)))
+    assert outcome.key == "pass:", outcome
+    assert outcome.phases == (
+        "CoordinatorDies @ checkpoint save / save_checkpoint",
+        "CoordinatorLost @ restart",
+        "CoordinatorRestarted @ restart",
+    )
+    # Once more than elastic.max_coordinator_restarts allows: a named failure, exit code 1.
+    given_up = run_schedule(
+        Schedule(dataclasses.replace(settings, max_coordinator_restarts=0), (lost,))
+    )
+    assert (given_up.key, given_up.exit_code) == ("failed:CoordinatorDied", 1), given_up
+    assert "max_coordinator_restarts=0" in given_up.detail
+    assert "checkpoint_0000000002" in given_up.detail  # the one to resume from
 
 
 def test_a_campaign_starts_at_a_fresh_seed_and_prints_its_seeds(
