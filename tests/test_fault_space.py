@@ -101,8 +101,8 @@ def test_thousands_of_schedules_end_without_a_defect() -> None:
     assert lost_in >= {"start", "interval", "checkpoint save", "re-forming", "final sync"}
 
 
-#: Schedules that campaigns found defective, by the named scenario in tests/test_control_plane.py
-#: that keeps each fixed (and says what went wrong); each must replay as a pass.
+#: Schedules that campaigns found defective, by the named scenario that keeps each fixed (in
+#: tests/test_control_plane.py, or the schedules themselves); each must replay as a pass.
 _JOINERS = Settings(gang_size=1, num_steps=8, grow=True, min_gangs=3, max_gangs=4, spare_nodes=1)
 FOUND = {
     "test_a_joining_gang_is_still_dropped_when_the_recovery_that_drops_it_starts_over": (
@@ -124,6 +124,20 @@ FOUND = {
                 {"kind": "rank_dies", "on": "state_digest", "rank": 3},
                 {"kind": "rank_dies", "nth": 2, "on": "recover", "rank": 1},
             ),
+        ),
+    ),
+    # Fresh-seed campaigns' (seeds 3013128500, 3013127240, 3013127132): a rank lost, or stuck,
+    # as a restarted coordinator resumed (in load_checkpoint, in the build) escaped run() as a
+    # bare RankCallError; the job is now rebuilt from the checkpoint as after a total loss.
+    "a_rank_lost_as_the_job_resumes_from_a_checkpoint_rebuilds_it_from_there": (
+        Schedule.from_json(
+            '{"faults":[{"kind":"rank_dies","nth":1,"on":"load_checkpoint","rank":2},{"kind":"coordinator_dies","step":9}],"settings":{"checkpoint_every":5,"data":"synthetic","gang_size":2,"gangs":2,"grow":false,"layout":"replicas_across_hosts","log_every":2,"max_coordinator_restarts":3,"max_gangs":null,"min_gangs":1,"num_steps":9,"spare_nodes":0,"sync_every":4}}'
+        ),
+        Schedule.from_json(
+            '{"faults":[{"kind":"rank_dies","nth":3,"on":"join_sync_plan","rank":0},{"kind":"coordinator_dies","step":21}],"settings":{"checkpoint_every":5,"data":"synthetic","gang_size":1,"gangs":4,"grow":true,"layout":"replicas_across_hosts","log_every":2,"max_coordinator_restarts":1,"max_gangs":5,"min_gangs":1,"num_steps":21,"spare_nodes":1,"sync_every":4}}'
+        ),
+        Schedule.from_json(
+            '{"faults":[{"kind":"rank_hangs","nth":2,"on":"load_checkpoint","rank":1},{"kind":"coordinator_dies","step":18},{"kind":"coordinator_dies","step":20}],"settings":{"checkpoint_every":4,"data":"synthetic","gang_size":1,"gangs":4,"grow":false,"layout":"replicas_across_hosts","log_every":2,"max_coordinator_restarts":3,"max_gangs":null,"min_gangs":1,"num_steps":23,"spare_nodes":0,"sync_every":4}}'
         ),
     ),
 }
