@@ -140,6 +140,15 @@ FOUND = {
             '{"faults":[{"kind":"rank_hangs","nth":2,"on":"load_checkpoint","rank":1},{"kind":"coordinator_dies","step":18},{"kind":"coordinator_dies","step":20}],"settings":{"checkpoint_every":4,"data":"synthetic","gang_size":1,"gangs":4,"grow":false,"layout":"replicas_across_hosts","log_every":2,"max_coordinator_restarts":3,"max_gangs":null,"min_gangs":1,"num_steps":23,"spare_nodes":0,"sync_every":4}}'
         ),
     ),
+    # A fresh-seed campaign's (seed 3689580803): after a resume (here, a new coordinator's),
+    # a gang added later read the shard of its job rank, numbered from 0 again, which a gang
+    # added before the checkpoint had read: its batches went into the model twice. It now
+    # reads a shard no rank has read.
+    "a_gang_added_after_a_resume_reads_a_shard_no_rank_has_read": (
+        Schedule.from_json(
+            '{"faults":[{"kind":"rank_dies","rank":0,"step":2},{"kind":"coordinator_dies","step":8}],"settings":{"checkpoint_every":2,"data":"synthetic","gang_size":1,"gangs":3,"grow":true,"layout":"replicas_across_hosts","log_every":2,"max_coordinator_restarts":3,"max_gangs":4,"min_gangs":3,"num_steps":19,"spare_nodes":1,"sync_every":4}}'
+        ),
+    ),
 }
 
 
