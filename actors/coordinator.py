@@ -338,11 +338,10 @@ class Coordinator:
         if refused is not None:
             raise ConfigError(refused)
         if self.resume_from is not None or self.checkpoints.init_from is not None:
-            infos = self.ranks.build(sorted(self.placement.started))
-            self.ranks.new_generation("job started")
-            self.checkpoints.start_from(self.resume_from, starts)
+            started = sorted(self.placement.started)
+            self.checkpoints.start_from(self.resume_from, starts, started, self.total_loss.recover)
             self.growth.request()
-            return infos
+            return sorted((self.ranks.infos[r] for r in self.ranks.live()), key=lambda x: x.rank)
         # A rank lost while the job starts is a loss like any other: its gang is dropped and
         # the others start on (or, with no gang left, the job fails as a total loss does).
         for _ in range(self.state.max_gangs + 2):

@@ -65,7 +65,7 @@ class CoordinatorJournal:
         self.writer = JournalWriter(run_dir, fsync=fsync)
         past = replay(read_journal(run_dir))
         self.attempt = past.restarts
-        self._kill = kill
+        self.kill = kill  # a simulation's in-process coordinator raises instead
         self._kills = {
             i: f.step
             for i, f in enumerate(faults.faults)
@@ -130,4 +130,4 @@ class CoordinatorJournal:
             if step >= at:
                 del self._kills[index]
                 self.writer.append(FaultFiredRecorded(step=step, index=index))
-                self._kill()
+                self.kill()

@@ -142,13 +142,22 @@ class GangGrowth:
         for gang, pg in zip(gangs, ready, strict=True):
             self.placement.keep(gang.gang_id, pg)
             for slot in gang.ranks:
-                shard = self.new_shard(slot.job_rank)
+                shard = self.new_shard(self._unread_shard(slot.job_rank))
                 self.placement.start_rank(
                     slot.job_rank, gang.gang_id, slot.gang_rank, pg, 0, shard, account=False
                 )
                 self.shards_of_new[slot.job_rank] = shard
             builds = self.group.call(gang.job_ranks, lambda w, _r: w.build())
             self.building[gang.gang_id] = Building(gang=gang, builds=builds)
+
+    def _unread_shard(self, job_rank: int) -> int:
+        """The shard of a rank added later: its job rank's, unless a rank read that shard
+        already (a job resumed from a checkpoint numbers its ranks from 0 again, and the
+        checkpoint's job may have had ranks added too): then one no rank has read."""
+        streams = self.job.view.accounting.streams
+        taken = streams.shards() if streams is not None else set()
+        taken |= {int(getattr(s, "index", r)) for r, s in self.shards_of_new.items()}
+        return job_rank if job_rank not in taken else max(taken) + 1
 
     def built(self) -> list[Building]:
         """The gangs whose every rank is built, taken out of :attr:`building` to join; drops

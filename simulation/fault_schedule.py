@@ -65,6 +65,7 @@ KINDS = (
     "node_drains",
     "drain",
     "stop",
+    "coordinator_dies",
 )
 
 BATCH_SIZE = 8  # every schedule's batch size
@@ -87,6 +88,7 @@ class Settings:
     max_gangs: int | None = None
     spare_nodes: int = 0
     data: str = "synthetic"  # or "reshared": Parquet read by index, rows shared again
+    max_coordinator_restarts: int = 3
 
     def __post_init__(self) -> None:
         if self.data not in ("synthetic", "reshared"):
@@ -206,7 +208,41 @@ def generate(seed: int) -> Schedule:
             {"kind": "rank_dies", "rank": 0, "on": call, "nth": rng.randint(1, 3)},
             {"kind": "rank_dies", "rank": settings.world - 1, "on": "step"},
         ]
+    # The coordinator dies (drawn apart, so that the schedules of the other kinds stay as
+    # each seed drew them before this kind was added).
+    other = random.Random(f"coordinator_dies:{seed}")
+    if other.random() < 0.15:
+        settings = dataclasses.replace(
+            settings, max_coordinator_restarts=other.choice([3, 3, 3, 1, 0])
+        )
+        faults += [_coordinator_dies(other, settings) for _ in range(other.choice([1, 1, 2]))]
     return Schedule(settings, tuple(faults), seed)
+
+
+#: The calls a coordinator dies in: its start, a recovery, a checkpoint save, a heal, a join...
+_LOSS_CALLS = (
+    "build",
+    "train",
+    "recover",
+    "replay",
+    "save_checkpoint",
+    "load_checkpoint",
+    "broadcast_state",
+    "state_digest",
+    "set_shard",
+    "sync",
+    "settle_failed_step",
+    "abort_replica_planes",
+    "save",
+)
+
+
+def _coordinator_dies(rng: random.Random, s: Settings) -> dict[str, Any]:
+    if rng.random() < 0.4:
+        return {"kind": "coordinator_dies", "step": rng.randint(1, s.num_steps)}
+    rank = rng.randrange(s.world) if rng.random() < 0.7 else s.world + rng.randrange(s.world)
+    on = rng.choice(_LOSS_CALLS)
+    return {"kind": "coordinator_dies", "rank": rank, "on": on, "nth": rng.choice([1, 1, 2, 3])}
 
 
 #: A joining gang's calls, stage by stage.
@@ -223,7 +259,7 @@ _JOIN_CALLS = (
 
 
 def _fault(rng: random.Random, s: Settings) -> dict[str, Any]:
-    kind = rng.choice(KINDS)
+    kind = rng.choice(KINDS[:-1])  # coordinator_dies: drawn apart (generate)
     # Ranks past the initial ones are joiners and the ranks of a rebuild.
     rank = rng.randrange(s.world)
     if rng.random() < 0.4:

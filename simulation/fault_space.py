@@ -31,11 +31,20 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from raytrec.elastic.events import CoordinatorLost, CoordinatorRestarted
+from raytrec.elastic.journal import read_journal, replay
 from raytrec.elastic.rank_protocol import RankProtocol
 from raytrec.elastic.workers import Answer
 from raytrec.errors import ConfigError, JobFailedError
+from raytrec.restarts import CoordinatorSeat
+from simulation.coordinator_loss import (
+    CoordinatorDies,
+    CoordinatorKilled,
+    LosableGroup,
+    kill_coordinator,
+)
 from simulation.doubles import fake_faults as ff
-from simulation.doubles.fake_group import FakeUsageError, FakeWorkerGroup
+from simulation.doubles.fake_group import FakeUsageError
 from simulation.fault_invariants import check_invariants
 from simulation.fault_schedule import BATCH_SIZE, KINDS, MAX_STEPS, Schedule, Settings
 
@@ -48,7 +57,7 @@ __all__ = ["Hang", "Outcome", "parquet_shards", "run_schedule"]
 R = TypeVar("R")
 
 #: Exit codes of ``python -m jobs.train`` for the named failures (jobs/train.py).
-EXIT_CODES = {"JobFailedError": 1, "ConfigError": 2, "StopRequested": 4}
+EXIT_CODES = {"JobFailedError": 1, "CoordinatorDied": 1, "ConfigError": 2, "StopRequested": 4}
 
 STEP_S = 0.1
 BUILD_S = 1.0
@@ -94,7 +103,7 @@ class _Budget:
             raise Hang(f"more than {self.wall_s:g}s of wall time")
 
 
-class _BudgetedGroup(FakeWorkerGroup):
+class _BudgetedGroup(LosableGroup):
     budget: _Budget
 
     def call(
@@ -117,7 +126,7 @@ def run_schedule(
     with tempfile.TemporaryDirectory(prefix="fault-space-") as run_dir:
         phases: list[str] = []
         try:
-            job, group = _build(schedule, run_dir, phases)
+            seat, group = _build(schedule, run_dir, phases)
         except (ConfigError, ValueError) as e:
             return Outcome("defect", "bad schedule", f"{type(e).__name__}: {e}")
         group.budget = _Budget(clock_budget_s, call_budget, wall_budget_s)
@@ -129,19 +138,19 @@ def run_schedule(
         group.clock.on_advance(over_time)
         summary: RunSummary | None = None
         try:
-            summary = job.run()
+            summary = _follow(seat)
         except (JobFailedError, ConfigError) as e:
             name = type(e).__name__
-            return _done(
-                "failed", name, _named(str(e)), t0, phases, job, exit_code=EXIT_CODES[name]
-            )
+            return _done("failed", name, _named(str(e)), t0, phases, seat.current, EXIT_CODES[name])
         except Hang as e:
-            return _done("defect", "hang", str(e), t0, phases, job)
+            return _done("defect", "hang", str(e), t0, phases, seat.current)
         except FakeUsageError as e:
-            return _done("defect", "FakeUsageError", _where(e), t0, phases, job)
+            return _done("defect", "FakeUsageError", _where(e), t0, phases, seat.current)
         except Exception as e:
-            return _done("defect", type(e).__name__, _where(e), t0, phases, job)
+            return _done("defect", type(e).__name__, _where(e), t0, phases, seat.current)
+        job = seat.current
         problems = check_invariants(summary, group, job, schedule.settings)
+        problems += journal_agrees(summary, job, seat.restarts)
         if problems:
             return _done("defect", "invariant", "; ".join(problems), t0, phases, job)
         stopped = summary.stopped_by
@@ -151,6 +160,31 @@ def run_schedule(
             return _done("pass", "left over", detail, t0, phases, job)
         code = EXIT_CODES.get(name, 0 if stopped is None else 1)
         return _done("pass", name, "" if stopped is None else str(stopped), t0, phases, job, code)
+
+
+def _follow(seat: CoordinatorSeat) -> RunSummary:
+    """Runs the job's coordinator; when it dies, the next one as the driver would start it
+    (:meth:`~raytrec.restarts.CoordinatorSeat.lost`), until one ends the job."""
+    while True:
+        try:
+            return seat.current.run()
+        except CoordinatorKilled as e:
+            seat.lost(e, stop_asked=seat.current.boundary.stop_asked())
+
+
+def journal_agrees(summary: RunSummary, job: Coordinator, restarts: int) -> list[str]:
+    """The run's journal against the job's own ledger: its last commit counts the batches the
+    summary does, and it names every restart."""
+    state = replay(read_journal(job.run_dir))
+    problems: list[str] = []
+    journaled = state.commit.committed_count if state.commit is not None else 0
+    if journaled != summary.committed_count:
+        problems.append(
+            f"the journal counts {journaled} committed, the summary {summary.committed_count}"
+        )
+    if state.restarts != restarts:
+        problems.append(f"the journal names {state.restarts} restarts, the run made {restarts}")
+    return problems
 
 
 def _done(
@@ -185,13 +219,15 @@ def _where(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}{at}"
 
 
-def _build(schedule: Schedule, run_dir: str, phases: list[str]) -> tuple[Coordinator, Any]:
+def _build(schedule: Schedule, run_dir: str, phases: list[str]) -> tuple[CoordinatorSeat, Any]:
     from actors.coordinator import Coordinator
     from raytrec.checkpoint.config import CheckpointConfig
     from raytrec.cluster.topology import Layout
-    from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
+    from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TestingConfig, TrainConfig
     from raytrec.elastic.config import ElasticConfig
     from raytrec.elastic.drain_policy import request_drain
+    from raytrec.elastic.faults import FaultKind, FaultSpec
+    from raytrec.preflight import indexed_resume_shards
 
     s = schedule.settings
     cfg = TrainConfig(
@@ -211,18 +247,27 @@ def _build(schedule: Schedule, run_dir: str, phases: list[str]) -> tuple[Coordin
             collective_timeout_s=ELASTIC["collective_timeout_s"],
             step_timeout_s=ELASTIC["step_timeout_s"],
             poll_s=ELASTIC["poll_s"],
+            max_coordinator_restarts=s.max_coordinator_restarts,
         ),
         checkpoint=CheckpointConfig(every_n_steps=s.checkpoint_every),
         num_steps=s.num_steps,
         log_every=s.log_every,
         storage_path=run_dir,
+        # A coordinator_dies fault at a step: the coordinator's own kill_coordinator fault.
+        testing=TestingConfig(
+            faults=tuple(
+                FaultSpec(kind=FaultKind.KILL_COORDINATOR, step=f["step"])
+                for f in schedule.faults
+                if f["kind"] == "coordinator_dies" and "on" not in f
+            )
+        ),
     )
-    holder: list[Coordinator] = []
+    holder: list[CoordinatorSeat] = []
 
     def action(kind: str) -> Callable[[], object]:
         if kind == "drain":
             return lambda: request_drain(run_dir, gangs=1)
-        return lambda: holder[0].request_stop()
+        return lambda: holder[0].current.request_stop()
 
     faults = [_to_fake(f, action) for f in schedule.faults]
     group = _BudgetedGroup(
@@ -233,25 +278,54 @@ def _build(schedule: Schedule, run_dir: str, phases: list[str]) -> tuple[Coordin
         build_s=BUILD_S,
     )
     group.on_fire = lambda fault: phases.append(_phase(fault, s))
-    shards: list[Any]
+    source: Any = None
     if s.data == "reshared":
-        shards = parquet_shards(s.world, s.num_steps)
+        source = parquet_source(s.world, s.num_steps)
+        shards = list(source.split(s.world))
         new_shard = None  # the coordinator's stream table hands joiners their rows
     else:
         shards = [ff.FakeShard(i) for i in range(s.world)]
         new_shard = ff.FakeShard
-    coordinator = Coordinator(
-        cfg,
-        plan=None,  # only the ranks read it
-        shards=shards,
-        num_dense=13,
+
+    def killed_at_step() -> None:
+        phases.append("CoordinatorDies @ booking a step")
+        kill_coordinator()
+
+    def start(resume_from: str | None, attempt: int) -> Coordinator:
+        """Coordinator ``attempt`` of the run, resuming from ``resume_from`` (as the driver's
+        ``start_coordinator`` of raytrec/api.py)."""
+        splits = shards
+        if resume_from is not None and source is not None:
+            splits = list(source.split(indexed_resume_shards(resume_from, cfg, source) or s.world))
+        coordinator = Coordinator(
+            cfg,
+            plan=None,  # only the ranks read it
+            shards=splits,
+            num_dense=13,
+            run_dir=run_dir,
+            new_shard=new_shard,
+            resume_from=resume_from,
+            group=group,
+            clock=group.clock,
+        )
+        coordinator.journal.kill = killed_at_step
+        return coordinator
+
+    seat = CoordinatorSeat(
+        start,
         run_dir=run_dir,
-        new_shard=new_shard,
-        group=group,
-        clock=group.clock,
+        max_restarts=s.max_coordinator_restarts,
+        resume_from=None,
+        on_row=lambda row: None,
+        on_event=lambda event: (
+            phases.append(f"{type(event).__name__} @ restart")
+            if isinstance(event, CoordinatorLost | CoordinatorRestarted)
+            else None
+        ),
+        release=group.coordinator_lost,
     )
-    holder.append(coordinator)
-    return coordinator, group
+    holder.append(seat)
+    return seat, group
 
 
 def _to_fake(
@@ -279,6 +353,10 @@ def _to_fake(
         return ff.RankFails(rank=f["rank"], step=f["step"], after_s=f.get("after_s", 0.0))
     if kind == "nodes_join":
         return ff.NodesJoin(at=f["at"], count=f.get("count", 1))
+    if kind == "coordinator_dies":
+        if call is None:
+            return None  # at a step: the coordinator's own kill_coordinator fault
+        return CoordinatorDies(rank=f["rank"], action=kill_coordinator, **call)
     if kind in ("drain", "stop"):
         if call is not None:
             return ff.AtCall(rank=f["rank"], action=action(kind), **call)
@@ -371,9 +449,13 @@ def data_root() -> str:
 
 
 def parquet_shards(world: int, num_steps: int) -> list[Any]:
-    """``world`` shards of Parquet read by index over a tiny generated file (one per process
-    and world size, in :func:`data_root`), with a few batches
-    more per rank than the job takes."""
+    """``world`` shards of :func:`parquet_source`."""
+    return list(parquet_source(world, num_steps).split(world))
+
+
+def parquet_source(world: int, num_steps: int) -> Any:
+    """Parquet read by index over a tiny generated file (one per process and world size, in
+    :func:`data_root`), with a few batches more per rank than the job takes."""
     from raytrec.data.generate import write_synthetic_parquet
     from raytrec.data.parquet import ParquetSource
     from raytrec.data.spec import criteo_spec
@@ -387,4 +469,4 @@ def parquet_shards(world: int, num_steps: int) -> list[Any]:
         )
         source = ParquetSource(paths=out, spec=criteo_spec(50), read_mode="indexed")
         _PARQUET[rows] = source
-    return list(source.split(world))
+    return source

@@ -328,7 +328,7 @@ def test_a_stop_asked_while_a_rebuild_waits_for_nodes_ends_the_job_at_once(
     j = job(tmp_path, *lost, stop, checkpoint=ckpt, resource_wait_s=3600.0)
     with pytest.raises(JobFailedError, match="stopped on request while it waited") as e:
         j.coordinator.run()
-    assert "resume_from_checkpoint=" in str(e.value) and "checkpoint_000008" in str(e.value)
+    assert "resume_from_checkpoint=" in str(e.value) and "checkpoint_0000000008" in str(e.value)
     assert j.group.clock.now < 600.0  # not the hour of the resource wait
 
 

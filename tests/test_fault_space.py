@@ -34,6 +34,9 @@ FAULTS = {
     "NodeDrains",
     "AtStep",
     "AtCall",
+    "CoordinatorDies",
+    "CoordinatorLost",
+    "CoordinatorRestarted",
 }
 #: Phases of the job that faults must have landed in.
 PHASES = {
@@ -55,6 +58,8 @@ PHASES = {
     "resource wait",
     "final sync",
     "late placement",
+    "booking a step",
+    "restart",
 }
 
 
@@ -89,10 +94,15 @@ def test_thousands_of_schedules_end_without_a_defect() -> None:
     assert result.settings["layout=replicas_within_host"] > SCHEDULES // 10
     # A joining gang's rank lost while it heals, on re-shared rows, is in the space.
     assert result.phases["RankDies @ join: healing / broadcast_state"] > 0
+    # The coordinator lost, and followed by new ones or given up on (restarts spent).
+    assert result.outcomes["failed:CoordinatorDied"] > 20
+    assert result.phases["CoordinatorRestarted @ restart"] > 100
+    lost_in = {p.split(" @ ")[1].split(" / ")[0] for p in result.phases if "CoordinatorDies" in p}
+    assert lost_in >= {"start", "interval", "checkpoint save", "re-forming", "final sync"}
 
 
-#: Schedules that campaigns found defective, by the named scenario in tests/test_control_plane.py
-#: that keeps each fixed (and says what went wrong); each must replay as a pass.
+#: Schedules that campaigns found defective, by the named scenario that keeps each fixed (in
+#: tests/test_control_plane.py, or the schedules themselves); each must replay as a pass.
 _JOINERS = Settings(gang_size=1, num_steps=8, grow=True, min_gangs=3, max_gangs=4, spare_nodes=1)
 FOUND = {
     "test_a_joining_gang_is_still_dropped_when_the_recovery_that_drops_it_starts_over": (
@@ -116,6 +126,29 @@ FOUND = {
             ),
         ),
     ),
+    # Fresh-seed campaigns' (seeds 3013128500, 3013127240, 3013127132): a rank lost, or stuck,
+    # as a restarted coordinator resumed (in load_checkpoint, in the build) escaped run() as a
+    # bare RankCallError; the job is now rebuilt from the checkpoint as after a total loss.
+    "a_rank_lost_as_the_job_resumes_from_a_checkpoint_rebuilds_it_from_there": (
+        Schedule.from_json(
+            '{"faults":[{"kind":"rank_dies","nth":1,"on":"load_checkpoint","rank":2},{"kind":"coordinator_dies","step":9}],"settings":{"checkpoint_every":5,"data":"synthetic","gang_size":2,"gangs":2,"grow":false,"layout":"replicas_across_hosts","log_every":2,"max_coordinator_restarts":3,"max_gangs":null,"min_gangs":1,"num_steps":9,"spare_nodes":0,"sync_every":4}}'
+        ),
+        Schedule.from_json(
+            '{"faults":[{"kind":"rank_dies","nth":3,"on":"join_sync_plan","rank":0},{"kind":"coordinator_dies","step":21}],"settings":{"checkpoint_every":5,"data":"synthetic","gang_size":1,"gangs":4,"grow":true,"layout":"replicas_across_hosts","log_every":2,"max_coordinator_restarts":1,"max_gangs":5,"min_gangs":1,"num_steps":21,"spare_nodes":1,"sync_every":4}}'
+        ),
+        Schedule.from_json(
+            '{"faults":[{"kind":"rank_hangs","nth":2,"on":"load_checkpoint","rank":1},{"kind":"coordinator_dies","step":18},{"kind":"coordinator_dies","step":20}],"settings":{"checkpoint_every":4,"data":"synthetic","gang_size":1,"gangs":4,"grow":false,"layout":"replicas_across_hosts","log_every":2,"max_coordinator_restarts":3,"max_gangs":null,"min_gangs":1,"num_steps":23,"spare_nodes":0,"sync_every":4}}'
+        ),
+    ),
+    # A fresh-seed campaign's (seed 3689580803): after a resume (here, a new coordinator's),
+    # a gang added later read the shard of its job rank, numbered from 0 again, which a gang
+    # added before the checkpoint had read: its batches went into the model twice. It now
+    # reads a shard no rank has read.
+    "a_gang_added_after_a_resume_reads_a_shard_no_rank_has_read": (
+        Schedule.from_json(
+            '{"faults":[{"kind":"rank_dies","rank":0,"step":2},{"kind":"coordinator_dies","step":8}],"settings":{"checkpoint_every":2,"data":"synthetic","gang_size":1,"gangs":3,"grow":true,"layout":"replicas_across_hosts","log_every":2,"max_coordinator_restarts":3,"max_gangs":4,"min_gangs":3,"num_steps":19,"spare_nodes":1,"sync_every":4}}'
+        ),
+    ),
 }
 
 
@@ -130,6 +163,27 @@ FOUND = {
 def test_schedules_found_defective_replay_as_passes(schedule: Schedule) -> None:
     outcome = run_schedule(schedule)
     assert outcome.verdict == "pass", f"{outcome}: {reproducer(schedule)}"
+
+
+def test_a_coordinator_lost_in_a_checkpoint_save_is_followed_from_the_one_before() -> None:
+    # It dies as the second checkpoint (step 4) is saved: the next one resumes from step 2's
+    # and trains the batches committed after it again, each counted once (the invariants).
+    lost = {"kind": "coordinator_dies", "rank": 0, "on": "save_checkpoint", "nth": 2}
+    settings = Settings(gangs=2, num_steps=8, checkpoint_every=2, data="reshared")
+    outcome = run_schedule(Schedule(settings, (lost,)))
+    assert outcome.key == "pass:", outcome
+    assert outcome.phases == (
+        "CoordinatorDies @ checkpoint save / save_checkpoint",
+        "CoordinatorLost @ restart",
+        "CoordinatorRestarted @ restart",
+    )
+    # Once more than elastic.max_coordinator_restarts allows: a named failure, exit code 1.
+    given_up = run_schedule(
+        Schedule(dataclasses.replace(settings, max_coordinator_restarts=0), (lost,))
+    )
+    assert (given_up.key, given_up.exit_code) == ("failed:CoordinatorDied", 1), given_up
+    assert "max_coordinator_restarts=0" in given_up.detail
+    assert "checkpoint_0000000002" in given_up.detail  # the one to resume from
 
 
 def test_a_campaign_starts_at_a_fresh_seed_and_prints_its_seeds(

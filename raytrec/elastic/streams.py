@@ -71,6 +71,10 @@ class RankStreams:
         """Shard -> next own batch, for the shards of removed ranks."""
         return dict(self._retired)
 
+    def shards(self) -> set[int]:
+        """Every shard a rank reads or read (a rank added later must read another)."""
+        return set(self._shard.values()) | set(self._retired)
+
     def retire(self, positions: Mapping[int, int]) -> None:
         """Remembers shards no rank continues (restored from a snapshot)."""
         self._retired.update(positions)

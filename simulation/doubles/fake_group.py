@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+from raytrec.checkpoint.layout import checkpoint_name
 from raytrec.elastic.rank_protocol import LoadedCheckpoint, RankProtocol
 from raytrec.elastic.workers import NODE_DIED, Answer, NodeInfo, RankFailed, RankLost
 from simulation.doubles import fake_faults
@@ -561,7 +562,7 @@ class FakeWorkerGroup(TrainingRuns):
         [(gang, ranks)] = _by_gang(states).items()
         root, generation, extra = ops[ranks[0].spec.rank].args[:3]
         step = ranks[0].step
-        uri = f"{root}/checkpoint_{step:06d}"
+        uri = f"{root}/{checkpoint_name(step)}"  # where a real save commits it
         self.checkpoints[uri] = (self.copies[gang].clone(), step, int(generation), dict(extra))
         return {r.spec.rank: (step, uri) for r in ranks}
 
