@@ -2,7 +2,7 @@
 
 Every key under :class:`~raytrec.config.TrainConfig`, read from ``model_json_schema()``: its
 type, default, allowed values and description (the docstring under the field). A section is a
-nested config class, introduced by its class docstring. ``tests/test_config_docs.py`` fails
+nested config class, introduced by its class docstring. ``tests/unit/test_config_docs.py`` fails
 when the committed reference differs from :func:`reference_markdown`.
 """
 

@@ -47,7 +47,7 @@ DENSE_ARCHS: tuple[str, ...] = ("dlrm", "dlrm_dcn")
 WEIGHTS_SUFFIX = "_weights"
 
 # Names TorchRec cannot give an embedding table: its tables are the entries of an nn.ModuleDict,
-# which refuses a key that is one of its own attributes (tests/test_config.py checks the list
+# which refuses a key that is one of its own attributes (tests/unit/test_config.py checks the list
 # against torch's).
 RESERVED_TABLE_NAMES: frozenset[str] = frozenset(
     """

@@ -1,8 +1,8 @@
 """The control loop's decisions as values: drains, heals, growth, waiting, retries (pure, ms).
 
 Each is what :class:`actors.coordinator.Coordinator` asks at a boundary; the coordinator's own
-tests (tests/test_control_plane.py with the fake worker group, and the cluster tests) check that
-it carries them out.
+tests (tests/unit/test_control_plane.py with the fake worker group, and the cluster tests) check
+that it carries them out.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def test_thousands_of_schedules_end_without_a_defect() -> None:
 
 
 #: Schedules that campaigns found defective, by the named scenario that keeps each fixed (in
-#: tests/test_control_plane.py, or the schedules themselves); each must replay as a pass.
+#: tests/unit/test_control_plane.py, or the schedules themselves); each must replay as a pass.
 _JOINERS = Settings(gang_size=1, num_steps=8, grow=True, min_gangs=3, max_gangs=4, spare_nodes=1)
 FOUND = {
     "test_a_joining_gang_is_still_dropped_when_the_recovery_that_drops_it_starts_over": (

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from setuptools.config.pyprojecttoml import read_configuration
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("raytrec", "actors", "jobs", "simulation")
 #: Top-level packages of the checkout that the wheel must not ship nor import.
 CHECKOUT_ONLY = ("simulation", "benchmarks", "tests")

@@ -10,7 +10,7 @@ runtime-env agents, workers) is gone once it has exited.
 
 Both signals reach the same handler (``raytrec.driver.StopOnSignal``), which these tests check
 with one signal each. A second signal while training stops ``fit`` at once:
-``tests/test_kernel_interrupt.py`` holds that, and SIGINT from a notebook's *Interrupt the
+``tests/cluster/test_kernel_interrupt.py`` holds that, and SIGINT from a notebook's *Interrupt the
 kernel*, in ``fit`` itself; the exit code 130 that ``jobs.train`` then ends with is not run here.
 """
 
@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.cluster
 

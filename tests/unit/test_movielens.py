@@ -41,7 +41,7 @@ ITEM = """item_id:token\tmovie_title:token_seq\trelease_year:token\tclass:token_
 """
 
 
-EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "movielens"
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "movielens"
 
 
 def atomic_files(folder: pathlib.Path, inter: str = INTER) -> str:

@@ -13,8 +13,8 @@ One spawned rank owns ``cuda:0`` and runs, one engine after the other:
 * ``train_pipeline='sparse_dist'`` (TorchRec's TrainPipelineSparseDist on CUDA streams) against
   ``'off'`` on the same batches: losses and final state within ``torch.testing.assert_close``'s
   float32 tolerances (what TorchRec's own pipeline tests use); and a step that fails with two
-  batches in flight (tests/test_pipeline.py's scenario): both in flight are left unstarted and,
-  trained next, every batch is trained exactly once.
+  batches in flight (tests/multiprocess/test_pipeline.py's scenario): both in flight are left
+  unstarted and, trained next, every batch is trained exactly once.
 """
 
 from __future__ import annotations

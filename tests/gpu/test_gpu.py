@@ -20,8 +20,8 @@ docs/gpu.md for what was run where, and how). What one GPU can show:
 What one GPU cannot show: an NCCL replica group of two or more members (NCCL refuses two
 ranks on one device; the NCCL plane here has one member, so its average cannot change
 anything), so averaging across replicas is exercised on CPU (gloo) with the same code by
-tests/test_engine_2d.py and, for Adam-shaped state (dense Adam and AdamW moments and step
-counts, FBGEMM's step counter), by tests/test_optimizer_matrix.py.
+tests/multiprocess/test_engine_2d.py and, for Adam-shaped state (dense Adam and AdamW moments
+and step counts, FBGEMM's step counter), by tests/multiprocess/test_optimizer_matrix.py.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """What needs two or more GPUs: NCCL replica groups of two, gangs of two GPU ranks.
 
 The GPU cases are skipped unless the host has at least 2 CUDA devices (4 for the 2 x 2 job);
-run them with ``pytest -m gpu tests/test_gpu_multi.py`` (docs/gpu.md). The same test with CPU
+run them with ``pytest -m gpu tests/gpu/test_gpu_multi.py`` (docs/gpu.md). The same test with CPU
 ranks on gloo (2 x 2) runs everywhere, so that this code keeps up with the engine where CI
 cannot reach a GPU. Each rank is a spawned process that
 sees only its own GPU (``CUDA_VISIBLE_DEVICES``, as Ray sets it for a rank actor) and trains on
-NCCL. For each layout, tests/test_pipeline.py's scenario runs with ``train_pipeline='off'`` and
+NCCL. For each layout, tests/multiprocess/test_pipeline.py's scenario runs with
+``train_pipeline='off'`` and
 ``'sparse_dist'``, with and without a failed step holding batches in flight:
 
 * the pipelined runs train what the synchronous ones train (``torch.testing.assert_close``);

@@ -26,7 +26,7 @@ from raytrec.serving.deltas import (
 )
 from raytrec.serving.export import STATE_FILE, base_id, export, load_exported, load_model
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "serving.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 
 
 def full_export(model: DLRMTrain, root: Path, name: str) -> Path:

@@ -24,7 +24,7 @@ from raytrec.cluster.local import LocalCluster, local_cluster
 from raytrec.config import TrainConfig
 from raytrec.config.file import load_config
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 BIN = pathlib.Path(sys.executable).parent  # the environment running the tests has Ray
 RAY = str(BIN / "ray")
 GPU_CONFIG = REPO / "examples" / "configs" / "gpu_cluster.yaml"

@@ -41,7 +41,7 @@ import pytest
 from jobs.train import build_config
 from raytrec.config import ConfigError
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: Fenced blocks in these languages hold commands only; an unlabelled block holds commands
 #: (a line starting with a known program or with ``$ ``) and their output.
@@ -203,9 +203,9 @@ def _parse_with(main: Any, args: Sequence[str], what: str) -> argparse.Namespace
 
 
 def check_pytest(args: Sequence[str]) -> None:
-    files = [a.split("::")[0] for a in args if a.startswith("tests/")]
-    for f in files:
-        assert (ROOT / f).is_file(), f"no test file {f}"
+    paths = [a.split("::")[0] for a in args if a.startswith("tests/")]
+    for path in paths:
+        assert (ROOT / path).is_file() or (ROOT / path).is_dir(), f"no test file or folder {path}"
 
 
 def check_module(module: str, args: Sequence[str]) -> None:

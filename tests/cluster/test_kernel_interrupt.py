@@ -30,7 +30,7 @@ from typing import Any
 import psutil
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.cluster
 

@@ -1,7 +1,7 @@
 """DeepFM on the 2D engine (gloo, 2 gangs x 2 ranks): weighted ids, per-table dims and
 per-table sharding types (one table table-wise, one column-wise) train exactly as one plain
-PyTorch process does on the union of all ranks' batches, as tests/test_engine_2d.py checks
-for DLRM."""
+PyTorch process does on the union of all ranks' batches, as
+tests/multiprocess/test_engine_2d.py checks for DLRM."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from raytrec.data.movielens import find_ml100k
 
 pytestmark = pytest.mark.cluster
 
-EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "movielens" / "train.py"
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "movielens" / "train.py"
 
 
 def test_movielens_trains_keeps_the_best_checkpoint_and_scores_the_test_split(

@@ -5,7 +5,7 @@ evaluates on the 2 files held out (same teacher, other rows) every 4 steps until
 ends it. The evaluation scores every held-out row once (in rounds over the 4 ranks, the last one
 padded), merges AUC, NE and log loss over all of them: its NE is its log loss over the entropy
 of the held-out rows' click rate, read here from the files. (That scoring matches a
-single-process model and updates nothing is tests/test_engine_2d.py's parity test.)
+single-process model and updates nothing is tests/multiprocess/test_engine_2d.py's parity test.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Synthetic Parquet generation and ParquetSource on a local Ray cluster (127.0.0.1), read with
-``read_mode="streaming"`` (the indexed mode: tests/test_parquet_indexed.py): every row exactly
-once per epoch across ranks, bad inputs named by file, column and row, skip mode."""
+``read_mode="streaming"`` (the indexed mode: tests/cluster/test_parquet_indexed.py): every row
+exactly once per epoch across ranks, bad inputs named by file, column and row, skip mode."""
 
 from __future__ import annotations
 

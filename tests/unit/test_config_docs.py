@@ -16,7 +16,7 @@ from raytrec.config import TrainConfig
 from raytrec.config.base import ConfigModel, Lax, PositiveInt, Seq
 from raytrec.config.file_docs import config_keys, reference_markdown
 
-DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 ROW = re.compile(r"^\| `([^`]+)` \| ([^|]*) \| ([^|]*) \| ([^|]*) \| (.*) \|$")
 
 

@@ -14,7 +14,7 @@ The same check also runs on the CPU with gloo, everywhere: it keeps the stand-in
 what the checkpoint code asks of an engine, so that the CUDA run, which CI cannot make, does not
 fail on a stand-in that has fallen behind.
 
-Runs as a test (``pytest tests/test_checkpoint_cuda.py``) or as a script.
+Runs as a test (``pytest tests/gpu/test_checkpoint_cuda.py``) or as a script.
 """
 
 from __future__ import annotations

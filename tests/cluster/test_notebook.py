@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.cluster
 
-NOTEBOOK = pathlib.Path(__file__).resolve().parent.parent / "examples" / "quickstart.ipynb"
+NOTEBOOK = pathlib.Path(__file__).resolve().parents[2] / "examples" / "quickstart.ipynb"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

@@ -29,7 +29,7 @@ def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
     return float(wins / (len(pos) * len(neg)))
 
 
-EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "own_parquet.py"
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "own_parquet.py"
 
 
 def test_own_columns_to_a_model_that_scores_new_rows(

@@ -14,8 +14,8 @@ A 2 x 2 job trains the same batches with ``train_pipeline='off'`` and ``'sparse_
 * an input source that fails while the pipeline fills starts no step: the inputs it took are
   named unstarted, and training on from them trains every batch once.
 
-The same pipeline on one GPU (CUDA streams, NCCL) is tests/test_gpu_large.py's; on Ray, with a
-rank killed while batches are in flight, tests/test_elastic_cluster.py's pipelined case.
+The same pipeline on one GPU (CUDA streams, NCCL) is tests/gpu/test_gpu_large.py's; on Ray, with a
+rank killed while batches are in flight, tests/cluster/test_elastic_cluster.py's pipelined case.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from raytrec.elastic.accounting import BatchAccounting
 from raytrec.elastic.decisions import RollbackPoint
 from raytrec.elastic.membership import Membership
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOPO = Topology(world_size=6, gang_size=2, ranks_per_host=2)  # gang g: ranks 2g, 2g+1
 
 
