@@ -24,6 +24,7 @@ reset (:mod:`raytrec.engine.managed_rows`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -78,6 +79,14 @@ def gather_ragged(rows: torch.Tensor, gather: Gather, device: torch.device) -> t
     padded[: rows.shape[0]] = rows.to(device)
     stacked = gather(padded).cpu()
     return torch.cat([stacked[i, :s] for i, s in enumerate(sizes)])
+
+
+def _chain(lineage: torch.Tensor, step: int, state: Sequence[torch.Tensor]) -> int:
+    """The next lineage: a hash of the last one, the merge's step and the maps after it."""
+    h = hashlib.sha256(f"{int(lineage.item())}/{step}".encode())
+    for t in state:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return int.from_bytes(h.digest()[:8], "little", signed=True)
 
 
 class ManagedTable:
@@ -193,6 +202,9 @@ class ManagedIds:
         managed = [t for t in model.tables if t.managed]
         self.tables = {t.name: ManagedTable(t, i) for i, t in enumerate(managed)}
         self.table_of = {f: self.tables[t.name] for t in managed for f in t.features}
+        # A hash chained through every merge applied (its step and the maps after it): ranks
+        # with equal lineages went through the same maps after every merge.
+        self.lineage = torch.zeros(1, dtype=torch.int64)
 
     @classmethod
     def for_model(cls, model: ModelConfig) -> ManagedIds | None:
@@ -237,11 +249,24 @@ class ManagedIds:
         for table in self.tables.values():
             mine = merged[merged[:, 0] == table.index]
             renewed[table.name] = table.apply(mine, step)
+        self.lineage.fill_(_chain(self.lineage, step, self.state()))
         return MergeOutcome(step=step, renewed=renewed)
 
     def state(self) -> list[torch.Tensor]:
-        """Every table's map state (:meth:`ManagedTable.state`), in table order."""
-        return [t for table in self.tables.values() for t in table.state()]
+        """Every table's map state (:meth:`ManagedTable.state`), in table order, then the
+        lineage."""
+        return [t for table in self.tables.values() for t in table.state()] + [self.lineage]
+
+    def named_state(self) -> dict[str, torch.Tensor]:
+        """:meth:`state` by name (``<table>.<part>``), as checkpoints keep it."""
+        parts = ("sorted_raw_ids", "rows", "metadata", "version")
+        named = {
+            f"{name}.{part}": t
+            for name, table in self.tables.items()
+            for part, t in zip(parts, table.state(), strict=True)
+        }
+        named["lineage"] = self.lineage
+        return named
 
     def row_ids(self) -> dict[str, torch.Tensor]:
         """Table name -> the raw id of each row (:meth:`ManagedTable.row_ids`)."""
