@@ -159,3 +159,56 @@ def test_budget_is_checked() -> None:
         )
     assert ModelConfig().tables[0].ids.policy == "fixed"
     assert ManagedIds.for_model(ModelConfig()) is None
+
+
+def test_serving_maps_read_like_training() -> None:
+    """The served model's lookup (raytrec.serving.raw_ids) gives the rows TorchRec's remap
+    gives in training, hits and misses alike."""
+    from raytrec.serving.raw_ids import IdMaps
+
+    config = table(7, "lru")
+    managed = ManagedTable(config, 0)
+    rng = random.Random(3)
+    for step in range(1, 6):
+        seen = {rng.randrange(-(10**12), 10**12): (1, step) for _ in range(4)}
+        managed.apply(merged_rows(seen), step)
+    maps = IdMaps(ModelConfig(arch="deepfm", tables=(config,), dense_arch_layers=(4,)))
+    state = managed.state()
+    maps.load_state_dict({"t.sorted_raw_ids": state[0], "t.rows": state[1]})
+    live = [int(i) for i in managed.row_ids() if int(i) != FREE]
+    probe = torch.tensor(live + [rng.randrange(-(10**12), 10**12) for _ in range(20)])
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["f_t"], values=probe, lengths=torch.ones(len(probe), dtype=torch.int32)
+    )
+    assert torch.equal(maps.remap(kjt).values(), managed.lookup(probe))
+    assert sorted(maps.remap(kjt).values()[: len(live)].tolist()) == sorted(
+        r for r, i in enumerate(managed.row_ids().tolist()) if i != FREE
+    )
+
+
+def test_raw_ids_and_64_bit_hashes_pass_through_the_conversion() -> None:
+    import pyarrow as pa
+
+    from raytrec.data.arrow_kjt import category_id, to_batch
+    from raytrec.data.spec import CategoricalFeature, FeatureSpec, SparseFeature
+
+    spec = FeatureSpec(
+        dense=(),
+        sparse=(
+            SparseFeature(name="a", num_embeddings=4, id_policy="raw"),
+            CategoricalFeature(name="b", num_embeddings=4, encoding="hash64"),
+        ),
+        labels=("label",),
+        row_id=None,
+    )
+    rows = pa.table(
+        {
+            "a": pa.array([[-(2**62), 7], [2**40]], pa.list_(pa.int64())),
+            "b": pa.array(["x", "y"]),
+            "label": pa.array([0.0, 1.0], pa.float32()),
+        }
+    )
+    batch, _ = to_batch(rows, spec)
+    hashes = [category_id(v, spec.sparse[1]) for v in ("x", "y")]  # type: ignore[arg-type]
+    assert batch.sparse_features.values().tolist() == [-(2**62), 7, 2**40, *hashes]
+    assert any(abs(h) >= 4 for h in hashes)  # not folded into the table's rows

@@ -43,6 +43,7 @@ __all__ = [
     "ManagedTable",
     "coalesce",
     "gather_ragged",
+    "map_features",
 ]
 
 #: What :meth:`ManagedTable.row_ids` shows for a row no id holds (and the default row).
@@ -87,6 +88,31 @@ def _chain(lineage: torch.Tensor, step: int, state: Sequence[torch.Tensor]) -> i
     for t in state:
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return int.from_bytes(h.digest()[:8], "little", signed=True)
+
+
+def map_features(
+    kjt: KeyedJaggedTensor, rows: Callable[[str, torch.Tensor], torch.Tensor | None]
+) -> KeyedJaggedTensor:
+    """``kjt`` with each feature's ids replaced by ``rows(key, ids)`` (int64 in, rows out; None
+    keeps the feature as it is); lengths and weights unchanged."""
+    keys = kjt.keys()
+    values = list(torch.split(kjt.values(), kjt.length_per_key()))
+    changed = False
+    for i, key in enumerate(keys):
+        mapped = rows(key, values[i].to(torch.int64))
+        if mapped is not None:
+            values[i] = mapped.to(kjt.values().dtype)
+            changed = True
+    if not changed:
+        return kjt
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=torch.cat(values),
+        weights=kjt.weights_or_none(),
+        lengths=kjt.lengths(),
+        offsets=kjt.offsets(),
+        stride=kjt.stride(),
+    )
 
 
 class ManagedTable:
@@ -214,27 +240,16 @@ class ManagedIds:
     def remap(self, kjt: KeyedJaggedTensor, *, step: int | None) -> KeyedJaggedTensor:
         """``kjt`` with the managed features' raw ids replaced by rows; with ``step``, the raw
         ids are observed as trained at that step (None: scoring, nothing observed)."""
-        keys = kjt.keys()
-        if not any(k in self.table_of for k in keys):
-            return kjt
-        lengths = kjt.length_per_key()
-        values = list(torch.split(kjt.values(), lengths))
-        for i, key in enumerate(keys):
+
+        def rows(key: str, raw: torch.Tensor) -> torch.Tensor | None:
             table = self.table_of.get(key)
             if table is None:
-                continue
-            raw = values[i].to(torch.int64)
+                return None
             if step is not None:
                 table.observe(raw, step)
-            values[i] = table.lookup(raw).to(kjt.values().dtype)
-        return KeyedJaggedTensor(
-            keys=keys,
-            values=torch.cat(values) if values else kjt.values(),
-            weights=kjt.weights_or_none(),
-            lengths=kjt.lengths(),
-            offsets=kjt.offsets(),
-            stride=kjt.stride(),
-        )
+            return table.lookup(raw)
+
+        return map_features(kjt, rows)
 
     def merge(self, step: int, gathers: Sequence[tuple[Gather, torch.device]]) -> MergeOutcome:
         """One job-wide decision: this rank's observations of every table are gathered through
