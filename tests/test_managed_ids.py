@@ -212,3 +212,13 @@ def test_raw_ids_and_64_bit_hashes_pass_through_the_conversion() -> None:
     hashes = [category_id(v, spec.sparse[1]) for v in ("x", "y")]  # type: ignore[arg-type]
     assert batch.sparse_features.values().tolist() == [-(2**62), 7, 2**40, *hashes]
     assert any(abs(h) >= 4 for h in hashes)  # not folded into the table's rows
+
+
+def test_publishing_deltas_is_refused_with_managed_ids() -> None:
+    from raytrec.config import PublishConfig, TrainConfig
+
+    tables = (table(8, "lru", "a"),)
+    model = ModelConfig(arch="deepfm", tables=tables, dense_arch_layers=(4,))
+    TrainConfig(model=model)
+    with pytest.raises(ConfigError, match="managed ids"):
+        TrainConfig(model=model, publish=PublishConfig(every_n_steps=4))

@@ -151,8 +151,9 @@ def test_a_resume_on_another_shape_keeps_the_maps(run: Result, tmp_path: str) ->
 def test_load_model_scores_raw_ids_as_the_trained_model(run: Result, tmp_path: str) -> None:
     assert run.final_state_path is not None
     out = str(tmp_path / "export")
-    serving.export(run.final_state_path, out, program=False, quiet=True)
+    serving.export(run.final_state_path, out, quiet=True)
     served = serving.load_model(out)
+    program = serving.load_program(out)  # the torch.export program carries the maps too
     # Raw ids of the last window (mostly in the map) and of the first (mostly evicted: the
     # default row).
     rows = [SOURCE.make_batch(0, STEPS - 1, 32), SOURCE.make_batch(0, 0, 32)]
@@ -172,6 +173,8 @@ def test_load_model_scores_raw_ids_as_the_trained_model(run: Result, tmp_path: s
         want = serving.score(plain, Batch(batch.dense_features, mapped, batch.labels))
         got = serving.score(served, batch)
         assert torch.equal(got, want)
+        from_program = program(batch.dense_features, batch.sparse_features)
+        assert torch.allclose(torch.sigmoid(from_program.reshape(-1).double()), want)
         defaults += int((mapped.values() == 31).sum())
     assert defaults  # some ids scored through the default row
     row_ids = ids.row_ids()["t_cat_0"]
