@@ -13,8 +13,9 @@ others' rows.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ from raytrec.engine.rank_model import RankModel
 from raytrec.engine.replica_plane import ReplicaPlane
 from raytrec.sync.schedule import SyncDecision
 
-__all__ = ["fresh_rows", "merge_ids", "merges_after", "realigned", "renew_rows"]
+__all__ = ["fresh_rows", "merge_ids", "merges_after", "on_device", "realigned", "renew_rows"]
 
 _U64 = np.uint64
 
@@ -71,16 +72,30 @@ def merge_ids(model: RankModel, plane: ReplicaPlane | None, step: int) -> None:
             )
 
 
-def realigned(model: RankModel, copy: Callable[[list[torch.Tensor]], None]) -> None:
-    """Runs ``copy`` on the map's state tensors (a broadcast from another rank), then renews
-    the rows whose id changed: after a failure inside a merge the survivors may hold maps one
-    decision apart, and the copied map's rows must not keep another id's weights."""
+@contextlib.contextmanager
+def on_device(tensors: list[torch.Tensor], device: torch.device) -> Iterator[list[torch.Tensor]]:
+    """Copies of ``tensors`` (the maps, kept on the host) on ``device``, for a collective there
+    (NCCL takes CUDA tensors); written back to ``tensors`` when the block ends without error."""
+    moved = [t.to(device) for t in tensors]
+    yield moved
+    for dst, src in zip(tensors, moved, strict=True):
+        if dst is not src:
+            dst.copy_(src)
+
+
+def realigned(
+    model: RankModel, copy: Callable[[list[torch.Tensor]], None], device: torch.device
+) -> None:
+    """Runs ``copy`` on the map's state tensors (a broadcast from another rank, on ``device``),
+    then renews the rows whose id changed: after a failure inside a merge the survivors may hold
+    maps one decision apart, and the copied map's rows must not keep another id's weights."""
     ids = model.ids
     if ids is None:
         copy([])
         return
     before = ids.row_ids()
-    copy(ids.state())
+    with on_device(ids.state(), device) as moved:
+        copy(moved)
     after = ids.row_ids()
     changed = {
         name: torch.nonzero(before[name] != after[name]).view(-1)

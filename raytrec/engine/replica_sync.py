@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from raytrec.config import SyncConfig
-from raytrec.engine.managed_rows import realigned
+from raytrec.engine.managed_rows import on_device, realigned
 from raytrec.engine.rank_model import RankModel
 from raytrec.engine.replica_plane import (
     LevelPlanes,
@@ -330,13 +330,14 @@ class ReplicaSync:
                 in_place_flat(tensors, lambda flat: dist.broadcast(flat, src=gang_src))
             replica.broadcast_(tensors, src=src)
 
-        realigned(self._model, copy)
+        realigned(self._model, copy, replica.device)
 
     def broadcast_state(self, *, src: int) -> None:
         """Copies a live member's full state to the rest of the replica group (the managed
         ids' maps included, with the rows they map)."""
         assert self.replica is not None, "join_replica_plane() first"
         model = self._model
-        state = model.shard_state() + model.dense_state() + model.ids_state()
-        self.replica.broadcast_(state, src=src)
+        replica = self.replica
+        with on_device(model.ids_state(), replica.device) as ids_state:
+            replica.broadcast_(model.shard_state() + model.dense_state() + ids_state, src=src)
         model.shard_state_written()
