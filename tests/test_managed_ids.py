@@ -222,3 +222,17 @@ def test_publishing_deltas_is_refused_with_managed_ids() -> None:
     TrainConfig(model=model)
     with pytest.raises(ConfigError, match="managed ids"):
         TrainConfig(model=model, publish=PublishConfig(every_n_steps=4))
+
+
+def test_fresh_rows_are_the_same_whoever_draws_them() -> None:
+    """A renewed row's weights depend on (seed, table, version, row, column) only: drawn with
+    other rows or alone, by any rank, the same; within TorchRec's initial range."""
+    from raytrec.engine.managed_rows import fresh_rows
+
+    both = fresh_rows(7, "t", 12, torch.tensor([3, 5]), (100, 8))
+    alone = fresh_rows(7, "t", 12, torch.tensor([5]), (100, 8))
+    assert torch.equal(both[1], alone[0])
+    assert not torch.equal(both[0], both[1])
+    assert not torch.equal(alone, fresh_rows(7, "t", 14, torch.tensor([5]), (100, 8)))
+    assert not torch.equal(alone, fresh_rows(7, "u", 12, torch.tensor([5]), (100, 8)))
+    assert float(both.abs().max()) <= 0.1 and float(both.abs().max()) > 0.01

@@ -116,10 +116,10 @@ def fresh_rows(
     key = np.array(
         [seed & 0xFFFFFFFF, zlib.crc32(table.encode()), version & 0xFFFFFFFFFFFF], dtype=_U64
     )
-    base = _U64(key[0] * _U64(0x100000001B3) ^ key[1] * _U64(0xC2B2AE3D27D4EB4F) ^ key[2])
     r = rows.cpu().numpy().astype(_U64)[:, None]
     c = np.arange(dim, dtype=_U64)[None, :]
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as the hash wants
+        base = _U64(key[0] * _U64(0x100000001B3) ^ key[1] * _U64(0xC2B2AE3D27D4EB4F) ^ key[2])
         z = (r * _U64(dim) + c) ^ base
         z = z + _U64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
