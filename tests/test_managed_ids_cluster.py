@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_checkpoint_fit import tensors
 from test_elastic_cluster import assert_every_batch_once, assert_replicas_agree
 
 from raytrec.api import Result, fit
@@ -31,6 +32,7 @@ from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.events import GangDropped, GangJoined
 from raytrec.elastic.faults import FaultKind, FaultSpec
 from raytrec.engine.managed_ids import FREE, ManagedIds
+from raytrec.engine.managed_rows import fresh_rows
 from raytrec.models import build_model as build_arch
 from raytrec.result import replica_check
 from raytrec.serving import export as serving
@@ -128,6 +130,28 @@ def test_the_maps_admit_and_evict_with_the_drift(run: Result) -> None:
     held = set(maps["managed_ids.t_cat_0.sorted_raw_ids"].tolist())
     assert set(last.tolist()) & held
     assert set(first.tolist()) - held
+
+
+def test_renewed_rows_start_fresh(run: Result) -> None:
+    """The rows the last merge (at the last step, nothing trained after it) gave to new ids
+    hold the fresh weights of that merge, and their Adagrad state is zero."""
+    assert run.checkpoint is not None
+    state = tensors(run.checkpoint.path)
+    ebc = "sparse_arch.embedding_bag_collection.embedding_bags"
+    renewed_rows = 0
+    for table in ("t_cat_0", "t_cat_1"):
+        weight = state[f"model.model.{ebc}.{table}.weight"]
+        moment = state[f"embedding_optimizer.state.model.{ebc}.{table}.weight.{table}.momentum1"]
+        fresh = fresh_rows(run.config.seed, table, STEPS, torch.arange(40), (40, 8))
+        renewed = (weight == fresh).all(dim=1)
+        renewed_rows += int(renewed.sum())
+        assert bool((moment[renewed] == 0).all())
+        assert not bool(renewed[31:].any())  # the default row and the rows past the budget
+        live = state[f"managed_ids.{table}.rows"][
+            state[f"managed_ids.{table}.sorted_raw_ids"] != torch.iinfo(torch.int64).max
+        ]
+        assert set(torch.nonzero(renewed).view(-1).tolist()) <= set(live.tolist())
+    assert renewed_rows  # new ids came with the drift up to the last step
 
 
 def test_a_resume_on_another_shape_keeps_the_maps(run: Result, tmp_path: str) -> None:
