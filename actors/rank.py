@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import ray
 import torch
@@ -505,7 +506,10 @@ class RankWorker:
         from raytrec.serving.model_spec import write_model_spec
 
         self.engine.write_back_caches()
-        dcp.save(self.engine.model.state_dict(), checkpoint_id=path)
+        state: dict[str, Any] = dict(self.engine.model.state_dict())
+        if self.engine.state.ids is not None:  # the managed ids' maps, for serving raw ids
+            state["managed_ids"] = self.engine.state.ids.named_state()
+        dcp.save(state, checkpoint_id=path)
         if self.spec.gang_rank == 0:  # what rebuilds the model outside the job (raytrec.export)
             write_model_spec(path, self.spec.model_spec())
 
@@ -528,10 +532,12 @@ class RankWorker:
         self.engine.state.unpublished.published()
 
     def state_digest(self) -> StateDigest:
-        """Content hashes of this rank's shard state and dense state, to compare replicas."""
+        """Content hashes of this rank's shard state and dense state, to compare replicas. The
+        managed ids' maps, the same on every rank of the job, count as dense state."""
         engine = self.engine
         return StateDigest(
-            shards=_digest(engine.shard_state()), dense=_digest(engine.dense_state())
+            shards=_digest(engine.shard_state()),
+            dense=_digest(engine.dense_state() + engine.state.ids_state()),
         )
 
     def close(self) -> None:

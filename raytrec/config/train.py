@@ -35,6 +35,7 @@ from raytrec.config.model import (
     RESERVED_TABLE_NAMES,
     UVM_KERNELS,
     WEIGHTS_SUFFIX,
+    IdsConfig,
     ModelConfig,
     ShardingType,
     TableConfig,
@@ -52,6 +53,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "EvalConfig",
+    "IdsConfig",
     "ModelConfig",
     "OptimizerConfig",
     "PublishConfig",
@@ -444,6 +446,12 @@ class TrainConfig(ConfigModel):
         )
         if not self.scaling.use_gpu:
             self._check_cpu_kernels()
+        managed = [t.name for t in self.model.tables if t.managed]
+        if managed and self.publish.every_n_steps is not None:
+            raise ConfigError(
+                f"publish.every_n_steps cannot be set with managed ids (model.tables {managed}): "
+                "published deltas carry rows, not the id maps that say whose rows they are"
+            )
         if self.data.source in ("parquet", "generated"):
             assert self.data.num_dense is not None  # DataConfig resolves it
             self.model.check_num_dense(self.data.num_dense)

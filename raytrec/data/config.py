@@ -46,8 +46,8 @@ class ColumnsConfig(ConfigModel):
     """Sparse feature -> how the categories in its column (strings, or integers used as
     categories) become ids: `vocabulary` (the most frequent values of the training data get ids
     1.., every other value id 0; the vocabulary is saved with the model) or `hash` (a stable
-    hash modulo the table's rows). Features not named here hold integer ids, mapped by
-    `data.id_policy`."""
+    hash modulo the table's rows; for a table with managed ids the 64-bit hash itself). Features
+    not named here hold integer ids, mapped by `data.id_policy`."""
 
 
 class DataConfig(ConfigModel):
@@ -93,7 +93,9 @@ class DataConfig(ConfigModel):
     `Result.lost_batches`)."""
     id_policy: IdPolicyName = "strict"
     """How integer ids map into a table's rows: `strict` (an id outside [0, num_embeddings) is
-    bad input), `modulo` (folded into range) or `hash` (hashed into range)."""
+    bad input), `modulo` (folded into range) or `hash` (hashed into range). The features of a
+    table with managed ids (`model.tables[].ids.policy: managed`) keep their raw int64 ids
+    whatever this says."""
     num_dense: NonNegativeInt | None = None
     """Dense columns of a Parquet source (`dense_0` ..); null: 13, or as many as `columns.dense`
     names; 0: none (model.arch `deepfm` or `two_tower` only)."""

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from raytrec.config import SyncConfig
+from raytrec.engine.managed_rows import on_device, realigned
 from raytrec.engine.rank_model import RankModel
 from raytrec.engine.replica_plane import (
     LevelPlanes,
@@ -316,17 +317,27 @@ class ReplicaSync:
         dense all-reduce before the failure reached them, some did not); one survivor's dense
         state becomes everyone's, so dense state is identical again."""
         assert self.replica is not None, "join_replica_plane() first"
-        tensors = self._model.dense_state()
-        # Ranks of one gang can disagree too (each sits in another replica group, and one
-        # group's collective may have finished where another's failed): first gang rank
-        # ``gang_src``'s copy within the gang, then member ``src``'s across gangs.
-        if self._gang_size > 1:
-            in_place_flat(tensors, lambda flat: dist.broadcast(flat, src=gang_src))
-        self.replica.broadcast_(tensors, src=src)
+        replica = self.replica
+
+        def copy(ids_state: list[torch.Tensor]) -> None:
+            # The managed ids' maps too (a failure inside a merge can leave them one decision
+            # apart), renewing the rows whose id the copy changed (realigned).
+            tensors = self._model.dense_state() + ids_state
+            # Ranks of one gang can disagree too (each sits in another replica group, and one
+            # group's collective may have finished where another's failed): first gang rank
+            # ``gang_src``'s copy within the gang, then member ``src``'s across gangs.
+            if self._gang_size > 1:
+                in_place_flat(tensors, lambda flat: dist.broadcast(flat, src=gang_src))
+            replica.broadcast_(tensors, src=src)
+
+        realigned(self._model, copy, replica.device)
 
     def broadcast_state(self, *, src: int) -> None:
-        """Copies a live member's full state to the rest of the replica group."""
+        """Copies a live member's full state to the rest of the replica group (the managed
+        ids' maps included, with the rows they map)."""
         assert self.replica is not None, "join_replica_plane() first"
         model = self._model
-        self.replica.broadcast_(model.shard_state() + model.dense_state(), src=src)
+        replica = self.replica
+        with on_device(model.ids_state(), replica.device) as ids_state:
+            replica.broadcast_(model.shard_state() + model.dense_state() + ids_state, src=src)
         model.shard_state_written()
