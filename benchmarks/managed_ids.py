@@ -29,6 +29,7 @@ from raytrec.config.base import validate
 from raytrec.data.drifting import DriftingData, DriftingTeacher, write_drifting_parquet
 
 VARIANTS = ("oracle", "modulo", "managed")
+LABELS = {"oracle": "oracle vocabulary", "modulo": "modulo", "managed": "managed"}
 TARGET_GAP = 0.005  # managed ids' AUC within 0.5% of the oracle vocabulary's
 #: Settings of --tiny: every code path in seconds (the test's), nothing measured.
 TINY = {
@@ -104,28 +105,30 @@ def run_variant(
     fit: Callable[..., Any],
 ) -> Row:
     """Trains ``variant`` and scores it on the held-out day."""
-    rows = "every id seen + 1" if variant == "oracle" else f"{a.budget:,}"
+    rows = "every training id + 1" if variant == "oracle" else f"{a.budget:,}"
     try:
         config = variant_config(a, variant, train, test, ids_seen, tmp)
     except ConfigError as e:
         # The first clause names the refused key (the rest repeats it for every table).
         return Row(variant=variant, rows=rows, why_not=" ".join(str(e).split(";")[0].split()))
     if variant == "oracle":
-        rows = "/".join(f"{n:,}" for n in sorted({t.num_embeddings for t in config.model.tables}))
+        sizes = [t.num_embeddings for t in config.model.tables]
+        rows = f"{min(sizes):,} to {max(sizes):,}"
     result = fit(config, shutdown_ray=False)
     history = result.history
     scored = [m.eval_auc for m in history if m.eval_auc is not None]
     if not scored:
         raise SystemExit(f"managed_ids: the {variant} run evaluated nothing")
-    timed = history[1:] or history  # the first interval holds the start-up
-    steps = sum(m.steps for m in timed)
-    seconds = sum(m.train_s if m.train_s is not None else m.seconds for m in timed)
+    # Medians over the intervals after the first (start-up): a shared machine's load spikes
+    # would dominate a total.
+    timed = history[1:] or history
+    per_step = [1000.0 * (m.seconds if m.train_s is None else m.train_s) / m.steps for m in timed]
     return Row(
         variant=variant,
         rows=rows,
         auc=scored[-1],
-        ms_per_step=1000.0 * seconds / steps,
-        rows_per_s=statistics.fmean(m.samples_per_s for m in timed),
+        ms_per_step=statistics.median(per_step),
+        rows_per_s=statistics.median(m.samples_per_s for m in timed),
         steps=sum(m.steps for m in history),
     )
 
@@ -178,19 +181,19 @@ def render(
         f"- Folded modulo {a.budget:,}: {folding[1]:.0%} of the held-out day's ids share their "
         f"row with another id of that day, {folding[2]:.0%} with an id that no longer appears.",
         f"- Model: DLRM, one table per feature of dim {a.dim}, MLPs 64 wide; row-wise Adagrad "
-        f"embeddings, Adagrad dense; one rank, {a.batch_size} rows a step. The oracle AUC (the "
-        f"teacher's own click probabilities on the held-out day) is {oracle_auc:.4f}.",
+        f"embeddings, Adagrad dense; one rank, {a.batch_size} rows a step. The teacher's AUC (its "
+        f"own click probabilities on the held-out day) is {oracle_auc:.4f}.",
         "",
     ]
     table = []
     for r in rows:
         if r.auc is None:
-            table.append([r.variant, r.rows, "not available", "-", "-", "-", "-", "-"])
+            table.append([LABELS[r.variant], r.rows, "not available", "-", "-", "-", "-", "-"])
             continue
         gap = f"{(r.auc - reference) / reference:+.2%}" if reference else "-"
         table.append(
             [
-                r.variant,
+                LABELS[r.variant],
                 r.rows,
                 f"{r.auc:.4f}",
                 f"{r.auc / oracle_auc:.3f}",
@@ -208,7 +211,7 @@ def render(
     refused = [r for r in rows if r.why_not is not None]
     for r in refused:
         lines.append(
-            f"\n`{r.variant}` is not available in this build: the config says: {r.why_not}"
+            f"\n`{r.variant}` ids are not available in this build: the config says: {r.why_not}"
         )
     return lines
 

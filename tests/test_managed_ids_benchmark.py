@@ -78,7 +78,10 @@ def test_tiny_run_checks_each_variant_and_writes_the_table(tmp_path: pathlib.Pat
     assert {"oracle", "modulo"} <= set(seen)
     rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines()}
     # AUC, its share of the teacher's, against the oracle vocabulary, ms/step from train_s.
-    assert "| 0.8000 |" in rows["oracle"] and "+0.00% | 10.00 | 1,000 | 15 |" in rows["oracle"]
+    assert (
+        "| 0.8000 |" in rows["oracle vocabulary"]
+        and "+0.00% | 10.00 | 1,000 | 15 |" in rows["oracle vocabulary"]
+    )
     assert "| 60 | 0.7000 |" in rows["modulo"] and "-12.50% | 10.00 |" in rows["modulo"]
     if "managed" in seen:  # managed ids exist in this build
         assert "| 0.7900 |" in rows["managed"]
