@@ -204,7 +204,7 @@ def test_a_rack_loses_a_node_the_other_gang_trains_on_and_the_replacement_avoids
     assert [e.gang_id for e in result.events.of(GangDropped)] == [0]
     assert "total_loss" not in result.events.kinds() and not result.events.of(DomainShared)
     (joined,) = result.events.of(GangJoined)
-    # The replacement is in neither the rack that lost a node (r1 still has room on s1) nor
+    # The replacement is in neither the rack that lost a node (its other node has room) nor
     # the survivor's.
     (placed,) = result.events.of(GangPlaced)
     replacement = RACKS[shape.name_of(placed.nodes[0])]
