@@ -5,8 +5,9 @@ live gang (one for the whole job under ``replicas_within_host``) and the job ran
 started and not yet ended. It places a whole job of the topology's shape (at the start, and again
 after a total loss), waiting for the cluster as :func:`~raytrec.elastic.boundary.decide` says,
 with a ``placement_waiting`` event while it waits; it starts one rank actor per job rank and ends
-the actors and placement groups of gangs that are dropped, drained or given up. It sees the job
-through :class:`~actors.ports.JobPorts`.
+the actors and placement groups of gangs that are dropped, drained or given up. Each gang goes to a
+failure domain of its own where the cluster has room (:class:`~raytrec.cluster.domain_placement.
+GangDomains`). It sees the job through :class:`~actors.ports.JobPorts`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torchrec.distributed.types import ShardingPlan
 from actors.nodes import JobNodes
 from actors.ports import JobPorts
 from raytrec.cluster.capacity import describe_bundles, describe_nodes
+from raytrec.cluster.domain_placement import GangDomains
 from raytrec.cluster.placement import placement_specs, rank_resources
 from raytrec.cluster.topology import Layout
 from raytrec.config import TrainConfig
@@ -72,6 +74,16 @@ class JobPlacement:
         self.prefix = f"{os.path.basename(run_dir)}-{secrets.token_hex(3)}"
         self.pgs: dict[int, Placement] = {}  # gang id -> its placement group
         self.started: set[int] = set()  # job ranks whose process was started and not ended
+        # Each gang in a failure domain of its own (raytrec.cluster.domain_placement).
+        self.domains = GangDomains(
+            domain=config.scaling.domain(),
+            group=group,
+            clock=job.clock,
+            wait_s=config.elastic.domain_wait_s,
+            record=job.record,
+            stamp=lambda: (job.now(), job.step()),
+            enabled=self.topology.layout is Layout.REPLICAS_ACROSS_HOSTS,
+        )
 
     def place_job(self, gangs: Sequence[Gang], shard_of: Callable[[int], Any]) -> str | None:
         """Places a whole job of the topology's shape, topology gang ``i`` as ``gangs[i]``, and
@@ -87,7 +99,7 @@ class JobPlacement:
             if self.job.view.membership.generation
             else ""
         )
-        pgs = [self.group.place(s, name=f"{self.prefix}-{s.name}{suffix}") for s in specs]
+        pgs = self.domains.place_all(specs, [f"{self.prefix}-{s.name}{suffix}" for s in specs])
         asked = describe_bundles(specs)
         since = self.job.clock.monotonic()
         while True:
@@ -95,7 +107,8 @@ class JobPlacement:
             left = since + self.cfg.elastic.resource_wait_s - now
             # At least three reports before giving up, however short the wait.
             every = min(PLACEMENT_REPORT_S, self.cfg.elastic.resource_wait_s / 3)
-            ready = len(self.group.ready(pgs, timeout=max(0.0, min(every, left))))
+            done = self.group.ready(pgs, timeout=max(0.0, min(every, left)))
+            ready = len(done)
             now = self.job.clock.monotonic()
             seen = Observations(
                 placement=PlacementSeen(ready=ready == len(pgs), since=since, asked=asked),
@@ -111,6 +124,8 @@ class JobPlacement:
                     return decision.reason
                 nodes = describe_nodes(self.group.nodes())
                 return f"{decision.reason}; the cluster's live nodes: {nodes}"
+            # Pinned to a domain whose room was taken meanwhile: placed where Ray chooses.
+            pgs = self.domains.unpin(pgs, done)
             self.job.record(
                 PlacementWaiting(
                     at=self.job.now(),
@@ -130,6 +145,9 @@ class JobPlacement:
                     self.pgs[gang.gang_id if across else -1] = pg  # within: one for the job
                     r = gang.ranks[pos.gang_rank].job_rank
                     self.start_rank(r, gang.gang_id, pos.gang_rank, pg, bundle, shard_of(r))
+        if across:
+            for g, pg in enumerate(pgs):
+                self.domains.placed(gangs[g].gang_id, pg)
         return None
 
     def per_rank(self) -> dict[str, float]:
@@ -174,12 +192,17 @@ class JobPlacement:
     def keep(self, gang_id: int, pg: Placement) -> None:
         """The placement group of a gang placed by growth."""
         self.pgs[gang_id] = pg
+        self.domains.placed(gang_id, pg)
 
-    def kill_gang(self, gang_id: int) -> None:
+    def kill_gang(self, gang_id: int, *, lost: bool = False, evicted: bool = False) -> None:
+        """Ends a gang; ``lost``: it failed, ``evicted``: it was a straggler (its replacement
+        goes to another failure domain where the cluster has room)."""
+        self.domains.dropped(gang_id, lost=lost, evicted=evicted)
         self.release(gang_id, self.job.view.membership.gang(gang_id).job_ranks)
 
     def release(self, gang_id: int, ranks: Sequence[int]) -> None:
         """Kills the gang's rank actors and removes its placement group."""
+        self.domains.dropped(gang_id)
         for r in ranks:
             self.group.kill(r)
             self.started.discard(r)
@@ -195,3 +218,4 @@ class JobPlacement:
         for pg in self.pgs.values():
             self.group.release(pg)
         self.pgs.clear()
+        self.domains.clear()

@@ -460,7 +460,7 @@ class FailureRecovery:
                     reason=_why(result, gid, self.job),
                 )
             )
-            self.placement.kill_gang(gid)
+            self.placement.kill_gang(gid, lost=True)
         if failed_gangs:
             self.job.apply(GangsDropped(tuple(failed_gangs)))
             reason = f"lost gangs {failed_gangs}"

@@ -172,7 +172,12 @@ class RayWorkerGroup:
         return {r: int(v) for r, v in zip(ranks, values, strict=True)}
 
     def place(self, spec: PlacementSpec, *, name: str = "") -> PlacementGroup:
-        return placement_group(list(spec.bundles), strategy=spec.strategy, name=name)
+        return placement_group(
+            list(spec.bundles),
+            strategy=spec.strategy,
+            name=name,
+            bundle_label_selector=[dict(s) for s in spec.selectors] or None,
+        )
 
     def ready(
         self, placements: Sequence[PlacementGroup], *, timeout: float
@@ -194,9 +199,24 @@ class RayWorkerGroup:
                 address=str(n.get("NodeManagerAddress", "")),
                 alive=bool(n.get("Alive")),
                 resources={k: float(v) for k, v in n.get("Resources", {}).items()},
+                labels=dict(n.get("Labels") or {}),
             )
             for n in ray.nodes()
         ]
+
+    def available(self) -> dict[str, dict[str, float]]:
+        from ray._private.state import available_resources_per_node
+
+        return {
+            node: {k: float(v) for k, v in free.items()}
+            for node, free in available_resources_per_node().items()
+        }
+
+    def placed_nodes(self, placement: PlacementGroup) -> tuple[str, ...]:
+        from ray.util.placement_group import placement_group_table
+
+        table = placement_group_table(placement).get("bundles_to_node_id", {})
+        return tuple(str(table[b]) for b in sorted(table))
 
     def draining_nodes(self) -> set[str]:
         # Ray's GCS keeps the nodes being drained (ray drain-node, the autoscaler's idle

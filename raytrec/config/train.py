@@ -18,6 +18,7 @@ from annotated_types import Interval
 from pydantic import model_validator
 
 from raytrec.checkpoint.config import CheckpointConfig
+from raytrec.cluster.domains import FailureDomain
 from raytrec.cluster.topology import Layout, Topology, TopologyError
 from raytrec.config.base import (
     ConfigError,
@@ -160,6 +161,12 @@ class ScalingConfig(ConfigModel):
     rank_niceness: Annotated[int, Interval(ge=0, le=MAX_NICENESS)] | None = 0
     """The rank processes' nice increment over the raylet (0-19; 0: as the raylet, as torchrun's
     workers run); null: Ray's default for workers (15)."""
+    failure_domain: str = "node"
+    """What fails together: `node` (each node alone) or `label:<key>` (the nodes sharing a value
+    of the Ray node label `<key>`, e.g. `label:rack` for nodes started with `ray start --labels
+    rack=r1`). With `replicas_across_hosts` each gang is placed in a domain no other gang of the
+    job holds while the cluster has room, else shared with a `domain_shared` event
+    (docs/fault_tolerance.md, "Failure domains")."""
 
     @model_validator(mode="after")
     def _fits(self) -> ScalingConfig:
@@ -176,6 +183,10 @@ class ScalingConfig(ConfigModel):
             )
         if self.backend == "nccl" and not self.use_gpu:
             raise ConfigError("scaling.backend='nccl' needs scaling.use_gpu=True")
+        try:
+            FailureDomain.parse(self.failure_domain)
+        except ValueError as e:
+            raise ConfigError(f"scaling.failure_domain: {e}") from None
         try:
             self.topology()
         except TopologyError as e:
@@ -195,6 +206,10 @@ class ScalingConfig(ConfigModel):
         if self.backend != "auto":
             return self.backend
         return "nccl" if self.use_gpu else "gloo"
+
+    def domain(self) -> FailureDomain:
+        """The failure domain the gangs are kept apart by."""
+        return FailureDomain.parse(self.failure_domain)
 
     def topology(self) -> Topology:
         return Topology(

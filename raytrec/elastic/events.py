@@ -21,6 +21,7 @@ __all__ = [
     "CoordinatorLost",
     "CoordinatorRestarted",
     "DataReshared",
+    "DomainShared",
     "DrainRejected",
     "EarlyStopped",
     "Event",
@@ -138,6 +139,18 @@ class GangPlaced(Event):
     kind: ClassVar[str] = "gang_placed"
     #: The node of each gang rank ("<node id> at <address>"), in gang-rank order.
     nodes: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DomainShared(Event):
+    """Gang ``gang_id`` was placed in a failure domain (``scaling.failure_domain``) that other
+    gangs of the job hold too, because no domain of its own had room: one loss there takes
+    all of them (a total loss when they are every gang)."""
+
+    kind: ClassVar[str] = "domain_shared"
+    gang_id: int
+    domain: str  # "node <node id> at <address>", or "<label>=<value>"
+    with_gangs: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

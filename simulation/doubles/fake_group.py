@@ -21,7 +21,7 @@ What the fake models, and where:
   when the coordinator aborts their replica planes, or after ``collective_timeout_s``. A hung
   rank's call never returns and its heartbeat stops.
 - **Placement.** Nodes of ``cpus_per_node`` CPUs; a placement is ready once every bundle fits on
-  a live node that is not draining (first fit), which may be never.
+  a live node, not draining, that its node-id selector admits (first fit), which may be never.
 
 Calls the coordinator must not make (a collective on part of a replica plane, a call on a rank
 never started) raise :class:`FakeUsageError`: on real ranks they would hang or crash.
@@ -343,7 +343,8 @@ class FakeWorkerGroup(TrainingRuns):
         return out
 
     def place(self, spec: PlacementSpec, *, name: str = "") -> FakePlacement:
-        placement = FakePlacement(name=name, cpus=tuple(b.get("CPU", 0.0) for b in spec.bundles))
+        cpus = tuple(b.get("CPU", 0.0) for b in spec.bundles)
+        placement = FakePlacement(name=name, cpus=cpus, selectors=spec.selectors)
         self._pending.append(placement)
         self._schedule()
         return placement
@@ -375,9 +376,16 @@ class FakeWorkerGroup(TrainingRuns):
     def nodes(self) -> list[NodeInfo]:
         now = self.clock.now
         return [
-            NodeInfo(node_id=n.node_id, address="127.0.0.1", alive=n.died_at > now)
+            NodeInfo(node_id=n.node_id, address="127.0.0.1", alive=n.died_at > now, labels=n.labels)
             for n in self._nodes
         ]
+
+    def available(self) -> dict[str, dict[str, float]]:
+        now = self.clock.now
+        return {n.node_id: {"CPU": n.free} for n in self._nodes if n.died_at > now}
+
+    def placed_nodes(self, placement: FakePlacement) -> tuple[str, ...]:
+        return tuple(n.node_id for n in placement.nodes or ())
 
     def draining_nodes(self) -> set[str]:
         now = self.clock.now
@@ -437,8 +445,8 @@ class FakeWorkerGroup(TrainingRuns):
         still: list[FakePlacement] = []
         for p in self._pending:
             taken: list[FakeNode] = []
-            for cpus in p.cpus:
-                node = next((n for n in usable if n.free >= cpus), None)
+            for b, cpus in enumerate(p.cpus):
+                node = next((n for n in usable if n.free >= cpus and p.admits(b, n)), None)
                 if node is None:
                     break
                 node.free -= cpus

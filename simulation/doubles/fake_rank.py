@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
+from raytrec.cluster.domains import NODE_ID_LABEL, selects
 from raytrec.data.parquet_streams import stream_length
 from raytrec.data.synthetic import batch_id
 from raytrec.elastic.rank_protocol import (
@@ -75,6 +76,10 @@ class FakeNode:
     def node_id(self) -> str:
         return f"fake-node-{self.index}"
 
+    @property
+    def labels(self) -> dict[str, str]:
+        return {NODE_ID_LABEL: self.node_id}
+
 
 @dataclasses.dataclass(eq=False)
 class FakePlacement:
@@ -84,6 +89,11 @@ class FakePlacement:
     cpus: tuple[float, ...]
     nodes: list[FakeNode] | None = None
     released: bool = False
+    selectors: tuple[dict[str, str], ...] = ()  # per bundle: a label selector (node id only)
+
+    def admits(self, bundle: int, node: FakeNode) -> bool:
+        """Whether bundle ``bundle``'s label selector admits ``node``."""
+        return not self.selectors or selects(self.selectors[bundle], node.labels)
 
 
 # -- answers and rank state -------------------------------------------------------------------

@@ -35,6 +35,7 @@ from raytrec.elastic.events import (
     CheckpointRestored,
     CheckpointSaved,
     DataReshared,
+    DomainShared,
     GangDrained,
     GangDropped,
     GangHealed,
@@ -461,6 +462,31 @@ def test_a_persistent_straggler_is_evicted_and_replaced(tmp_path: Any) -> None:
     assert gangs_of(summary) == [0, 2, 3] and summary.steps == 40 and not replayed(summary)
     # Back at the others' pace: 8 steps at 0.3 s, the join, then 0.1 s a step.
     assert summary.wall_s < 8 * 0.3 + BUILD_S + 2 + 32 * STEP_S
+    # The replacement avoids the evicted gang's node (1) for the free one (3): first fit would
+    # have put it back on node 1.
+    assert [e.nodes for e in summary.events.of(GangPlaced)] == [("fake-node-3 at 127.0.0.1",) * 2]
+
+
+def test_a_straggler_replacement_goes_back_to_its_node_when_no_other_has_room(
+    tmp_path: Any,
+) -> None:
+    j = job(tmp_path, SlowRank(rank=2, step_s=0.3), nodes=3, grow=True, num_steps=40, **EVICTION)
+    summary = j.run()
+    assert [e.gang_id for e in summary.events.of(StragglerEvicted)] == [1]
+    assert [e.nodes for e in summary.events.of(GangPlaced)] == [("fake-node-1 at 127.0.0.1",) * 2]
+    assert not summary.events.of(DomainShared) and gangs_of(summary) == [0, 2, 3]
+
+
+def test_gangs_that_must_share_a_node_start_and_say_which(tmp_path: Any) -> None:
+    """3 gangs on 2 nodes with room for 2 each: one per node, the third beside gang 0."""
+    summary = job(tmp_path, nodes=2, cpus_per_node=4).run()
+    [shared] = summary.events.of(DomainShared)
+    assert (shared.gang_id, shared.domain, shared.with_gangs) == (
+        2,
+        "node fake-node-0 at 127.0.0.1",
+        (0,),
+    )
+    assert shared.step == 0 and summary.steps == 16
 
 
 def test_a_gang_slow_for_fewer_intervals_than_configured_is_left_alone(tmp_path: Any) -> None:
@@ -903,8 +929,10 @@ def test_production_size_node_loss_and_rank_kill_keep_every_batch(tmp_path: Any)
     with decided(j) as seen:
         j.run()
     drops = [d.drop for _, _, d in seen if isinstance(d, Reform)]
-    assert drops == [(80, 81), (125,)]
-    # Gang 125's node still runs gang 124, so its 8 free slots place one gang right away
+    # Gangs go one per node first, then the second gang of each node (failure domains): node
+    # 40 holds gangs 40 and 296.
+    assert drops == [(40, 296), (125,)]
+    # Gang 125's node still runs gang 381, so its 8 free slots place one gang right away
     # (the lost node's two gangs have nowhere to go).
     grows = [d for _, _, d in seen if isinstance(d, Grow)]
     assert [[n.gang.gang_id for n in d.gangs] for d in grows] == [[512]]
@@ -914,8 +942,8 @@ def test_production_size_node_loss_and_rank_kill_keep_every_batch(tmp_path: Any)
 
 
 def below_min_gangs(tmp_path: Any, *faults: Fault | NodesJoin) -> Job:
-    """4 gangs of 2, two per node, at least 3 of them; node 1 (gangs 2 and 3) goes at step 5,
-    at t = 1.4 s."""
+    """4 gangs of 2, two per node, at least 3 of them; node 1 (gangs 1 and 3: one gang per
+    node first, then a second) goes at step 5, at t = 1.4 s."""
     return job(
         tmp_path,
         NodeDies(node=1, step=5),
@@ -957,7 +985,7 @@ def test_below_min_gangs_recovers_when_a_node_arrives_in_time(tmp_path: Any) -> 
     assert [list(e.nodes) for e in summary.events.of(GangPlaced)] == [
         ["fake-node-2 at 127.0.0.1"] * 2
     ] * 2
-    assert j.coordinator.state.membership.gang_ids == (0, 1, 4, 5) == tuple(gangs_of(summary))
+    assert j.coordinator.state.membership.gang_ids == (0, 2, 4, 5) == tuple(gangs_of(summary))
 
 
 def test_within_host_node_loss_without_a_checkpoint_fails_naming_the_lost_shards(
