@@ -56,7 +56,7 @@ def place_gangs(
 
 
 def test_gangs_go_to_different_nodes_beside_a_large_node_with_room_for_all() -> None:
-    # Ray's own scheduler puts both gangs on the large node (tests/test_domains_cluster.py
+    # Ray's own scheduler puts both gangs on the large node (tests/cluster/test_domains_cluster.py
     # shows it); one gang per node keeps a copy of every shard through one node's loss.
     nodes = [node("big", "big", 4), node("s1", "s1", 1), node("s2", "s2", 1)]
     assert place_gangs(nodes, 2) == [("big",), ("s1",)]
