@@ -83,6 +83,7 @@ def test_dump_and_load_round_trip(tmp_path: pathlib.Path) -> None:
         "compute_kernel": "fused",
         "cache_load_factor": None,
         "precision": "fp32",
+        "ids": {"policy": "fixed", "budget": None, "eviction": "lru"},
     }
     assert plain["sync"]["levels"] == [[2, 2]]
     loaded = load_config(write(tmp_path, text))
