@@ -111,7 +111,9 @@ class FailureRecovery:
         elastic = self.elastic
         wake = elastic.poll_s
         while pending:
+            blocked = self.job.clock.perf_counter()
             ready = self.group.wait(list(pending.values()), num_returns=1, timeout=wake)
+            out.waited_s += self.job.clock.perf_counter() - blocked
             now = self.job.clock.monotonic()
             for future in ready:
                 rank = rank_of.get(id(future))
