@@ -52,6 +52,18 @@ def steady_share(rows: Sequence[IntervalMetrics], *, first: int, last: int) -> t
     return busy / loop, idle / wall
 
 
+def boundary_rows(
+    rows: Sequence[IntervalMetrics], gangs: int
+) -> tuple[IntervalMetrics, IntervalMetrics | None]:
+    """The first row with fewer than ``gangs`` gangs (its interval holds the recovery from the
+    loss), and the first row with all ``gangs`` after it (the join's), None if none came."""
+    loss = next((i for i, r in enumerate(rows) if r.gangs < gangs), None)
+    if loss is None:
+        raise ValueError(f"no row with fewer than {gangs} gangs: no loss")
+    join = next((r for r in rows[loss:] if r.gangs == gangs), None)
+    return rows[loss], join
+
+
 @dataclasses.dataclass(frozen=True)
 class Measurement:
     gangs: int
@@ -63,6 +75,10 @@ class Measurement:
     loss_stall_s: float  # last step before the failure -> the survivors' next completed step
     join_stall_s: float | None  # gang_placed -> gang_joined: the survivors stop for it
     join_gap_s: float | None  # the survivors' longest gap between two steps around the join
+    # The coordinator loop thread's CPU in the interval that re-formed after the loss, and in
+    # the one the new gang joined at (ms):
+    loss_cpu_ms: str
+    join_cpu_ms: str
     peak_gib: float  # every process of the job (driver, Ray, coordinator, ranks)
     load: tuple[float, float]  # 1-minute load average at the start and the end of the run
 
@@ -149,6 +165,7 @@ def run_one(gangs: int) -> Measurement:
     t = elastic_timings(result.events, rows, last_done=last_done, full_gangs=gangs)
     busy, idle = steady_share(rows, first=3, last=last_done)
     steady = [r for r in rows if 3 <= r.step <= last_done]
+    loss, join = boundary_rows(rows, gangs)
     return Measurement(
         gangs=gangs,
         step_s=statistics.median(r.seconds for r in steady),
@@ -156,6 +173,8 @@ def run_one(gangs: int) -> Measurement:
         coordinator_cpu_ms=ms([r.coordinator_cpu_s for r in steady]),
         coordinator_share=busy, idle_share=idle, loss_stall_s=t.resume_s,
         join_stall_s=t.heal_transfer_s, join_gap_s=t.survivors_gap_s,
+        loss_cpu_ms=ms([loss.coordinator_cpu_s]),
+        join_cpu_ms=ms([None if join is None else join.coordinator_cpu_s]),
         peak_gib=memory.peak, load=(load0, os.getloadavg()[0]),
     )  # fmt: skip
 
@@ -173,14 +192,16 @@ def table(ms_: Sequence[Measurement]) -> str:
     heads = (
         "gangs x ranks | interval (ms) | coordinator per interval, wall / CPU (ms) | "
         "coordinator share | ranks idle for it | stall at a loss (s) | stall at a join (s) | "
-        "longest gap at the join (s) | peak memory | load average, start / end"
+        "longest gap at the join (s) | coordinator CPU at the loss / at the join (ms) | "
+        "peak memory | load average, start / end"
     )
     rows = [
         [
             f"{m.gangs} x 1", f"{1e3 * m.step_s:.0f}",
             f"{m.coordinator_ms} / {m.coordinator_cpu_ms}", f"{m.coordinator_share:.0%}",
             f"{m.idle_share:.0%}", seconds(m.loss_stall_s),
-            seconds(m.join_stall_s), seconds(m.join_gap_s), f"{m.peak_gib:.1f} GiB",
+            seconds(m.join_stall_s), seconds(m.join_gap_s), f"{m.loss_cpu_ms} / {m.join_cpu_ms}",
+            f"{m.peak_gib:.1f} GiB",
             f"{m.load[0]:.1f} / {m.load[1]:.1f}",
         ]
         for m in ms_

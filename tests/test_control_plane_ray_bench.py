@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.control_plane_ray import StopAfterJoin, steady_share
+from benchmarks.control_plane_ray import StopAfterJoin, boundary_rows, steady_share
 from raytrec.elastic.drain_policy import stop_requested
 from raytrec.observability.metrics import IntervalMetrics
 
@@ -39,3 +39,12 @@ def test_the_stop_is_asked_once_the_full_job_trained_after_a_loss(tmp_path: Path
     assert not stop_requested(str(run_dir))
     watch(row(6))
     assert stop_requested(str(run_dir))
+
+
+def test_the_loss_and_join_rows_are_the_first_without_and_again_with_every_gang() -> None:
+    rows = [row(1), row(2, gangs=3), row(3, gangs=3), row(4), row(5)]
+    loss, join = boundary_rows(rows, 4)
+    assert (loss.step, join and join.step) == (2, 4)
+    assert boundary_rows(rows[:3], 4)[1] is None  # no join within the run
+    with pytest.raises(ValueError, match="no loss"):
+        boundary_rows([row(1)], 4)
