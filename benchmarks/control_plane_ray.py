@@ -142,7 +142,7 @@ def build_config(gangs: int, storage: str) -> TrainConfig:
         data=DataConfig(batch_size=BATCH_SIZE), num_steps=MAX_STEPS, log_every=1,
         elastic=ElasticConfig(
             min_gangs=1, max_gangs=gangs, grow=True, collective_timeout_s=10.0,
-            step_timeout_s=120.0, poll_s=0.2,
+            step_timeout_s=600.0, poll_s=0.2,
         ),
         testing=TestingConfig(faults=(kill,)), storage_path=storage, name="scale",
     )  # fmt: skip
