@@ -209,10 +209,11 @@ def table(ms_: Sequence[Measurement]) -> str:
     out = md_table(heads, rows)
     if len(ms_) >= 2:
         a, b = ms_[0], ms_[-1]
-        out += (
-            f"\n\nFrom {a.gangs} to {b.gangs} gangs ({b.gangs / a.gangs:g}x): the stall at a "
-            f"loss grew {b.loss_stall_s / a.loss_stall_s:.1f}x"
-        )
+        out += f"\n\nFrom {a.gangs} to {b.gangs} gangs ({b.gangs / a.gangs:g}x): "
+        if a.coordinator_cpu_ms != "-" and b.coordinator_cpu_ms != "-":
+            grew = float(b.coordinator_cpu_ms) / float(a.coordinator_cpu_ms)
+            out += f"the coordinator's CPU per interval grew {grew:.1f}x, "
+        out += f"the stall at a loss {b.loss_stall_s / a.loss_stall_s:.1f}x"
         if a.join_stall_s and b.join_stall_s:
             out += f", at a join {b.join_stall_s / a.join_stall_s:.1f}x"
         out += "."
