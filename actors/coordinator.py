@@ -45,7 +45,7 @@ from actors.drain import GangDrain
 from actors.evaluation import JobEvaluation
 from actors.gang_placement import JobPlacement
 from actors.growth import GangGrowth
-from actors.interval import Dispatched, IntervalOutcome
+from actors.interval import Dispatched, IntervalOutcome, LoopTimer
 from actors.job import Committed, JobRecord, Outcome, Prepared, apply_outcome
 from actors.job_ranks import JobRanks
 from actors.nodes import JobNodes
@@ -467,6 +467,7 @@ class Coordinator:
         stop: BaseException | None = None  # a rank could not prepare all it was asked to
         self.apply(Prepared(min(every, self.state.end_step - self.state.step) if prepared else 0))
         inflight: deque[Dispatched] = deque()  # sent, in order; the first one is running
+        loop = LoopTimer(since=train_start)  # the coordinator's own time, row to row
         while stopped_by is None and self.state.step < self.state.end_step:
             try:
                 if not inflight:
@@ -535,6 +536,7 @@ class Coordinator:
                 auc=metrics.auc,
                 ne=metrics.ne,
                 at=self._now(),
+                coordinator=loop.lap(end, waited_s=result.waited_s),
             )
             row = dataclasses.replace(row, end_step=self.state.end_step)
             if held_out is not None:

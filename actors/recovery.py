@@ -54,6 +54,9 @@ from raytrec.errors import JobFailedError
 
 __all__ = ["MAX_TRANSIENT", "FailureRecovery"]
 
+# How early a wait may end before its timeout and still count as on time (Ray's wait takes
+# whole milliseconds).
+_WAKE_EARLY_S = 0.002
 # Why a rank the coordinator killed itself is gone: its gang lost another rank.
 _PEER_KILLED = PEER_RELEASED
 
@@ -110,8 +113,13 @@ class FailureRecovery:
         deadline: float | None = None
         elastic = self.elastic
         wake = elastic.poll_s
+        # When the heartbeats are next worth reading: not at every report (that would read
+        # them once per rank per interval), only when a rank could have been silent too long.
+        look_at = self.job.clock.monotonic() + wake
         while pending:
+            blocked = self.job.clock.perf_counter()
             ready = self.group.wait(list(pending.values()), num_returns=1, timeout=wake)
+            out.waited_s += self.job.clock.perf_counter() - blocked
             now = self.job.clock.monotonic()
             for future in ready:
                 rank = rank_of.get(id(future))
@@ -140,13 +148,16 @@ class FailureRecovery:
                 out.hung = sorted(pending)
                 out.silence = {r: self._silence(r, now) for r in out.hung}
                 break
-            if deadline is None and pending:
+            if deadline is None and pending and now < look_at - _WAKE_EARLY_S:
+                wake = look_at - now
+            elif deadline is None and pending:
                 hung = self._hung_ranks(pending, now)
                 if hung:
                     out.hung = list(hung)
                     out.silence = {r: self._silence(r, now) for r in hung}
                     break
                 wake = self._next_look(pending, now)
+                look_at = now + wake
             else:
                 wake = elastic.poll_s
         return out

@@ -143,7 +143,12 @@ class RayWorkerGroup:
         wanted = min(num_returns, len(calls)) - len(gone)
         if not by_ref or wanted <= 0:
             return gone
-        done, _ = ray.wait(list(by_ref), num_returns=wanted, timeout=timeout)
+        done, rest = ray.wait(list(by_ref), num_returns=wanted, timeout=timeout)
+        if done and rest:
+            # Ray returns no more than num_returns; the others already done come in the same
+            # look, so a caller waking for the first of G answers does not wake G times.
+            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+            done += more
         return gone + [by_ref[ref] for ref in done]
 
     def result(self, future: Answer[R]) -> R:
