@@ -38,6 +38,7 @@ from raytrec.elastic.events import (
     JobFailed,
     RankDied,
 )
+from raytrec.elastic.group_rollback import rolled_back_gangs
 from raytrec.elastic.hangs import find_hung_ranks, next_hang_check
 from raytrec.elastic.heal import failed_heals
 from raytrec.elastic.rank_protocol import ReformPlan
@@ -449,7 +450,27 @@ class FailureRecovery:
             for s in self.job.view.membership.gang(source_gang).ranks
             if s.job_rank == settled.source
         )
-        replay = self.drop(failed_gangs, survivors, dense_through=settled.dense_through)
+        # Under sync.levels, the survivors that averaged with a lost gang since the last
+        # job-wide sync take the others' mean and have their batches since replayed.
+        rolled_back = self._rolled_back(failed_gangs, steps, fail_step)
+        if rolled_back:
+            seen = Observations(
+                survivor_steps=tuple(steps),
+                dropping=tuple(failed_gangs),
+                rolled_back=rolled_back,
+            )
+            match decide(self.job.job_state(), seen, self.job.clock.monotonic())[0]:
+                case TotalLoss() as whole:
+                    self.total_loss.recover(whole, why=lambda g: _why(result, g, self.job))
+                    return
+                case Fail() as fail:
+                    raise JobFailedError(fail.reason)
+        replay = self.drop(
+            failed_gangs,
+            survivors,
+            dense_through=settled.dense_through,
+            rolled_back=(rolled_back, settled.survivors_through),
+        )
         acc = self.job.view.accounting
         for gid in failed_gangs:
             self.job.record(
@@ -480,7 +501,8 @@ class FailureRecovery:
         # the survivors' batches so far are in the model: committed. The failed step's dense
         # update is then finished among the survivors, or dropped where the state taken has it.
         live = self.job.live_ranks()
-        synced = ReformPlan(step=fail_step, sync=True)
+        back = tuple(self.job.view.membership.member_index(g) for g in rolled_back)
+        synced = ReformPlan(step=fail_step, sync=True, rolled_back=back)
         self.job.call(live, lambda w, _r: w.reform(synced))
         # Committed as soon as the sync is done: a loss in the call that follows must not
         # hand these batches out again (they are in every replica already).
@@ -498,6 +520,7 @@ class FailureRecovery:
                 dense_from=settled.source,
                 finished=settled.finish,
                 embedding_only=len(acc.embedding_only(i for ids in replay.values() for i in ids)),
+                rolled_back=rolled_back,
             )
         )
         # Re-sharing hands each rank its replays again with its new stream; it runs even with
@@ -505,6 +528,19 @@ class FailureRecovery:
         self.streams.reshare(self.job.ranks_in_gang_order())
         self.streams.make_room_for_replays()
         self.request_growth()
+
+    def _rolled_back(self, lost: list[int], steps: list[int], through: int) -> tuple[int, ...]:
+        """The survivors that averaged with a lost gang at a lower level of the schedule since
+        the last job-wide sync (:func:`~raytrec.elastic.group_rollback.rolled_back_gangs`),
+        for a source that can replay their batches."""
+        if not self.sync.levels or not lost or self.job.view.accounting.streams is None:
+            return ()
+        return rolled_back_gangs(
+            self.job.sync_plan(),
+            lost=lost,
+            last_sync_step=self.job.view.membership.last_sync_step,
+            through=through,
+        )
 
     def _recover_ranks(self, ranks: list[int], result: IntervalOutcome) -> list[RankReport]:
         """``recover`` on every survivor. Its report is the only record of what the rank trained
@@ -520,15 +556,24 @@ class FailureRecovery:
         return recovered
 
     def drop(
-        self, gangs: list[int], survivors: list[int], *, dense_through: int | None = None
+        self,
+        gangs: list[int],
+        survivors: list[int],
+        *,
+        dense_through: int | None = None,
+        rolled_back: tuple[tuple[int, ...], int | None] = ((), None),
     ) -> dict[int, list[int]]:
         """The dropped gangs' uncommitted batches, split over the survivors' ranks; those trained
-        at or before ``dense_through`` are replayed for their embedding rows only."""
+        at or before ``dense_through`` are replayed for their embedding rows only.
+        ``rolled_back``: the survivors that roll back, whose uncommitted batches go too, and
+        the step through which theirs are replayed for their embedding rows only."""
         return self.job.view.accounting.drop(
             gangs,
             survivors,
             ranks_of=lambda g: self.job.view.membership.gang(g).job_ranks,
             dense_through=dense_through,
+            rolled_back=rolled_back[0],
+            rolled_back_dense_through=rolled_back[1],
         )
 
 

@@ -92,6 +92,7 @@ def test_thousands_of_schedules_end_without_a_defect() -> None:
     assert result.settings["data=reshared"] > SCHEDULES // 4
     assert result.settings["data=synthetic"] > SCHEDULES // 4
     assert result.settings["layout=replicas_within_host"] > SCHEDULES // 10
+    assert result.settings["sync.levels"] > SCHEDULES // 20
     # A joining gang's rank lost while it heals, on re-shared rows, is in the space.
     assert result.phases["RankDies @ join: healing / broadcast_state"] > 0
     # The coordinator lost, and followed by new ones or given up on (restarts spent).
@@ -148,6 +149,17 @@ FOUND = {
         Schedule.from_json(
             '{"faults":[{"kind":"rank_dies","rank":0,"step":2},{"kind":"coordinator_dies","step":8}],"settings":{"checkpoint_every":2,"data":"synthetic","gang_size":1,"gangs":3,"grow":true,"layout":"replicas_across_hosts","log_every":2,"max_coordinator_restarts":3,"max_gangs":4,"min_gangs":3,"num_steps":19,"spare_nodes":1,"sync_every":4}}'
         ),
+    ),
+    # Hierarchical schedules: a gang lost after its group's lower-level sync (step 2) left half
+    # of its rows in its group peer and took half of the peer's; the peer now rolls back. The
+    # first campaign with sync.levels (seed 29) found the re-forming naming the rolled-back
+    # gang by its place in the old generation's replica plane, not the new one's.
+    "a_survivor_that_averaged_with_a_lost_gang_rolls_back": tuple(
+        Schedule(
+            Settings(gangs=4, gang_size=1, levels=((2, 2),), num_steps=8),
+            ({"kind": "rank_dies", "rank": rank, "step": step},),
+        )
+        for rank, step in ((0, 2), (0, 3), (2, 3))
     ),
 }
 

@@ -525,7 +525,10 @@ class FakeWorkerGroup(TrainingRuns):
     # -- collectives (each returns the ranks' answer values) ---------------------------------
 
     def sync_all(self, states: list[RankState], ops: Mapping[int, Op]) -> dict[int, Any]:
-        sync_copies([self.copies[g] for g in _by_gang(states)])
+        back = ops[states[0].spec.rank].args[0]  # rolled back: their copies add nothing
+        gangs = _by_gang(states).items()
+        out = {i for i, (_, ranks) in enumerate(gangs) if ranks[0].member in back}
+        sync_copies([self.copies[g] for g, _ in gangs], without=out)
         for r in states:  # an average is the same everywhere, an off weight included
             r.corrupt = False
         return {}
