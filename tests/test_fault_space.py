@@ -198,6 +198,32 @@ def test_a_coordinator_lost_in_a_checkpoint_save_is_followed_from_the_one_before
     assert "checkpoint_0000000002" in given_up.detail  # the one to resume from
 
 
+def test_a_loss_that_reaches_every_survivor_through_a_lower_level_is_a_total_loss(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Groups {0, 1} and {2, 3} average at step 6; ranks 0 and 2 die at step 7. Gangs 1 and 3
+    # each hold half of a lost gang's rows: no copy is clean, so the job is rebuilt from the
+    # checkpoint of step 4 (its invariants hold), or fails naming the missing checkpoint.
+    from actors.total_loss import TotalLossRecovery
+
+    reasons: list[str] = []
+    recover = TotalLossRecovery.recover
+
+    def noted(self: TotalLossRecovery, decision: Any, *, why: Any) -> None:
+        reasons.append(decision.reason)
+        recover(self, decision, why=why)
+
+    monkeypatch.setattr(TotalLossRecovery, "recover", noted)
+    settings = Settings(gangs=4, gang_size=1, levels=((2, 2),), num_steps=8, checkpoint_every=4)
+    deaths = tuple({"kind": "rank_dies", "rank": r, "step": 7} for r in (0, 2))
+    outcome = run_schedule(Schedule(settings, deaths))
+    assert outcome.key == "pass:", outcome
+    assert len(reasons) == 1 and "every surviving gang [1, 3]" in reasons[0], reasons
+    assert "checkpoint of step 4" in reasons[0]
+    failed = run_schedule(Schedule(dataclasses.replace(settings, checkpoint_every=None), deaths))
+    assert failed.key == "failed:JobFailedError" and "no live copy" in failed.detail, failed
+
+
 def test_a_campaign_starts_at_a_fresh_seed_and_prints_its_seeds(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
