@@ -52,6 +52,7 @@ from raytrec.elastic.workers import (
     WorkerGroup,
 )
 from raytrec.errors import JobFailedError
+from raytrec.sync.schedule import SyncPlan
 
 __all__ = ["MAX_TRANSIENT", "FailureRecovery"]
 
@@ -89,6 +90,11 @@ class FailureRecovery:
         # hang rule's input.
         self.progress: dict[int, tuple[int, float]] = {}
         self.transient = 0  # re-forms in a row with no rank lost
+        # Under sync.levels, until a re-forming's sync completes: the sync plan of the generation
+        # whose lower-level syncs may have mixed lost gangs' copies into survivors', the job-wide
+        # sync they followed, the furthest step reached, and every gang lost since
+        # (a recovery that starts over still rolls back what the one before had to).
+        self._mixed: tuple[SyncPlan, int, int, frozenset[int]] | None = None
         self.peers_killed: set[int] = set()  # ranks killed because their gang lost a rank
 
     def quiet_since(self, ranks: list[int], now: float) -> None:
@@ -307,6 +313,7 @@ class FailureRecovery:
 
     def recover_until_stable(self, result: IntervalOutcome) -> None:
         """Recovers; a further loss during recovery starts it over with the new losses."""
+        self._mixed = None
         for _ in range(self.job.view.max_gangs + self.job.view.membership.num_gangs + 1):
             try:
                 self.recover(result)
@@ -452,7 +459,7 @@ class FailureRecovery:
         )
         # Under sync.levels, the survivors that averaged with a lost gang since the last
         # job-wide sync take the others' mean and have their batches since replayed.
-        rolled_back = self._rolled_back(failed_gangs, steps, fail_step)
+        rolled_back = self._rolled_back(failed_gangs, fail_step)
         if rolled_back:
             seen = Observations(
                 survivor_steps=tuple(steps),
@@ -507,6 +514,7 @@ class FailureRecovery:
         # Committed as soon as the sync is done: a loss in the call that follows must not
         # hand these batches out again (they are in every replica already).
         self.job.apply(Committed())
+        self._mixed = None  # every copy is the clean survivors' mean now
         dense = ReformPlan(
             dense_from=(self.job.view.membership.member_index(source_gang), source_slot.gang_rank),
             finish_failed_step=settled.finish,
@@ -529,18 +537,23 @@ class FailureRecovery:
         self.streams.make_room_for_replays()
         self.request_growth()
 
-    def _rolled_back(self, lost: list[int], steps: list[int], through: int) -> tuple[int, ...]:
+    def _rolled_back(self, lost: list[int], through: int) -> tuple[int, ...]:
         """The survivors that averaged with a lost gang at a lower level of the schedule since
         the last job-wide sync (:func:`~raytrec.elastic.group_rollback.rolled_back_gangs`),
-        for a source that can replay their batches."""
-        if not self.sync.levels or not lost or self.job.view.accounting.streams is None:
+        for a source that can replay their batches. A recovery that starts over before its
+        sync completed goes on from the generation that trained, with every gang lost since."""
+        if not self.sync.levels or self.job.view.accounting.streams is None:
             return ()
-        return rolled_back_gangs(
-            self.job.sync_plan(),
-            lost=lost,
-            last_sync_step=self.job.view.membership.last_sync_step,
-            through=through,
+        if self._mixed is None:
+            since = self.job.view.membership.last_sync_step
+            self._mixed = (self.job.sync_plan(), since, through, frozenset(lost))
+        plan, since, reached, gone = self._mixed
+        self._mixed = (plan, since, max(reached, through), gone | set(lost))
+        live = set(self.job.view.membership.gang_ids) - set(lost)
+        mixed = rolled_back_gangs(
+            plan, lost=self._mixed[3], last_sync_step=since, through=self._mixed[2]
         )
+        return tuple(g for g in mixed if g in live)
 
     def _recover_ranks(self, ranks: list[int], result: IntervalOutcome) -> list[RankReport]:
         """``recover`` on every survivor. Its report is the only record of what the rank trained

@@ -161,6 +161,21 @@ FOUND = {
         )
         for rank, step in ((0, 2), (0, 3), (2, 3))
     ),
+    # A fresh-seed campaign's (seed 1341052120): a gang lost in the re-forming's sync started
+    # the recovery over, which planned the rollback on the new generation's groups and forgot
+    # the one before's: both gangs that had averaged with a lost gang were averaged in. With 6
+    # gangs two clean ones remain; with 4 none does, and the job is rebuilt from step 4's
+    # checkpoint.
+    "a_recovery_that_starts_over_still_rolls_back_what_the_one_before_had_to": tuple(
+        Schedule(
+            Settings(gangs=gangs, gang_size=1, levels=((2, 2),), num_steps=10, checkpoint_every=ck),
+            (
+                {"kind": "rank_dies", "rank": 3, "step": 7},
+                {"kind": "rank_dies", "rank": 0, "on": "sync", "nth": 1},
+            ),
+        )
+        for gangs, ck in ((6, None), (4, 4))
+    ),
 }
 
 
