@@ -548,11 +548,10 @@ class FailureRecovery:
             since = self.job.view.membership.last_sync_step
             self._mixed = (self.job.sync_plan(), since, through, frozenset(lost))
         plan, since, reached, gone = self._mixed
-        self._mixed = (plan, since, max(reached, through), gone | set(lost))
+        reached, gone = max(reached, through), gone | set(lost)
+        self._mixed = (plan, since, reached, gone)
         live = set(self.job.view.membership.gang_ids) - set(lost)
-        mixed = rolled_back_gangs(
-            plan, lost=self._mixed[3], last_sync_step=since, through=self._mixed[2]
-        )
+        mixed = rolled_back_gangs(plan, lost=gone, last_sync_step=since, through=reached)
         return tuple(g for g in mixed if g in live)
 
     def _recover_ranks(self, ranks: list[int], result: IntervalOutcome) -> list[RankReport]:
