@@ -196,6 +196,7 @@ class Coordinator:
             at=self._at,
             job_state=lambda: self.boundary.job_state(),
             stop_asked=lambda: self.boundary.stop_asked(),
+            sync_plan=lambda: self.ranks.joined_plan(),
         )
         # Held-out evaluation (raytrec.eval_plan): its shard and plan, when configured.
         self.evaluation = (

@@ -20,6 +20,7 @@ from raytrec.elastic.events import Event
 from raytrec.elastic.rank_protocol import RankProtocol, ReformPlan
 from raytrec.elastic.report import RankInfo, RankReport
 from raytrec.elastic.workers import Clock, NodeInfo, RankCallError
+from raytrec.sync.schedule import SyncPlan
 
 __all__ = ["Booking", "JobPorts", "NewGeneration", "RankAnswers", "RankCalls"]
 
@@ -99,3 +100,5 @@ class JobPorts:
     job_state: Callable[[], JobState]
     #: Whether the job was asked to stop.
     stop_asked: Callable[[], bool]
+    #: The generation's sync schedule over the live gangs.
+    sync_plan: Callable[[], SyncPlan]

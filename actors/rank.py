@@ -188,7 +188,10 @@ class RankWorker:
             self.join_sync_plan(g.sync_plan)
         if plan.step is not None:
             self.set_step(plan.step)
-        if plan.sync:
+        if plan.sync and plan.rolled_back:
+            self.hooks.enters(Phase.SYNC)
+            self.engine.sync_without(plan.rolled_back)
+        elif plan.sync:
             self.sync()
         if plan.broadcast_state_from is not None:
             self.broadcast_state(plan.broadcast_state_from)

@@ -38,6 +38,7 @@ from raytrec.elastic.events import (
     JobFailed,
     RankDied,
 )
+from raytrec.elastic.group_rollback import rolled_back_gangs
 from raytrec.elastic.hangs import find_hung_ranks, next_hang_check
 from raytrec.elastic.heal import failed_heals
 from raytrec.elastic.rank_protocol import ReformPlan
@@ -51,6 +52,7 @@ from raytrec.elastic.workers import (
     WorkerGroup,
 )
 from raytrec.errors import JobFailedError
+from raytrec.sync.schedule import SyncPlan
 
 __all__ = ["MAX_TRANSIENT", "FailureRecovery"]
 
@@ -91,6 +93,11 @@ class FailureRecovery:
         # hang rule's input.
         self.progress: dict[int, tuple[int, float]] = {}
         self.transient = 0  # re-forms in a row with no rank lost
+        # Under sync.levels, until a re-forming's sync completes: the sync plan of the generation
+        # whose lower-level syncs may have mixed lost gangs' copies into survivors', the job-wide
+        # sync they followed, the furthest step reached, and every gang lost since
+        # (a recovery that starts over still rolls back what the one before had to).
+        self._mixed: tuple[SyncPlan, int, int, frozenset[int]] | None = None
         self.peers_killed: set[int] = set()  # ranks killed because their gang lost a rank
 
     def quiet_since(self, ranks: list[int], now: float) -> None:
@@ -317,6 +324,7 @@ class FailureRecovery:
 
     def recover_until_stable(self, result: IntervalOutcome) -> None:
         """Recovers; a further loss during recovery starts it over with the new losses."""
+        self._mixed = None
         for _ in range(self.job.view.max_gangs + self.job.view.membership.num_gangs + 1):
             try:
                 self.recover(result)
@@ -460,7 +468,27 @@ class FailureRecovery:
             for s in self.job.view.membership.gang(source_gang).ranks
             if s.job_rank == settled.source
         )
-        replay = self.drop(failed_gangs, survivors, dense_through=settled.dense_through)
+        # Under sync.levels, the survivors that averaged with a lost gang since the last
+        # job-wide sync take the others' mean and have their batches since replayed.
+        rolled_back = self._rolled_back(failed_gangs, fail_step)
+        if rolled_back:
+            seen = Observations(
+                survivor_steps=tuple(steps),
+                dropping=tuple(failed_gangs),
+                rolled_back=rolled_back,
+            )
+            match decide(self.job.job_state(), seen, self.job.clock.monotonic())[0]:
+                case TotalLoss() as whole:
+                    self.total_loss.recover(whole, why=lambda g: _why(result, g, self.job))
+                    return
+                case Fail() as fail:
+                    raise JobFailedError(fail.reason)
+        replay = self.drop(
+            failed_gangs,
+            survivors,
+            dense_through=settled.dense_through,
+            rolled_back=(rolled_back, settled.survivors_through),
+        )
         acc = self.job.view.accounting
         for gid in failed_gangs:
             self.job.record(
@@ -491,11 +519,13 @@ class FailureRecovery:
         # the survivors' batches so far are in the model: committed. The failed step's dense
         # update is then finished among the survivors, or dropped where the state taken has it.
         live = self.job.live_ranks()
-        synced = ReformPlan(step=fail_step, sync=True)
+        back = tuple(self.job.view.membership.member_index(g) for g in rolled_back)
+        synced = ReformPlan(step=fail_step, sync=True, rolled_back=back)
         self.job.call(live, lambda w, _r: w.reform(synced))
         # Committed as soon as the sync is done: a loss in the call that follows must not
         # hand these batches out again (they are in every replica already).
         self.job.apply(Committed())
+        self._mixed = None  # every copy is the clean survivors' mean now
         dense = ReformPlan(
             dense_from=(self.job.view.membership.member_index(source_gang), source_slot.gang_rank),
             finish_failed_step=settled.finish,
@@ -509,6 +539,7 @@ class FailureRecovery:
                 dense_from=settled.source,
                 finished=settled.finish,
                 embedding_only=len(acc.embedding_only(i for ids in replay.values() for i in ids)),
+                rolled_back=rolled_back,
             )
         )
         # Re-sharing hands each rank its replays again with its new stream; it runs even with
@@ -516,6 +547,23 @@ class FailureRecovery:
         self.streams.reshare(self.job.ranks_in_gang_order())
         self.streams.make_room_for_replays()
         self.request_growth()
+
+    def _rolled_back(self, lost: list[int], through: int) -> tuple[int, ...]:
+        """The survivors that averaged with a lost gang at a lower level of the schedule since
+        the last job-wide sync (:func:`~raytrec.elastic.group_rollback.rolled_back_gangs`),
+        for a source that can replay their batches. A recovery that starts over before its
+        sync completed goes on from the generation that trained, with every gang lost since."""
+        if not self.sync.levels or self.job.view.accounting.streams is None:
+            return ()
+        if self._mixed is None:
+            since = self.job.view.membership.last_sync_step
+            self._mixed = (self.job.sync_plan(), since, through, frozenset(lost))
+        plan, since, reached, gone = self._mixed
+        reached, gone = max(reached, through), gone | set(lost)
+        self._mixed = (plan, since, reached, gone)
+        live = set(self.job.view.membership.gang_ids) - set(lost)
+        mixed = rolled_back_gangs(plan, lost=gone, last_sync_step=since, through=reached)
+        return tuple(g for g in mixed if g in live)
 
     def _recover_ranks(self, ranks: list[int], result: IntervalOutcome) -> list[RankReport]:
         """``recover`` on every survivor. Its report is the only record of what the rank trained
@@ -531,15 +579,24 @@ class FailureRecovery:
         return recovered
 
     def drop(
-        self, gangs: list[int], survivors: list[int], *, dense_through: int | None = None
+        self,
+        gangs: list[int],
+        survivors: list[int],
+        *,
+        dense_through: int | None = None,
+        rolled_back: tuple[tuple[int, ...], int | None] = ((), None),
     ) -> dict[int, list[int]]:
         """The dropped gangs' uncommitted batches, split over the survivors' ranks; those trained
-        at or before ``dense_through`` are replayed for their embedding rows only."""
+        at or before ``dense_through`` are replayed for their embedding rows only.
+        ``rolled_back``: the survivors that roll back, whose uncommitted batches go too, and
+        the step through which theirs are replayed for their embedding rows only."""
         return self.job.view.accounting.drop(
             gangs,
             survivors,
             ranks_of=lambda g: self.job.view.membership.gang(g).job_ranks,
             dense_through=dense_through,
+            rolled_back=rolled_back[0],
+            rolled_back_dense_through=rolled_back[1],
         )
 
 

@@ -116,6 +116,10 @@ class FailedStepSettled(Event):
     dense_from: int  # the job rank whose dense state every rank took
     finished: bool  # the survivors applied the failed step's dense update among themselves
     embedding_only: int  # replay batches handed out that update embedding rows only
+    #: Under ``sync.levels``: the surviving gangs that had averaged with a lost gang at a lower
+    #: level since the last job-wide sync; they took the other survivors' mean, and their
+    #: batches since that sync were replayed (:mod:`raytrec.elastic.group_rollback`).
+    rolled_back: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -137,6 +137,17 @@ def counting_job(tmp_path: str, **kw: Any) -> TrainConfig:
     return TrainConfig(**base)
 
 
+def fit_counting(config: TrainConfig, **kw: Any) -> Result:
+    """``fit`` with the counting source and model, on the cluster the test set up."""
+    return fit(
+        config,
+        source=CountingSource(num_dense=1, num_sparse=1),
+        model_factory=counting_factory,
+        shutdown_ray=False,
+        **kw,
+    )
+
+
 def final_counts(result: Result) -> tuple[np.ndarray, np.ndarray]:
     """Column 0 of the final embedding table and the final ``hits``, per id."""
     assert result.final_state_path is not None
@@ -155,7 +166,9 @@ def expected_counts(result: Result) -> tuple[np.ndarray, np.ndarray]:
 
     - the batches committed (each once: ``assert_every_batch_once``), each first trained at step
       ``index + 1`` of its shard when that is before the failure, else after it;
-    - the failure: the step ``k`` the new generation began at, the live gangs before and after;
+    - the failure: the step ``k`` the new generation began at, the live gangs before and after,
+      and the survivors that rolled back (``FailedStepSettled.rolled_back``, under
+      ``sync.levels``: they took the other survivors' mean at the re-forming's sync);
     - ``dense_through``, the last step whose dense update the survivors kept: k - 1 or k with
       dense gradients averaged every step, the last job-wide sync with dense parameters
       averaged with the schedule (the dense side then follows the embeddings' rule).
@@ -164,8 +177,8 @@ def expected_counts(result: Result) -> tuple[np.ndarray, np.ndarray]:
     training when that step is at most ``dense_through``, else after the failure (a lost gang's
     row replayed, a survivor's row of the failed step finished among the survivors). Its
     embedding update counts at the generation of the sync that committed it: the last job-wide
-    sync before the failure, or the first sync after it (the survivors' own pending rows, and
-    every replayed row).
+    sync before the failure, the re-forming's sync among the survivors that did not roll back
+    (their own pending rows), or a sync after it (every replayed row).
     """
     (reform,) = [
         e for e in result.events.of(GenerationStarted) if e.reason.startswith("lost gangs")
@@ -180,6 +193,11 @@ def expected_counts(result: Result) -> tuple[np.ndarray, np.ndarray]:
     per_gang = result.config.scaling.gang_size
     k = reform.step
     n_before, n_after = per_gang * len(before.gang_ids), per_gang * len(reform.gang_ids)
+    # Under sync.levels, survivors that had averaged with the lost gang since the last job-wide
+    # sync roll back: the re-forming's sync is the mean of the others' copies (the clean
+    # survivors), and the rolled-back gangs' rows since are replayed like the lost gang's.
+    clean = [g for g in reform.gang_ids if g not in settled.rolled_back]
+    n_clean = per_gang * len(clean)
     committed_through = SYNC_EVERY * ((k - 1) // SYNC_EVERY)
     if result.config.sync.dense == "every_step":
         assert settled.step == k and settled.dense_through in (k - 1, k), settled
@@ -193,7 +211,8 @@ def expected_counts(result: Result) -> tuple[np.ndarray, np.ndarray]:
             first = index + 1 if index + 1 <= k else None  # None: first trained after k
             ids = row_ids(shard, index)
             committed = first is not None and first <= committed_through
-            emb[ids] -= 1.0 / (n_before if committed else n_after)
+            kept = first is not None and shard // per_gang in clean  # a clean survivor's row
+            emb[ids] -= 1.0 / (n_before if committed else n_clean if kept else n_after)
             dense_early = first is not None and first <= settled.dense_through
             dense[ids] -= 1.0 / (n_before if dense_early else n_after)
     return emb, dense
@@ -240,12 +259,7 @@ def test_a_rank_death_leaves_every_row_in_the_model_once(
         testing=TestingConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=7, rank=1),)),
         train_pipeline=pipeline,
     )
-    result = fit(
-        config,
-        source=CountingSource(num_dense=1, num_sparse=1),
-        model_factory=counting_factory,
-        shutdown_ray=False,
-    )
+    result = fit_counting(config)
 
     assert result.steps == 14 and result.history[-1].gangs == 1
     reforms = [e for e in result.events.of(GenerationStarted) if e.generation]
@@ -255,6 +269,30 @@ def test_a_rank_death_leaves_every_row_in_the_model_once(
     # survivor finished its step 7. With the schedule: every replay updates both.
     want = (2, True) if dense == "every_step" else (0, False)
     assert (settled.embedding_only, settled.finished) == want, settled
+    assert_every_row_once(result)
+
+
+def test_a_rank_death_under_a_hierarchical_schedule_leaves_every_row_in_the_model_once(
+    local_ray: None, tmp_path: str
+) -> None:
+    # Four gangs of one rank: groups {0, 1} and {2, 3} average every 2 steps, all four every 4.
+    # Rank 1 exits as it starts step 7, after its group's sync at step 6 mixed its copy with
+    # gang 0's: gang 0 holds half of rank 1's rows of steps 5 and 6, and rank 1 took half of
+    # gang 0's with it. Gang 0 rolls back: the re-forming's sync is the mean of gangs 2 and 3,
+    # and gang 0's batches of steps 5 to 7 are replayed with rank 1's.
+    config = counting_job(
+        tmp_path,
+        scaling=ScalingConfig(num_workers=4, gang_size=1),
+        sync=SyncConfig(sync_every=SYNC_EVERY, levels=((2, 2),)),
+        testing=TestingConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=7, rank=1),)),
+    )
+    result = fit_counting(config)
+
+    assert result.steps == 14 and result.history[-1].gangs == 3
+    (settled,) = result.events.of(FailedStepSettled)
+    # Dense gradients are averaged every step: rank 1's batches of steps 5 and 6 and gang 0's
+    # of steps 5 to 7 (step 7 finished among the survivors) are replayed embedding-only.
+    assert (settled.rolled_back, settled.embedding_only, settled.finished) == ((0,), 5, True)
     assert_every_row_once(result)
 
 
@@ -276,13 +314,7 @@ def test_a_node_loss_leaves_every_row_in_the_model_once(two_nodes: Cluster, tmp_
         ),
     )
     remover = NodeRemover(cluster=two_nodes, at_step=4, job_rank=2)
-    result = fit(
-        config,
-        source=CountingSource(num_dense=1, num_sparse=1),
-        model_factory=counting_factory,
-        on_progress=remover,
-        shutdown_ray=False,
-    )
+    result = fit_counting(config, on_progress=remover)
 
     assert result.steps == 14 and result.history[-1].gangs == 1
     assert [e.kind for e in result.events.of(NodeDied)] == ["node_died"]

@@ -8,7 +8,9 @@ weights and optimizer state while the groups still differ; after the
 job-wide sync all four hold the mean of all four. Dense state follows the
 mode: identical everywhere every step (``every_step``) or averaged with the
 schedule (``with_schedule``). Then gang 3 leaves: generation 1 is planned for
-gangs 0, 1, 2, where the remainder rule makes the level-0 group all three.
+gangs 0, 1, 2, where the remainder rule makes the level-0 group all three. Last, gang 1
+rolls back (``sync_without``): every gang then holds the mean of gangs 0 and 2 alone, dense
+state included.
 
 Means are computed here with numpy from the states captured just before
 each sync. One launch runs both dense modes, each in a gang world of its own.
@@ -133,6 +135,12 @@ def mode_run(spec: RankSpec) -> dict[str, Any]:
         engine.join_sync_plan(plan)
         out["gen1_groups"] = [lv.groups for lv in plan.levels]
         train_and_sync(engine, batches, range(5, 7), out)
+        # A step with no sync due, then gang 1 rolls back (raytrec.elastic.group_rollback): it
+        # takes the mean of gangs 0 and 2 and adds nothing of its own.
+        engine.train_step(next(batches))
+        out["pre_rollback"] = snapshot(engine)
+        engine.replicas.sync_without((live.index(1),))
+        out["post_rollback"] = snapshot(engine)
         return out
 
 
@@ -280,6 +288,20 @@ def test_generation_after_a_gang_leaves(runs: dict[str, dict[int, dict[str, Any]
         for g in range(3):
             assert_mean(by_gang[g]["post6"][kind], expect, exact=False)
             assert same(by_gang[g]["post6"][kind], by_gang[0]["post6"][kind]), (g, kind)
+
+
+def test_a_rolled_back_gang_takes_the_mean_of_the_others(
+    runs: dict[str, dict[int, dict[str, Any]]],
+) -> None:
+    """Gang 1 rolls back after a step apart: every gang holds the mean of gangs 0 and 2 (two
+    members: exact), embedding weights, optimizer state and dense state alike."""
+    by_gang = runs["with_schedule"]
+    pre = [by_gang[g]["pre_rollback"] for g in range(3)]
+    for kind in KINDS:
+        assert differ(pre[0][kind], pre[1][kind]) and differ(pre[1][kind], pre[2][kind]), kind
+        expect = mean_of([pre[0], pre[2]], kind)
+        for g in range(3):
+            assert_mean(by_gang[g]["post_rollback"][kind], expect, exact=True)
 
 
 # -- gangs of two ranks, with warmup --------------------------------------------------------

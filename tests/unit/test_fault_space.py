@@ -92,6 +92,7 @@ def test_thousands_of_schedules_end_without_a_defect() -> None:
     assert result.settings["data=reshared"] > SCHEDULES // 4
     assert result.settings["data=synthetic"] > SCHEDULES // 4
     assert result.settings["layout=replicas_within_host"] > SCHEDULES // 10
+    assert result.settings["sync.levels"] > SCHEDULES // 20
     # A joining gang's rank lost while it heals, on re-shared rows, is in the space.
     assert result.phases["RankDies @ join: healing / broadcast_state"] > 0
     # The coordinator lost, and followed by new ones or given up on (restarts spent).
@@ -149,6 +150,32 @@ FOUND = {
             '{"faults":[{"kind":"rank_dies","rank":0,"step":2},{"kind":"coordinator_dies","step":8}],"settings":{"checkpoint_every":2,"data":"synthetic","gang_size":1,"gangs":3,"grow":true,"layout":"replicas_across_hosts","log_every":2,"max_coordinator_restarts":3,"max_gangs":4,"min_gangs":3,"num_steps":19,"spare_nodes":1,"sync_every":4}}'
         ),
     ),
+    # Hierarchical schedules: a gang lost after its group's lower-level sync (step 2) left half
+    # of its rows in its group peer and took half of the peer's; the peer now rolls back. The
+    # first campaign with sync.levels (seed 29) found the re-forming naming the rolled-back
+    # gang by its place in the old generation's replica plane, not the new one's.
+    "a_survivor_that_averaged_with_a_lost_gang_rolls_back": tuple(
+        Schedule(
+            Settings(gangs=4, gang_size=1, levels=((2, 2),), num_steps=8),
+            ({"kind": "rank_dies", "rank": rank, "step": step},),
+        )
+        for rank, step in ((0, 2), (0, 3), (2, 3))
+    ),
+    # A fresh-seed campaign's (seed 1341052120): a gang lost in the re-forming's sync started
+    # the recovery over, which planned the rollback on the new generation's groups and forgot
+    # the one before's: both gangs that had averaged with a lost gang were averaged in. With 6
+    # gangs two clean ones remain; with 4 none does, and the job is rebuilt from step 4's
+    # checkpoint.
+    "a_recovery_that_starts_over_still_rolls_back_what_the_one_before_had_to": tuple(
+        Schedule(
+            Settings(gangs=gangs, gang_size=1, levels=((2, 2),), num_steps=10, checkpoint_every=ck),
+            (
+                {"kind": "rank_dies", "rank": 3, "step": 7},
+                {"kind": "rank_dies", "rank": 0, "on": "sync", "nth": 1},
+            ),
+        )
+        for gangs, ck in ((6, None), (4, 4))
+    ),
 }
 
 
@@ -184,6 +211,32 @@ def test_a_coordinator_lost_in_a_checkpoint_save_is_followed_from_the_one_before
     assert (given_up.key, given_up.exit_code) == ("failed:CoordinatorDied", 1), given_up
     assert "max_coordinator_restarts=0" in given_up.detail
     assert "checkpoint_0000000002" in given_up.detail  # the one to resume from
+
+
+def test_a_loss_that_reaches_every_survivor_through_a_lower_level_is_a_total_loss(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Groups {0, 1} and {2, 3} average at step 6; ranks 0 and 2 die at step 7. Gangs 1 and 3
+    # each hold half of a lost gang's rows: no copy is clean, so the job is rebuilt from the
+    # checkpoint of step 4 (its invariants hold), or fails naming the missing checkpoint.
+    from actors.total_loss import TotalLossRecovery
+
+    reasons: list[str] = []
+    recover = TotalLossRecovery.recover
+
+    def noted(self: TotalLossRecovery, decision: Any, *, why: Any) -> None:
+        reasons.append(decision.reason)
+        recover(self, decision, why=why)
+
+    monkeypatch.setattr(TotalLossRecovery, "recover", noted)
+    settings = Settings(gangs=4, gang_size=1, levels=((2, 2),), num_steps=8, checkpoint_every=4)
+    deaths = tuple({"kind": "rank_dies", "rank": r, "step": 7} for r in (0, 2))
+    outcome = run_schedule(Schedule(settings, deaths))
+    assert outcome.key == "pass:", outcome
+    assert len(reasons) == 1 and "every surviving gang [1, 3]" in reasons[0], reasons
+    assert "checkpoint of step 4" in reasons[0]
+    failed = run_schedule(Schedule(dataclasses.replace(settings, checkpoint_every=None), deaths))
+    assert failed.key == "failed:JobFailedError" and "no live copy" in failed.detail, failed
 
 
 def test_a_campaign_starts_at_a_fresh_seed_and_prints_its_seeds(
