@@ -157,6 +157,9 @@ def _fit(
         if checkpoint is not None:
             check_checkpoint(checkpoint, config)
     config = config.replace(storage_path=resolve_storage_path(config.storage_path))
+    if config.data.growing is not None and config.data.path and "://" not in config.data.path:
+        # The coordinator lists the directory in a process of its own, perhaps in another cwd.
+        config = config.replace(data=config.data.replace(path=os.path.abspath(config.data.path)))
     if eval_source is not None:
         config = config.replace(eval=config.eval.replace(path=eval_source))
     check_eval_is_there(config)
@@ -207,7 +210,7 @@ def _fit(
         shards_of_plan = config.scaling.world_size
         fingerprint = data_fingerprint(source)
         if resume is not None:
-            check_same_data(resume, fingerprint)
+            check_same_data(resume, fingerprint, growing=config.data.growing is not None)
             shards_of_plan = indexed_resume_shards(resume, config, source) or shards_of_plan
         shards = source.split(shards_of_plan)
         # Resolved once, here: the coordinator, the progress bar and the ledger read this.

@@ -91,18 +91,24 @@ def check_checkpoint(uri: str, config: TrainConfig) -> None:
     check_compatible(manifest.signature, expected, where=uri)
 
 
-def check_same_data(uri: str, fingerprint: dict[str, Any] | None) -> None:
+def check_same_data(uri: str, fingerprint: dict[str, Any] | None, *, growing: bool = False) -> None:
     """A resume continues the saved job's data position, so its data must be the data the
     saved job read: refused, naming each file added, removed or changed, when the checkpoint's
     fingerprint (:mod:`raytrec.data.fingerprint`) differs from ``fingerprint``, this job's.
-    A checkpoint saved without one is not checked."""
+    A checkpoint saved without one is not checked. ``growing`` (``data.growing``): files may
+    have been added, and every file the saved job had found must still be there."""
     from raytrec.checkpoint.layout import read_manifest
     from raytrec.data.fingerprint import changes_line, data_changes
 
-    saved = read_manifest(uri).extra.get("data")
+    extra = read_manifest(uri).extra
+    saved = extra.get("data")
     if not saved:
         return
-    changes = data_changes(saved, fingerprint)
+    changes = data_changes(saved, fingerprint, growing=growing)
+    table = (extra.get("accounting") or {}).get("streams_table") or {}
+    if growing and fingerprint is not None and "files" in table:
+        there = {f["path"] for f in fingerprint.get("files", ())}
+        changes += [f"file removed: {p}" for p in table["files"]["paths"] if p not in there]
     if changes:
         raise ConfigError(
             f"{uri} cannot be resumed on this data: it continues the saved job's position in "

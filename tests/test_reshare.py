@@ -6,6 +6,7 @@ reaches the end of the data at the same step, and nothing is re-shared when noth
 from __future__ import annotations
 
 import collections
+import pathlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -57,6 +58,9 @@ class Job:
 
     def _now(self) -> float:
         return time.monotonic()
+
+    def ranks_in_gang_order(self) -> list[int]:
+        return sorted(self.feeds)
 
     def apply(self, outcome: Outcome) -> None:
         """The outcome of a re-share: where the data now ends."""
@@ -191,6 +195,54 @@ def test_a_loss_at_the_very_end_of_the_data_ends_with_the_shortest_rank(
     job.train(2)
     job.accounting.commit(sorted(job.feeds))
     assert job.accounting.replay_pending() == 1
+
+
+def test_files_that_land_mid_job_are_shared_with_the_rows_left_each_row_trained_once(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A growing source: the job starts on two of three files; the third lands at step 4 and
+    its rows, with the rows left, are cut again among the ranks; a rank is lost after it. Every
+    row of the three files is trained once, and the table saved in a checkpoint names the
+    files in the order found."""
+    write_synthetic_parquet(
+        tmp_path, rows=ROWS, files=3, row_groups_per_file=2, seed=1, num_embeddings=50
+    )
+    paths = sorted(str(p) for p in tmp_path.glob("*.parquet"))
+    source = ParquetSource(paths=paths[:2], spec=criteo_spec(50), read_mode="indexed")
+    split = [s for s in source.split(3) if isinstance(s, IndexedParquetShard)]
+    job = Job([s.with_table({"made": {}}, limit=100) for s in split])
+    job.table.growing = True
+    job.end_step = job.table.length(0)
+    job.train(4)
+    (landed,) = source.footers(paths[2:])
+    job.reopened = []
+    assert job.streams.grow([landed.path], [landed.row_group_rows]) == landed.rows
+    assert job.reopened == [0, 1, 2]  # every rank reads a new stream
+    assert len({len(f) for f in job.feeds.values()}) == 1
+    assert job.end_step - job.step == len(job.feeds[0])
+    job.train(3)
+    job.lose(2, steps=2)
+    # Replays are queued: files found now wait for a later boundary.
+    assert job.streams.grow([landed.path], [landed.row_group_rows]) is None
+    job.train(job.end_step - job.step)
+    job.accounting.commit(sorted(job.feeds))
+    committed = [i for a, b in job.accounting.committed() for i in range(a, b)]
+    assert job.accounting.committed_count() == len(committed)  # none twice
+    assert sorted(rows_of(job, committed).tolist()) == list(range(ROWS))
+    saved = job.table.to_json()
+    assert saved["files"]["paths"] == paths
+    fresh = StreamTable(split[0], batch_size=B)
+    fresh.load(saved)
+    assert fresh.template.paths == tuple(paths) and fresh.made == job.table.made
+
+
+def test_too_few_new_rows_to_give_every_rank_a_batch_wait(
+    shards: list[IndexedParquetShard],
+) -> None:
+    job = Job(shards)
+    job.train(STEPS)  # every row of the job trained: none left
+    assert job.streams.grow(["/nowhere.parquet"], [(2,)]) is None  # 2 rows, 3 ranks
+    assert not job.events.of(DataReshared)
 
 
 class FeedRank:

@@ -12,11 +12,12 @@ from raytrec.config.base import (
     ConfigModel,
     Name,
     NonNegativeInt,
+    PositiveFloat,
     PositiveInt,
     Seq,
 )
 
-__all__ = ["ColumnsConfig", "DataConfig"]
+__all__ = ["ColumnsConfig", "DataConfig", "GrowingConfig"]
 
 ReadAhead = Literal["auto", "background", "inline"]
 DataSourceKind = Literal["synthetic", "parquet", "generated"]
@@ -48,6 +49,21 @@ class ColumnsConfig(ConfigModel):
     1.., every other value id 0; the vocabulary is saved with the model) or `hash` (a stable
     hash modulo the table's rows). Features not named here hold integer ids, mapped by
     `data.id_policy`."""
+
+
+class GrowingConfig(ConfigModel):
+    """A Parquet directory that keeps growing while the job trains (docs/continuous.md). Files
+    must appear whole, under their final name (write them elsewhere, or under a name starting
+    with `.` or `_`, then rename them into place), and never change once there."""
+
+    poll_s: PositiveFloat = 5.0
+    """Seconds between two listings of `data.path` for new files."""
+    idle_stop_s: PositiveFloat | None = None
+    """Stop once every row seen is trained and no new file has appeared for this many
+    seconds; null: wait for new files until stopped on request (or `max_files`)."""
+    max_files: PositiveInt | None = None
+    """Train at most this many files (in the order they are found, the files of one listing in
+    sorted order) and stop once they are trained; null: no end of this kind."""
 
 
 class DataConfig(ConfigModel):
@@ -91,6 +107,13 @@ class DataConfig(ConfigModel):
     resume from a checkpoint continues on the same rows. `streaming`: one pipeline cut among the
     ranks by `streaming_split` (batches have no ids: a loss leaves them untrained, counted in
     `Result.lost_batches`)."""
+    growing: GrowingConfig | None = None
+    """The files at `path` keep coming while the job trains (a directory of partitions such
+    as `day=2026-11-27/`): each new file is found by a listing every `growing.poll_s`, and its
+    rows are shared among the ranks and trained exactly once. Needs `parquet_read: indexed`,
+    `epochs: 1` and no `shuffle_seed`; the job runs until stopped on request or by
+    `growing.idle_stop_s` / `growing.max_files`, and `num_steps` is the steps of the files
+    there at the start. Null: the files are fixed."""
     id_policy: IdPolicyName = "strict"
     """How integer ids map into a table's rows: `strict` (an id outside [0, num_embeddings) is
     bad input), `modulo` (folded into range) or `hash` (hashed into range)."""
@@ -131,6 +154,22 @@ class DataConfig(ConfigModel):
                 f"data.shuffle_window_rows={self.shuffle_window_rows} needs "
                 "data.shuffle_seed: the rows' order is drawn from it"
             )
+        if self.growing is not None:
+            problems = [
+                f"data.{key}={value!r}"
+                for key, value, ok in (
+                    ("source", self.source, self.source == "parquet"),
+                    ("parquet_read", self.parquet_read, self.parquet_read == "indexed"),
+                    ("epochs", self.epochs, self.epochs == 1),
+                    ("shuffle_seed", self.shuffle_seed, self.shuffle_seed is None),
+                )
+                if not ok
+            ]
+            if problems:
+                raise ConfigError(
+                    "data.growing needs data.source='parquet', parquet_read='indexed', epochs=1 "
+                    f"and no shuffle_seed (new rows go after the old): {', '.join(problems)}"
+                )
         if self.source == "parquet" and not self.path:
             raise ConfigError("data.path must name Parquet files when data.source='parquet'")
         return self

@@ -20,12 +20,14 @@ __all__ = [
     "CheckpointSaved",
     "CoordinatorLost",
     "CoordinatorRestarted",
+    "DataGrowthEnded",
     "DataReshared",
     "DrainRejected",
     "EarlyStopped",
     "Event",
     "EventLog",
     "FailedStepSettled",
+    "FilesLanded",
     "GangDrained",
     "GangDropped",
     "GangHealed",
@@ -211,6 +213,31 @@ class DataReshared(Event):
     end_step: int
     left_over: int = 0
     handed_off: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FilesLanded(Event):
+    """New files of a growing source (``data.growing``) were found, and their ``rows`` shared
+    among the live ranks with the rows left: the job's data now ends at ``end_step``.
+    ``landed_at``: each file's modification time (seconds since the epoch), ``found_at`` the
+    wall-clock time it was found (the same clock)."""
+
+    kind: ClassVar[str] = "files_landed"
+    paths: tuple[str, ...]
+    rows: int
+    end_step: int
+    landed_at: tuple[float, ...]
+    found_at: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataGrowthEnded(Event):
+    """A growing source's job ended after training every row of its ``files`` files (``reason``:
+    ``data.growing.max_files`` reached, or no new file for ``data.growing.idle_stop_s``)."""
+
+    kind: ClassVar[str] = "data_growth_ended"
+    files: int
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
