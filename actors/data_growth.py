@@ -99,9 +99,10 @@ class DataGrowth:
         if not self.waiting:
             return False
         infos = self.waiting
-        rows = self.streams.grow([i.path for i in infos], [i.row_group_rows for i in infos])
-        if rows is None:
+        grown = self.streams.grow([i.path for i in infos], [i.row_group_rows for i in infos])
+        if grown is None:
             return False  # too few rows for a batch per rank yet, or replays queued first
+        rows, first = grown
         self.waiting = []
         self.job.apply(Prepared(0))
         found_at = time.time()
@@ -113,6 +114,7 @@ class DataGrowth:
                 paths=tuple(i.path for i in infos),
                 rows=rows,
                 end_step=self.job.view.end_step,
+                first_step=self.job.step() + 1 + first,
                 landed_at=tuple(round(s.mtime_ns / 1e9, 3) for s in stats),
                 found_at=round(found_at, 3),
             )

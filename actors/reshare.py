@@ -32,7 +32,7 @@ from typing import Any
 
 from actors.job import AccountingRewound, DataEnds
 from actors.ports import JobPorts
-from raytrec.data.growing import shareable
+from raytrec.data.growing import first_batch_from, shareable
 from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.parquet_recut import hand_off, recut
 from raytrec.data.parquet_streams import (
@@ -233,9 +233,12 @@ class DataStreams:
         )
         return list(ranks)
 
-    def grow(self, paths: Sequence[str], row_groups: Sequence[tuple[int, ...]]) -> int | None:
+    def grow(
+        self, paths: Sequence[str], row_groups: Sequence[tuple[int, ...]]
+    ) -> tuple[int, int] | None:
         """Adds new files to the job's data and shares their rows, with the rows left, among
-        the live ranks (every one gets a new stream); returns the rows added, or None when the
+        the live ranks (every one gets a new stream); returns the rows added and the first
+        of the new streams' batches (counted from now) that trains some of them, or None when the
         files wait for a later boundary: replays are queued (they come before any new stream,
         and rows could be left over), or the rows are too few to give every rank a batch."""
         table, acc = self.table, self.job.view.accounting
@@ -255,7 +258,9 @@ class DataStreams:
             return None
         landed = table.grow(paths, row_groups)
         self.reshare(ranks, landed=landed)
-        return rows
+        new = [table.stream(sid) for sid in range(table.next_id - len(ranks), table.next_id)]
+        firsts = [j for s in new if (j := first_batch_from(s, landed[0])) is not None]
+        return rows, min(firsts)
 
     def _hand_off(self, ranks: Sequence[int], joining: Sequence[int]) -> bool:
         """The join of :meth:`reshare` that leaves the others' streams running; False when the

@@ -65,6 +65,7 @@ from raytrec.preflight import (
     check_length_known,
     check_same_data,
     device_memory,
+    growing_config,
     indexed_resume_shards,
     vocabularies_of,
 )
@@ -157,9 +158,8 @@ def _fit(
         if checkpoint is not None:
             check_checkpoint(checkpoint, config)
     config = config.replace(storage_path=resolve_storage_path(config.storage_path))
-    if config.data.growing is not None and config.data.path and "://" not in config.data.path:
-        # The coordinator lists the directory in a process of its own, perhaps in another cwd.
-        config = config.replace(data=config.data.replace(path=os.path.abspath(config.data.path)))
+    if config.data.growing is not None:
+        config = growing_config(config)
     if eval_source is not None:
         config = config.replace(eval=config.eval.replace(path=eval_source))
     check_eval_is_there(config)

@@ -91,6 +91,23 @@ def check_checkpoint(uri: str, config: TrainConfig) -> None:
     check_compatible(manifest.signature, expected, where=uri)
 
 
+def growing_config(config: TrainConfig) -> TrainConfig:
+    """A growing source's job (``data.growing``) trains every row of every file it finds, so
+    its length is the data's: ``num_steps`` must be null (it resolves to the steps of the files
+    there at the start). ``data.path`` becomes absolute: the coordinator lists it in a process
+    of its own, perhaps in another working directory."""
+    if config.num_steps is not None:
+        raise ConfigError(
+            f"num_steps={config.num_steps} with data.growing: the job trains every row of every "
+            "file it finds, so set num_steps: null (jobs.train: --set num_steps=null) and end "
+            "it with data.growing.max_files, data.growing.idle_stop_s or a stop request"
+        )
+    path = config.data.path
+    if path and "://" not in path:
+        config = config.replace(data=config.data.replace(path=os.path.abspath(path)))
+    return config
+
+
 def check_same_data(uri: str, fingerprint: dict[str, Any] | None, *, growing: bool = False) -> None:
     """A resume continues the saved job's data position, so its data must be the data the
     saved job read: refused, naming each file added, removed or changed, when the checkpoint's

@@ -14,7 +14,7 @@ import pytest
 from raytrec.config import ConfigError
 from raytrec.data.config import DataConfig, GrowingConfig
 from raytrec.data.fingerprint import data_changes
-from raytrec.data.growing import growth_decision, new_files, shareable
+from raytrec.data.growing import first_batch_from, growth_decision, new_files, shareable
 from raytrec.data.parquet import ParquetSource
 from raytrec.data.parquet_recut import recut
 from raytrec.data.partitions import stage_days
@@ -94,3 +94,15 @@ def test_a_resume_of_a_growing_source_allows_files_added_not_changed() -> None:
     assert data_changes(saved, changed, growing=True) == [
         "file changed: /d/a (size 1 bytes, now 5)"
     ]
+
+
+def test_the_first_batch_holding_a_new_row_is_found_in_each_stream() -> None:
+    # 100 rows left and 50 new ones after them, cut among 2 ranks in batches of at most 10:
+    # 8 batches each: rank 0 takes rows 0..74, rank 1 rows 75..149, whose batches start at
+    # 75 + (0, 9, 18, 28, ...): row 100 is in its batch 2.
+    streams = recut({0: [(0, 100), (100, 150)]}, queued=[0, 0], batch_size=10).streams
+    assert [first_batch_from(s, 100) for s in streams] == [None, 2]
+    assert first_batch_from(streams[1], 75) == 0 and first_batch_from(streams[0], 74) == 7
+    # Rows in two runs (a lost rank's rows and the new ones): places count across the runs.
+    (stream,) = recut({0: [(0, 5), (50, 70)]}, queued=[0], batch_size=5).streams
+    assert [first_batch_from(stream, r) for r in (0, 5, 50, 60, 70)] == [0, 1, 1, 3, None]

@@ -18,7 +18,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["GrowthStop", "Landed", "growth_decision", "new_files", "shareable"]
+import numpy as np
+
+from raytrec.data.parquet_streams import Stream
+
+__all__ = [
+    "GrowthStop",
+    "Landed",
+    "first_batch_from",
+    "growth_decision",
+    "new_files",
+    "shareable",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,3 +86,21 @@ def shareable(rows: int, *, ranks: int, batch_size: int) -> bool:
     rank, so ``k * ranks`` batches of at least a row each)."""
     need = -(-rows // batch_size)
     return rows >= ranks and -(-need // ranks) * ranks <= rows
+
+
+def first_batch_from(stream: Stream, row: int) -> int | None:
+    """The first batch of ``stream`` holding a row at or after ``row`` of epoch 0's row space
+    (a new file's first row: every row after it is new too); None when it holds none."""
+    at = 0  # the stream's batch where the part starts
+    for part in stream:
+        laid = 0  # rows of the part's runs before this run
+        for lo, hi in part.runs:
+            if hi > row and part.epoch == 0:
+                place = laid + max(lo, row) - lo  # that row's place in the runs laid end to end
+                starts = part.local_cuts(0, part.count)
+                j = int(np.searchsorted(starts, place, side="right")) - 1
+                if j < part.count:
+                    return at + j
+            laid += hi - lo
+        at += part.count
+    return None
