@@ -25,6 +25,7 @@ from raytrec.data.config import DataConfig, GrowingConfig
 from raytrec.data.growing import GrowthStop, growth_decision, new_files
 from raytrec.data.parquet import ParquetFileInfo, ParquetSource
 from raytrec.elastic.events import DataGrowthEnded, FilesLanded
+from raytrec.elastic.workers import RankCallError
 from raytrec.errors import JobFailedError
 
 __all__ = ["DataGrowth", "growing_root"]
@@ -53,6 +54,7 @@ class DataGrowth:
         self.last_new = job.clock.monotonic()
         self.waiting: list[ParquetFileInfo] = []  # found, too few rows to share yet
         self.ended: GrowthStop | None = None
+        self.found_at: dict[str, float] = {}  # wall-clock time each waiting file was listed
 
     @classmethod
     def of(cls, job: JobPorts, streams: DataStreams, data: DataConfig) -> DataGrowth | None:
@@ -95,31 +97,42 @@ class DataGrowth:
             )
         if landed.added:
             self.last_new = self.job.clock.monotonic()
+            self.found_at.update((p, time.time()) for p in landed.added)
             self.waiting += self.listing.footers(list(landed.added))
         if not self.waiting:
             return False
-        infos = self.waiting
-        grown = self.streams.grow([i.path for i in infos], [i.row_group_rows for i in infos])
+        # Taken out first: a loss during the re-share below must not add them twice.
+        infos, self.waiting = self.waiting, []
+        before = len(table.template.paths)
+        try:
+            grown = self.streams.grow([i.path for i in infos], [i.row_group_rows for i in infos])
+        except RankCallError:
+            if len(table.template.paths) > before:  # added: the recovery shares their rows
+                self._landed(infos, rows=sum(i.rows for i in infos), first_step=None)
+            raise
         if grown is None:
-            return False  # too few rows for a batch per rank yet, or replays queued first
+            self.waiting = infos  # too few rows for a batch per rank yet, or replays queued
+            return False
         rows, first = grown
-        self.waiting = []
         self.job.apply(Prepared(0))
-        found_at = time.time()
-        stats = self.fs.get_file_info([i.path for i in infos])
+        self._landed(infos, rows=rows, first_step=self.job.view.step + 1 + first)
+        return True
+
+    def _landed(self, infos: list[ParquetFileInfo], *, rows: int, first_step: int | None) -> None:
+        paths = [i.path for i in infos]
+        stats = self.fs.get_file_info(paths)
         self.job.record(
             FilesLanded(
                 at=self.job.now(),
-                step=self.job.step(),
-                paths=tuple(i.path for i in infos),
+                step=self.job.view.step,
+                paths=tuple(paths),
                 rows=rows,
                 end_step=self.job.view.end_step,
-                first_step=self.job.step() + 1 + first,
+                first_step=first_step,
                 landed_at=tuple(round(s.mtime_ns / 1e9, 3) for s in stats),
-                found_at=round(found_at, 3),
+                found_at=tuple(round(self.found_at.pop(p), 3) for p in paths),
             )
         )
-        return True
 
     def end(self) -> GrowthStop | None:
         """For a job that has trained every row it knows: why it ends now, or None to wait."""
@@ -135,7 +148,7 @@ class DataGrowth:
         if stop is not None:
             self.job.record(
                 DataGrowthEnded(
-                    at=self.job.now(), step=self.job.step(), files=files, reason=stop.reason
+                    at=self.job.now(), step=self.job.view.step, files=files, reason=stop.reason
                 )
             )
         return stop

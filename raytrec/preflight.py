@@ -198,8 +198,8 @@ def indexed_resume_shards(uri: str, config: TrainConfig, source: BatchSource) ->
         raise ConfigError(
             f"{uri} was trained on Parquet read by index in {saved} shards and saved without "
             f"the table of re-shared streams; resume it with scaling.num_workers={saved} (not "
-            f"{ranks}) to continue on the same rows, or read with "
-            "data.parquet_read='streaming', which restarts the data at the checkpoint's step"
+            f"{ranks}) to continue on the same rows, or start a new run from its model with "
+            "fit(..., init_from=...) (jobs.train --init-from)"
         )
     return saved
 

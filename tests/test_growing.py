@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -71,12 +72,20 @@ def test_days_land_whole_as_partitions_the_listing_finds(tmp_path: pathlib.Path)
 def test_the_growing_config_needs_an_indexed_unshuffled_single_epoch_parquet_source() -> None:
     ok = DataConfig(source="parquet", path="/d", growing=GrowingConfig(poll_s=1, max_files=5))
     assert ok.growing is not None and ok.growing.poll_s == 1.0
-    for bad in ({"epochs": 2}, {"shuffle_seed": 3}, {"parquet_read": "streaming"}):
+    for bad in ({"epochs": 2}, {"shuffle_seed": 3}, {"source": "generated"}):
+        fields: dict[str, Any] = {"source": "parquet", "path": "/d", **bad}
         with pytest.raises(ConfigError, match=r"data\.growing needs") as e:
-            DataConfig(source="parquet", path="/d", growing=GrowingConfig(), **bad)
+            DataConfig(growing=GrowingConfig(), **fields)
         assert f"data.{next(iter(bad))}=" in str(e.value)
     with pytest.raises(ConfigError, match="poll_s"):
         GrowingConfig(poll_s=0)
+
+
+def test_streaming_parquet_reads_are_refused_with_the_reason_they_were_retired() -> None:
+    with pytest.raises(ConfigError, match=r"data\.parquet_read='streaming' was retired") as e:
+        DataConfig(source="parquet", path="/d", parquet_read="streaming")  # type: ignore[arg-type]
+    assert "3.3x" in str(e.value) and "delete the key" in str(e.value)
+    assert DataConfig(parquet_read="indexed").parquet_read == "indexed"
 
 
 def test_a_resume_of_a_growing_source_allows_files_added_not_changed() -> None:

@@ -89,7 +89,8 @@ def test_days_that_land_while_it_trains_are_each_trained_once_across_a_loss(
     landed = result.events.of(FilesLanded)
     assert sum(len(e.paths) for e in landed) == DAYS - 1, landed
     assert landed[0].step > 0, landed  # found while the job trained
-    assert all(e.found_at >= max(e.landed_at) for e in landed), landed
+    assert all(f >= t for e in landed for f, t in zip(e.found_at, e.landed_at, strict=True))
+    assert all(e.first_step is None or e.first_step > e.step for e in landed), landed
     (ended,) = result.events.of(DataGrowthEnded)
     assert ended.files == DAYS, ended
     assert result.events.of(RankDied), result.events.kinds()

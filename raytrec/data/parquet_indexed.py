@@ -513,7 +513,7 @@ def _no_rows_left(pieces: list[Piece], sid: int, step: int, rows: pa.Table) -> B
     detail = (
         f"batch {step} of stream {sid} has no rows left: all {rows.num_rows} were skipped as bad "
         f"({where}); a batch read by index keeps its step, and no step trains on no rows "
-        "(clean the data, or read it with data.parquet_read='streaming')"
+        "(clean the data: drop or fix those rows)"
     )
     first = pieces[0]
     return BadInputError(

@@ -37,6 +37,7 @@ class DayLander:
         """Moves day ``i`` into place (one rename); returns its path."""
         os.makedirs(self.day_dir(i), exist_ok=True)
         path = os.path.join(self.day_dir(i), "part-0.parquet")
+        os.utime(self.staged[i])  # written now, as far as a reader can tell: its landing time
         os.replace(self.staged[i], path)
         return path
 

@@ -219,17 +219,17 @@ class DataReshared(Event):
 class FilesLanded(Event):
     """New files of a growing source (``data.growing``) were found, and their ``rows`` shared
     among the live ranks with the rows left: the job's data now ends at ``end_step``, and step
-    ``first_step`` is the first to train some of their rows. ``landed_at``: each file's
-    modification time (seconds since the epoch), ``found_at`` the wall-clock time it was found
-    (the same clock)."""
+    ``first_step`` is the first to train some of their rows (None: a rank was lost while they
+    were shared, and the recovery shared them again). ``landed_at``: each file's modification
+    time (seconds since the epoch), ``found_at`` the wall-clock time each was listed."""
 
     kind: ClassVar[str] = "files_landed"
     paths: tuple[str, ...]
     rows: int
     end_step: int
-    first_step: int
+    first_step: int | None
     landed_at: tuple[float, ...]
-    found_at: float
+    found_at: tuple[float, ...]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
