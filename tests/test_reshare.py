@@ -270,7 +270,7 @@ def test_files_being_shared_when_a_rank_dies_are_added_once(tmp_path: pathlib.Pa
     """The coordinator's watch (actors/data_growth.py) finds a third file; a rank dies as the
     rows are handed out. The file is in the job's data once: the next listing does not add it
     again (the recovery shares the rows left, its rows among them)."""
-    job, source, paths = growing_job(tmp_path)
+    job, _, paths = growing_job(tmp_path)
     job.end_step = job.table.length(0)
     growth = DataGrowth(job, job.streams, config=GrowingConfig(poll_s=5), root=str(tmp_path))  # type: ignore[arg-type]
     job.train(4)
