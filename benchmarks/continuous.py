@@ -102,8 +102,9 @@ def drive(
             os.kill(pid, signal.SIGKILL)
             killed = True
             say(f"SIGKILLed rank process {pid}")
-        if killed and not lost and landed >= 4 and _two_gangs(run_dir):  # a node lost
-            node = next(n for n in reversed(cluster.nodes) if rank_pids(n))
+        # A worker node that runs a rank is lost (a rank may run on the head, never killed).
+        node = next((n for n in reversed(cluster.nodes) if n.raylet_pid() and rank_pids(n)), None)
+        if killed and not lost and landed >= 4 and _two_gangs(run_dir) and node is not None:
             _kill_node(node)
             lost = True
             say(f"lost node {node.name} (its raylet and every process on it killed)")
