@@ -88,13 +88,15 @@ def drive(
 
     started: float | None = None
     landed, killed, lost = 1, False, False
+    held = a.days - 2  # the last two days land after the node's loss: training goes on after it
     while not ended:
         run_dir.poll()
         now = time.monotonic()
         if started is None and run_dir.rows:
             started = now
             say("training started")
-        if started is not None and landed < a.days and now >= started + landed * a.land_every_s:
+        due = started is not None and now >= started + landed * a.land_every_s
+        if due and landed < (a.days if lost else held):
             say(f"landed {lander.land(landed)}")
             landed += 1
         if not killed and landed >= 3:  # a rank's process SIGKILLed
@@ -102,9 +104,10 @@ def drive(
             os.kill(pid, signal.SIGKILL)
             killed = True
             say(f"SIGKILLed rank process {pid}")
-        # A worker node that runs a rank is lost (a rank may run on the head, never killed).
+        # Once a gang has joined since, a worker node that runs a rank is lost (a rank may run
+        # on the head, which is never killed).
         node = next((n for n in reversed(cluster.nodes) if n.raylet_pid() and rank_pids(n)), None)
-        if killed and not lost and landed >= 4 and _two_gangs(run_dir) and node is not None:
+        if killed and not lost and _joined(run_dir) and node is not None:
             _kill_node(node)
             lost = True
             say(f"lost node {node.name} (its raylet and every process on it killed)")
@@ -120,13 +123,18 @@ def drive(
     return ended[0]
 
 
-def _two_gangs(run_dir: RunDir) -> bool:
-    return bool(run_dir.rows) and int(run_dir.rows[-1]["gangs"]) == 2
+def _joined(run_dir: RunDir) -> bool:
+    """A gang joined after the first rank loss."""
+    kinds = [e["kind"] for e in _events(run_dir)]
+    return "rank_died" in kinds and "gang_joined" in kinds[kinds.index("rank_died") :]
 
 
 def _node_loss_over(run_dir: RunDir) -> bool:
-    """The node's loss is booked, and the job trained an interval after it."""
-    died = [e for e in _events(run_dir) if e["kind"] == "node_died"]
+    """The node's loss is booked (a rank of it died, or the node), and the job trained after."""
+    events = _events(run_dir)
+    kinds = [e["kind"] for e in events]
+    first = kinds.index("gang_joined") if "gang_joined" in kinds else len(kinds)
+    died = [e for e in events[first:] if e["kind"] in ("node_died", "rank_died")]
     return bool(died) and run_dir.step > int(died[0]["step"])
 
 
