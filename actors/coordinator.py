@@ -382,7 +382,7 @@ class Coordinator:
         t0 = clock.perf_counter()
         prepared = True
         try:
-            n = min(every, self.state.end_step)
+            n = min(every, self.state.end_step - self.state.step)  # a resume starts at its step
             self._call(self.ranks.live(), lambda w, _r: w.prepare(n, first=True))
         except RankFailed as e:
             stopped_by = e.cause
