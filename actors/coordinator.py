@@ -398,7 +398,9 @@ class Coordinator:
         final = os.path.join(self.run_dir, "final_model") if trained else None
         for _ in range(MAX_TRANSIENT + 1):
             try:
-                stopping = isinstance(stopped_by, StopRequested | EarlyStopped)
+                # A growing source's job ended by its rules is saved as a stopped one: resumable.
+                grown = self.data_growth is not None and self.data_growth.ended is not None
+                stopping = grown or isinstance(stopped_by, StopRequested | EarlyStopped)
                 digests = self._finish(
                     final, checkpoint=stopped_by is None or stopping, stopping=stopping
                 )

@@ -1,7 +1,8 @@
 """A growing Parquet source on a simulated two-node cluster (127.0.0.1): day partitions land
 while the job trains, a rank dies on the way, and the job ends once the last day is trained.
 Every row of every day is trained into the model exactly once (by row id), and the replicas
-agree."""
+agree. Then one more day lands and a resume from the job's last checkpoint trains it: once,
+across both jobs."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from ray.cluster_utils import Cluster
 
 from raytrec.api import fit
+from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.config import (
     DataConfig,
     ModelConfig,
@@ -47,7 +49,12 @@ def test_days_that_land_while_it_trains_are_each_trained_once_across_a_loss(
 ) -> None:
     root = tmp_path / "days"
     lander, _ = stage_days(
-        str(root), days=DAYS, rows_per_day=ROWS, row_groups_per_day=2, seed=5, num_embeddings=VOCAB
+        str(root),
+        days=DAYS + 1,
+        rows_per_day=ROWS,
+        row_groups_per_day=2,
+        seed=5,
+        num_embeddings=VOCAB,
     )
     lander.land(0)  # the job starts on the first day (10 steps); the others land as it trains
     landed_at = {1: 2, 2: 5}  # day -> the step after which it lands, before the data ends
@@ -75,6 +82,7 @@ def test_days_that_land_while_it_trains_are_each_trained_once_across_a_loss(
         ),
         # Rank 1 dies at step 6; no gang replaces it (the demonstration's does: a join).
         testing=TestingConfig(faults=(FaultSpec(kind=FaultKind.KILL_RANK, step=6, rank=1),)),
+        checkpoint=CheckpointConfig(every_n_steps=10),
         log_every=2,
         storage_path=str(tmp_path),
     )
@@ -102,3 +110,16 @@ def test_days_that_land_while_it_trains_are_each_trained_once_across_a_loss(
     trained = committed_row_ids(result, lander.landed())
     assert sorted(trained.tolist()) == list(range(DAYS * ROWS))
     assert result.ledger()["rows"]["per_file"] == dict.fromkeys(lander.landed(), ROWS)
+
+    # A day lands after the job ended; a resume from its last checkpoint (at its last step)
+    # finds it and trains it, and only it.
+    assert result.checkpoint is not None and result.checkpoint.path.endswith(f"{result.steps:010d}")
+    lander.land(DAYS)
+    more = config.replace(
+        data=config.data.replace(growing=GrowingConfig(poll_s=0.5, max_files=DAYS + 1))
+    )
+    resumed = fit(more, resume_from_checkpoint=result.checkpoint, shutdown_ray=False)
+    (found,) = resumed.events.of(FilesLanded)
+    assert found.paths == (lander.landed()[-1],) and found.step == result.steps, found
+    trained = committed_row_ids(resumed, lander.landed())
+    assert sorted(trained.tolist()) == list(range((DAYS + 1) * ROWS))
