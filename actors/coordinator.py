@@ -23,8 +23,7 @@ job's state and what was observed there; :mod:`actors.boundary_work` gathers the
 and carries the decisions out (a ``match`` on the union). The live ranks' plumbing (building,
 forming a generation, booking, syncing) is :mod:`actors.job_ranks`.
 
-Every failure, generation, heal and resize is an event (:mod:`raytrec.elastic.events`) with its
-time and step, returned in the run summary.
+Every failure, generation, heal and resize is an event (:mod:`raytrec.elastic.events`).
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from actors.boundary_work import BoundaryWork
 from actors.checkpoints import JobCheckpoints
 from actors.control_calls import ControlCalls
 from actors.coordinator_journal import CoordinatorJournal
+from actors.data_growth import DataGrowth
 from actors.drain import GangDrain
 from actors.evaluation import JobEvaluation
 from actors.gang_placement import JobPlacement
@@ -234,6 +234,7 @@ class Coordinator:
             stream_id=self._stream_id,
             batch_size=config.data.batch_size,
         )
+        self.data_growth = DataGrowth.of(self.ports, self.streams, config.data)  # data.growing
         self.growth = GangGrowth(
             self.ports,
             config=config,
@@ -381,7 +382,7 @@ class Coordinator:
         t0 = clock.perf_counter()
         prepared = True
         try:
-            n = min(every, self.state.end_step)
+            n = min(every, self.state.end_step - self.state.step)  # a resume starts at its step
             self._call(self.ranks.live(), lambda w, _r: w.prepare(n, first=True))
         except RankFailed as e:
             stopped_by = e.cause
@@ -397,7 +398,9 @@ class Coordinator:
         final = os.path.join(self.run_dir, "final_model") if trained else None
         for _ in range(MAX_TRANSIENT + 1):
             try:
-                stopping = isinstance(stopped_by, StopRequested | EarlyStopped)
+                # A growing source's job ended by its rules is saved as a stopped one: resumable.
+                grown = self.data_growth is not None and self.data_growth.ended is not None
+                stopping = grown or isinstance(stopped_by, StopRequested | EarlyStopped)
                 digests = self._finish(
                     final, checkpoint=stopped_by is None or stopping, stopping=stopping
                 )
@@ -408,16 +411,8 @@ class Coordinator:
                     stopped_by = self._train(prepared=False, train_start=train_start)
         else:
             raise JobFailedError("the job kept losing ranks while it finished")
-        table = self.streams.table
-        if stopped_by is None and table is not None:
-            per_rank = table.template.plan(table.batch_size).num_steps
-            if per_rank < self.num_steps:  # the job's rows were all the data had
-                stopped_by = RuntimeError(
-                    f"the data source ran out after {self.state.step} steps: its "
-                    f"{self.cfg.data.epochs} epoch(s) hold {per_rank} batches per rank, fewer "
-                    f"than num_steps={self.num_steps} (every row was trained once); lower "
-                    "num_steps or raise data.epochs"
-                )
+        if stopped_by is None and self.data_growth is None:  # a growing source has no end
+            stopped_by = self.streams.ran_out(self.state.step, self.num_steps, self.cfg.data.epochs)
         return self._summary(final=final, digests=digests, stopped_by=stopped_by, ranks=ranks)
 
     def summary_so_far(self) -> RunSummary:
@@ -469,7 +464,8 @@ class Coordinator:
         self.apply(Prepared(min(every, self.state.end_step - self.state.step) if prepared else 0))
         inflight: deque[Dispatched] = deque()  # sent, in order; the first one is running
         loop = LoopTimer(since=train_start)  # the coordinator's own time, row to row
-        while stopped_by is None and self.state.step < self.state.end_step:
+        growing = self.data_growth  # a growing source's job waits for files at the data's end
+        while stopped_by is None and (self.state.step < self.state.end_step or growing is not None):
             try:
                 if not inflight:
                     t0 = self.clock.perf_counter()  # the interval's time includes what precedes it
@@ -491,6 +487,10 @@ class Coordinator:
                     if halt is not None:
                         stopped_by = StopRequested(halt.reason)
                         break
+                    if growing is not None and not growing.boundary():  # waited, or ended
+                        if growing.ended is not None:
+                            break
+                        continue
                     # A join may have shared the rows left among more ranks: the end is sooner.
                     n = min(every, self.state.end_step - self.state.step)
                     if n <= 0:
@@ -572,7 +572,8 @@ class Coordinator:
             ready=self.state.ready,
             work_at_boundary=bool(self.growth.pending or self.growth.building)
             or self.boundary.stop_asked()
-            or self.boundary.drain_due(),
+            or self.boundary.drain_due()
+            or (self.data_growth is not None and self.data_growth.due()),
             live_gangs=self.state.membership.num_gangs,
             min_gangs=self.elastic.min_gangs,
         )

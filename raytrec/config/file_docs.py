@@ -98,6 +98,8 @@ class _Walker:
             return ", ".join(p for p in parts if p)
         if "enum" in s:
             return ", ".join(f"`{yaml_flow(v)}`" for v in s["enum"])
+        if "const" in s:  # a literal of one value
+            return f"`{yaml_flow(s['const'])}`"
         if s.get("type") == "boolean":
             return "`true`, `false`"
         if "prefixItems" in s:

@@ -20,6 +20,7 @@ __all__ = [
     "CheckpointSaved",
     "CoordinatorLost",
     "CoordinatorRestarted",
+    "DataGrowthEnded",
     "DataReshared",
     "DomainShared",
     "DrainRejected",
@@ -27,6 +28,7 @@ __all__ = [
     "Event",
     "EventLog",
     "FailedStepSettled",
+    "FilesLanded",
     "GangDrained",
     "GangDropped",
     "GangHealed",
@@ -228,6 +230,33 @@ class DataReshared(Event):
     end_step: int
     left_over: int = 0
     handed_off: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FilesLanded(Event):
+    """New files of a growing source (``data.growing``) were found, and their ``rows`` shared
+    among the live ranks with the rows left: the job's data now ends at ``end_step``, and step
+    ``first_step`` is the first to train some of their rows (None: a rank was lost while they
+    were shared, and the recovery shared them again). ``landed_at``: each file's modification
+    time (seconds since the epoch), ``found_at`` the wall-clock time each was listed."""
+
+    kind: ClassVar[str] = "files_landed"
+    paths: tuple[str, ...]
+    rows: int
+    end_step: int
+    first_step: int | None
+    landed_at: tuple[float, ...]
+    found_at: tuple[float, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataGrowthEnded(Event):
+    """A growing source's job ended after training every row of its ``files`` files (``reason``:
+    ``data.growing.max_files`` reached, or no new file for ``data.growing.idle_stop_s``)."""
+
+    kind: ClassVar[str] = "data_growth_ended"
+    files: int
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -50,6 +50,7 @@ VALUES: dict[str, Any] = {
     "float | None": 1.5,
     "tuple[int, ...]": (1, 2),
     "tuple[str, ...]": ("a at 127.0.0.1",),
+    "tuple[float, ...]": (1.5, 2.5),
 }
 
 

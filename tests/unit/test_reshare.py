@@ -6,6 +6,7 @@ reaches the end of the data at the same step, and nothing is re-shared when noth
 from __future__ import annotations
 
 import collections
+import pathlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -13,16 +14,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from actors.job import DataEnds, Outcome
+from actors.data_growth import DataGrowth
+from actors.job import DataEnds, Outcome, Prepared
 from actors.reshare import DataStreams, StreamTable
+from raytrec.data.config import GrowingConfig
 from raytrec.data.generate import write_synthetic_parquet
 from raytrec.data.parquet import IndexedParquetShard, ParquetSource
 from raytrec.data.parquet_streams import stream_length
 from raytrec.data.spec import criteo_spec
 from raytrec.data.synthetic import batch_id, split_batch_id
 from raytrec.elastic.accounting import BatchAccounting
-from raytrec.elastic.events import DataReshared, EventLog
+from raytrec.elastic.events import DataReshared, EventLog, FilesLanded
 from raytrec.elastic.report import RankReport
+from raytrec.elastic.workers import RankLost
 
 ROWS, B, STEPS = 1000, 16, 20  # 3 ranks x 21 batches per epoch; the job takes 20
 
@@ -54,14 +58,21 @@ class Job:
         self.trained: list[tuple[int, int]] = []  # (rank, batch id)
         self.last_sync = 0
         self.reopened: list[int] = []  # ranks given a new stream, in order
+        self.lost: set[int] = set()  # ranks whose next set_shard fails (they died)
+        self.clock = FakeClock()
 
     def _now(self) -> float:
         return time.monotonic()
 
+    def ranks_in_gang_order(self) -> list[int]:
+        return sorted(self.feeds)
+
     def apply(self, outcome: Outcome) -> None:
-        """The outcome of a re-share: where the data now ends."""
-        assert isinstance(outcome, DataEnds)
-        self.end_step = outcome.end_step
+        """The outcome of a re-share: where the data now ends (the ranks' prepared batches,
+        which they keep in their feeds here, are not counted)."""
+        assert isinstance(outcome, DataEnds | Prepared)
+        if isinstance(outcome, DataEnds):
+            self.end_step = outcome.end_step
 
     def _call(self, ranks: list[int], invoke: Any) -> list[Any]:
         """A call on ranks, as the coordinator makes it (``invoke(rank, job_rank)``)."""
@@ -193,6 +204,95 @@ def test_a_loss_at_the_very_end_of_the_data_ends_with_the_shortest_rank(
     assert job.accounting.replay_pending() == 1
 
 
+def growing_job(tmp_path: pathlib.Path) -> tuple[Job, ParquetSource, list[str]]:
+    """A job of 3 ranks on the first two of three files in ``tmp_path``."""
+    write_synthetic_parquet(
+        tmp_path, rows=ROWS, files=3, row_groups_per_file=2, seed=1, num_embeddings=50
+    )
+    paths = sorted(str(p) for p in tmp_path.glob("*.parquet"))
+    source = ParquetSource(paths=paths[:2], spec=criteo_spec(50), read_mode="indexed")
+    split = [s for s in source.split(3) if isinstance(s, IndexedParquetShard)]
+    return Job([s.with_table({"made": {}}, limit=100) for s in split]), source, paths
+
+
+def test_files_that_land_mid_job_are_shared_with_the_rows_left_each_row_trained_once(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A growing source: the job starts on two of three files; the third lands at step 4 and
+    its rows, with the rows left, are cut again among the ranks; a rank is lost after it. Every
+    row of the three files is trained once, and the table saved in a checkpoint names the
+    files in the order found."""
+    job, source, paths = growing_job(tmp_path)
+    job.table.growing = True
+    job.end_step = job.table.length(0)
+    job.train(4)
+    (landed,) = source.footers(paths[2:])
+    job.reopened = []
+    rows, first = job.streams.grow([landed.path], [landed.row_group_rows]) or (0, 0)
+    assert rows == landed.rows
+    # The first batch of the new streams to hold a new row, found by reading every batch's rows.
+    known = sum(i.rows for i in source.footers(paths[:2]))
+    left = job.end_step - job.step
+    new = range(job.table.next_id - 3, job.table.next_id)
+    holds = [
+        k for k in range(left) if any(rows_of(job, [batch_id(s, k)]).max() >= known for s in new)
+    ]
+    assert first == holds[0] and len(holds) > left // 2
+    assert job.reopened == [0, 1, 2]  # every rank reads a new stream
+    assert len({len(f) for f in job.feeds.values()}) == 1
+    assert job.end_step - job.step == len(job.feeds[0])
+    job.train(3)
+    job.lose(2, steps=2)
+    # Replays are queued: files found now wait for a later boundary.
+    assert job.streams.grow([landed.path], [landed.row_group_rows]) is None
+    job.train(job.end_step - job.step)
+    job.accounting.commit(sorted(job.feeds))
+    committed = [i for a, b in job.accounting.committed() for i in range(a, b)]
+    assert job.accounting.committed_count() == len(committed)  # none twice
+    assert sorted(rows_of(job, committed).tolist()) == list(range(ROWS))
+    saved = job.table.to_json()
+    assert saved["files"]["paths"] == paths
+    fresh = StreamTable(job.table.template.with_files(paths[:2], []), batch_size=B)
+    fresh.load(saved)
+    assert fresh.template.paths == tuple(paths) and fresh.made == job.table.made
+
+
+def test_too_few_new_rows_to_give_every_rank_a_batch_wait(
+    shards: list[IndexedParquetShard],
+) -> None:
+    job = Job(shards)
+    job.train(STEPS)  # every row of the job trained: none left
+    assert job.streams.grow(["/nowhere.parquet"], [(2,)]) is None  # 2 rows, 3 ranks
+    assert not job.events.of(DataReshared)
+
+
+def test_files_being_shared_when_a_rank_dies_are_added_once(tmp_path: pathlib.Path) -> None:
+    """The coordinator's watch (actors/data_growth.py) finds a third file; a rank dies as the
+    rows are handed out. The file is in the job's data once: the next listing does not add it
+    again (the recovery shares the rows left, its rows among them)."""
+    job, _, paths = growing_job(tmp_path)
+    job.end_step = job.table.length(0)
+    growth = DataGrowth(job, job.streams, config=GrowingConfig(poll_s=5), root=str(tmp_path))  # type: ignore[arg-type]
+    job.train(4)
+    job.lost = {2}
+    with pytest.raises(RankLost):
+        growth.poll()
+    assert job.table.template.paths == tuple(paths)
+    (landed,) = job.events.of(FilesLanded)
+    assert landed.paths == (paths[2],) and landed.first_step is None
+    job.clock.now += 5
+    assert not growth.poll() and job.table.template.paths == tuple(paths)
+    assert job.events.of(FilesLanded) == (landed,)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
 class FeedRank:
     """What :class:`DataStreams` asks of a rank of :class:`Job`."""
 
@@ -203,6 +303,8 @@ class FeedRank:
         self, shard: IndexedParquetShard, replay: list[int], embedding_only: list[int]
     ) -> None:
         """A new stream, after the replays."""
+        if self.rank in self.job.lost:
+            raise RankLost(self.rank, "killed")
         assert embedding_only == []  # nothing here reached the dense parameters before
         self.job.reopened.append(self.rank)
         self.job._read(self.rank, shard, replay)
