@@ -134,6 +134,22 @@ class RunDir:
         return min(s - float(r["at"]) for s, r in zip(self.seen, self.rows, strict=True))
 
 
+class JournalTail:
+    """What the job's journal gained since the last look (it grows all run: read from where
+    the last look ended)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.at = os.path.getsize(path) if os.path.exists(path) else 0
+
+    def new(self) -> str:
+        with open(self.path, "rb") as f:
+            f.seek(self.at)
+            text = f.read()
+        self.at += len(text)
+        return text.decode(errors="replace")
+
+
 def rank_pids(node: lc.WorkerNode) -> list[int]:
     return sorted(lc.session_pids(node.session, "ray::RankWorker"))  # title: class and method
 
@@ -145,6 +161,7 @@ def entrypoint(a: argparse.Namespace, storage: str) -> list[str]:
     stream)."""
     rows = -(-a.steps * 2 * GANG_SIZE * BATCH_SIZE // EPOCHS)
     parquet = ["--set", "data.source=generated", "--set", f"data.generated_rows={rows}"]
+    parquet += ["--set", f"data.path={a.data_dir}/train"]  # written once, read by every run
     parquet += ["--set", f"data.epochs={EPOCHS}"]
     return [
         "python", "-m", "jobs.train", "--config", "examples/configs/local_cpu.yaml",
@@ -281,15 +298,15 @@ def kill(
     node_id = node.node_id()
     if kind in ("rank", "coord-recovery"):
         pid = draw.choice(rank_pids(node))
-        booked = len([e for e in run_dir.events() if e["kind"] == "rank_died"])
+        journal = JournalTail(os.path.join(run_dir.find() or "", "journal.jsonl"))
         fault = Fault(kind, step, time.monotonic(), node.name, node_id, lc.process_title(pid))
         os.kill(pid, signal.SIGKILL)
         watch_death(fault, pid)
-        if kind == "coord-recovery":  # once the coordinator has booked the death: recovering
+        if kind == "coord-recovery":
+            # In the recovery: once it journaled the generation without the lost gang (its
+            # sync, commit and re-share follow).
             end = time.monotonic() + 60
-            while time.monotonic() < end:
-                if len([e for e in run_dir.events() if e["kind"] == "rank_died"]) > booked:
-                    break
+            while time.monotonic() < end and '"kind":"generation"' not in journal.new():
                 time.sleep(0.005)
             fault.coord_mono = time.monotonic()
             kill_coordinator(cluster)
@@ -364,6 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a.steps = a.steps or (20000 if a.short else 4500)
     a.schedule = SCHEDULES["short" if a.short else "coordinator" if a.coordinator_kills else "full"]
     runs: list[Json] = []
+    a.data_dir = tempfile.mkdtemp(prefix="rtchaos-data-", dir="/tmp")
     for i in range(a.runs):
         a.run_index, a.run_started = i, time.perf_counter()
         out = run(a)
@@ -377,6 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(table(report), flush=True)
         a.seed += 1  # the next run draws other moments, ranks and nodes
     a.seed -= a.runs
+    shutil.rmtree(a.data_dir, ignore_errors=True)
     name = (
         "chaos-coordinator"
         if a.coordinator_kills

@@ -378,6 +378,9 @@ def describe(a: argparse.Namespace, runs: list[Json]) -> str:
         text += f"interval):\n\n{table(worst['report'])}"
     if any(m["type"] == "coordinator" for r in runs for m in r["report"]["marks"]):
         for i, r in enumerate(runs):
-            text += f"\n\nThe coordinator's losses in run {i + 1}:\n\n"
+            summary = r["out"]["summary"]
+            text += f"\n\nThe coordinator's losses in run {i + 1} (the ledger: "
+            text += f"`coordinator_restarts` {summary.get('coordinator_restarts')}, `failures` "
+            text += f"{(summary.get('failures') or {}).get('events')}):\n\n"
             text += coordinator_table(r["report"])
     return text
