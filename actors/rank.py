@@ -270,7 +270,12 @@ class RankWorker:
         their embedding rows only (their dense gradient is already in the dense parameters)."""
         assert self._feed is not None, "build() first"
         size = self.spec.config.data.batch_size
-        self._feed.push_front([(i, self.shard.replay(i, size)) for i in batch_ids])
+        shard = self.shard
+        if isinstance(shard, IndexedParquetShard):  # consecutive ones read in one pass
+            batches = shard.replay_many(batch_ids, size)
+        else:
+            batches = [shard.replay(i, size) for i in batch_ids]
+        self._feed.push_front(list(zip(batch_ids, batches, strict=True)))
         self._embedding_only.update(embedding_only or ())
         return len(batch_ids)
 
