@@ -59,7 +59,7 @@ def analyse(out: Json) -> Json:
         if f.get("coord_mono") is not None:  # coord-recovery: then the coordinator
             coord_at = f["coord_mono"] - offset
             marks.append(_coordinator_mark(f, coord_at, events, "in a recovery"))
-    starts = [f["kill_mono"] - offset for f in out["faults"] if f["kind"] != "node"]
+    starts = [f["kill_mono"] - offset for f in out["faults"]]  # the loss a join makes good
     for e in (e for e in events if e["kind"] == "gang_joined"):
         start = max((s for s in starts if s <= e["at"]), default=None)
         mark = {"what": f"gang {e['gang_id']} joined", "step": e["step"], "type": "join"}
@@ -169,7 +169,7 @@ def figures(out: Json, marks: list[Json], pace: float) -> Json:
         "slowed_after_reshare": len(slowed),
         "worst_loss_s": max((m.get("total_stall_s", 0.0) for m in losses), default=None),
         "nodes": nodes,
-        "rank_to_join_s": [m["to_join_s"] for m in marks if m.get("to_join_s") is not None],
+        "loss_to_join_s": [m["to_join_s"] for m in marks if m.get("to_join_s") is not None],
         "load": out.get("load"), "rows": out.get("row_check"),
     }  # fmt: skip
 
@@ -330,7 +330,9 @@ def _runs_table(runs: list[Json]) -> str:
     for i, r in enumerate(runs):
         f, out = r["report"].get("run", {}), r["out"]
         checked = f.get("rows") or {}
-        check = "-" if not checked else f"{checked.get('lost')} / {checked.get('doubled')}"
+        # A stopped job had rows left to train: its untrained rows are not lost.
+        lost = checked.get("lost") if out["state"] == "SUCCEEDED" else "- (stopped)"
+        check = "-" if not checked else f"{lost} / {checked.get('doubled')}"
         load = "/".join(f"{x:.1f}" for x in f.get("load") or [])
         idle = f.get("largest_idle_s")
         where = "" if idle is None else f" (step {f['largest_idle_step']}"
@@ -340,13 +342,13 @@ def _runs_table(runs: list[Json]) -> str:
             spread([idle]) + where, spread([f.get("reshare_data_s")]),
             spread([f.get("worst_loss_s")]),
             ", ".join(_node_join(n) for n in f.get("nodes", [])) or "-",
-            spread(f.get("rank_to_join_s") or []), check,
+            spread(f.get("loss_to_join_s") or []), check,
             "passed" if r["report"].get("replica_check") else "**failed**",
         ])  # fmt: skip
     heads = "run | load (start/end) | job | losses detected | largest idle interval (s) "
     heads += "| data waits after re-shares (s) | worst loss over the rest (s) "
     heads += "| node start to gang join (node up, rank processes started) (s) "
-    heads += "| rank kill to gang join (s) "
+    heads += "| loss to gang join (s) "
     heads += "| rows lost / doubled | replica check"
     return md_table(heads, rows)
 
@@ -357,15 +359,17 @@ def describe(a: argparse.Namespace, runs: list[Json]) -> str:
     data = [x for x in (f.get("reshare_data_s") for f in figs) if x is not None]
     worst_idle, worst_data = max(idle, default=None), max(data, default=None)
     kinds = collections.Counter(a.schedule)
-    parquet = " read by index through Ray Data (3 epochs)" if a.data == "parquet" else ""
+    source = "Parquet read by index through Ray Data (3 epochs)"
+    source = source if a.data == "parquet" else "synthetic data"
+    runs_word = f"{len(runs)} run{'s' if len(runs) > 1 else ''}"
     text = (
         f"- Cluster: `ray start` head + 2 worker nodes of 2 CPUs on 127.0.0.1; job "
-        f"(`ray job submit`): 2 gangs x 2 ranks, {a.data} data{parquet}, "
+        f"(`ray job submit`): 2 gangs x 2 ranks, {source}, "
         f"`examples/configs/local_cpu.yaml`, {a.steps} steps, a checkpoint every "
         f"{a.checkpoint_every} steps. Faults per run, in order: {', '.join(a.schedule)} "
         f"({', '.join(f'{n} {k}' for k, n in kinds.items())}); a lost node is replaced by a "
         f"new one{' (not with --short)' if a.short else ''}.\n"
-        f"- {len(runs)} runs: largest idle interval worst {spread([worst_idle])} s, median "
+        f"- {runs_word}: largest idle interval worst {spread([worst_idle])} s, median "
         f"{spread([statistics.median(idle) if idle else None])} s "
         f"(every run, {_verdict(worst_idle, TARGETS['idle'])}); data waits in slowed "
         f"intervals after a re-share worst {spread([worst_data])} s, median "
