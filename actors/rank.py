@@ -141,6 +141,7 @@ class RankWorker:
         self._losses: list[torch.Tensor] = []  # each step's loss, read at the report
         self._order = IntervalOrder()
         self._last_end: float | None = None  # when the last train call ended (perf_counter)
+        self._held_out: dict[tuple[object, ...], Batch] = {}  # held-out batches read (evaluate)
         self._heartbeat: threading.Thread | None = None
         self._closed = threading.Event()
         # Queued replay batches that update their embedding rows only: their dense gradient is
@@ -273,7 +274,12 @@ class RankWorker:
         their embedding rows only (their dense gradient is already in the dense parameters)."""
         assert self._feed is not None, "build() first"
         size = self.spec.config.data.batch_size
-        self._feed.push_front([(i, self.shard.replay(i, size)) for i in batch_ids])
+        shard = self.shard
+        if isinstance(shard, IndexedParquetShard):  # consecutive ones read in one pass
+            batches = shard.replay_many(batch_ids, size)
+        else:
+            batches = [shard.replay(i, size) for i in batch_ids]
+        self._feed.push_front(list(zip(batch_ids, batches, strict=True)))
         self._embedding_only.update(embedding_only or ())
         return len(batch_ids)
 
@@ -456,11 +462,25 @@ class RankWorker:
         metrics = RankMetrics(auc_window=1 << 62)  # every row counts for the AUC
         pad = next((i for i in batch_ids if i is not None), 0)
         for batch_id in batch_ids:
-            batch = shard.replay(pad if batch_id is None else batch_id, batch_size)
+            batch = self._held_out_batch(shard, pad if batch_id is None else batch_id, batch_size)
             logits, labels = self.engine.score(batch)
             if batch_id is not None:
                 metrics.update(logits, labels)
         return metrics.state()
+
+    def _held_out_batch(self, shard: BatchShard, batch_id: int, batch_size: int) -> Batch:
+        """Held-out batch ``batch_id``, read once in this rank's life: every evaluation scores
+        the same batches, and reading one again decodes its row group from the start (seconds
+        per evaluation on a loaded machine, which every gang waits for at the boundary)."""
+        if not isinstance(shard, IndexedParquetShard) or shard.streams:
+            return shard.replay(batch_id, batch_size)
+        key = (
+            shard.paths, shard.row_groups, shard.index, shard.num_shards, shard.epochs,
+            shard.shuffle_seed, shard.shuffle_window_rows, shard.limit, batch_id, batch_size,
+        )  # fmt: skip
+        if key not in self._held_out:
+            self._held_out[key] = shard.replay(batch_id, batch_size)
+        return self._held_out[key]
 
     def save_checkpoint(
         self,

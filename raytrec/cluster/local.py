@@ -189,8 +189,9 @@ class LocalCluster:
             time.sleep(2)
         raise RuntimeError("the cluster's job agent never came up")
 
-    def wait(self, submission_id: str, timeout_s: float = 240) -> str:
-        """The job's final state and status text, read from ``ray job status``."""
+    def wait(self, submission_id: str, timeout_s: float = 240, *, poll_s: float = 3) -> str:
+        """The job's final state and status text, read from ``ray job status`` every ``poll_s``
+        (the CLI takes a second of CPU to start)."""
         # What the CLI prints (on stderr) once a job has ended.
         ended = {
             f"Job '{submission_id}' succeeded": "SUCCEEDED",
@@ -208,7 +209,7 @@ class LocalCluster:
             state = next((s for line, s in ended.items() if line in text), None)
             if state:
                 return f"{state}\n{text}"
-            time.sleep(3)
+            time.sleep(poll_s)
         raise TimeoutError(f"job {submission_id} did not end in {timeout_s}s: {text}")
 
     def logs(self, submission_id: str) -> str:
@@ -262,22 +263,21 @@ def _plain(text: str) -> str:
 
 
 def _node_ports(*, head: bool) -> dict[str, int]:
-    """Every port a node opens, given explicitly: two clusters on one machine otherwise collide
-    (the dashboard agent's 52365)."""
-    ports = {
-        "--dashboard-agent-listen-port": free_port(),
-        "--dashboard-agent-grpc-port": free_port(),
-        "--runtime-env-agent-port": free_port(),
-        "--metrics-export-port": free_port(),
-        "--node-manager-port": free_port(),
-        "--object-manager-port": free_port(),
-    }
+    """Every port a node opens, given explicitly and each a different one: two clusters on one
+    machine otherwise collide (the dashboard agent's 52365), and a port just freed can be the
+    next one handed out (Ray refuses two components on one port)."""
+    flags = [
+        "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+        "--runtime-env-agent-port", "--metrics-export-port", "--node-manager-port",
+        "--object-manager-port",
+    ]  # fmt: skip
     if head:
-        ports |= {
-            "--port": free_port(),
-            "--dashboard-port": free_port(),
-            "--ray-client-server-port": free_port(),
-        }
+        flags += ["--port", "--dashboard-port", "--ray-client-server-port"]
+    ports: dict[str, int] = {}
+    while len(ports) < len(flags):
+        port = free_port()
+        if port not in ports.values():
+            ports[flags[len(ports)]] = port
     return ports
 
 

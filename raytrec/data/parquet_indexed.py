@@ -225,23 +225,37 @@ class IndexedParquetShard(BatchShard):
     def replay(self, batch_id: int, batch_size: int) -> Batch:
         """Batch ``batch_id`` (of any stream of this job) read again: bitwise the batch that
         :meth:`identified_batches` yielded under this id."""
-        sid, step = split_batch_id(batch_id)
+        return self.replay_many([batch_id], batch_size)[0]
+
+    def replay_many(self, batch_ids: Sequence[int], batch_size: int) -> list[Batch]:
+        """Batches ``batch_ids`` read again, as :meth:`replay` reads each, in their order. The
+        consecutive batches of a stream among them are read in one pass: a read decodes its
+        row group from the start, and a lost gang's batches handed to one rank are mostly
+        consecutive steps of one stream, in one row group."""
         plan = self.plan(batch_size)
-        stream = self.stream(batch_size, sid)
-        if not 0 <= step < stream_length(stream):
-            raise ValueError(
-                f"batch id {batch_id} (stream {sid}, batch {step}) is not one of this job's: "
-                f"stream {sid} has {stream_length(stream)} batches"
-            )
-        cutter = _StepCutter(step, functools.partial(stream_batch_size, stream))
-        done: list[tuple[int, pa.Table]] = []
-        for unit in plan.stream_reads(stream, step, step + 1):
-            for table in read(self.filesystem, unit, self.source_spec.required_columns()):
-                done += cutter.feed(self._preprocess(table))
-        cutter.finish(step + 1)
-        ((_, rows),) = done
-        log = EpochLog(stream_epoch(stream, step), has_ids=False)  # a replay is not a read
-        return self._convert(plan, stream, sid, step, rows, log)[0]
+        wanted = sorted({split_batch_id(i) for i in batch_ids})
+        read_back: dict[int, Batch] = {}
+        for run in _consecutive(wanted):
+            sid, first, end = run[0][0], run[0][1], run[-1][1] + 1
+            stream = self.stream(batch_size, sid)
+            if first < 0 or end > stream_length(stream):
+                bad = first if first < 0 else end - 1
+                raise ValueError(
+                    f"batch id {batch_id(sid, bad)} (stream {sid}, batch {bad}) is not one of "
+                    f"this job's: stream {sid} has {stream_length(stream)} batches"
+                )
+            cutter = _StepCutter(first, functools.partial(stream_batch_size, stream))
+            done: list[tuple[int, pa.Table]] = []
+            for unit in plan.stream_reads(stream, first, end):
+                for table in read(self.filesystem, unit, self.source_spec.required_columns()):
+                    done += cutter.feed(self._preprocess(table))
+            cutter.finish(end)
+            for step, rows in done:
+                log = EpochLog(stream_epoch(stream, step), has_ids=False)  # a replay: no read
+                read_back[batch_id(sid, step)] = self._convert(plan, stream, sid, step, rows, log)[
+                    0
+                ]
+        return [read_back[i] for i in batch_ids]
 
     def consumed(self) -> tuple[EpochConsumption, ...]:
         """Per epoch started so far, what this shard yielded (no ``padding`` in this mode, and
@@ -503,6 +517,17 @@ class _StepCutter:
                 f"the read ended at step {self.step} ({self.have} rows into it), "
                 f"expected the end of step {end_step - 1}"
             )
+
+
+def _consecutive(ids: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Sorted ``(stream, step)`` pairs in runs of consecutive steps of one stream."""
+    runs: list[list[tuple[int, int]]] = []
+    for sid, step in ids:
+        if runs and runs[-1][-1] == (sid, step - 1):
+            runs[-1].append((sid, step))
+        else:
+            runs.append([(sid, step)])
+    return runs
 
 
 def _no_rows_left(pieces: list[Piece], sid: int, step: int, rows: pa.Table) -> BadInputError:

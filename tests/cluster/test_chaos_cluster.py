@@ -28,7 +28,8 @@ def test_job_survives_a_rank_kill_a_join_and_a_node_loss(tmp_path: pathlib.Path)
     # A collective timeout well above the death notices of a loaded machine (a survivor's
     # gang world that times out first makes a total loss: docs/fault_tolerance.md, "Limits").
     # What this test checks is every batch once through a kill, a join and a node loss.
-    command = [sys.executable, "-m", "benchmarks.chaos", "--short", "--json", str(out_file)]
+    command = [sys.executable, "-m", "benchmarks.chaos", "--short", "--data", "synthetic"]
+    command += ["--json", str(out_file)]
     done = subprocess.run(
         [*command, "--collective-timeout-s", "60"],
         cwd=REPO,
@@ -38,7 +39,7 @@ def test_job_survives_a_rank_kill_a_join_and_a_node_loss(tmp_path: pathlib.Path)
         timeout=400,
     )
     assert out_file.exists(), done.stdout + done.stderr
-    data = json.loads(out_file.read_text())
+    (data,) = json.loads(out_file.read_text())["runs"]
     out, report = data["out"], data["report"]
     assert out["state"] == "STOPPED", out["status"] + out["logs_tail"]
     assert done.returncode == 0, done.stdout + done.stderr

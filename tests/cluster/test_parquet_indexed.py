@@ -23,6 +23,7 @@ import ray
 from ray import cloudpickle
 
 from raytrec.config import ScalingConfig, TrainConfig
+from raytrec.data import parquet_indexed
 from raytrec.data.arrow_kjt import BadInputError
 from raytrec.data.generate import write_synthetic_parquet
 from raytrec.data.parquet import IndexedParquetShard, ParquetSource
@@ -154,6 +155,34 @@ def test_replay_gives_back_each_batch_bitwise_from_any_rank(data_dir: pathlib.Pa
         other.replay(batch_id(3, 0), B)
     with pytest.raises(ValueError, match=r"\(stream 0, batch 64\) is not one of this job's"):
         other.replay(batch_id(0, 64), B)
+
+
+@pytest.mark.parametrize("window", [None, 300])
+def test_consecutive_replays_are_read_in_one_pass_bitwise(
+    data_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch, window: int | None
+) -> None:
+    shards = split(data_dir, 3, epochs=2, shuffle_seed=4, shuffle_window_rows=window)
+    first = {i: data for s in shards for i, data, _ in read_all(s)}
+    other = split(data_dir, 3, epochs=2, shuffle_seed=4, shuffle_window_rows=window)[1]
+    # Out of order, three streams, runs of consecutive steps and a repeated id.
+    ids = [batch_id(0, 5), batch_id(0, 3), batch_id(0, 4), batch_id(2, 7), batch_id(1, 0)]
+    ids += [batch_id(2, 8), batch_id(0, 4)]
+    reads: list[object] = []
+    real = parquet_indexed.read
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        reads.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(parquet_indexed, "read", counted)
+    assert [as_bytes(b) for b in other.replay_many(ids, B)] == [first[i] for i in ids]
+    together, reads[:] = len(reads), []
+    for i in ids:
+        other.replay(i, B)
+    assert together < len(reads), (together, len(reads))
+    assert other.consumed() == ()
+    with pytest.raises(ValueError, match=r"\(stream 0, batch 64\) is not one of this job's"):
+        other.replay_many([batch_id(0, 62), batch_id(0, 63), batch_id(0, 64)], B)
 
 
 def test_a_shuffle_window_mixes_rows_and_replays_and_resumes_bitwise(

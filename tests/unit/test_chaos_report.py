@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import chaos
+from benchmarks import chaos_report as chaos
 
 PACE = 0.05  # s/step before the first fault
 
@@ -77,7 +77,29 @@ def test_without_a_baseline_before_the_first_fault_nothing_is_charged() -> None:
     assert "total_stall_s" not in mark and mark["detected_s"] == pytest.approx(0.2)
 
 
-def test_a_checkpoint_save_is_not_charged_to_the_loss_before_it() -> None:
+def test_a_checkpoint_save_after_a_loss_is_charged_to_it() -> None:
     save = {"kind": "checkpoint_saved", "at": 3.5, "step": 30}
     (mark,) = chaos.analyse(run_with(late_stall_rows(), [DIED, save]))["marks"]
-    assert mark["total_stall_s"] == pytest.approx(1.5) and mark["late_data_s"] == 0.0
+    assert mark["total_stall_s"] == pytest.approx(1.5 + 0.9)
+    assert mark["late_data_s"] == pytest.approx(0.8)
+
+
+def test_a_run_counts_every_idle_interval_the_data_waits_after_a_reshare_and_the_join() -> None:
+    reshared = {"kind": "data_reshared", "at": 1.3, "step": 20}
+    # The late stall's interval (3.0 to 4.0) holds the join: it counts all the same.
+    joined = {"kind": "gang_joined", "at": 3.9, "step": 30, "gang_id": 2}
+    out = run_with(late_stall_rows(), [DIED, reshared, joined])
+    # A node loss whose replacement's `ray start` began at 1.5 and returned at 2.0.
+    out["faults"][0] |= {"kind": "node", "replacement": "r0"}
+    out["faults"][0] |= {"replacement_mono": 1001.5, "replacement_up_mono": 1002.0}
+    report = chaos.analyse(out)
+    run = report["run"]
+    assert (run["losses"], run["detected"]) == (1, 1)
+    assert run["largest_idle_s"] == pytest.approx(1.5) and run["largest_idle_step"] == 22
+    # Slowed after the re-share: the 1.5 s interval (no data wait) and the 0.9 s one (0.8 s).
+    assert run["slowed_after_reshare"] == 2
+    assert run["reshare_data_s"] == pytest.approx(0.8)
+    assert run["worst_loss_s"] == pytest.approx(1.5 + 0.9)
+    ((node,),) = [run["nodes"]]
+    assert node["node"] == "r0"
+    assert node["up_s"] == pytest.approx(0.5) and node["to_join_s"] == pytest.approx(2.4)
