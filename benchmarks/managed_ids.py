@@ -222,9 +222,8 @@ def teacher_of(a: argparse.Namespace) -> DriftingTeacher:
     )
 
 
-def main(argv: Sequence[str] | None = None, *, fit: Callable[..., Any] | None = None) -> int:
-    p = parser(__doc__, "managed_ids", "docs/managed_ids.md")
-    p.add_argument("--days", type=int, default=12, help="training days (the next one is held out)")
+def add_data_options(p: argparse.ArgumentParser) -> None:
+    """The options of the drifting data and the model, which the cost benchmark shares."""
     p.add_argument("--rows-per-day", type=int, default=100_000)
     p.add_argument("--live-ids", type=int, default=1_000, help="live ids per feature")
     p.add_argument("--turnover", type=float, default=0.25, help="share of live ids replaced a day")
@@ -232,19 +231,34 @@ def main(argv: Sequence[str] | None = None, *, fit: Callable[..., Any] | None = 
     p.add_argument("--eviction", choices=("lru", "lfu"), default="lru", help="managed ids'")
     p.add_argument("--features", type=int, default=8, help="sparse features, one table each")
     p.add_argument("--dim", type=int, default=16, help="embedding dim")
-    p.add_argument("--batch-size", type=int, default=512)
-    p.add_argument("--log-every", type=int, default=100, help="steps per metrics interval")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--variants", default=",".join(VARIANTS), help="comma-separated, of " + "/".join(VARIANTS)
-    )
+
+
+def parse_tiny(
+    p: argparse.ArgumentParser, argv: Sequence[str] | None, tiny: dict[str, Any]
+) -> argparse.Namespace:
+    """Parses ``argv`` with ``--tiny``, which sets the options ``tiny`` names."""
     p.add_argument(
         "--tiny", action="store_true", help="tiny sizes: runs every path, measures nothing"
     )
     a = parse(p, argv)
     if a.tiny:
-        for key, value in TINY.items():
+        for key, value in tiny.items():
             setattr(a, key, value)
+    return a
+
+
+def main(argv: Sequence[str] | None = None, *, fit: Callable[..., Any] | None = None) -> int:
+    p = parser(__doc__, "managed_ids", "docs/managed_ids.md")
+    p.add_argument("--days", type=int, default=12, help="training days (the next one is held out)")
+    add_data_options(p)
+    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--log-every", type=int, default=100, help="steps per metrics interval")
+    p.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma-separated, of " + "/".join(VARIANTS)
+    )
+    a = parse_tiny(p, argv, TINY)
+    if a.tiny:
         a.log_every = 5
     variants = [v for v in a.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
