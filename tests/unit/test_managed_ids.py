@@ -108,6 +108,28 @@ def test_coalesce_sums_counts_and_keeps_the_last_step() -> None:
     assert coalesce(obs).tolist() == [[0, 2, 1, 1], [0, 5, 3, 7], [1, 5, 2, 4]]
 
 
+def test_coalesce_matches_a_plain_python_merge_on_signed_64_bit_ids() -> None:
+    g = torch.Generator().manual_seed(3)
+    pool = torch.randint(-(2**62), 2**62, (300,), generator=g)
+    n = 5_000
+    obs = torch.stack(
+        [
+            torch.randint(0, 4, (n,), generator=g),
+            pool[torch.randint(0, 300, (n,), generator=g)],
+            torch.randint(1, 9, (n,), generator=g),
+            torch.randint(0, 1_000, (n,), generator=g),
+        ],
+        dim=1,
+    )
+    merged: dict[tuple[int, int], list[int]] = {}
+    for table, raw, count, last in obs.tolist():
+        seen = merged.setdefault((table, raw), [0, last])
+        seen[0] += count
+        seen[1] = max(seen[1], last)
+    want = [[t, r, c, last] for (t, r), (c, last) in sorted(merged.items())]
+    assert coalesce(obs).tolist() == want
+
+
 def test_gather_ragged_pads_and_concatenates() -> None:
     """Member 0 holds one row, member 1 two: both are padded to two, then cut back."""
     other = torch.tensor([[3, 4], [5, 6]])
