@@ -8,13 +8,15 @@
   ``GenerationStarted`` that follows (files of ``actors/`` and ``raytrec/``; the fake's own
   files in ``simulation/`` are not counted);
 - the loops in ``actors/`` that retry or poll (``for _ in range(...)`` and ``while True``);
-- the places that call ``decide(`` (``actors/`` and ``raytrec/``, its definition aside);
+- the places that call ``decide(`` (``actors/`` and ``raytrec/``, its definition aside), and
+  those that call a wrapper of it (``self.decide(``, ``self._decide(``);
 - the ``except RankCallError`` handlers in ``actors/``;
 - the five largest modules of ``actors/`` and ``raytrec/elastic/``.
 """
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import re
 import sys
@@ -71,22 +73,29 @@ def _grep(pattern: str, folders: tuple[str, ...]) -> list[str]:
     for folder in folders:
         for path in sorted((ROOT / folder).rglob("*.py")):
             for i, line in enumerate(path.read_text().splitlines(), 1):
-                if re.search(pattern, line):
+                if re.search(pattern, line.split("#")[0]):  # code, not a comment
                     hits.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     return hits
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     files = rank_death_files()
+    control = [f for f in files if f.startswith("actors/")]
     print(f"files run from a rank death to the next generation: {len(files)}")
+    print(
+        f"  of them in actors/ (the control flow; raytrec/ holds values and rules): {len(control)}"
+    )
     for f in files:
         print(f"  {f}")
     sections = {
         "retry or poll loops in actors/": _grep(r"for _ in range\(|while True", ("actors",)),
         "calls of decide(": [
-            h for h in _grep(r"(?<![\w.])decide\(|\._decide\(", ("actors", "raytrec"))
-            if "def decide(" not in h
+            h for h in _grep(r"(?<![\w.])decide\(", ("actors", "raytrec")) if "def decide(" not in h
         ],
+        "calls of a wrapper of it (self.decide(, self._decide()": _grep(
+            r"self\._?decide\(", ("actors",)
+        ),
         "except RankCallError handlers in actors/": _grep(r"except RankCallError", ("actors",)),
     }
     for title, hits in sections.items():

@@ -277,10 +277,10 @@ def test_a_bad_schedule_is_refused_naming_what(text: str, message: str) -> None:
 def test_a_defect_is_classified_with_where_it_was_raised(monkeypatch: Any) -> None:
     from actors import recovery
 
-    def broken(self: Any, result: Any) -> None:
+    def broken(self: Any, failed: Any, result: Any, recovered: Any) -> None:
         raise KeyError(4)
 
-    monkeypatch.setattr(recovery.FailureRecovery, "recover", broken)
+    monkeypatch.setattr(recovery.FailureRecovery, "reform", broken)
     outcome = run_schedule(Schedule(Settings(), ({"kind": "rank_dies", "rank": 1, "step": 3},)))
     assert outcome.verdict == "defect" and outcome.name == "KeyError"
     assert "test_fault_space.py" in outcome.detail
