@@ -152,8 +152,8 @@ class JobLoop(TrainingSteps):
             case Fail() | Stop():
                 why = self.placement.give_up(p.job, decision)
                 if p.rebuilding is None:
-                    raise ConfigError(why)
-                raise self.total_loss.refused(why)
+                    return Failed(ConfigError(why))
+                return Failed(self.total_loss.refused(why))
         self.placement.waiting(p.job)
         return p
 
@@ -162,7 +162,7 @@ class JobLoop(TrainingSteps):
         A rank lost meanwhile is a loss like any other: its gang is dropped and the others start
         on (or, with no gang left, the job fails as a total loss does)."""
         if state.attempts_left <= 0:
-            raise JobFailedError("the job kept losing ranks while it started")
+            return Failed(JobFailedError("the job kept losing ranks while it started"))
         again = Forming(attempts_left=state.attempts_left - 1)
         try:
             if self.state.membership.generation == 0 and not self.ranks.infos:
@@ -210,7 +210,7 @@ class JobLoop(TrainingSteps):
                 (decision,) = self.decide(Observations(loss=recovery.stall(cause)))
                 recovery.transient += 1
                 if isinstance(decision, Fail):
-                    raise JobFailedError(decision.reason)
+                    return Failed(JobFailedError(decision.reason))
             else:
                 recovery.transient = 0
             failed = recovery.note_losses(cause)
@@ -230,7 +230,7 @@ class JobLoop(TrainingSteps):
                                 needs_checkpoint=decision.needs_checkpoint,
                             )
                         )
-                        raise JobFailedError(decision.reason)
+                        return Failed(JobFailedError(decision.reason))
             assert isinstance(decision, Reform)
             failed = sorted(set(failed) | set(decision.drop))
             recovered = recovery.gather(failed, cause)
@@ -238,12 +238,14 @@ class JobLoop(TrainingSteps):
             seen = Observations(survivor_steps=steps, dropping=tuple(failed))
             (apart, *_) = self.decide(seen)
             if isinstance(apart, Fail):
-                raise JobFailedError(apart.reason)
+                return Failed(JobFailedError(apart.reason))
             recovery.reform(failed, cause, recovered)
         except RankCallError as e:
             again = recovery.merged(cause, recovery.probe(e))
             if r.attempts_left <= 1:
-                raise JobFailedError("the job kept losing ranks while it re-formed") from e
+                error = JobFailedError("the job kept losing ranks while it re-formed")
+                error.__cause__ = e
+                return Failed(error)
             return Recovering(again, r.then, attempts_left=r.attempts_left - 1)
         return r.then
 
@@ -262,10 +264,12 @@ class JobLoop(TrainingSteps):
             return self._rebuild_failed(r, e)
         return r.then
 
-    def _rebuild_failed(self, r: Rebuilding, e: RankCallError) -> Rebuilding:
+    def _rebuild_failed(self, r: Rebuilding, e: RankCallError) -> Rebuilding | Failed:
         error = f"{type(e).__name__}: {str(e).strip()[:200]}"
         if r.attempt + 1 >= MAX_REBUILD_ATTEMPTS:
-            raise self.total_loss.give_up(error) from e
+            failed = self.total_loss.give_up(error)
+            failed.__cause__ = e
+            return Failed(failed)
         return dataclasses.replace(r, attempt=r.attempt + 1, error=error, placed=None)
 
     # -- the end ------------------------------------------------------------------------------
@@ -281,7 +285,7 @@ class JobLoop(TrainingSteps):
         if f.resume and f.stopped_by is None and self.state.step < self.state.end_step:
             return Running(finishing=f.attempt)
         if f.attempt > MAX_TRANSIENT:
-            raise JobFailedError("the job kept losing ranks while it finished")
+            return Failed(JobFailedError("the job kept losing ranks while it finished"))
         (final,) = self._final
         stopping = isinstance(f.stopped_by, StopRequested | EarlyStopped)
         try:

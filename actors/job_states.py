@@ -19,7 +19,8 @@ controller does; each step carries out what its state stands for and returns the
 - :class:`Rebuilding`: a total loss: the whole job rebuilt from a checkpoint (its placement
   through :class:`Placing`); then ``then``.
 - :class:`Finishing`: the final sync, the replica check, the final model.
-- :class:`Done` and :class:`Failed`: terminal.
+- :class:`Done` (the run's summary) and :class:`Failed` (a :class:`~raytrec.elastic.decisions.Fail`
+  decided, or losses beyond the loop's bounds: ``run`` raises its ``error``): terminal.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from actors.job import JobRecord, Outcome, Prepared
 from actors.job_ranks import JobRanks
 from actors.job_states import (
     AtBoundary,
+    Failed,
     Finishing,
     JobLoopState,
     Recovering,
@@ -181,8 +182,9 @@ class TrainingSteps:
                     seen = Observations(
                         waiting_since=since, stop_requested=self.boundary.stop.is_set()
                     )
-                    if not self._enough_gangs(seen, first=True):
-                        return Waiting(since=since, running=s)
+                    wait = self._wait_for_gangs(seen, first=True)
+                    if wait is not None:
+                        return wait if isinstance(wait, Failed) else Waiting(since, running=s)
                 s.waited = False
                 # Asked while it waited:
                 halt = self._stopping(asked=self.boundary.stop.is_set)
@@ -283,36 +285,39 @@ class TrainingSteps:
         except RankCallError as e:  # nothing is in flight while the job waits
             return self._lost(e, Running(finishing=w.running.finishing))
         seen = Observations(waiting_since=w.since, stop_requested=self.boundary.stop.is_set())
-        if not self._enough_gangs(seen, first=False):
-            return w
+        wait = self._wait_for_gangs(seen, first=False)
+        if wait is not None:
+            return wait if isinstance(wait, Failed) else w
         w.running.waited = True
         return w.running
 
-    def _enough_gangs(self, seen: Observations, *, first: bool) -> bool:
-        """Whether training goes on (:class:`Continue` or :class:`Stop`), or waits for gangs
-        (:class:`Wait`; ``first``: the wait starts: an event says so and more placement is
-        asked for); a :class:`Fail` at the wait's deadline ends the job."""
+    def _wait_for_gangs(self, seen: Observations, *, first: bool) -> Wait | Failed | None:
+        """None when training goes on (:class:`Continue` or :class:`Stop`), else the
+        :class:`Wait` for gangs decided (``first``: the wait starts: an event says so and more
+        placement is asked for), or the job failed at the wait's deadline."""
         (decision, *_) = self.decide(seen, self._now())
         match decision:
             case Continue() | Stop():
-                return True
+                return None
             case Fail():
                 self.events.append(
                     JobFailed(at=self._now(), step=self.state.step, reason=decision.reason)
                 )
-                raise JobFailedError(decision.reason)
-            case Wait() if first:
-                self.events.append(
-                    ResourcesWaited(
-                        at=self._now(),
-                        step=self.state.step,
-                        live_gangs=self.state.membership.num_gangs,
-                        min_gangs=self.cfg.elastic.min_gangs,
-                        deadline=decision.deadline,
+                return Failed(JobFailedError(decision.reason))
+            case Wait():
+                if first:
+                    self.events.append(
+                        ResourcesWaited(
+                            at=self._now(),
+                            step=self.state.step,
+                            live_gangs=self.state.membership.num_gangs,
+                            min_gangs=self.cfg.elastic.min_gangs,
+                            deadline=decision.deadline,
+                        )
                     )
-                )
-                self.growth.request()
-        return False
+                    self.growth.request()
+                return decision
+        raise AssertionError(f"not a decision about the wait for gangs: {decision!r}")
 
     def _stopping(self, *, asked: Callable[[], bool], data_stop: str | None = None) -> Stop | None:
         """The :class:`Stop` decided here, if any: ``data_stop`` (why a rank could not prepare
