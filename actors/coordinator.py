@@ -25,8 +25,7 @@ state to the loop. This class builds those parts, answers the driver's queries w
 runs, and applies the parts' outcomes to the job's shared record (:meth:`apply`). The live
 ranks' plumbing (building, forming a generation, booking, syncing) is :mod:`actors.job_ranks`.
 
-Every failure, generation, heal and resize is an event (:mod:`raytrec.elastic.events`) with its
-time and step, returned in the run summary.
+Every failure, generation, heal and resize is an event (:mod:`raytrec.elastic.events`).
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from actors.boundary_work import BoundaryWork
 from actors.checkpoints import JobCheckpoints
 from actors.control_calls import ControlCalls
 from actors.coordinator_journal import CoordinatorJournal
+from actors.data_growth import DataGrowth
 from actors.drain import GangDrain
 from actors.evaluation import JobEvaluation
 from actors.gang_placement import JobPlacement
@@ -192,6 +192,7 @@ class Coordinator(JobLoop):
             ),
             ranks_in_gang_order=lambda: self.ranks.in_gang_order(),
             at=self._at,
+            sync_plan=lambda: self.ranks.joined_plan(),
         )
         # Held-out evaluation (raytrec.eval_plan): its shard and plan, when configured.
         self.evaluation = (
@@ -229,6 +230,7 @@ class Coordinator(JobLoop):
             stream_id=self._stream_id,
             batch_size=config.data.batch_size,
         )
+        self.data_growth = DataGrowth.of(self.ports, self.streams, config.data)  # data.growing
         self.growth = GangGrowth(
             self.ports,
             config=config,

@@ -28,7 +28,8 @@ __all__ = ["GangDrain"]
 class GangDrain:
     """Carries out drains at interval boundaries (module doc). Sees the job through ``job``;
     ``draining_nodes``: the nodes the cluster is draining; ``kill_gang``: ends a gang's ranks
-    and placement; ``fit_growth``: gives back placement requested beyond the job's gang cap;
+    and placement (``evicted=True``: a straggler's); ``fit_growth``: gives back placement
+    requested beyond the job's gang cap;
     ``request_growth``: asks for the placement the job could still add."""
 
     def __init__(
@@ -38,7 +39,7 @@ class GangDrain:
         run_dir: str,
         streams: DataStreams,
         draining_nodes: Callable[[], Collection[str]],
-        kill_gang: Callable[[int], None],
+        kill_gang: Callable[..., None],
         fit_growth: Callable[[], None],
         request_growth: Callable[[], None],
     ) -> None:
@@ -99,7 +100,8 @@ class GangDrain:
                 job.record(
                     GangDrained(at=job.now(), step=job.step(), gang_id=gid, reason=decision.reason)
                 )
-                self.kill_gang(gid)
+                # A straggler's replacement goes to another failure domain where there is room.
+                self.kill_gang(gid, evicted=slow is not None and gid == slow.gang)
             job.apply(GangsDropped(tuple(drained)))
         # Placement requested beyond the new cap is given back too.
         self.fit_growth()

@@ -7,7 +7,9 @@ started and not yet ended. It asks for the placement groups of a whole job of th
 (:mod:`actors.job_loop`, state ``Placing``) saw them ready, with a ``placement_waiting`` event
 while it waits, as :func:`~raytrec.elastic.boundary.decide` says; it starts one rank actor per
 job rank and ends the actors and placement groups of gangs that are dropped, drained or given
-up. It sees the job through :class:`~actors.ports.JobPorts`.
+up. Each gang goes to a failure domain of its own where the cluster has room
+(:class:`~raytrec.cluster.domain_placement.GangDomains`). It sees the job through
+:class:`~actors.ports.JobPorts`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torchrec.distributed.types import ShardingPlan
 from actors.nodes import JobNodes
 from actors.ports import JobPorts
 from raytrec.cluster.capacity import describe_bundles, describe_nodes
+from raytrec.cluster.domain_placement import GangDomains
 from raytrec.cluster.placement import PlacementSpec, placement_specs, rank_resources
 from raytrec.cluster.topology import Layout
 from raytrec.config import TrainConfig
@@ -41,16 +44,18 @@ __all__ = ["PLACEMENT_REPORT_S", "JobPlacement", "PendingJob"]
 PLACEMENT_REPORT_S = 30.0
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(kw_only=True)
 class PendingJob:
-    """A whole job's placement groups, asked for and not started yet."""
+    """A whole job's placement groups, asked for and not started yet (``pgs``: one per
+    topology gang; one pinned to a failure domain whose room was taken is asked for again)."""
 
     gangs: tuple[Gang, ...]
     shard_of: Callable[[int], Any]
     specs: tuple[PlacementSpec, ...]
-    pgs: tuple[Placement, ...]
+    pgs: list[Placement]
     asked: str  # what was asked, in words
     since: float  # the clock's monotonic time when asked
+    ready: list[Placement] = dataclasses.field(default_factory=list)  # ready when last seen
 
 
 class JobPlacement:
@@ -86,6 +91,16 @@ class JobPlacement:
         self.prefix = f"{os.path.basename(run_dir)}-{secrets.token_hex(3)}"
         self.pgs: dict[int, Placement] = {}  # gang id -> its placement group
         self.started: set[int] = set()  # job ranks whose process was started and not ended
+        # Each gang in a failure domain of its own (raytrec.cluster.domain_placement).
+        self.domains = GangDomains(
+            domain=config.scaling.domain(),
+            group=group,
+            clock=job.clock,
+            wait_s=config.elastic.domain_wait_s,
+            record=job.record,
+            stamp=lambda: (job.now(), job.step()),
+            enabled=self.topology.layout is Layout.REPLICAS_ACROSS_HOSTS,
+        )
 
     def request_job(self, gangs: Sequence[Gang], shard_of: Callable[[int], Any]) -> PendingJob:
         """Asks for the placement groups of a whole job of the topology's shape, topology gang
@@ -97,12 +112,12 @@ class JobPlacement:
         # Names stay unique when a rebuilt job is placed again in a later generation.
         generation = self.job.view.membership.generation
         suffix = f"-gen{generation}" if generation else ""
-        pgs = [self.group.place(s, name=f"{self.prefix}-{s.name}{suffix}") for s in specs]
+        pgs = self.domains.place_all(specs, [f"{self.prefix}-{s.name}{suffix}" for s in specs])
         return PendingJob(
             gangs=tuple(gangs),
             shard_of=shard_of,
             specs=tuple(specs),
-            pgs=tuple(pgs),
+            pgs=pgs,
             asked=describe_bundles(specs),
             since=self.job.clock.monotonic(),
         )
@@ -113,13 +128,15 @@ class JobPlacement:
         wait_s = self.cfg.elastic.resource_wait_s
         left = pending.since + wait_s - self.job.clock.monotonic()
         every = min(PLACEMENT_REPORT_S, wait_s / 3)
-        ready = len(self.group.ready(list(pending.pgs), timeout=max(0.0, min(every, left))))
+        pending.ready = self.group.ready(pending.pgs, timeout=max(0.0, min(every, left)))
         return PlacementSeen(
-            ready=ready == len(pending.pgs), since=pending.since, asked=pending.asked
+            ready=len(pending.ready) == len(pending.pgs), since=pending.since, asked=pending.asked
         )
 
     def waiting(self, pending: PendingJob) -> None:
         """Records that the job waits for ``pending``."""
+        # Pinned to a domain whose room was taken meanwhile: placed where Ray chooses.
+        pending.pgs = self.domains.unpin(pending.pgs, pending.ready)
         self.job.record(
             PlacementWaiting(
                 at=self.job.now(),
@@ -152,6 +169,9 @@ class JobPlacement:
                     r = gang.ranks[pos.gang_rank].job_rank
                     shard = pending.shard_of(r)
                     self.start_rank(r, gang.gang_id, pos.gang_rank, pg, bundle, shard)
+        if across:
+            for g, pg in enumerate(pending.pgs):
+                self.domains.placed(pending.gangs[g].gang_id, pg)
 
     def per_rank(self) -> dict[str, float]:
         scaling = self.cfg.scaling
@@ -195,12 +215,17 @@ class JobPlacement:
     def keep(self, gang_id: int, pg: Placement) -> None:
         """The placement group of a gang placed by growth."""
         self.pgs[gang_id] = pg
+        self.domains.placed(gang_id, pg)
 
-    def kill_gang(self, gang_id: int) -> None:
+    def kill_gang(self, gang_id: int, *, lost: bool = False, evicted: bool = False) -> None:
+        """Ends a gang; ``lost``: it failed, ``evicted``: it was a straggler (its replacement
+        goes to another failure domain where the cluster has room)."""
+        self.domains.dropped(gang_id, lost=lost, evicted=evicted)
         self.release(gang_id, self.job.view.membership.gang(gang_id).job_ranks)
 
     def release(self, gang_id: int, ranks: Sequence[int]) -> None:
         """Kills the gang's rank actors and removes its placement group."""
+        self.domains.dropped(gang_id)
         for r in ranks:
             self.group.kill(r)
             self.started.discard(r)
@@ -216,3 +241,4 @@ class JobPlacement:
         for pg in self.pgs.values():
             self.group.release(pg)
         self.pgs.clear()
+        self.domains.clear()

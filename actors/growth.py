@@ -105,8 +105,7 @@ class GangGrowth:
         scaling = self.cfg.scaling
         per_rank = rank_resources(cpus_per_rank=scaling.cpus_per_rank, use_gpu=scaling.use_gpu)
         spec = placement_specs(self.topology, per_rank=per_rank, gangs=(0,))[0]
-        for _ in range(want):
-            self.pending.append(self.group.place(spec))
+        self.pending += self.placement.domains.request(spec, want)
         job.record(
             GangRequested(at=job.now(), step=job.step(), count=want, outstanding=len(self.pending))
         )
@@ -130,6 +129,8 @@ class GangGrowth:
     def _start_ready(self) -> None:
         if not self.pending:
             return
+        # One that waited long enough for a failure domain of its own takes what has room.
+        self.pending = self.placement.domains.relax(self.pending)
         ready = self.group.ready(self.pending, timeout=0)
         if not ready:
             return

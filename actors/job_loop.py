@@ -69,7 +69,7 @@ class JobLoop(TrainingSteps):
         saved like a finished one (``RunSummary.stopped_by`` says why).
         """
         self._started = self.clock.perf_counter()
-        self._train_start, self._final, self._infos = None, None, []
+        self._train_start, self._loop_timer, self._final, self._infos = None, None, None, []
         state: JobLoopState = Starting()
         while not state.is_terminal():
             state = self.step(state)
@@ -184,7 +184,7 @@ class JobLoop(TrainingSteps):
         self._infos = sorted((self.ranks.infos[r] for r in self.ranks.live()), key=lambda x: x.rank)
         t0 = self.clock.perf_counter()
         try:
-            n = min(self.cfg.log_every, self.state.end_step)
+            n = min(self.cfg.log_every, self.state.end_step - self.state.step)  # a resume: its step
             self._call(self.ranks.live(), lambda w, _r: w.prepare(n, first=True))
         except RankFailed as e:
             self._training_starts(t0)
@@ -239,7 +239,19 @@ class JobLoop(TrainingSteps):
             (apart, *_) = self.decide(seen)
             if isinstance(apart, Fail):
                 return Failed(JobFailedError(apart.reason))
-            recovery.reform(failed, cause, recovered)
+            fail_step = recovery.book(failed, cause, recovered)
+            # Under sync.levels, the survivors that averaged with a lost gang since the last
+            # job-wide sync roll back; with none of them clean, a total loss (or a failure).
+            rolled_back = recovery.rolled_back(failed, fail_step)
+            if rolled_back:
+                seen = dataclasses.replace(seen, rolled_back=rolled_back)
+                match self.decide(seen)[0]:
+                    case TotalLoss() as whole:
+                        self.total_loss.begin(whole, why=lambda g: recovery.why(cause, g))
+                        return Rebuilding(whole, then=r.then)
+                    case Fail() as fail:
+                        return Failed(JobFailedError(fail.reason))
+            recovery.reform(failed, cause, recovered, fail_step=fail_step, rolled_back=rolled_back)
         except RankCallError as e:
             again = recovery.merged(cause, recovery.probe(e))
             if r.attempts_left <= 1:
@@ -287,7 +299,9 @@ class JobLoop(TrainingSteps):
         if f.attempt > MAX_TRANSIENT:
             return Failed(JobFailedError("the job kept losing ranks while it finished"))
         (final,) = self._final
-        stopping = isinstance(f.stopped_by, StopRequested | EarlyStopped)
+        # A growing source's job ended by its rules is saved as a stopped one: resumable.
+        grown = self.data_growth is not None and self.data_growth.ended is not None
+        stopping = grown or isinstance(f.stopped_by, StopRequested | EarlyStopped)
         try:
             digests = self._finish(
                 final, checkpoint=f.stopped_by is None or stopping, stopping=stopping
@@ -295,16 +309,8 @@ class JobLoop(TrainingSteps):
         except RankCallError as e:  # lost at the very end: re-form, and train on if rebuilt
             return self._lost(e, Finishing(f.stopped_by, attempt=f.attempt + 1, resume=True))
         stopped_by = f.stopped_by
-        table = self.streams.table
-        if stopped_by is None and table is not None:
-            per_rank = table.template.plan(table.batch_size).num_steps
-            if per_rank < self.num_steps:  # the job's rows were all the data had
-                stopped_by = RuntimeError(
-                    f"the data source ran out after {self.state.step} steps: its "
-                    f"{self.cfg.data.epochs} epoch(s) hold {per_rank} batches per rank, fewer "
-                    f"than num_steps={self.num_steps} (every row was trained once); lower "
-                    "num_steps or raise data.epochs"
-                )
+        if stopped_by is None and self.data_growth is None:  # a growing source has no end
+            stopped_by = self.streams.ran_out(self.state.step, self.num_steps, self.cfg.data.epochs)
         summary = self._summary(
             final=final, digests=digests, stopped_by=stopped_by, ranks=self._infos
         )

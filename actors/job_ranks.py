@@ -47,6 +47,7 @@ class JobRanks:
         self.now = now
         self.apply = apply
         self.infos: dict[int, RankInfo] = {}  # job rank -> what its build returned
+        self._joined: SyncPlan | None = None  # the sync plan sent with the last generation
 
     def live(self) -> list[int]:
         """The live ranks, sorted."""
@@ -79,7 +80,7 @@ class JobRanks:
         """Replica plane and sync plan of the current membership, on every live rank, in one
         call; ``before``: what a rank carries out in that call first (its replays)."""
         m = self.state.membership
-        sync_plan = self.sync_plan()
+        sync_plan = self._joined = self.sync_plan()
 
         def plan(r: int) -> ReformPlan:
             generation = GenerationPlan(
@@ -116,15 +117,23 @@ class JobRanks:
             locality=locality,
         )
 
+    def joined_plan(self) -> SyncPlan:
+        """The sync plan the current generation's ranks follow (the one sent to them)."""
+        plan = self._joined
+        if plan is None or plan.generation != self.state.membership.generation:
+            plan = self.sync_plan()
+        return plan
+
     def account(self, reports: list[RankReport], *, completed_through: int | None = None) -> None:
         """Books the ranks' trained batches; a job-wide sync among them commits."""
-        sync = self.cfg.sync
+        plan = self.joined_plan()
         last_sync = self.state.accounting.record(
             reports,
             gang_of=self.gang_of,
             live_gangs=self.state.membership.gang_ids,
             last_sync_step=self.state.membership.last_sync_step,
-            is_job_wide_sync=lambda s: s % sync.sync_every == 0 or s <= sync.warmup_steps,
+            # A lower level capped at one group of all live gangs syncs job-wide too.
+            is_job_wide_sync=lambda s: plan.decide(s).job_wide,
             completed_through=completed_through,
         )
         self.apply(Booked(max((r.step for r in reports), default=self.state.step), last_sync))

@@ -100,6 +100,7 @@ class AtBoundary(_State):
     reports: list[RankReport]
     wall_s: float
     end: float  # perf_counter() at the boundary
+    waited_s: float = 0.0  # of the coordinator's time since the last row, waiting for reports
     evaluated: bool = False  # the evaluation due here ran (or was cut short by a loss)
     recovered: bool = False  # a loss during the evaluation was recovered from
 

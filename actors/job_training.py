@@ -19,11 +19,12 @@ from typing import Any
 
 from actors.boundary_work import BoundaryWork
 from actors.checkpoints import JobCheckpoints
+from actors.data_growth import DataGrowth
 from actors.drain import GangDrain
 from actors.evaluation import JobEvaluation
 from actors.gang_placement import JobPlacement
 from actors.growth import GangGrowth
-from actors.interval import Dispatched, IntervalOutcome
+from actors.interval import Dispatched, IntervalOutcome, LoopTimer
 from actors.job import JobRecord, Outcome, Prepared
 from actors.job_ranks import JobRanks
 from actors.job_states import (
@@ -86,6 +87,7 @@ class TrainingSteps:
     ranks: JobRanks
     placement: JobPlacement
     streams: DataStreams
+    data_growth: DataGrowth | None  # the watch over a growing source (data.growing)
     growth: GangGrowth
     drains: GangDrain
     nodes: JobNodes
@@ -106,8 +108,10 @@ class TrainingSteps:
     _summary: Callable[..., RunSummary]
     _stream_id: Callable[..., Any] | None  # how a batch's id is made (None: not replayable)
     # Set as the loop starts (JobLoop.run): when training started (None: not yet), the final
-    # model's path once training first ended (None inside: no model to save), the ranks built.
+    # model's path once training first ended (None inside: no model to save), the ranks built,
+    # the coordinator's own time from one history row to the next (from when training started).
     _train_start: float | None
+    _loop_timer: LoopTimer | None
     _final: tuple[str | None] | None
     _infos: list[RankInfo]
 
@@ -141,6 +145,7 @@ class TrainingSteps:
         return self._recover(self.recovery.probe(error), then)
 
     def _recover(self, cause: IntervalOutcome, then: JobLoopState) -> Recovering:
+        self.recovery.fresh()  # a new loss (one found while re-forming: Recovering again)
         m = self.state.membership
         return Recovering(cause, then, attempts_left=self.state.max_gangs + m.num_gangs + 1)
 
@@ -148,6 +153,7 @@ class TrainingSteps:
         if self._train_start is None:
             self.first_batch_s = self.clock.perf_counter() - t0
             self._train_start = self.clock.perf_counter()
+            self._loop_timer = LoopTimer(since=self._train_start)
 
     # -- training -----------------------------------------------------------------------------
 
@@ -162,7 +168,8 @@ class TrainingSteps:
             n = min(every, self.state.end_step - self.state.step)
             self.apply(Prepared(n if s.prepared else 0))
             s.entering = False
-        if self.state.step >= self.state.end_step:
+        growing = self.data_growth  # a growing source's job waits for files at the data's end
+        if self.state.step >= self.state.end_step and growing is None:
             return Finishing(None, attempt=s.finishing)
         try:
             if not s.inflight:
@@ -190,6 +197,10 @@ class TrainingSteps:
                 halt = self._stopping(asked=self.boundary.stop.is_set)
                 if halt is not None:
                     return Finishing(StopRequested(halt.reason), attempt=s.finishing)
+                if growing is not None and not growing.boundary():  # waited, or ended
+                    if growing.ended is not None:
+                        return Finishing(None, attempt=s.finishing)
+                    return s
                 # A join may have shared the rows left among more ranks: the end is sooner.
                 n = min(every, self.state.end_step - self.state.step)
                 if n <= 0:
@@ -221,7 +232,7 @@ class TrainingSteps:
             )
         self._top_up(s.inflight, step)
         self.ranks.account(reports)
-        return AtBoundary(s, reports, wall_s=end - dispatched.t0, end=end)
+        return AtBoundary(s, reports, wall_s=end - dispatched.t0, end=end, waited_s=result.waited_s)
 
     def _at_boundary(self, b: AtBoundary) -> JobLoopState:
         """After an interval: its metrics row, the held-out evaluation and early stopping when
@@ -239,7 +250,7 @@ class TrainingSteps:
                 # The evaluation waits for the next boundary where it is due.
                 return self._lost(e, dataclasses.replace(b, recovered=True))
         metrics = merge_metric_states([r.metrics for r in b.reports if r.metrics is not None])
-        assert self._train_start is not None
+        assert self._train_start is not None and self._loop_timer is not None
         row = aggregate_interval(
             b.reports,
             wall_s=b.wall_s,
@@ -249,6 +260,7 @@ class TrainingSteps:
             auc=metrics.auc,
             ne=metrics.ne,
             at=self._now(),
+            coordinator=self._loop_timer.lap(b.end, waited_s=b.waited_s),
         )
         row = dataclasses.replace(row, end_step=self.state.end_step)
         if held_out is not None:
@@ -390,7 +402,8 @@ class TrainingSteps:
             ready=self.state.ready,
             work_at_boundary=bool(self.growth.pending or self.growth.building)
             or self.boundary.stop_asked()
-            or self._drain_due(),
+            or self._drain_due()
+            or (self.data_growth is not None and self.data_growth.due()),
             live_gangs=self.state.membership.num_gangs,
             min_gangs=self.cfg.elastic.min_gangs,
         )

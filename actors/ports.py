@@ -19,6 +19,7 @@ from raytrec.elastic.events import Event
 from raytrec.elastic.rank_protocol import RankProtocol, ReformPlan
 from raytrec.elastic.report import RankInfo, RankReport
 from raytrec.elastic.workers import Clock, NodeInfo, RankCallError
+from raytrec.sync.schedule import SyncPlan
 
 __all__ = ["Booking", "JobPorts", "NewGeneration", "RankAnswers", "RankCalls"]
 
@@ -94,3 +95,5 @@ class JobPorts:
     ranks_in_gang_order: Callable[[], list[int]]
     #: The clock's monotonic time as the event log's time.
     at: Callable[[float], float]
+    #: The generation's sync schedule over the live gangs.
+    sync_plan: Callable[[], SyncPlan]

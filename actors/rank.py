@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import ray
 import torch
@@ -73,7 +74,7 @@ class IntervalOrder:
 
     The coordinator sends interval k+1 while k is still running, so a rank goes straight on
     from one interval to the next instead of waiting a round trip through the coordinator
-    (``Coordinator._top_up``). A queued call names the call it follows (``after``): it waits
+    (``TrainingSteps._top_up``). A queued call names the call it follows (``after``): it waits
     for that call to end, and may run only if that call succeeded (and, in
     :meth:`RankWorker.train`, only if it did on every rank of the gang). After a failed
     interval the rank's model waits for the coordinator's recovery, so what was queued behind
@@ -187,7 +188,10 @@ class RankWorker:
             self.join_sync_plan(g.sync_plan)
         if plan.step is not None:
             self.set_step(plan.step)
-        if plan.sync:
+        if plan.sync and plan.rolled_back:
+            self.hooks.enters(Phase.SYNC)
+            self.engine.sync_without(plan.rolled_back)
+        elif plan.sync:
             self.sync()
         if plan.broadcast_state_from is not None:
             self.broadcast_state(plan.broadcast_state_from)
@@ -505,7 +509,10 @@ class RankWorker:
         from raytrec.serving.model_spec import write_model_spec
 
         self.engine.write_back_caches()
-        dcp.save(self.engine.model.state_dict(), checkpoint_id=path)
+        state: dict[str, Any] = dict(self.engine.model.state_dict())
+        if self.engine.state.ids is not None:  # the managed ids' maps, for serving raw ids
+            state["managed_ids"] = self.engine.state.ids.named_state()
+        dcp.save(state, checkpoint_id=path)
         if self.spec.gang_rank == 0:  # what rebuilds the model outside the job (raytrec.export)
             write_model_spec(path, self.spec.model_spec())
 
@@ -528,10 +535,12 @@ class RankWorker:
         self.engine.state.unpublished.published()
 
     def state_digest(self) -> StateDigest:
-        """Content hashes of this rank's shard state and dense state, to compare replicas."""
+        """Content hashes of this rank's shard state and dense state, to compare replicas. The
+        managed ids' maps, the same on every rank of the job, count as dense state."""
         engine = self.engine
         return StateDigest(
-            shards=_digest(engine.shard_state()), dense=_digest(engine.dense_state())
+            shards=_digest(engine.shard_state()),
+            dense=_digest(engine.dense_state() + engine.state.ids_state()),
         )
 
     def close(self) -> None:

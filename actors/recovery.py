@@ -37,6 +37,7 @@ from raytrec.elastic.events import (
     HangDetected,
     RankDied,
 )
+from raytrec.elastic.group_rollback import rolled_back_gangs
 from raytrec.elastic.hangs import find_hung_ranks, next_hang_check
 from raytrec.elastic.heal import failed_heals
 from raytrec.elastic.rank_protocol import ReformPlan
@@ -48,9 +49,13 @@ from raytrec.elastic.workers import (
     RankTimedOut,
     WorkerGroup,
 )
+from raytrec.sync.schedule import SyncPlan
 
 __all__ = ["MAX_TRANSIENT", "FailureRecovery"]
 
+# How early a wait may end before its timeout and still count as on time (Ray's wait takes
+# whole milliseconds).
+_WAKE_EARLY_S = 0.002
 # Why a rank the coordinator killed itself is gone: its gang lost another rank.
 _PEER_KILLED = PEER_RELEASED
 
@@ -82,6 +87,11 @@ class FailureRecovery:
         # hang rule's input.
         self.progress: dict[int, tuple[int, float]] = {}
         self.transient = 0  # re-forms in a row with no rank lost
+        # Under sync.levels, until a re-forming's sync completes: the sync plan of the generation
+        # whose lower-level syncs may have mixed lost gangs' copies into survivors', the job-wide
+        # sync they followed, the furthest step reached, and every gang lost since
+        # (a recovery that starts over still rolls back what the one before had to).
+        self._mixed: tuple[SyncPlan, int, int, frozenset[int]] | None = None
         self.peers_killed: set[int] = set()  # ranks killed because their gang lost a rank
 
     def quiet_since(self, ranks: list[int], now: float) -> None:
@@ -104,8 +114,13 @@ class FailureRecovery:
         deadline: float | None = None
         elastic = self.elastic
         wake = elastic.poll_s
+        # When the heartbeats are next worth reading: not at every report (that would read
+        # them once per rank per interval), only when a rank could have been silent too long.
+        look_at = self.job.clock.monotonic() + wake
         while pending:
+            blocked = self.job.clock.perf_counter()
             ready = self.group.wait(list(pending.values()), num_returns=1, timeout=wake)
+            out.waited_s += self.job.clock.perf_counter() - blocked
             now = self.job.clock.monotonic()
             for future in ready:
                 rank = rank_of.get(id(future))
@@ -134,13 +149,16 @@ class FailureRecovery:
                 out.hung = sorted(pending)
                 out.silence = {r: self._silence(r, now) for r in out.hung}
                 break
-            if deadline is None and pending:
+            if deadline is None and pending and now < look_at - _WAKE_EARLY_S:
+                wake = look_at - now
+            elif deadline is None and pending:
                 hung = self._hung_ranks(pending, now)
                 if hung:
                     out.hung = list(hung)
                     out.silence = {r: self._silence(r, now) for r in hung}
                     break
                 wake = self._next_look(pending, now)
+                look_at = now + wake
             else:
                 wake = elastic.poll_s
         return out
@@ -298,6 +316,11 @@ class FailureRecovery:
             out.errored[-1] = str(error)
         return out
 
+    def fresh(self) -> None:
+        """A new loss, not one found while re-forming after another: what a recovery before it
+        left unfinished (a total loss, a failure) is forgotten."""
+        self._mixed = None
+
     def merged(self, before: IntervalOutcome, probed: IntervalOutcome) -> IntervalOutcome:
         """What a probe found after a recovery broke, with the losses found before that are
         still members (a hung rank answers a probe; a peer the coordinator killed stays lost
@@ -388,22 +411,19 @@ class FailureRecovery:
         self.abort_planes(set(survivor_ranks))
         return self._recover_ranks(survivor_ranks, result)
 
-    def reform(
+    def book(
         self, failed_gangs: list[int], result: IntervalOutcome, recovered: list[RankReport]
-    ) -> None:
-        """Drops ``failed_gangs`` and re-forms the job among the survivors (``recovered``: what
-        :meth:`gather` brought back): books what every rank trained, hands the lost gangs'
-        unsynced batches to the survivors, starts a new generation, syncs and settles the
-        failed step's dense update."""
+    ) -> int:
+        """Books what every rank trained up to the failure (``recovered``: what :meth:`gather`
+        brought back); returns the failed step, the furthest one a survivor reached (a failure
+        reaches the members of a collective at slightly different moments: one may have
+        finished a step its peers did not; a rank that is behind simply trained one batch less,
+        its log says which)."""
         failed = set(failed_gangs)
-        survivors = [g.gang_id for g in self.job.view.membership.gangs if g.gang_id not in failed]
-        survivor_ranks = [r for g in survivors for r in self.job.view.membership.gang(g).job_ranks]
+        m = self.job.view.membership
+        survivor_ranks = [r for g in m.gangs if g.gang_id not in failed for r in g.job_ranks]
         alive = set(survivor_ranks)
-        steps = sorted({rep.step for rep in recovered})
-        # A failure reaches the members of a collective at slightly different moments: one may
-        # have finished a step its peers did not. The job goes on from the furthest step; a
-        # rank that is behind simply trained one batch less (its log says which).
-        fail_step = steps[-1]
+        fail_step = max(rep.step for rep in recovered)
         # What everyone trained in the failed interval: the survivors' own logs (a survivor
         # may even have finished it), and for the lost ranks, whose logs died with them, the
         # next batches in their stream order, one per step up to the failure.
@@ -414,6 +434,23 @@ class FailureRecovery:
         # Syncs before the failed step completed on every gang; the one at it did not.
         self.job.account(reports, completed_through=fail_step - 1)
         result.booked = True
+        return fail_step
+
+    def reform(
+        self,
+        failed_gangs: list[int],
+        result: IntervalOutcome,
+        recovered: list[RankReport],
+        *,
+        fail_step: int,
+        rolled_back: tuple[int, ...],
+    ) -> None:
+        """Drops ``failed_gangs`` and re-forms the job among the survivors, once :meth:`book`
+        booked what they trained up to ``fail_step``: hands the lost gangs' unsynced batches
+        (and the ``rolled_back`` survivors', :meth:`rolled_back`) to the survivors, starts a
+        new generation, syncs and settles the failed step's dense update."""
+        failed = set(failed_gangs)
+        survivors = [g.gang_id for g in self.job.view.membership.gangs if g.gang_id not in failed]
         # Whose dense state the job goes on from, and which of the lost gangs' batches have
         # their dense gradient in it already (those are replayed for their embedding rows only).
         settled = settle_failed_step(
@@ -427,7 +464,15 @@ class FailureRecovery:
             for s in self.job.view.membership.gang(source_gang).ranks
             if s.job_rank == settled.source
         )
-        replay = self.drop(failed_gangs, survivors, dense_through=settled.dense_through)
+        # Under sync.levels, the survivors that averaged with a lost gang since the last
+        # job-wide sync (``rolled_back``) take the others' mean and have their batches since
+        # replayed.
+        replay = self.drop(
+            failed_gangs,
+            survivors,
+            dense_through=settled.dense_through,
+            rolled_back=(rolled_back, settled.survivors_through),
+        )
         acc = self.job.view.accounting
         for gid in failed_gangs:
             self.job.record(
@@ -438,7 +483,7 @@ class FailureRecovery:
                     reason=_why(result, gid, self.job),
                 )
             )
-            self.placement.kill_gang(gid)
+            self.placement.kill_gang(gid, lost=True)
         if failed_gangs:
             self.job.apply(GangsDropped(tuple(failed_gangs)))
             reason = f"lost gangs {failed_gangs}"
@@ -458,11 +503,13 @@ class FailureRecovery:
         # the survivors' batches so far are in the model: committed. The failed step's dense
         # update is then finished among the survivors, or dropped where the state taken has it.
         live = self.job.live_ranks()
-        synced = ReformPlan(step=fail_step, sync=True)
+        back = tuple(self.job.view.membership.member_index(g) for g in rolled_back)
+        synced = ReformPlan(step=fail_step, sync=True, rolled_back=back)
         self.job.call(live, lambda w, _r: w.reform(synced))
         # Committed as soon as the sync is done: a loss in the call that follows must not
         # hand these batches out again (they are in every replica already).
         self.job.apply(Committed())
+        self._mixed = None  # every copy is the clean survivors' mean now
         dense = ReformPlan(
             dense_from=(self.job.view.membership.member_index(source_gang), source_slot.gang_rank),
             finish_failed_step=settled.finish,
@@ -476,6 +523,7 @@ class FailureRecovery:
                 dense_from=settled.source,
                 finished=settled.finish,
                 embedding_only=len(acc.embedding_only(i for ids in replay.values() for i in ids)),
+                rolled_back=rolled_back,
             )
         )
         # Re-sharing hands each rank its replays again with its new stream; it runs even with
@@ -483,6 +531,23 @@ class FailureRecovery:
         self.streams.reshare(self.job.ranks_in_gang_order())
         self.streams.make_room_for_replays()
         self.request_growth()
+
+    def rolled_back(self, lost: list[int], through: int) -> tuple[int, ...]:
+        """The survivors that averaged with a lost gang at a lower level of the schedule since
+        the last job-wide sync (:func:`~raytrec.elastic.group_rollback.rolled_back_gangs`),
+        for a source that can replay their batches. A recovery that starts over before its
+        sync completed goes on from the generation that trained, with every gang lost since."""
+        if not self.sync.levels or self.job.view.accounting.streams is None:
+            return ()
+        if self._mixed is None:
+            since = self.job.view.membership.last_sync_step
+            self._mixed = (self.job.sync_plan(), since, through, frozenset(lost))
+        plan, since, reached, gone = self._mixed
+        reached, gone = max(reached, through), gone | set(lost)
+        self._mixed = (plan, since, reached, gone)
+        live = set(self.job.view.membership.gang_ids) - set(lost)
+        mixed = rolled_back_gangs(plan, lost=gone, last_sync_step=since, through=reached)
+        return tuple(g for g in mixed if g in live)
 
     def _recover_ranks(self, ranks: list[int], result: IntervalOutcome) -> list[RankReport]:
         """``recover`` on every survivor. Its report is the only record of what the rank trained
@@ -498,15 +563,24 @@ class FailureRecovery:
         return recovered
 
     def drop(
-        self, gangs: list[int], survivors: list[int], *, dense_through: int | None = None
+        self,
+        gangs: list[int],
+        survivors: list[int],
+        *,
+        dense_through: int | None = None,
+        rolled_back: tuple[tuple[int, ...], int | None] = ((), None),
     ) -> dict[int, list[int]]:
         """The dropped gangs' uncommitted batches, split over the survivors' ranks; those trained
-        at or before ``dense_through`` are replayed for their embedding rows only."""
+        at or before ``dense_through`` are replayed for their embedding rows only.
+        ``rolled_back``: the survivors that roll back, whose uncommitted batches go too, and
+        the step through which theirs are replayed for their embedding rows only."""
         return self.job.view.accounting.drop(
             gangs,
             survivors,
             ranks_of=lambda g: self.job.view.membership.gang(g).job_ranks,
             dense_through=dense_through,
+            rolled_back=rolled_back[0],
+            rolled_back_dense_through=rolled_back[1],
         )
 
 

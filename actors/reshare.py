@@ -32,6 +32,7 @@ from typing import Any
 
 from actors.job import AccountingRewound, DataEnds
 from actors.ports import JobPorts
+from raytrec.data.growing import first_batch_from, shareable
 from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.parquet_recut import hand_off, recut
 from raytrec.data.parquet_streams import (
@@ -54,11 +55,14 @@ class StreamTable:
     """The job's streams of a re-shareable source: the initial ranks' own (from the plan, the
     first ``num_steps`` batches) and those made by re-sharing, by id."""
 
-    def __init__(self, template: IndexedParquetShard, *, batch_size: int) -> None:
+    def __init__(
+        self, template: IndexedParquetShard, *, batch_size: int, growing: bool = False
+    ) -> None:
         self.template = template
         self.batch_size = batch_size
         self.made: dict[int, Stream] = {}
         self.next_id = template.num_shards
+        self.growing = growing  # files are added while the job runs: they are saved too
 
     def stream(self, sid: int) -> Stream:
         made = self.made.get(sid)
@@ -83,14 +87,30 @@ class StreamTable:
         self.next_id += len(streams)
         return ids
 
+    def grow(self, paths: Sequence[str], row_groups: Sequence[tuple[int, ...]]) -> tuple[int, int]:
+        """Adds files after the job's others (:mod:`raytrec.data.growing`); returns their rows'
+        range of the row space. The initial ranks' streams, cut from the plan of the files
+        before, are kept as they were cut."""
+        self.made = self.template.frozen_streams(self.batch_size) | self.made
+        before = self.template.plan(self.batch_size).rows_per_epoch
+        self.template = self.template.with_files(
+            self.template.paths + tuple(paths), self.template.row_groups + tuple(row_groups)
+        )
+        return before, self.template.plan(self.batch_size).rows_per_epoch
+
     def to_json(self) -> dict[str, Any]:
         made = streams_to_json(self.made)
-        return {"num_shards": self.template.num_shards, "next_id": self.next_id, "made": made}
+        saved = {"num_shards": self.template.num_shards, "next_id": self.next_id, "made": made}
+        if self.growing:
+            saved["files"] = self.template.files_to_json()
+        return saved
 
     def load(self, saved: Mapping[str, Any]) -> None:
         """Back to a checkpoint's table (its streams are the ones its positions name)."""
         self.made = streams_from_json(saved["made"])
         self.next_id = int(saved["next_id"])
+        if "files" in saved:  # a growing source: the files in the order the job found them
+            self.template = self.template.with_files_json(saved["files"])
 
 
 class DataStreams:
@@ -117,7 +137,13 @@ class DataStreams:
         self.stream_id = stream_id
         self.batch_size = batch_size
 
-    def reshare(self, ranks: Sequence[int], *, joining: Sequence[int] = ()) -> list[int]:
+    def reshare(
+        self,
+        ranks: Sequence[int],
+        *,
+        joining: Sequence[int] = (),
+        landed: tuple[int, int] | None = None,
+    ) -> list[int]:
         """Shares the rows no rank has trained among ``ranks`` (gang order; ``joining``: those
         of them that join now and are not booked yet); returns the ranks given a new stream.
 
@@ -128,7 +154,8 @@ class DataStreams:
         new stream, after the replays queued for it (read again: a new stream starts a new
         feed). Empty when nothing was re-shared (the source cannot be, or every live rank
         already has as many batches left and no rows are orphaned): queued replays are then
-        still to be sent."""
+        still to be sent. ``landed``: rows of files just found (:meth:`grow`), cut among the
+        ranks with the others left."""
         table = self.table
         streams = self.job.view.accounting.streams
         if table is None or streams is None:
@@ -153,14 +180,20 @@ class DataStreams:
         for sid, at in retired.items():
             orphaned |= at < table.length(sid)
             add(sid, at)
-        if not joining and not orphaned and len(left) == 1:
+        if landed is not None:
+            remaining.setdefault(0, []).append(landed)
+        elif not joining and not orphaned and len(left) == 1:
             # Every row left is some live rank's, and all have as many batches left: their
             # streams stay as they are (and so do the ids of the batches still to come).
             self.job.apply(DataEnds(self.job.view.step + left.pop()))
             return []
-        if joining and not orphaned and self._hand_off(ranks, joining):
+        if landed is None and joining and not orphaned and self._hand_off(ranks, joining):
             return list(joining)
         shared = recut(remaining, queued=queued, batch_size=table.batch_size)
+        if landed is not None and shared.left_over:
+            # grow() adds files only when no replay is queued and the rows give every rank a
+            # batch (growing.shareable), where recut leaves nothing over.
+            raise JobFailedError(f"{shared.left_over} rows of new files could not be shared")
         ids = table.add(shared.streams)
         # Every old stream's rows are given out: none is continued where it stopped.
         streams.retire({sid: table.length(sid) for sid in retired})
@@ -199,6 +232,35 @@ class DataStreams:
             )
         )
         return list(ranks)
+
+    def grow(
+        self, paths: Sequence[str], row_groups: Sequence[tuple[int, ...]]
+    ) -> tuple[int, int] | None:
+        """Adds new files to the job's data and shares their rows, with the rows left, among
+        the live ranks (every one gets a new stream); returns the rows added and the first
+        of the new streams' batches (counted from now) that trains some of them, or None when the
+        files wait for a later boundary: replays are queued (they come before any new stream,
+        and rows could be left over), or the rows are too few to give every rank a batch."""
+        table, acc = self.table, self.job.view.accounting
+        streams = acc.streams
+        assert table is not None and streams is not None, "a growing source is read by index"
+        ranks = self.job.ranks_in_gang_order()
+        rows_left = 0
+        for r in ranks:
+            sid, at, replay = streams.position(r)
+            if replay:
+                return None
+            rows_left += sum(
+                b - a for runs in remaining_rows(table.stream(sid), at).values() for a, b in runs
+            )
+        rows = sum(sum(g) for g in row_groups)
+        if not shareable(rows + rows_left, ranks=len(ranks), batch_size=table.batch_size):
+            return None
+        landed = table.grow(paths, row_groups)
+        self.reshare(ranks, landed=landed)
+        new = [table.stream(sid) for sid in range(table.next_id - len(ranks), table.next_id)]
+        firsts = [j for s in new if (j := first_batch_from(s, landed[0])) is not None]
+        return rows, min(firsts)
 
     def _hand_off(self, ranks: Sequence[int], joining: Sequence[int]) -> bool:
         """The join of :meth:`reshare` that leaves the others' streams running; False when the
@@ -293,6 +355,19 @@ class DataStreams:
         if self.new_shard is None:
             raise JobFailedError(f"no data shard {index} to continue after a rebuild")
         return self.new_shard(index)
+
+    def ran_out(self, step: int, num_steps: int, epochs: int) -> RuntimeError | None:
+        """Why a job that ended at ``step`` trained fewer than ``num_steps`` steps: its data
+        held fewer batches per rank (every row trained once); None when it did not."""
+        table = self.table
+        per_rank = None if table is None else table.template.plan(table.batch_size).num_steps
+        if per_rank is None or per_rank >= num_steps:
+            return None
+        return RuntimeError(
+            f"the data source ran out after {step} steps: its {epochs} epoch(s) hold "
+            f"{per_rank} batches per rank, fewer than num_steps={num_steps} (every row was "
+            "trained once); lower num_steps or raise data.epochs"
+        )
 
     def make_room_for_replays(self) -> None:
         """Replays come before a rank's own batches: after a loss in the last steps the job

@@ -143,7 +143,12 @@ class RayWorkerGroup:
         wanted = min(num_returns, len(calls)) - len(gone)
         if not by_ref or wanted <= 0:
             return gone
-        done, _ = ray.wait(list(by_ref), num_returns=wanted, timeout=timeout)
+        done, rest = ray.wait(list(by_ref), num_returns=wanted, timeout=timeout)
+        if done and rest:
+            # Ray returns no more than num_returns; the others already done come in the same
+            # look, so a caller waking for the first of G answers does not wake G times.
+            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+            done += more
         return gone + [by_ref[ref] for ref in done]
 
     def result(self, future: Answer[R]) -> R:
@@ -172,7 +177,12 @@ class RayWorkerGroup:
         return {r: int(v) for r, v in zip(ranks, values, strict=True)}
 
     def place(self, spec: PlacementSpec, *, name: str = "") -> PlacementGroup:
-        return placement_group(list(spec.bundles), strategy=spec.strategy, name=name)
+        return placement_group(
+            list(spec.bundles),
+            strategy=spec.strategy,
+            name=name,
+            bundle_label_selector=[dict(s) for s in spec.selectors] or None,
+        )
 
     def ready(
         self, placements: Sequence[PlacementGroup], *, timeout: float
@@ -194,9 +204,24 @@ class RayWorkerGroup:
                 address=str(n.get("NodeManagerAddress", "")),
                 alive=bool(n.get("Alive")),
                 resources={k: float(v) for k, v in n.get("Resources", {}).items()},
+                labels=dict(n.get("Labels") or {}),
             )
             for n in ray.nodes()
         ]
+
+    def available(self) -> dict[str, dict[str, float]]:
+        from ray._private.state import available_resources_per_node
+
+        return {
+            node: {k: float(v) for k, v in free.items()}
+            for node, free in available_resources_per_node().items()
+        }
+
+    def placed_nodes(self, placement: PlacementGroup) -> tuple[str, ...]:
+        from ray.util.placement_group import placement_group_table
+
+        table = placement_group_table(placement).get("bundles_to_node_id", {})
+        return tuple(str(table[b]) for b in sorted(table))
 
     def draining_nodes(self) -> set[str]:
         # Ray's GCS keeps the nodes being drained (ray drain-node, the autoscaler's idle

@@ -1,7 +1,7 @@
 """Print the configuration reference: ``python -m jobs.config_reference > docs/configuration.md``.
 
 The reference is generated from the config models' JSON schema and this job's own defaults
-(:func:`raytrec.config.file_docs.reference_markdown`), and ``tests/test_config_docs.py`` fails
+(:func:`raytrec.config.file_docs.reference_markdown`), and ``tests/unit/test_config_docs.py`` fails
 when the committed file differs from this output.
 """
 

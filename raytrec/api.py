@@ -65,6 +65,7 @@ from raytrec.preflight import (
     check_length_known,
     check_same_data,
     device_memory,
+    growing_config,
     indexed_resume_shards,
     vocabularies_of,
 )
@@ -157,6 +158,8 @@ def _fit(
         if checkpoint is not None:
             check_checkpoint(checkpoint, config)
     config = config.replace(storage_path=resolve_storage_path(config.storage_path))
+    if config.data.growing is not None:
+        config = growing_config(config)
     if eval_source is not None:
         config = config.replace(eval=config.eval.replace(path=eval_source))
     check_eval_is_there(config)
@@ -207,7 +210,7 @@ def _fit(
         shards_of_plan = config.scaling.world_size
         fingerprint = data_fingerprint(source)
         if resume is not None:
-            check_same_data(resume, fingerprint)
+            check_same_data(resume, fingerprint, growing=config.data.growing is not None)
             shards_of_plan = indexed_resume_shards(resume, config, source) or shards_of_plan
         shards = source.split(shards_of_plan)
         # Resolved once, here: the coordinator, the progress bar and the ledger read this.

@@ -91,18 +91,41 @@ def check_checkpoint(uri: str, config: TrainConfig) -> None:
     check_compatible(manifest.signature, expected, where=uri)
 
 
-def check_same_data(uri: str, fingerprint: dict[str, Any] | None) -> None:
+def growing_config(config: TrainConfig) -> TrainConfig:
+    """A growing source's job (``data.growing``) trains every row of every file it finds, so
+    its length is the data's: ``num_steps`` must be null (it resolves to the steps of the files
+    there at the start). ``data.path`` becomes absolute: the coordinator lists it in a process
+    of its own, perhaps in another working directory."""
+    if config.num_steps is not None:
+        raise ConfigError(
+            f"num_steps={config.num_steps} with data.growing: the job trains every row of every "
+            "file it finds, so set num_steps: null (jobs.train: --set num_steps=null) and end "
+            "it with data.growing.max_files, data.growing.idle_stop_s or a stop request"
+        )
+    path = config.data.path
+    if path and "://" not in path:
+        config = config.replace(data=config.data.replace(path=os.path.abspath(path)))
+    return config
+
+
+def check_same_data(uri: str, fingerprint: dict[str, Any] | None, *, growing: bool = False) -> None:
     """A resume continues the saved job's data position, so its data must be the data the
     saved job read: refused, naming each file added, removed or changed, when the checkpoint's
     fingerprint (:mod:`raytrec.data.fingerprint`) differs from ``fingerprint``, this job's.
-    A checkpoint saved without one is not checked."""
+    A checkpoint saved without one is not checked. ``growing`` (``data.growing``): files may
+    have been added, and every file the saved job had found must still be there."""
     from raytrec.checkpoint.layout import read_manifest
     from raytrec.data.fingerprint import changes_line, data_changes
 
-    saved = read_manifest(uri).extra.get("data")
+    extra = read_manifest(uri).extra
+    saved = extra.get("data")
     if not saved:
         return
-    changes = data_changes(saved, fingerprint)
+    changes = data_changes(saved, fingerprint, growing=growing)
+    table = (extra.get("accounting") or {}).get("streams_table") or {}
+    if growing and fingerprint is not None and "files" in table:
+        there = {f["path"] for f in fingerprint.get("files", ())}
+        changes += [f"file removed: {p}" for p in table["files"]["paths"] if p not in there]
     if changes:
         raise ConfigError(
             f"{uri} cannot be resumed on this data: it continues the saved job's position in "
@@ -175,8 +198,8 @@ def indexed_resume_shards(uri: str, config: TrainConfig, source: BatchSource) ->
         raise ConfigError(
             f"{uri} was trained on Parquet read by index in {saved} shards and saved without "
             f"the table of re-shared streams; resume it with scaling.num_workers={saved} (not "
-            f"{ranks}) to continue on the same rows, or read with "
-            "data.parquet_read='streaming', which restarts the data at the checkpoint's step"
+            f"{ranks}) to continue on the same rows, or start a new run from its model with "
+            "fit(..., init_from=...) (jobs.train --init-from)"
         )
     return saved
 

@@ -271,6 +271,8 @@ def ledger(
             "stepped": stepped,
             "per_epoch": result.data.rows_per_epoch,
             "epochs": result.config.data.epochs if result.data.kind != "synthetic" else None,
+            # A growing source (data.growing): each file's rows in committed batches.
+            "per_file": _rows_per_file(result),
         },
         "batches": {
             "committed": result.committed_count,
@@ -311,3 +313,17 @@ def ledger(
         },
         "artifacts": artifacts,
     }
+
+
+def _rows_per_file(result: Result) -> dict[str, int] | None:
+    table = result.reshared_streams
+    if table is None or "files" not in table or result.config.num_steps is None:
+        return None
+    from raytrec.data.committed import rows_per_file
+
+    return rows_per_file(
+        table,
+        result.committed_batches,
+        batch_size=result.config.data.batch_size,
+        limit=result.config.num_steps,
+    )

@@ -39,7 +39,8 @@ class CampaignResult:
     wall_s: float = 0.0
     outcomes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     phases: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
-    # Settings drawn: "data=<source>", "layout=<layout>", "grow", "checkpoints", by count.
+    # Settings drawn: "data=<source>", "layout=<layout>", "grow", "checkpoints", "sync.levels",
+    # by count.
     settings: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     defects: dict[str, tuple[int, Outcome]] = dataclasses.field(default_factory=dict)
     shrunk: dict[str, tuple[Schedule, Outcome]] = dataclasses.field(default_factory=dict)
@@ -121,6 +122,7 @@ def campaign(
             [f"data={drawn.data}", f"layout={drawn.layout}"]
             + ["grow"] * drawn.grow
             + ["checkpoints"] * (drawn.checkpoint_every is not None)
+            + ["sync.levels"] * bool(drawn.levels)
         )
         result.phases.update(outcome.phases)
         if outcome.verdict == "defect":
@@ -180,6 +182,7 @@ _SIMPLER: tuple[dict[str, Any], ...] = (
     {"checkpoint_every": None},
     {"min_gangs": 1},
     {"layout": "replicas_across_hosts"},
+    {"levels": ()},
     {"sync_every": 4},
     {"log_every": 2},
     {"num_steps": 8},

@@ -80,6 +80,8 @@ class Settings:
     gang_size: int = 2
     layout: str = "replicas_across_hosts"
     sync_every: int = 4
+    #: ``sync.levels``: lower levels of a hierarchical schedule, ``(period, gangs per group)``.
+    levels: tuple[tuple[int, int], ...] = ()
     log_every: int = 2
     num_steps: int = 16
     checkpoint_every: int | None = None
@@ -91,6 +93,7 @@ class Settings:
     max_coordinator_restarts: int = 3
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "levels", tuple((int(p), int(n)) for p, n in self.levels))
         if self.data not in ("synthetic", "reshared"):
             raise ValueError(f"Settings.data must be 'synthetic' or 'reshared', got {self.data!r}")
         if self.layout not in ("replicas_across_hosts", "replicas_within_host"):
@@ -172,6 +175,9 @@ def generate(seed: int) -> Schedule:
         spare_nodes=rng.choice([0, 0, 1, 2]),
         data=rng.choice(["synthetic", "reshared"]),
     )
+    if sync_every == 4 and gangs >= 3 and random.Random(f"{seed}/levels").random() < 0.5:
+        # Groups of 2 gangs every 2 steps (drawn apart, so each seed keeps its other settings).
+        settings = dataclasses.replace(settings, levels=((2, 2),))
     faults = [_fault(rng, settings) for _ in range(rng.choice([0, 1, 1, 2, 2, 3, 4]))]
     storm = rng.random()
     if storm < 0.15 and settings.layout == "replicas_across_hosts":

@@ -238,7 +238,7 @@ def _build(schedule: Schedule, run_dir: str, phases: list[str]) -> tuple[Coordin
             layout=Layout(s.layout),
         ),
         data=DataConfig(batch_size=BATCH_SIZE),
-        sync=SyncConfig(sync_every=s.sync_every),
+        sync=SyncConfig(sync_every=s.sync_every, levels=s.levels),
         elastic=ElasticConfig(
             grow=s.grow,
             min_gangs=s.min_gangs,

@@ -32,8 +32,24 @@ def local_ray() -> Iterator[None]:
     yield
 
 
+#: The markers of the slow tiers: a test carrying one may not live in ``tests/unit/``.
+SLOW_MARKERS = ("cluster", "multiprocess", "gpu")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests on the shared cluster first (stable otherwise), so it starts once."""
+    """The tests on the shared cluster first (stable otherwise), so it starts once. A test in
+    ``tests/unit/`` that carries a slow tier's marker is refused: the folders show the tiers."""
+    misplaced = [
+        item.nodeid
+        for item in items
+        if item.path.parent.name == "unit"
+        and any(item.get_closest_marker(name) for name in SLOW_MARKERS)
+    ]
+    if misplaced:
+        raise pytest.UsageError(
+            "these tests carry a slow tier's marker but live in tests/unit/; move their module to "
+            "tests/cluster/, tests/multiprocess/ or tests/gpu/: " + ", ".join(misplaced)
+        )
     items.sort(key=lambda item: "local_ray" not in getattr(item, "fixturenames", ()))
 
 

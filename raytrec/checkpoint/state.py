@@ -136,6 +136,10 @@ def _training_state(engine: RankEngine) -> dict[str, Any]:
         "dense_optimizer": engine.dense_optimizer.state_dict(),
         "rng": {f"rank{engine.spec.gang_rank}": _rng_state(engine.device)},
     }
+    if engine.state.ids is not None:
+        # The managed ids' maps: the same on every rank (DCP writes them once), and the same
+        # for any shape of the job, so a resume on another shape reads them as they are.
+        state["managed_ids"] = engine.state.ids.named_state()
     counters = engine.embedding_step_counters()
     if counters:
         # FBGEMM's step counters (fused Adam's bias correction): TorchRec's fused optimizer
@@ -395,6 +399,15 @@ def _build_targets(engine: RankEngine, md: Metadata, manifest: Manifest, uri: st
         # state (SGD) saved none.
         targets.state["dense_optimizer"] = {"state": dense_state}
     targets.dense_optimizer = dense_state
+
+    # The managed ids' maps, read in place.
+    if engine.state.ids is not None:
+        maps = engine.state.ids.named_state()
+        for key, value in maps.items():
+            entry = _saved_tensor(md, f"managed_ids.{key}", uri)
+            if list(entry.size) != list(value.shape):
+                raise size_mismatch(f"managed_ids.{key}", list(entry.size), list(value.shape))
+        targets.state["managed_ids"] = maps
 
     # Random state of the saved rank this rank takes the place of.
     source = f"rank{engine.spec.gang_rank % manifest.gang_size}"

@@ -33,6 +33,9 @@ class PlacementSpec:
     bundles: tuple[dict[str, float], ...]
     strategy: str  # "STRICT_PACK" for one bundle, "PACK" for several
     ranks: tuple[tuple[int, ...], ...]  # ranks[b]: the job ranks placed in bundle b
+    #: selectors[b]: the Ray node label selector of bundle b (raytrec.cluster.domains); none:
+    #: every bundle where Ray chooses.
+    selectors: tuple[dict[str, str], ...] = ()
 
 
 def rank_resources(*, cpus_per_rank: float, use_gpu: bool) -> dict[str, float]:

@@ -2,7 +2,7 @@
 
 Every key under :class:`~raytrec.config.TrainConfig`, read from ``model_json_schema()``: its
 type, default, allowed values and description (the docstring under the field). A section is a
-nested config class, introduced by its class docstring. ``tests/test_config_docs.py`` fails
+nested config class, introduced by its class docstring. ``tests/unit/test_config_docs.py`` fails
 when the committed reference differs from :func:`reference_markdown`.
 """
 
@@ -98,6 +98,8 @@ class _Walker:
             return ", ".join(p for p in parts if p)
         if "enum" in s:
             return ", ".join(f"`{yaml_flow(v)}`" for v in s["enum"])
+        if "const" in s:  # a literal of one value
+            return f"`{yaml_flow(s['const'])}`"
         if s.get("type") == "boolean":
             return "`true`, `false`"
         if "prefixItems" in s:

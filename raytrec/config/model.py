@@ -19,7 +19,7 @@ from raytrec.config.base import (
     Seq,
 )
 
-__all__ = ["UVM_KERNELS", "ModelConfig", "TableConfig", "criteo_tables"]
+__all__ = ["UVM_KERNELS", "IdsConfig", "ModelConfig", "TableConfig", "criteo_tables"]
 
 ModelArch = Literal["dlrm", "dlrm_dcn", "deepfm", "two_tower"]
 TwoTowerLoss = Literal["in_batch_softmax", "logistic"]
@@ -34,6 +34,8 @@ UVM_KERNELS: tuple[str, ...] = ("fused_uvm_caching", "fused_uvm")
 #: The precision of a table's weights; FBGEMM keeps the fused optimizer's state in fp32 either way.
 EmbeddingPrecision = Literal["fp32", "fp16"]
 Layers = Annotated[Seq[PositiveInt], MinLen(1)]
+IdsPolicy = Literal["fixed", "managed"]
+Eviction = Literal["lru", "lfu"]
 
 #: Architectures whose interaction needs one embedding_dim for every table: DLRM's dot products
 #: and DCN's cross layers take the pooled embeddings as one [B, F, D] block. DeepFM concatenates
@@ -47,7 +49,7 @@ DENSE_ARCHS: tuple[str, ...] = ("dlrm", "dlrm_dcn")
 WEIGHTS_SUFFIX = "_weights"
 
 # Names TorchRec cannot give an embedding table: its tables are the entries of an nn.ModuleDict,
-# which refuses a key that is one of its own attributes (tests/test_config.py checks the list
+# which refuses a key that is one of its own attributes (tests/unit/test_config.py checks the list
 # against torch's).
 RESERVED_TABLE_NAMES: frozenset[str] = frozenset(
     """
@@ -63,6 +65,23 @@ RESERVED_TABLE_NAMES: frozenset[str] = frozenset(
     training
     """.split()  # noqa: SIM905 (a word list, kept compact)
 )
+
+
+class IdsConfig(ConfigModel):
+    """How a table's raw ids become its rows (docs/managed_ids.md)."""
+
+    policy: IdsPolicy = "fixed"
+    """`fixed`: ids are rows, as the data delivers them (`data.id_policy`, vocabularies).
+    `managed`: raw int64 ids of any size are mapped to rows while training, collision-free
+    between live ids: new ids are admitted and stale ones evicted at each job-wide sync, by one
+    decision every rank of the job applies; an id not admitted reads the table's default row
+    (row `budget - 1`)."""
+    budget: Annotated[int, Ge(2)] | None = None
+    """With `managed`: the rows the map may use, the default row included (at most
+    `num_embeddings`); null: `num_embeddings`."""
+    eviction: Eviction = "lru"
+    """With `managed`: which live id gives up its row when a new one needs it: `lru` the least
+    recently seen, `lfu` the least often seen (counts since admission)."""
 
 
 class TableConfig(ConfigModel):
@@ -103,6 +122,28 @@ class TableConfig(ConfigModel):
     precision: EmbeddingPrecision = "fp32"
     """The precision of the table's weights (`EmbeddingBagConfig.data_type`): `fp16` halves their
     memory; the fused optimizer's state stays fp32 and replica syncs average in fp32."""
+    ids: IdsConfig = IdsConfig()
+    """How raw ids map to rows: `fixed` (as delivered) or `managed` (a map kept while
+    training, docs/managed_ids.md)."""
+
+    @property
+    def managed(self) -> bool:
+        """Whether the table's ids are managed (``ids.policy == "managed"``)."""
+        return self.ids.policy == "managed"
+
+    @property
+    def id_budget(self) -> int:
+        """The rows a managed table's map uses (``ids.budget``, default ``num_embeddings``)."""
+        return self.ids.budget if self.ids.budget is not None else self.num_embeddings
+
+    @model_validator(mode="after")
+    def _budget_fits(self) -> TableConfig:
+        if self.ids.budget is not None and self.ids.budget > self.num_embeddings:
+            raise ConfigError(
+                f"model.tables[{self.name}].ids.budget={self.ids.budget} exceeds "
+                f"num_embeddings={self.num_embeddings}: the map hands out rows of the table"
+            )
+        return self
 
     @field_validator("name")
     @classmethod

@@ -18,6 +18,7 @@ from annotated_types import Interval
 from pydantic import model_validator
 
 from raytrec.checkpoint.config import CheckpointConfig
+from raytrec.cluster.domains import FailureDomain
 from raytrec.cluster.topology import Layout, Topology, TopologyError
 from raytrec.config.base import (
     ConfigError,
@@ -35,6 +36,7 @@ from raytrec.config.model import (
     RESERVED_TABLE_NAMES,
     UVM_KERNELS,
     WEIGHTS_SUFFIX,
+    IdsConfig,
     ModelConfig,
     ShardingType,
     TableConfig,
@@ -52,6 +54,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "EvalConfig",
+    "IdsConfig",
     "ModelConfig",
     "OptimizerConfig",
     "PublishConfig",
@@ -158,6 +161,12 @@ class ScalingConfig(ConfigModel):
     rank_niceness: Annotated[int, Interval(ge=0, le=MAX_NICENESS)] | None = 0
     """The rank processes' nice increment over the raylet (0-19; 0: as the raylet, as torchrun's
     workers run); null: Ray's default for workers (15)."""
+    failure_domain: str = "node"
+    """What fails together: `node` (each node alone) or `label:<key>` (the nodes sharing a value
+    of the Ray node label `<key>`, e.g. `label:rack` for nodes started with `ray start --labels
+    rack=r1`). With `replicas_across_hosts` each gang is placed in a domain no other gang of the
+    job holds while the cluster has room, else shared with a `domain_shared` event
+    (docs/fault_tolerance.md, "Failure domains")."""
 
     @model_validator(mode="after")
     def _fits(self) -> ScalingConfig:
@@ -174,6 +183,10 @@ class ScalingConfig(ConfigModel):
             )
         if self.backend == "nccl" and not self.use_gpu:
             raise ConfigError("scaling.backend='nccl' needs scaling.use_gpu=True")
+        try:
+            FailureDomain.parse(self.failure_domain)
+        except ValueError as e:
+            raise ConfigError(f"scaling.failure_domain: {e}") from None
         try:
             self.topology()
         except TopologyError as e:
@@ -193,6 +206,10 @@ class ScalingConfig(ConfigModel):
         if self.backend != "auto":
             return self.backend
         return "nccl" if self.use_gpu else "gloo"
+
+    def domain(self) -> FailureDomain:
+        """The failure domain the gangs are kept apart by."""
+        return FailureDomain.parse(self.failure_domain)
 
     def topology(self) -> Topology:
         return Topology(
@@ -444,6 +461,12 @@ class TrainConfig(ConfigModel):
         )
         if not self.scaling.use_gpu:
             self._check_cpu_kernels()
+        managed = [t.name for t in self.model.tables if t.managed]
+        if managed and self.publish.every_n_steps is not None:
+            raise ConfigError(
+                f"publish.every_n_steps cannot be set with managed ids (model.tables {managed}): "
+                "published deltas carry rows, not the id maps that say whose rows they are"
+            )
         if self.data.source in ("parquet", "generated"):
             assert self.data.num_dense is not None  # DataConfig resolves it
             self.model.check_num_dense(self.data.num_dense)

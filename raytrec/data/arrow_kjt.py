@@ -367,6 +367,8 @@ def _fill_ids(
     u = out.view(_U64)
     # Signed ids are sign-extended: the hash sees each id's 64-bit two's complement.
     np.copyto(u if raw.dtype == _U64 else out, raw, casting="unsafe")
+    if f.id_policy == "raw":  # managed ids: mapped to rows in the model
+        return
     if f.id_policy == "hash":
         _splitmix64_inplace(u, np.empty_like(u))
         _mod_inplace(u, n)
@@ -407,8 +409,10 @@ def _vocabulary_index(f: CategoricalFeature) -> dict[str, int]:
 
 def category_id(value: str, f: CategoricalFeature) -> int:
     """The id of one category (its text) under ``f``'s encoding."""
-    if f.encoding == "hash":
+    if f.encoding != "vocabulary":
         digest = hashlib.blake2b(value.encode(), digest_size=8).digest()
+        if f.encoding == "hash64":  # a raw id for managed ids
+            return int.from_bytes(digest, "little", signed=True)
         return int.from_bytes(digest, "little") % f.num_embeddings
     return _vocabulary_index(f).get(value, 0)
 

@@ -49,9 +49,11 @@ def data_fingerprint(source: BatchSource) -> dict[str, Any] | None:
     return None
 
 
-def data_changes(saved: Mapping[str, Any], current: Mapping[str, Any] | None) -> list[str]:
+def data_changes(
+    saved: Mapping[str, Any], current: Mapping[str, Any] | None, *, growing: bool = False
+) -> list[str]:
     """What differs between the ``saved`` fingerprint and the ``current`` one, one phrase each
-    (empty: the same data)."""
+    (empty: the same data). ``growing``: files may have been added (``data.growing``)."""
     if current is None:
         return [f"the checkpoint's job read {saved.get('kind')} data; this job's source has none"]
     if saved.get("kind") != current.get("kind"):
@@ -66,7 +68,7 @@ def data_changes(saved: Mapping[str, Any], current: Mapping[str, Any] | None) ->
     before = {f["path"]: f for f in saved["files"]}
     after = {f["path"]: f for f in current["files"]}
     out = [f"file removed: {p}" for p in before if p not in after]
-    out += [f"file added: {p}" for p in after if p not in before]
+    out += [f"file added: {p}" for p in after if p not in before and not growing]
     for path in before.keys() & after.keys():
         a, b = before[path], after[path]
         if a["size"] != b["size"]:

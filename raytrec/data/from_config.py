@@ -82,6 +82,8 @@ def parquet_spec(
     data, columns = config.data, config.data.columns
     assert data.num_dense is not None  # DataConfig resolves it
     sizes = {f: t.num_embeddings for t in config.model.tables for f in t.features}
+    # Features of tables with managed ids keep their raw ids (the model maps them to rows).
+    managed = {f for t in config.model.tables if t.managed for f in t.features}
     weights = config.model.weights_columns  # feature -> its weights column, weighted tables
     unknown = sorted((set(columns.features) | set(columns.categorical)) - set(sizes))
     if unknown:
@@ -99,7 +101,7 @@ def parquet_spec(
                     name=feature,
                     column=column,
                     num_embeddings=n,
-                    id_policy=data.id_policy,
+                    id_policy="raw" if feature in managed else data.id_policy,
                     weights=weights.get(feature),
                 )
             )
@@ -122,7 +124,7 @@ def parquet_spec(
                 name=feature,
                 column=column,
                 num_embeddings=n,
-                encoding=encoding,
+                encoding="hash64" if encoding == "hash" and feature in managed else encoding,
                 vocabulary=vocabulary,
             )
         )

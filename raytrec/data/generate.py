@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from raytrec.data.source import Batch
 from raytrec.data.synthetic import SyntheticCriteo
 
-__all__ = ["GeneratedData", "auc", "batch_to_table", "write_synthetic_parquet"]
+__all__ = ["GeneratedData", "auc", "batch_to_table", "check_layout", "write_synthetic_parquet"]
 
 META_FILE = "_meta.json"
 # Rows per make_batch call: bounds the generator's memory whatever the row-group size.
@@ -104,6 +104,25 @@ def _split_evenly(total: int, parts: int) -> list[int]:
     return [base + (i < extra) for i in range(parts)]
 
 
+def check_layout(
+    *,
+    rows: int,
+    files: int,
+    row_groups_per_file: int,
+    names: tuple[str, str, str] = ("rows", "files", "row_groups_per_file"),
+) -> None:
+    """Refuses a layout of ``files`` x ``row_groups_per_file`` row groups that ``rows`` cannot
+    fill with at least one row each (``names``: how the caller calls the three)."""
+    for name, value in zip(names, (rows, files, row_groups_per_file), strict=True):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value!r}")
+    if rows < files * row_groups_per_file:
+        raise ValueError(
+            f"{names[0]}={rows} cannot fill {files} {names[1].removesuffix('_per_day')} x "
+            f"{row_groups_per_file} row groups with at least one row each"
+        )
+
+
 def write_synthetic_parquet(
     out_dir: str | os.PathLike[str],
     *,
@@ -123,18 +142,7 @@ def write_synthetic_parquet(
     ``shard``: which of the source's independent row streams to draw from; the teacher depends
     on ``seed`` alone, so another shard is a held-out split of the same data.
     """
-    for name, value in (
-        ("rows", rows),
-        ("files", files),
-        ("row_groups_per_file", row_groups_per_file),
-    ):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value!r}")
-    if rows < files * row_groups_per_file:
-        raise ValueError(
-            f"rows={rows} cannot fill {files} files x {row_groups_per_file} row groups "
-            "with at least one row each"
-        )
+    check_layout(rows=rows, files=files, row_groups_per_file=row_groups_per_file)
     source = SyntheticCriteo(seed=seed, num_embeddings=num_embeddings)
     os.makedirs(out_dir, exist_ok=True)
     width = max(5, len(str(files - 1)))

@@ -224,6 +224,10 @@ class ParquetSource(BatchSource):
         bad file (in listing order) and, for schema problems, the column."""
         return _check_files(*self.list_files(), self.spec)
 
+    def footers(self, files: list[str]) -> list[ParquetFileInfo]:
+        """:meth:`inspect` for ``files`` (paths within the source's filesystem) alone."""
+        return _check_files(self._resolve()[0], files, self.spec) if files else []
+
     def split(self, num_shards: int) -> list[BatchShard]:
         """Checks the files and returns one shard per rank: :class:`IndexedParquetShard` in the
         indexed mode, :class:`ParquetShard` (after building the job's pipeline) in the streaming

@@ -175,8 +175,28 @@ class IndexedParquetShard(BatchShard):
 
     def with_table(self, table: Mapping[str, Any], *, limit: int) -> IndexedParquetShard:
         """This shard with a job's re-shared streams (``Result.reshared_streams``) and its share
-        of the plan (``limit``: the job's ``num_steps``), to locate any batch it trained."""
-        return dataclasses.replace(self, limit=limit, streams=streams_from_json(table["made"]))
+        of the plan (``limit``: the job's ``num_steps``), to locate any batch it trained (the
+        files of a growing source: the table's, in the order the job found them)."""
+        shard = self.with_files_json(table["files"]) if "files" in table else self
+        return dataclasses.replace(shard, limit=limit, streams=streams_from_json(table["made"]))
+
+    def frozen_streams(self, batch_size: int) -> dict[int, Stream]:
+        """The initial ranks' streams as the plan of these files cuts them (kept when files
+        are added, which changes the plan's cuts)."""
+        return {sid: self.stream(batch_size, sid) for sid in range(self.num_shards)}
+
+    def with_files(
+        self, paths: Sequence[str], row_groups: Sequence[tuple[int, ...]]
+    ) -> IndexedParquetShard:
+        """This shard over ``paths`` (a growing source's files, old ones first)."""
+        return dataclasses.replace(self, paths=tuple(paths), row_groups=tuple(row_groups))
+
+    def files_to_json(self) -> dict[str, Any]:
+        return {"paths": list(self.paths), "row_groups": [list(g) for g in self.row_groups]}
+
+    def with_files_json(self, files: Mapping[str, Any]) -> IndexedParquetShard:
+        groups = [tuple(int(n) for n in g) for g in files["row_groups"]]
+        return self.with_files([str(p) for p in files["paths"]], groups)
 
     def batch_pieces(self, batch_id: int, batch_size: int) -> list[Piece]:
         """Where the rows of batch ``batch_id`` (of any stream of this job) are in the files."""
@@ -493,7 +513,7 @@ def _no_rows_left(pieces: list[Piece], sid: int, step: int, rows: pa.Table) -> B
     detail = (
         f"batch {step} of stream {sid} has no rows left: all {rows.num_rows} were skipped as bad "
         f"({where}); a batch read by index keeps its step, and no step trains on no rows "
-        "(clean the data, or read it with data.parquet_read='streaming')"
+        "(clean the data: drop or fix those rows)"
     )
     first = pieces[0]
     return BadInputError(

@@ -34,7 +34,7 @@ __all__ = [
     "parquet_layout",
 ]
 
-IdPolicy: TypeAlias = Literal["modulo", "hash", "strict"]
+IdPolicy: TypeAlias = Literal["modulo", "hash", "strict", "raw"]
 NullIdPolicy: TypeAlias = Literal["error", "drop"]
 # What a column must hold: "numeric" is any integer, floating or boolean column; "ids" is an
 # integer column (one id per row) or a list / large_list of integers; "integer" is an integer
@@ -42,9 +42,9 @@ NullIdPolicy: TypeAlias = Literal["error", "drop"]
 # large_list of floating point or integer numbers, or a numeric column (one weight per row, next
 # to a one-id-per-row ids column).
 ColumnKind: TypeAlias = Literal["numeric", "ids", "integer", "categories", "weights"]
-Encoding: TypeAlias = Literal["vocabulary", "hash"]
+Encoding: TypeAlias = Literal["vocabulary", "hash", "hash64"]
 
-_ID_POLICIES: tuple[IdPolicy, ...] = ("modulo", "hash", "strict")
+_ID_POLICIES: tuple[IdPolicy, ...] = ("modulo", "hash", "strict", "raw")
 _NULL_ID_POLICIES: tuple[NullIdPolicy, ...] = ("error", "drop")
 
 
@@ -81,7 +81,9 @@ class SparseFeature:
       and a silent wrap would alias it onto a valid row);
     - ``"hash"``: splitmix64 of the id's 64-bit pattern (unsalted: the same in every feature),
       then modulo; accepts any id, negative or huge;
-    - ``"strict"``: any id ``< 0`` or ``>= num_embeddings`` is an error.
+    - ``"strict"``: any id ``< 0`` or ``>= num_embeddings`` is an error;
+    - ``"raw"``: the ids as they are, any int64 (a table with managed ids maps them to rows in
+      the model, docs/managed_ids.md).
 
     ``null_id_policy`` says what a null *inside* a list means: ``"error"`` or ``"drop"`` (remove it
     and shorten the list).
@@ -167,6 +169,8 @@ class CategoricalFeature:
       most ``num_embeddings - 1`` values.
     - ``encoding="hash"``: the first 8 bytes of the BLAKE2b hash of the value's UTF-8 text,
       modulo ``num_embeddings``: the same in every process and run, no vocabulary to keep.
+    - ``encoding="hash64"``: the same hash as a signed int64, not folded: a raw id for a table
+      with managed ids (docs/managed_ids.md).
     """
 
     name: str
@@ -187,11 +191,11 @@ class CategoricalFeature:
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
             raise SpecError(owner, "num_embeddings", n, "an int >= 1")
         object.__setattr__(self, "num_embeddings", int(n))
-        if self.encoding not in ("vocabulary", "hash"):
-            raise SpecError(owner, "encoding", self.encoding, "'vocabulary' or 'hash'")
-        if self.encoding == "hash":
+        if self.encoding not in ("vocabulary", "hash", "hash64"):
+            raise SpecError(owner, "encoding", self.encoding, "'vocabulary', 'hash' or 'hash64'")
+        if self.encoding != "vocabulary":
             if self.vocabulary is not None:
-                raise SpecError(owner, "vocabulary", "...", "None with encoding='hash'")
+                raise SpecError(owner, "vocabulary", "...", f"None with encoding={self.encoding!r}")
             return
         if self.vocabulary is None or isinstance(self.vocabulary, str):
             raise SpecError(owner, "vocabulary", self.vocabulary, "a sequence of strings")

@@ -24,7 +24,14 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from raytrec.data.source import Batch, BatchShard, BatchSource
 
-__all__ = ["SyntheticCriteo", "SyntheticShard", "batch_id", "split_batch_id"]
+__all__ = [
+    "SyntheticCriteo",
+    "SyntheticShard",
+    "batch_id",
+    "click_rate_intercept",
+    "require",
+    "split_batch_id",
+]
 
 _TARGET_CLICK_RATE = 0.25  # Criteo's click rate is ~25.6%.
 _DENSE_LOGIT_STD = 0.8  # spread of the dense part of the teacher logit
@@ -50,6 +57,22 @@ def _hash_normal(h: np.ndarray) -> np.ndarray:
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * x))  # overflow-free form
+
+
+def click_rate_intercept(logits: np.ndarray, rate: float = _TARGET_CLICK_RATE) -> float:
+    """The intercept that makes the mean of ``sigmoid(logits + b)`` ``rate`` (Newton's method)."""
+    b = 0.0
+    for _ in range(20):
+        p = _sigmoid(logits + b)
+        b -= (p.mean() - rate) / max(float((p * (1.0 - p)).mean()), 1e-6)
+    return float(b)
+
+
+def require(owner: object, field: str, ok: bool, allowed: str) -> None:
+    """Raises ValueError naming ``owner``'s class and ``field`` unless ``ok``."""
+    if not ok:
+        value = getattr(owner, field)
+        raise ValueError(f"{type(owner).__name__}.{field} must be {allowed}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,23 +105,19 @@ class SyntheticCriteo(BatchSource):
     feature_prefix: str = "cat_"
 
     def __post_init__(self) -> None:
-        def check(field: str, value: object, ok: bool, allowed: str) -> None:
-            if not ok:
-                raise ValueError(f"SyntheticCriteo.{field} must be {allowed}, got {value!r}")
-
-        check("num_dense", self.num_dense, self.num_dense >= 1, ">= 1")
-        check("num_sparse", self.num_sparse, self.num_sparse >= 1, ">= 1")
+        check = functools.partial(require, self)
+        check("num_dense", self.num_dense >= 1, ">= 1")
+        check("num_sparse", self.num_sparse >= 1, ">= 1")
         n = self.num_embeddings
         if isinstance(n, tuple):
-            check("num_embeddings", n, len(n) == self.num_sparse, f"of length {self.num_sparse}")
+            check("num_embeddings", len(n) == self.num_sparse, f"of length {self.num_sparse}")
         sizes = n if isinstance(n, tuple) else (n,)
-        check("num_embeddings", n, all(int(v) >= 1 for v in sizes), "positive")
-        check("zipf_alpha", self.zipf_alpha, self.zipf_alpha > 1.0, "> 1")
-        check("mean_length", self.mean_length, self.mean_length >= 1.0, ">= 1")
-        check("max_length", self.max_length, self.max_length >= 1, ">= 1")
-        ef = self.empty_fraction
-        check("empty_fraction", ef, 0.0 <= ef < 1.0, "in [0, 1)")
-        check("seed", self.seed, self.seed >= 0, ">= 0")
+        check("num_embeddings", all(int(v) >= 1 for v in sizes), "positive")
+        check("zipf_alpha", self.zipf_alpha > 1.0, "> 1")
+        check("mean_length", self.mean_length >= 1.0, ">= 1")
+        check("max_length", self.max_length >= 1, ">= 1")
+        check("empty_fraction", 0.0 <= self.empty_fraction < 1.0, "in [0, 1)")
+        check("seed", self.seed >= 0, ">= 0")
 
     @property
     def dense_features(self) -> int:
@@ -223,12 +242,7 @@ class SyntheticCriteo(BatchSource):
     def _intercept(self) -> float:
         # Chosen so the expected click rate hits the target: Newton's method on a fixed sample.
         rng = np.random.default_rng([self.seed, 0, 0, 2])
-        logits = self._logits(*self._features(rng, _CALIBRATION_ROWS))
-        b = 0.0
-        for _ in range(20):
-            p = _sigmoid(logits + b)
-            b -= (p.mean() - _TARGET_CLICK_RATE) / max(float((p * (1.0 - p)).mean()), 1e-6)
-        return float(b)
+        return click_rate_intercept(self._logits(*self._features(rng, _CALIBRATION_ROWS)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

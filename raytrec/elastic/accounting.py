@@ -229,19 +229,25 @@ class BatchAccounting:
         *,
         ranks_of: Callable[[int], Sequence[int]],
         dense_through: int | None = None,
+        rolled_back: Sequence[int] = (),
+        rolled_back_dense_through: int | None = None,
     ) -> dict[int, list[int]]:
         """Drops gangs; returns survivor rank -> batch ids to replay (queued in its stream).
 
         ``dense_through``: the last step whose dense update the survivors' dense parameters
         hold (:func:`~raytrec.elastic.dense.settle_failed_step`); the dropped gangs' batches
         trained at or before it are replayed embedding-only. None: no step's (a drain, after a
-        job-wide sync, leaves nothing to replay)."""
-        for g in gangs:
-            for batch in self.ledger.pending(g).get(0, RowRanges()):
-                at = self._trained_at.get(batch)
-                if dense_through is not None and at is not None and at <= dense_through:
-                    self._dense_applied.add(batch)
-        plan = self.ledger.drop(gangs, survivors)
+        job-wide sync, leaves nothing to replay). ``rolled_back``: survivors whose model copies
+        are replaced (:mod:`~raytrec.elastic.group_rollback`); their pending batches are
+        replayed too, embedding-only when trained at or before ``rolled_back_dense_through``
+        (:attr:`~raytrec.elastic.dense.FailedStepSettlement.survivors_through`)."""
+        for through, of in ((dense_through, gangs), (rolled_back_dense_through, rolled_back)):
+            for g in of:
+                for batch in self.ledger.pending(g).get(0, RowRanges()):
+                    at = self._trained_at.get(batch)
+                    if through is not None and at is not None and at <= through:
+                        self._dense_applied.add(batch)
+        plan = self.ledger.drop(gangs, survivors, rolled_back=rolled_back)
         if self.streams is None:
             return {}
         assignments: dict[int, list[int]] = {}

@@ -19,7 +19,9 @@ Precedence, when several observations are passed together:
    ``Fail``, alone;
 2. a loss (ranks dead or hung, or a failure with every rank alive): ``Reform``, ``TotalLoss``
    or ``Fail``, alone: nothing else runs at a boundary where something was lost;
-3. survivors too far apart to re-form: ``Fail``, alone;
+3. survivors too far apart to re-form: ``Fail``, alone; every survivor averaged with a lost gang
+   at a lower level of a hierarchical schedule (:mod:`raytrec.elastic.group_rollback`):
+   ``TotalLoss`` or ``Fail``, alone;
 4. a stop (a rank could not prepare what comes next, then a user's request): ``Stop``, alone;
 5. a drain (asked for, else a persistent straggler's eviction), then gangs built and waiting
    to join: ``Drain`` then ``Grow``;
@@ -55,6 +57,7 @@ from raytrec.elastic.decisions import (
     Wait,
 )
 from raytrec.elastic.drain_policy import DrainRequest, decide_drain
+from raytrec.elastic.group_rollback import no_clean_survivor
 from raytrec.elastic.membership import Gang, Membership
 from raytrec.elastic.rollback import decide_total_loss, describe_total_loss
 from raytrec.elastic.straggler_policy import StragglerWatch, decide_eviction
@@ -142,6 +145,9 @@ class Observations:
     #: After a loss: the steps the survivors stopped at, and the gangs being dropped.
     survivor_steps: tuple[int, ...] = ()
     dropping: tuple[int, ...] = ()
+    #: After a loss, with the survivors' steps: the survivors that averaged with a lost gang at a
+    #: lower level since the last job-wide sync (:func:`~.group_rollback.rolled_back_gangs`).
+    rolled_back: tuple[int, ...] = ()
     #: Why a rank could not prepare the next interval (bad input, the end of its data).
     data_stop: str | None = None
     stop_requested: bool = False
@@ -178,6 +184,9 @@ def decide(state: JobState, seen: Observations, now: float) -> tuple[Decision, .
         apart = _survivors_apart(state, seen.survivor_steps, seen.dropping)
         if apart is not None:
             return (apart,)
+        mixed = _no_clean_survivor(state, seen)
+        if mixed is not None:
+            return (mixed,)
     if seen.data_stop is not None:
         return (Stop(cause="data", reason=seen.data_stop),)
     if seen.stop_requested:
@@ -316,6 +325,28 @@ def _survivors_apart(state: JobState, steps: Sequence[int], dropping: Sequence[i
             "schedule lets groups run apart between job-wide syncs)"
         ),
         config_key="sync.levels",
+    )
+
+
+def _no_clean_survivor(state: JobState, seen: Observations) -> TotalLoss | Fail | None:
+    """Every survivor of a loss rolls back (it averaged with a lost gang at a lower level since
+    the last job-wide sync): no live copy is free of the lost gangs' unsynced work, so the job
+    is rebuilt from its checkpoint as after a total loss, or fails naming what would allow it."""
+    m = state.membership
+    survivors = [g for g in m.gang_ids if g not in seen.dropping]
+    why = no_clean_survivor(
+        survivors=survivors, rolled_back=seen.rolled_back, last_sync_step=m.last_sync_step
+    )
+    if why is None:
+        return None
+    return decide_total_loss(
+        loss=f"lost gangs {list(seen.dropping)}: {why}",
+        point=state.point,
+        restore=state.elastic.restore_on_total_loss,
+        checkpoint=state.checkpoint,
+        replayable=state.replayable,
+        step=max(seen.survivor_steps),
+        lost_gangs=tuple(seen.dropping),
     )
 
 

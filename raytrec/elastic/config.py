@@ -16,6 +16,7 @@ from pydantic import model_validator
 from raytrec.config.base import (
     ConfigError,
     ConfigModel,
+    NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
@@ -59,6 +60,11 @@ class ElasticConfig(ConfigModel):
     poll_s: PositiveFloat = 1.0
     """The coordinator's heartbeat/poll period; a failure is acted on at most `poll_s` after it
     is observable (a hang: `step_timeout_s + poll_s`)."""
+    domain_wait_s: NonNegativeFloat = 60.0
+    """How long a gang joining the job (a replacement, or growth) waits for room in a failure
+    domain no other gang holds (`scaling.failure_domain`) when the only room now is in one
+    that another gang holds and some domain holds none; then it is placed in the shared one,
+    with a `domain_shared` event. 0: it never waits."""
     grow: bool = True
     """Request placement for new gangs up to `max_gangs` whenever the job is smaller; false:
     the job only replaces gangs to get back to `min_gangs`."""

@@ -41,6 +41,14 @@ class FailedStepSettlement:
     #: generation and apply them, so their own batches of that step reach the dense parameters.
     finish: bool
 
+    @property
+    def survivors_through(self) -> int:
+        """The last step whose dense update of the survivors' own batches the dense state holds
+        once the failed step is settled: a survivor's batch of the failed step reaches it when
+        the survivors finish that step. A survivor that rolls back under a hierarchical schedule
+        (:mod:`~.group_rollback`) replays its batches trained at or before it embedding-only."""
+        return self.step if self.finish else self.dense_through
+
 
 def settle_failed_step(
     recovered: Sequence[RankReport],

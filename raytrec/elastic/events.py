@@ -20,12 +20,15 @@ __all__ = [
     "CheckpointSaved",
     "CoordinatorLost",
     "CoordinatorRestarted",
+    "DataGrowthEnded",
     "DataReshared",
+    "DomainShared",
     "DrainRejected",
     "EarlyStopped",
     "Event",
     "EventLog",
     "FailedStepSettled",
+    "FilesLanded",
     "GangDrained",
     "GangDropped",
     "GangHealed",
@@ -115,6 +118,10 @@ class FailedStepSettled(Event):
     dense_from: int  # the job rank whose dense state every rank took
     finished: bool  # the survivors applied the failed step's dense update among themselves
     embedding_only: int  # replay batches handed out that update embedding rows only
+    #: Under ``sync.levels``: the surviving gangs that had averaged with a lost gang at a lower
+    #: level since the last job-wide sync; they took the other survivors' mean, and their
+    #: batches since that sync were replayed (:mod:`raytrec.elastic.group_rollback`).
+    rolled_back: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -138,6 +145,18 @@ class GangPlaced(Event):
     kind: ClassVar[str] = "gang_placed"
     #: The node of each gang rank ("<node id> at <address>"), in gang-rank order.
     nodes: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DomainShared(Event):
+    """Gang ``gang_id`` was placed in a failure domain (``scaling.failure_domain``) that other
+    gangs of the job hold too, because no domain of its own had room: one loss there takes
+    all of them (a total loss when they are every gang)."""
+
+    kind: ClassVar[str] = "domain_shared"
+    gang_id: int
+    domain: str  # "node <node id> at <address>", or "<label>=<value>"
+    with_gangs: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -211,6 +230,33 @@ class DataReshared(Event):
     end_step: int
     left_over: int = 0
     handed_off: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FilesLanded(Event):
+    """New files of a growing source (``data.growing``) were found, and their ``rows`` shared
+    among the live ranks with the rows left: the job's data now ends at ``end_step``, and step
+    ``first_step`` is the first to train some of their rows (None: a rank was lost while they
+    were shared, and the recovery shared them again). ``landed_at``: each file's modification
+    time (seconds since the epoch), ``found_at`` the wall-clock time each was listed."""
+
+    kind: ClassVar[str] = "files_landed"
+    paths: tuple[str, ...]
+    rows: int
+    end_step: int
+    first_step: int | None
+    landed_at: tuple[float, ...]
+    found_at: tuple[float, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataGrowthEnded(Event):
+    """A growing source's job ended after training every row of its ``files`` files (``reason``:
+    ``data.growing.max_files`` reached, or no new file for ``data.growing.idle_stop_s``)."""
+
+    kind: ClassVar[str] = "data_growth_ended"
+    files: int
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -130,22 +130,34 @@ class DataLedger:
             self._pending[g] = []
         return n
 
-    def drop(self, gang_ids: Iterable[int], survivors: Sequence[int]) -> ReplayPlan:
+    def drop(
+        self, gang_ids: Iterable[int], survivors: Sequence[int], *, rolled_back: Iterable[int] = ()
+    ) -> ReplayPlan:
         """Drops gangs; their pending and unread replay rows are split among ``survivors``
-        (taken in the given order; the first ones get the extra row when the split is uneven)."""
+        (taken in the given order; the first ones get the extra row when the split is uneven).
+        The pending rows of the survivors in ``rolled_back`` (their model copies were replaced,
+        so what they trained since their last sync is in no replica) go into the split too."""
         dropped = tuple(sorted(set(gang_ids)))
+        back = tuple(sorted(set(rolled_back)))
         for g in dropped:
             self._gang(g)
         for g in survivors:
             self._gang(g)
             if g in dropped:
                 raise LedgerError(f"gang {g} cannot both be dropped and survive")
+        for g in back:
+            if g not in survivors:
+                raise LedgerError(f"gang {g} rolls back but is not among the survivors")
         pool: dict[int, list[Range]] = {}
         for g in dropped:
             for epoch, r in self._pending[g]:
                 pool.setdefault(epoch, []).append(r)
             for epoch, rows in self._replay[g].items():
                 pool.setdefault(epoch, []).extend(rows.ranges)
+        for g in back:
+            for epoch, r in self._pending[g]:
+                pool.setdefault(epoch, []).append(r)
+            self._pending[g] = []
         # A row a dropped gang read twice is replayed once: the pool is a set.
         items = [(epoch, r) for epoch in sorted(pool) for r in RowRanges(tuple(pool[epoch])).ranges]
         if items and not survivors:

@@ -72,6 +72,9 @@ class ReformPlan:
     step: int | None = None
     #: A sync of the replica plane (embedding and optimizer state averaged).
     sync: bool = False
+    #: With ``sync``: the replica-plane members that take the mean of the others' state
+    #: instead of adding theirs (:mod:`raytrec.elastic.group_rollback`).
+    rolled_back: tuple[int, ...] = ()
     #: The replica-plane member whose full state every member takes (a heal).
     broadcast_state_from: int | None = None
     #: (replica-plane member, its gang rank) whose dense state every member takes.

@@ -110,6 +110,7 @@ class NodeInfo:
     address: str
     alive: bool
     resources: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)  # Ray's node labels
 
 
 class Clock(Protocol):
@@ -190,4 +191,12 @@ class WorkerGroup(Protocol):
 
     def draining_nodes(self) -> set[str]:
         """Node ids the cluster marked for removal (an autoscaler, a preemption notice)."""
+        ...
+
+    def available(self) -> dict[str, dict[str, float]]:
+        """Node id -> the resources free on it now, for each live node."""
+        ...
+
+    def placed_nodes(self, placement: Placement) -> tuple[str, ...]:
+        """The node id of each bundle of a ready placement."""
         ...

@@ -18,6 +18,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from raytrec._quiet import quiet_known_warnings
 from raytrec.engine.dense_optimizer import build_dense_optimizer
+from raytrec.engine.managed_ids import ManagedIds
 from raytrec.engine.plan import apply_embedding_optimizer, sharders
 from raytrec.engine.publish_rows import UnpublishedRows
 from raytrec.engine.rank_model import RankModel, fused_tables
@@ -86,5 +87,7 @@ def build_rank(spec: RankSpec) -> tuple[RankModel, dist.Store]:
             else None
         ),
         unpublished=UnpublishedRows(tables) if cfg.publish.every_n_steps is not None else None,
+        ids=ManagedIds.for_model(cfg.model),
+        seed=cfg.seed,
     )
     return built, store

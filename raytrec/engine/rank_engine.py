@@ -260,6 +260,9 @@ class RankEngine:
     ) -> None:
         self.replicas.sync(decision, optimizer_state=optimizer_state)
 
+    def sync_without(self, rolled_back: tuple[int, ...]) -> None:
+        self.replicas.sync_without(rolled_back)
+
     def broadcast_dense(self, *, src: int, gang_src: int = 0) -> None:
         self.replicas.broadcast_dense(src=src, gang_src=gang_src)
 

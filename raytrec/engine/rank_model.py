@@ -23,6 +23,9 @@ from torchrec.optim.keyed import KeyedOptimizerWrapper
 from raytrec.engine.dense_optimizer import state_tensors
 
 if TYPE_CHECKING:
+    from torchrec.datasets.utils import Batch
+
+    from raytrec.engine.managed_ids import ManagedIds
     from raytrec.engine.publish_rows import UnpublishedRows
     from raytrec.engine.touched_rows import TouchedRows
 
@@ -42,6 +45,24 @@ class RankModel:
     touched: TouchedRows | None = None
     # With publish.every_n_steps: the rows that changed since the last publish.
     unpublished: UnpublishedRows | None = None
+    # With managed tables (tables[].ids.policy="managed"): their raw id -> row maps, the same
+    # on every rank of the job (docs/managed_ids.md); ``seed`` draws the rows they renew.
+    ids: ManagedIds | None = None
+    seed: int = 0
+
+    def remapped(self, batch: Batch, step: int | None) -> Batch:
+        """``batch`` with its managed features' raw ids mapped to rows; ``step``: the step
+        that trains it (its ids are observed for the next merge), None when only scoring."""
+        if self.ids is None:
+            return batch
+        return dataclasses.replace(
+            batch, sparse_features=self.ids.remap(batch.sparse_features, step=step)
+        )
+
+    def ids_state(self) -> list[torch.Tensor]:
+        """The managed ids' maps (live tensors), identical on every rank of the job: moved by
+        heals and re-forming, saved by checkpoints, covered by the state digest."""
+        return self.ids.state() if self.ids is not None else []
 
     def embedding_weights(self) -> list[torch.Tensor]:
         """Views of this rank's embedding shards (one per local table shard), holding their true

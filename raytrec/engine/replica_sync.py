@@ -14,12 +14,14 @@ embeddings instead, so a slow gang holds back only the gangs it syncs with.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from raytrec.config import SyncConfig
+from raytrec.engine.managed_rows import on_device, realigned
 from raytrec.engine.rank_model import RankModel
 from raytrec.engine.replica_plane import (
     LevelPlanes,
@@ -273,6 +275,45 @@ class ReplicaSync:
         if touched is not None:
             touched.synced(level, optimizer_state=optimizer_state, generation=plane.generation)
 
+    def sync_without(self, rolled_back: Collection[int]) -> None:
+        """A job-wide sync in which the members ``rolled_back`` (replica-plane member ranks) take
+        the mean of the other members' state instead of adding their own to it: embedding
+        shards with their fused optimizer state and step counters, and with
+        ``sync.dense="with_schedule"`` the dense state too (with every step's dense all-reduce
+        it is the same everywhere already). A gang that averaged with a lost gang at a lower
+        level of a hierarchical schedule holds part of that gang's unsynced work
+        (:mod:`raytrec.elastic.group_rollback`); its own since the last job-wide sync is
+        replayed instead."""
+        plane = self.replica
+        assert plane is not None, "join_replica_plane() first"
+        keep = plane.size - len(set(rolled_back))
+        if keep < 1 or any(not 0 <= m < plane.size for m in rolled_back):
+            raise ValueError(
+                f"sync_without({sorted(rolled_back)}) on a replica plane of {plane.size} members "
+                "needs at least one member left to take the mean of"
+            )
+        model = self._model
+        tensors = model.shard_state(optimizer_state=True)
+        dense = model.dense_state() if self.config.dense == "with_schedule" else []
+        own = plane.rank not in rolled_back
+
+        def mean_of_kept(flat: torch.Tensor) -> None:
+            if not own:
+                flat.zero_()
+            wide = plane.sum_(flat)
+            if wide.is_floating_point():
+                wide.div_(keep)
+            else:
+                wide.div_(keep, rounding_mode="floor")
+            if wide is not flat:
+                flat.copy_(wide)
+
+        in_place_flat(tensors, mean_of_kept, apart=dense)
+        self.last_traffic = full_traffic(tensors, dense, plane.size, model.tables)
+        # Every copy changed as a whole: the touched rows are forgotten (the next sync of each
+        # level averages every row) and every row is due for publishing.
+        model.shard_state_written()
+
     def _bytes(self, optimizer_state: bool) -> int:
         """What a whole sync of this rank's shards all-reduces (:func:`shard_bytes`)."""
         if optimizer_state not in self._shard_bytes:
@@ -316,17 +357,27 @@ class ReplicaSync:
         dense all-reduce before the failure reached them, some did not); one survivor's dense
         state becomes everyone's, so dense state is identical again."""
         assert self.replica is not None, "join_replica_plane() first"
-        tensors = self._model.dense_state()
-        # Ranks of one gang can disagree too (each sits in another replica group, and one
-        # group's collective may have finished where another's failed): first gang rank
-        # ``gang_src``'s copy within the gang, then member ``src``'s across gangs.
-        if self._gang_size > 1:
-            in_place_flat(tensors, lambda flat: dist.broadcast(flat, src=gang_src))
-        self.replica.broadcast_(tensors, src=src)
+        replica = self.replica
+
+        def copy(ids_state: list[torch.Tensor]) -> None:
+            # The managed ids' maps too (a failure inside a merge can leave them one decision
+            # apart), renewing the rows whose id the copy changed (realigned).
+            tensors = self._model.dense_state() + ids_state
+            # Ranks of one gang can disagree too (each sits in another replica group, and one
+            # group's collective may have finished where another's failed): first gang rank
+            # ``gang_src``'s copy within the gang, then member ``src``'s across gangs.
+            if self._gang_size > 1:
+                in_place_flat(tensors, lambda flat: dist.broadcast(flat, src=gang_src))
+            replica.broadcast_(tensors, src=src)
+
+        realigned(self._model, copy, replica.device)
 
     def broadcast_state(self, *, src: int) -> None:
-        """Copies a live member's full state to the rest of the replica group."""
+        """Copies a live member's full state to the rest of the replica group (the managed
+        ids' maps included, with the rows they map)."""
         assert self.replica is not None, "join_replica_plane() first"
         model = self._model
-        self.replica.broadcast_(model.shard_state() + model.dense_state(), src=src)
+        replica = self.replica
+        with on_device(model.ids_state(), replica.device) as ids_state:
+            replica.broadcast_(model.shard_state() + model.dense_state() + ids_state, src=src)
         model.shard_state_written()

@@ -27,6 +27,7 @@ import torch
 
 from raytrec.data.source import Batch
 from raytrec.engine.dense_update import DenseUpdate
+from raytrec.engine.managed_rows import merge_ids, merges_after
 from raytrec.engine.rank_model import RankModel
 from raytrec.engine.replica_plane import ReplicaPlaneError
 from raytrec.engine.replica_sync import ReplicaSync
@@ -152,7 +153,7 @@ class Stepper:
         the job.
         """
         step = self._dense.step + 1
-        batch = item.batch.to(self._model.device)
+        batch = self._model.remapped(item.batch, step).to(self._model.device)
         loss, (_, logits, labels) = self._model.model(batch)
         self._set_dense_grads(item.dense)
         try:
@@ -172,11 +173,18 @@ class Stepper:
         """
         left = num_steps
         replicas = self._replicas
-        while left:
-            n = next(
-                (k for k in range(1, left) if replicas.syncs_with_others(self._dense.step + k)),
-                left,
+        # With managed ids the map changes after each job-wide sync: a segment ends there too,
+        # so that no batch is mapped ahead of its step under the map before.
+        merging = self._model.ids is not None
+
+        def boundary(step: int) -> bool:
+            lower = len(replicas.config.levels)
+            return replicas.syncs_with_others(step) or (
+                merging and merges_after(replicas.decide(step), lower)
             )
+
+        while left:
+            n = next((k for k in range(1, left) if boundary(self._dense.step + k)), left)
             yield from self.run_steps(itertools.islice(inputs, n))
             left -= n
             decision = replicas.decide(self._dense.step)
@@ -188,6 +196,8 @@ class Stepper:
                 together = replicas.syncs_with_others(decision.step)
                 try:
                     replicas.sync(decision)
+                    if merging and merges_after(decision, len(replicas.config.levels)):
+                        merge_ids(self._model, replicas.replica, decision.step)
                 except ReplicaPlaneError:
                     if together:
                         with contextlib.suppress(Exception):
@@ -226,7 +236,7 @@ class Stepper:
         def batches() -> Iterator[Batch]:
             while (item := ahead.popleft() if ahead else next(source, None)) is not None:
                 held.append(item)
-                yield item.batch
+                yield self._model.remapped(item.batch, self._dense.step + 1 + len(held))
 
         handed = batches()  # one iterator for the segment: the pipeline fills from it
         step = self._dense.step + 1
@@ -304,7 +314,7 @@ class Stepper:
         ``torch.no_grad()``: no backward, so no embedding or dense update. Every rank of the
         gang scores a batch at once (the forward is sharded)."""
         model = self._model
-        batch = batch.to(model.device)
+        batch = model.remapped(batch, None).to(model.device)
         if self.pipeline is not None:
             # The pipeline's rewritten forwards read inputs it distributed; it attaches again
             # (rewriting them anew) at its next step.

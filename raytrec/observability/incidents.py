@@ -189,6 +189,8 @@ def _lane_and_label(kind: str, e: Mapping[str, Any]) -> tuple[str | None, str]:
         return (None, "") if gen in (0, None) else ("generations", f"gen {gen}")
     if kind in ("gang_dropped", "gang_drained", "gang_joined"):
         return "gangs", f"gang {e.get('gang_id', '?')} {kind.removeprefix('gang_')}"
+    if kind == "domain_shared":
+        return "gangs", f"gang {e.get('gang_id', '?')} shares {e.get('domain', '?')}"
     if kind == "checkpoint_saved":
         return "checkpoints", ""  # the lane says it; many would crowd it
     if kind == "checkpoint_restored":

@@ -51,6 +51,7 @@ from raytrec.data.spec import FeatureSpec
 from raytrec.models import build_model as build_arch
 from raytrec.serving.deltas import apply_deltas
 from raytrec.serving.model_spec import ModelSpec, read_model_spec
+from raytrec.serving.raw_ids import attach_maps, read_maps, split_maps
 
 __all__ = [
     "ExportedModel",
@@ -245,7 +246,9 @@ def _resolve_spec(
 
 
 def build_model(spec: ModelSpec, state: Mapping[str, torch.Tensor], *, where: str) -> nn.Module:
-    """The unsharded model of ``spec`` holding ``state``, in eval mode on the CPU."""
+    """The unsharded model of ``spec`` holding ``state``, in eval mode on the CPU; with managed
+    tables, holding their maps too (``managed_ids.*`` in ``state``), so it takes raw ids."""
+    state, maps = split_maps(state)
     model = build_arch(spec.model, spec.num_dense, torch.device("cpu"), seed=0)
     expected = model.state_dict()
     problems = [f"{k!r} missing" for k in expected if k not in state]
@@ -258,7 +261,7 @@ def build_model(spec: ModelSpec, state: Mapping[str, torch.Tensor], *, where: st
     if problems:
         raise CheckpointError(f"{where} does not fit its model spec: {'; '.join(problems)}")
     model.load_state_dict(dict(state), strict=True, assign=True)  # embeddings were on meta
-    return model.eval()
+    return attach_maps(model, spec.model, maps, where=where).eval()
 
 
 def export(
@@ -285,7 +288,7 @@ def export(
         raise FileExistsError(f"export path {out} exists and is not empty")
     state, step, kind = read_unsharded_state(uri)
     spec = _resolve_spec(uri, state, config, fallback=result_config)
-    model = build_model(spec, state, where=uri)
+    model = build_model(spec, {**state, **read_maps(uri)}, where=uri)
     os.makedirs(out, exist_ok=True)
     torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, _in(out, STATE_FILE))
     program_path, program_error = None, None

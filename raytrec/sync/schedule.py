@@ -112,6 +112,13 @@ class SyncDecision:
     def due(self) -> bool:
         return self.level is not None
 
+    @property
+    def job_wide(self) -> bool:
+        """Whether every live gang averages in one group: the top level, warmup, or a lower
+        level capped at one group of all (fewer live gangs than its group size, or fewer
+        than twice). Every replica is then identical, as after the top level's sync."""
+        return len(self.groups) == 1
+
     def group_of(self, gang: int) -> tuple[int, ...]:
         """The group ``gang`` averages with at this step."""
         for group in self.groups:

@@ -1,12 +1,10 @@
 """An in-process worker group: the real control loop without Ray.
 
-:class:`FakeWorkerGroup` implements :class:`~raytrec.elastic.workers.WorkerGroup` with fake
-ranks (:class:`~simulation.doubles.fake_rank.FakeRank`, a
-:class:`~raytrec.elastic.rank_protocol.RankProtocol`) that "train" by taking batch ids from their
-streams (replays first, as a real feed does) and return well-formed
-:class:`~raytrec.elastic.report.RankReport`\\ s; no process, no process group. Its clock
-(:class:`~simulation.doubles.fake_faults.ManualClock`) advances only when the coordinator sleeps or
-waits, so a test of minutes of job time runs in milliseconds and every timeout is exact.
+:class:`FakeWorkerGroup` implements :class:`~raytrec.elastic.workers.WorkerGroup` with fake ranks
+(:class:`~simulation.doubles.fake_rank.FakeRank`) that "train" by taking batch ids from their
+streams (replays first, as a real feed does) and return well-formed rank reports; no process,
+no process group. Its clock (``ManualClock``) advances only when the coordinator sleeps or waits:
+minutes of job time run in milliseconds and every timeout is exact.
 
 What the fake models, and where:
 
@@ -20,11 +18,11 @@ What the fake models, and where:
   a step starts fails its call at once; the ranks waiting for it in that step's collectives fail
   when the coordinator aborts their replica planes, or after ``collective_timeout_s``. A hung
   rank's call never returns and its heartbeat stops.
-- **Placement.** Nodes of ``cpus_per_node`` CPUs; a placement is ready once every bundle fits on
-  a live node that is not draining (first fit), which may be never.
+- **Placement.** A placement is ready once every bundle fits on a live node of ``cpus_per_node``
+  CPUs, not draining, that its node-id selector admits (first fit), which may be never.
 
 Calls the coordinator must not make (a collective on part of a replica plane, a call on a rank
-never started) raise :class:`FakeUsageError`: on real ranks they would hang or crash.
+never started) raise :class:`FakeUsageError`: real ranks would hang or crash.
 """
 
 from __future__ import annotations
@@ -343,7 +341,8 @@ class FakeWorkerGroup(TrainingRuns):
         return out
 
     def place(self, spec: PlacementSpec, *, name: str = "") -> FakePlacement:
-        placement = FakePlacement(name=name, cpus=tuple(b.get("CPU", 0.0) for b in spec.bundles))
+        cpus = tuple(b.get("CPU", 0.0) for b in spec.bundles)
+        placement = FakePlacement(name=name, cpus=cpus, selectors=spec.selectors)
         self._pending.append(placement)
         self._schedule()
         return placement
@@ -375,9 +374,16 @@ class FakeWorkerGroup(TrainingRuns):
     def nodes(self) -> list[NodeInfo]:
         now = self.clock.now
         return [
-            NodeInfo(node_id=n.node_id, address="127.0.0.1", alive=n.died_at > now)
+            NodeInfo(node_id=n.node_id, address="127.0.0.1", alive=n.died_at > now, labels=n.labels)
             for n in self._nodes
         ]
+
+    def available(self) -> dict[str, dict[str, float]]:
+        now = self.clock.now
+        return {n.node_id: {"CPU": n.free} for n in self._nodes if n.died_at > now}
+
+    def placed_nodes(self, placement: FakePlacement) -> tuple[str, ...]:
+        return tuple(n.node_id for n in placement.nodes or ())
 
     def draining_nodes(self) -> set[str]:
         now = self.clock.now
@@ -437,8 +443,8 @@ class FakeWorkerGroup(TrainingRuns):
         still: list[FakePlacement] = []
         for p in self._pending:
             taken: list[FakeNode] = []
-            for cpus in p.cpus:
-                node = next((n for n in usable if n.free >= cpus), None)
+            for b, cpus in enumerate(p.cpus):
+                node = next((n for n in usable if n.free >= cpus and p.admits(b, n)), None)
                 if node is None:
                     break
                 node.free -= cpus
@@ -525,7 +531,10 @@ class FakeWorkerGroup(TrainingRuns):
     # -- collectives (each returns the ranks' answer values) ---------------------------------
 
     def sync_all(self, states: list[RankState], ops: Mapping[int, Op]) -> dict[int, Any]:
-        sync_copies([self.copies[g] for g in _by_gang(states)])
+        back = ops[states[0].spec.rank].args[0]  # rolled back: their copies add nothing
+        gangs = _by_gang(states).items()
+        out = {i for i, (_, ranks) in enumerate(gangs) if ranks[0].member in back}
+        sync_copies([self.copies[g] for g, _ in gangs], without=out)
         for r in states:  # an average is the same everywhere, an off weight included
             r.corrupt = False
         return {}

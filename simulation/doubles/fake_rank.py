@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
+from raytrec.cluster.domains import NODE_ID_LABEL, selects
 from raytrec.data.parquet_streams import stream_length
 from raytrec.data.synthetic import batch_id
 from raytrec.elastic.rank_protocol import (
@@ -75,6 +76,10 @@ class FakeNode:
     def node_id(self) -> str:
         return f"fake-node-{self.index}"
 
+    @property
+    def labels(self) -> dict[str, str]:
+        return {NODE_ID_LABEL: self.node_id}
+
 
 @dataclasses.dataclass(eq=False)
 class FakePlacement:
@@ -84,6 +89,11 @@ class FakePlacement:
     cpus: tuple[float, ...]
     nodes: list[FakeNode] | None = None
     released: bool = False
+    selectors: tuple[dict[str, str], ...] = ()  # per bundle: a label selector (node id only)
+
+    def admits(self, bundle: int, node: FakeNode) -> bool:
+        """Whether bundle ``bundle``'s label selector admits ``node``."""
+        return not self.selectors or selects(self.selectors[bundle], node.labels)
 
 
 # -- answers and rank state -------------------------------------------------------------------
@@ -129,6 +139,7 @@ class RankState:
     corrupt: bool = False
     member: int = -1  # its gang's index in the replica plane it joined
     generation: int = -1
+    plan: SyncPlan | None = None  # the sync plan it joined
     step_s: float = 0.0
     last_end: float | None = None
     runs: list[Run] = dataclasses.field(default_factory=list)
@@ -279,7 +290,7 @@ class FakeRank:
 
     @alone
     def join_sync_plan(self, plan: SyncPlan) -> None:
-        pass
+        self._s.plan = plan
 
     @alone
     def settle_failed_step(self, finish: bool) -> None:
@@ -385,7 +396,7 @@ class FakeRank:
         if plan.step is not None:
             parts.append(self.set_step(plan.step))
         if plan.sync:
-            parts.append(booked.sync())
+            parts.append(booked.sync(plan.rolled_back))
         if plan.broadcast_state_from is not None:
             parts.append(booked.broadcast_state(plan.broadcast_state_from))
         if plan.dense_from is not None:
@@ -394,8 +405,9 @@ class FakeRank:
             parts.append(self.settle_failed_step(plan.finish_failed_step))
         return _booked(Op("reform", OpKind.PLAN, parts=tuple(cast(Op, p) for p in parts)))
 
-    def sync(self) -> None:
-        return _booked(Op("sync", OpKind.PLANE, together=self._group.sync_all))
+    def sync(self, rolled_back: tuple[int, ...] = ()) -> None:
+        """A job-wide sync; the replica-plane members ``rolled_back`` take the others' mean."""
+        return _booked(Op("sync", OpKind.PLANE, together=self._group.sync_all, args=(rolled_back,)))
 
     def broadcast_state(self, src: int) -> None:
         return _booked(

@@ -1,8 +1,8 @@
 """The fake ranks' training: a ``train`` call's steps, carried out as the clock passes them.
 
 The live ranks train in lockstep (dense gradients are averaged every step), one step per
-``step_s`` of clock time, at the pace of the slowest rank; job-wide syncs happen at
-``sync.sync_every`` (hierarchical lower levels are not modelled). A call's steps happen as the
+``step_s`` of clock time, at the pace of the slowest rank; syncs happen at the sync plan's steps
+(a hierarchical schedule's lower levels average their groups). A call's steps happen as the
 clock passes them, not when it is made: a rank that dies or is killed, or a replica plane
 aborted, in the middle of a step fails that step for every rank of the call (the others take the
 step's batch, update their embeddings and wait in a collective), and the steps after it never
@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Any
 from raytrec.elastic.report import RankReport
 from raytrec.elastic.workers import RankFailed
 from simulation.doubles import fake_faults
-from simulation.doubles.fake_model import FakeUsageError, ModelCopy, mix, sync_copies
+from simulation.doubles.fake_model import (
+    FakeUsageError,
+    ModelCopy,
+    average_group,
+    mix,
+    sync_copies,
+)
 from simulation.doubles.fake_rank import NEVER, FakeAnswer, FakeNode, Op, RankState, Run
 
 if TYPE_CHECKING:
@@ -166,11 +172,15 @@ class TrainingRuns:
         for r in run.states:
             r.step = s
         run.done_at.append(te)
-        sync = run.states[0].spec.config.sync
-        if s % sync.sync_every == 0 or s <= sync.warmup_steps:
-            sync_copies([self.copies[g] for g in run.gangs])
-            for r in run.states:
-                r.corrupt = False
+        for group in _groups_due(run.states[0], s, tuple(run.gangs)):
+            members = [g for g in group if g in run.gangs]
+            if len(members) == len(run.gangs):
+                sync_copies([self.copies[g] for g in members])
+            else:  # a lower level of a hierarchical schedule
+                average_group([self.copies[g] for g in members])
+            for r in run.states:  # an average is the same everywhere, an off weight included
+                if r.gang in members:
+                    r.corrupt = False
         self._fire_at(s, te)
 
     def _finish(self, run: Run, t: float) -> None:
@@ -297,6 +307,17 @@ class TrainingRuns:
                 self._fired(f)
                 errors[f.rank] = f.after_s
         return hung, errors
+
+
+def _groups_due(rank: RankState, step: int, gangs: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The groups of ``gangs`` that average after ``step``, by the sync plan ``rank`` joined."""
+    plan = rank.plan
+    if plan is not None and plan.generation == rank.generation:
+        return plan.decide(step).groups
+    sync = rank.spec.config.sync  # no plan joined: the job-wide schedule
+    if step % sync.sync_every == 0 or step <= sync.warmup_steps:
+        return (gangs,)
+    return ()
 
 
 def _drain(node: FakeNode, at: float) -> Callable[[], None]:
