@@ -106,41 +106,29 @@ class JobCheckpoints:
         return PointSaved(point, at=saved_at)
 
     def start_from(
-        self,
-        resume: str | None,
-        starts: dict[int, StreamStart] | None,
-        ranks: list[int],
-        rebuild: Callable[..., None],
+        self, resume: str | None, starts: dict[int, StreamStart] | None, ranks: list[int]
     ) -> None:
         """The job's ``ranks`` are built and start from a checkpoint: resume ``resume``
         (:meth:`restore`, continuing at ``starts``), or else take the model of ``init_from``
-        (:meth:`initialize`). A rank lost (or stuck) as the job resumes leaves some ranks
-        loaded and others not: the job is rebuilt from ``resume`` as after a total loss
-        (``rebuild``: :meth:`~actors.total_loss.TotalLossRecovery.recover`)."""
-        try:
-            self.job.build(ranks)
-            self.job.new_generation("job started")
-            if resume is not None:
-                self.job.apply(self.restore(resume, starts))
-            elif self.init_from is not None:
-                self.initialize(self.init_from)
-        except RankCallError as e:
-            if resume is None or starts is None:
-                raise
-            from raytrec.checkpoint.layout import read_manifest
+        (:meth:`initialize`). A rank lost (or stuck) meanwhile is raised to the loop, which
+        rebuilds the job from ``resume`` as after a total loss (:meth:`resume_lost`)."""
+        self.job.build(ranks)
+        self.job.new_generation("job started")
+        if resume is not None:
+            self.job.apply(self.restore(resume, starts))
+        elif self.init_from is not None:
+            self.initialize(self.init_from)
 
-            lost = f"{type(e).__name__} as the job resumed from {resume}"
-            extra = read_manifest(resume).extra
-            point = RollbackPoint(
-                uri=resume, step=int(extra["step"]), accounting=extra["accounting"]
-            )
-            gangs = tuple(self.job.view.membership.gang_ids)
-            rebuild(
-                TotalLoss(
-                    lost_shards=(), lost_ranks=(), reason=lost, lost_gangs=gangs, point=point
-                ),
-                why=lambda _gang: lost,
-            )
+    def resume_lost(self, resume: str, error: RankCallError) -> TotalLoss:
+        """A rank lost as the job resumed from ``resume`` leaves some ranks loaded and others
+        not: the total loss that rebuilds the job from that checkpoint."""
+        from raytrec.checkpoint.layout import read_manifest
+
+        lost = f"{type(error).__name__} as the job resumed from {resume}"
+        extra = read_manifest(resume).extra
+        point = RollbackPoint(uri=resume, step=int(extra["step"]), accounting=extra["accounting"])
+        gangs = tuple(self.job.view.membership.gang_ids)
+        return TotalLoss(lost_shards=(), lost_ranks=(), reason=lost, lost_gangs=gangs, point=point)
 
     def initialize(self, uri: str) -> None:
         """Every gang loads the model of ``uri`` (weights and optimizer state, resharded to this

@@ -17,11 +17,13 @@ Elasticity, at interval granularity:
 - **Total loss** (:mod:`actors.total_loss`). When some shard has no live copy left, the job is
   rebuilt from its last checkpoint; without one it fails.
 
-Every decision is a value of one union (:mod:`raytrec.elastic.decisions`) returned by one pure
-function, :func:`raytrec.elastic.boundary.decide`, called at each boundary of the loop with the
-job's state and what was observed there; :mod:`actors.boundary_work` gathers the observations
-and carries the decisions out (a ``match`` on the union). The live ranks' plumbing (building,
-forming a generation, booking, syncing) is :mod:`actors.job_ranks`.
+The job runs as one loop over explicit states (:mod:`actors.job_loop`, the states in
+:mod:`actors.job_states`): each step gathers observations, asks the one pure decision function,
+:func:`raytrec.elastic.boundary.decide`, and has the part that owns it carry the decision (a value
+of :mod:`raytrec.elastic.decisions`) out; a failed rank call anywhere returns a ``Recovering``
+state to the loop. This class builds those parts, answers the driver's queries while the loop
+runs, and applies the parts' outcomes to the job's shared record (:meth:`apply`). The live
+ranks' plumbing (building, forming a generation, booking, syncing) is :mod:`actors.job_ranks`.
 
 Every failure, generation, heal and resize is an event (:mod:`raytrec.elastic.events`).
 """
@@ -29,9 +31,7 @@ Every failure, generation, heal and resize is an event (:mod:`raytrec.elastic.ev
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
-from collections import deque
 from typing import Any
 
 from torchrec.distributed.types import ShardingPlan
@@ -45,8 +45,8 @@ from actors.drain import GangDrain
 from actors.evaluation import JobEvaluation
 from actors.gang_placement import JobPlacement
 from actors.growth import GangGrowth
-from actors.interval import Dispatched, IntervalOutcome, LoopTimer
-from actors.job import Committed, JobRecord, Outcome, Prepared, apply_outcome
+from actors.job import JobRecord, Outcome, apply_outcome
+from actors.job_loop import JobLoop
 from actors.job_ranks import JobRanks
 from actors.nodes import JobNodes
 from actors.ports import JobPorts
@@ -59,25 +59,23 @@ from raytrec.data.source import BatchShard
 from raytrec.data.spec import FeatureSpec
 from raytrec.data.synthetic import batch_id
 from raytrec.elastic.accounting import BatchAccounting
-from raytrec.elastic.boundary import MAX_TRANSIENT, Observations
-from raytrec.elastic.control import Boundary, intervals_to_queue, queue_depth
+from raytrec.elastic.control import queue_depth
 from raytrec.elastic.events import Event, EventLog
 from raytrec.elastic.membership import Membership
 from raytrec.elastic.rank_protocol import StateDigest
 from raytrec.elastic.report import RankInfo
 from raytrec.elastic.run_record import RunSummary
-from raytrec.elastic.workers import Clock, RankCallError, RankFailed, SystemClock, WorkerGroup
+from raytrec.elastic.workers import Clock, SystemClock, WorkerGroup
 from raytrec.engine.rank_engine import RENDEZVOUS_TIMEOUT_S, StoreAddress
-from raytrec.errors import ConfigError, EarlyStopped, JobFailedError, StopRequested
+from raytrec.errors import JobFailedError
 from raytrec.eval_plan import EvalPlan
 from raytrec.models import ModelFactory, build_dlrm
-from raytrec.observability.metrics import IntervalMetrics, aggregate_interval
-from raytrec.observability.rec_metrics import merge_metric_states
+from raytrec.observability.metrics import IntervalMetrics
 
 __all__ = ["Coordinator", "JobFailedError", "RunSummary"]
 
 
-class Coordinator:
+class Coordinator(JobLoop):
     """Owns the job's membership, store and training loop."""
 
     # Parts the ports below reach lazily (they are built after the ports).
@@ -194,8 +192,6 @@ class Coordinator:
             ),
             ranks_in_gang_order=lambda: self.ranks.in_gang_order(),
             at=self._at,
-            job_state=lambda: self.boundary.job_state(),
-            stop_asked=lambda: self.boundary.stop_asked(),
             sync_plan=lambda: self.ranks.joined_plan(),
         )
         # Held-out evaluation (raytrec.eval_plan): its shard and plan, when configured.
@@ -258,7 +254,7 @@ class Coordinator:
             topology=self.topology,
             streams=self.streams,
             nodes=self.nodes,
-            place_job=self.placement.place_job,
+            request_job=self.placement.request_job,
             shutdown=self.shutdown,
             request_growth=self.growth.request,
         )
@@ -269,7 +265,6 @@ class Coordinator:
             placement=self.placement,
             nodes=self.nodes,
             streams=self.streams,
-            total_loss=self.total_loss,
             request_growth=self.growth.request,
         )
         self.checkpoints = JobCheckpoints(
@@ -281,22 +276,15 @@ class Coordinator:
             data=data_fingerprint,
             init_from=init_from,
         )
-        # What the loop does at a boundary: the decisions made there, carried out.
+        # What the loop observes at a boundary, and the model published there.
         self.boundary = BoundaryWork(
             self.state,
             config=config,
             run_dir=run_dir,
-            replayable=self._stream_id is not None,
             clock=self.clock,
-            events=self.events,
-            apply=self.apply,
-            now=self._now,
-            recovery=self.recovery,
-            growth=self.growth,
+            job_state=self.job_state,
             drains=self.drains,
             nodes=self.nodes,
-            checkpoints=self.checkpoints,
-            evaluation=self.evaluation,
             ports=self.ports,
         )
 
@@ -323,97 +311,6 @@ class Coordinator:
     def rank_nodes(self) -> dict[int, str]:
         """Job rank -> the Ray node id it runs on (live ranks)."""
         return dict(self.nodes.of_rank)
-
-    # -- the job --------------------------------------------------------------
-
-    def start(self) -> list[RankInfo]:
-        """Hosts the store, places every gang, starts and builds the rank actors."""
-        self._store_address = self.group.host_store()
-        starts = self.checkpoints.resume_streams(self.resume_from)
-
-        def shard_of(rank: int) -> Any:
-            return (
-                self.shards[rank] if starts is None else self.streams.shard_of(starts[rank].shard)
-            )
-
-        refused = self.placement.place_job(self.state.membership.gangs, shard_of)
-        if refused is not None:
-            raise ConfigError(refused)
-        if self.resume_from is not None or self.checkpoints.init_from is not None:
-            started = sorted(self.placement.started)
-            self.checkpoints.start_from(self.resume_from, starts, started, self.total_loss.recover)
-            self.growth.request()
-            return sorted((self.ranks.infos[r] for r in self.ranks.live()), key=lambda x: x.rank)
-        # A rank lost while the job starts is a loss like any other: its gang is dropped and
-        # the others start on (or, with no gang left, the job fails as a total loss does).
-        for _ in range(self.state.max_gangs + 2):
-            try:
-                if self.state.membership.generation == 0 and not self.ranks.infos:
-                    self.ranks.build(sorted(self.placement.started))
-                    self.ranks.new_generation("job started")
-                self._call(self.ranks.live(), lambda w, _r: w.broadcast_state(0))  # gang 0's state
-                differ = self.recovery.start_copies_differ()
-                if not differ:
-                    break
-                # A gang whose copy of gang 0's state came out different is dropped (and
-                # replaced), as a join's that does not heal is.
-                self.recovery.recover_until_stable(IntervalOutcome(dead=differ))
-            except RankCallError as e:
-                self.recovery.recover_until_stable(self.recovery.probe(e))
-        else:
-            raise JobFailedError("the job kept losing ranks while it started")
-        self.growth.request()
-        return sorted((self.ranks.infos[r] for r in self.ranks.live()), key=lambda x: x.rank)
-
-    def run(self) -> RunSummary:
-        """Trains ``num_steps`` steps and writes the final model; returns the summary.
-
-        A rank trains an interval only with all of its batches in memory, and it prepares the
-        next interval's batches before it reports the current one; so bad input or the end of
-        a rank's data surfaces between steps, before any rank enters the next interval's
-        collectives. Training stops there, and the model trained so far is synced, checked and
-        saved like a finished one (``RunSummary.stopped_by`` says why).
-        """
-        clock = self.clock
-        self._started = clock.perf_counter()
-        ranks = self.start()
-        stopped_by: BaseException | None = None
-        every = self.cfg.log_every
-        t0 = clock.perf_counter()
-        prepared = True
-        try:
-            n = min(every, self.state.end_step - self.state.step)  # a resume starts at its step
-            self._call(self.ranks.live(), lambda w, _r: w.prepare(n, first=True))
-        except RankFailed as e:
-            stopped_by = e.cause
-        except RankCallError as e:  # a rank lost (or stuck) before the first step
-            self.recovery.recover_until_stable(self.recovery.probe(e))
-            prepared = False
-        self.first_batch_s = clock.perf_counter() - t0
-        train_start = clock.perf_counter()
-        if stopped_by is None:
-            stopped_by = self._train(prepared=prepared, train_start=train_start)
-        # A job stopped before its first step trained nothing: no model to save.
-        trained = stopped_by is None or self.state.step > 0
-        final = os.path.join(self.run_dir, "final_model") if trained else None
-        for _ in range(MAX_TRANSIENT + 1):
-            try:
-                # A growing source's job ended by its rules is saved as a stopped one: resumable.
-                grown = self.data_growth is not None and self.data_growth.ended is not None
-                stopping = grown or isinstance(stopped_by, StopRequested | EarlyStopped)
-                digests = self._finish(
-                    final, checkpoint=stopped_by is None or stopping, stopping=stopping
-                )
-                break
-            except RankCallError as e:  # lost at the very end: re-form, and train on if rebuilt
-                self.recovery.recover_until_stable(self.recovery.probe(e))  # from a checkpoint
-                if stopped_by is None and self.state.step < self.state.end_step:
-                    stopped_by = self._train(prepared=False, train_start=train_start)
-        else:
-            raise JobFailedError("the job kept losing ranks while it finished")
-        if stopped_by is None and self.data_growth is None:  # a growing source has no end
-            stopped_by = self.streams.ran_out(self.state.step, self.num_steps, self.cfg.data.epochs)
-        return self._summary(final=final, digests=digests, stopped_by=stopped_by, ranks=ranks)
 
     def summary_so_far(self) -> RunSummary:
         """What the job committed up to now, for a job whose :meth:`run` raised: its history,
@@ -447,187 +344,6 @@ class Coordinator:
             lost_batches=acc.lost_batches + acc.replay_pending(),
             checkpoint=self.checkpoints.last,
             reshared_streams=None if table is None else table.to_json(),
-        )
-
-    def _train(self, *, prepared: bool, train_start: float) -> BaseException | None:
-        """Trains interval by interval up to ``num_steps``, recovering from failures; returns
-        what stopped training early (bad input, the end of the data), else None. ``prepared``:
-        the live ranks hold the next interval's batches already.
-
-        While an interval runs, the next one is already queued on the ranks when nothing has
-        to happen at the boundary between them (:meth:`_top_up`), so a rank goes from one to
-        the next without waiting for the coordinator; its report is booked while the ranks
-        train on."""
-        every = self.cfg.log_every
-        stopped_by: BaseException | None = None
-        stop: BaseException | None = None  # a rank could not prepare all it was asked to
-        self.apply(Prepared(min(every, self.state.end_step - self.state.step) if prepared else 0))
-        inflight: deque[Dispatched] = deque()  # sent, in order; the first one is running
-        loop = LoopTimer(since=train_start)  # the coordinator's own time, row to row
-        growing = self.data_growth  # a growing source's job waits for files at the data's end
-        while stopped_by is None and (self.state.step < self.state.end_step or growing is not None):
-            try:
-                if not inflight:
-                    t0 = self.clock.perf_counter()  # the interval's time includes what precedes it
-                    n = min(every, self.state.end_step - self.state.step)
-                    # Bad input, or the end of the data, in what is next; else a user's request.
-                    data_stop = str(stop) if stop is not None and self.state.ready < n else None
-                    halt = self.boundary.stopping(
-                        data_stop=data_stop, asked=self.boundary.stop_asked
-                    )
-                    if halt is not None:
-                        stopped_by = stop if halt.cause == "data" else StopRequested(halt.reason)
-                        break
-                    self.nodes.report_late_deaths()
-                    self.boundary.drain()
-                    self.boundary.admit()
-                    self.boundary.wait_for_gangs()
-                    # Asked while it waited:
-                    halt = self.boundary.stopping(asked=self.boundary.stop.is_set)
-                    if halt is not None:
-                        stopped_by = StopRequested(halt.reason)
-                        break
-                    if growing is not None and not growing.boundary():  # waited, or ended
-                        if growing.ended is not None:
-                            break
-                        continue
-                    # A join may have shared the rows left among more ranks: the end is sooner.
-                    n = min(every, self.state.end_step - self.state.step)
-                    if n <= 0:
-                        break
-                    if self.state.ready < n:
-                        try:
-                            self.ranks.prepare(self.ranks.live(), n)
-                        except RankFailed as e:
-                            stopped_by = e.cause  # bad input, or the end of the data
-                            break
-                        self.apply(Prepared(n))
-                    inflight.append(self._dispatch(self.state.step, n, t0=t0))
-                dispatched = inflight.popleft()
-                result = self.recovery.collect(dispatched)
-            except RankCallError as e:
-                result = self.recovery.probe(e)  # a rank or node died during a control call
-            if result.failed:
-                self.recovery.settle_queued(inflight, result)
-                self.recovery.recover_until_stable(result)
-                self.apply(Prepared(0))  # recovery may have re-opened the ranks' feeds
-                stop = None
-                continue
-            # The interval's share of the timeline ends here; the next one's starts here.
-            end = self.clock.perf_counter()
-            reports = [result.reports[r] for r in sorted(result.reports)]
-            step = max(r.step for r in reports)
-            self.apply(Prepared(min(r.ready for r in reports)))  # batches held beyond ``step``
-            stop = next((r.stop for r in reports if r.stop is not None), stop)
-            self.boundary.observe(reports)  # a persistent straggler is evicted at a boundary
-            if inflight:
-                inflight[0] = dataclasses.replace(
-                    inflight[0], t0=end, started=self.clock.monotonic()
-                )
-            self._top_up(inflight, step)
-            self.ranks.account(reports)
-            metrics = merge_metric_states([r.metrics for r in reports if r.metrics is not None])
-            held_out = self.boundary.evaluate() if not inflight and stop is None else None
-            row = aggregate_interval(
-                reports,
-                wall_s=end - dispatched.t0,
-                generation=self.state.membership.generation,
-                gangs=self.state.membership.num_gangs,
-                elapsed_s=end - train_start,
-                auc=metrics.auc,
-                ne=metrics.ne,
-                at=self._now(),
-                coordinator=loop.lap(end, waited_s=result.waited_s),
-            )
-            row = dataclasses.replace(row, end_step=self.state.end_step)
-            if held_out is not None:
-                row = dataclasses.replace(
-                    row,
-                    eval_auc=held_out.auc,
-                    eval_ne=held_out.ne,
-                    eval_log_loss=held_out.log_loss,
-                    eval_rows=held_out.rows,
-                )
-            with self._lock:
-                self._history.append(row)
-            if held_out is not None:
-                early = self.boundary.early_stop()
-                if early is not None:
-                    return EarlyStopped(early.reason)  # nothing is queued after it
-            going_on = stop is None or self.state.ready >= min(
-                every, self.state.end_step - self.state.step
-            )
-            if not inflight and going_on and self.state.step < self.state.end_step:
-                self.boundary.checkpoint()
-        return stopped_by
-
-    def _top_up(self, inflight: deque[Dispatched], step: int) -> None:
-        """Queues the intervals :func:`~raytrec.elastic.control.intervals_to_queue` allows
-        behind the one running. ``step``: where the last interval collected ended."""
-        boundary = Boundary(
-            step=step,
-            end_step=self.state.end_step,
-            every=self.cfg.log_every,
-            depth=self._depth,
-            ready=self.state.ready,
-            work_at_boundary=bool(self.growth.pending or self.growth.building)
-            or self.boundary.stop_asked()
-            or self.boundary.drain_due()
-            or (self.data_growth is not None and self.data_growth.due()),
-            live_gangs=self.state.membership.num_gangs,
-            min_gangs=self.elastic.min_gangs,
-        )
-        end = inflight[-1].end if inflight else None
-        for start, n in intervals_to_queue(boundary, end, len(inflight), self.boundary.work_due):
-            after = inflight[-1].seq if inflight else None
-            inflight.append(self._dispatch(start, n, after=after))
-
-    def _finish(
-        self, final: str | None, *, checkpoint: bool, stopping: bool = False
-    ) -> dict[int, StateDigest]:
-        """Ends on a job-wide sync, checks the replicas, saves the final model (none when
-        ``final`` is None) and a checkpoint when the policy says so (``stopping``: the job stops
-        on request)."""
-        if (
-            self.state.step % self.cfg.sync.sync_every
-            or self.state.membership.last_sync_step != self.state.step
-        ):
-            # End on a sync: every replica the same.
-            self._call(self.ranks.live(), lambda w, _r: w.sync())
-        self.apply(Committed())
-        if checkpoint:
-            self.boundary.save_if_due(Observations(save=True, final=True, stopping=stopping))
-        self.boundary.publish(final=True)
-        digests = self.ranks.final_digests()
-        if final is not None:
-            first_gang = self.state.membership.gangs[0]
-            self._call(list(first_gang.job_ranks), lambda w, _r: w.save(final))
-        return digests
-
-    # -- one interval -------------------------------------------------------------------------
-
-    def _dispatch(
-        self, start: int, n: int, *, t0: float | None = None, after: int | None = None
-    ) -> Dispatched:
-        """Sends ``train`` for the ``n`` steps from ``start`` to every live rank, asking each to
-        prepare the batches of the next ``_depth`` intervals after it. ``after``: the call it
-        is queued behind, still running. ``t0``: where the interval's wall-clock time starts
-        (default: now; an interval sent early starts when the one before it is collected)."""
-        self._seq += 1
-        ready = min(self._depth * self.cfg.log_every, self.state.end_step - start - n)
-        ranks = self.ranks.live()
-        now = self.clock.monotonic()
-        if after is None:
-            self.recovery.quiet_since(ranks, now)  # nothing was running
-        seq = self._seq
-        refs = self.group.call(ranks, lambda w, _r: w.train(n, ready, seq=seq, after=after))
-        return Dispatched(
-            n=n,
-            end=start + n,
-            seq=self._seq,
-            refs=refs,
-            t0=self.clock.perf_counter() if t0 is None else t0,
-            started=now,
         )
 
     # -- end of job ---------------------------------------------------------------------------

@@ -2,16 +2,19 @@
 
 :class:`JobPlacement` is a part of the job with state of its own: the placement group of every
 live gang (one for the whole job under ``replicas_within_host``) and the job ranks whose actor was
-started and not yet ended. It places a whole job of the topology's shape (at the start, and again
-after a total loss), waiting for the cluster as :func:`~raytrec.elastic.boundary.decide` says,
-with a ``placement_waiting`` event while it waits; it starts one rank actor per job rank and ends
-the actors and placement groups of gangs that are dropped, drained or given up. Each gang goes to a
-failure domain of its own where the cluster has room (:class:`~raytrec.cluster.domain_placement.
-GangDomains`). It sees the job through :class:`~actors.ports.JobPorts`.
+started and not yet ended. It asks for the placement groups of a whole job of the topology's shape
+(at the start, and again after a total loss) and starts its ranks once the loop
+(:mod:`actors.job_loop`, state ``Placing``) saw them ready, with a ``placement_waiting`` event
+while it waits, as :func:`~raytrec.elastic.boundary.decide` says; it starts one rank actor per
+job rank and ends the actors and placement groups of gangs that are dropped, drained or given
+up. Each gang goes to a failure domain of its own where the cluster has room
+(:class:`~raytrec.cluster.domain_placement.GangDomains`). It sees the job through
+:class:`~actors.ports.JobPorts`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 from collections.abc import Callable, Sequence
@@ -23,22 +26,36 @@ from actors.nodes import JobNodes
 from actors.ports import JobPorts
 from raytrec.cluster.capacity import describe_bundles, describe_nodes
 from raytrec.cluster.domain_placement import GangDomains
-from raytrec.cluster.placement import placement_specs, rank_resources
+from raytrec.cluster.placement import PlacementSpec, placement_specs, rank_resources
 from raytrec.cluster.topology import Layout
 from raytrec.config import TrainConfig
 from raytrec.data.spec import FeatureSpec
-from raytrec.elastic.boundary import Observations, PlacementSeen, decide
-from raytrec.elastic.decisions import Continue, Fail, Stop
+from raytrec.elastic.boundary import PlacementSeen
+from raytrec.elastic.decisions import Fail, Stop
 from raytrec.elastic.events import PlacementWaiting
 from raytrec.elastic.membership import Gang
 from raytrec.elastic.workers import Placement, WorkerGroup
 from raytrec.engine.rank_engine import RankSpec, StoreAddress
 from raytrec.models import ModelFactory
 
-__all__ = ["PLACEMENT_REPORT_S", "JobPlacement"]
+__all__ = ["PLACEMENT_REPORT_S", "JobPlacement", "PendingJob"]
 
 #: While the job's placement groups are pending, a ``placement_waiting`` event this often.
 PLACEMENT_REPORT_S = 30.0
+
+
+@dataclasses.dataclass(kw_only=True)
+class PendingJob:
+    """A whole job's placement groups, asked for and not started yet (``pgs``: one per
+    topology gang; one pinned to a failure domain whose room was taken is asked for again)."""
+
+    gangs: tuple[Gang, ...]
+    shard_of: Callable[[int], Any]
+    specs: tuple[PlacementSpec, ...]
+    pgs: list[Placement]
+    asked: str  # what was asked, in words
+    since: float  # the clock's monotonic time when asked
+    ready: list[Placement] = dataclasses.field(default_factory=list)  # ready when last seen
 
 
 class JobPlacement:
@@ -85,70 +102,76 @@ class JobPlacement:
             enabled=self.topology.layout is Layout.REPLICAS_ACROSS_HOSTS,
         )
 
-    def place_job(self, gangs: Sequence[Gang], shard_of: Callable[[int], Any]) -> str | None:
-        """Places a whole job of the topology's shape, topology gang ``i`` as ``gangs[i]``, and
-        starts its rank actors, job rank ``r`` reading ``shard_of(r)``. Until the placement
-        groups are ready they are pending (the demand an autoscaler sees) and a
-        ``placement_waiting`` event says so every ``PLACEMENT_REPORT_S``; returns why it gave
-        up (a :class:`~raytrec.elastic.decisions.Fail`), with nothing left behind, or None once
-        placed."""
+    def request_job(self, gangs: Sequence[Gang], shard_of: Callable[[int], Any]) -> PendingJob:
+        """Asks for the placement groups of a whole job of the topology's shape, topology gang
+        ``i`` as ``gangs[i]``, job rank ``r`` to read ``shard_of(r)``. Until they are ready
+        they are pending (the demand an autoscaler sees); the loop waits for them
+        (:meth:`wait_ready`) as :func:`~raytrec.elastic.boundary.decide` says, then
+        :meth:`start_job` or :meth:`give_up`."""
         specs = placement_specs(self.topology, per_rank=self.per_rank())
         # Names stay unique when a rebuilt job is placed again in a later generation.
-        suffix = (
-            f"-gen{self.job.view.membership.generation}"
-            if self.job.view.membership.generation
-            else ""
-        )
+        generation = self.job.view.membership.generation
+        suffix = f"-gen{generation}" if generation else ""
         pgs = self.domains.place_all(specs, [f"{self.prefix}-{s.name}{suffix}" for s in specs])
-        asked = describe_bundles(specs)
-        since = self.job.clock.monotonic()
-        while True:
-            now = self.job.clock.monotonic()
-            left = since + self.cfg.elastic.resource_wait_s - now
-            # At least three reports before giving up, however short the wait.
-            every = min(PLACEMENT_REPORT_S, self.cfg.elastic.resource_wait_s / 3)
-            done = self.group.ready(pgs, timeout=max(0.0, min(every, left)))
-            ready = len(done)
-            now = self.job.clock.monotonic()
-            seen = Observations(
-                placement=PlacementSeen(ready=ready == len(pgs), since=since, asked=asked),
-                stop_requested=self.job.stop_asked(),
+        return PendingJob(
+            gangs=tuple(gangs),
+            shard_of=shard_of,
+            specs=tuple(specs),
+            pgs=pgs,
+            asked=describe_bundles(specs),
+            since=self.job.clock.monotonic(),
+        )
+
+    def wait_ready(self, pending: PendingJob) -> PlacementSeen:
+        """Waits a while for ``pending`` to be ready (a ``placement_waiting`` event says it
+        waits every ``PLACEMENT_REPORT_S``, at least three times before giving up)."""
+        wait_s = self.cfg.elastic.resource_wait_s
+        left = pending.since + wait_s - self.job.clock.monotonic()
+        every = min(PLACEMENT_REPORT_S, wait_s / 3)
+        pending.ready = self.group.ready(pending.pgs, timeout=max(0.0, min(every, left)))
+        return PlacementSeen(
+            ready=len(pending.ready) == len(pending.pgs), since=pending.since, asked=pending.asked
+        )
+
+    def waiting(self, pending: PendingJob) -> None:
+        """Records that the job waits for ``pending``."""
+        # Pinned to a domain whose room was taken meanwhile: placed where Ray chooses.
+        pending.pgs = self.domains.unpin(pending.pgs, pending.ready)
+        self.job.record(
+            PlacementWaiting(
+                at=self.job.now(),
+                step=self.job.step(),
+                waited_s=round(self.job.clock.monotonic() - pending.since, 1),
+                wait_s=self.cfg.elastic.resource_wait_s,
+                asked=pending.asked,
+                nodes=describe_nodes(self.group.nodes()),
             )
-            (decision,) = decide(self.job.job_state(), seen, now)
-            if isinstance(decision, Continue):
-                break
-            if isinstance(decision, Fail | Stop):
-                for pg in pgs:
-                    self.group.release(pg)
-                if isinstance(decision, Stop):  # `ray job stop` while it waited, say
-                    return decision.reason
-                nodes = describe_nodes(self.group.nodes())
-                return f"{decision.reason}; the cluster's live nodes: {nodes}"
-            # Pinned to a domain whose room was taken meanwhile: placed where Ray chooses.
-            pgs = self.domains.unpin(pgs, done)
-            self.job.record(
-                PlacementWaiting(
-                    at=self.job.now(),
-                    step=self.job.step(),
-                    waited_s=round(now - since, 1),
-                    wait_s=self.cfg.elastic.resource_wait_s,
-                    asked=asked,
-                    nodes=describe_nodes(self.group.nodes()),
-                )
-            )
+        )
+
+    def give_up(self, pending: PendingJob, decision: Fail | Stop) -> str:
+        """Releases ``pending``, leaving nothing behind; returns why, in words."""
+        for pg in pending.pgs:
+            self.group.release(pg)
+        if isinstance(decision, Stop):  # `ray job stop` while it waited, say
+            return decision.reason
+        nodes = describe_nodes(self.group.nodes())
+        return f"{decision.reason}; the cluster's live nodes: {nodes}"
+
+    def start_job(self, pending: PendingJob) -> None:
+        """Starts the rank actors of ``pending``, now placed."""
         across = self.topology.layout is Layout.REPLICAS_ACROSS_HOSTS
-        for spec, pg in zip(specs, pgs, strict=True):
+        for spec, pg in zip(pending.specs, pending.pgs, strict=True):
             for bundle, ranks in enumerate(spec.ranks):
                 for t in ranks:
                     pos = self.topology.position(t)
-                    gang = gangs[pos.gang]
+                    gang = pending.gangs[pos.gang]
                     self.pgs[gang.gang_id if across else -1] = pg  # within: one for the job
                     r = gang.ranks[pos.gang_rank].job_rank
-                    self.start_rank(r, gang.gang_id, pos.gang_rank, pg, bundle, shard_of(r))
+                    shard = pending.shard_of(r)
+                    self.start_rank(r, gang.gang_id, pos.gang_rank, pg, bundle, shard)
         if across:
-            for g, pg in enumerate(pgs):
-                self.domains.placed(gangs[g].gang_id, pg)
-        return None
+            for g, pg in enumerate(pending.pgs):
+                self.domains.placed(pending.gangs[g].gang_id, pg)
 
     def per_rank(self) -> dict[str, float]:
         scaling = self.cfg.scaling

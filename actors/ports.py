@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from actors.job import JobView, Outcome
-from raytrec.elastic.boundary import JobState
 from raytrec.elastic.events import Event
 from raytrec.elastic.rank_protocol import RankProtocol, ReformPlan
 from raytrec.elastic.report import RankInfo, RankReport
@@ -96,9 +95,5 @@ class JobPorts:
     ranks_in_gang_order: Callable[[], list[int]]
     #: The clock's monotonic time as the event log's time.
     at: Callable[[float], float]
-    #: The job's state as :func:`~raytrec.elastic.boundary.decide` reads it.
-    job_state: Callable[[], JobState]
-    #: Whether the job was asked to stop.
-    stop_asked: Callable[[], bool]
     #: The generation's sync schedule over the live gangs.
     sync_plan: Callable[[], SyncPlan]

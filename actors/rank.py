@@ -74,7 +74,7 @@ class IntervalOrder:
 
     The coordinator sends interval k+1 while k is still running, so a rank goes straight on
     from one interval to the next instead of waiting a round trip through the coordinator
-    (``Coordinator._top_up``). A queued call names the call it follows (``after``): it waits
+    (``TrainingSteps._top_up``). A queued call names the call it follows (``after``): it waits
     for that call to end, and may run only if that call succeeded (and, in
     :meth:`RankWorker.train`, only if it did on every rank of the gang). After a failed
     interval the rank's model waits for the coordinator's recovery, so what was queued behind

@@ -5,11 +5,13 @@ progress (its heartbeat) and the count of failures in a row with every rank aliv
 interval's reports and finds what went wrong while it waits (a rank or node died, a rank raised, a
 rank hung: no step finished for ``elastic.step_timeout_s``,
 :func:`~raytrec.elastic.hangs.find_hung_ranks`), waits out the intervals queued behind a failed
-one, and recovers: the one decision function (:func:`~raytrec.elastic.boundary.decide`) says whether
-to drop the gangs that lost a rank and re-form among the survivors, or, with no intact gang left, to
-rebuild from a checkpoint (:class:`~actors.total_loss.TotalLossRecovery`). Re-forming books what
-every rank trained, hands a lost gang's uncommitted batches to the survivors and starts a new
-generation with a job-wide sync. It sees the job through :class:`~actors.ports.JobPorts`; the
+one, and carries out a re-form that the loop (:mod:`actors.job_loop`, state ``Recovering``)
+decided: it records the losses (:meth:`~FailureRecovery.note_losses`), gathers what the survivors
+trained (:meth:`~FailureRecovery.gather`) and re-forms among them
+(:meth:`~FailureRecovery.reform`): it books what every rank trained, hands a lost gang's
+uncommitted batches to the survivors and starts a new generation with a job-wide sync. A rank
+call that fails meanwhile is raised to the loop, which recovers again with both losses
+(:meth:`~FailureRecovery.merged`). It sees the job through :class:`~actors.ports.JobPorts`; the
 membership it re-forms is an outcome (:mod:`actors.job`) the loop applies.
 """
 
@@ -25,17 +27,14 @@ from actors.job import Committed, GangsDropped, Regenerated
 from actors.nodes import JobNodes
 from actors.ports import JobPorts
 from actors.reshare import DataStreams
-from actors.total_loss import TotalLossRecovery
 from raytrec.config import TrainConfig
-from raytrec.elastic.boundary import MAX_TRANSIENT, Loss, Observations, decide
+from raytrec.elastic.boundary import MAX_TRANSIENT, Loss
 from raytrec.elastic.control import group_broke
-from raytrec.elastic.decisions import Fail, Reform, TotalLoss
 from raytrec.elastic.dense import settle_failed_step
 from raytrec.elastic.events import (
     FailedStepSettled,
     GangDropped,
     HangDetected,
-    JobFailed,
     RankDied,
 )
 from raytrec.elastic.group_rollback import rolled_back_gangs
@@ -45,13 +44,11 @@ from raytrec.elastic.rank_protocol import ReformPlan
 from raytrec.elastic.report import RankReport
 from raytrec.elastic.workers import (
     PEER_RELEASED,
-    RankCallError,
     RankFailed,
     RankLost,
     RankTimedOut,
     WorkerGroup,
 )
-from raytrec.errors import JobFailedError
 from raytrec.sync.schedule import SyncPlan
 
 __all__ = ["MAX_TRANSIENT", "FailureRecovery"]
@@ -65,8 +62,7 @@ _PEER_KILLED = PEER_RELEASED
 
 class FailureRecovery:
     """Finds failures while an interval runs and re-forms the job after them (module doc).
-    ``total_loss``: rebuilds the job when no gang is intact; ``request_growth``: asks for the
-    placement the job could still add."""
+    ``request_growth``: asks for the placement the job could still add."""
 
     def __init__(
         self,
@@ -77,7 +73,6 @@ class FailureRecovery:
         placement: JobPlacement,
         nodes: JobNodes,
         streams: DataStreams,
-        total_loss: TotalLossRecovery,
         request_growth: Callable[[], None],
     ) -> None:
         self.job = job
@@ -87,7 +82,6 @@ class FailureRecovery:
         self.placement = placement
         self.nodes = nodes
         self.streams = streams
-        self.total_loss = total_loss
         self.request_growth = request_growth
         # Job rank -> (the last step it reported finishing, when the coordinator saw it): the
         # hang rule's input.
@@ -322,18 +316,12 @@ class FailureRecovery:
             out.errored[-1] = str(error)
         return out
 
-    def recover_until_stable(self, result: IntervalOutcome) -> None:
-        """Recovers; a further loss during recovery starts it over with the new losses."""
+    def fresh(self) -> None:
+        """A new loss, not one found while re-forming after another: what a recovery before it
+        left unfinished (a total loss, a failure) is forgotten."""
         self._mixed = None
-        for _ in range(self.job.view.max_gangs + self.job.view.membership.num_gangs + 1):
-            try:
-                self.recover(result)
-                return
-            except RankCallError as e:
-                result = self._merged(result, self.probe(e))
-        raise JobFailedError("the job kept losing ranks while it re-formed")
 
-    def _merged(self, before: IntervalOutcome, probed: IntervalOutcome) -> IntervalOutcome:
+    def merged(self, before: IntervalOutcome, probed: IntervalOutcome) -> IntervalOutcome:
         """What a probe found after a recovery broke, with the losses found before that are
         still members (a hung rank answers a probe; a peer the coordinator killed stays lost
         because its gang lost a rank, not because it was killed) and, unless booked, the
@@ -351,26 +339,22 @@ class FailureRecovery:
             probed.later = before.later + probed.later
         return probed
 
-    def recover(self, result: IntervalOutcome) -> None:
-        """Drops every gang that lost a rank and re-forms the job among the survivors."""
+    def stall(self, result: IntervalOutcome) -> Loss:
+        """A failure with every rank alive (collectives gave up, every rank answered: a stall
+        longer than the collective timeout), as :func:`~raytrec.elastic.boundary.decide`
+        reads it: the job re-forms as it was, unless that keeps happening."""
+        errors = tuple(f"rank {r}: {e}" for r, e in sorted(result.errored.items()))
+        return Loss(errors=errors, joining=tuple(self.job.view.joining))
+
+    def note_losses(self, result: IntervalOutcome) -> list[int]:
+        """Settles the deaths with the node table and records each death and hang (once);
+        returns the gangs that lost a rank, with those still joining. A gang that was joining
+        has no state of its own yet: if anything fails meanwhile, it goes too and is requested
+        again. It stays marked joining until it is dropped (``GangsDropped``): a recovery cut
+        short by another loss starts over and must drop it again, else its never-healed copy
+        would be averaged into the model."""
         now = self.job.now()
         lost = set(result.dead) | set(result.hung)
-        if not lost:
-            # Collectives gave up but every rank is alive and answered: a stall longer than the
-            # collective timeout (an overloaded host, a long pause). Nobody is dropped; the job
-            # re-forms as it was, unless that keeps happening.
-            errors = tuple(f"rank {r}: {e}" for r, e in sorted(result.errored.items()))
-            seen = Observations(loss=Loss(errors=errors, joining=tuple(self.job.view.joining)))
-            (retry,) = decide(self.job.job_state(), seen, self.job.clock.monotonic())
-            self.transient += 1
-            if isinstance(retry, Fail):
-                raise JobFailedError(retry.reason)
-        else:
-            self.transient = 0
-        # A gang that was joining has no state of its own yet: if anything fails meanwhile,
-        # it goes too and is requested again. It stays marked joining until it is dropped
-        # (GangsDropped below): a recovery cut short by another loss starts over and must
-        # drop it again, else its never-healed copy would be averaged into the model.
         failed_gangs = sorted({self.job.gang_of(r) for r in lost} | self.job.view.joining)
         self.nodes.settle_deaths(result, now=now)
         for r, cause in sorted(result.dead.items()):
@@ -401,50 +385,45 @@ class FailureRecovery:
                     silent_s=max(silent for _, silent in silence),
                 )
             )
-        # Drop the gangs that lost a rank and re-form among the intact ones, or, when no gang
-        # is intact, a total loss (some shard may have no live copy). A gang still joining has
-        # no state of its own and counts as lost with the rest.
-        if lost:
-            loss = Loss(
-                dead=frozenset(result.dead),
-                hung=frozenset(result.hung),
-                peers_killed=frozenset(r for r, c in result.dead.items() if c == _PEER_KILLED),
-                joining=tuple(failed_gangs),
-            )
-            (decision,) = decide(
-                self.job.job_state(), Observations(loss=loss), self.job.clock.monotonic()
-            )
-            match decision:
-                case TotalLoss():
-                    self.total_loss.recover(decision, why=lambda g: _why(result, g, self.job))
-                    return
-                case Fail():
-                    self.job.record(
-                        JobFailed(
-                            at=self.job.now(),
-                            step=self.job.step(),
-                            reason=decision.reason,
-                            needs_checkpoint=decision.needs_checkpoint,
-                        )
-                    )
-                    raise JobFailedError(decision.reason)
-                case Reform():
-                    failed_gangs = sorted(set(failed_gangs) | set(decision.drop))
+        return failed_gangs
+
+    def loss(self, result: IntervalOutcome, failed_gangs: list[int]) -> Loss:
+        """The ranks lost (after :meth:`note_losses`), as
+        :func:`~raytrec.elastic.boundary.decide` reads them: a gang still joining has no state
+        of its own and counts as lost with the rest."""
+        return Loss(
+            dead=frozenset(result.dead),
+            hung=frozenset(result.hung),
+            peers_killed=frozenset(r for r, c in result.dead.items() if c == _PEER_KILLED),
+            joining=tuple(failed_gangs),
+        )
+
+    def why(self, result: IntervalOutcome, gang: int) -> str:
+        """What happened to a failed ``gang``, in words."""
+        return _why(result, gang, self.job)
+
+    def gather(self, failed_gangs: list[int], result: IntervalOutcome) -> list[RankReport]:
+        """Aborts the survivors' replica planes and has each report what it trained since its
+        last report (``recover``): the reports, whose steps say whether they can re-form."""
         failed = set(failed_gangs)
-        survivors = [g.gang_id for g in self.job.view.membership.gangs if g.gang_id not in failed]
-        survivor_ranks = [r for g in survivors for r in self.job.view.membership.gang(g).job_ranks]
-        alive = set(survivor_ranks)
+        m = self.job.view.membership
+        survivor_ranks = [r for g in m.gangs if g.gang_id not in failed for r in g.job_ranks]
         self.abort_planes(set(survivor_ranks))
-        recovered = self._recover_ranks(survivor_ranks, result)
-        steps = sorted({rep.step for rep in recovered})
-        seen = Observations(survivor_steps=tuple(steps), dropping=tuple(failed_gangs))
-        (apart, *_) = decide(self.job.job_state(), seen, self.job.clock.monotonic())
-        if isinstance(apart, Fail):
-            raise JobFailedError(apart.reason)
-        # A failure reaches the members of a collective at slightly different moments: one may
-        # have finished a step its peers did not. The job goes on from the furthest step; a
-        # rank that is behind simply trained one batch less (its log says which).
-        fail_step = steps[-1]
+        return self._recover_ranks(survivor_ranks, result)
+
+    def book(
+        self, failed_gangs: list[int], result: IntervalOutcome, recovered: list[RankReport]
+    ) -> int:
+        """Books what every rank trained up to the failure (``recovered``: what :meth:`gather`
+        brought back); returns the failed step, the furthest one a survivor reached (a failure
+        reaches the members of a collective at slightly different moments: one may have
+        finished a step its peers did not; a rank that is behind simply trained one batch less,
+        its log says which)."""
+        failed = set(failed_gangs)
+        m = self.job.view.membership
+        survivor_ranks = [r for g in m.gangs if g.gang_id not in failed for r in g.job_ranks]
+        alive = set(survivor_ranks)
+        fail_step = max(rep.step for rep in recovered)
         # What everyone trained in the failed interval: the survivors' own logs (a survivor
         # may even have finished it), and for the lost ranks, whose logs died with them, the
         # next batches in their stream order, one per step up to the failure.
@@ -455,6 +434,23 @@ class FailureRecovery:
         # Syncs before the failed step completed on every gang; the one at it did not.
         self.job.account(reports, completed_through=fail_step - 1)
         result.booked = True
+        return fail_step
+
+    def reform(
+        self,
+        failed_gangs: list[int],
+        result: IntervalOutcome,
+        recovered: list[RankReport],
+        *,
+        fail_step: int,
+        rolled_back: tuple[int, ...],
+    ) -> None:
+        """Drops ``failed_gangs`` and re-forms the job among the survivors, once :meth:`book`
+        booked what they trained up to ``fail_step``: hands the lost gangs' unsynced batches
+        (and the ``rolled_back`` survivors', :meth:`rolled_back`) to the survivors, starts a
+        new generation, syncs and settles the failed step's dense update."""
+        failed = set(failed_gangs)
+        survivors = [g.gang_id for g in self.job.view.membership.gangs if g.gang_id not in failed]
         # Whose dense state the job goes on from, and which of the lost gangs' batches have
         # their dense gradient in it already (those are replayed for their embedding rows only).
         settled = settle_failed_step(
@@ -469,20 +465,8 @@ class FailureRecovery:
             if s.job_rank == settled.source
         )
         # Under sync.levels, the survivors that averaged with a lost gang since the last
-        # job-wide sync take the others' mean and have their batches since replayed.
-        rolled_back = self._rolled_back(failed_gangs, fail_step)
-        if rolled_back:
-            seen = Observations(
-                survivor_steps=tuple(steps),
-                dropping=tuple(failed_gangs),
-                rolled_back=rolled_back,
-            )
-            match decide(self.job.job_state(), seen, self.job.clock.monotonic())[0]:
-                case TotalLoss() as whole:
-                    self.total_loss.recover(whole, why=lambda g: _why(result, g, self.job))
-                    return
-                case Fail() as fail:
-                    raise JobFailedError(fail.reason)
+        # job-wide sync (``rolled_back``) take the others' mean and have their batches since
+        # replayed.
         replay = self.drop(
             failed_gangs,
             survivors,
@@ -548,7 +532,7 @@ class FailureRecovery:
         self.streams.make_room_for_replays()
         self.request_growth()
 
-    def _rolled_back(self, lost: list[int], through: int) -> tuple[int, ...]:
+    def rolled_back(self, lost: list[int], through: int) -> tuple[int, ...]:
         """The survivors that averaged with a lost gang at a lower level of the schedule since
         the last job-wide sync (:func:`~raytrec.elastic.group_rollback.rolled_back_gangs`),
         for a source that can replay their batches. A recovery that starts over before its

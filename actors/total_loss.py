@@ -15,15 +15,18 @@ recovery.
 
 A part of the job that sees it through :class:`~actors.ports.JobPorts`; what to do is decided by
 :func:`~raytrec.elastic.boundary.decide`, and the point it goes back to, the step and the
-membership it rebuilds are outcomes (:mod:`actors.job`) the loop applies.
+membership it rebuilds are outcomes (:mod:`actors.job`) the loop applies. The loop
+(:mod:`actors.job_loop`, state ``Rebuilding``) waits for the placement between :meth:`rebuild`
+and :meth:`placed`, and starts over when a rank is lost meanwhile.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from actors.gang_placement import PendingJob
 from actors.job import GangsDropped, GangsJoined, Joining, Rebuilding, Rebuilt, Reserved, Rewound
 from actors.nodes import JobNodes
 from actors.ports import JobPorts
@@ -39,18 +42,29 @@ from raytrec.elastic.events import (
 )
 from raytrec.elastic.events import TotalLoss as TotalLossEvent
 from raytrec.elastic.membership import Gang
-from raytrec.elastic.workers import RankCallError
+from raytrec.elastic.rollback import StreamStart
 from raytrec.errors import JobFailedError
 
-__all__ = ["MAX_REBUILD_ATTEMPTS", "TotalLossRecovery"]
+__all__ = ["MAX_REBUILD_ATTEMPTS", "PendingRebuild", "TotalLossRecovery"]
 
 #: Tries at rebuilding when ranks are lost again while the job is being rebuilt.
 MAX_REBUILD_ATTEMPTS = 3
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PendingRebuild:
+    """A rebuild waiting for its placement: the gangs, each rank's stream, the placement."""
+
+    point: RollbackPoint
+    gangs: tuple[Gang, ...]
+    starts: Mapping[int, StreamStart]
+    job: PendingJob
+
+
 class TotalLossRecovery:
-    """Rebuilds the job from its checkpoint after a total loss (module doc). ``place_job``:
-    places a whole job (:meth:`~actors.gang_placement.JobPlacement.place_job`); ``shutdown``:
+    """Rebuilds the job from its checkpoint after a total loss (module doc). ``request_job``:
+    asks for a whole job's placement (:meth:`~actors.gang_placement.JobPlacement.request_job`);
+    ``shutdown``:
     ends every rank and placement; ``request_growth``: asks for the placement the job could
     still add."""
 
@@ -61,7 +75,7 @@ class TotalLossRecovery:
         topology: Topology,
         streams: DataStreams,
         nodes: JobNodes,
-        place_job: Callable[[Sequence[Gang], Callable[[int], Any]], str | None],
+        request_job: Callable[[Sequence[Gang], Callable[[int], Any]], PendingJob],
         shutdown: Callable[[], None],
         request_growth: Callable[[], None],
     ) -> None:
@@ -69,15 +83,15 @@ class TotalLossRecovery:
         self.topology = topology
         self.streams = streams
         self.nodes = nodes
-        self.place_job = place_job
+        self.request_job = request_job
         self.shutdown = shutdown
         self.request_growth = request_growth
 
-    def recover(self, decision: TotalLoss, *, why: Callable[[int], str]) -> None:
-        """Some shard may have no live copy left (``decision``): rebuild the job from the
-        checkpoint it names. ``why(gang)`` says what happened to a failed gang."""
+    def begin(self, decision: TotalLoss, *, why: Callable[[int], str]) -> None:
+        """Some shard may have no live copy left (``decision``): records the loss and the
+        rebuild from the checkpoint it names. ``why(gang)`` says what happened to a failed
+        gang."""
         failed_gangs = decision.lost_gangs
-        dead_shards = decision.lost_shards
         point = decision.point
         assert point is not None, "a total loss to carry out names its checkpoint"
         job = self.job
@@ -89,7 +103,7 @@ class TotalLossRecovery:
                 at=job.now(),
                 step=job.step(),
                 lost_gangs=tuple(failed_gangs),
-                dead_shards=dead_shards,
+                dead_shards=decision.lost_shards,
                 uri=point.uri,
                 checkpoint_step=point.step,
                 steps_to_redo=job.step() - point.step,
@@ -97,20 +111,26 @@ class TotalLossRecovery:
             )
         )
         job.apply(Rebuilding(dataclasses.replace(point, restores=point.restores + 1)))
-        error = ""
-        for _ in range(MAX_REBUILD_ATTEMPTS):
-            self._tear_down()
-            try:
-                self._rebuild(point)
-                return
-            except RankCallError as e:  # lost (or stuck) again while rebuilding: start over
-                error = f"{type(e).__name__}: {str(e).strip()[:200]}"
+
+    def rebuild(self) -> PendingRebuild:
+        """Ends what is left of the job and starts rebuilding it from the rollback point: the
+        placement groups of a whole job asked for (the loop waits for them, then
+        :meth:`placed`)."""
+        point = self.job.view.point
+        assert point is not None, "a rebuild goes back to the job's rollback point"
+        self._tear_down()
+        return self._rebuild(point)
+
+    def give_up(self, error: str) -> JobFailedError:
+        """The job failed: rebuilding kept losing ranks (``error``: the last time's)."""
+        point = self.job.view.point
+        assert point is not None
         reason = (
             f"rebuilding the job from {point.uri} after a total loss failed "
             f"{MAX_REBUILD_ATTEMPTS} times; last error: {error}"
         )
-        job.record(JobFailed(at=job.now(), step=job.step(), reason=reason))
-        raise JobFailedError(reason)
+        self.job.record(JobFailed(at=self.job.now(), step=self.job.step(), reason=reason))
+        return JobFailedError(reason)
 
     def _tear_down(self) -> None:
         """Kills every rank actor and releases every placement group, pending ones included."""
@@ -120,10 +140,10 @@ class TotalLossRecovery:
         if self.job.view.membership.gangs:
             self.job.apply(GangsDropped(self.job.view.membership.gang_ids))
 
-    def _rebuild(self, point: RollbackPoint) -> None:
+    def _rebuild(self, point: RollbackPoint) -> PendingRebuild:
         """A whole job of the initial shape under fresh gang ids and job ranks (their gang
-        worlds and replica planes rendezvous under new names), loaded from the checkpoint, with
-        its step, data streams and batch accounting rewound to it."""
+        worlds and replica planes rendezvous under new names), its step, data streams and batch
+        accounting rewound to the checkpoint, its placement asked for."""
         job = self.job
         num_gangs, gang_size = self.topology.num_gangs, self.topology.gang_size
         job.record(
@@ -142,16 +162,30 @@ class TotalLossRecovery:
         def shard_of(rank: int) -> Any:
             return self.streams.shard_of(starts[rank].shard)
 
-        refused = self.place_job(gangs, shard_of)
-        if refused is not None:
-            reason = (
-                f"after a total loss, {refused}; fit(..., resume_from_checkpoint="
-                f"{point.uri!r}) resumes from its checkpoint"
-            )
-            job.record(
-                JobFailed(at=job.now(), step=job.step(), reason=reason, needs_checkpoint=True)
-            )
-            raise JobFailedError(reason)
+        return PendingRebuild(
+            point=point,
+            gangs=tuple(gangs),
+            starts=starts,
+            job=self.request_job(gangs, shard_of),
+        )
+
+    def refused(self, why: str) -> JobFailedError:
+        """The rebuilt job's placement was refused (``why``): the job fails, saying how to
+        resume it from its checkpoint."""
+        point, job = self.job.view.point, self.job
+        assert point is not None
+        reason = (
+            f"after a total loss, {why}; fit(..., resume_from_checkpoint="
+            f"{point.uri!r}) resumes from its checkpoint"
+        )
+        job.record(JobFailed(at=job.now(), step=job.step(), reason=reason, needs_checkpoint=True))
+        return JobFailedError(reason)
+
+    def placed(self, rebuild: PendingRebuild) -> None:
+        """The rebuilt job's ranks are started: builds them, forms a generation, loads the
+        checkpoint into every rank and hands each its stream."""
+        job, point, gangs, starts = self.job, rebuild.point, rebuild.gangs, rebuild.starts
+        order = [r for g in gangs for r in g.job_ranks]
         gang_of = {r: g.gang_id for g in gangs for r in g.job_ranks}
         self.streams.continue_streams(starts, gang_of=gang_of.__getitem__, step=point.step)
         job.build(order)

@@ -21,14 +21,14 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from unittest import mock
 
-import actors.boundary_work
 import actors.coordinator
 import actors.growth
+import actors.job_training
 import actors.recovery
 from benchmarks.common import md_table, parse, parser, publish
 from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
 from raytrec.elastic.config import ElasticConfig
-from raytrec.elastic.decisions import Drain
+from raytrec.elastic.decisions import Drain, Reform, TotalLoss
 from raytrec.elastic.drain_policy import request_drain
 from simulation.doubles import fake_faults as ff
 from simulation.doubles.fake_group import FakeWorkerGroup
@@ -108,29 +108,27 @@ def then(module: Any, name: str, after: Callable[[Any], None]) -> Any:
 
 @contextlib.contextmanager
 def timed_decisions(run: Run, group: TimedGroup) -> Iterator[None]:
-    """Wraps the pure decisions where the coordinator's parts call them."""
+    """Wraps the pure decisions where the coordinator's loop and its parts call them."""
 
-    def on_decide(_value: Any) -> None:
-        if group.failed_at is not None:
-            run.note("loss", group.failed_at, group)
-        group.failed_at = None
+    def on_decide(value: Any) -> None:
+        if any(isinstance(d, Reform | TotalLoss) for d in value):  # the loss decided
+            if group.failed_at is not None:
+                run.note("loss", group.failed_at, group)
+            group.failed_at = None
+        if any(isinstance(d, Drain) and d.gangs for d in value):
+            run.note("drain", group.draining_at, group)
 
     def on_hung(value: Any) -> None:
         run.note("hang" if value else "heartbeat check", group.progress_at, group)
-
-    def on_drain(value: Any) -> None:
-        if any(isinstance(d, Drain) and d.gangs for d in value):
-            run.note("drain", group.draining_at, group)
 
     def on_interval(_value: Any) -> None:
         run.rows.append((time.process_time(), group.cpu_s))
 
     with (
-        then(actors.recovery, "decide", on_decide),
+        then(actors.job_training, "decide", on_decide),
         then(actors.recovery, "find_hung_ranks", on_hung),
         then(actors.growth, "failed_heals", lambda _v: run.note("heal", group.builds_at, group)),
-        then(actors.boundary_work, "decide", on_drain),
-        then(actors.coordinator, "aggregate_interval", on_interval),
+        then(actors.job_training, "aggregate_interval", on_interval),
     ):
         yield
 

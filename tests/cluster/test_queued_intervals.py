@@ -1,7 +1,7 @@
 """Intervals queued on the ranks while the one before them runs.
 
 The coordinator sends interval k+1 while k is still running, so the ranks go from one interval
-to the next without waiting for it (``Coordinator._top_up``, which asks
+to the next without waiting for it (``TrainingSteps._top_up``, which asks
 :func:`raytrec.elastic.control.intervals_to_queue`). Three things make that safe:
 
 - *When* it may (pure, ms): only when nothing has to run on the ranks at the boundary (a

@@ -55,7 +55,7 @@ def collect(group: OneAtATime, clock: ManualClock, elastic: ElasticConfig) -> An
     recovery = FailureRecovery(
         job,  # type: ignore[arg-type]  # the ports collect reads
         config=config, group=group,  # type: ignore[arg-type]
-        placement=None, nodes=None, streams=None, total_loss=None,  # type: ignore[arg-type]
+        placement=None, nodes=None, streams=None,  # type: ignore[arg-type]
         request_growth=lambda: None,
     )  # fmt: skip
     recovery.quiet_since(ranks, clock.now)

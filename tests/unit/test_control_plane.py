@@ -20,9 +20,7 @@ from unittest import mock
 
 import pytest
 
-import actors.boundary_work
-import actors.gang_placement
-import actors.recovery
+import actors.job_training
 from actors.coordinator import Coordinator
 from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.config import DataConfig, ScalingConfig, SyncConfig, TrainConfig
@@ -847,22 +845,19 @@ def test_a_joining_gang_is_still_dropped_when_the_recovery_that_drops_it_starts_
 
 @contextlib.contextmanager
 def decided(j: Job) -> Iterator[list[tuple[int, float, Decision]]]:
-    """Records every decision other than ``Continue`` that the coordinator and its parts
-    carried out, with the job's step and the clock when it was decided."""
+    """Records every decision other than ``Continue`` that the coordinator's loop asked for,
+    with the job's step and the clock when it was decided."""
     seen: list[tuple[int, float, Decision]] = []
     patches = contextlib.ExitStack()
-    for module in (actors.boundary_work, actors.recovery, actors.gang_placement):
-        inner = module.decide  # type: ignore[attr-defined]
+    inner = actors.job_training.decide
 
-        def record(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
-            out = _inner(*args, **kwargs)
-            now = j.group.clock.now
-            seen.extend(
-                (j.coordinator.state.step, now, d) for d in out if not isinstance(d, Continue)
-            )
-            return out
+    def record(*args: Any, **kwargs: Any) -> Any:
+        out = inner(*args, **kwargs)
+        now = j.group.clock.now
+        seen.extend((j.coordinator.state.step, now, d) for d in out if not isinstance(d, Continue))
+        return out
 
-        patches.enter_context(mock.patch.object(module, "decide", record))
+    patches.enter_context(mock.patch.object(actors.job_training, "decide", record))
     with patches:
         yield seen
 

@@ -222,13 +222,13 @@ def test_a_loss_that_reaches_every_survivor_through_a_lower_level_is_a_total_los
     from actors.total_loss import TotalLossRecovery
 
     reasons: list[str] = []
-    recover = TotalLossRecovery.recover
+    begin = TotalLossRecovery.begin
 
     def noted(self: TotalLossRecovery, decision: Any, *, why: Any) -> None:
         reasons.append(decision.reason)
-        recover(self, decision, why=why)
+        begin(self, decision, why=why)
 
-    monkeypatch.setattr(TotalLossRecovery, "recover", noted)
+    monkeypatch.setattr(TotalLossRecovery, "begin", noted)
     settings = Settings(gangs=4, gang_size=1, levels=((2, 2),), num_steps=8, checkpoint_every=4)
     deaths = tuple({"kind": "rank_dies", "rank": r, "step": 7} for r in (0, 2))
     outcome = run_schedule(Schedule(settings, deaths))
@@ -330,10 +330,10 @@ def test_a_bad_schedule_is_refused_naming_what(text: str, message: str) -> None:
 def test_a_defect_is_classified_with_where_it_was_raised(monkeypatch: Any) -> None:
     from actors import recovery
 
-    def broken(self: Any, result: Any) -> None:
+    def broken(self: Any, *args: Any, **kwargs: Any) -> None:
         raise KeyError(4)
 
-    monkeypatch.setattr(recovery.FailureRecovery, "recover", broken)
+    monkeypatch.setattr(recovery.FailureRecovery, "reform", broken)
     outcome = run_schedule(Schedule(Settings(), ({"kind": "rank_dies", "rank": 1, "step": 3},)))
     assert outcome.verdict == "defect" and outcome.name == "KeyError"
     assert "test_fault_space.py" in outcome.detail
