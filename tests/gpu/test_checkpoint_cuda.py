@@ -26,6 +26,7 @@ import os
 import sys
 import tempfile
 import traceback
+import types
 from datetime import timedelta
 from typing import Any
 
@@ -111,6 +112,7 @@ class StandInEngine:
         g = torch.Generator(device=device).manual_seed(seed)
         self.device = device
         self.cfg, self.spec, self.step = CONFIG, Spec(), 0
+        self.state = types.SimpleNamespace(ids=None)  # no managed ids (the engine's RankState)
         self.tables = {
             n: torch.randn(r, DIM, device=self.device, generator=g) for n, r in TABLES.items()
         }
