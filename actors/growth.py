@@ -256,23 +256,23 @@ class GangGrowth:
         self.job.apply(Prepared(n if everyone else min(self.job.view.ready, n)))
 
     def _verify_heals(self, gangs: Sequence[Gang], *, peer: int) -> list[Gang]:
-        """Compares each joined gang's state with the peer it healed from, before any
-        averaging (:func:`~raytrec.elastic.heal.failed_heals`); a gang that differs is dropped
-        (a new generation without it), released and placed again. Returns the gangs that
-        healed."""
-        ranks = [
-            *self.job.view.membership.gang(peer).job_ranks,
-            *(r for g in gangs for r in g.job_ranks),
-        ]
+        """Compares every gang's state with the peer's after the broadcast, before any
+        averaging (:func:`~raytrec.elastic.heal.failed_heals`). Every member took the peer's
+        state, not only the joined gangs, so every member is checked: a joined gang that
+        differs is dropped (a new generation without it), released and placed again; a member
+        that differs is killed, so that the loss path drops its gang at its next call (as the
+        start's broadcast does: nothing of it is uncommitted, the job-wide sync came first).
+        Returns the joined gangs that healed."""
+        m = self.job.view.membership
+        ranks = self.job.live_ranks()
         digests = dict(
             zip(ranks, self.job.call(ranks, lambda w, _r: w.state_digest()), strict=True)
         )
-        failed = failed_heals(
-            self.job.view.membership, peer=peer, joined=[g.gang_id for g in gangs], digests=digests
-        )
-        if not failed:
-            return list(gangs)
-        for gid, bad in sorted(failed.items()):
+        others = [g for g in m.gang_ids if g != peer]
+        every = failed_heals(m, peer=peer, joined=others, digests=digests)
+        joined = {g.gang_id for g in gangs}
+        failed = {g: bad for g, bad in every.items() if g in joined}
+        for gid, bad in sorted(every.items()):
             self.job.record(
                 HealFailed(
                     at=self.job.now(),
@@ -282,6 +282,11 @@ class GangGrowth:
                     job_ranks=bad,
                 )
             )
+            if gid not in joined:
+                for r in m.gang(gid).job_ranks:
+                    self.group.kill(r)
+        if not failed:
+            return list(gangs)
         dropped = [g for g in gangs if g.gang_id in failed]
         if self.streams.table is None:  # else not booked until the rows are shared out
             for g in dropped:

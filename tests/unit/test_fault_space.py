@@ -176,6 +176,16 @@ FOUND = {
         )
         for gangs, ck in ((6, None), (4, 4))
     ),
+    # A fresh-seed campaign's (seed 126824284): a join's broadcast reaches every member, not
+    # only the joined gang, but only the joined gang was compared with the peer afterwards. A
+    # member of the rebuilt job (rank 10) took a copy that came out different; the stop that
+    # followed during the hand-off left no sync to hide it, and the final replica check failed.
+    # Every member is now compared, and one that differs is killed and its gang dropped.
+    "a_member_whose_copy_of_a_joins_broadcast_differs_is_dropped": (
+        Schedule.from_json(
+            '{"faults":[{"kind":"rank_hangs","step":3},{"kind":"stop","on":"set_shard","rank":8},{"kind":"heal_lies","rank":10}],"seed":126824284,"settings":{"checkpoint_every":2,"data":"reshared","gang_size":2,"gangs":3,"grow":true,"layout":"replicas_across_hosts","levels":[],"log_every":2,"max_coordinator_restarts":3,"max_gangs":4,"min_gangs":1,"num_steps":15,"spare_nodes":2,"sync_every":4}}'
+        ),
+    ),
 }
 
 
