@@ -184,9 +184,8 @@ class JobLoop(TrainingSteps):
         self._infos = sorted((self.ranks.infos[r] for r in self.ranks.live()), key=lambda x: x.rank)
         t0 = self.clock.perf_counter()
         try:
-            n = min(
-                self.settings.log_every, self.state.end_step - self.state.step
-            )  # a resume: its step
+            every = self.settings.log_every
+            n = min(every, self.state.end_step - self.state.step)  # a resume: its step
             self._call(self.ranks.live(), lambda w, _r: w.prepare(n, first=True))
         except RankFailed as e:
             self._training_starts(t0)
