@@ -17,10 +17,10 @@ from collections.abc import Callable
 from actors.drain import GangDrain
 from actors.job import JobView
 from actors.nodes import JobNodes
-from actors.ports import JobPorts
-from actors.publishing import JobPublishing
-from raytrec.config import TrainConfig
+from actors.publishing import JobPublishing, PublishingPorts
+from raytrec.config import PublishConfig
 from raytrec.elastic.boundary import JobState, Observations, evaluation_due, save_due
+from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.drain_policy import stop_requested
 from raytrec.elastic.report import RankReport
 from raytrec.elastic.straggler_policy import StragglerWatch, gang_step_seconds
@@ -37,17 +37,17 @@ class BoundaryWork:
         self,
         state: JobView,
         *,
-        config: TrainConfig,
+        elastic: ElasticConfig,
+        publish: PublishConfig,
         run_dir: str,
         clock: Clock,
         job_state: Callable[[], JobState],
         drains: GangDrain,
         nodes: JobNodes,
-        ports: JobPorts | None = None,
+        ports: PublishingPorts | None = None,
     ) -> None:
         self.state = state
-        self.cfg = config
-        self.elastic = config.elastic
+        self.elastic = elastic
         self.run_dir = run_dir
         self.clock = clock
         self.job_state = job_state
@@ -55,8 +55,8 @@ class BoundaryWork:
         self.nodes = nodes
         # The model published for serving (``publish``), through the job's ports.
         self.publishing = (
-            JobPublishing(ports, config=config.publish, run_dir=run_dir)
-            if ports is not None and config.publish.every_n_steps is not None
+            JobPublishing(ports, config=publish, run_dir=run_dir)
+            if ports is not None and publish.every_n_steps is not None
             else None
         )
         self.stop = threading.Event()  # a stop was asked for (Coordinator.request_stop)

@@ -7,7 +7,7 @@ When to save is a :class:`~raytrec.elastic.decisions.Checkpoint` of
 its copy is the job's state, with the batch accounting, which a rebuild after a total loss or a
 resume rewinds to. A resume loads the checkpoint into every gang, resharded to this job's shape,
 and continues the saved data streams on any number of ranks. It sees the job through
-:class:`~actors.ports.JobPorts`: the point a total loss goes back to and the last save's step and
+:class:`CheckpointsPorts`: the point a total loss goes back to and the last save's step and
 time are an outcome (:class:`~actors.job.PointSaved`) that a save or a restore returns and the
 loop applies.
 """
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from actors.job import PointSaved, Rewound
-from actors.ports import JobPorts
+from actors.ports import GenerationPorts, HasBuild, HasClock, HasGangOf, HasSync
 from actors.reshare import DataStreams
 from raytrec.checkpoint.config import SCORE_ATTRIBUTES, CheckpointConfig, checkpoint_root
 from raytrec.elastic.decisions import RollbackPoint, TotalLoss
@@ -28,7 +28,11 @@ from raytrec.elastic.rollback import StreamStart
 from raytrec.elastic.workers import RankCallError
 from raytrec.observability.metrics import IntervalMetrics
 
-__all__ = ["JobCheckpoints"]
+__all__ = ["CheckpointsPorts", "JobCheckpoints"]
+
+
+class CheckpointsPorts(GenerationPorts, HasGangOf, HasClock, HasSync, HasBuild, Protocol):
+    """The ports :class:`JobCheckpoints` calls."""
 
 
 class JobCheckpoints:
@@ -37,7 +41,7 @@ class JobCheckpoints:
 
     def __init__(
         self,
-        job: JobPorts,
+        job: CheckpointsPorts,
         *,
         run_dir: str,
         config: CheckpointConfig,

@@ -43,11 +43,12 @@ from actors.coordinator_journal import CoordinatorJournal
 from actors.data_growth import DataGrowth
 from actors.drain import GangDrain
 from actors.evaluation import JobEvaluation
-from actors.gang_placement import JobPlacement
+from actors.gang_placement import JobPlacement, RankTemplate
 from actors.growth import GangGrowth
 from actors.job import JobRecord, Outcome, apply_outcome
 from actors.job_loop import JobLoop
 from actors.job_ranks import JobRanks
+from actors.job_training import LoopSettings
 from actors.nodes import JobNodes
 from actors.ports import JobPorts
 from actors.recovery import FailureRecovery
@@ -109,7 +110,6 @@ class Coordinator(JobLoop):
         self.clock: Clock = clock or SystemClock()
         if config.num_steps is None:
             raise ValueError("the coordinator needs a resolved num_steps (raytrec.data.length)")
-        self.cfg = config
         self.num_steps: int = config.num_steps
         self.plan = plan
         # Parquet read by index: each rank's first num_steps batches, re-shared (actors/reshare.py)
@@ -129,6 +129,14 @@ class Coordinator(JobLoop):
         self.features = features  # the row layout trained on, saved with the model
         self.elastic = config.elastic
         self.topology = config.scaling.topology()
+        # What the loop reads of the config (actors/job_training.py).
+        self.settings = LoopSettings(
+            log_every=config.log_every,
+            sync_every=config.sync.sync_every,
+            epochs=config.data.epochs,
+            elastic=config.elastic,
+            checkpoint=config.checkpoint,
+        )
         replayable = all(s.replayable for s in shards)
         self._stream_id = batch_id if replayable else None
         membership = Membership.initial(self.topology)
@@ -203,7 +211,7 @@ class Coordinator(JobLoop):
         self.nodes = JobNodes(self.ports)
         self.ranks = JobRanks(
             self.state,
-            config=config,
+            sync=config.sync,
             calls=self.calls,
             nodes=self.nodes,
             events=self.events,
@@ -213,11 +221,16 @@ class Coordinator(JobLoop):
         self.placement = JobPlacement(
             self.ports,
             run_dir=run_dir,
-            config=config,
-            plan=plan,
-            num_dense=num_dense,
-            model_factory=model_factory,
-            features=features,
+            scaling=config.scaling,
+            elastic=config.elastic,
+            ranks=RankTemplate(
+                config=config,  # a rank reads most of it (docs/design-notes.md)
+                plan=plan,
+                num_dense=num_dense,
+                model_factory=model_factory,
+                features=features,
+                timeout_s=config.elastic.collective_timeout_s,
+            ),
             store=lambda: self._store_address,
             group=self.group,
             nodes=self.nodes,
@@ -233,7 +246,9 @@ class Coordinator(JobLoop):
         self.data_growth = DataGrowth.of(self.ports, self.streams, config.data)  # data.growing
         self.growth = GangGrowth(
             self.ports,
-            config=config,
+            elastic=config.elastic,
+            scaling=config.scaling,
+            log_every=config.log_every,
             group=self.group,
             placement=self.placement,
             nodes=self.nodes,
@@ -260,7 +275,8 @@ class Coordinator(JobLoop):
         )
         self.recovery = FailureRecovery(
             self.ports,
-            config=config,
+            elastic=config.elastic,
+            sync=config.sync,
             group=self.group,
             placement=self.placement,
             nodes=self.nodes,
@@ -279,7 +295,8 @@ class Coordinator(JobLoop):
         # What the loop observes at a boundary, and the model published there.
         self.boundary = BoundaryWork(
             self.state,
-            config=config,
+            elastic=config.elastic,
+            publish=config.publish,
             run_dir=run_dir,
             clock=self.clock,
             job_state=self.job_state,

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Protocol
 
 import pyarrow.fs as pafs
 
 from actors.job import Prepared
-from actors.ports import JobPorts
+from actors.ports import HasClock, HasEvents, HasShared
 from actors.reshare import DataStreams
 from raytrec.data.config import DataConfig, GrowingConfig
 from raytrec.data.growing import GrowthStop, growth_decision, new_files
@@ -28,7 +29,7 @@ from raytrec.elastic.events import DataGrowthEnded, FilesLanded
 from raytrec.elastic.workers import RankCallError
 from raytrec.errors import JobFailedError
 
-__all__ = ["DataGrowth", "growing_root"]
+__all__ = ["DataGrowth", "DataGrowthPorts", "growing_root"]
 
 
 def growing_root(path: str) -> str:
@@ -36,11 +37,15 @@ def growing_root(path: str) -> str:
     return pafs.FileSystem.from_uri(path)[1] if "://" in path else os.path.abspath(path)
 
 
+class DataGrowthPorts(HasEvents, HasClock, HasShared, Protocol):
+    """The ports :class:`DataGrowth` calls."""
+
+
 class DataGrowth:
     """See the module doc. ``root``: the directory to list (:func:`growing_root`)."""
 
     def __init__(
-        self, job: JobPorts, streams: DataStreams, *, config: GrowingConfig, root: str
+        self, job: DataGrowthPorts, streams: DataStreams, *, config: GrowingConfig, root: str
     ) -> None:
         assert streams.table is not None, "a growing source is read by index"
         self.job, self.streams, self.cfg = job, streams, config
@@ -57,7 +62,7 @@ class DataGrowth:
         self.found_at: dict[str, float] = {}  # wall-clock time each waiting file was listed
 
     @classmethod
-    def of(cls, job: JobPorts, streams: DataStreams, data: DataConfig) -> DataGrowth | None:
+    def of(cls, job: DataGrowthPorts, streams: DataStreams, data: DataConfig) -> DataGrowth | None:
         """The watch over ``data.path`` when ``data.growing`` is set (a source read by index)."""
         if data.growing is None or streams.table is None or data.path is None:
             return None

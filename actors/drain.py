@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Collection
 
 from actors.job import CapChanged, Committed, GangsDropped, Prepared
-from actors.ports import JobPorts
+from actors.ports import GenerationPorts
 from actors.reshare import DataStreams
 from raytrec.elastic.decisions import Drain
 from raytrec.elastic.drain_policy import REQUEST_FILE, DrainRequest, read_request
@@ -34,7 +34,7 @@ class GangDrain:
 
     def __init__(
         self,
-        job: JobPorts,
+        job: GenerationPorts,
         *,
         run_dir: str,
         streams: DataStreams,

@@ -2,13 +2,14 @@
 (an :class:`~raytrec.elastic.decisions.Evaluate` of :func:`~raytrec.elastic.boundary.decide`),
 after a job-wide sync, the live ranks score the held-out batches (``assign_eval_batches``) and
 the coordinator merges their metric states. It keeps the score of each evaluation, which early
-stopping is decided on. It sees the job through :class:`~actors.ports.JobPorts` only."""
+stopping is decided on. It sees the job through the ports it calls only
+(:class:`EvaluationPorts`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
-from actors.ports import JobPorts
+from actors.ports import HasEvents, HasRankCalls, HasStep, HasSync
 from raytrec.config import EvalConfig
 from raytrec.elastic.boundary import EvalState
 from raytrec.elastic.decisions import Stop
@@ -17,10 +18,16 @@ from raytrec.eval_plan import EvalPlan, assign_eval_batches
 from raytrec.observability.rec_metrics import InterpretedMetrics, merge_metric_states
 
 
+class EvaluationPorts(HasRankCalls, HasStep, HasSync, HasEvents, Protocol):
+    """The ports :class:`JobEvaluation` calls."""
+
+
 class JobEvaluation:
     """Evaluations of one job: the held-out shard, its plan and the last step evaluated."""
 
-    def __init__(self, shard: Any, plan: EvalPlan, *, config: EvalConfig, job: JobPorts) -> None:
+    def __init__(
+        self, shard: Any, plan: EvalPlan, *, config: EvalConfig, job: EvaluationPorts
+    ) -> None:
         self.job = job
         self.config = config
         self.shard = shard

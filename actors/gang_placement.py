@@ -9,7 +9,8 @@ while it waits, as :func:`~raytrec.elastic.boundary.decide` says; it starts one 
 job rank and ends the actors and placement groups of gangs that are dropped, drained or given
 up. Each gang goes to a failure domain of its own where the cluster has room
 (:class:`~raytrec.cluster.domain_placement.GangDomains`). It sees the job through
-:class:`~actors.ports.JobPorts`.
+:class:`PlacementPorts` (the ports it calls), and a rank is started with
+:class:`RankTemplate`.
 """
 
 from __future__ import annotations
@@ -18,19 +19,20 @@ import dataclasses
 import os
 import secrets
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from torchrec.distributed.types import ShardingPlan
 
 from actors.nodes import JobNodes
-from actors.ports import JobPorts
+from actors.ports import HasClock, HasEvents, HasStep, HasView
 from raytrec.cluster.capacity import describe_bundles, describe_nodes
 from raytrec.cluster.domain_placement import GangDomains
 from raytrec.cluster.placement import PlacementSpec, placement_specs, rank_resources
 from raytrec.cluster.topology import Layout
-from raytrec.config import TrainConfig
+from raytrec.config import ScalingConfig, TrainConfig
 from raytrec.data.spec import FeatureSpec
 from raytrec.elastic.boundary import PlacementSeen
+from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.decisions import Fail, Stop
 from raytrec.elastic.events import PlacementWaiting
 from raytrec.elastic.membership import Gang
@@ -38,7 +40,7 @@ from raytrec.elastic.workers import Placement, WorkerGroup
 from raytrec.engine.rank_engine import RankSpec, StoreAddress
 from raytrec.models import ModelFactory
 
-__all__ = ["PLACEMENT_REPORT_S", "JobPlacement", "PendingJob"]
+__all__ = ["PLACEMENT_REPORT_S", "JobPlacement", "PendingJob", "PlacementPorts", "RankTemplate"]
 
 #: While the job's placement groups are pending, a ``placement_waiting`` event this often.
 PLACEMENT_REPORT_S = 30.0
@@ -58,32 +60,63 @@ class PendingJob:
     ready: list[Placement] = dataclasses.field(default_factory=list)  # ready when last seen
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankTemplate:
+    """What every rank of the job is started with besides its place and the job's store: the
+    job's whole config (a rank reads most of it), the sharding plan, the dense width, the model
+    factory, the row layout and the collective timeout (``elastic.collective_timeout_s``)."""
+
+    config: TrainConfig
+    plan: ShardingPlan
+    num_dense: int
+    model_factory: ModelFactory
+    features: FeatureSpec | None
+    timeout_s: float
+
+    def spec(
+        self, *, rank: int, gang: int, gang_rank: int, gang_size: int, store: StoreAddress
+    ) -> RankSpec:
+        """The spec of job rank ``rank``, rank ``gang_rank`` of gang ``gang``."""
+        return RankSpec(
+            rank=rank,
+            gang=gang,
+            gang_rank=gang_rank,
+            gang_size=gang_size,
+            config=self.config,
+            plan=self.plan,
+            num_dense=self.num_dense,
+            store=store,
+            model_factory=self.model_factory,
+            timeout_s=self.timeout_s,
+            features=self.features,
+        )
+
+
+class PlacementPorts(HasStep, HasEvents, HasClock, HasView, Protocol):
+    """The ports :class:`JobPlacement` calls."""
+
+
 class JobPlacement:
     """The job's placement groups and started rank actors. What a rank is started with:
-    ``config``, ``plan``, ``num_dense``, ``model_factory``, ``features`` and the job's store
-    (``store()``, once hosted)."""
+    ``ranks`` (:class:`RankTemplate`) and the job's store (``store()``, once hosted)."""
 
     def __init__(
         self,
-        job: JobPorts,
+        job: PlacementPorts,
         *,
         run_dir: str,
-        config: TrainConfig,
-        plan: ShardingPlan,
-        num_dense: int,
-        model_factory: ModelFactory,
-        features: FeatureSpec | None,
+        scaling: ScalingConfig,
+        elastic: ElasticConfig,
+        ranks: RankTemplate,
         store: Callable[[], StoreAddress | None],
         group: WorkerGroup,
         nodes: JobNodes,
     ) -> None:
         self.job = job
-        self.cfg = config
-        self.topology = config.scaling.topology()
-        self.plan = plan
-        self.num_dense = num_dense
-        self.model_factory = model_factory
-        self.features = features
+        self.scaling = scaling
+        self.elastic = elastic
+        self.topology = scaling.topology()
+        self.ranks = ranks
         self.store = store
         self.group = group
         self.nodes = nodes
@@ -93,10 +126,10 @@ class JobPlacement:
         self.started: set[int] = set()  # job ranks whose process was started and not ended
         # Each gang in a failure domain of its own (raytrec.cluster.domain_placement).
         self.domains = GangDomains(
-            domain=config.scaling.domain(),
+            domain=scaling.domain(),
             group=group,
             clock=job.clock,
-            wait_s=config.elastic.domain_wait_s,
+            wait_s=elastic.domain_wait_s,
             record=job.record,
             stamp=lambda: (job.now(), job.step()),
             enabled=self.topology.layout is Layout.REPLICAS_ACROSS_HOSTS,
@@ -125,7 +158,7 @@ class JobPlacement:
     def wait_ready(self, pending: PendingJob) -> PlacementSeen:
         """Waits a while for ``pending`` to be ready (a ``placement_waiting`` event says it
         waits every ``PLACEMENT_REPORT_S``, at least three times before giving up)."""
-        wait_s = self.cfg.elastic.resource_wait_s
+        wait_s = self.elastic.resource_wait_s
         left = pending.since + wait_s - self.job.clock.monotonic()
         every = min(PLACEMENT_REPORT_S, wait_s / 3)
         pending.ready = self.group.ready(pending.pgs, timeout=max(0.0, min(every, left)))
@@ -142,7 +175,7 @@ class JobPlacement:
                 at=self.job.now(),
                 step=self.job.step(),
                 waited_s=round(self.job.clock.monotonic() - pending.since, 1),
-                wait_s=self.cfg.elastic.resource_wait_s,
+                wait_s=self.elastic.resource_wait_s,
                 asked=pending.asked,
                 nodes=describe_nodes(self.group.nodes()),
             )
@@ -174,7 +207,7 @@ class JobPlacement:
                 self.domains.placed(pending.gangs[g].gang_id, pg)
 
     def per_rank(self) -> dict[str, float]:
-        scaling = self.cfg.scaling
+        scaling = self.scaling
         return rank_resources(cpus_per_rank=scaling.cpus_per_rank, use_gpu=scaling.use_gpu)
 
     def start_rank(
@@ -192,18 +225,12 @@ class JobPlacement:
         in the background is booked when it joins)."""
         store = self.store()
         assert store is not None
-        spec = RankSpec(
+        spec = self.ranks.spec(
             rank=rank,
             gang=gang,
             gang_rank=gang_rank,
             gang_size=self.topology.gang_size,
-            config=self.cfg,
-            plan=self.plan,
-            num_dense=self.num_dense,
             store=store,
-            model_factory=self.model_factory,
-            timeout_s=self.cfg.elastic.collective_timeout_s,
-            features=self.features,
         )
         self.group.start_rank(spec, shard, placement=pg, bundle=bundle)
         self.started.add(rank)

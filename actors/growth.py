@@ -11,7 +11,7 @@ Below ``elastic.min_gangs`` training waits for placements, up to ``elastic.resou
 (the coordinator's loop, as :func:`~raytrec.elastic.boundary.decide` says).
 
 A part of the job with state of its own (the placements requested, the gangs being built); it
-sees the job through :class:`~actors.ports.JobPorts` and carries out the
+sees the job through :class:`~actors.ports.GenerationPorts` and carries out the
 :class:`~raytrec.elastic.decisions.Grow` that :func:`~raytrec.elastic.boundary.decide` returns
 for the gangs built, and asks :func:`~raytrec.elastic.control.gangs_to_request` how much to keep
 pending and :func:`~raytrec.elastic.heal.failed_heals` whether each healed. The membership, the
@@ -28,11 +28,12 @@ from typing import Any
 from actors.gang_placement import JobPlacement
 from actors.job import Committed, GangsDropped, GangsJoined, Joining, Prepared, Reserved
 from actors.nodes import JobNodes
-from actors.ports import JobPorts
+from actors.ports import GenerationPorts
 from actors.reshare import DataStreams
 from raytrec.cluster.placement import placement_specs, rank_resources
 from raytrec.cluster.topology import Layout
-from raytrec.config import TrainConfig
+from raytrec.config import ScalingConfig
+from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.control import gangs_to_request
 from raytrec.elastic.decisions import Grow
 from raytrec.elastic.events import (
@@ -66,9 +67,11 @@ class GangGrowth:
 
     def __init__(
         self,
-        job: JobPorts,
+        job: GenerationPorts,
         *,
-        config: TrainConfig,
+        elastic: ElasticConfig,
+        scaling: ScalingConfig,
+        log_every: int,
         group: WorkerGroup,
         placement: JobPlacement,
         nodes: JobNodes,
@@ -76,8 +79,10 @@ class GangGrowth:
         new_shard: Callable[[int], Any] | None,
     ) -> None:
         self.job = job
-        self.cfg = config
-        self.topology = config.scaling.topology()
+        self.elastic = elastic
+        self.scaling = scaling
+        self.log_every = log_every  # steps per interval: what a joined gang prepares
+        self.topology = scaling.topology()
         self.group = group
         self.placement = placement
         self.nodes = nodes
@@ -90,7 +95,7 @@ class GangGrowth:
     def request(self) -> None:
         """Keeps one pending placement group per gang the job could still add
         (:func:`~raytrec.elastic.control.gangs_to_request`)."""
-        job, elastic = self.job, self.cfg.elastic
+        job, elastic = self.job, self.elastic
         if self.topology.layout is not Layout.REPLICAS_ACROSS_HOSTS or self.new_shard is None:
             return  # one placement group for the whole job, or no data for a new gang
         want = gangs_to_request(
@@ -102,7 +107,7 @@ class GangGrowth:
         )
         if want <= 0:
             return
-        scaling = self.cfg.scaling
+        scaling = self.scaling
         per_rank = rank_resources(cpus_per_rank=scaling.cpus_per_rank, use_gpu=scaling.use_gpu)
         spec = placement_specs(self.topology, per_rank=per_rank, gangs=(0,))[0]
         self.pending += self.placement.domains.request(spec, want)
@@ -248,7 +253,7 @@ class GangGrowth:
             )
         # Ranks given a new stream have nothing read yet (the others read ahead already).
         ready = fresh if reshare else new_ranks
-        n = min(self.cfg.log_every, self.job.view.end_step - self.job.step())
+        n = min(self.log_every, self.job.view.end_step - self.job.step())
         self.job.call(ready, lambda w, _r: w.prepare(n))
         # Every rank holds n now when all were given a new stream; else the others hold what
         # they held (nothing, right after a recovery: they prepare before the next interval).

@@ -5,8 +5,8 @@ each own their own state. What they share (the membership, the step, where the d
 batch accounting, the gang cap, the rollback point, ...) is one :class:`JobRecord` that the loop
 owns. A part reads it through :class:`JobView`, which has no setters (mypy rejects an assignment
 through it), and never assigns to it: what it changed is an :data:`Outcome`, a frozen value it
-returns or hands to the loop (``JobPorts.apply``); :func:`apply_outcome` is the one function that
-changes the record, and only the loop calls it.
+returns or hands to the loop (its ``apply`` port, :class:`~actors.ports.HasShared`);
+:func:`apply_outcome` is the one function that changes the record, and only the loop calls it.
 """
 
 from __future__ import annotations

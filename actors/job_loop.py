@@ -184,7 +184,8 @@ class JobLoop(TrainingSteps):
         self._infos = sorted((self.ranks.infos[r] for r in self.ranks.live()), key=lambda x: x.rank)
         t0 = self.clock.perf_counter()
         try:
-            n = min(self.cfg.log_every, self.state.end_step - self.state.step)  # a resume: its step
+            every = self.settings.log_every
+            n = min(every, self.state.end_step - self.state.step)  # a resume: its step
             self._call(self.ranks.live(), lambda w, _r: w.prepare(n, first=True))
         except RankFailed as e:
             self._training_starts(t0)
@@ -310,7 +311,7 @@ class JobLoop(TrainingSteps):
             return self._lost(e, Finishing(f.stopped_by, attempt=f.attempt + 1, resume=True))
         stopped_by = f.stopped_by
         if stopped_by is None and self.data_growth is None:  # a growing source has no end
-            stopped_by = self.streams.ran_out(self.state.step, self.num_steps, self.cfg.data.epochs)
+            stopped_by = self.streams.ran_out(self.state.step, self.num_steps, self.settings.epochs)
         summary = self._summary(
             final=final, digests=digests, stopped_by=stopped_by, ranks=self._infos
         )
@@ -323,7 +324,7 @@ class JobLoop(TrainingSteps):
         ``final`` is None) and a checkpoint when the policy says so (``stopping``: the job stops
         on request)."""
         if (
-            self.state.step % self.cfg.sync.sync_every
+            self.state.step % self.settings.sync_every
             or self.state.membership.last_sync_step != self.state.step
         ):
             # End on a sync: every replica the same.

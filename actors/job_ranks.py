@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from actors.control_calls import ControlCalls
 from actors.job import Booked, Committed, JobView, Outcome
 from actors.nodes import JobNodes
-from raytrec.config import TrainConfig
+from raytrec.config import SyncConfig
 from raytrec.elastic.events import EventLog, GenerationStarted
 from raytrec.elastic.heal import replicas_disagree
 from raytrec.elastic.rank_protocol import GenerationPlan, ReformPlan, StateDigest
@@ -32,7 +32,7 @@ class JobRanks:
         self,
         state: JobView,
         *,
-        config: TrainConfig,
+        sync: SyncConfig,
         calls: ControlCalls,
         nodes: JobNodes,
         events: EventLog,
@@ -40,7 +40,7 @@ class JobRanks:
         apply: Callable[[Outcome], None],
     ) -> None:
         self.state = state
-        self.cfg = config
+        self.sync_config = sync
         self.calls = calls
         self.nodes = nodes
         self.events = events
@@ -111,7 +111,7 @@ class JobRanks:
             for g in self.state.membership.gangs
         }
         return plan_sync(
-            self.cfg.sync,
+            self.sync_config,
             generation=self.state.membership.generation,
             live_gangs=self.state.membership.gang_ids,
             locality=locality,

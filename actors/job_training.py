@@ -41,9 +41,10 @@ from actors.ports import RankCalls
 from actors.recovery import FailureRecovery
 from actors.reshare import DataStreams
 from actors.total_loss import TotalLossRecovery
+from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.cluster.topology import Layout, Topology
-from raytrec.config import TrainConfig
 from raytrec.elastic.boundary import JobState, Observations, decide
+from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.control import Boundary, intervals_to_queue
 from raytrec.elastic.decisions import (
     Checkpoint,
@@ -66,14 +67,28 @@ from raytrec.errors import EarlyStopped, JobFailedError, StopRequested
 from raytrec.observability.metrics import IntervalMetrics, aggregate_interval
 from raytrec.observability.rec_metrics import merge_metric_states
 
-__all__ = ["TrainingSteps"]
+__all__ = ["LoopSettings", "TrainingSteps"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoopSettings:
+    """The settings the loop reads, built once by the coordinator from the job's config: steps
+    per interval (``log_every``), the sync period (``sync.sync_every``), the passes over the
+    data (``data.epochs``), and the ``elastic`` and ``checkpoint`` sections that
+    :func:`~raytrec.elastic.boundary.decide` reads with the job's state."""
+
+    log_every: int
+    sync_every: int
+    epochs: int
+    elastic: ElasticConfig
+    checkpoint: CheckpointConfig
 
 
 class TrainingSteps:
     """The loop's training states, and what every state's step uses (module doc)."""
 
     # What the coordinator builds and the loop runs (actors/coordinator.py).
-    cfg: TrainConfig
+    settings: LoopSettings
     topology: Topology
     clock: Clock
     group: WorkerGroup
@@ -122,14 +137,14 @@ class TrainingSteps:
 
     def job_state(self) -> JobState:
         """The job's state values :func:`~raytrec.elastic.boundary.decide` reads."""
-        cfg = self.cfg
+        cfg = self.settings
         return JobState(
             membership=self.state.membership,
             step=self.state.step,
             end_step=self.state.end_step,
             max_gangs=self.state.max_gangs,
             elastic=cfg.elastic,
-            sync_every=cfg.sync.sync_every,
+            sync_every=cfg.sync_every,
             transient=self.recovery.transient,
             within_host=self.topology.layout is Layout.REPLICAS_WITHIN_HOST,
             replayable=self._stream_id is not None,
@@ -162,7 +177,7 @@ class TrainingSteps:
         (a stop, a drain, gangs joining, a wait for gangs) and the next interval sent; then
         the interval that runs collected and booked, the next ones queued behind it while
         nothing has to happen at the boundary between them (:meth:`_top_up`)."""
-        every = self.cfg.log_every
+        every = self.settings.log_every
         if s.entering:
             self._training_starts(s.t0)
             n = min(every, self.state.end_step - self.state.step)
@@ -237,7 +252,7 @@ class TrainingSteps:
     def _at_boundary(self, b: AtBoundary) -> JobLoopState:
         """After an interval: its metrics row, the held-out evaluation and early stopping when
         due, then a checkpoint when due (nothing queued, training goes on)."""
-        s, every = b.running, self.cfg.log_every
+        s, every = b.running, self.settings.log_every
         if b.recovered:
             self.apply(Prepared(0))  # recovery may have re-opened the ranks' feeds
             b.recovered = False
@@ -291,7 +306,7 @@ class TrainingSteps:
     def _waiting(self, w: Waiting) -> JobLoopState:
         """Below ``elastic.min_gangs`` training pauses until gangs join, for as long as the
         :class:`Wait` decided says (then a :class:`Fail`); a stop asked meanwhile ends it."""
-        self.clock.sleep(self.cfg.elastic.poll_s)
+        self.clock.sleep(self.settings.elastic.poll_s)
         try:
             self._admit()
         except RankCallError as e:  # nothing is in flight while the job waits
@@ -323,7 +338,7 @@ class TrainingSteps:
                             at=self._now(),
                             step=self.state.step,
                             live_gangs=self.state.membership.num_gangs,
-                            min_gangs=self.cfg.elastic.min_gangs,
+                            min_gangs=self.settings.elastic.min_gangs,
                             deadline=decision.deadline,
                         )
                     )
@@ -397,7 +412,7 @@ class TrainingSteps:
         boundary = Boundary(
             step=step,
             end_step=self.state.end_step,
-            every=self.cfg.log_every,
+            every=self.settings.log_every,
             depth=self._depth,
             ready=self.state.ready,
             work_at_boundary=bool(self.growth.pending or self.growth.building)
@@ -405,7 +420,7 @@ class TrainingSteps:
             or self._drain_due()
             or (self.data_growth is not None and self.data_growth.due()),
             live_gangs=self.state.membership.num_gangs,
-            min_gangs=self.cfg.elastic.min_gangs,
+            min_gangs=self.settings.elastic.min_gangs,
         )
         end = inflight[-1].end if inflight else None
         for start, n in intervals_to_queue(boundary, end, len(inflight), self.boundary.work_due):
@@ -420,7 +435,7 @@ class TrainingSteps:
         is queued behind, still running. ``t0``: where the interval's wall-clock time starts
         (default: now; an interval sent early starts when the one before it is collected)."""
         self._seq += 1
-        ready = min(self._depth * self.cfg.log_every, self.state.end_step - start - n)
+        ready = min(self._depth * self.settings.log_every, self.state.end_step - start - n)
         ranks = self.ranks.live()
         now = self.clock.monotonic()
         if after is None:

@@ -6,31 +6,36 @@ reported dead. It names nodes the way events do (``<node id prefix> at <address>
 sync planner a small index per node, and turns what Ray says about lost ranks into
 ``node_died`` events: at once when a rank's call says its node died, or later, at an interval
 boundary, when the node table catches up with a node that went without saying so. It sees the
-job through :class:`~actors.ports.JobPorts` only.
+job through the ports it calls (:class:`NodesPorts`) only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Protocol
 
 from actors.interval import IntervalOutcome
-from actors.ports import JobPorts
+from actors.ports import HasClock, HasClusterNodes, HasEvents, HasGangOf, HasStep
 from raytrec.elastic.events import NodeDied
 from raytrec.elastic.membership import Gang, RankSlot
 from raytrec.elastic.report import RankInfo
 from raytrec.elastic.workers import NODE_DIED
 
-__all__ = ["JobNodes"]
+__all__ = ["JobNodes", "NodesPorts"]
 
 # How long a recovery waits for Ray's node table to show a node death it suspects.
 NODE_TABLE_GRACE_S = 5.0
 
 
+class NodesPorts(HasGangOf, HasStep, HasEvents, HasClock, HasClusterNodes, Protocol):
+    """The ports :class:`JobNodes` calls."""
+
+
 class JobNodes:
     """The nodes the job's ranks run on."""
 
-    def __init__(self, job: JobPorts) -> None:
+    def __init__(self, job: NodesPorts) -> None:
         self.job = job
         self.of_rank: dict[int, str] = {}  # job rank -> Ray node id (built, live ranks)
         self._index: dict[str, int] = {}

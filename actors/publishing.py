@@ -22,17 +22,18 @@ import os
 import shutil
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-from actors.ports import JobPorts
+from actors.ports import HasClock, HasEvents, HasRankCalls, HasStep, HasSync, HasView
 from raytrec.config.train import PublishConfig
 from raytrec.elastic.events import ModelPublished
 from raytrec.engine.publish_rows import PublishedRows
 from raytrec.serving.deltas import DeltaError, DeltaWriter, TableRows
 from raytrec.serving.export import MODEL_JSON, base_id, export
 
-__all__ = ["JobPublishing", "assemble_rows"]
+__all__ = ["JobPublishing", "PublishingPorts", "assemble_rows"]
 
 
 def assemble_rows(parts: Sequence[PublishedRows]) -> dict[str, TableRows]:
@@ -63,10 +64,14 @@ def assemble_rows(parts: Sequence[PublishedRows]) -> dict[str, TableRows]:
     return out
 
 
+class PublishingPorts(HasRankCalls, HasStep, HasSync, HasEvents, HasClock, HasView, Protocol):
+    """The ports :class:`JobPublishing` calls."""
+
+
 class JobPublishing:
     """Publishes the job's model at the boundaries the config asks for (module doc)."""
 
-    def __init__(self, job: JobPorts, *, config: PublishConfig, run_dir: str) -> None:
+    def __init__(self, job: PublishingPorts, *, config: PublishConfig, run_dir: str) -> None:
         self.job = job
         self.every = config.every_n_steps
         self.dir = config.dir if config.dir is not None else os.path.join(run_dir, "serving")

@@ -11,7 +11,7 @@ trained (:meth:`~FailureRecovery.gather`) and re-forms among them
 (:meth:`~FailureRecovery.reform`): it books what every rank trained, hands a lost gang's
 uncommitted batches to the survivors and starts a new generation with a job-wide sync. A rank
 call that fails meanwhile is raised to the loop, which recovers again with both losses
-(:meth:`~FailureRecovery.merged`). It sees the job through :class:`~actors.ports.JobPorts`; the
+(:meth:`~FailureRecovery.merged`). It sees the job through :class:`RecoveryPorts`; the
 membership it re-forms is an outcome (:mod:`actors.job`) the loop applies.
 """
 
@@ -19,16 +19,26 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, Protocol
 
 from actors.gang_placement import JobPlacement
 from actors.interval import Dispatched, IntervalOutcome
 from actors.job import Committed, GangsDropped, Regenerated
 from actors.nodes import JobNodes
-from actors.ports import JobPorts
+from actors.ports import (
+    GenerationPorts,
+    HasAccount,
+    HasAnswers,
+    HasAt,
+    HasClock,
+    HasGangOf,
+    HasSyncPlan,
+    HasView,
+)
 from actors.reshare import DataStreams
-from raytrec.config import TrainConfig
+from raytrec.config import SyncConfig
 from raytrec.elastic.boundary import MAX_TRANSIENT, Loss
+from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.control import group_broke
 from raytrec.elastic.dense import settle_failed_step
 from raytrec.elastic.events import (
@@ -51,7 +61,7 @@ from raytrec.elastic.workers import (
 )
 from raytrec.sync.schedule import SyncPlan
 
-__all__ = ["MAX_TRANSIENT", "FailureRecovery"]
+__all__ = ["MAX_TRANSIENT", "FailureRecovery", "RecoveryPorts"]
 
 # How early a wait may end before its timeout and still count as on time (Ray's wait takes
 # whole milliseconds).
@@ -60,15 +70,22 @@ _WAKE_EARLY_S = 0.002
 _PEER_KILLED = PEER_RELEASED
 
 
+class RecoveryPorts(
+    GenerationPorts, HasGangOf, HasClock, HasAnswers, HasAccount, HasAt, HasSyncPlan, Protocol
+):
+    """The ports :class:`FailureRecovery` calls."""
+
+
 class FailureRecovery:
     """Finds failures while an interval runs and re-forms the job after them (module doc).
     ``request_growth``: asks for the placement the job could still add."""
 
     def __init__(
         self,
-        job: JobPorts,
+        job: RecoveryPorts,
         *,
-        config: TrainConfig,
+        elastic: ElasticConfig,
+        sync: SyncConfig,
         group: WorkerGroup,
         placement: JobPlacement,
         nodes: JobNodes,
@@ -76,8 +93,8 @@ class FailureRecovery:
         request_growth: Callable[[], None],
     ) -> None:
         self.job = job
-        self.elastic = config.elastic
-        self.sync = config.sync
+        self.elastic = elastic
+        self.sync = sync
         self.group = group
         self.placement = placement
         self.nodes = nodes
@@ -584,7 +601,7 @@ class FailureRecovery:
         )
 
 
-def _why(result: IntervalOutcome, gang: int, job: JobPorts) -> str:
+def _why(result: IntervalOutcome, gang: int, job: HasView) -> str:
     ranks = job.view.membership.gang(gang).job_ranks
     dead = [r for r in ranks if r in result.dead]
     hung = [r for r in ranks if r in result.hung]

@@ -20,7 +20,7 @@ a lost rank's synthetic stream instead).
 
 A part of the job with state of its own (the table of streams), which also rewinds the streams
 to a checkpoint (a resume, or a rebuild after a total loss). It sees the job through
-:class:`~actors.ports.JobPorts`; the end step and the accounting it changes are outcomes
+:class:`StreamsPorts`; the end step and the accounting it changes are outcomes
 (:class:`~actors.job.DataEnds`, :class:`~actors.job.AccountingRewound`) the loop applies.
 """
 
@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from actors.job import AccountingRewound, DataEnds
-from actors.ports import JobPorts
+from actors.ports import HasEvents, HasRankCalls, HasRanksInGangOrder, HasShared
 from raytrec.data.growing import first_batch_from, shareable
 from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.parquet_recut import hand_off, recut
@@ -48,7 +48,7 @@ from raytrec.elastic.events import DataReshared
 from raytrec.elastic.rollback import StreamStart, plan_streams
 from raytrec.errors import JobFailedError
 
-__all__ = ["DataStreams", "StreamTable"]
+__all__ = ["DataStreams", "StreamTable", "StreamsPorts"]
 
 
 class StreamTable:
@@ -113,6 +113,10 @@ class StreamTable:
             self.template = self.template.with_files_json(saved["files"])
 
 
+class StreamsPorts(HasRankCalls, HasEvents, HasShared, HasRanksInGangOrder, Protocol):
+    """The ports :class:`DataStreams` calls."""
+
+
 class DataStreams:
     """Where every rank reads (module doc): the table of re-shared streams of a re-shareable
     source, re-sharing the rows left when the ranks change, and rewinding the streams to a
@@ -122,7 +126,7 @@ class DataStreams:
 
     def __init__(
         self,
-        job: JobPorts,
+        job: StreamsPorts,
         table: StreamTable | None,
         *,
         shards: Sequence[BatchShard] = (),

@@ -13,7 +13,7 @@ to it (:func:`~raytrec.elastic.rollback.plan_streams`,
 one the decision is a :class:`~raytrec.elastic.decisions.Fail` saying what would have allowed
 recovery.
 
-A part of the job that sees it through :class:`~actors.ports.JobPorts`; what to do is decided by
+A part of the job that sees it through :class:`TotalLossPorts`; what to do is decided by
 :func:`~raytrec.elastic.boundary.decide`, and the point it goes back to, the step and the
 membership it rebuilds are outcomes (:mod:`actors.job`) the loop applies. The loop
 (:mod:`actors.job_loop`, state ``Rebuilding``) waits for the placement between :meth:`rebuild`
@@ -24,12 +24,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from actors.gang_placement import PendingJob
 from actors.job import GangsDropped, GangsJoined, Joining, Rebuilding, Rebuilt, Reserved, Rewound
 from actors.nodes import JobNodes
-from actors.ports import JobPorts
+from actors.ports import (
+    HasBuild,
+    HasCall,
+    HasClock,
+    HasEvents,
+    HasNewGeneration,
+    HasShared,
+    HasStep,
+)
 from actors.reshare import DataStreams
 from raytrec.cluster.topology import Topology
 from raytrec.elastic.decisions import RollbackPoint, TotalLoss
@@ -45,7 +53,7 @@ from raytrec.elastic.membership import Gang
 from raytrec.elastic.rollback import StreamStart
 from raytrec.errors import JobFailedError
 
-__all__ = ["MAX_REBUILD_ATTEMPTS", "PendingRebuild", "TotalLossRecovery"]
+__all__ = ["MAX_REBUILD_ATTEMPTS", "PendingRebuild", "TotalLossPorts", "TotalLossRecovery"]
 
 #: Tries at rebuilding when ranks are lost again while the job is being rebuilt.
 MAX_REBUILD_ATTEMPTS = 3
@@ -61,6 +69,12 @@ class PendingRebuild:
     job: PendingJob
 
 
+class TotalLossPorts(
+    HasCall, HasStep, HasEvents, HasClock, HasShared, HasBuild, HasNewGeneration, Protocol
+):
+    """The ports :class:`TotalLossRecovery` calls."""
+
+
 class TotalLossRecovery:
     """Rebuilds the job from its checkpoint after a total loss (module doc). ``request_job``:
     asks for a whole job's placement (:meth:`~actors.gang_placement.JobPlacement.request_job`);
@@ -70,7 +84,7 @@ class TotalLossRecovery:
 
     def __init__(
         self,
-        job: JobPorts,
+        job: TotalLossPorts,
         *,
         topology: Topology,
         streams: DataStreams,

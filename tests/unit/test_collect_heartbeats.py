@@ -54,7 +54,7 @@ def collect(group: OneAtATime, clock: ManualClock, elastic: ElasticConfig) -> An
     )  # fmt: skip
     recovery = FailureRecovery(
         job,  # type: ignore[arg-type]  # the ports collect reads
-        config=config, group=group,  # type: ignore[arg-type]
+        elastic=config.elastic, sync=config.sync, group=group,  # type: ignore[arg-type]
         placement=None, nodes=None, streams=None,  # type: ignore[arg-type]
         request_growth=lambda: None,
     )  # fmt: skip
