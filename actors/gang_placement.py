@@ -22,6 +22,7 @@ from typing import Any
 
 from torchrec.distributed.types import ShardingPlan
 
+from actors.job import RanksAdded
 from actors.nodes import JobNodes
 from actors.ports import JobPorts
 from raytrec.cluster.capacity import describe_bundles, describe_nodes
@@ -208,9 +209,7 @@ class JobPlacement:
         self.group.start_rank(spec, shard, placement=pg, bundle=bundle)
         self.started.add(rank)
         if account:
-            self.job.view.accounting.add_rank(
-                rank, shard=getattr(shard, "index", rank), step=self.job.step()
-            )
+            self.job.apply(RanksAdded({rank: getattr(shard, "index", rank)}, self.job.step()))
 
     def keep(self, gang_id: int, pg: Placement) -> None:
         """The placement group of a gang placed by growth."""
