@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from actors.job import PointSaved, Rewound
+from actors.job import PointSaved, Rewound, StreamsRestarted
 from actors.ports import GenerationPorts, HasBuild, HasClock, HasGangOf, HasSync
 from actors.reshare import DataStreams
 from raytrec.checkpoint.config import SCORE_ATTRIBUTES, CheckpointConfig, checkpoint_root
@@ -95,8 +95,7 @@ class JobCheckpoints:
         job.apply(Rewound(step, synced=True))
         saved_at = job.clock.monotonic()
         if starts is None:
-            for r in ranks:
-                job.view.accounting.restart(r, at=step)
+            job.apply(StreamsRestarted(tuple(ranks), at=step))
         else:
             self.streams.continue_streams(starts, gang_of=job.gang_of, step=step)
             if not self.streams.reshare(job.ranks_in_gang_order()):  # rows left uneven

@@ -7,6 +7,12 @@ the checkpoint to go back to, where the data ends after a re-share, a rewind. It
 the ``kill_coordinator`` faults of ``testing.faults``: at the first booking at or after the
 fault's step it journals that the fault fired (so the coordinator that takes over does not fire
 it again) and SIGKILLs its own process, as the OOM killer would.
+
+The outcomes that change only the uncommitted part of the batch accounting
+(:data:`~actors.job.AccountingOutcome`: ranks added or lost, gangs dropped from the books,
+streams switched) are not journaled: a coordinator that takes over goes back to a checkpoint,
+whose snapshot holds the accounting, and what they change in the counts (lost batches, replays)
+reaches the journal with the next commit record.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import signal
 from collections.abc import Callable
 
 from actors.job import (
+    AccountingOutcome,
     AccountingRewound,
     Booked,
     Committed,
@@ -82,6 +89,8 @@ class CoordinatorJournal:
 
     def applied(self, outcome: Outcome, job: JobRecord) -> None:
         """Journals what ``outcome``, just applied to ``job``, changed; fires a due fault."""
+        if isinstance(outcome, AccountingOutcome):
+            return  # nothing the journal keeps (module doc)
         m = job.membership
         match outcome:
             case PointSaved(point):

@@ -14,7 +14,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Collection
 
-from actors.job import CapChanged, Committed, GangsDropped, Prepared
+from actors.job import (
+    CapChanged,
+    Committed,
+    GangsDropped,
+    GangsDroppedFromBooks,
+    Prepared,
+    RanksLost,
+)
 from actors.ports import GenerationPorts
 from actors.reshare import DataStreams
 from raytrec.elastic.decisions import Drain
@@ -82,9 +89,11 @@ class GangDrain:
             ranks = [r for g in drained for r in m.gang(g).job_ranks]
             # They reported every batch up to this step and all of it is committed: this only
             # retires their streams where they stand, for the others or a later gang to go on.
-            acc.lost_rank_reports(ranks, fail_step=job.step())
+            job.apply(RanksLost(tuple(acc.reports_of_lost(ranks, fail_step=job.step()))))
             # Replays queued for them and not read yet go to the others.
-            replay = acc.drop(drained, survivors, ranks_of=lambda g: m.gang(g).job_ranks)
+            plan = acc.plan_drop(drained, survivors, ranks_of=lambda g: m.gang(g).job_ranks)
+            job.apply(GangsDroppedFromBooks(plan))
+            replay = plan.replays
             if (slow := decision.straggler) is not None:
                 job.record(
                     StragglerEvicted(

@@ -23,8 +23,9 @@ from typing import Any, Protocol
 
 from torchrec.distributed.types import ShardingPlan
 
+from actors.job import RanksAdded
 from actors.nodes import JobNodes
-from actors.ports import HasClock, HasEvents, HasStep, HasView
+from actors.ports import HasClock, HasEvents, HasShared, HasStep
 from raytrec.cluster.capacity import describe_bundles, describe_nodes
 from raytrec.cluster.domain_placement import GangDomains
 from raytrec.cluster.placement import PlacementSpec, placement_specs, rank_resources
@@ -92,7 +93,7 @@ class RankTemplate:
         )
 
 
-class PlacementPorts(HasStep, HasEvents, HasClock, HasView, Protocol):
+class PlacementPorts(HasStep, HasEvents, HasClock, HasShared, Protocol):
     """The ports :class:`JobPlacement` calls."""
 
 
@@ -235,9 +236,7 @@ class JobPlacement:
         self.group.start_rank(spec, shard, placement=pg, bundle=bundle)
         self.started.add(rank)
         if account:
-            self.job.view.accounting.add_rank(
-                rank, shard=getattr(shard, "index", rank), step=self.job.step()
-            )
+            self.job.apply(RanksAdded({rank: getattr(shard, "index", rank)}, self.job.step()))
 
     def keep(self, gang_id: int, pg: Placement) -> None:
         """The placement group of a gang placed by growth."""

@@ -26,7 +26,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from actors.gang_placement import JobPlacement
-from actors.job import Committed, GangsDropped, GangsJoined, Joining, Prepared, Reserved
+from actors.job import (
+    Committed,
+    GangsAccounted,
+    GangsDropped,
+    GangsDroppedFromBooks,
+    GangsJoined,
+    Joining,
+    Prepared,
+    RanksAdded,
+    RanksForgotten,
+    Reserved,
+)
 from actors.nodes import JobNodes
 from actors.ports import GenerationPorts
 from actors.reshare import DataStreams
@@ -212,15 +223,13 @@ class GangGrowth:
         peer = decision.gangs[0].heal_from
         gangs = self.nodes.with_nodes([b.gang for b in built])
         reshare = self.streams.table is not None
-        for r in new_ranks:  # they train from this step on
-            shard = self.shards_of_new.pop(r)
-            if not reshare:  # else booked with the share they are given below
-                self.job.view.accounting.add_rank(
-                    r, shard=getattr(shard, "index", r), step=self.job.step()
-                )
+        shards = {r: self.shards_of_new.pop(r) for r in new_ranks}
+        if not reshare:  # they train from this step on; else booked with the share given below
+            added = {r: getattr(shard, "index", r) for r, shard in shards.items()}
+            self.job.apply(RanksAdded(added, self.job.step()))
         self.job.apply(GangsJoined(tuple(gangs)))
         self.job.apply(Joining(frozenset(g.gang_id for g in gangs)))
-        self.job.view.accounting.add_gangs(g.gang_id for g in gangs)
+        self.job.apply(GangsAccounted(tuple(g.gang_id for g in gangs)))
         self.job.new_generation(f"gangs {[g.gang_id for g in gangs]} joined")
         # The new ranks take the job's step, then every member takes the peer's state.
         src = self.job.view.membership.member_index(peer)
@@ -294,13 +303,13 @@ class GangGrowth:
             return list(gangs)
         dropped = [g for g in gangs if g.gang_id in failed]
         if self.streams.table is None:  # else not booked until the rows are shared out
-            for g in dropped:
-                for r in g.job_ranks:
-                    self.job.view.accounting.forget_rank(r)  # it trained nothing
+            # They trained nothing.
+            self.job.apply(RanksForgotten(tuple(r for g in dropped for r in g.job_ranks)))
         survivors = [g for g in self.job.view.membership.gang_ids if g not in failed]
-        self.job.view.accounting.drop(
+        plan = self.job.view.accounting.plan_drop(
             list(failed), survivors, ranks_of=lambda g: self.job.view.membership.gang(g).job_ranks
         )
+        self.job.apply(GangsDroppedFromBooks(plan))
         self.job.apply(GangsDropped(tuple(failed)))
         self.job.new_generation(f"gangs {sorted(failed)} did not heal")
         for g in dropped:

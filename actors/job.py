@@ -6,25 +6,35 @@ batch accounting, the gang cap, the rollback point, ...) is one :class:`JobRecor
 owns. A part reads it through :class:`JobView`, which has no setters (mypy rejects an assignment
 through it), and never assigns to it: what it changed is an :data:`Outcome`, a frozen value it
 returns or hands to the loop (its ``apply`` port, :class:`~actors.ports.HasShared`);
-:func:`apply_outcome` is the one function that changes the record, and only the loop calls it.
+:func:`apply_outcome` is the one function that changes the record, and only the loop calls
+it. The batch accounting too: a part reads it as an
+:class:`~raytrec.elastic.accounting.AccountingView` (queries only, so mypy rejects a call that
+changes it), computes with those queries what a change does (the reports of lost ranks, where
+dropped gangs' batches go), and hands that to the loop as an outcome.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from typing import Protocol, assert_never
 
-from raytrec.elastic.accounting import BatchAccounting
+from raytrec.elastic.accounting import AccountingView, BatchAccounting, DropPlan
 from raytrec.elastic.decisions import RollbackPoint
 from raytrec.elastic.membership import Gang, Membership
+from raytrec.elastic.report import RankReport
+from raytrec.elastic.rollback import StreamStart
 
 __all__ = [
+    "AccountingOutcome",
     "AccountingRewound",
     "Booked",
     "CapChanged",
     "Committed",
     "DataEnds",
+    "GangsAccounted",
     "GangsDropped",
+    "GangsDroppedFromBooks",
     "GangsJoined",
     "JobRecord",
     "JobView",
@@ -32,12 +42,20 @@ __all__ = [
     "Outcome",
     "PointSaved",
     "Prepared",
+    "RanksAdded",
+    "RanksForgotten",
+    "RanksLost",
     "Rebuilding",
     "Rebuilt",
     "Regenerated",
     "Reserved",
     "Rewound",
+    "StreamSwitched",
+    "StreamsContinued",
+    "StreamsRestarted",
+    "StreamsRetired",
     "apply_outcome",
+    "apply_to_accounting",
 ]
 
 
@@ -69,7 +87,7 @@ class JobView(Protocol):
     @property
     def max_gangs(self) -> int: ...
     @property
-    def accounting(self) -> BatchAccounting: ...
+    def accounting(self) -> AccountingView: ...
     @property
     def last_save(self) -> tuple[int, float]: ...
     @property
@@ -94,11 +112,89 @@ class AccountingRewound:
 
 @dataclasses.dataclass(frozen=True)
 class Booked:
-    """Ranks' reports were booked up to ``step``; ``synced_at``: the last job-wide sync among
-    them, if one completed."""
+    """Ranks' ``reports`` are booked up to ``step``; ``synced_at``: the last job-wide sync among
+    them, if one completed (:func:`~raytrec.elastic.accounting.last_job_wide_sync`)."""
 
     step: int
     synced_at: int | None = None
+    reports: tuple[RankReport, ...] = ()
+
+
+# -- the batch accounting's books (raytrec.elastic.accounting) ---------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RanksAdded:
+    """Ranks (job rank -> the stream it reads) are booked as training from job step ``step``."""
+
+    shards: Mapping[int, int]
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RanksForgotten:
+    """Ranks that trained nothing (they failed while starting) leave the books."""
+
+    ranks: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class RanksLost:
+    """Ranks died or left having trained what their ``reports`` say
+    (:meth:`~raytrec.elastic.accounting.BatchAccounting.reports_of_lost`): they leave the books,
+    their streams retired after those batches."""
+
+    reports: tuple[RankReport, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class GangsAccounted:
+    """Gangs that joined are booked, with nothing pending and nothing to replay."""
+
+    gangs: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class GangsDroppedFromBooks:
+    """Gangs leave the books; their uncommitted batches go to the survivors as ``plan`` says
+    (:meth:`~raytrec.elastic.accounting.BatchAccounting.plan_drop`)."""
+
+    plan: DropPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamsRestarted:
+    """The ranks' streams restart at batch ``at`` (a resume from a checkpoint)."""
+
+    ranks: tuple[int, ...]
+    at: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamsContinued:
+    """Ranks booked with :class:`RanksAdded` train from job step ``step`` on, each reading
+    its ``starts`` (a checkpoint's streams continued); ``gangs``: job rank -> its gang."""
+
+    starts: Mapping[int, StreamStart]
+    gangs: Mapping[int, int]
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSwitched:
+    """The rank reads stream ``shard`` from its start, after its queued replays; its old
+    stream is retired at ``old_ends_at``."""
+
+    rank: int
+    shard: int
+    old_ends_at: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamsRetired:
+    """Streams no rank continues, stopped where ``positions`` (stream -> next batch) say."""
+
+    positions: Mapping[int, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +286,19 @@ class Rebuilt:
     at: float
 
 
+#: The outcomes that change only the batch accounting (:func:`apply_to_accounting`).
+AccountingOutcome = (
+    RanksAdded
+    | RanksForgotten
+    | RanksLost
+    | GangsAccounted
+    | GangsDroppedFromBooks
+    | StreamsRestarted
+    | StreamsContinued
+    | StreamSwitched
+    | StreamsRetired
+)
+
 Outcome = (
     AccountingRewound
     | Booked
@@ -206,7 +315,17 @@ Outcome = (
     | PointSaved
     | Rebuilding
     | Rebuilt
+    | AccountingOutcome
 )
+
+
+def _gang_of(m: Membership) -> Callable[[int], int]:
+    def gang_of(rank: int) -> int:
+        gang = m.gang_of_rank(rank)
+        assert gang is not None, f"rank {rank} is in no live gang"
+        return gang
+
+    return gang_of
 
 
 def apply_outcome(job: JobRecord, outcome: Outcome) -> None:
@@ -215,7 +334,10 @@ def apply_outcome(job: JobRecord, outcome: Outcome) -> None:
     match outcome:
         case AccountingRewound(accounting):
             job.accounting = accounting
-        case Booked(step, synced_at):
+        case Booked(step, synced_at, reports):
+            job.accounting.book(
+                reports, gang_of=_gang_of(m), live_gangs=m.gang_ids, synced_at=synced_at
+            )
             if synced_at is not None:
                 job.membership = m.synced(synced_at)
             job.step = step
@@ -250,3 +372,46 @@ def apply_outcome(job: JobRecord, outcome: Outcome) -> None:
             job.point = point
         case Rebuilt(step, at):
             job.last_save = (step, at)
+        case (
+            RanksAdded()
+            | RanksForgotten()
+            | RanksLost()
+            | GangsAccounted()
+            | GangsDroppedFromBooks()
+            | StreamsRestarted()
+            | StreamsContinued()
+            | StreamSwitched()
+            | StreamsRetired()
+        ):
+            apply_to_accounting(job.accounting, outcome)
+        case _:
+            assert_never(outcome)
+
+
+def apply_to_accounting(acc: BatchAccounting, outcome: AccountingOutcome) -> None:
+    """Changes the batch accounting as ``outcome`` says (part of :func:`apply_outcome`)."""
+    match outcome:
+        case RanksAdded(shards, step):
+            for rank, shard in shards.items():
+                acc.add_rank(rank, shard=shard, step=step)
+        case RanksForgotten(ranks):
+            for rank in ranks:
+                acc.forget_rank(rank)
+        case RanksLost(reports):
+            acc.lose_ranks(reports)
+        case GangsAccounted(gangs):
+            acc.add_gangs(gangs)
+        case GangsDroppedFromBooks(plan):
+            acc.apply_drop(plan)
+        case StreamsRestarted(ranks, at):
+            for rank in ranks:
+                acc.restart(rank, at=at)
+        case StreamsContinued(starts, gangs, step):
+            for rank, s in starts.items():
+                acc.resume_rank(rank, gang=gangs[rank], step=step, stream_at=s.at, replay=s.replay)
+        case StreamSwitched(rank, shard, old_ends_at):
+            acc.switch_stream(rank, shard=shard, old_ends_at=old_ends_at)
+        case StreamsRetired(positions):
+            acc.retire_streams(positions)
+        case _:
+            assert_never(outcome)

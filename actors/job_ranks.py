@@ -16,6 +16,7 @@ from actors.control_calls import ControlCalls
 from actors.job import Booked, Committed, JobView, Outcome
 from actors.nodes import JobNodes
 from raytrec.config import SyncConfig
+from raytrec.elastic.accounting import last_job_wide_sync
 from raytrec.elastic.events import EventLog, GenerationStarted
 from raytrec.elastic.heal import replicas_disagree
 from raytrec.elastic.rank_protocol import GenerationPlan, ReformPlan, StateDigest
@@ -127,16 +128,15 @@ class JobRanks:
     def account(self, reports: list[RankReport], *, completed_through: int | None = None) -> None:
         """Books the ranks' trained batches; a job-wide sync among them commits."""
         plan = self.joined_plan()
-        last_sync = self.state.accounting.record(
+        last_sync = last_job_wide_sync(
             reports,
-            gang_of=self.gang_of,
-            live_gangs=self.state.membership.gang_ids,
             last_sync_step=self.state.membership.last_sync_step,
             # A lower level capped at one group of all live gangs syncs job-wide too.
             is_job_wide_sync=lambda s: plan.decide(s).job_wide,
             completed_through=completed_through,
         )
-        self.apply(Booked(max((r.step for r in reports), default=self.state.step), last_sync))
+        step = max((r.step for r in reports), default=self.state.step)
+        self.apply(Booked(step, last_sync, tuple(reports)))
 
     def sync_unless_synced(self) -> None:
         """A job-wide sync and its commit, unless the job synced at its step already."""

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from actors.gang_placement import JobPlacement
 from actors.interval import Dispatched, IntervalOutcome
-from actors.job import Committed, GangsDropped, Regenerated
+from actors.job import Committed, GangsDropped, GangsDroppedFromBooks, RanksLost, Regenerated
 from actors.nodes import JobNodes
 from actors.ports import (
     GenerationPorts,
@@ -447,7 +447,9 @@ class FailureRecovery:
         reports = [result.reports[r] for r in survivor_ranks if r in result.reports]
         reports += [rep for rep in result.later if rep.rank in alive] + recovered
         lost_ranks = [r for g in failed_gangs for r in self.job.view.membership.gang(g).job_ranks]
-        reports += self.job.view.accounting.lost_rank_reports(lost_ranks, fail_step=fail_step)
+        lost = self.job.view.accounting.reports_of_lost(lost_ranks, fail_step=fail_step)
+        self.job.apply(RanksLost(tuple(lost)))
+        reports += lost
         # Syncs before the failed step completed on every gang; the one at it did not.
         self.job.account(reports, completed_through=fail_step - 1)
         result.booked = True
@@ -591,7 +593,7 @@ class FailureRecovery:
         at or before ``dense_through`` are replayed for their embedding rows only.
         ``rolled_back``: the survivors that roll back, whose uncommitted batches go too, and
         the step through which theirs are replayed for their embedding rows only."""
-        return self.job.view.accounting.drop(
+        plan = self.job.view.accounting.plan_drop(
             gangs,
             survivors,
             ranks_of=lambda g: self.job.view.membership.gang(g).job_ranks,
@@ -599,6 +601,8 @@ class FailureRecovery:
             rolled_back=rolled_back[0],
             rolled_back_dense_through=rolled_back[1],
         )
+        self.job.apply(GangsDroppedFromBooks(plan))
+        return plan.replays
 
 
 def _why(result: IntervalOutcome, gang: int, job: HasView) -> str:

@@ -21,7 +21,8 @@ a lost rank's synthetic stream instead).
 A part of the job with state of its own (the table of streams), which also rewinds the streams
 to a checkpoint (a resume, or a rebuild after a total loss). It sees the job through
 :class:`StreamsPorts`; the end step and the accounting it changes are outcomes
-(:class:`~actors.job.DataEnds`, :class:`~actors.job.AccountingRewound`) the loop applies.
+(:class:`~actors.job.DataEnds`, :class:`~actors.job.AccountingRewound`,
+:class:`~actors.job.StreamSwitched`, ...) the loop applies.
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from actors.job import AccountingRewound, DataEnds
+from actors.job import (
+    AccountingRewound,
+    DataEnds,
+    RanksAdded,
+    StreamsContinued,
+    StreamsRetired,
+    StreamSwitched,
+)
 from actors.ports import HasEvents, HasRankCalls, HasRanksInGangOrder, HasShared
 from raytrec.data.growing import first_batch_from, shareable
 from raytrec.data.parquet_indexed import IndexedParquetShard
@@ -200,17 +208,16 @@ class DataStreams:
             raise JobFailedError(f"{shared.left_over} rows of new files could not be shared")
         ids = table.add(shared.streams)
         # Every old stream's rows are given out: none is continued where it stopped.
-        streams.retire({sid: table.length(sid) for sid in retired})
+        self.job.apply(StreamsRetired({sid: table.length(sid) for sid in retired}))
         replays: dict[int, list[int]] = {}
         for r, sid in zip(ranks, ids, strict=True):
             if r in joining:
-                self.job.view.accounting.add_rank(r, shard=sid, step=self.job.view.step)
+                self.job.apply(RanksAdded({r: sid}, self.job.view.step))
                 replays[r] = []
             else:
                 old, _, queued_ids = streams.position(r)
                 replays[r] = list(queued_ids)
-                streams.switch(r, shard=sid)
-                streams.retire({old: table.length(old)})
+                self.job.apply(StreamSwitched(r, shard=sid, old_ends_at=table.length(old)))
         new_stream = dict(zip(ranks, ids, strict=True))
         acc = self.job.view.accounting
         self.job.call(
@@ -283,8 +290,7 @@ class DataStreams:
         for (sid, _, _), stream in zip(positions.values(), plan.kept, strict=True):
             table.made[sid] = stream  # the same batches, ending sooner
         new_stream = dict(zip(joining, table.add(plan.streams), strict=True))
-        for r, sid in new_stream.items():
-            self.job.view.accounting.add_rank(r, shard=sid, step=self.job.view.step)
+        self.job.apply(RanksAdded(new_stream, self.job.view.step))
         # The others learn the new streams (any rank may have to replay any batch).
         made = dict(table.made)
         self.job.call(staying, lambda w, _r: w.set_streams(made))
@@ -335,10 +341,8 @@ class DataStreams:
         self, starts: Mapping[int, StreamStart], *, gang_of: Callable[[int], int], step: int
     ) -> None:
         """Books each rank as reading from ``starts`` at job step ``step``."""
-        for r, s in starts.items():
-            self.job.view.accounting.resume_rank(
-                r, gang=gang_of(r), step=step, stream_at=s.at, replay=s.replay
-            )
+        gangs = {r: gang_of(r) for r in starts}
+        self.job.apply(StreamsContinued(dict(starts), gangs, step))
 
     def queue_replays(self, starts: Mapping[int, StreamStart]) -> None:
         """Hands each rank the unread replay batches of the stream it continues."""

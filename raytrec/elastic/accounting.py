@@ -20,22 +20,77 @@ At a checkpoint, :meth:`BatchAccounting.snapshot` records the accounting as JSON
 replayed batches, and where every stream stands); :meth:`BatchAccounting.rewound` goes back to
 it when the job is rebuilt from that checkpoint, so the batches committed after it, which the
 rebuilt model does not hold, are trained and committed again instead of counted twice.
+
+What a change needs to know first has a pure query: :func:`last_job_wide_sync` (what a booking
+commits), :meth:`BatchAccounting.reports_of_lost` (what lost ranks trained),
+:meth:`BatchAccounting.plan_drop` (where dropped gangs' batches go). A reader that may not change
+the accounting holds it as an :class:`AccountingView` (those queries only), and hands what it
+computed to the one owner that applies it (:meth:`~BatchAccounting.book`,
+:meth:`~BatchAccounting.lose_ranks`, :meth:`~BatchAccounting.apply_drop`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from raytrec.elastic.ledger import DataLedger
+from raytrec.elastic.ledger import DataLedger, ReplayPlan
 from raytrec.elastic.report import RankReport, TrainedBatch
 from raytrec.elastic.rows import RowRanges
-from raytrec.elastic.streams import RankStreams
+from raytrec.elastic.streams import RankStreams, StreamPositions
 
-__all__ = ["BatchAccounting"]
+__all__ = ["AccountingView", "BatchAccounting", "DropPlan", "last_job_wide_sync"]
 
 # Batch ids are non-negative ints below this (the ledger's "rows per epoch").
 _ID_SPACE = 1 << 62
+
+
+def last_job_wide_sync(
+    reports: Sequence[RankReport],
+    *,
+    last_sync_step: int,
+    is_job_wide_sync: Callable[[int], bool],
+    completed_through: int | None = None,
+) -> int | None:
+    """The last job-wide sync step the reports cover, or None: syncs at steps after
+    ``last_sync_step`` up to the reports' step (at most ``completed_through``) completed on every
+    live gang, so what was trained up to the last of them is committed."""
+    new_step = max((r.step for r in reports), default=last_sync_step)
+    through = new_step if completed_through is None else completed_through
+    syncs = [s for s in range(last_sync_step + 1, through + 1) if is_job_wide_sync(s)]
+    return syncs[-1] if syncs else None
+
+
+@dataclasses.dataclass(frozen=True)
+class DropPlan:
+    """What dropping gangs does to the accounting (:meth:`BatchAccounting.plan_drop`)."""
+
+    ledger: ReplayPlan
+    #: Batches whose dense gradient the survivors hold already: replayed embedding-only.
+    dense_applied: tuple[int, ...]
+    #: Survivor rank -> batch ids it replays (queued in its stream; empty without streams).
+    replays: dict[int, list[int]]
+
+
+class AccountingView(Protocol):
+    """:class:`BatchAccounting`, read only: the queries a reader computes a change with."""
+
+    @property
+    def streams(self) -> StreamPositions | None: ...
+    def snapshot(self, ranks: Sequence[int]) -> dict[str, Any]: ...
+    def embedding_only(self, batch_ids: Iterable[int]) -> list[int]: ...
+    def reports_of_lost(self, ranks: Iterable[int], *, fail_step: int) -> list[RankReport]: ...
+    def plan_drop(
+        self,
+        gangs: Sequence[int],
+        survivors: Sequence[int],
+        *,
+        ranks_of: Callable[[int], Sequence[int]],
+        dense_through: int | None = None,
+        rolled_back: Sequence[int] = (),
+        rolled_back_dense_through: int | None = None,
+    ) -> DropPlan: ...
 
 
 class BatchAccounting:
@@ -92,6 +147,19 @@ class BatchAccounting:
         if self.streams is not None:
             self.streams.restart(rank, at=stream_at, replay=replay)
             self.ledger.assign_replay(gang, 0, RowRanges.from_ids(replay))
+
+    def switch_stream(self, rank: int, *, shard: int, old_ends_at: int) -> None:
+        """The rank reads stream ``shard`` from its first batch on, after its queued replays;
+        its old stream is retired at ``old_ends_at`` (its batches before that are given out)."""
+        assert self.streams is not None, "only a source that names its batches has streams"
+        old = self.streams.position(rank)[0]
+        self.streams.switch(rank, shard=shard)
+        self.streams.retire({old: old_ends_at})
+
+    def retire_streams(self, positions: Mapping[int, int]) -> None:
+        """Streams no rank continues, each stopped at its position (stream -> next batch)."""
+        assert self.streams is not None, "only a source that names its batches has streams"
+        self.streams.retire(positions)
 
     # -- back to a checkpoint ----------------------------------------------------------------
 
@@ -155,16 +223,27 @@ class BatchAccounting:
         is_job_wide_sync: Callable[[int], bool],
         completed_through: int | None = None,
     ) -> int | None:
-        """Books the reports; returns the last job-wide sync step they covered, or None.
+        """Books the reports; returns the last job-wide sync step they covered, or None
+        (:func:`last_job_wide_sync`, then :meth:`book`)."""
+        last_sync = last_job_wide_sync(
+            reports,
+            last_sync_step=last_sync_step,
+            is_job_wide_sync=is_job_wide_sync,
+            completed_through=completed_through,
+        )
+        self.book(reports, gang_of=gang_of, live_gangs=live_gangs, synced_at=last_sync)
+        return last_sync
 
-        Syncs at steps after ``last_sync_step`` up to the reports' step (at most
-        ``completed_through``) completed on every live gang: what was trained up to the last
-        of them is committed, the rest is pending.
-        """
-        new_step = max((r.step for r in reports), default=last_sync_step)
-        through = new_step if completed_through is None else completed_through
-        syncs = [s for s in range(last_sync_step + 1, through + 1) if is_job_wide_sync(s)]
-        last_sync = syncs[-1] if syncs else None
+    def book(
+        self,
+        reports: Sequence[RankReport],
+        *,
+        gang_of: Callable[[int], int],
+        live_gangs: Sequence[int],
+        synced_at: int | None,
+    ) -> None:
+        """Books the reports: what was trained up to ``synced_at``, the last job-wide sync they
+        cover (:func:`last_job_wide_sync`), is committed, the rest is pending."""
         before: dict[int, list[int]] = {}
         after: dict[int, list[int]] = {}
         for rep in reports:
@@ -176,41 +255,54 @@ class BatchAccounting:
                 if batch is None:
                     continue
                 self._trained_at[batch] = step
-                bucket = before if last_sync is not None and step <= last_sync else after
+                bucket = before if synced_at is not None and step <= synced_at else after
                 bucket.setdefault(gang, []).append(batch)
             self.reported_step[rank] = rep.step
             for batch, rows in rep.short:
                 self._short[batch] = self.batch_size - rows
         for gang, ids in before.items():
             self.ledger.consume(gang, 0, RowRanges.from_ids(ids))
-        if last_sync is not None:
+        if synced_at is not None:
             self.commit(live_gangs)
         for gang, ids in after.items():
             self.ledger.consume(gang, 0, RowRanges.from_ids(ids))
-        return last_sync
 
     def lost_rank_reports(self, ranks: Iterable[int], *, fail_step: int) -> list[RankReport]:
+        """Reports for ranks that died, the ranks forgotten (:meth:`reports_of_lost`, then
+        :meth:`lose_ranks`)."""
+        reports = self.reports_of_lost(ranks, fail_step=fail_step)
+        self.lose_ranks(reports)
+        return reports
+
+    def reports_of_lost(self, ranks: Iterable[int], *, fail_step: int) -> list[RankReport]:
         """Reports for ranks that died: one batch per step since their last report, the next
-        in their stream order. The ranks are forgotten. A rank never booked (of a gang lost
-        while it joined, before it was given rows to read) trained nothing: no report."""
+        in their stream order. A rank never booked (of a gang lost while it joined, before it
+        was given rows to read) trained nothing: no report. Changes nothing."""
         out = []
-        for r in ranks:
+        for r in dict.fromkeys(ranks):
             if r not in self.reported_step:
                 continue
-            since = self.reported_step.pop(r)
+            since = self.reported_step[r]
             count = max(0, fail_step - since)
-            ids: list[int | None]
-            if self.streams is not None:
-                ids = list(self.streams.take(r, count))
-                self.streams.remove_rank(r)
-            else:
-                ids = [None] * count
-                self.lost_batches += count
+            streams = self.streams
+            ids: list[int | None] = [None] * count if streams is None else [*streams.peek(r, count)]
             trained: tuple[TrainedBatch, ...] = tuple(
                 zip(range(since + 1, fail_step + 1), ids, strict=True)
             )
             out.append(RankReport(rank=r, step=fail_step, trained=trained, lost=True))
         return out
+
+    def lose_ranks(self, reports: Iterable[RankReport]) -> None:
+        """Forgets the ranks of :meth:`reports_of_lost`'s ``reports``: each stream retires after
+        the batches its report names; without streams, those batches count as lost."""
+        for rep in reports:
+            del self.reported_step[rep.rank]
+            count = len(rep.trained)
+            if self.streams is not None:
+                self.streams.take(rep.rank, count)
+                self.streams.remove_rank(rep.rank)
+            else:
+                self.lost_batches += count
 
     def commit(self, live_gangs: Iterable[int]) -> None:
         """A job-wide sync just completed: everything trained so far is in every replica."""
@@ -222,7 +314,7 @@ class BatchAccounting:
                 self.committed_rows += self.batch_size - self._short.pop(batch, 0)
         self.ledger.commit(live_gangs)
 
-    def drop(
+    def plan_drop(
         self,
         gangs: Sequence[int],
         survivors: Sequence[int],
@@ -231,8 +323,10 @@ class BatchAccounting:
         dense_through: int | None = None,
         rolled_back: Sequence[int] = (),
         rolled_back_dense_through: int | None = None,
-    ) -> dict[int, list[int]]:
-        """Drops gangs; returns survivor rank -> batch ids to replay (queued in its stream).
+    ) -> DropPlan:
+        """What dropping ``gangs`` does (the accounting unchanged; :meth:`apply_drop` does it):
+        their uncommitted batches, split over the ``survivors``' ranks (``ranks_of``: a gang's
+        ranks), each queued in its stream to replay.
 
         ``dense_through``: the last step whose dense update the survivors' dense parameters
         hold (:func:`~raytrec.elastic.dense.settle_failed_step`); the dropped gangs' batches
@@ -241,24 +335,32 @@ class BatchAccounting:
         are replaced (:mod:`~raytrec.elastic.group_rollback`); their pending batches are
         replayed too, embedding-only when trained at or before ``rolled_back_dense_through``
         (:attr:`~raytrec.elastic.dense.FailedStepSettlement.survivors_through`)."""
+        dense: list[int] = []
         for through, of in ((dense_through, gangs), (rolled_back_dense_through, rolled_back)):
             for g in of:
                 for batch in self.ledger.pending(g).get(0, RowRanges()):
                     at = self._trained_at.get(batch)
                     if through is not None and at is not None and at <= through:
-                        self._dense_applied.add(batch)
-        plan = self.ledger.drop(gangs, survivors, rolled_back=rolled_back)
-        if self.streams is None:
-            return {}
+                        dense.append(batch)
+        plan = self.ledger.plan_drop(gangs, survivors, rolled_back=rolled_back)
         assignments: dict[int, list[int]] = {}
-        for gid, share in plan.shares.items():
-            ids = [i for rows in share.values() for i in rows]
-            ranks = ranks_of(gid)
-            for k, batch in enumerate(ids):
-                assignments.setdefault(ranks[k % len(ranks)], []).append(batch)
-        for rank, ids in assignments.items():
-            self.streams.queue_replay(rank, ids)
-        return assignments
+        if self.streams is not None:
+            for gid, share in plan.shares.items():
+                ids = [i for rows in share.values() for i in rows]
+                ranks = ranks_of(gid)
+                for k, batch in enumerate(ids):
+                    assignments.setdefault(ranks[k % len(ranks)], []).append(batch)
+        return DropPlan(ledger=plan, dense_applied=tuple(dense), replays=assignments)
+
+    def apply_drop(self, plan: DropPlan) -> dict[int, list[int]]:
+        """Drops gangs as ``plan`` (a :meth:`plan_drop` made on the accounting as it is now)
+        says; returns its survivor rank -> batch ids to replay, now queued in their streams."""
+        self._dense_applied.update(plan.dense_applied)
+        self.ledger.apply_drop(plan.ledger)
+        if self.streams is not None:
+            for rank, ids in plan.replays.items():
+                self.streams.queue_replay(rank, ids)
+        return plan.replays
 
     def embedding_only(self, batch_ids: Iterable[int]) -> list[int]:
         """Those of ``batch_ids`` (replays) that update their embedding rows only: their dense

@@ -11,7 +11,7 @@ dense update did not, on any survivor that saw the failure.
 :func:`settle_failed_step` decides, from the survivors' ``recover`` reports, whose dense state
 the re-formed job goes on from, the last step whose dense update that state holds
 (``dense_through``), and whether the survivors finish the failed step's dense update among
-themselves. The accounting (:meth:`~.accounting.BatchAccounting.drop`) then marks the lost
+themselves. The accounting (:meth:`~.accounting.BatchAccounting.plan_drop`) then marks the lost
 gangs' batches trained at or before ``dense_through`` as *embedding-only* replays, which the
 ranks train with a zero dense gradient. With ``sync.dense="with_schedule"`` a lost gang's dense
 changes since the last job-wide sync die with it like its embedding updates, so every replay

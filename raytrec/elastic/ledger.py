@@ -13,7 +13,7 @@ once, returning the missing and the duplicated ids. Rows that went through repla
 :meth:`DataLedger.replayed`. When the dense parameters are averaged across gangs every step
 (rather than on the sync schedule), the lost gang had already put most of these rows' dense
 gradients into every survivor: those are replayed for their embedding rows only
-(:mod:`~raytrec.elastic.dense`, :meth:`~raytrec.elastic.accounting.BatchAccounting.drop`).
+(:mod:`~raytrec.elastic.dense`, :meth:`~raytrec.elastic.accounting.BatchAccounting.plan_drop`).
 
 Pending rows are kept as an unmerged list, so a row consumed twice by one gang shows up as a
 duplicate at commit rather than being silently merged away.
@@ -59,6 +59,9 @@ class ReplayPlan:
 
     dropped: tuple[int, ...]
     shares: Mapping[int, Mapping[int, RowRanges]]
+    # The survivors whose pending rows go too, and every row handed back (each once, by epoch).
+    rolled_back: tuple[int, ...] = ()
+    rows: tuple[tuple[int, Range], ...] = ()
 
     def rows_of(self, gang_id: int) -> int:
         return sum(r.count for r in self.shares.get(gang_id, {}).values())
@@ -136,7 +139,16 @@ class DataLedger:
         """Drops gangs; their pending and unread replay rows are split among ``survivors``
         (taken in the given order; the first ones get the extra row when the split is uneven).
         The pending rows of the survivors in ``rolled_back`` (their model copies were replaced,
-        so what they trained since their last sync is in no replica) go into the split too."""
+        so what they trained since their last sync is in no replica) go into the split too.
+        :meth:`plan_drop`, then :meth:`apply_drop`."""
+        plan = self.plan_drop(gang_ids, survivors, rolled_back=rolled_back)
+        self.apply_drop(plan)
+        return plan
+
+    def plan_drop(
+        self, gang_ids: Iterable[int], survivors: Sequence[int], *, rolled_back: Iterable[int] = ()
+    ) -> ReplayPlan:
+        """What :meth:`drop` would do, the ledger unchanged."""
         dropped = tuple(sorted(set(gang_ids)))
         back = tuple(sorted(set(rolled_back)))
         for g in dropped:
@@ -157,7 +169,6 @@ class DataLedger:
         for g in back:
             for epoch, r in self._pending[g]:
                 pool.setdefault(epoch, []).append(r)
-            self._pending[g] = []
         # A row a dropped gang read twice is replayed once: the pool is a set.
         items = [(epoch, r) for epoch in sorted(pool) for r in RowRanges(tuple(pool[epoch])).ranges]
         if items and not survivors:
@@ -165,18 +176,23 @@ class DataLedger:
                 f"dropping gangs {list(dropped)} leaves no survivor to replay their "
                 f"{sum(b - a for _, (a, b) in items)} pending rows"
             )
-        for g in dropped:
-            del self._pending[g], self._replay[g]
-        for epoch, r in items:
-            self._replayed.setdefault(epoch, []).append(r)
         shares: dict[int, Mapping[int, RowRanges]] = {}
         if survivors:
             for g, share in zip(survivors, split_balanced(items, len(survivors)), strict=True):
-                got = _by_epoch(share)
-                shares[g] = got
-                for epoch, rows in got.items():
-                    self._replay[g][epoch] = self._replay[g].get(epoch, RowRanges()).union(rows)
-        return ReplayPlan(dropped=dropped, shares=shares)
+                shares[g] = _by_epoch(share)
+        return ReplayPlan(dropped=dropped, shares=shares, rolled_back=back, rows=tuple(items))
+
+    def apply_drop(self, plan: ReplayPlan) -> None:
+        """Carries out a plan of :meth:`plan_drop`, made on the ledger as it is now."""
+        for g in plan.rolled_back:
+            self._pending[g] = []
+        for g in plan.dropped:
+            del self._pending[g], self._replay[g]
+        for epoch, r in plan.rows:
+            self._replayed.setdefault(epoch, []).append(r)
+        for g, got in plan.shares.items():
+            for epoch, rows in got.items():
+                self._replay[g][epoch] = self._replay[g].get(epoch, RowRanges()).union(rows)
 
     def assign_replay(self, gang_id: int, epoch: int, rows: RowRanges) -> None:
         """Rows ``gang_id`` is to read before fresh ones (a replay share restored with it)."""

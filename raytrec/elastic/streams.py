@@ -18,12 +18,21 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol
 
-__all__ = ["RankStreams", "StreamError"]
+__all__ = ["RankStreams", "StreamError", "StreamPositions"]
 
 
 class StreamError(RuntimeError):
     """A rank reported a batch other than the one its stream order says comes next."""
+
+
+class StreamPositions(Protocol):
+    """:class:`RankStreams`, read only: where each rank stands."""
+
+    def position(self, rank: int) -> tuple[int, int, tuple[int, ...]]: ...
+    def retired(self) -> dict[int, int]: ...
+    def shards(self) -> set[int]: ...
 
 
 class RankStreams:

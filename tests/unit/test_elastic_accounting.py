@@ -72,7 +72,7 @@ def test_a_lost_gangs_uncommitted_batches_are_replayed_once() -> None:
         )
         == 4
     )
-    replay = acc.drop([1], [0], ranks_of=lambda g: GANGS[g])
+    replay = acc.apply_drop(acc.plan_drop([1], [0], ranks_of=lambda g: GANGS[g]))
     assert replay == {0: [stream_id(2, 4)], 1: [stream_id(3, 4)]}
     acc.commit([0])  # the re-formed job's first sync
 
@@ -107,7 +107,7 @@ def test_replayed_batches_end_in_the_model_exactly_once() -> None:
         is_job_wide_sync=every_second_step,
         completed_through=2,
     )
-    replay = acc.drop([1], [0], ranks_of=lambda g: GANGS[g])
+    replay = acc.apply_drop(acc.plan_drop([1], [0], ranks_of=lambda g: GANGS[g]))
     acc.commit([0])
     assert acc.replay_pending() == 2
     # Step 4: the replays; step 5: own batches; sync at 4 commits the replays.
@@ -135,7 +135,7 @@ def test_a_source_without_batch_ids_counts_what_it_loses() -> None:
         acc.add_rank(r, shard=r, step=0)
     acc.lost_rank_reports([2, 3], fail_step=3)
     assert acc.lost_batches == 6
-    assert acc.drop([1], [0], ranks_of=lambda g: GANGS[g]) == {}
+    assert acc.apply_drop(acc.plan_drop([1], [0], ranks_of=lambda g: GANGS[g])) == {}
 
 
 # -- back to a checkpoint after a total loss ---------------------------------------------------
@@ -210,7 +210,7 @@ def test_a_rewind_restores_unread_replays_and_continues_stopped_shards() -> None
         is_job_wide_sync=every_second_step,
         completed_through=2,
     )
-    replay = acc.drop([1], [0], ranks_of=lambda g: GANGS[g])
+    replay = acc.apply_drop(acc.plan_drop([1], [0], ranks_of=lambda g: GANGS[g]))
     acc.commit([0])
     assert replay == {0: [stream_id(2, 2)], 1: [stream_id(3, 2)]}
     # The checkpoint is written before the survivors train their replays.
@@ -309,7 +309,7 @@ def test_committed_rows_count_short_batches_and_replays_once_each() -> None:
         is_job_wide_sync=every_second_step,
         completed_through=2,
     )
-    replay = acc.drop([1], [0], ranks_of=lambda g: GANGS[g])
+    replay = acc.apply_drop(acc.plan_drop([1], [0], ranks_of=lambda g: GANGS[g]))
     acc.commit([0])
     assert acc.committed_rows == 97  # gang 0's step 3 too; not gang 1's (replayed)
     replays = [

@@ -107,7 +107,9 @@ def test_replays_whose_dense_gradient_is_in_the_model_update_embeddings_only() -
         every_step=True,
         committed_through=last,
     )
-    replay = acc.drop([2], [0, 1], ranks_of=lambda g: GANGS[g], dense_through=settled.dense_through)
+    replay = acc.apply_drop(
+        acc.plan_drop([2], [0, 1], ranks_of=lambda g: GANGS[g], dense_through=settled.dense_through)
+    )
     queued = sorted(i for ids in replay.values() for i in ids)
     assert queued == [stream_id(2, 4), stream_id(2, 5), stream_id(2, 6)]
     # Steps 5 and 6 went through the all-reduce; step 7's batch never reached anyone.
@@ -124,7 +126,9 @@ def test_replays_whose_dense_gradient_is_in_the_model_update_embeddings_only() -
     assert acc.lost_rank_reports([1], fail_step=8)[0].trained == ()  # it reported step 8
     settled = settle_failed_step([rec(0, 8)], every_step=True, committed_through=7)
     assert (settled.dense_through, settled.finish) == (8, False)
-    again = acc.drop([1], [0], ranks_of=lambda g: GANGS[g], dense_through=settled.dense_through)
+    again = acc.apply_drop(
+        acc.plan_drop([1], [0], ranks_of=lambda g: GANGS[g], dense_through=settled.dense_through)
+    )
     assert again == {0: [stream_id(2, 6)]}
     assert acc.embedding_only(again[0]) == [stream_id(2, 6)]
     # The embedding-only replay rank 0 trained at step 8 is its own pending batch, and the one
@@ -157,7 +161,9 @@ def test_a_commit_forgets_the_embedding_only_marks_of_what_it_commits() -> None:
         last=0,
     )
     acc.lost_rank_reports([2], fail_step=2)
-    replay = acc.drop([2], [0, 1], ranks_of=lambda g: GANGS[g], dense_through=2)
+    replay = acc.apply_drop(
+        acc.plan_drop([2], [0, 1], ranks_of=lambda g: GANGS[g], dense_through=2)
+    )
     ids = [i for v in replay.values() for i in v]
     assert sorted(acc.embedding_only(ids)) == sorted(ids)
     book(

@@ -108,13 +108,15 @@ def test_a_rolled_back_survivors_batches_are_replayed_embedding_only_where_dense
     # Dense gradients averaged every step; step 3's all-reduce failed and is finished.
     settled = FailedStepSettlement(step=3, dense_through=2, source=0, finish=True)
     assert settled.survivors_through == 3
-    replay = acc.drop(
-        [1],
-        [0, 2],
-        ranks_of=lambda g: gangs[g],
-        dense_through=settled.dense_through,
-        rolled_back=[0],
-        rolled_back_dense_through=settled.survivors_through,
+    replay = acc.apply_drop(
+        acc.plan_drop(
+            [1],
+            [0, 2],
+            ranks_of=lambda g: gangs[g],
+            dense_through=settled.dense_through,
+            rolled_back=[0],
+            rolled_back_dense_through=settled.survivors_through,
+        )
     )
     replayed = sorted(i for ids in replay.values() for i in ids)
     assert replayed == [0, 1, 2, 100, 101, 102]  # gang 0's own and the lost gang 1's

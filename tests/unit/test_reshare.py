@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from actors.data_growth import DataGrowth
-from actors.job import DataEnds, Outcome, Prepared
+from actors.job import AccountingOutcome, DataEnds, Outcome, Prepared, apply_to_accounting
 from actors.reshare import DataStreams, StreamTable
 from raytrec.data.config import GrowingConfig
 from raytrec.data.generate import write_synthetic_parquet
@@ -69,10 +69,13 @@ class Job:
 
     def apply(self, outcome: Outcome) -> None:
         """The outcome of a re-share: where the data now ends (the ranks' prepared batches,
-        which they keep in their feeds here, are not counted)."""
-        assert isinstance(outcome, DataEnds | Prepared)
+        which they keep in their feeds here, are not counted), or what it changed in the
+        batch accounting, applied as the loop applies it."""
+        assert isinstance(outcome, DataEnds | Prepared | AccountingOutcome)
         if isinstance(outcome, DataEnds):
             self.end_step = outcome.end_step
+        elif not isinstance(outcome, Prepared):
+            apply_to_accounting(self.accounting, outcome)
 
     def _call(self, ranks: list[int], invoke: Any) -> list[Any]:
         """A call on ranks, as the coordinator makes it (``invoke(rank, job_rank)``)."""
@@ -115,7 +118,9 @@ class Job:
         self._record(reports, completed_through=fail - 1)
         del self.feeds[rank]
         self.step = fail
-        replay = self.accounting.drop([rank], survivors, ranks_of=lambda g: [g])
+        replay = self.accounting.apply_drop(
+            self.accounting.plan_drop([rank], survivors, ranks_of=lambda g: [g])
+        )
         assert replay  # batches it trained after the last sync
         self.accounting.commit(survivors)  # the re-formed job's first sync
         self.last_sync = fail
