@@ -38,7 +38,6 @@ from torchrec.distributed.types import ShardingPlan
 
 from actors.boundary_work import BoundaryWork
 from actors.checkpoints import JobCheckpoints
-from actors.control_calls import ControlCalls
 from actors.coordinator_journal import CoordinatorJournal
 from actors.data_growth import DataGrowth
 from actors.drain import GangDrain
@@ -47,7 +46,7 @@ from actors.gang_placement import JobPlacement, RankTemplate
 from actors.growth import GangGrowth
 from actors.job import JobRecord, Outcome, apply_outcome
 from actors.job_loop import JobLoop
-from actors.job_ranks import JobRanks
+from actors.job_ranks import ControlCalls, JobRanks
 from actors.job_training import LoopSettings
 from actors.nodes import JobNodes
 from actors.ports import JobPorts

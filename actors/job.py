@@ -11,13 +11,17 @@ it. The batch accounting too: a part reads it as an
 :class:`~raytrec.elastic.accounting.AccountingView` (queries only, so mypy rejects a call that
 changes it), computes with those queries what a change does (the reports of lost ranks, where
 dropped gangs' batches go), and hands that to the loop as an outcome.
+
+It also holds the values one interval's ``train`` calls pass between the loop, failure recovery
+(:mod:`actors.recovery`) and the node table (:mod:`actors.nodes`): :class:`Dispatched` and
+:class:`IntervalOutcome`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Protocol, assert_never
+from typing import Any, Protocol, assert_never
 
 from raytrec.elastic.accounting import AccountingView, BatchAccounting, DropPlan
 from raytrec.elastic.decisions import RollbackPoint
@@ -32,10 +36,12 @@ __all__ = [
     "CapChanged",
     "Committed",
     "DataEnds",
+    "Dispatched",
     "GangsAccounted",
     "GangsDropped",
     "GangsDroppedFromBooks",
     "GangsJoined",
+    "IntervalOutcome",
     "JobRecord",
     "JobView",
     "Joining",
@@ -415,3 +421,44 @@ def apply_to_accounting(acc: BatchAccounting, outcome: AccountingOutcome) -> Non
             acc.retire_streams(positions)
         case _:
             assert_never(outcome)
+
+
+# -- one interval's train calls and what came back (the loop, recovery and the node table) --
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatched:
+    """One interval's ``train`` calls, sent."""
+
+    n: int  # steps
+    end: int  # the step it ends at
+    seq: int  # numbers the job's train calls (actors.rank.IntervalOrder)
+    refs: dict[int, Any]  # job rank -> the future of its report
+    t0: float  # perf_counter() where the interval's wall-clock time starts
+    started: float  # monotonic() when sent: for the hang timeout
+
+
+@dataclasses.dataclass
+class IntervalOutcome:
+    """The outcome of one interval call on every live rank."""
+
+    reports: dict[int, RankReport] = dataclasses.field(default_factory=dict)
+    dead: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> cause
+    errored: dict[int, str] = dataclasses.field(default_factory=dict)
+    hung: list[int] = dataclasses.field(default_factory=list)
+    # Hung rank -> (the last step it finished, seconds it had been silent when found).
+    silence: dict[int, tuple[int, float]] = dataclasses.field(default_factory=dict)
+    # Reports of intervals queued behind the failed one that some survivors went on to train.
+    later: list[RankReport] = dataclasses.field(default_factory=list)
+    # Seconds the coordinator sat blocked waiting for the reports (not working).
+    waited_s: float = 0.0
+    booked: bool = False  # recovery has booked the reports above
+    # Deaths, node deaths and hangs already in the event log (a recovery started over).
+    logged: set[int | str] = dataclasses.field(default_factory=set)
+    # Dead rank -> when the coordinator learned it (its clock): the event log books the death
+    # when the recovery starts, once every call of the interval has answered.
+    noticed: dict[int, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.dead or self.errored or self.hung)

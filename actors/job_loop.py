@@ -19,8 +19,7 @@ import dataclasses
 import os
 from typing import Any
 
-from actors.interval import IntervalOutcome
-from actors.job import Committed
+from actors.job import Committed, IntervalOutcome
 from actors.job_states import (
     AtBoundary,
     Done,

@@ -30,7 +30,7 @@ from collections import deque
 from typing import Union
 
 from actors.gang_placement import PendingJob
-from actors.interval import Dispatched, IntervalOutcome
+from actors.job import Dispatched, IntervalOutcome
 from actors.total_loss import PendingRebuild
 from raytrec.elastic.decisions import TotalLoss
 from raytrec.elastic.report import RankReport

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -24,8 +25,7 @@ from actors.drain import GangDrain
 from actors.evaluation import JobEvaluation
 from actors.gang_placement import JobPlacement
 from actors.growth import GangGrowth
-from actors.interval import Dispatched, IntervalOutcome, LoopTimer
-from actors.job import JobRecord, Outcome, Prepared
+from actors.job import Dispatched, IntervalOutcome, JobRecord, Outcome, Prepared
 from actors.job_ranks import JobRanks
 from actors.job_states import (
     AtBoundary,
@@ -64,10 +64,10 @@ from raytrec.elastic.straggler_policy import StragglerWatch
 from raytrec.elastic.workers import Clock, RankCallError, RankFailed, WorkerGroup
 from raytrec.engine.rank_engine import StoreAddress
 from raytrec.errors import EarlyStopped, JobFailedError, StopRequested
-from raytrec.observability.metrics import IntervalMetrics, aggregate_interval
+from raytrec.observability.metrics import CoordinatorTime, IntervalMetrics, aggregate_interval
 from raytrec.observability.rec_metrics import merge_metric_states
 
-__all__ = ["LoopSettings", "TrainingSteps"]
+__all__ = ["LoopSettings", "LoopTimer", "TrainingSteps"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -450,3 +450,21 @@ class TrainingSteps:
             t0=self.clock.perf_counter() if t0 is None else t0,
             started=now,
         )
+
+
+class LoopTimer:
+    """The coordinator loop's time from one history row to the next (:class:`CoordinatorTime`):
+    wall-clock time between the ends it is given (``since``: where the first row's time starts,
+    on the loop's ``perf_counter``), and its thread's CPU time by ``cpu``."""
+
+    def __init__(self, *, since: float, cpu: Callable[[], float] = time.thread_time) -> None:
+        self.cpu = cpu
+        self.last, self.last_cpu = since, cpu()
+
+    def lap(self, end: float, *, waited_s: float) -> CoordinatorTime:
+        """The time up to ``end``, of which ``waited_s`` waiting for the ranks' reports; the
+        next lap starts there."""
+        cpu = self.cpu()
+        out = CoordinatorTime(loop_s=end - self.last, waited_s=waited_s, cpu_s=cpu - self.last_cpu)
+        self.last, self.last_cpu = end, cpu
+        return out

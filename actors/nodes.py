@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Protocol
 
-from actors.interval import IntervalOutcome
+from actors.job import IntervalOutcome
 from actors.ports import HasClock, HasClusterNodes, HasEvents, HasGangOf, HasStep
 from raytrec.elastic.events import NodeDied
 from raytrec.elastic.membership import Gang, RankSlot

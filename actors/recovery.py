@@ -22,8 +22,15 @@ from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
 from actors.gang_placement import JobPlacement
-from actors.interval import Dispatched, IntervalOutcome
-from actors.job import Committed, GangsDropped, GangsDroppedFromBooks, RanksLost, Regenerated
+from actors.job import (
+    Committed,
+    Dispatched,
+    GangsDropped,
+    GangsDroppedFromBooks,
+    IntervalOutcome,
+    RanksLost,
+    Regenerated,
+)
 from actors.nodes import JobNodes
 from actors.ports import (
     GenerationPorts,

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from actors.interval import Dispatched
+from actors.job import Dispatched
 from actors.recovery import FailureRecovery
 from raytrec.config import ScalingConfig, TrainConfig
 from raytrec.elastic.config import ElasticConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.interval import LoopTimer
+from actors.job_training import LoopTimer
 from raytrec.elastic.report import RankReport
 from raytrec.observability.metrics import CoordinatorTime, aggregate_interval
 
