@@ -66,20 +66,34 @@ class JobCheckpoints:
         saved one had not trained and counts each batch once across both runs. None, when the
         checkpoint holds no accounting or the source cannot name its batches: the ranks then
         read their own shards from the checkpoint's step (and for no ``uri``: no resume)."""
-        from raytrec.checkpoint.layout import read_manifest
-
-        if uri is None:
+        saved = self._saved_streams(uri)
+        if saved is None:
             return None
-        extra = read_manifest(uri).extra
-        snapshot = extra.get("accounting")
-        if self.streams.stream_id is None or not snapshot or snapshot.get("streams") is None:
-            return None
+        snapshot, step = saved
         return self.streams.rewind_to(
             snapshot,
             order=self.job.ranks_in_gang_order(),
             gang_ids=self.job.view.membership.gang_ids,
-            step=int(extra["step"]),
+            step=step,
         )
+
+    def resumes_streams(self, uri: str | None) -> bool:
+        """Whether a resume from ``uri`` continues the checkpoint's streams
+        (:meth:`resume_streams`), which it can on any number of gangs."""
+        return self._saved_streams(uri) is not None
+
+    def _saved_streams(self, uri: str | None) -> tuple[dict[str, Any], int] | None:
+        """The batch accounting of checkpoint ``uri`` and its step, when this job can continue
+        its streams (its source names its batches and the checkpoint holds them)."""
+        from raytrec.checkpoint.layout import read_manifest
+
+        if uri is None or self.streams.stream_id is None:
+            return None
+        extra = read_manifest(uri).extra
+        snapshot = extra.get("accounting")
+        if not snapshot or snapshot.get("streams") is None:
+            return None
+        return snapshot, int(extra["step"])
 
     def restore(self, uri: str, starts: dict[int, StreamStart] | None) -> PointSaved:
         """Every gang loads the checkpoint (resharded to this job's shape); step counters go to

@@ -99,6 +99,7 @@ class Coordinator(JobLoop):
         features: FeatureSpec | None = None,
         init_from: str | None = None,  # a checkpoint whose model (only) to start from
         data_fingerprint: dict[str, Any] | None = None,  # recorded in every checkpoint
+        clock_origin: float | None = None,  # the clock's monotonic time its times count from
     ) -> None:
         in_process = group is not None  # a fake group of the tests' or the simulation's
         if group is None:
@@ -159,7 +160,9 @@ class Coordinator(JobLoop):
             run_dir, faults=config.testing.fault_plan, resume_from=resume_from, fsync=not in_process
         )
         self.events = EventLog()
-        self._t0 = self.clock.monotonic()
+        # Event and row times count from clock_origin: the driver's, so that a loss of this
+        # coordinator it books is on the clock of this one's rows (raytrec.restarts).
+        self._t0 = self.clock.monotonic() if clock_origin is None else clock_origin
         self._started = self.clock.perf_counter()  # run() sets it again as it starts
         self._history: list[IntervalMetrics] = []
         self._lock = threading.Lock()
@@ -269,6 +272,7 @@ class Coordinator(JobLoop):
             streams=self.streams,
             nodes=self.nodes,
             request_job=self.placement.request_job,
+            gangs_to_place=self.placement.gangs_to_place,
             shutdown=self.shutdown,
             request_growth=self.growth.request,
         )

@@ -26,13 +26,13 @@ from torchrec.distributed.types import ShardingPlan
 from actors.job import RanksAdded
 from actors.nodes import JobNodes
 from actors.ports import HasClock, HasEvents, HasShared, HasStep
-from raytrec.cluster.capacity import describe_bundles, describe_nodes
+from raytrec.cluster.capacity import describe_bundles, describe_nodes, gangs_that_fit
 from raytrec.cluster.domain_placement import GangDomains
 from raytrec.cluster.placement import PlacementSpec, placement_specs, rank_resources
 from raytrec.cluster.topology import Layout
 from raytrec.config import ScalingConfig, TrainConfig
 from raytrec.data.spec import FeatureSpec
-from raytrec.elastic.boundary import PlacementSeen
+from raytrec.elastic.boundary import PlacementSeen, gangs_to_place
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.decisions import Fail, Stop
 from raytrec.elastic.events import PlacementWaiting
@@ -142,7 +142,11 @@ class JobPlacement:
         they are pending (the demand an autoscaler sees); the loop waits for them
         (:meth:`wait_ready`) as :func:`~raytrec.elastic.boundary.decide` says, then
         :meth:`start_job` or :meth:`give_up`."""
-        specs = placement_specs(self.topology, per_rank=self.per_rank())
+        across = self.topology.layout is Layout.REPLICAS_ACROSS_HOSTS
+        # Under replicas_across_hosts, the first len(gangs) topology gangs (a job placed again
+        # from a checkpoint may ask for fewer: gangs_to_place); else the whole job, one group.
+        first = tuple(range(len(gangs))) if across else None
+        specs = placement_specs(self.topology, per_rank=self.per_rank(), gangs=first)
         # Names stay unique when a rebuilt job is placed again in a later generation.
         generation = self.job.view.membership.generation
         suffix = f"-gen{generation}" if generation else ""
@@ -155,6 +159,20 @@ class JobPlacement:
             asked=describe_bundles(specs),
             since=self.job.clock.monotonic(),
         )
+
+    def gangs_to_place(self) -> int:
+        """How many gangs a job placed again from a checkpoint asks for
+        (:func:`~raytrec.elastic.boundary.gangs_to_place`): as many of the initial ones as the
+        live nodes that are not draining hold, down to ``elastic.min_gangs``. Under
+        ``replicas_within_host`` the whole job (it is placed as one unit)."""
+        initial = self.topology.num_gangs
+        if self.topology.layout is not Layout.REPLICAS_ACROSS_HOSTS:
+            return initial
+        specs = placement_specs(self.topology, per_rank=self.per_rank())
+        draining = self.group.draining_nodes()
+        room = [n.resources for n in self.group.nodes() if n.alive and n.node_id not in draining]
+        fitting = gangs_that_fit([s.bundles for s in specs], room)
+        return gangs_to_place(initial=initial, fitting=fitting, min_gangs=self.elastic.min_gangs)
 
     def wait_ready(self, pending: PendingJob) -> PlacementSeen:
         """Waits a while for ``pending`` to be ready (a ``placement_waiting`` event says it

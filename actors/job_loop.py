@@ -19,7 +19,7 @@ import dataclasses
 import os
 from typing import Any
 
-from actors.job import Committed, IntervalOutcome
+from actors.job import Committed, GangsDropped, IntervalOutcome
 from actors.job_states import (
     AtBoundary,
     Done,
@@ -105,11 +105,19 @@ class JobLoop(TrainingSteps):
     # -- the start ----------------------------------------------------------------------------
 
     def _starting(self, s: Starting) -> JobLoopState:
-        """Hosts the store and asks for every gang's placement; once the ranks are started, a
+        """Hosts the store and asks for every gang's placement (a resume with the checkpoint's
+        streams: as many as the cluster holds); once the ranks are started, a
         resumed job loads its checkpoint (a rank lost meanwhile: rebuilt from it, as after a
         total loss)."""
         if not s.placed:
             self._store_address = self.group.host_store()
+            if self.checkpoints.resumes_streams(self.resume_from):
+                # Placed again from a checkpoint: what the cluster holds now (a node may be
+                # gone since the run began), down to min_gangs; growth adds the rest later.
+                gangs = self.state.membership.gang_ids
+                fewer = gangs[self.placement.gangs_to_place() :]
+                if fewer:
+                    self.apply(GangsDropped(fewer))
             starts = self.checkpoints.resume_streams(self.resume_from)
 
             def shard_of(rank: int) -> Any:

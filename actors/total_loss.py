@@ -4,7 +4,8 @@ A total loss leaves some shard with no live copy (every gang lost a rank, or a h
 ``replicas_within_host``), so re-forming on survivors cannot help.
 :func:`~raytrec.elastic.boundary.decide` says what to do: with a checkpoint of this job (a
 :class:`~raytrec.elastic.decisions.TotalLoss` naming it) this part kills what is left, releases
-every placement group, places a whole job of the initial shape again (waiting up to
+every placement group, places a whole job of the initial shape again, or as many of its gangs as
+the cluster's live nodes hold, down to ``elastic.min_gangs`` (waiting up to
 ``elastic.resource_wait_s``; the pending groups are the demand an autoscaler sees), starts and
 builds every gang under fresh gang ids and job ranks, loads the checkpoint into all of them
 (resharding as a resume does) and rewinds the step, each rank's data stream and the batch accounting
@@ -90,6 +91,7 @@ class TotalLossRecovery:
         streams: DataStreams,
         nodes: JobNodes,
         request_job: Callable[[Sequence[Gang], Callable[[int], Any]], PendingJob],
+        gangs_to_place: Callable[[], int],
         shutdown: Callable[[], None],
         request_growth: Callable[[], None],
     ) -> None:
@@ -98,6 +100,7 @@ class TotalLossRecovery:
         self.streams = streams
         self.nodes = nodes
         self.request_job = request_job
+        self.gangs_to_place = gangs_to_place
         self.shutdown = shutdown
         self.request_growth = request_growth
 
@@ -155,11 +158,12 @@ class TotalLossRecovery:
             self.job.apply(GangsDropped(self.job.view.membership.gang_ids))
 
     def _rebuild(self, point: RollbackPoint) -> PendingRebuild:
-        """A whole job of the initial shape under fresh gang ids and job ranks (their gang
-        worlds and replica planes rendezvous under new names), its step, data streams and batch
-        accounting rewound to the checkpoint, its placement asked for."""
+        """A whole job of the initial shape, or of as many gangs as the cluster holds now
+        (``gangs_to_place``), under fresh gang ids and job ranks (their gang worlds and replica
+        planes rendezvous under new names), its step, data streams and batch accounting rewound
+        to the checkpoint, its placement asked for."""
         job = self.job
-        num_gangs, gang_size = self.topology.num_gangs, self.topology.gang_size
+        num_gangs, gang_size = self.gangs_to_place(), self.topology.gang_size
         job.record(
             GangRequested(at=job.now(), step=job.step(), count=num_gangs, outstanding=num_gangs)
         )

@@ -247,6 +247,9 @@ def _fit(
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         coordinator_cls = ray.remote(num_cpus=0, max_concurrency=4)(Coordinator)
         name = f"{COORDINATOR_PREFIX}{os.path.basename(run_dir)}-{os.getpid()}"
+        # Every coordinator counts its times from here, on this node's monotonic clock (it runs
+        # here): the driver books a coordinator's loss on the same clock (raytrec.restarts).
+        origin = time.monotonic()
 
         def start_coordinator(resume_from: str | None, attempt: int) -> Any:
             """Coordinator ``attempt`` of the run (0: the first; later ones take over from a
@@ -271,6 +274,7 @@ def _fit(
                 # A restart that resumes from this run's own checkpoint has its model already.
                 init_from=init if resume_from is None else None,
                 data_fingerprint=fingerprint,
+                clock_origin=origin,
             )
 
         seen = Seen(reporter, reporter.event if isinstance(reporter, ProgressReporter) else None)
@@ -284,6 +288,7 @@ def _fit(
             on_row=seen.row,
             on_event=seen.event,
             release=lambda: release_placement_groups(os.path.basename(run_dir)),
+            origin=origin,
         )
         failure: BaseException | None = None
         try:

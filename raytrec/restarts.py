@@ -12,15 +12,16 @@ and loads the checkpoint, through the same resume that ``fit(resume_from_checkpo
 The checkpoint holds the batch accounting, so the batches committed after it are trained and
 committed again and every batch is counted once in the ledger. Without a checkpoint the new
 coordinator starts from the beginning of the data with a fresh model, which is exactly-once too.
-The metrics rows and events of every coordinator go on in one stream (their times on one
-clock), with ``coordinator_lost`` and ``coordinator_restarted`` between them.
+The metrics rows and events of every coordinator go on in one stream, with ``coordinator_lost``
+and ``coordinator_restarted`` between them, all on one clock: the seat's, which every coordinator
+it starts is given (``origin``), so an event the driver books (a loss) and the rows and events of
+the coordinators before and after it are times of the same clock.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,7 @@ from raytrec.elastic.journal import (
     replay,
 )
 from raytrec.elastic.run_record import RunSummary
+from raytrec.elastic.workers import Clock, SystemClock
 
 __all__ = ["CoordinatorSeat", "GiveUp", "Restart", "restart_decision"]
 
@@ -93,9 +95,10 @@ def restart_decision(
 class CoordinatorSeat:
     """The job's coordinator, and the ones that take over when it dies (module doc).
 
-    ``start(resume_from, attempt)`` creates a coordinator actor; ``release()`` gives back what a
-    lost one held (its placement groups). Rows and events go to ``on_row``/``on_event`` with
-    their times on the first coordinator's clock."""
+    ``start(resume_from, attempt)`` creates a coordinator actor whose clock is this seat's:
+    times measured from ``origin`` on ``clock`` (its monotonic time; the driver's and the
+    coordinator's processes share it, on one node). ``release()`` gives back what a lost one
+    held (its placement groups). Rows and events go to ``on_row``/``on_event``."""
 
     def __init__(
         self,
@@ -107,27 +110,30 @@ class CoordinatorSeat:
         on_row: Callable[[Any], None],
         on_event: Callable[[Event], None],
         release: Callable[[], None],
+        clock: Clock | None = None,
+        origin: float | None = None,
     ) -> None:
         self._start, self._release = start, release
         self._on_row, self._on_event = on_row, on_event
         self.run_dir, self.max_restarts, self.resumed_from = run_dir, max_restarts, resume_from
         self.restarts = 0
-        self._t0 = time.perf_counter()
-        self._offset = 0.0  # the current coordinator's clock, on the first one's
+        self.clock: Clock = clock or SystemClock()
+        self.origin = self.clock.monotonic() if origin is None else origin
+        self._elapsed = 0.0  # when the current coordinator started, on the seat's clock
         self._generations_before = 0  # generations of the lost coordinators
         self.current = start(resume_from, 0)
 
+    def now(self) -> float:
+        """The seat's clock: seconds since ``origin``."""
+        return round(self.clock.monotonic() - self.origin, 3)
+
     def row(self, row: Any) -> None:
-        # elapsed_s too, so that the time left, taken from the pace of the last rows, stays
-        # sound across a restart.
-        self._on_row(
-            dataclasses.replace(
-                row, at=round(row.at + self._offset, 3), elapsed_s=row.elapsed_s + self._offset
-            )
-        )
+        # A coordinator's elapsed_s counts from its own start: the time before it is added,
+        # so that the time left, taken from the pace of the last rows, stays sound.
+        self._on_row(dataclasses.replace(row, elapsed_s=row.elapsed_s + self._elapsed))
 
     def event(self, event: Event) -> None:
-        self._on_event(dataclasses.replace(event, at=round(event.at + self._offset, 3)))
+        self._on_event(event)
 
     def drive(self, stop: Any) -> RunSummary:
         """Follows the job (:func:`raytrec.driver.drive`) through every coordinator it takes;
@@ -154,7 +160,7 @@ class CoordinatorSeat:
             resumed_from=self.resumed_from,
             stop_asked=stop_asked,
         )
-        now = round(time.perf_counter() - self._t0, 3)
+        now = self.now()
         reason = " ".join(str(error).split())[:300]
         left = max(0, self.max_restarts - self.restarts - (isinstance(decision, Restart)))
         self._on_event(
@@ -176,11 +182,11 @@ class CoordinatorSeat:
                 step=decision.step, attempt=decision.attempt, uri=decision.uri
             )
         )
-        self._offset = time.perf_counter() - self._t0
+        self._elapsed = self.now()
         self.current = self._start(decision.uri, decision.attempt)
         self._on_event(
             CoordinatorRestarted(
-                at=round(self._offset, 3),
+                at=self._elapsed,
                 step=decision.step,
                 attempt=decision.attempt,
                 uri=decision.uri,
@@ -206,5 +212,5 @@ class CoordinatorSeat:
             history=list(seen_rows),
             events=EventLog(seen_events),
             generation=self._generations_before + summary.generation,
-            wall_s=time.perf_counter() - self._t0,
+            wall_s=self.now(),
         )

@@ -291,6 +291,8 @@ def _build(schedule: Schedule, run_dir: str, phases: list[str]) -> tuple[Coordin
         phases.append("CoordinatorDies @ booking a step")
         kill_coordinator()
 
+    origin = group.clock.monotonic()  # every coordinator's times, and the seat's, from here
+
     def start(resume_from: str | None, attempt: int) -> Coordinator:
         """Coordinator ``attempt`` of the run, resuming from ``resume_from`` (as the driver's
         ``start_coordinator`` of raytrec/api.py)."""
@@ -307,6 +309,7 @@ def _build(schedule: Schedule, run_dir: str, phases: list[str]) -> tuple[Coordin
             resume_from=resume_from,
             group=group,
             clock=group.clock,
+            clock_origin=origin,
         )
         coordinator.journal.kill = killed_at_step
         return coordinator
@@ -323,6 +326,8 @@ def _build(schedule: Schedule, run_dir: str, phases: list[str]) -> tuple[Coordin
             else None
         ),
         release=group.coordinator_lost,
+        clock=group.clock,
+        origin=origin,
     )
     holder.append(seat)
     return seat, group

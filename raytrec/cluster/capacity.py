@@ -34,6 +34,7 @@ __all__ = [
     "describe_bundles",
     "describe_nodes",
     "describe_shapes",
+    "gangs_that_fit",
 ]
 
 
@@ -84,6 +85,29 @@ def _fits(bundle: Mapping[str, float], free: Mapping[str, float]) -> bool:
     return all(free.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items())
 
 
+def _take(bundle: Mapping[str, float], free: Sequence[dict[str, float]]) -> bool:
+    """Places ``bundle`` on the first node of ``free`` it fits (first fit), taking its room."""
+    for node in free:
+        if _fits(bundle, node):
+            for k, v in bundle.items():
+                node[k] -= v
+            return True
+    return False
+
+
+def gangs_that_fit(
+    gangs: Sequence[Sequence[Mapping[str, float]]], nodes: Sequence[Mapping[str, float]]
+) -> int:
+    """How many of ``gangs`` (each its placement bundles, every bundle whole on one node), taken
+    in order, nodes of ``nodes``' resources hold at once (first fit, exact for the equal gangs a
+    topology makes)."""
+    free = [dict(n) for n in nodes]
+    for placed, bundles in enumerate(gangs):
+        if not all(_take(bundle, free) for bundle in bundles):
+            return placed
+    return len(gangs)
+
+
 def capacity_refusal(
     config: TrainConfig, shapes: Sequence[NodeShape], *, ray_data: bool = False
 ) -> str | None:
@@ -126,14 +150,7 @@ def capacity_refusal(
         for s in shapes
         for _ in range(min(len(bundles), len(bundles) if s.count is None else s.count))
     ]
-    placed = 0
-    for bundle in bundles:
-        for node in free:
-            if _fits(bundle, node):
-                for k, v in bundle.items():
-                    node[k] -= v
-                placed += 1
-                break
+    placed = sum(_take(bundle, free) for bundle in bundles)
     if placed < len(bundles):
         return (
             f"scaling: {asked} are placed as {len(bundles)} groups of ranks that each share a "

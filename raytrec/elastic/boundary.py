@@ -5,8 +5,9 @@ boundary (:class:`Observations`) and the clock, and returns an ordered tuple of 
 the union in :mod:`raytrec.elastic.decisions`, to be carried out in that order (a
 ``(Continue(...),)`` when nothing applies). Each rule exists once, as a pure function tested
 alone: here, a loss (drop every gang that lost a rank, re-form among the intact ones), growth
-(built gangs heal from the first live gang) and the wait below ``min_gangs`` (wait while
-``now <= deadline``, then fail); elsewhere, a total loss
+(built gangs heal from the first live gang), the wait below ``min_gangs`` (wait while
+``now <= deadline``, then fail) and the gangs a job placed again from a checkpoint asks for
+(:func:`gangs_to_place`); elsewhere, a total loss
 (:func:`raytrec.elastic.rollback.decide_total_loss`), a drain
 (:func:`raytrec.elastic.drain_policy.decide_drain`), a persistent straggler's eviction
 (:func:`raytrec.elastic.straggler_policy.decide_eviction`), a checkpoint
@@ -72,6 +73,7 @@ __all__ = [
     "PlacementSeen",
     "decide",
     "evaluation_due",
+    "gangs_to_place",
     "save_due",
 ]
 
@@ -385,6 +387,15 @@ def _resources(state: JobState, live: int, *, since: float, now: float) -> Wait 
         ),
         config_key="elastic.resource_wait_s",
     )
+
+
+def gangs_to_place(*, initial: int, fitting: int, min_gangs: int) -> int:
+    """How many gangs a job placed again from a checkpoint (a resume, a new coordinator's, a
+    rebuild after a total loss) asks for: its initial number, or as many as the cluster's live
+    nodes hold when that is fewer, and never fewer than ``min_gangs`` (the placement then
+    waits up to ``resource_wait_s`` and fails, as training below ``min_gangs`` does). The job
+    grows back later as growth allows."""
+    return max(min_gangs, min(initial, fitting))
 
 
 def evaluation_due(state: JobState, step: int) -> bool:

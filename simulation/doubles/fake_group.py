@@ -372,11 +372,7 @@ class FakeWorkerGroup(TrainingRuns):
         self._schedule()
 
     def nodes(self) -> list[NodeInfo]:
-        now = self.clock.now
-        return [
-            NodeInfo(node_id=n.node_id, address="127.0.0.1", alive=n.died_at > now, labels=n.labels)
-            for n in self._nodes
-        ]
+        return [n.info(self.clock.now) for n in self._nodes]
 
     def available(self) -> dict[str, dict[str, float]]:
         now = self.clock.now

@@ -29,7 +29,7 @@ from raytrec.elastic.rank_protocol import (
     StateDigest,
 )
 from raytrec.elastic.report import RankInfo, RankReport, TrainedBatch
-from raytrec.elastic.workers import NODE_DIED, Answer, RankFailed, RankLost
+from raytrec.elastic.workers import NODE_DIED, Answer, NodeInfo, RankFailed, RankLost
 from simulation.doubles.fake_model import FakeUsageError
 
 if TYPE_CHECKING:
@@ -79,6 +79,16 @@ class FakeNode:
     @property
     def labels(self) -> dict[str, str]:
         return {NODE_ID_LABEL: self.node_id}
+
+    def info(self, now: float) -> NodeInfo:
+        """The node as the node table shows it at ``now``."""
+        return NodeInfo(
+            node_id=self.node_id,
+            address="127.0.0.1",
+            alive=self.died_at > now,
+            resources={"CPU": self.cpus},
+            labels=self.labels,
+        )
 
 
 @dataclasses.dataclass(eq=False)

@@ -9,6 +9,8 @@
   data exactly once.
 - A node is marked for removal in Ray's GCS (as an autoscaler or a preemption notice does): the
   gang on it is given back at the next boundary, its work committed, and the job trains on.
+  Its coordinator's process is then killed: the new one resumes from the checkpoint on the one
+  gang the nodes that are not being removed hold, rather than waiting for a second.
 - While the job trains, its rendezvous store listens on the loopback address only (as does
   every socket its processes listen on), and a client outside the job finds none of the job's
   keys: they lie under a secret that only the ranks were handed.
@@ -55,6 +57,7 @@ from raytrec.data.generate import write_synthetic_parquet
 from raytrec.elastic.config import ElasticConfig
 from raytrec.elastic.events import (
     CheckpointRestored,
+    CoordinatorRestarted,
     GangDrained,
     GangHealed,
     GangJoined,
@@ -319,9 +322,14 @@ def test_a_node_marked_for_removal_gives_its_gang_back(two_nodes: Cluster, tmp_p
     config = small_job(
         tmp_path,
         elastic=ElasticConfig(step_timeout_s=30, collective_timeout_s=10, poll_s=0.2),
-        # Slow steps, so the drain (marked by the driver once it sees step 4) lands mid-run.
+        checkpoint=CheckpointConfig(every_n_steps=4, num_to_keep=1),
+        # Slow steps, so the drain (marked by the driver once it sees step 4) lands mid-run;
+        # then the coordinator's process is SIGKILLed.
         testing=TestingConfig(
-            faults=(FaultSpec(kind=FaultKind.SLOW_RANK, step=5, rank=0, stall_s=0.5, steps=8),)
+            faults=(
+                FaultSpec(kind=FaultKind.SLOW_RANK, step=5, rank=0, stall_s=0.5, steps=8),
+                FaultSpec(kind=FaultKind.KILL_COORDINATOR, step=12),
+            )
         ),
         num_steps=16,
         log_every=2,
@@ -334,5 +342,10 @@ def test_a_node_marked_for_removal_gives_its_gang_back(two_nodes: Cluster, tmp_p
     assert drained.gang_id == 1 and "nodes marked for removal" in drained.reason
     assert not [e for e in result.events if e.kind in ("rank_died", "gang_dropped")]
     assert result.steps == 16 and result.history[-1].gangs == 1
+    # The new coordinator resumed on the one gang that fits, without waiting for placement.
+    (restarted,) = result.events.of(CoordinatorRestarted)
+    assert restarted.checkpoint_step == 8, restarted
+    assert "placement_waiting" not in result.events.kinds()
+    assert {m.gangs for m in result.history if m.at > restarted.at} == {1}
     assert_replicas_agree(result)
     assert_every_batch_once(result)

@@ -5,6 +5,7 @@ with its ledger (from the journal) and the checkpoint to resume from."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -239,3 +240,58 @@ def test_a_coordinator_that_failed_as_it_was_made_is_not_restarted(
     with pytest.raises(CoordinatorDied, match="constructor raised"):
         seat.drive(Stop())
     assert started == [0] and seat.restarts == 0
+
+
+def test_the_driver_books_a_coordinators_loss_on_the_coordinators_clock(
+    tmp_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every coordinator counts its times from the seat's origin, so the loss the seat books
+    is at the time it happened on the clock of the rows before and after it (before, the seat
+    counted from its own start and the first coordinator from its own: the loss came out late
+    by that coordinator's start-up)."""
+    from simulation.doubles.fake_faults import ManualClock
+
+    @dataclasses.dataclass(frozen=True)
+    class Row:
+        at: float
+        elapsed_s: float
+
+    clock = ManualClock()
+    clock.advance_to(100.0)
+    rows: list[Row] = []
+    events: list[Any] = []
+
+    def start(_resume_from: str | None, attempt: int) -> str:
+        clock.advance_to(clock.now + 20.0)  # the coordinator's process starting
+        return f"coordinator-{attempt}"
+
+    def dies_after_30_s(coordinator: str, on_row: Any, *_: Any) -> str:
+        if coordinator == "coordinator-1":  # its row at 131 on the seat's clock
+            on_row(Row(at=clock.now + 1.0 - 100.0, elapsed_s=1.0))
+            return "summary"
+        clock.advance_to(clock.now + 30.0)
+        raise CoordinatorDied("the coordinator actor died: SIGKILLed")
+
+    monkeypatch.setattr("raytrec.restarts.drive", dies_after_30_s)
+    seat = CoordinatorSeat(
+        start,
+        run_dir=str(tmp_path),
+        max_restarts=1,
+        resume_from=None,
+        on_row=rows.append,
+        on_event=events.append,
+        release=lambda: None,
+        clock=clock,
+        origin=100.0,
+    )
+
+    class Stop:
+        asked = False
+
+    assert seat.drive(Stop()) == "summary"
+    lost, restarted = events
+    assert isinstance(lost, CoordinatorLost) and lost.at == 50.0  # 20 s start-up + 30 s
+    assert isinstance(restarted, CoordinatorRestarted) and restarted.at == 50.0
+    # The new coordinator's rows are on that clock already; its elapsed_s goes on from when
+    # it started.
+    assert rows == [Row(at=71.0, elapsed_s=51.0)]
