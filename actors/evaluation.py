@@ -1,24 +1,24 @@
 """The coordinator's part that runs held-out evaluations (raytrec.eval_plan): when one is due
 (an :class:`~raytrec.elastic.decisions.Evaluate` of :func:`~raytrec.elastic.boundary.decide`),
-after a job-wide sync, the live ranks score the held-out batches (``assign_eval_batches``) and
-the coordinator merges their metric states. It keeps the score of each evaluation, which early
-stopping is decided on. It sees the job through the ports it calls only
-(:class:`EvaluationPorts`)."""
+after a job-wide sync, the live ranks score the held-out batches (each rank keeps those it
+scored before: ``keep_eval_batches``) and the coordinator merges their metric states. It keeps
+the score of each evaluation, which early stopping is decided on. It sees the job through the
+ports it calls only (:class:`EvaluationPorts`)."""
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
-from actors.ports import HasEvents, HasRankCalls, HasStep, HasSync
+from actors.ports import HasEvents, HasGangOf, HasRankCalls, HasStep, HasSync
 from raytrec.config import EvalConfig
 from raytrec.elastic.boundary import EvalState
 from raytrec.elastic.decisions import Stop
 from raytrec.elastic.events import EarlyStopped
-from raytrec.eval_plan import EvalPlan, assign_eval_batches
+from raytrec.eval_plan import EvalPlan, keep_eval_batches
 from raytrec.observability.rec_metrics import InterpretedMetrics, merge_metric_states
 
 
-class EvaluationPorts(HasRankCalls, HasStep, HasSync, HasEvents, Protocol):
+class EvaluationPorts(HasRankCalls, HasGangOf, HasStep, HasSync, HasEvents, Protocol):
     """The ports :class:`JobEvaluation` calls."""
 
 
@@ -37,6 +37,8 @@ class JobEvaluation:
         self.last_step = 0
         # (step, early_stopping_metric) of every evaluation, in order.
         self.scores: list[tuple[int, float | None]] = []
+        # Rank -> the held-out batches it scored last (and holds read): each keeps them.
+        self.held: dict[int, list[int]] = {}
 
     def state(self) -> EvalState:
         """The schedule and scores :func:`~raytrec.elastic.boundary.decide` reads."""
@@ -56,9 +58,12 @@ class JobEvaluation:
         job = self.job
         job.sync()
         ranks = job.live_ranks()
-        assigned = assign_eval_batches(self.plan.num_batches, ranks)
+        assigned = keep_eval_batches(
+            self.plan.num_batches, ranks, before=self.held, gang_of=job.gang_of
+        )
         shard, batch_size = self.shard, self.plan.batch_size
         states = job.call(ranks, lambda w, r: w.evaluate(shard, assigned[r], batch_size))
+        self.held = {r: [b for b in batches if b is not None] for r, batches in assigned.items()}
         self.last_step = job.step()
         merged = merge_metric_states(states)
         metric = self.config.early_stopping_metric

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 __all__ = [
     "EarlyStop",
@@ -31,6 +31,7 @@ __all__ = [
     "eval_due",
     "eval_plan",
     "higher_is_better",
+    "keep_eval_batches",
 ]
 
 
@@ -61,6 +62,37 @@ def assign_eval_batches(num_batches: int, ranks: Sequence[int]) -> dict[int, lis
         r: [k if (k := t * width + i) < num_batches else None for t in range(rounds)]
         for i, r in enumerate(ranks)
     }
+
+
+def keep_eval_batches(
+    num_batches: int,
+    ranks: Sequence[int],
+    *,
+    before: Mapping[int, Sequence[int]],
+    gang_of: Callable[[int], int],
+) -> dict[int, list[int | None]]:
+    """As :func:`assign_eval_batches`, but each live rank keeps the batches it scored at the
+    evaluation ``before`` (rank -> batch ids): a rank reads a held-out batch once in its life
+    and keeps it, so a new split after a gang was lost or joined would make most ranks read
+    batches again (seconds each, which every gang waits for at the boundary). The batches of
+    ranks no longer live go one by one to the rank holding the fewest (the first in ``ranks``
+    on a tie), so a joined gang takes them before the survivors do; a joined gang with none
+    to take scores nothing. Each gang's ranks are then padded with None to its most rounds
+    (its sharded forward is a collective). With no live rank in ``before``:
+    :func:`assign_eval_batches`."""
+    if not any(r in before for r in ranks):
+        return assign_eval_batches(num_batches, ranks)
+    kept = {r: [b for b in before.get(r, ()) if b < num_batches] for r in ranks}
+    taken = {b for held in kept.values() for b in held}
+    order = {r: i for i, r in enumerate(ranks)}
+    for b in range(num_batches):
+        if b not in taken:
+            fewest = min(ranks, key=lambda r: (len(kept[r]), order[r]))
+            kept[fewest].append(b)
+    rounds: dict[int, int] = {}
+    for r in ranks:
+        rounds[gang_of(r)] = max(rounds.get(gang_of(r), 0), len(kept[r]))
+    return {r: [*held, *([None] * (rounds[gang_of(r)] - len(held)))] for r, held in kept.items()}
 
 
 def eval_due(step: int, *, every: int | None, last_eval_step: int, end_step: int) -> bool:
