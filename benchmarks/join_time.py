@@ -41,10 +41,10 @@ MILESTONES = (
     ("ray_start_done", "`ray start` returned"),
     ("placed", "the replacement gang's placement group is ready"),
     ("requested", "the coordinator created the gang's rank actors"),
+    ("launch", "Ray began starting their worker processes (runtime env ready)"),
     ("launched", "their worker processes were started"),
     ("worker_ready", "the worker processes connected to Ray"),
-    ("init_running", "the actors' constructors began (the rank module imported)"),
-    ("constructed", "the actors were constructed"),
+    ("constructed", "the actors were constructed (torch, TorchRec imported)"),
     ("build_running", "`build` began"),
     ("built", "`build` returned (gang world, model, sharding)"),
     ("join_started", "the join began at an interval boundary (`gang_placed`)"),
@@ -60,9 +60,9 @@ def breakdown(seen: Json, tasks: Sequence[Json], workers: Sequence[Json], offset
     gang has several ranks the last one's time counts: the gang waits for it."""
     out: Json = {k: seen.get(k) for k in ("node_start", "registered", "ray_start_done", "placed")}
     out["raylet_start"] = seen.get("raylet_start")
-    mine = [t for t in tasks if t.get("node_id") == seen["node_id"]]
-    inits = [t for t in mine if t["name"].endswith(".__init__")]
-    builds = [t for t in mine if t["name"].endswith(".build")]
+    builds = [
+        t for t in tasks if t.get("node_id") == seen["node_id"] and t["name"].endswith(".build")
+    ]
 
     def last(values: Sequence[float | None]) -> float | None:
         known = [v for v in values if v is not None]
@@ -72,13 +72,17 @@ def breakdown(seen: Json, tasks: Sequence[Json], workers: Sequence[Json], offset
         ms = [e["created_ms"] for e in task.get("events") or [] if e.get("state") == state]
         return ms[0] / 1000 if ms else None
 
-    out["requested"] = last([t["creation_time_ms"] / 1000 for t in inits])
+    # ``build`` is called as the actors are created, and handed to each once it is constructed.
+    out["requested"] = last([t["creation_time_ms"] / 1000 for t in builds])
     by_id = {w["worker_id"]: w for w in workers}
-    ws = [by_id.get(t.get("worker_id")) for t in inits]
-    out["launched"] = last([w["worker_launched_time_ms"] / 1000 if w else None for w in ws])
+    ws = [by_id.get(t.get("worker_id")) for t in builds]
+    for key, field in (
+        ("launch", "worker_launch_time_ms"),
+        ("launched", "worker_launched_time_ms"),
+    ):
+        out[key] = last([w[field] / 1000 if w and w[field] > 0 else None for w in ws])
     out["worker_ready"] = last([w["start_time_ms"] / 1000 if w else None for w in ws])
-    out["init_running"] = last([event(t, "RUNNING") for t in inits])
-    out["constructed"] = last([event(t, "FINISHED") for t in inits])
+    out["constructed"] = last([event(t, "SUBMITTED_TO_WORKER") for t in builds])
     out["build_running"] = last([event(t, "RUNNING") for t in builds])
     out["built"] = last([event(t, "FINISHED") for t in builds])
     out["join_started"] = seen["gang_placed"] + offset if "gang_placed" in seen else None
@@ -87,9 +91,13 @@ def breakdown(seen: Json, tasks: Sequence[Json], workers: Sequence[Json], offset
 
 
 def table(times: Json) -> str:
-    """The milestones in order: since the node's start, and since the milestone before."""
+    """The milestones in the order they came (one not seen last): since the node's start, and
+    since the milestone before."""
     t0, rows, before = times["node_start"], [], None
-    for key, what in MILESTONES:
+    order = {key: i for i, (key, _) in enumerate(MILESTONES)}
+    for key, what in sorted(
+        MILESTONES, key=lambda m: (times.get(m[0]) is None, times.get(m[0]) or 0, order[m[0]])
+    ):
         at = times.get(key)
         since = "-" if at is None else f"{at - t0:.2f}"
         step = "-" if at is None or before is None else f"{at - before:+.2f}"
@@ -128,7 +136,11 @@ def run(a: argparse.Namespace) -> Json:
 
             on_node: Any = {"filters": [("node_id", "=", seen["node_id"])], "detail": True}
             on_node["address"] = cluster.dashboard  # this machine may run other clusters
-            tasks = [t.__dict__ for t in list_tasks(**on_node)]
+            build = [("name", "=", "RankWorker.build")]  # not cut off by later calls
+            tasks = [
+                t.__dict__
+                for t in list_tasks(**(on_node | {"filters": on_node["filters"] + build}))
+            ]
             workers = [w.__dict__ for w in list_workers(**on_node, limit=1000)]
             for n in list_nodes(**on_node, raise_on_missing_output=False):
                 seen["raylet_start"] = n.start_time_ms / 1000 if n.start_time_ms else None
