@@ -27,7 +27,7 @@ from typing import Any
 
 import raytrec.cluster.local as lc
 from benchmarks.chaos import RunDir, kill_node
-from benchmarks.common import ROOT, md_table, parse, parser, publish
+from benchmarks.common import ROOT, drop_options, md_table, parse, parser, publish
 
 __all__ = ["breakdown", "main", "table"]
 
@@ -41,9 +41,9 @@ MILESTONES = (
     ("ray_start_done", "`ray start` returned"),
     ("placed", "the replacement gang's placement group is ready"),
     ("requested", "the coordinator created the gang's rank actors"),
-    ("launch", "Ray began starting their worker processes (runtime env ready)"),
-    ("launched", "their worker processes were started"),
-    ("worker_ready", "the worker processes connected to Ray"),
+    ("launch", "Ray requested their worker processes' startup"),
+    ("launched", "their worker processes started"),
+    ("worker_ready", "the worker processes were ready to be used"),
     ("constructed", "the actors were constructed (torch, TorchRec imported)"),
     ("build_running", "`build` began"),
     ("built", "`build` returned (gang world, model, sharding)"),
@@ -218,8 +218,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.json:
         a.json.write_text(json.dumps(out, indent=1, default=str))
     load = "/".join(f"{x:.1f}" for x in out["load"])
-    body = f"2 gangs x {a.gang_size} ranks, {a.log_every} steps per interval; load average "
+    ranks = f"{a.gang_size} rank" + ("s" if a.gang_size > 1 else "")
+    body = f"2 gangs x {ranks}, {a.log_every} steps per interval; load average "
     body += f"{load} (start/end).\n\n{table(out['times'])}\n"
+    a.argv = drop_options(a.argv, "--json")  # the command shown makes the same table
     publish(a, body, name="join-time", heading=HEADING)
     return 0
 
