@@ -366,8 +366,10 @@ class TrainingSteps:
     def _start_placed(self) -> None:
         """While an interval runs: starts building the gangs whose placement became ready (their
         ranks' process start, imports and build take seconds, an interval may take longer).
-        They join at a boundary (:meth:`_admit`)."""
-        self.growth.start_ready()
+        They join at a boundary (:meth:`_admit`). With a stop or a drain asked, the boundary
+        comes first, as there (a drain gives back the placement beyond its new cap)."""
+        if self.growth.pending and not self.boundary.stop_asked() and not self._drain_due():
+            self.growth.start_ready()
 
     def _evaluate(self) -> Any:
         """Runs the held-out evaluation when one is due here."""
