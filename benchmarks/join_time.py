@@ -120,6 +120,13 @@ def entrypoint(a: argparse.Namespace, storage: str) -> list[str]:
 
 def run(a: argparse.Namespace) -> Json:
     storage = tempfile.mkdtemp(prefix="rtjoin-", dir="/tmp")
+    try:
+        return measure(a, storage)
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+
+
+def measure(a: argparse.Namespace, storage: str) -> Json:
     seen: Json = {}
     load = [os.getloadavg()[0]]
     with lc.local_cluster(head_cpus=0, temp_prefix="rtjn-") as cluster:
@@ -146,7 +153,6 @@ def run(a: argparse.Namespace) -> Json:
                 seen["raylet_start"] = n.start_time_ms / 1000 if n.start_time_ms else None
         load.append(os.getloadavg()[0])
     times = breakdown(seen, tasks, workers, offset=run_dir.offset_wall())
-    shutil.rmtree(storage, ignore_errors=True)
     return {"times": times, "load": load, "seen": seen, "tasks": tasks, "workers": workers}
 
 
