@@ -228,7 +228,7 @@ class TrainingSteps:
                     self.apply(Prepared(n))
                 s.inflight.append(self._dispatch(self.state.step, n, t0=s.t0))
             dispatched = s.inflight.popleft()
-            result = self.recovery.collect(dispatched)
+            result = self.recovery.collect(dispatched, meanwhile=self._start_placed)
         except RankCallError as e:
             result = self.recovery.probe(e)  # a rank or node died during a control call
         if result.failed:
@@ -377,6 +377,14 @@ class TrainingSteps:
         for decision in self.decide(Observations(built=tuple(b.gang for b in built))):
             if isinstance(decision, Grow):
                 self.growth.join(built, decision)
+
+    def _start_placed(self) -> None:
+        """While an interval runs: starts building the gangs whose placement became ready (their
+        ranks' process start, imports and build take seconds, an interval may take longer).
+        They join at a boundary (:meth:`_admit`). With a stop or a drain asked, the boundary
+        comes first, as there (a drain gives back the placement beyond its new cap)."""
+        if self.growth.pending and not self.boundary.stop_asked() and not self._drain_due():
+            self.growth.start_ready()
 
     def _evaluate(self) -> Any:
         """Runs the held-out evaluation when one is due here."""

@@ -125,12 +125,17 @@ class FailureRecovery:
             step = self.progress.get(r, (self.job.step(), now))[0]
             self.progress[r] = (step, now)
 
-    def collect(self, dispatched: Dispatched) -> IntervalOutcome:
+    def collect(
+        self, dispatched: Dispatched, *, meanwhile: Callable[[], None] | None = None
+    ) -> IntervalOutcome:
         """Waits for every rank's ``train`` report and sorts out what happened.
 
         While it waits it reads the ranks' heartbeats (the last step each finished): a rank
         that finishes no step for ``elastic.step_timeout_s`` is hung (the hang rule,
         :func:`~raytrec.elastic.hangs.find_hung_ranks`), however many steps the interval has.
+        It wakes at least every ``elastic.poll_s``; ``meanwhile`` is called each time while no
+        rank has failed (the coordinator starts building a gang whose placement became ready
+        then, not only at the interval's end).
         """
         out = IntervalOutcome()
         pending = dict(dispatched.refs)
@@ -185,6 +190,8 @@ class FailureRecovery:
                 look_at = now + wake
             else:
                 wake = elastic.poll_s
+            if deadline is None and pending and meanwhile is not None:
+                meanwhile()
         return out
 
     def _next_look(self, pending: dict[int, Any], now: float) -> float:

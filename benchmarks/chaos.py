@@ -133,6 +133,10 @@ class RunDir:
         """time.monotonic() - the coordinator's clock, from above."""
         return min(s - float(r["at"]) for s, r in zip(self.seen, self.rows, strict=True))
 
+    def offset_wall(self) -> float:
+        """time.time() - the coordinator's clock, from above."""
+        return self.offset() + time.time() - time.monotonic()
+
 
 class JournalTail:
     """What the job's journal gained since the last look (it grows all run: read from where
@@ -311,18 +315,23 @@ def kill(
             fault.coord_mono = time.monotonic()
             kill_coordinator(cluster)
         return fault
-    raylet = node.raylet_pid()
-    assert raylet is not None
-    rest = [p for p in lc.session_pids(node.session) if p != raylet]
     fault = Fault(kind, step, time.monotonic(), node.name, node_id)
-    for pid in (raylet, *rest):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    lc.stop_session(node.session, grace_s=2)  # what the node left (children)
+    kill_node(node)
     if not a.short:
         fault.replacement = f"r{sum(f.kind == 'node' for f in faults)}"
         threading.Thread(target=replace, args=(cluster, fault), daemon=True).start()
     return fault
+
+
+def kill_node(node: lc.WorkerNode) -> None:
+    """Kills every process of ``node`` at once, its raylet first, as in a host crash."""
+    raylet = node.raylet_pid()
+    assert raylet is not None
+    rest = [p for p in lc.session_pids(node.session) if p != raylet]
+    for pid in (raylet, *rest):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    lc.stop_session(node.session, grace_s=2)  # what the node left (children)
 
 
 def replace(cluster: lc.LocalCluster, fault: Fault) -> None:

@@ -516,7 +516,7 @@ def autoscaling_cluster(
 
 
 @contextlib.contextmanager
-def connected(cluster: AutoscalingCluster) -> Iterator[None]:
+def connected(cluster: AutoscalingCluster | LocalCluster) -> Iterator[None]:
     """This process as a driver of ``cluster`` (its token in the environment while connected);
     a cluster this process is connected to already is shut down first."""
     import ray

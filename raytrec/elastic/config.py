@@ -59,7 +59,8 @@ class ElasticConfig(ConfigModel):
     whole job after a total loss) before it fails."""
     poll_s: PositiveFloat = 1.0
     """The coordinator's heartbeat/poll period; a failure is acted on at most `poll_s` after it
-    is observable (a hang: `step_timeout_s + poll_s`)."""
+    is observable (a hang: `step_timeout_s + poll_s`), and a new gang's placement group is
+    looked for this often, also while an interval runs."""
     domain_wait_s: NonNegativeFloat = 60.0
     """How long a gang joining the job (a replacement, or growth) waits for room in a failure
     domain no other gang holds (`scaling.failure_domain`) when the only room now is in one

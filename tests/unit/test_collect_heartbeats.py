@@ -44,7 +44,7 @@ class OneAtATime:
         return dict.fromkeys(ranks, 0)  # no rank finished a step yet
 
 
-def collect(group: OneAtATime, clock: ManualClock, elastic: ElasticConfig) -> Any:
+def collect(group: Any, clock: ManualClock, elastic: ElasticConfig, **kw: Any) -> Any:
     config = TrainConfig(scaling=ScalingConfig(num_workers=GANGS, gang_size=1), elastic=elastic)
     membership = Membership.initial(config.scaling.topology())
     ranks = list(range(GANGS))
@@ -60,7 +60,7 @@ def collect(group: OneAtATime, clock: ManualClock, elastic: ElasticConfig) -> An
     )  # fmt: skip
     recovery.quiet_since(ranks, clock.now)
     sent = Dispatched(n=1, end=1, seq=1, refs={r: r for r in ranks}, t0=0.0, started=clock.now)
-    return recovery.collect(sent)
+    return recovery.collect(sent, **kw)
 
 
 def test_reports_coming_one_by_one_read_the_heartbeats_once_per_poll() -> None:
@@ -82,3 +82,32 @@ def test_a_rank_that_never_answers_is_still_found_hung_after_the_step_timeout() 
     out = collect(group, clock, elastic)
     assert out.hung == [7] and len(out.reports) == GANGS - 1
     assert elastic.step_timeout_s <= clock.now <= elastic.step_timeout_s + elastic.poll_s
+
+
+class AllAt:
+    """Every rank reports at ``at`` (a long interval)."""
+
+    def __init__(self, clock: ManualClock, at: float) -> None:
+        self.clock, self.at = clock, at
+
+    def wait(self, futures: Sequence[Any], *, num_returns: int, timeout: float) -> list[Any]:
+        self.clock.advance_to(min(self.clock.now + timeout, self.at))
+        return list(futures) if self.clock.now >= self.at else []
+
+    def result(self, future: int) -> RankReport:
+        return RankReport(rank=future, step=1)
+
+    def progress(self, ranks: Sequence[int]) -> dict[int, int]:
+        return dict.fromkeys(ranks, 0)
+
+
+def test_a_long_interval_calls_meanwhile_every_poll() -> None:
+    """The coordinator starts building a gang whose placement became ready within ``poll_s``
+    while a long interval runs, not at its end."""
+    clock = ManualClock()
+    elastic = ElasticConfig(poll_s=1.0, step_timeout_s=30.0, collective_timeout_s=10.0)
+    looked: list[float] = []
+    out = collect(AllAt(clock, at=20.0), clock, elastic, meanwhile=lambda: looked.append(clock.now))
+    assert sorted(out.reports) == list(range(GANGS)) and not out.failed
+    assert looked == pytest.approx([float(t) for t in range(1, 20)])
+    assert clock.now == 20.0
