@@ -18,8 +18,9 @@ What the fake models, and where:
   a step starts fails its call at once; the ranks waiting for it in that step's collectives fail
   when the coordinator aborts their replica planes, or after ``collective_timeout_s``. A hung
   rank's call never returns and its heartbeat stops.
-- **Placement.** A placement is ready once every bundle fits on a live node of ``cpus_per_node``
-  CPUs, not draining, that its node-id selector admits (first fit), which may be never.
+- **Placement** (:mod:`simulation.doubles.fake_cluster`): a placement is ready once every bundle
+  fits on a live node of ``cpus_per_node`` CPUs, not draining, that its node-id selector admits
+  (first fit), which may be never.
 
 Calls the coordinator must not make (a collective on part of a replica plane, a call on a rank
 never started) raise :class:`FakeUsageError`: real ranks would hang or crash.
@@ -35,8 +36,9 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from raytrec.checkpoint.layout import checkpoint_name
 from raytrec.elastic.rank_protocol import LoadedCheckpoint, RankProtocol
-from raytrec.elastic.workers import NODE_DIED, Answer, NodeInfo, RankFailed, RankLost
+from raytrec.elastic.workers import NODE_DIED, Answer, RankFailed, RankLost
 from simulation.doubles import fake_faults
+from simulation.doubles.fake_cluster import FakeCluster
 from simulation.doubles.fake_model import EMPTY, FakeUsageError, ModelCopy, mix, sync_copies
 from simulation.doubles.fake_rank import (
     NEVER,
@@ -53,7 +55,6 @@ from simulation.doubles.fake_rank import (
 from simulation.doubles.fake_training import TrainingRuns
 
 if TYPE_CHECKING:
-    from raytrec.cluster.placement import PlacementSpec
     from raytrec.data.source import BatchShard
     from raytrec.engine.rank_engine import RankSpec, StoreAddress
 
@@ -62,7 +63,7 @@ __all__ = ["FakePlacement", "FakeUsageError", "FakeWorkerGroup"]
 R = TypeVar("R")
 
 
-class FakeWorkerGroup(TrainingRuns):
+class FakeWorkerGroup(FakeCluster, TrainingRuns):
     """Fake ranks on fake nodes, driven by a :class:`~simulation.doubles.fake_faults.ManualClock`
     (module doc).
 
@@ -340,51 +341,6 @@ class FakeWorkerGroup(TrainingRuns):
         self.cpu_s += time.process_time() - t0
         return out
 
-    def place(self, spec: PlacementSpec, *, name: str = "") -> FakePlacement:
-        cpus = tuple(b.get("CPU", 0.0) for b in spec.bundles)
-        placement = FakePlacement(name=name, cpus=cpus, selectors=spec.selectors)
-        self._pending.append(placement)
-        self._schedule()
-        return placement
-
-    def ready(self, placements: Sequence[FakePlacement], *, timeout: float) -> list[FakePlacement]:
-        deadline = self.clock.now + timeout
-        while True:
-            self._schedule()
-            done = [p for p in placements if p.nodes is not None and not p.released]
-            if len(done) == len(placements):
-                return done
-            later = [a.at for a in self._arrivals if a.at <= deadline]
-            self._advance(min(later) if later else deadline)
-            if not later:
-                self._schedule()
-                return [p for p in placements if p.nodes is not None and not p.released]
-
-    def release(self, placement: FakePlacement) -> None:
-        if placement.released:
-            return
-        placement.released = True
-        if placement in self._pending:
-            self._pending.remove(placement)
-        if placement.nodes is not None:
-            for node, cpus in zip(placement.nodes, placement.cpus, strict=True):
-                node.free += cpus
-        self._schedule()
-
-    def nodes(self) -> list[NodeInfo]:
-        return [n.info(self.clock.now) for n in self._nodes]
-
-    def available(self) -> dict[str, dict[str, float]]:
-        now = self.clock.now
-        return {n.node_id: {"CPU": n.free} for n in self._nodes if n.died_at > now}
-
-    def placed_nodes(self, placement: FakePlacement) -> tuple[str, ...]:
-        return tuple(n.node_id for n in placement.nodes or ())
-
-    def draining_nodes(self) -> set[str]:
-        now = self.clock.now
-        return {n.node_id for n in self._nodes if n.draining_at <= now < n.died_at}
-
     # -- time -------------------------------------------------------------------------------
 
     def _advance(self, t: float) -> None:
@@ -423,42 +379,6 @@ class FakeWorkerGroup(TrainingRuns):
             if run.start <= now:
                 return run.step0 + bisect.bisect_right(run.done_at, now)
         return rank.step
-
-    # -- the cluster ------------------------------------------------------------------------
-
-    def _add_nodes(self, count: int) -> None:
-        start = len(self._nodes)
-        for i in range(start, start + count):
-            self._nodes.append(FakeNode(index=i, cpus=self.cpus_per_node, free=self.cpus_per_node))
-
-    def _schedule(self) -> None:
-        """Gives every pending placement whose bundles all fit its nodes (first fit, in the
-        order requested), as Ray does; nodes that are dead or draining take no bundle."""
-        now = self.clock.now
-        usable = [n for n in self._nodes if n.died_at > now and n.draining_at > now]
-        still: list[FakePlacement] = []
-        for p in self._pending:
-            taken: list[FakeNode] = []
-            for b, cpus in enumerate(p.cpus):
-                node = next((n for n in usable if n.free >= cpus and p.admits(b, n)), None)
-                if node is None:
-                    break
-                node.free -= cpus
-                taken.append(node)
-            if len(taken) == len(p.cpus):
-                p.nodes = taken
-            else:
-                for node, cpus in zip(taken, p.cpus, strict=False):
-                    node.free += cpus
-                still.append(p)
-        self._pending = still
-
-    def _node_dies(self, node: FakeNode, at: float) -> None:
-        node.died_at = min(node.died_at, at)
-        node.free = 0.0
-        for rank in self._ranks.values():
-            if rank.node is node and rank.died_at > at:
-                self._kill(rank, NODE_DIED, at=at)
 
     def _kill(self, rank: RankState, cause: str, *, at: float) -> None:
         """The rank is gone from ``at``: its calls not answered by then fail with RankLost."""
