@@ -140,9 +140,6 @@ class GangGrowth:
         imports, gang world and sharded model: seconds) runs in the background while the live
         gangs train; they pause only for the join itself (:meth:`join`), at an interval
         boundary, once every rank of the new gang is built."""
-        self._start_ready()
-
-    def _start_ready(self) -> None:
         if not self.pending:
             return
         # One that waited long enough for a failure domain of its own takes what has room.

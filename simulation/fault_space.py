@@ -388,7 +388,7 @@ _PHASES = {
     ("job_loop", "_rebuilding"): "total-loss rebuild",
     ("job_loop", "_placing"): "resource wait",
     ("job_training", "_waiting"): "resource wait",
-    ("growth", "_start_ready"): "join: building",
+    ("growth", "start_ready"): "join: building",
     ("growth", "join"): "join",
     ("growth", "_verify_heals"): "join: verifying",
     ("drain", "apply"): "drain",
