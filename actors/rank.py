@@ -39,6 +39,7 @@ from raytrec.data.feed import BatchFeed, DataExhausted
 from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.parquet_streams import Stream
 from raytrec.data.source import Batch, BatchShard
+from raytrec.data.synthetic import split_batch_id
 from raytrec.elastic.faults import Phase
 from raytrec.elastic.rank_protocol import (
     LoadedCheckpoint,
@@ -267,6 +268,28 @@ class RankWorker:
         if not isinstance(shard, IndexedParquetShard):
             raise TypeError(f"a {type(shard).__name__} has no table of streams")
         self.shard = shard.with_stream(shard.index, streams)
+
+    def extend_stream(self, shard: BatchShard, keep: int) -> None:
+        """Reads on: this rank's stream is ``shard``'s now, the same up to its batch ``keep``
+        and longer (a loss's rows taken over, :func:`~raytrec.data.parquet_recut.take_over`).
+        What the feed holds before ``keep``, replays included, stays; what it read from there
+        is dropped; the batches from ``keep`` on come from a pipeline that starts now, so it
+        delivers when they are due."""
+        assert self._feed is not None, "build() first"
+        if not isinstance(shard, IndexedParquetShard) or shard.index != getattr(
+            self.shard, "index", None
+        ):
+            raise TypeError(f"rank {self.spec.rank} reads on its own stream only, not {shard!r}")
+        own = shard.index
+        self.shard = shard
+        size = self.spec.config.data.batch_size
+        then = shard.identified_batches(size, start_step=keep, ahead=True)
+
+        def before_keep(item: Item) -> bool:
+            sid, k = split_batch_id(item[0]) if item[0] is not None else (own, -1)
+            return sid != own or k < keep
+
+        self._feed.continue_with(before_keep, then)
 
     def replay(self, batch_ids: list[int], embedding_only: list[int] | None = None) -> int:
         """Queues the batches ``batch_ids`` (a lost gang's uncommitted ones) ahead of this

@@ -559,9 +559,10 @@ class FailureRecovery:
                 rolled_back=rolled_back,
             )
         )
-        # Re-sharing hands each rank its replays again with its new stream; it runs even with
-        # nothing to replay: the lost gangs' rows not read yet are shared out.
-        self.streams.reshare(self.job.ranks_in_gang_order())
+        # The lost gangs' rows not read yet are shared out (even with nothing to replay). The
+        # survivors' feeds hold their replays already: where it can, the re-share leaves
+        # their streams running (a new stream would read the replays again).
+        self.streams.reshare(self.job.ranks_in_gang_order(), fed=True)
         self.streams.make_room_for_replays()
         self.request_growth()
 

@@ -9,10 +9,15 @@ at the batch after the last one they took, whose uncommitted ones are replayed b
 them again among the ranks of the new membership (:func:`~raytrec.data.parquet_recut.recut`).
 Each rank then reads a new stream, with an id of its own, so every batch keeps a unique id and
 can still be replayed; the table of these streams travels to every rank (any rank may have to
-replay any batch) and into checkpoints. Every rank gets the same number of batches to train
-(replays counted), so the ranks, which train in lockstep, all reach the end of the data at the
-same step: the job's last step (``end_step``), later than ``num_steps`` after a loss and sooner
-after a gain. Over the job, every row is trained into the model exactly once.
+replay any batch) and into checkpoints. Where it can, a change leaves streams running instead:
+a join hands the joining ranks the ends of the others' streams (cut short), and a loss appends
+the rows left to the survivors' streams after their current parts (longer, under the same ids:
+the batches a survivor has not reached yet are the only ones that change).
+
+Every rank gets the same number of batches to train (replays counted), so the ranks, which
+train in lockstep, all reach the end of the data at the same step: the job's last step
+(``end_step``), later than ``num_steps`` after a loss and sooner after a gain. Over the job,
+every row is trained into the model exactly once.
 
 Sources that cannot cut their rows again (the synthetic one, endless; Parquet streamed through
 ``streaming_split``) are not re-shared: their ranks keep their streams (a joining gang continues
@@ -42,7 +47,7 @@ from actors.job import (
 from actors.ports import HasEvents, HasRankCalls, HasRanksInGangOrder, HasShared
 from raytrec.data.growing import first_batch_from, shareable
 from raytrec.data.parquet_indexed import IndexedParquetShard
-from raytrec.data.parquet_recut import hand_off, recut
+from raytrec.data.parquet_recut import hand_off, recut, take_over
 from raytrec.data.parquet_streams import (
     Stream,
     remaining_rows,
@@ -155,6 +160,7 @@ class DataStreams:
         *,
         joining: Sequence[int] = (),
         landed: tuple[int, int] | None = None,
+        fed: bool = False,
     ) -> list[int]:
         """Shares the rows no rank has trained among ``ranks`` (gang order; ``joining``: those
         of them that join now and are not booked yet); returns the ranks given a new stream.
@@ -167,7 +173,11 @@ class DataStreams:
         feed). Empty when nothing was re-shared (the source cannot be, or every live rank
         already has as many batches left and no rows are orphaned): queued replays are then
         still to be sent. ``landed``: rows of files just found (:meth:`grow`), cut among the
-        ranks with the others left."""
+        ranks with the others left. ``fed``: every rank's feed already holds the replays queued
+        for it (a loss: the re-form handed them over); the ranks then read on to the end of
+        the part of their stream they are in, and the rows after that are dealt out and
+        appended to their streams (:func:`~raytrec.data.parquet_recut.take_over`), so no
+        pipeline stops and the replays are not read again."""
         table = self.table
         streams = self.job.view.accounting.streams
         if table is None or streams is None:
@@ -201,6 +211,8 @@ class DataStreams:
             return []
         if landed is None and joining and not orphaned and self._hand_off(ranks, joining):
             return list(joining)
+        if fed and landed is None and not joining and self._take_over(ranks, retired):
+            return list(ranks)
         shared = recut(remaining, queued=queued, batch_size=table.batch_size)
         if landed is not None and shared.left_over:
             # grow() adds files only when no replay is queued and the rows give every rank a
@@ -305,6 +317,46 @@ class DataStreams:
                 batches=plan.batches,
                 end_step=self.job.view.end_step,
                 handed_off=True,
+            )
+        )
+        return True
+
+    def _take_over(self, ranks: Sequence[int], retired: Mapping[int, int]) -> bool:
+        """The loss of :meth:`reshare` that leaves the survivors' streams running, longer;
+        False when the rows left do not allow it."""
+        table, streams = self.table, self.job.view.accounting.streams
+        assert table is not None and streams is not None
+        orphaned: dict[int, list[tuple[int, int]]] = {}
+        for sid, at in retired.items():
+            for epoch, runs in remaining_rows(table.stream(sid), at).items():
+                orphaned.setdefault(epoch, []).extend(runs)
+        positions = {r: streams.position(r) for r in ranks}
+        plan = take_over(
+            [(table.stream(sid), at, len(q)) for sid, at, q in positions.values()],
+            orphaned,
+            batch_size=table.batch_size,
+        )
+        if plan is None:
+            return False
+        keep = {}
+        for r, stream, end in zip(ranks, plan.streams, plan.keep, strict=True):
+            sid = positions[r][0]
+            table.made[sid] = stream  # the same batches up to ``end``, more after them
+            keep[r] = end
+        self.job.apply(StreamsRetired({sid: table.length(sid) for sid in retired}))
+        self.job.call(
+            list(ranks), lambda w, r: w.extend_stream(table.shard(positions[r][0]), keep[r])
+        )
+        self.job.apply(DataEnds(self.job.view.step + plan.batches))
+        self.job.record(
+            DataReshared(
+                at=self.job.now(),
+                step=self.job.view.step,
+                ranks=len(ranks),
+                rows=sum(b - a for runs in orphaned.values() for a, b in runs),
+                batches=plan.batches,
+                end_step=self.job.view.end_step,
+                taken_over=True,
             )
         )
         return True

@@ -161,8 +161,8 @@ def rank_pids(node: lc.WorkerNode) -> list[int]:
 def entrypoint(a: argparse.Namespace, storage: str) -> list[str]:
     """The job's command line: 2 gangs x GANG_SIZE ranks, ``a.steps`` steps, a checkpoint every
     ``a.checkpoint_every`` steps and at the end (the row-level check reads it); with Parquet,
-    generated rows read by index in EPOCHS passes (a loss gives every survivor a new Ray Data
-    stream)."""
+    generated rows read by index in EPOCHS passes (a loss appends the rows left to the
+    survivors' streams, read by a new Ray Data pipeline after their current epoch's part)."""
     rows = -(-a.steps * 2 * GANG_SIZE * BATCH_SIZE // EPOCHS)
     parquet = ["--set", "data.source=generated", "--set", f"data.generated_rows={rows}"]
     parquet += ["--set", f"data.path={a.data_dir}/train"]  # written once, read by every run

@@ -112,7 +112,8 @@ def campaign(
     from simulation.fault_space import parquet_shards
 
     for world in (2, 3, 4, 6, 8):  # the tiny Parquet files, made once before forking
-        parquet_shards(world, 1)
+        for epochs in (1, 2, 3):
+            parquet_shards(world, 1, epochs)
     result = CampaignResult()
     t0 = time.monotonic()
     for done, (s, outcome) in enumerate(_results(range(seed, seed + n), workers), 1):
@@ -120,6 +121,7 @@ def campaign(
         drawn = generate(s).settings
         result.settings.update(
             [f"data={drawn.data}", f"layout={drawn.layout}"]
+            + [f"epochs={drawn.epochs}"] * (drawn.epochs > 1)
             + ["grow"] * drawn.grow
             + ["checkpoints"] * (drawn.checkpoint_every is not None)
             + ["sync.levels"] * bool(drawn.levels)

@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from raytrec.data.parquet_streams import truncated
 from raytrec.data.synthetic import split_batch_id
 from simulation.doubles.fake_group import FakeWorkerGroup
 from simulation.fault_schedule import BATCH_SIZE, Settings
@@ -97,14 +98,15 @@ def _rows_once(table: Any, committed: list[int], s: Settings) -> list[str]:
         firsts[path] = at
         at += sum(groups)
 
-    def rows(counts: Mapping[int, int], shard: Any) -> collections.Counter[int]:
-        """The rows of the first ``counts[s]`` batches of each stream ``s``."""
-        out: collections.Counter[int] = collections.Counter()
+    def rows(counts: Mapping[int, int], shard: Any) -> collections.Counter[tuple[int, int]]:
+        """The rows, as (epoch, row), of the first ``counts[s]`` batches of each stream ``s``."""
+        out: collections.Counter[tuple[int, int]] = collections.Counter()
         plan = shard.plan(BATCH_SIZE)
         for sid, n in counts.items():
-            for p in plan.stream_pieces(shard.stream(BATCH_SIZE, sid), 0, n):
-                start = firsts[p.path] + p.file_row
-                out.update(range(start, start + p.rows))
+            for part in truncated(shard.stream(BATCH_SIZE, sid), n):
+                for p in plan.stream_pieces((part,), 0, part.count):
+                    start = firsts[p.path] + p.file_row
+                    out.update((part.epoch, r) for r in range(start, start + p.rows))
         return out
 
     # Committed batches are a gap-free prefix of each stream (checked before).

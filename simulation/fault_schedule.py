@@ -41,6 +41,7 @@ CALLS = (
     "replay",
     "set_shard",
     "set_streams",
+    "extend_stream",
     "abort_replica_planes",
     "state_digest",
     "sync",
@@ -90,6 +91,7 @@ class Settings:
     max_gangs: int | None = None
     spare_nodes: int = 0
     data: str = "synthetic"  # or "reshared": Parquet read by index, rows shared again
+    epochs: int = 1  # passes over the Parquet rows (data="reshared")
     max_coordinator_restarts: int = 3
 
     def __post_init__(self) -> None:
@@ -175,6 +177,11 @@ def generate(seed: int) -> Schedule:
         spare_nodes=rng.choice([0, 0, 1, 2]),
         data=rng.choice(["synthetic", "reshared"]),
     )
+    if settings.data == "reshared":
+        # Several passes: a loss's survivors read on to the end of their current epoch's part
+        # (drawn apart, so each seed keeps its other settings).
+        epochs = random.Random(f"{seed}/epochs").choice([1, 1, 2, 3])
+        settings = dataclasses.replace(settings, epochs=epochs)
     if sync_every == 4 and gangs >= 3 and random.Random(f"{seed}/levels").random() < 0.5:
         # Groups of 2 gangs every 2 steps (drawn apart, so each seed keeps its other settings).
         settings = dataclasses.replace(settings, levels=((2, 2),))
@@ -236,6 +243,7 @@ _LOSS_CALLS = (
     "broadcast_state",
     "state_digest",
     "set_shard",
+    "extend_stream",
     "sync",
     "settle_failed_step",
     "abort_replica_planes",

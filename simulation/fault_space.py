@@ -280,7 +280,7 @@ def _build(schedule: Schedule, run_dir: str, phases: list[str]) -> tuple[Coordin
     group.on_fire = lambda fault: phases.append(_phase(fault, s))
     source: Any = None
     if s.data == "reshared":
-        source = parquet_source(s.world, s.num_steps)
+        source = parquet_source(s.world, s.num_steps, s.epochs)
         shards = list(source.split(s.world))
         new_shard = None  # the coordinator's stream table hands joiners their rows
     else:
@@ -440,7 +440,7 @@ def _phase(fault: ff.Fault | ff.NodesJoin, s: Settings) -> str:
 
 # -- data -------------------------------------------------------------------------------------
 
-_PARQUET: dict[int, Any] = {}  # rows -> the source over a tiny file of that many rows
+_PARQUET: dict[tuple[int, int], Any] = {}  # (rows, epochs) -> the source over a tiny file
 _DATA_ROOT: list[str] = []  # the folder they are written in, made once per campaign
 
 
@@ -454,25 +454,26 @@ def data_root() -> str:
     return _DATA_ROOT[0]
 
 
-def parquet_shards(world: int, num_steps: int) -> list[Any]:
+def parquet_shards(world: int, num_steps: int, epochs: int = 1) -> list[Any]:
     """``world`` shards of :func:`parquet_source`."""
-    return list(parquet_source(world, num_steps).split(world))
+    return list(parquet_source(world, num_steps, epochs).split(world))
 
 
-def parquet_source(world: int, num_steps: int) -> Any:
-    """Parquet read by index over a tiny generated file (one per process and world size, in
-    :func:`data_root`), with a few batches more per rank than the job takes."""
+def parquet_source(world: int, num_steps: int, epochs: int = 1) -> Any:
+    """Parquet read by index over a tiny generated file (one per process, world size and
+    number of epochs, in :func:`data_root`), read ``epochs`` times, with a few batches more per
+    rank than the job takes."""
     from raytrec.data.generate import write_synthetic_parquet
     from raytrec.data.parquet import ParquetSource
     from raytrec.data.spec import criteo_spec
 
-    rows = world * (max(num_steps, MAX_STEPS) + 2) * BATCH_SIZE
-    source = _PARQUET.get(rows)
+    rows = world * -(-(max(num_steps, MAX_STEPS) + 2) // epochs) * BATCH_SIZE
+    source = _PARQUET.get((rows, epochs))
     if source is None:
-        out = tempfile.mkdtemp(prefix=f"{rows}-", dir=data_root())
+        out = tempfile.mkdtemp(prefix=f"{rows}-{epochs}-", dir=data_root())
         write_synthetic_parquet(
             out, rows=rows, files=2, row_groups_per_file=2, seed=1, num_embeddings=50
         )
-        source = ParquetSource(paths=out, spec=criteo_spec(50), read_mode="indexed")
-        _PARQUET[rows] = source
+        source = ParquetSource(paths=out, spec=criteo_spec(50), read_mode="indexed", epochs=epochs)
+        _PARQUET[(rows, epochs)] = source
     return source

@@ -10,6 +10,10 @@ timeout; this way the whole job stops at a step boundary with its state intact.
 Meanwhile the thread keeps the buffer filled up to the last ``prepare``'s ``n`` plus ``prefetch``
 batches, so loading the next chunk overlaps training on this one.
 
+:meth:`BatchFeed.continue_with` changes what comes after a point of the source without closing
+it: the rank's stream grew after a loss (:func:`raytrec.data.parquet_recut.take_over`), and what
+the feed holds before that point, replays included, stays where it is.
+
 With ``background=False`` there is no thread: :meth:`~BatchFeed.prepare` pulls the batches itself.
 Same guarantees, no overlap. That is the better choice on CPU ranks: there the thread only
 competes with training for the rank's cores, and it runs at moments of its own, so it delays
@@ -23,7 +27,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 __all__ = ["BatchFeed", "DataExhausted"]
@@ -58,37 +62,57 @@ class BatchFeed(Generic[T]):
         self._cond = threading.Condition()
         self.taken = 0  # batches handed to training so far
         self.wait_s = 0.0  # time prepare() spent waiting for (or, inline, pulling) batches
+        self._name = name
         self._thread: threading.Thread | None = None
+        # What an item the thread pulled while the source was changed must pass to be kept.
+        self._changes = 0
+        self._keep: Callable[[T], bool] = lambda _item: True
+        self._running = False  # the thread pulls (it stops at the source's end, or an error)
         if background:
-            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-            self._thread.start()
+            self._start_thread()
 
     @property
     def background(self) -> bool:
         return self._thread is not None
 
+    def _start_thread(self) -> None:
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+
     def _run(self) -> None:
+        # Every way out says so under the lock, with what stopped it: continue_with starts a
+        # thread again only when none pulls (two would pull one generator at once).
         while True:
             with self._cond:
                 while len(self._buffer) >= self._want and not self._closed:
                     self._cond.wait()
-                if self._closed:
-                    return
+                closed = self._closed
+                if closed:
+                    self._running = False
+                source, changes = self._source, self._changes
+            if closed:  # here, by the only thread that pulls it: a pipeline behind it stops
+                _close(source)
+                return
             try:
-                item = next(self._source)
+                item = next(source)
             except StopIteration:
                 with self._cond:
+                    if self._changes != changes:
+                        continue  # the source was continued meanwhile: pull the new one
                     self._ended = True
+                    self._running = False  # with _ended: continue_with sees both or neither
                     self._cond.notify_all()
                 return
             except BaseException as e:  # delivered to the training thread by prepare()
                 with self._cond:
-                    self._error = e
+                    self._error, self._running = e, False
                     self._cond.notify_all()
                 return
             with self._cond:
-                self._buffer.append(item)
-                self._cond.notify_all()
+                if self._changes == changes or self._keep(item):
+                    self._buffer.append(item)
+                    self._cond.notify_all()
 
     def prepare(self, n: int, *, timeout_s: float | None = None) -> float:
         """Waits until ``n`` batches are buffered; returns the seconds waited.
@@ -157,17 +181,68 @@ class BatchFeed(Generic[T]):
             self._buffer.extendleft(reversed(items))
             self._cond.notify_all()
 
+    def continue_with(self, keep: Callable[[T], bool], then: Iterator[T]) -> None:
+        """From the first item of the source that ``keep`` refuses on, the items of ``then``
+        instead. Those buffered that ``keep`` refuses are dropped (the items it keeps must come
+        before the others in the source); the source is closed where the feed reaches the
+        first it refuses, or its end. A source that failed stays failed."""
+        with self._cond:
+            if self._error is not None or self._closed:
+                return
+            self._buffer = collections.deque(item for item in self._buffer if keep(item))
+            first = None if self._ended else self._source
+            self._source = _Continued(first, keep, then)
+            self._keep, self._changes, self._ended = keep, self._changes + 1, False
+            if self._thread is not None and not self._running:
+                self._start_thread()  # it had stopped at the source's end
+            self._cond.notify_all()
+
     def buffered(self) -> int:
         with self._cond:
             return len(self._buffer)
 
     def close(self) -> None:
-        """Stops the thread at its next batch boundary (it is a daemon: it never blocks exit).
-        An inline feed closes its source now (a generator's ``close``), so a data pipeline
-        behind it shuts down here rather than whenever, or during, the process's exit."""
+        """Stops the thread at its next batch boundary (it is a daemon: it never blocks exit),
+        where it closes the source; an inline feed closes its source now (a generator's
+        ``close``). So a data pipeline behind it shuts down then rather than whenever, or
+        during, the process's exit."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        close = getattr(self._source, "close", None)
-        if self._thread is None and callable(close):
-            close()
+            pulled = self._running  # else no thread pulls the source: it is closed here
+        if not pulled:
+            _close(self._source)
+
+
+class _Continued(Iterator[T]):
+    """The items of ``first`` while ``keep`` takes them, then those of ``then``."""
+
+    def __init__(self, first: Iterator[T] | None, keep: Callable[[T], bool], then: Iterator[T]):
+        self._first, self._keep, self._then = first, keep, then
+
+    def __next__(self) -> T:
+        if self._first is not None:
+            try:
+                item = next(self._first)
+            except StopIteration:
+                self._close_first()
+            else:
+                if self._keep(item):
+                    return item
+                self._close_first()
+        return next(self._then)
+
+    def _close_first(self) -> None:
+        first, self._first = self._first, None
+        _close(first)
+
+    def close(self) -> None:
+        self._close_first()
+        _close(self._then)
+
+
+def _close(source: object) -> None:
+    """Closes ``source`` if it can be (a generator: its ``finally`` runs now)."""
+    close = getattr(source, "close", None)
+    if callable(close):
+        close()

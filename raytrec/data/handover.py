@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 
 import pyarrow as pa
 
@@ -53,7 +53,7 @@ def read_while_starting(
     ``start_pipeline`` returns (started on a thread now) has its first block, then the
     pipeline's, from the first row not yet given out. ``in_process`` and the pipeline must give
     the same rows in the same order (module doc); a pipeline that ends before the rows read in
-    process is an error. Closing the returned generator stops the pipeline's thread at its next
+    process is an error. Closing the returned iterator stops the pipeline's thread at its next
     block."""
     ready: queue.Queue[pa.Table | _End | _Failed] = queue.Queue(maxsize=_READY_BLOCKS)
     stop = threading.Event()
@@ -86,7 +86,22 @@ def read_while_starting(
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()  # now, not at the first row asked for
-    return _read(head, in_process, ready, stop)
+    return _Reading(_read(head, in_process, ready, stop), stop)
+
+
+class _Reading(Iterator[pa.Table]):
+    """:func:`_read`'s tables; closing it stops the pipeline's thread even when no table was
+    asked for yet (a generator that never started runs no ``finally`` on ``close``)."""
+
+    def __init__(self, tables: Generator[pa.Table, None, None], stop: threading.Event) -> None:
+        self._tables, self._stop = tables, stop
+
+    def __next__(self) -> pa.Table:
+        return next(self._tables)
+
+    def close(self) -> None:
+        self._tables.close()
+        self._stop.set()
 
 
 def _read(
@@ -94,7 +109,7 @@ def _read(
     in_process: Iterator[pa.Table],
     ready: queue.Queue[pa.Table | _End | _Failed],
     stop: threading.Event,
-) -> Iterator[pa.Table]:
+) -> Generator[pa.Table, None, None]:
     given = 0  # rows given out from the in-process reads of the pipeline's rows
     try:
         yield from head

@@ -213,14 +213,23 @@ class IndexedParquetShard(BatchShard):
         return (b for _, b in self.identified_batches(batch_size, start_step=start_step))
 
     def identified_batches(
-        self, batch_size: int, *, start_step: int = 0
+        self, batch_size: int, *, start_step: int = 0, ahead: bool = False
     ) -> Iterator[tuple[int | None, Batch]]:
+        """As :meth:`batches`, each batch with its id. ``ahead``: the batches are asked for
+        later (a stream's continuation, :meth:`BatchFeed.continue_with
+        <raytrec.data.feed.BatchFeed.continue_with>`): the pipeline starts now and reads them
+        all, so it is delivering when they are due (otherwise it starts at the first batch
+        asked for, with the first read in this process)."""
         # Validate eagerly (a generator body would only run on the first next()).
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step!r}")
-        return self._stream(self.plan(batch_size), self.stream(batch_size), start_step)
+        plan, stream = self.plan(batch_size), self.stream(batch_size)
+        if not ahead:
+            return self._stream(plan, stream, start_step)
+        blocks = self._pipeline(plan, stream, start_step, ahead=True)
+        return _Closing(self._stream(plan, stream, start_step, blocks), blocks)
 
     def replay(self, batch_id: int, batch_size: int) -> Batch:
         """Batch ``batch_id`` (of any stream of this job) read again: bitwise the batch that
@@ -266,7 +275,11 @@ class IndexedParquetShard(BatchShard):
     # -- reading -----------------------------------------------------------------------------
 
     def _stream(
-        self, plan: BatchPlan, stream: Stream, start_step: int
+        self,
+        plan: BatchPlan,
+        stream: Stream,
+        start_step: int,
+        blocks: Iterator[pa.Table] | None = None,
     ) -> Iterator[tuple[int | None, Batch]]:
         cutter = _StepCutter(start_step, functools.partial(stream_batch_size, stream))
         # The stream's last batch of each epoch: where the epoch's log is complete.
@@ -276,7 +289,9 @@ class IndexedParquetShard(BatchShard):
             at += part.count
             last_of[part.epoch] = at - 1
         try:
-            for block in self._pipeline(plan, stream, start_step):
+            if blocks is None:
+                blocks = self._pipeline(plan, stream, start_step)
+            for block in blocks:
                 for step, rows in cutter.feed(block):
                     epoch = stream_epoch(stream, step)
                     if epoch != self.current_epoch:
@@ -297,8 +312,11 @@ class IndexedParquetShard(BatchShard):
             raise bad from e
         cutter.finish(max(start_step, stream_length(stream)))
 
-    def _pipeline(self, plan: BatchPlan, stream: Stream, start_step: int) -> Iterator[pa.Table]:
-        """The preprocessed blocks of the stream's batches from ``start_step`` on, in order."""
+    def _pipeline(
+        self, plan: BatchPlan, stream: Stream, start_step: int, *, ahead: bool = False
+    ) -> Iterator[pa.Table]:
+        """The preprocessed blocks of the stream's batches from ``start_step`` on, in order
+        (``ahead``: see :meth:`identified_batches`)."""
         length = stream_length(stream)
         if start_step >= length:
             return iter(())
@@ -314,6 +332,10 @@ class IndexedParquetShard(BatchShard):
 
         if self.in_process or len(pieces) == 1:
             return in_process(pieces)
+        if ahead:  # read when due: by then the pipeline has had time to start
+            return read_while_starting(
+                in_process(pieces), functools.partial(self._ray_pipeline, pieces)
+            )
         # The first read in this process while the pipeline of the others starts (it takes
         # seconds), and more until it delivers: a rank given a new stream trains at once.
         rest = pieces[1:]
@@ -517,6 +539,25 @@ class _StepCutter:
                 f"the read ended at step {self.step} ({self.have} rows into it), "
                 f"expected the end of step {end_step - 1}"
             )
+
+
+class _Closing(Iterator[tuple[int | None, Batch]]):
+    """``batches``, and closing it closes ``blocks`` too: a pipeline started ahead runs before
+    the first batch is asked for, when closing the generator that reads it does nothing."""
+
+    def __init__(
+        self, batches: Iterator[tuple[int | None, Batch]], blocks: Iterator[pa.Table]
+    ) -> None:
+        self._batches, self._blocks = batches, blocks
+
+    def __next__(self) -> tuple[int | None, Batch]:
+        return next(self._batches)
+
+    def close(self) -> None:
+        for it in (self._batches, self._blocks):
+            close = getattr(it, "close", None)
+            if callable(close):
+                close()
 
 
 def _consecutive(ids: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:

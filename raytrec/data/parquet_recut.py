@@ -21,7 +21,7 @@ from raytrec.data.parquet_streams import (
     truncated,
 )
 
-__all__ = ["Handoff", "Recut", "hand_off", "recut"]
+__all__ = ["Handoff", "Recut", "TakeOver", "hand_off", "recut", "take_over"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -91,6 +91,71 @@ def recut(
                 )
             first += count
     return Recut(streams=tuple(tuple(s) for s in streams), left_over=left_over)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TakeOver:
+    """:func:`take_over`'s answer. ``streams[i]``: survivor ``i``'s stream, longer (its batches
+    before ``keep[i]`` are unchanged, so the survivor goes on reading them); every survivor has
+    ``batches`` batches to train from now (replays counted)."""
+
+    streams: tuple[Stream, ...]
+    keep: tuple[int, ...]
+    batches: int
+
+
+def take_over(
+    survivors: Sequence[tuple[Stream, int, int]],
+    orphaned: Mapping[int, Sequence[tuple[int, int]]],
+    *,
+    batch_size: int,
+) -> TakeOver | None:
+    """Shares the rows a loss left without a rank (``orphaned``: epoch -> ranges) among the
+    survivors without closing their streams.
+
+    ``survivors[i]``: (stream, the next batch the survivor reads in it, replays queued ahead of
+    it). Where :func:`recut` deals every row left out again (and every survivor opens a new
+    stream, whose data pipeline delivers nothing for seconds), here each survivor reads on to
+    the end of the part of its stream it is in (``keep[i]``: the rest of its current epoch,
+    which its pipeline is already reading); every row after those (the survivors' later parts
+    and the orphaned rows) is cut by :func:`recut` as if those kept batches were queued, and
+    appended to the survivor's stream. So epochs stay in order, every survivor ends at the same
+    step, and its next pipeline has the kept batches' time to start.
+
+    None when this cannot be done: the rows after the kept batches cannot even them out (a
+    :func:`recut` with rows left over, or survivors with different numbers of batches left).
+    """
+    if not survivors:
+        return None
+    keep, queued = [], []
+    remaining: dict[int, list[tuple[int, int]]] = {}
+    for stream, at, q in survivors:
+        end = _part_end(stream, at)
+        keep.append(end)
+        queued.append(q + end - at)
+        for epoch, runs in remaining_rows(stream, end).items():
+            remaining.setdefault(epoch, []).extend(runs)
+    for epoch, rows in orphaned.items():
+        remaining.setdefault(epoch, []).extend(rows)
+    shared = recut(remaining, queued=queued, batch_size=batch_size)
+    left = {q + stream_length(s) for q, s in zip(queued, shared.streams, strict=True)}
+    if shared.left_over or len(left) != 1:
+        return None
+    streams = tuple(
+        truncated(stream, end) + new
+        for (stream, _, _), end, new in zip(survivors, keep, shared.streams, strict=True)
+    )
+    return TakeOver(streams=streams, keep=tuple(keep), batches=left.pop())
+
+
+def _part_end(stream: Stream, k: int) -> int:
+    """Where the part of ``stream`` holding batch ``k`` ends (the stream's end from there on)."""
+    at = 0
+    for part in stream:
+        at += part.count
+        if k < at:
+            return at
+    return at
 
 
 def _merged(runs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

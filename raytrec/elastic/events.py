@@ -221,7 +221,9 @@ class DataReshared(Event):
     a lost gang's uncommitted batches), so the job's data ends at ``end_step``. ``left_over``:
     rows of an epoch too few to give every rank a batch (not trained). ``handed_off``: a join
     where the live ranks kept reading their streams, cut short, and the ``ranks`` joining ranks
-    were given the ``rows`` of their ends."""
+    were given the ``rows`` of their ends. ``taken_over``: a loss where the ``ranks`` survivors
+    read on to the end of their streams' current parts, and the lost ranks' ``rows`` left and
+    the survivors' rows after those parts were dealt out and appended to their streams."""
 
     kind: ClassVar[str] = "data_reshared"
     ranks: int
@@ -230,6 +232,7 @@ class DataReshared(Event):
     end_step: int
     left_over: int = 0
     handed_off: bool = False
+    taken_over: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -139,6 +139,11 @@ class RankProtocol(Protocol):
         """The job's re-shared streams (its own may end sooner now)."""
         ...
 
+    def extend_stream(self, shard: BatchShard, keep: int) -> None:
+        """Reads on in its own stream, now ``shard``'s: the same batches up to ``keep``, more
+        after them (a loss's rows taken over); the batches from ``keep`` on start reading now."""
+        ...
+
     def replay(self, batch_ids: list[int], embedding_only: list[int] | None = None) -> int:
         """Trains ``batch_ids`` next, before its own batches; returns how many it holds."""
         ...

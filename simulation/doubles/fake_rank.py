@@ -337,6 +337,13 @@ class FakeRank:
             self._s.length = stream_length(streams[self._s.stream])
 
     @alone
+    def extend_stream(self, shard: BatchShard, keep: int) -> None:
+        s = self._s
+        if getattr(shard, "index", None) != s.stream or keep < s.pos:
+            raise FakeUsageError(f"rank {s.spec.rank} reads on its stream {s.stream} only")
+        s.length = stream_batches(shard, s.spec.config.data.batch_size)
+
+    @alone
     def replay(self, batch_ids: list[int], embedding_only: list[int] | None = None) -> int:
         self._s.replay.extendleft(reversed(batch_ids))
         return len(batch_ids)

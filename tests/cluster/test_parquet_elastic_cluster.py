@@ -87,11 +87,13 @@ def test_a_lost_node_s_rows_go_to_the_survivor_then_to_the_gang_that_joins(
     (placed,) = result.events.of(GangPlaced)
     assert [n.split(" at ")[1] for n in placed.nodes] == ["127.0.0.1"], placed
     assert placed.nodes[0].split(" at ")[0] != died.node_id[:12]
-    # Re-shared twice: to the survivor's rank when the node went, then, when the new gang
-    # joined, the end of the survivor's stream to the new rank (the survivor reads on); every
-    # rank then has as many batches as the other.
+    # Re-shared twice: to the survivor's rank when the node went (it reads on, the lost
+    # rank's rows appended to its stream), then, when the new gang joined, the end of the
+    # survivor's stream to the new rank (the survivor reads on); every rank then has as many
+    # batches as the other.
     reshares = result.events.of(DataReshared)
     assert [e.ranks for e in reshares] == [1, 1], reshares
+    assert [e.taken_over for e in reshares] == [True, False], reshares
     assert [e.handed_off for e in reshares] == [False, True], reshares
     assert all(e.left_over == 0 for e in reshares)
     (joined,) = result.events.of(GangJoined)

@@ -25,8 +25,11 @@ from ray import cloudpickle
 from raytrec.config import ScalingConfig, TrainConfig
 from raytrec.data import parquet_indexed
 from raytrec.data.arrow_kjt import BadInputError
+from raytrec.data.feed import BatchFeed, DataExhausted
 from raytrec.data.generate import write_synthetic_parquet
 from raytrec.data.parquet import IndexedParquetShard, ParquetSource
+from raytrec.data.parquet_recut import take_over
+from raytrec.data.parquet_streams import remaining_rows, stream_length
 from raytrec.data.source import Batch
 from raytrec.data.spec import FeatureSpec, criteo_spec
 from raytrec.data.synthetic import batch_id, split_batch_id
@@ -367,6 +370,37 @@ def test_ray_data_reads_the_same_batches_as_in_process(
     # The pipeline's settings (order kept, original errors) stay with its own dataset.
     ctx = ray.data.DataContext.get_current()
     assert not ctx.raise_original_map_exception and not ctx.execution_options.preserve_order
+
+
+@pytest.mark.cluster
+def test_a_survivor_reads_on_into_rows_taken_over_through_a_pipeline_started_ahead(
+    local_ray: None, data_dir: pathlib.Path
+) -> None:
+    """Rank 2 of 3 is lost 5 batches into a 2-epoch job: the survivors read on to the end of
+    their first epoch's part with the pipeline they have, and the rows after it (their second
+    epoch and the lost rank's rows of both) come from a pipeline started at the loss. The
+    batches are those of the longer stream read in process from the survivor's position."""
+    remote = split(data_dir, 3, epochs=2, shuffle_seed=3, in_process=False, read_concurrency=2)
+    at = 5
+    orphaned = remaining_rows(remote[2].stream(B), at)
+    plan = take_over([(s.stream(B), at, 0) for s in remote[:2]], orphaned, batch_size=B)
+    assert plan is not None and plan.keep[0] < stream_length(plan.streams[0])  # epoch 2 after
+    longer = remote[0].with_stream(0, {0: plan.streams[0]})
+    expected = read_all(dataclasses.replace(longer, in_process=True), at)
+
+    def before_keep(item: tuple[int | None, Batch]) -> bool:
+        return item[0] is not None and split_batch_id(item[0])[1] < plan.keep[0]
+
+    feed = BatchFeed(remote[0].identified_batches(B, start_step=at), prefetch=2)
+    feed.prepare(3, timeout_s=120)
+    feed.continue_with(
+        before_keep, longer.identified_batches(B, start_step=plan.keep[0], ahead=True)
+    )
+    feed.prepare(len(expected), timeout_s=120)
+    got = [feed.take() for _ in expected]
+    assert [(i, as_bytes(b)) for i, b in got] == [(i, d) for i, d, _ in expected]
+    with pytest.raises(DataExhausted):
+        feed.prepare(1, timeout_s=120)
 
 
 @pytest.mark.cluster

@@ -44,6 +44,70 @@ def test_feed_raises_the_sources_error_before_the_chunk_that_holds_it(background
         feed.prepare(1, timeout_s=10)
 
 
+class Closable:
+    """A source that says when it was closed and how far it was read."""
+
+    def __init__(self, items: list[int]) -> None:
+        self.items, self.read, self.closed = items, 0, False
+
+    def __iter__(self) -> Iterator[int]:
+        return self
+
+    def __next__(self) -> int:
+        if self.closed or self.read == len(self.items):
+            raise StopIteration
+        self.read += 1
+        return self.items[self.read - 1]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_a_continued_feed_keeps_what_comes_before_the_point_then_reads_the_new_source(
+    background: bool,
+) -> None:
+    """Items before the point (10 here) stay, replays pushed to the front included; those read
+    ahead past it are dropped; the old source is closed where the feed reaches the point, and
+    the new one follows. Twice, the second time after the first continuation ended."""
+    old = Closable(list(range(20)))
+    feed = BatchFeed(old, prefetch=4, background=background)
+    feed.prepare(6, timeout_s=10)
+    assert [feed.take() for _ in range(3)] == [0, 1, 2]
+    feed.push_front([-1, -2])
+    feed.prepare(8, timeout_s=10)  # reads ahead to 10 or beyond (the thread: up to 12)
+    then = Closable([100, 101, 102])
+    feed.continue_with(lambda i: i < 10, then)
+    got = []
+    for chunk in (4, 4, 4):
+        feed.prepare(chunk, timeout_s=10)
+        got += [feed.take() for _ in range(chunk)]
+    assert got == [-1, -2, 3, 4, 5, 6, 7, 8, 9, 100, 101, 102]
+    assert old.closed and old.read <= 13
+    with pytest.raises(DataExhausted):
+        feed.prepare(1, timeout_s=10)
+    again = Closable([200, 201])
+    feed.continue_with(lambda i: True, again)  # the source had ended (the thread stopped)
+    feed.prepare(2, timeout_s=10)
+    assert [feed.take(), feed.take()] == [200, 201]
+    feed.close()
+    if background:  # the thread closes the source when it stops
+        for _ in range(100):
+            if again.closed:
+                break
+            threading.Event().wait(0.05)
+    assert again.closed
+
+
+def test_a_failed_feed_stays_failed_when_continued() -> None:
+    feed = BatchFeed(counting(10, fail_at=2), prefetch=0, background=False)
+    with pytest.raises(ValueError, match="bad row in batch 2"):
+        feed.prepare(3)
+    feed.continue_with(lambda i: i < 1, iter([7]))
+    with pytest.raises(ValueError, match="bad row in batch 2"):
+        feed.prepare(1)
+
+
 def test_inline_feed_pulls_only_when_prepared_and_replays_first() -> None:
     pulled: list[int] = []
 

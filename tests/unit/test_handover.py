@@ -129,3 +129,14 @@ def test_the_head_is_read_in_process_while_the_pipeline_of_the_rest_starts() -> 
     got = rows(read_while_starting(rest_in_process(), gate.start, head=head()))
     assert got == ROWS and read_here == []
     assert gate.closed.wait(timeout=5)
+
+
+def test_closing_before_any_row_was_asked_for_stops_the_pipeline() -> None:
+    """A stream read ahead (its pipeline started, nothing asked for yet) that is closed, say
+    because the rank's stream changed again, shuts its pipeline down."""
+    gate = Gate(tables([10] * 10))
+    reading = read_while_starting(iter(tables([10] * 10)), gate.start)
+    gate.open.set()
+    assert gate.handed.wait(timeout=10)  # it runs ahead of the reader
+    reading.close()
+    assert gate.closed.wait(timeout=10)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from raytrec.data.parquet_plan import BatchPlan, Piece
-from raytrec.data.parquet_recut import hand_off, recut
+from raytrec.data.parquet_recut import hand_off, recut, take_over
 from raytrec.data.parquet_streams import (
     Part,
     Stream,
@@ -15,6 +15,7 @@ from raytrec.data.parquet_streams import (
     stream_batch_size,
     stream_epoch,
     stream_length,
+    truncated,
 )
 from raytrec.data.synthetic import batch_id, split_batch_id
 
@@ -318,6 +319,59 @@ def test_a_join_hands_off_the_ends_of_the_survivors_streams(seed: int) -> None:
     assert [stream_length(s) for s in handoff.streams] == [k] * joining
     for s in handoff.streams:
         train(s, 0, k)
+    rows.assert_each_once()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_loss_s_rows_are_taken_over_after_the_survivors_current_parts(seed: int) -> None:
+    """Two losses in a row, each at a random step: the survivors (some queueing replays) read on
+    to the end of the part they are in, unchanged, and then the rows after those and the lost
+    ranks' rows left; every survivor ends at the same step, epochs stay in order in every
+    stream, and over the job every row of every epoch is trained once. Where the rows after
+    the kept batches cannot even the survivors out, there is no plan (and recut is used)."""
+    rng, batch, _, streams, rows = _random_streams(seed, num_shards=6)
+    at = [0] * len(streams)
+    queued = [0] * len(streams)
+    planned = 0
+    for _ in range(2):
+        if len(streams) == 1:
+            break
+        left = [q + stream_length(s) - k for s, k, q in zip(streams, at, queued, strict=True)]
+        steps = int(rng.integers(0, min(left) + 1))
+        for i, s in enumerate(streams):  # every rank trains ``steps``: replays first
+            own = max(0, steps - queued[i])
+            rows.train(s, at[i], at[i] + own)
+            at[i] += own
+            queued[i] = max(0, queued[i] - steps)
+        lost = sorted(rng.choice(len(streams), int(rng.integers(1, len(streams))), replace=False))
+        orphaned: dict[int, list[tuple[int, int]]] = {}
+        for i in lost:
+            for epoch, runs in remaining_rows(streams[i], at[i]).items():
+                orphaned.setdefault(epoch, []).extend(runs)
+        kept = [i for i in range(len(streams)) if i not in lost]
+        new_queued = [queued[i] + int(rng.integers(0, 3)) for i in kept]  # the lost's replays
+        survivors = [(streams[i], at[i], q) for i, q in zip(kept, new_queued, strict=True)]
+        plan = take_over(survivors, orphaned, batch_size=batch)
+        if plan is None:  # what the coordinator does then: every row left cut again
+            for s, k, _ in survivors:
+                for epoch, runs in remaining_rows(s, k).items():
+                    orphaned.setdefault(epoch, []).extend(runs)
+            shared = recut(orphaned, queued=new_queued, batch_size=batch)
+            assert shared.left_over == 0
+            streams, at, queued = list(shared.streams), [0] * len(kept), new_queued
+            continue
+        planned += 1
+        for (old, k, _), new, keep in zip(survivors, plan.streams, plan.keep, strict=True):
+            assert k <= keep <= stream_length(old)
+            assert truncated(new, keep) == truncated(old, keep)  # read on, unchanged
+            epochs = [p.epoch for p in new]
+            assert epochs == sorted(epochs)
+        ends = zip(survivors, plan.streams, strict=True)
+        assert {q + stream_length(s) - k for (_, k, q), s in ends} == {plan.batches}
+        streams, at, queued = list(plan.streams), [k for _, k, _ in survivors], new_queued
+    assert planned  # the first loss always has a plan with these seeds
+    for s, k in zip(streams, at, strict=True):
+        rows.train(s, k, stream_length(s))
     rows.assert_each_once()
 
 

@@ -6,6 +6,7 @@ reaches the end of the data at the same step, and nothing is re-shared when noth
 from __future__ import annotations
 
 import collections
+import dataclasses
 import pathlib
 import time
 from collections.abc import Sequence
@@ -13,14 +14,17 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from actors.data_growth import DataGrowth
 from actors.job import AccountingOutcome, DataEnds, Outcome, Prepared, apply_to_accounting
 from actors.reshare import DataStreams, StreamTable
 from raytrec.data.config import GrowingConfig
+from raytrec.data.feed import BatchFeed, DataExhausted
 from raytrec.data.generate import write_synthetic_parquet
 from raytrec.data.parquet import IndexedParquetShard, ParquetSource
-from raytrec.data.parquet_streams import stream_length
+from raytrec.data.parquet_recut import take_over
+from raytrec.data.parquet_streams import remaining_rows, stream_length
 from raytrec.data.spec import criteo_spec
 from raytrec.data.synthetic import batch_id, split_batch_id
 from raytrec.elastic.accounting import BatchAccounting
@@ -58,6 +62,7 @@ class Job:
         self.trained: list[tuple[int, int]] = []  # (rank, batch id)
         self.last_sync = 0
         self.reopened: list[int] = []  # ranks given a new stream, in order
+        self.extended: list[int] = []  # ranks that read on in a longer stream, in order
         self.lost: set[int] = set()  # ranks whose next set_shard fails (they died)
         self.clock = FakeClock()
 
@@ -107,7 +112,7 @@ class Job:
         self._record([self._run(r, steps) for r in sorted(self.feeds)])
         self.step += steps
 
-    def lose(self, rank: int, *, steps: int) -> None:
+    def lose(self, rank: int, *, steps: int, fed: bool = False) -> None:
         """``rank`` dies ``steps`` steps into an interval, as the coordinator sees it: the
         survivors report what they trained, the lost rank's batches are the next ones of its
         stream; the sync at the failed step did not complete."""
@@ -122,9 +127,12 @@ class Job:
             self.accounting.plan_drop([rank], survivors, ranks_of=lambda g: [g])
         )
         assert replay  # batches it trained after the last sync
+        if fed:  # the re-form hands the replays over, as the coordinator's does
+            for r, ids in replay.items():
+                self.feeds[r].extendleft(reversed(ids))
         self.accounting.commit(survivors)  # the re-formed job's first sync
         self.last_sync = fail
-        assert self.streams.reshare(survivors)
+        assert self.streams.reshare(survivors, fed=fed)
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +197,41 @@ def test_a_loss_and_a_join_leave_every_row_of_the_job_trained_once(
     assert sorted(rows_of(job, committed).tolist()) == sorted(expected.tolist())
     # Nothing left to share: a change that orphans no rows keeps the streams.
     assert not job.streams.reshare([0, 1, 7])
+
+
+def test_survivors_of_a_loss_read_on_and_take_the_lost_rank_s_rows_after_their_part(
+    shards: list[IndexedParquetShard],
+) -> None:
+    """With the replays in their feeds already (``fed``), the survivors of a loss keep their
+    streams: the batches to the end of the part they are in stay next in their feeds, in the
+    same order, after the replays; the rows after those and the lost rank's are appended. Two
+    losses, then every row of the job was trained once."""
+    job = Job(shards)
+    expected = rows_of(job, [batch_id(r, k) for r in range(3) for k in range(STEPS)])
+    job.train(6)
+    before = {r: list(job.feeds[r]) for r in (0, 1)}
+    job.lose(2, steps=3, fed=True)
+    assert job.reopened == [] and job.extended == [0, 1]
+    (reshared,) = job.events.of(DataReshared)
+    assert reshared.taken_over and reshared.ranks == 2 and reshared.left_over == 0
+    assert len(job.feeds[0]) == len(job.feeds[1]) == job.end_step - job.step
+    assert job.end_step > STEPS
+    for r in (0, 1):  # replays first, then the same batches as before, up to the part's end
+        _, at, queued = job.accounting.streams.position(r)  # type: ignore[union-attr]
+        assert list(job.feeds[r])[: len(queued)] == list(queued)
+        own = list(job.feeds[r])[len(queued) :]
+        assert own[: STEPS - at] == before[r][3 : STEPS - at + 3]
+    job.train(4)
+    job.lose(1, steps=2, fed=True)
+    assert job.extended == [0, 1, 0]
+    job.train(job.end_step - job.step)
+    assert not job.feeds[0]
+    job.accounting.commit([0])
+
+    committed = [i for a, b in job.accounting.committed() for i in range(a, b)]
+    assert job.accounting.committed_count() == len(committed)  # none twice
+    assert job.accounting.replay_pending() == 0
+    assert sorted(rows_of(job, committed).tolist()) == sorted(expected.tolist())
 
 
 def test_a_loss_at_the_very_end_of_the_data_ends_with_the_shortest_rank(
@@ -314,6 +357,21 @@ class FeedRank:
         self.job.reopened.append(self.rank)
         self.job._read(self.rank, shard, replay)
 
+    def extend_stream(self, shard: IndexedParquetShard, keep: int) -> None:
+        """A survivor of a loss reads on: its feed keeps what comes before ``keep`` of its own
+        stream (replays included) and then has the stream's batches from ``keep`` on."""
+        job = self.job
+        sid = shard.index
+        assert sid == job.accounting.streams.position(self.rank)[0]  # type: ignore[union-attr]
+        job.extended.append(self.rank)
+        kept = [
+            i
+            for i in job.feeds[self.rank]
+            if split_batch_id(i)[0] != sid or split_batch_id(i)[1] < keep
+        ]
+        more = [batch_id(sid, k) for k in range(keep, stream_length(shard.stream(B)))]
+        job.feeds[self.rank] = collections.deque([*kept, *more])
+
     def set_streams(self, streams: dict[int, Any]) -> None:
         """The others at a join that hands off their streams' ends: they read on; the
         coordinator will not ask them for the batches beyond their stream's new end."""
@@ -325,3 +383,36 @@ class FeedRank:
             for i in job.feeds[self.rank]
             if split_batch_id(i)[0] != sid or split_batch_id(i)[1] < end
         )
+
+
+def test_a_rank_that_reads_on_gets_the_longer_stream_s_batches_bitwise(
+    shards: list[IndexedParquetShard],
+) -> None:
+    """A survivor's feed, continued at ``keep`` with the longer stream read ahead, gives what
+    reading that longer stream from the survivor's position gives: the same ids and the same
+    rows, the batches it held before ``keep`` included."""
+    own = [dataclasses.replace(s, in_process=True) for s in shards]
+    at = 5
+    orphaned = remaining_rows(own[2].stream(B), at)
+    plan = take_over([(own[r].stream(B), at, 0) for r in (0, 1)], orphaned, batch_size=B)
+    assert plan is not None
+    longer = own[0].with_stream(0, {0: plan.streams[0]})
+    feed = BatchFeed(own[0].identified_batches(B, start_step=at), prefetch=3, background=False)
+    feed.prepare(4)
+    got = [feed.take() for _ in range(2)]
+    keep = plan.keep[0]
+    feed.continue_with(
+        lambda item: item[0] is None or split_batch_id(item[0])[1] < keep,
+        longer.identified_batches(B, start_step=keep, ahead=True),
+    )
+    left = plan.batches - 2
+    feed.prepare(left)
+    got += [feed.take() for _ in range(left)]
+    with pytest.raises(DataExhausted):
+        feed.prepare(1)
+    expected = list(longer.identified_batches(B, start_step=at))
+    assert [i for i, _ in got] == [i for i, _ in expected]
+    assert len(expected) > stream_length(own[0].stream(B)) - at  # it took rows over
+    for (_, a), (_, b) in zip(got, expected, strict=True):
+        assert torch.equal(a.labels, b.labels) and torch.equal(a.dense_features, b.dense_features)
+        assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
