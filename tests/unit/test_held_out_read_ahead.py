@@ -14,9 +14,11 @@ from unittest import mock
 
 import numpy as np
 import pytest
+import torch
 
 from actors.coordinator import Coordinator
 from actors.evaluation import JobEvaluation
+from actors.rank import RankHooks, RankWorker
 from raytrec.config import DataConfig, EvalConfig, ScalingConfig, SyncConfig, TrainConfig
 from raytrec.data.held_out import HeldOutBatches
 from raytrec.data.parquet_indexed import IndexedParquetShard
@@ -170,6 +172,35 @@ def test_closing_does_not_wait_for_a_read_under_way(shard: IndexedParquetShard) 
         one = cache.get(shard, 1, BATCH)  # never read ahead: read here
     assert counted.of(0) == ["held-out-reader"] and counted.of(1) == ["MainThread"]
     assert counted.of(3) == [] and _same(one, shard.replay(1, BATCH))
+
+
+class ScoringEngine:
+    """A rank engine that scores every row 0 (logit) and books the batches it scored."""
+
+    def __init__(self) -> None:
+        self.scored: list[Batch] = []
+
+    def score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        self.scored.append(batch)
+        return torch.zeros(batch.labels.shape[0]), batch.labels
+
+
+def test_a_rank_prefetches_then_scores_each_batch_read_once(shard: IndexedParquetShard) -> None:
+    """:meth:`RankWorker.prefetch_held_out`, then :meth:`RankWorker.evaluate` over the same
+    batches (and a padding round): every batch read once, by the reader thread."""
+    rank = RankWorker.__new__(RankWorker)  # the parts evaluate uses, without a gang world
+    rank.hooks, rank._held_out, rank.engine = RankHooks(), HeldOutBatches(), ScoringEngine()
+    with reads() as counted:
+        rank.prefetch_held_out(shard, [1, 3], BATCH)
+        _settled(rank._held_out)
+        state = rank.evaluate(shard, [1, 3, None], BATCH)
+        state_again = rank.evaluate(shard, [1, 3, None], BATCH)
+    assert counted.log == [(1, "held-out-reader"), (3, "held-out-reader")]
+    expected = [shard.replay(b, BATCH) for b in (1, 3, 1)]
+    assert all(_same(a, b) for a, b in zip(rank.engine.scored[:3], expected, strict=True))
+    rows = sum(len(b.labels) for b in expected[:2])  # the padding round is not counted
+    assert state["rows"] == state_again["rows"] == rows
+    rank._held_out.close()
 
 
 class CountedShard(FakeShard):
