@@ -219,6 +219,7 @@ class Coordinator(JobLoop):
             events=self.events,
             now=self._now,
             apply=self.apply,
+            after_generation=self._read_held_out_ahead,
         )
         self.placement = JobPlacement(
             self.ports,
@@ -372,6 +373,11 @@ class Coordinator(JobLoop):
         """Applies a part's outcome to the job's shared state (:func:`actors.job.apply_outcome`)."""
         apply_outcome(self.state, outcome)
         self.journal.applied(outcome, self.state)
+
+    def _read_held_out_ahead(self) -> None:
+        """After each new generation: the held-out batches of the next evaluation, read ahead."""
+        if self.evaluation is not None:
+            self.evaluation.read_ahead()
 
     def _now(self) -> float:
         return self._at(self.clock.monotonic())

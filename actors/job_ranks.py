@@ -42,7 +42,9 @@ R = TypeVar("R")
 
 
 class JobRanks:
-    """The live ranks of the job (module doc). ``now``: the event log's time."""
+    """The live ranks of the job (module doc). ``now``: the event log's time;
+    ``after_generation``: what runs once the live ranks joined each new generation (they have
+    changed: the held-out batches each will score are read ahead)."""
 
     def __init__(
         self,
@@ -54,6 +56,7 @@ class JobRanks:
         events: EventLog,
         now: Callable[[], float],
         apply: Callable[[Outcome], None],
+        after_generation: Callable[[], None] = lambda: None,
     ) -> None:
         self.state = state
         self.sync_config = sync
@@ -62,6 +65,7 @@ class JobRanks:
         self.events = events
         self.now = now
         self.apply = apply
+        self.after_generation = after_generation
         self.infos: dict[int, RankInfo] = {}  # job rank -> what its build returned
         self._joined: SyncPlan | None = None  # the sync plan sent with the last generation
 
@@ -119,6 +123,7 @@ class JobRanks:
                 reason=reason,
             )
         )
+        self.after_generation()
 
     def sync_plan(self) -> SyncPlan:
         """The generation's sync schedule over the live gangs, gangs on one host together."""

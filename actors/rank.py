@@ -36,6 +36,7 @@ import torch
 from raytrec.checkpoint.config import CheckpointConfig
 from raytrec.cluster import pin_collectives_to
 from raytrec.data.feed import BatchFeed, DataExhausted
+from raytrec.data.held_out import HeldOutBatches
 from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.parquet_streams import Stream
 from raytrec.data.source import Batch, BatchShard
@@ -142,7 +143,7 @@ class RankWorker:
         self._losses: list[torch.Tensor] = []  # each step's loss, read at the report
         self._order = IntervalOrder()
         self._last_end: float | None = None  # when the last train call ended (perf_counter)
-        self._held_out: dict[tuple[object, ...], Batch] = {}  # held-out batches read (evaluate)
+        self._held_out = HeldOutBatches()  # held-out batches read (evaluate, prefetch_held_out)
         self._heartbeat: threading.Thread | None = None
         self._closed = threading.Event()
         # Queued replay batches that update their embedding rows only: their dense gradient is
@@ -485,25 +486,18 @@ class RankWorker:
         metrics = RankMetrics(auc_window=1 << 62)  # every row counts for the AUC
         pad = next((i for i in batch_ids if i is not None), 0)
         for batch_id in batch_ids:
-            batch = self._held_out_batch(shard, pad if batch_id is None else batch_id, batch_size)
+            # Read once in this rank's life (or ahead: prefetch_held_out), then kept.
+            batch = self._held_out.get(shard, pad if batch_id is None else batch_id, batch_size)
             logits, labels = self.engine.score(batch)
             if batch_id is not None:
                 metrics.update(logits, labels)
         return metrics.state()
 
-    def _held_out_batch(self, shard: BatchShard, batch_id: int, batch_size: int) -> Batch:
-        """Held-out batch ``batch_id``, read once in this rank's life: every evaluation scores
-        the same batches, and reading one again decodes its row group from the start (seconds
-        per evaluation on a loaded machine, which every gang waits for at the boundary)."""
-        if not isinstance(shard, IndexedParquetShard) or shard.streams:
-            return shard.replay(batch_id, batch_size)
-        key = (
-            shard.paths, shard.row_groups, shard.index, shard.num_shards, shard.epochs,
-            shard.shuffle_seed, shard.shuffle_window_rows, shard.limit, batch_id, batch_size,
-        )  # fmt: skip
-        if key not in self._held_out:
-            self._held_out[key] = shard.replay(batch_id, batch_size)
-        return self._held_out[key]
+    def prefetch_held_out(self, shard: BatchShard, batch_ids: list[int], batch_size: int) -> None:
+        """Starts reading held-out batches ``batch_ids`` of ``shard`` into this rank's keep, in
+        the background (:mod:`raytrec.data.held_out`); returns at once. The coordinator sends
+        those the rank's next evaluation scores, so the evaluation does not wait on a read."""
+        self._held_out.read_ahead(shard, batch_ids, batch_size)
 
     def save_checkpoint(
         self,
@@ -588,6 +582,7 @@ class RankWorker:
 
     def close(self) -> None:
         self._closed.set()
+        self._held_out.close()
         if self._feed is not None:
             self._feed.close()
         self.engine.close()

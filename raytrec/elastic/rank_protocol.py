@@ -173,6 +173,11 @@ class RankProtocol(Protocol):
         """Collective over the gang: scores held-out batches; their metric states."""
         ...
 
+    def prefetch_held_out(self, shard: BatchShard, batch_ids: list[int], batch_size: int) -> None:
+        """Starts reading held-out batches ahead, in the background, for the next evaluation;
+        returns at once (a source not read by index: nothing)."""
+        ...
+
     def save_checkpoint(
         self,
         root: str,

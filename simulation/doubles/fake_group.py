@@ -130,6 +130,12 @@ class FakeWorkerGroup(FakeCluster, TrainingRuns):
         """The batches in the model saved at ``path`` (``RankWorker.save``), with multiplicity."""
         return self.saved_models[path]
 
+    def held_out(self, rank: int) -> tuple[list[int], list[int]]:
+        """The held-out batch ids rank ``rank`` was sent to read ahead, and those it scored
+        (padding rounds included), in the order of the calls."""
+        s = self._ranks[rank]
+        return list(s.read_ahead), list(s.scored)
+
     def node_of(self, rank: int) -> int:
         """The fake node index rank ``rank`` runs on."""
         return self._ranks[rank].node.index

@@ -19,6 +19,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
+import numpy as np
+
 from raytrec.cluster.domains import NODE_ID_LABEL, selects
 from raytrec.data.parquet_streams import stream_length
 from raytrec.data.synthetic import batch_id
@@ -154,6 +156,10 @@ class RankState:
     last_end: float | None = None
     runs: list[Run] = dataclasses.field(default_factory=list)
     pending: list[FakeAnswer[Any]] = dataclasses.field(default_factory=list)
+    # Held-out batch ids it was sent to read ahead, and those it scored (padding included), in
+    # the order of the calls.
+    read_ahead: list[int] = dataclasses.field(default_factory=list)
+    scored: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def gang(self) -> int:
@@ -392,7 +398,15 @@ class FakeRank:
     def evaluate(
         self, shard: BatchShard, batch_ids: list[int | None], batch_size: int
     ) -> MetricState:
-        raise FakeUsageError("the fake ranks score nothing: evaluate is not modelled")
+        """Books the batches it scores (as a real rank reads them: padding rounds score its
+        first batch); scores no row."""
+        pad = next((i for i in batch_ids if i is not None), 0)
+        self._s.scored.extend(pad if i is None else i for i in batch_ids)
+        return {"ne": np.zeros(4), "preds": np.zeros(0), "labels": np.zeros(0), "rows": 0}
+
+    @alone
+    def prefetch_held_out(self, shard: BatchShard, batch_ids: list[int], batch_size: int) -> None:
+        self._s.read_ahead.extend(batch_ids)
 
     @alone
     def close(self) -> None:
