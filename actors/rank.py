@@ -64,6 +64,10 @@ from raytrec.sync.schedule import SyncPlan
 __all__ = ["RankHooks", "RankWorker", "progress_key"]
 
 Item = tuple[int | None, Batch]  # (batch id, batch)
+#: Batches before a longer stream's new part (``extend_stream``) where its pipeline starts: a
+#: pipeline delivers nothing for seconds after its start (in-process reads cover what it has
+#: not delivered when due), and one started long before would read beside the rank's other.
+_READ_ON_LEAD = 512
 
 
 def progress_key(rank: int) -> str:
@@ -274,8 +278,9 @@ class RankWorker:
         """Reads on: this rank's stream is ``shard``'s now, the same up to its batch ``keep``
         and longer (a loss's rows taken over, :func:`~raytrec.data.parquet_recut.take_over`).
         What the feed holds before ``keep``, replays included, stays; what it read from there
-        is dropped; the batches from ``keep`` on come from a pipeline that starts now, so it
-        delivers when they are due."""
+        is dropped. The batches from ``keep`` on come from a pipeline that starts
+        ``_READ_ON_LEAD`` batches before them, so it delivers when they are due without
+        reading beside the one the rank has all along."""
         assert self._feed is not None, "build() first"
         if not isinstance(shard, IndexedParquetShard) or shard.index != getattr(
             self.shard, "index", None
@@ -284,13 +289,16 @@ class RankWorker:
         own = shard.index
         self.shard = shard
         size = self.spec.config.data.batch_size
-        then = shard.identified_batches(size, start_step=keep, ahead=True)
 
-        def before_keep(item: Item) -> bool:
+        def step(item: Item) -> int:
             sid, k = split_batch_id(item[0]) if item[0] is not None else (own, -1)
-            return sid != own or k < keep
+            return k if sid == own else -1
 
-        self._feed.continue_with(before_keep, then)
+        self._feed.continue_with(
+            lambda item: step(item) < keep,
+            lambda: shard.identified_batches(size, start_step=keep, ahead=True),
+            soon=lambda item: step(item) >= keep - _READ_ON_LEAD,
+        )
 
     def replay(self, batch_ids: list[int], embedding_only: list[int] | None = None) -> int:
         """Queues the batches ``batch_ids`` (a lost gang's uncommitted ones) ahead of this

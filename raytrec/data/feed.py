@@ -12,7 +12,8 @@ batches, so loading the next chunk overlaps training on this one.
 
 :meth:`BatchFeed.continue_with` changes what comes after a point of the source without closing
 it: the rank's stream grew after a loss (:func:`raytrec.data.parquet_recut.take_over`), and what
-the feed holds before that point, replays included, stays where it is.
+the feed holds before that point, replays included, stays where it is; the new source starts
+reading a while before the point is reached.
 
 With ``background=False`` there is no thread: :meth:`~BatchFeed.prepare` pulls the batches itself.
 Same guarantees, no overlap. That is the better choice on CPU ranks: there the thread only
@@ -181,17 +182,27 @@ class BatchFeed(Generic[T]):
             self._buffer.extendleft(reversed(items))
             self._cond.notify_all()
 
-    def continue_with(self, keep: Callable[[T], bool], then: Iterator[T]) -> None:
-        """From the first item of the source that ``keep`` refuses on, the items of ``then``
+    def continue_with(
+        self,
+        keep: Callable[[T], bool],
+        then: Callable[[], Iterator[T]],
+        *,
+        soon: Callable[[T], bool] | None = None,
+    ) -> None:
+        """From the first item of the source that ``keep`` refuses on, the items of ``then()``
         instead. Those buffered that ``keep`` refuses are dropped (the items it keeps must come
         before the others in the source); the source is closed where the feed reaches the
-        first it refuses, or its end. A source that failed stays failed."""
+        first it refuses, or its end. ``then`` is called (its reading starts) at the first item
+        kept that ``soon`` takes, so that it is delivering when its items are due without
+        reading beside the source all along; at once without ``soon``. A source that failed
+        stays failed."""
         with self._cond:
             if self._error is not None or self._closed:
                 return
             self._buffer = collections.deque(item for item in self._buffer if keep(item))
             first = None if self._ended else self._source
-            self._source = _Continued(first, keep, then)
+            now = soon is None or first is None or any(soon(item) for item in self._buffer)
+            self._source = _Continued(first, keep, then, soon=None if now else soon)
             self._keep, self._changes, self._ended = keep, self._changes + 1, False
             if self._thread is not None and not self._running:
                 self._start_thread()  # it had stopped at the source's end
@@ -215,10 +226,29 @@ class BatchFeed(Generic[T]):
 
 
 class _Continued(Iterator[T]):
-    """The items of ``first`` while ``keep`` takes them, then those of ``then``."""
+    """The items of ``first`` while ``keep`` takes them, then those of ``then()``: called at
+    the first item of ``first`` that ``soon`` takes (now, without ``soon``), or when
+    ``first`` has no more."""
 
-    def __init__(self, first: Iterator[T] | None, keep: Callable[[T], bool], then: Iterator[T]):
-        self._first, self._keep, self._then = first, keep, then
+    def __init__(
+        self,
+        first: Iterator[T] | None,
+        keep: Callable[[T], bool],
+        then: Callable[[], Iterator[T]],
+        *,
+        soon: Callable[[T], bool] | None,
+    ) -> None:
+        self._first, self._keep, self._soon = first, keep, soon
+        self._make: Callable[[], Iterator[T]] | None = then
+        self._then: Iterator[T] | None = None
+        if soon is None:
+            self._start()
+
+    def _start(self) -> Iterator[T]:
+        if self._make is not None:
+            self._then, self._make = self._make(), None
+        assert self._then is not None
+        return self._then
 
     def __next__(self) -> T:
         if self._first is not None:
@@ -228,9 +258,11 @@ class _Continued(Iterator[T]):
                 self._close_first()
             else:
                 if self._keep(item):
+                    if self._make is not None and self._soon is not None and self._soon(item):
+                        self._start()
                     return item
                 self._close_first()
-        return next(self._then)
+        return next(self._start())
 
     def _close_first(self) -> None:
         first, self._first = self._first, None
@@ -238,6 +270,7 @@ class _Continued(Iterator[T]):
 
     def close(self) -> None:
         self._close_first()
+        self._make = None
         _close(self._then)
 
 

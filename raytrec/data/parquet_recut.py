@@ -120,7 +120,7 @@ def take_over(
     which its pipeline is already reading); every row after those (the survivors' later parts
     and the orphaned rows) is cut by :func:`recut` as if those kept batches were queued, and
     appended to the survivor's stream. So epochs stay in order, every survivor ends at the same
-    step, and its next pipeline has the kept batches' time to start.
+    step, and the pipeline of the appended part has the kept batches' time to start.
 
     None when this cannot be done: the rows after the kept batches cannot even them out (a
     :func:`recut` with rows left over, or survivors with different numbers of batches left).

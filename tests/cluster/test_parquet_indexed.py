@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -394,13 +395,19 @@ def test_a_survivor_reads_on_into_rows_taken_over_through_a_pipeline_started_ahe
     feed = BatchFeed(remote[0].identified_batches(B, start_step=at), prefetch=2)
     feed.prepare(3, timeout_s=120)
     feed.continue_with(
-        before_keep, longer.identified_batches(B, start_step=plan.keep[0], ahead=True)
+        before_keep, lambda: longer.identified_batches(B, start_step=plan.keep[0], ahead=True)
     )
     feed.prepare(len(expected), timeout_s=120)
     got = [feed.take() for _ in expected]
     assert [(i, as_bytes(b)) for i, b in got] == [(i, d) for i, d, _ in expected]
     with pytest.raises(DataExhausted):
         feed.prepare(1, timeout_s=120)
+    feed.close()
+    # Both pipelines are shut down: the one closed at the point and the one read to its end.
+    for thread in threading.enumerate():
+        if thread.name == "raytrec-pipeline-start":
+            thread.join(timeout=60)
+            assert not thread.is_alive()
 
 
 @pytest.mark.cluster

@@ -77,17 +77,27 @@ def test_a_continued_feed_keeps_what_comes_before_the_point_then_reads_the_new_s
     feed.push_front([-1, -2])
     feed.prepare(8, timeout_s=10)  # reads ahead to 10 or beyond (the thread: up to 12)
     then = Closable([100, 101, 102])
-    feed.continue_with(lambda i: i < 10, then)
+    started: list[int] = []  # how many items of the old source were read when then() was called
+
+    def start() -> Iterator[int]:
+        started.append(old.read)
+        return then
+
+    feed.continue_with(lambda i: i < 10, start, soon=lambda i: i >= 9)
+    if not background:  # it holds 8 at most: not before the source reaches item 9
+        assert started == []
     got = []
     for chunk in (4, 4, 4):
         feed.prepare(chunk, timeout_s=10)
         got += [feed.take() for _ in range(chunk)]
     assert got == [-1, -2, 3, 4, 5, 6, 7, 8, 9, 100, 101, 102]
     assert old.closed and old.read <= 13
+    # Once, when item 9 was read (the thread may have read it before the continuation).
+    assert started == [10] if not background else len(started) == 1 and started[0] <= 10
     with pytest.raises(DataExhausted):
         feed.prepare(1, timeout_s=10)
     again = Closable([200, 201])
-    feed.continue_with(lambda i: True, again)  # the source had ended (the thread stopped)
+    feed.continue_with(lambda i: True, lambda: again, soon=lambda i: False)  # it had ended
     feed.prepare(2, timeout_s=10)
     assert [feed.take(), feed.take()] == [200, 201]
     feed.close()
@@ -103,7 +113,7 @@ def test_a_failed_feed_stays_failed_when_continued() -> None:
     feed = BatchFeed(counting(10, fail_at=2), prefetch=0, background=False)
     with pytest.raises(ValueError, match="bad row in batch 2"):
         feed.prepare(3)
-    feed.continue_with(lambda i: i < 1, iter([7]))
+    feed.continue_with(lambda i: i < 1, lambda: iter([7]))
     with pytest.raises(ValueError, match="bad row in batch 2"):
         feed.prepare(1)
 

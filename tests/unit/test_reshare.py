@@ -403,7 +403,7 @@ def test_a_rank_that_reads_on_gets_the_longer_stream_s_batches_bitwise(
     keep = plan.keep[0]
     feed.continue_with(
         lambda item: item[0] is None or split_batch_id(item[0])[1] < keep,
-        longer.identified_batches(B, start_step=keep, ahead=True),
+        lambda: longer.identified_batches(B, start_step=keep, ahead=True),
     )
     left = plan.batches - 2
     feed.prepare(left)
