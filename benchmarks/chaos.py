@@ -155,7 +155,19 @@ class JournalTail:
 
 
 def rank_pids(node: lc.WorkerNode) -> list[int]:
-    return sorted(lc.session_pids(node.session, "ray::RankWorker"))  # title: class and method
+    """The node's rank processes: those titled ``ray::RankWorker`` (class and method) whose
+    parent is the node's raylet. Others with that title are not ranks: a rank's child between
+    its fork and its exec (the title is the parent's until then), or a killed rank's zombie,
+    which init has not reaped yet; a kill of one would find nothing for the job to detect."""
+    import psutil
+
+    raylet = node.raylet_pid()
+    out = []
+    for pid in lc.session_pids(node.session, "ray::RankWorker"):
+        with contextlib.suppress(psutil.Error):
+            if psutil.Process(pid).ppid() == raylet:
+                out.append(pid)
+    return sorted(out)
 
 
 def entrypoint(a: argparse.Namespace, storage: str) -> list[str]:
