@@ -69,15 +69,17 @@ def test_a_lost_gang_s_rows_are_trained_by_the_survivors_exactly_once_over_the_e
     assert result.history[-1].gangs == 1
     # Rank 0 replays rank 1's uncommitted batches (it trained its batches 4 and 5 at steps 5
     # and 6 after the sync of step 4; at the failure's step the coordinator counts one more as
-    # taken), then trains every row neither rank had taken, cut again into batches of at most
-    # 32 rows: both streams from the failure's step on (rank 0 may have stopped at step 6 or 7).
+    # taken), reads on to the end of its own stream (one epoch: one part), then trains the rows
+    # rank 1 had not taken, cut into batches of at most 32 rows (rank 0 may have stopped at
+    # step 6 or 7).
     replayed = [split_batch_id(i) for a, b in result.replayed_batches for i in range(a, b)]
     (reshared,) = result.events.of(DataReshared)
     step = reshared.step
     assert {(1, 4), (1, 5)} <= set(replayed) == {(1, k) for k in range(4, step)}
-    assert reshared.ranks == 1 and reshared.left_over == 0
-    assert reshared.rows == 2 * (600 - step * 600 // 19)
-    assert result.steps == reshared.end_step == step + len(replayed) + -(-reshared.rows // B)
+    assert reshared.ranks == 1 and reshared.left_over == 0 and reshared.taken_over
+    assert reshared.rows == 600 - step * 600 // 19
+    own = EPOCH_STEPS - step
+    assert result.steps == reshared.end_step == step + len(replayed) + own + -(-reshared.rows // B)
     distinct = sum(b - a for a, b in result.committed_batches)
     assert result.committed_count == distinct, "a batch was trained into the model twice"
     assert result.lost_batches == 0
