@@ -242,18 +242,7 @@ class DataStreams:
         # at the very end of the data): the job then ends with the shortest rank, and the
         # replays beyond it stay untrained, counted in Result.lost_batches.
         batches = min(q + stream_length(s) for q, s in zip(queued, shared.streams, strict=True))
-        self.job.apply(DataEnds(self.job.view.step + batches))
-        self.job.record(
-            DataReshared(
-                at=self.job.now(),
-                step=self.job.view.step,
-                ranks=len(ranks),
-                rows=sum(b - a for runs in remaining.values() for a, b in runs),
-                batches=batches,
-                end_step=self.job.view.end_step,
-                left_over=shared.left_over,
-            )
-        )
+        self._ends_after(batches, len(ranks), _rows(remaining), left_over=shared.left_over)
         return list(ranks)
 
     def grow(
@@ -307,18 +296,7 @@ class DataStreams:
         made = dict(table.made)
         self.job.call(staying, lambda w, _r: w.set_streams(made))
         self.job.call(list(joining), lambda w, r: w.set_shard(table.shard(new_stream[r]), [], []))
-        self.job.apply(DataEnds(self.job.view.step + plan.batches))
-        self.job.record(
-            DataReshared(
-                at=self.job.now(),
-                step=self.job.view.step,
-                ranks=len(joining),
-                rows=plan.rows,
-                batches=plan.batches,
-                end_step=self.job.view.end_step,
-                handed_off=True,
-            )
-        )
+        self._ends_after(plan.batches, len(joining), plan.rows, handed_off=True)
         return True
 
     def _take_over(self, ranks: Sequence[int], retired: Mapping[int, int]) -> bool:
@@ -347,19 +325,24 @@ class DataStreams:
         self.job.call(
             list(ranks), lambda w, r: w.extend_stream(table.shard(positions[r][0]), keep[r])
         )
-        self.job.apply(DataEnds(self.job.view.step + plan.batches))
+        self._ends_after(plan.batches, len(ranks), _rows(orphaned), taken_over=True)
+        return True
+
+    def _ends_after(self, batches: int, ranks: int, rows: int, **how: Any) -> None:
+        """The data now ends ``batches`` steps from here; a ``data_reshared`` event says so
+        (``how``: its ``left_over``, ``handed_off`` or ``taken_over``)."""
+        self.job.apply(DataEnds(self.job.view.step + batches))
         self.job.record(
             DataReshared(
                 at=self.job.now(),
                 step=self.job.view.step,
-                ranks=len(ranks),
-                rows=sum(b - a for runs in orphaned.values() for a, b in runs),
-                batches=plan.batches,
+                ranks=ranks,
+                rows=rows,
+                batches=batches,
                 end_step=self.job.view.end_step,
-                taken_over=True,
+                **how,
             )
         )
-        return True
 
     def rewind_to(
         self,
@@ -438,3 +421,7 @@ class DataStreams:
             return
         most = max((len(streams.position(r)[2]) for r in self.job.live_ranks()), default=0)
         self.job.apply(DataEnds(max(self.job.view.end_step, self.job.view.step + most)))
+
+
+def _rows(runs_by_epoch: Mapping[int, Sequence[tuple[int, int]]]) -> int:
+    return sum(b - a for runs in runs_by_epoch.values() for a, b in runs)
