@@ -71,6 +71,7 @@ import ray.exceptions
 
 from raytrec.data.arrow_kjt import BadInputError, OnBadRows
 from raytrec.data.arrow_kjt import validate_schema as _validate_schema
+from raytrec.data.executor_pace import pace
 from raytrec.data.parquet_indexed import IndexedParquetShard
 from raytrec.data.preprocess import (
     PADDING,
@@ -270,6 +271,7 @@ class ParquetSource(BatchSource):
         # interleave with it on the driver's console.
         ds.context.enable_progress_bars = False
         ds.context.enable_operator_progress_bars = False
+        pace(ds.context)  # its scheduling loop, in the split's coordinator actor, spins no more
         iterators = ds.streaming_split(num_shards, equal=True)
         return [
             ParquetShard(

@@ -349,6 +349,7 @@ class IndexedParquetShard(BatchShard):
         """The preprocessed blocks of ``pieces``, in order, read by a Ray Data pipeline."""
         import ray.data  # here, not at the top: a rank on other data never pays its import (~1 s)
 
+        from raytrec.data.executor_pace import pace
         from raytrec.data.parquet_pieces import PieceSource
 
         columns = self.source_spec.required_columns()
@@ -375,6 +376,7 @@ class IndexedParquetShard(BatchShard):
         ctx.raise_original_map_exception = True
         ctx.enable_progress_bars = False  # the job prints its own progress
         ctx.enable_operator_progress_bars = False
+        pace(ctx)  # no scheduling loop spinning beside the training thread
         # Read-ahead is the tasks in flight; one block more here keeps the rank's thread fed. (The
         # streaming mode's prefetch_batches counts batches; a block holds up to _READ_ROWS rows.)
         blocks: Iterator[pa.Table] = ds.iter_batches(

@@ -26,6 +26,7 @@ from ray import cloudpickle
 from raytrec.config import ScalingConfig, TrainConfig
 from raytrec.data import parquet_indexed
 from raytrec.data.arrow_kjt import BadInputError
+from raytrec.data.executor_pace import PacedLoop
 from raytrec.data.feed import BatchFeed, DataExhausted
 from raytrec.data.generate import write_synthetic_parquet
 from raytrec.data.parquet import IndexedParquetShard, ParquetSource
@@ -359,8 +360,11 @@ def test_skipped_rows_replay_alike_and_a_batch_of_only_bad_rows_stops(
 
 @pytest.mark.cluster
 def test_ray_data_reads_the_same_batches_as_in_process(
-    local_ray: None, data_dir: pathlib.Path
+    local_ray: None, data_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    steps = []  # the pipelines' scheduling loop steps, each seen by the pacing callback
+    paced = PacedLoop.on_execution_step
+    monkeypatch.setattr(PacedLoop, "on_execution_step", lambda s, e: (steps.append(e), paced(s, e)))
     local = split(data_dir, 2, epochs=2, shuffle_seed=3)
     remote = split(data_dir, 2, epochs=2, shuffle_seed=3, in_process=False, read_concurrency=2)
     for a, b in zip(local, remote, strict=True):
@@ -368,9 +372,11 @@ def test_ray_data_reads_the_same_batches_as_in_process(
         assert [(i, d) for i, d, _ in read_all(b)] == [(i, d) for i, d, _ in expected]
         assert [(i, d) for i, d, _ in read_all(b, 7)] == [(i, d) for i, d, _ in expected[7:]]
         assert [c.rows for c in a.consumed()] == [c.rows for c in b.consumed()[:2]]
-    # The pipeline's settings (order kept, original errors) stay with its own dataset.
+    # The pipeline's settings (order kept, original errors, a paced loop) stay with its own
+    # dataset.
     ctx = ray.data.DataContext.get_current()
     assert not ctx.raise_original_map_exception and not ctx.execution_options.preserve_order
+    assert steps and PacedLoop not in ctx.custom_execution_callback_classes
 
 
 @pytest.mark.cluster
