@@ -29,7 +29,7 @@ from typing import Any
 
 import raytrec.cluster.local as lc
 from benchmarks.chaos_report import analyse, describe, row_check, table
-from benchmarks.common import ROOT, parse, parser, publish
+from benchmarks.common import ROOT, drop_options, parse, parser, publish
 
 __all__ = ["analyse", "main", "table"]
 
@@ -424,6 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.short
         else "chaos-parquet"
     )
+    a.argv = drop_options(a.argv, "--json")  # where the raw outputs went: not the measurement
     publish(a, describe(a, runs), name=name, heading=HEADING)
     # A job stopped by the harness (--run-on-s, --short) ends STOPPED, its summary written.
     done = [

@@ -232,9 +232,11 @@ def _same_node(event: Json, fault: Json) -> bool:
 
 def row_check(run_dir: str, argv: Sequence[str], epochs: int) -> Json:
     """Every row of the job's generated Parquet, counted in the batches its final checkpoint
-    holds as committed (located through the checkpoint's table of re-shared streams): rows
-    trained fewer than ``epochs`` times (lost) and more (doubled). ``argv``: the job's
-    ``jobs.train`` arguments."""
+    holds as committed (located through the checkpoint's table of re-shared streams), against
+    how often the job's plan holds it: its ranks' initial streams, ``epochs`` passes cut at the
+    job's ``num_steps`` (rows past it are no part of the job). Rows trained fewer times than
+    that (lost) and more (doubled); ``outside``: rows of the files the plan leaves out.
+    ``argv``: the job's ``jobs.train`` arguments."""
     import numpy as np
     import pyarrow.parquet as pq
 
@@ -243,6 +245,7 @@ def row_check(run_dir: str, argv: Sequence[str], epochs: int) -> Json:
     from raytrec.checkpoint.layout import CheckpointStore, read_manifest
     from raytrec.data.from_config import generate, parquet_spec
     from raytrec.data.parquet import IndexedParquetShard, ParquetSource
+    from raytrec.data.parquet_streams import stream_length
 
     config = build_config(list(argv))
     config = config.replace(data=config.data.replace(id_policy="modulo"))  # as the job reads it
@@ -263,11 +266,14 @@ def row_check(run_dir: str, argv: Sequence[str], epochs: int) -> Json:
     shard = source.split(int(table.get("num_shards", config.scaling.world_size)))[0]
     assert isinstance(shard, IndexedParquetShard) and config.num_steps is not None
     shard = shard.with_table(table, limit=config.num_steps)
-    pieces = [
+    size = config.data.batch_size
+    pieces = [p for a, b in committed for i in range(a, b) for p in shard.batch_pieces(i, size)]
+    plan = shard.plan(size)
+    planned = [
         p
-        for a, b in committed
-        for i in range(a, b)
-        for p in shard.batch_pieces(i, config.data.batch_size)
+        for sid in range(shard.num_shards)
+        for stream in [plan.stream(sid, limit=config.num_steps)]
+        for p in plan.stream_pieces(stream, 0, stream_length(stream))
     ]
     root = generate(config)[0]
     files = sorted(
@@ -275,17 +281,25 @@ def row_check(run_dir: str, argv: Sequence[str], epochs: int) -> Json:
     )
     ids = {f: pq.read_table(f, columns=["row_id"])["row_id"].to_numpy() for f in files}
     every = np.sort(np.concatenate(list(ids.values())))
-    found = [ids[p.path][p.file_row : p.file_row + p.rows] for p in pieces]
-    trained, times = np.unique(np.concatenate(found) if found else every[:0], return_counts=True)
-    at = np.minimum(np.searchsorted(every, trained), len(every) - 1)
-    known = every[at] == trained
-    counts = np.zeros(len(every), dtype=np.int64)
-    np.add.at(counts, at[known], times[known])
+
+    def counted(of: list[Any]) -> tuple[Any, int]:
+        """How often each row of ``every`` is in the pieces ``of``; rows the files lack."""
+        found = [ids[p.path][p.file_row : p.file_row + p.rows] for p in of]
+        rows, times = np.unique(np.concatenate(found) if found else every[:0], return_counts=True)
+        at = np.minimum(np.searchsorted(every, rows), len(every) - 1)
+        known = every[at] == rows
+        counts = np.zeros(len(every), dtype=np.int64)
+        np.add.at(counts, at[known], times[known])
+        return counts, int(times[~known].sum())
+
+    counts, unknown = counted(pieces)
+    due, _ = counted(planned)
     return {
-        "checkpoint_step": latest.step, "rows": len(every), "trained": int(times.sum()),
-        "lost": int(np.maximum(epochs - counts, 0).sum()),
-        # Rows trained more often than the epochs, and rows the files do not hold.
-        "doubled": int(np.maximum(counts - epochs, 0).sum() + times[~known].sum()),
+        "checkpoint_step": latest.step, "rows": len(every), "trained": int(counts.sum()),
+        "due": int(due.sum()), "outside": int(np.maximum(epochs - due, 0).sum()),
+        "lost": int(np.maximum(due - counts, 0).sum()),
+        # Rows trained more often than the plan holds them, and rows the files do not hold.
+        "doubled": int(np.maximum(counts - due, 0).sum() + unknown),
     }  # fmt: skip
 
 
