@@ -18,6 +18,7 @@ import argparse
 import concurrent.futures
 import itertools
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -62,6 +63,7 @@ def run(a: argparse.Namespace, side: str, index: int) -> list[dict[str, Any]]:
         cluster.ray("job", "stop", "--no-wait", "--address", cluster.dashboard, job)
         cluster.wait(job, 180)
         run_dir.poll()
+    shutil.rmtree(storage, ignore_errors=True)  # its rows are read
     return run_dir.rows
 
 
@@ -97,6 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for index, side in enumerate(order):
         results[side].append(figures(run(a, side, index)))
         print(f"[data_loop] run {index + 1} ({side}): {results[side][-1]}", flush=True)
+    shutil.rmtree(a.data_dir, ignore_errors=True)
 
     def spread(side: str, key: str, fmt: str) -> str:
         return " / ".join(format(r[key], fmt) for r in results[side])

@@ -216,6 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         config = config_from_args(args)
+        # Every rank's data pipeline reads RAYTREC_DATA_STEP_FLOOR_S: a bad value is refused here.
+        import raytrec.data.executor_pace  # noqa: F401
     except ConfigError as e:
         print(f"raytrec: configuration error: {_one_line(e)}", file=sys.stderr)
         return EXIT_CONFIG

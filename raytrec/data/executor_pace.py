@@ -23,16 +23,35 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from ray.data._internal.execution.execution_callback import ExecutionCallback
 
-__all__ = ["STEP_FLOOR_S", "PacedLoop", "pace"]
+from raytrec.errors import ConfigError
+
+__all__ = ["FLOOR_VARIABLE", "STEP_FLOOR_S", "PacedLoop", "floor_from", "pace"]
+
+FLOOR_VARIABLE = "RAYTREC_DATA_STEP_FLOOR_S"
+
+
+def floor_from(environ: Mapping[str, str]) -> float:
+    """The floor that ``environ`` sets (:data:`FLOOR_VARIABLE`, seconds; 0 turns the pacing
+    off), 0.02 s without it; a value that is not a number >= 0 is refused, naming it (when this
+    module is imported: a job's driver refuses it before anything starts)."""
+    text = environ.get(FLOOR_VARIABLE, "0.02")
+    try:
+        floor = float(text)
+    except ValueError:
+        floor = -1.0
+    if not floor >= 0:  # NaN included
+        raise ConfigError(f"{FLOOR_VARIABLE}={text!r}: expected seconds, a number >= 0")
+    return floor
+
 
 #: The least time an idle step of a pipeline's scheduling loop takes; the environment variable
-#: ``RAYTREC_DATA_STEP_FLOOR_S`` (seconds, in the job's runtime environment) sets it, 0 turns
-#: the pacing off.
-STEP_FLOOR_S = float(os.environ.get("RAYTREC_DATA_STEP_FLOOR_S", "0.02"))
+#: ``RAYTREC_DATA_STEP_FLOOR_S`` (in the job's runtime environment) sets it.
+STEP_FLOOR_S = floor_from(os.environ)
 
 
 class PacedLoop(ExecutionCallback):

@@ -271,7 +271,7 @@ class ParquetSource(BatchSource):
         # interleave with it on the driver's console.
         ds.context.enable_progress_bars = False
         ds.context.enable_operator_progress_bars = False
-        pace(ds.context)  # its scheduling loop, in the split's coordinator actor, spins no more
+        pace(ds.context)  # the split's executor runs in its coordinator actor: paced there
         iterators = ds.streaming_split(num_shards, equal=True)
         return [
             ParquetShard(

@@ -6,7 +6,8 @@ import pytest
 import ray.data
 
 from raytrec.data import executor_pace
-from raytrec.data.executor_pace import PacedLoop, pace
+from raytrec.data.executor_pace import PacedLoop, floor_from, pace
+from raytrec.errors import ConfigError
 
 
 class Operator:
@@ -75,3 +76,12 @@ def test_pace_adds_the_callback_once_to_that_context_only() -> None:
     assert mine.custom_execution_callback_classes.count(PacedLoop) == 1
     assert PacedLoop in mine.execution_callback_classes  # what Ray Data's planner instantiates
     assert PacedLoop not in ray.data.DataContext.get_current().custom_execution_callback_classes
+
+
+def test_the_floor_comes_from_the_environment_and_a_bad_value_is_named() -> None:
+    assert floor_from({}) == 0.02
+    assert floor_from({"RAYTREC_DATA_STEP_FLOOR_S": "0"}) == 0.0
+    assert floor_from({"RAYTREC_DATA_STEP_FLOOR_S": "0.005"}) == 0.005
+    for bad in ("fast", "-1", "nan", ""):
+        with pytest.raises(ConfigError, match=rf"RAYTREC_DATA_STEP_FLOOR_S='{bad}'.*>= 0"):
+            floor_from({"RAYTREC_DATA_STEP_FLOOR_S": bad})
